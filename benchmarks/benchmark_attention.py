@@ -1,0 +1,1296 @@
+#!/usr/bin/env python3
+"""Attention speed, decode bandwidth and memory: flash_attn_cuda against PyTorch.
+
+    python benchmarks/benchmark_attention.py --quick    # a small subset, about a minute
+    python benchmarks/benchmark_attention.py            # the whole grid, several minutes
+
+On a GPU it measures flash_attn_cuda against F.scaled_dot_product_attention pinned
+to each of its backends (flash, cuDNN, memory-efficient, math) and flex_attention
+under torch.compile. Without a GPU it measures flash_attn_cuda's CPU path against
+SDPA on the CPU. Results go to results.json and PNG plots in --out (default
+benchmarks/results/<device name>/). benchmarks/README.md explains every option
+and column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
+OURS = "flash_attn_cuda"
+SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_math": "MATH",
+}
+GPU_PROVIDERS = [OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex"]
+CPU_PROVIDERS = [OURS, "sdpa_cpu"]
+# flex_attention would need one compile per decode shape for little insight.
+DECODE_EXCLUDED = {"flex"}
+
+MODES = ["fwd", "bwd", "fwd_bwd"]
+# FLOPs of each mode as a multiple of the forward pass (flash-attn's convention).
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+REGIMES = ["train", "decode", "memory"]
+
+ROW_KEYS = [
+    "gpu", "torch", "cuda", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k",
+    "batch", "nheads", "nheads_k", "mode", "provider", "ms", "tflops", "gbps",
+    "peak_mem_bytes", "error", "note",
+]
+
+# Warnings that mean flex_attention ran eagerly instead of as a compiled kernel.
+FLEX_EAGER_MARKERS = ("without torch.compile", "unfused implementation")
+# Errors after which the CUDA context is unusable for the rest of the process.
+STICKY_CUDA_MARKERS = (
+    "illegal memory access", "device-side assert", "unspecified launch failure",
+    "misaligned address", "illegal instruction", "an illegal",
+)
+GIB = float(1 << 30)
+# Largest K cache whose output is cross-checked against SDPA in the decode regime.
+CHECK_MAX_CACHE_BYTES = 1 << 30
+MIB = float(1 << 20)
+
+
+# ----------------------------------------------------------------------------
+# Grids
+
+
+@dataclass
+class Grid:
+    """Every shape one run measures."""
+
+    dtypes: list
+    headdims: list
+    causals: list
+    modes: list
+    seqlens: list
+    # Training shapes keep batch * seqlen = tokens and nheads * headdim = hidden.
+    tokens: int
+    hidden: int
+    decode_seqlens_q: list
+    decode_seqlens_k: list
+    decode_batches: list
+    decode_nheads: int = 32
+    decode_nheads_k: int = 8
+    decode_headdim: int = 128
+    decode_dtype: str = "bf16"
+    decode_page_sizes: list = field(default_factory=list)
+    memory_seqlens: list = field(default_factory=list)
+    memory_batch: int = 1
+    memory_nheads: int = 16
+    memory_headdim: int = 128
+    memory_dtype: str = "bf16"
+
+
+def pow2_range(lo: int, hi: int) -> list:
+    values = []
+    n = lo
+    while n <= hi:
+        values.append(n)
+        n *= 2
+    return values
+
+
+def gpu_grid(quick: bool) -> Grid:
+    if quick:
+        return Grid(
+            dtypes=["bf16"], headdims=[128], causals=[False, True], modes=list(MODES),
+            seqlens=[2048, 8192], tokens=16384, hidden=2048,
+            decode_seqlens_q=[1], decode_seqlens_k=[8192, 65536], decode_batches=[1, 16],
+            memory_seqlens=[8192, 32768],
+        )
+    return Grid(
+        dtypes=["bf16", "fp16"], headdims=[64, 128, 256], causals=[False, True],
+        modes=list(MODES), seqlens=pow2_range(512, 16384), tokens=16384, hidden=2048,
+        decode_seqlens_q=[1, 4], decode_seqlens_k=pow2_range(4096, 131072),
+        decode_batches=[1, 4, 16, 64], memory_seqlens=pow2_range(1024, 65536),
+    )
+
+
+def cpu_grid(quick: bool) -> Grid:
+    # Small enough for two cores: one batch, a few heads, short sequences.
+    if quick:
+        return Grid(
+            dtypes=["fp32", "bf16"], headdims=[64], causals=[False, True],
+            modes=["fwd", "fwd_bwd"], seqlens=[128, 512], tokens=512, hidden=256,
+            decode_seqlens_q=[1], decode_seqlens_k=[2048], decode_batches=[1],
+            decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
+        )
+    return Grid(
+        dtypes=["fp32", "bf16"], headdims=[64, 128], causals=[False, True],
+        modes=list(MODES), seqlens=pow2_range(128, 2048), tokens=2048, hidden=256,
+        decode_seqlens_q=[1, 4], decode_seqlens_k=[1024, 4096, 16384], decode_batches=[1, 4],
+        decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
+    )
+
+
+def standin_grid() -> Grid:
+    """Tiny shapes that walk the GPU code paths on the CPU (numbers meaningless)."""
+    return Grid(
+        dtypes=["fp32"], headdims=[32], causals=[False, True], modes=list(MODES),
+        seqlens=[64, 128], tokens=128, hidden=64,
+        decode_seqlens_q=[1, 4], decode_seqlens_k=[256], decode_batches=[1, 2],
+        decode_nheads=8, decode_nheads_k=2, decode_headdim=32, decode_dtype="fp32",
+        decode_page_sizes=[16, 256], memory_seqlens=[64, 128], memory_nheads=2,
+        memory_headdim=32, memory_dtype="fp32",
+    )
+
+
+# ----------------------------------------------------------------------------
+# Environment
+
+
+def sanitize(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
+
+
+def describe_environment(device: torch.device) -> dict:
+    meta = {
+        "device": device.type,
+        "gpu": None,
+        "torch": torch.__version__,
+        "cuda": None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update(
+            gpu=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            compute_capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            gpu_memory_bytes=props.total_memory,
+        )
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:
+        meta["triton"] = None
+    ours, error = load_ours()
+    if ours is not None:
+        meta["flash_attn_cuda"] = getattr(ours, "__version__", "unknown")
+        meta["flash_attn_cuda_cuda_built"] = getattr(ours, "cuda_built", None)
+    else:
+        meta["flash_attn_cuda"] = None
+        meta["flash_attn_cuda_error"] = error
+    return meta
+
+
+_ours_cache: dict = {}
+
+
+def load_ours():
+    """(module, None) when flash_attn_cuda imports, else (None, reason)."""
+    if "result" not in _ours_cache:
+        try:
+            import flash_attn_cuda
+
+            _ours_cache["result"] = (flash_attn_cuda, None)
+        except Exception as exc:  # a missing or stale build must not stop the run
+            _ours_cache["result"] = (None, f"import flash_attn_cuda failed: {first_line(exc)}")
+    return _ours_cache["result"]
+
+
+def ours_op(name: str, device: torch.device):
+    module, error = load_ours()
+    if module is None:
+        raise Unavailable(error)
+    op = getattr(module, name, None)
+    if op is None:
+        raise Unavailable(f"flash_attn_cuda has no {name}")
+    if device.type == "cuda" and getattr(module, "cuda_built", True) is False:
+        raise Unavailable("flash_attn_cuda was built without its CUDA kernels")
+    return op
+
+
+# ----------------------------------------------------------------------------
+# Errors and helpers
+
+
+class Unavailable(Exception):
+    """The provider cannot run this case here (missing op, would not fit, ...)."""
+
+
+class FellBack(Exception):
+    """The provider ran, but not as the implementation it claims to be."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    detail = [ln for ln in lines if ln.startswith("Developer debug context:")]
+    text = lines[0] if lines else text
+    if detail:
+        # torch.compile puts the real cause of a graph break on a later line.
+        text = f"{text} ({detail[0][len('Developer debug context:'):].strip()})"
+    if not text.startswith(type(exc).__name__):
+        text = f"{type(exc).__name__}: {text}"
+    return text[:limit]
+
+
+def is_oom(exc: BaseException) -> bool:
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return "out of memory" in str(exc).lower()
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(marker in text for marker in STICKY_CUDA_MARKERS)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def require_fits(nbytes: float, device: torch.device, what: str) -> None:
+    free = free_bytes(device)
+    if nbytes > 0.9 * free:
+        raise Unavailable(
+            f"skipped: {what} needs about {nbytes / GIB:.1f} GiB, {free / GIB:.1f} GiB free"
+        )
+
+
+def random_tensor(shape, dtype, device, requires_grad=False) -> torch.Tensor:
+    # Random normal inputs: zeros would let a kernel skip work or hide a bug.
+    t = torch.randn(shape, dtype=dtype, device=device)
+    return t.requires_grad_(requires_grad)
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) -> float:
+    fwd = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        fwd /= 2.0
+    return fwd * MODE_FLOP_FACTOR[mode]
+
+
+# ----------------------------------------------------------------------------
+# Timing and memory
+
+
+class Timer:
+    """Median wall time of fn() in milliseconds, the same method for every provider."""
+
+    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float, cpu_budget_s: float):
+        self.device = device
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+        self.cpu_budget_s = cpu_budget_s
+        self._do_bench = None
+        self._median_kwargs = {}
+        self._flush = None
+        if device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+
+                params = inspect.signature(do_bench).parameters
+                self._do_bench = do_bench
+                if "return_mode" in params:
+                    self._median_kwargs = {"return_mode": "median"}
+                else:
+                    self._median_kwargs = {"quantiles": [0.5]}
+            except Exception:
+                self._do_bench = None
+
+    def describe(self) -> str:
+        if self.device.type != "cuda":
+            return (f"time.perf_counter, median of runs within {self.cpu_budget_s}s after "
+                    f"{self.cpu_budget_s / 4:g}s of warm-up")
+        if self._do_bench is not None:
+            return (f"triton.testing.do_bench(warmup={self.warmup_ms}ms, rep={self.rep_ms}ms, "
+                    f"{self._median_kwargs}), CUDA events, L2 flushed before each run")
+        return (f"CUDA events, median after {self.warmup_ms}ms warm-up over {self.rep_ms}ms, "
+                "L2 flushed before each run")
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.device.type != "cuda":
+            return self._cpu_median(fn)
+        if self._do_bench is not None:
+            result = self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, **self._median_kwargs)
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+            return float(result)
+        return self._cuda_event_median(fn)
+
+    def _cpu_median(self, fn) -> float:
+        # Warm up for a quarter of the budget: the first calls also start thread pools.
+        warm_until = time.perf_counter() + self.cpu_budget_s / 4
+        fn()
+        while time.perf_counter() < warm_until:
+            fn()
+        times = []
+        deadline = time.perf_counter() + self.cpu_budget_s
+        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    def _cuda_event_median(self, fn) -> float:
+        # Same shape as triton's do_bench: flush L2 (256 MB write) before every
+        # run so that no provider profits from the previous run's cache.
+        if self._flush is None:
+            self._flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            self._flush.zero_()
+            fn()
+        end.record()
+        torch.cuda.synchronize(self.device)
+        estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+        n_warmup = max(1, int(self.warmup_ms / estimate_ms))
+        n_repeat = max(5, min(10000, int(self.rep_ms / estimate_ms)))
+        for _ in range(n_warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+        for i in range(n_repeat):
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize(self.device)
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def peak_extra_bytes(fn, device: torch.device) -> Optional[int]:
+    """Peak allocated bytes during fn() above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del result
+    return int(peak)
+
+
+def measure_copy_bandwidth(device: torch.device, timer: Timer) -> Optional[float]:
+    """GB/s of a large device-to-device copy, counting bytes read + written."""
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    try:
+        src = torch.randint(0, 127, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        ms = timer(lambda: dst.copy_(src))
+        return 2.0 * nbytes / (ms * 1e-3) / 1e9
+    except Exception as exc:
+        print(f"copy bandwidth not measured: {first_line(exc)}", flush=True)
+        return None
+    finally:
+        release_memory(device)
+
+
+# ----------------------------------------------------------------------------
+# Providers
+
+
+@dataclass
+class Shape:
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool
+
+
+@dataclass
+class Prepared:
+    """A provider's inputs, built once per shape, and how to call it."""
+
+    forward: Callable[[], torch.Tensor]
+    grad_inputs: tuple = ()
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    fallback_markers: tuple = ()
+    note: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _sdpa_backend(provider: str):
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as exc:
+        raise Unavailable(f"torch.nn.attention.sdpa_kernel missing: {exc}")
+    backend = getattr(SDPBackend, SDPA_BACKENDS[provider], None)
+    if backend is None:
+        raise Unavailable(f"SDPBackend.{SDPA_BACKENDS[provider]} missing in this torch")
+    return lambda: sdpa_kernel([backend])
+
+
+def _math_bytes(shape: Shape, with_grad: bool) -> float:
+    # The math backend materialises (batch, nheads, seqlen_q, seqlen_k) scores,
+    # probabilities and, for the backward pass, their gradients; count fp32.
+    elements = float(shape.batch) * shape.nheads * shape.seqlen_q * shape.seqlen_k
+    return elements * 4.0 * (4 if with_grad else 2)
+
+
+def configure_compile_for_flex() -> None:
+    """Make torch.compile fail loudly rather than silently run flex eagerly."""
+    import torch._dynamo
+
+    dynamo = torch._dynamo.config
+    settings = {
+        "recompile_limit": 4096,  # older torch: cache_size_limit
+        "cache_size_limit": 4096,
+        "accumulated_recompile_limit": 65536,
+        "accumulated_cache_size_limit": 65536,
+        "fail_on_recompile_limit_hit": True,
+        "suppress_errors": False,
+    }
+    for name, value in settings.items():
+        if hasattr(dynamo, name):
+            try:
+                setattr(dynamo, name, value)
+            except Exception:
+                pass
+    try:
+        # Donated buffers forbid backward(retain_graph=True), which the bwd mode uses.
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
+    except Exception:
+        pass
+
+
+def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bool) -> Prepared:
+    dtype = DTYPES[shape.dtype]
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
+    h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
+    gqa = h != hk
+
+    if provider == OURS:
+        attn = ours_op("flash_attn_func", device)
+        q = random_tensor((b, sq, h, d), dtype, device, with_grad)
+        k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+        v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+        prepared = Prepared(forward=lambda: attn(q, k, v, causal=shape.causal), grad_inputs=(q, k, v))
+        prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
+        return prepared
+
+    if shape.causal and sq != sk and provider != "flex":
+        # SDPA's is_causal is aligned to the top-left corner, ours to the bottom-right.
+        raise Unavailable("SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k")
+
+    q = random_tensor((b, h, sq, d), dtype, device, with_grad)
+    k = random_tensor((b, hk, sk, d), dtype, device, with_grad)
+    v = random_tensor((b, hk, sk, d), dtype, device, with_grad)
+    sdpa_kwargs = {"is_causal": shape.causal}
+    if gqa:
+        sdpa_kwargs["enable_gqa"] = True
+
+    if provider in SDPA_BACKENDS:
+        if provider == "sdpa_math":
+            require_fits(_math_bytes(shape, with_grad), device, "the math backend's attention matrix")
+        return Prepared(
+            forward=lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs),
+            grad_inputs=(q, k, v),
+            context=_sdpa_backend(provider),
+        )
+    if provider == "sdpa_cpu":
+        return Prepared(
+            forward=lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs),
+            grad_inputs=(q, k, v),
+        )
+    if provider == "flex":
+        return build_flex(q, k, v, shape, device)
+    raise Unavailable(f"unknown provider {provider}")
+
+
+def build_flex(q, k, v, shape: Shape, device: torch.device) -> Prepared:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as exc:
+        raise Unavailable(f"torch.nn.attention.flex_attention missing: {exc}")
+    configure_compile_for_flex()
+    # One compile per shape: start from an empty cache so that guards stay
+    # short and no earlier specialisation is reused.
+    torch.compiler.reset()
+    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    kwargs = {}
+    if shape.causal:
+        diagonal_offset = shape.seqlen_k - shape.seqlen_q  # bottom-right aligned, like ours
+
+        def causal_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return q_idx + diagonal_offset >= kv_idx
+
+        kwargs["block_mask"] = create_block_mask(
+            causal_mask, None, None, shape.seqlen_q, shape.seqlen_k, device=str(device))
+    if shape.nheads != shape.nheads_k:
+        kwargs["enable_gqa"] = True
+    return Prepared(
+        forward=lambda: compiled(q, k, v, **kwargs),
+        grad_inputs=(q, k, v),
+        fallback_markers=FLEX_EAGER_MARKERS,
+    )
+
+
+def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] = None) -> dict:
+    """Max |ours - SDPA| on ours' own inputs: a fast number from a wrong kernel is worthless.
+
+    q, k, v are (batch, seqlen, heads, headdim); SDPA runs on whichever backend
+    it picks. Returns {} when SDPA itself cannot run the case."""
+    try:
+        with torch.no_grad():
+            out = forward()
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+            if key_rows is not None:
+                kt, vt = kt[:, :, :key_rows], vt[:, :, :key_rows]
+            kwargs = {"is_causal": shape.causal}
+            if shape.causal and shape.seqlen_q != shape.seqlen_k:
+                return {}
+            if q.shape[2] != k.shape[2]:
+                kwargs["enable_gqa"] = True
+            ref = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, **kwargs).transpose(1, 2)
+            diff = (out.float() - ref.float()).abs().max().item()
+    except Exception:
+        return {}
+    tolerance = 1e-3 if q.dtype == torch.float32 else 5e-2
+    result = {"max_abs_diff_vs_sdpa": diff if math.isfinite(diff) else None}
+    if not math.isfinite(diff) or diff > tolerance:
+        result["warning"] = f"output differs from SDPA: max abs diff {diff:.3g} > {tolerance:g}"
+    return result
+
+
+def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: torch.device) -> Prepared:
+    """Decode: q (b, sq, 32, d) against a (b, sk, 8, d) K/V cache, forward only."""
+    dtype = DTYPES[shape.dtype]
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
+    h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
+
+    if provider == OURS:
+        attn = ours_op("flash_attn_with_kvcache", device)
+        q = random_tensor((b, sq, h, d), dtype, device)
+        cache_seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
+        block_table = None
+        if page_size is None:
+            k_cache = random_tensor((b, sk, hk, d), dtype, device)
+            v_cache = random_tensor((b, sk, hk, d), dtype, device)
+            k_view, v_view = k_cache, v_cache
+        else:
+            pages_per_seq = -(-sk // page_size)
+            num_pages = b * pages_per_seq
+            k_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
+            v_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
+            # Pages scattered at random, as an allocator that has run a while leaves them.
+            block_table = torch.randperm(num_pages, device=device).to(torch.int32).view(b, pages_per_seq)
+
+        def forward():
+            return attn(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                        block_table=block_table, causal=shape.causal)
+
+        prepared = Prepared(forward=forward)
+        # The check needs a gathered copy of a paged cache: only for caches of a
+        # size where that copy is cheap.
+        if k_cache.numel() * k_cache.element_size() <= CHECK_MAX_CACHE_BYTES:
+            if block_table is not None:
+                k_view = k_cache[block_table.long()].reshape(b, -1, hk, d)
+                v_view = v_cache[block_table.long()].reshape(b, -1, hk, d)
+            prepared.extra.update(check_against_sdpa(forward, q, k_view, v_view, shape, key_rows=sk))
+            del k_view, v_view
+        prepared.extra["kv_layout"] = "contiguous" if page_size is None else f"paged{page_size}"
+        return prepared
+
+    if provider not in SDPA_BACKENDS and provider != "sdpa_cpu":
+        raise Unavailable(f"{provider} is not measured in the decode regime")
+    if shape.causal and sq != sk:
+        raise Unavailable("SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k")
+    context = _sdpa_backend(provider) if provider in SDPA_BACKENDS else contextlib.nullcontext
+    if provider == "sdpa_math":
+        require_fits(_math_bytes(shape, False), device, "the math backend's attention matrix")
+    q = random_tensor((b, h, sq, d), dtype, device)
+    k = random_tensor((b, hk, sk, d), dtype, device)
+    v = random_tensor((b, hk, sk, d), dtype, device)
+
+    def grouped():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=True)
+
+    try:
+        with context():
+            grouped()
+        synchronize(device)
+        return Prepared(forward=grouped, context=context, extra={"kv_layout": "gqa"})
+    except Exception as exc:
+        if is_oom(exc) or is_sticky_cuda_error(exc):
+            raise
+        gqa_error = first_line(exc, 160)
+    # This backend cannot read grouped K/V: give it K/V expanded to every query
+    # head, copied outside the timed region (it then reads h/hk times the bytes).
+    groups = h // hk
+    require_fits(2.0 * k.numel() * k.element_size() * groups, device, "K/V expanded to every query head")
+    k_full = k.repeat_interleave(groups, dim=1)
+    v_full = v.repeat_interleave(groups, dim=1)
+    del k, v
+
+    def expanded():
+        return F.scaled_dot_product_attention(q, k_full, v_full, is_causal=shape.causal)
+
+    note = (f"enable_gqa unsupported ({gqa_error}); K/V expanded to {h} heads before timing, "
+            f"so the kernel reads {groups}x the K/V bytes")
+    return Prepared(forward=expanded, context=context, note=note, extra={"kv_layout": "expanded"})
+
+
+# ----------------------------------------------------------------------------
+# Measuring one provider on one shape
+
+
+def call_checked(fn, prepared: Prepared):
+    """First call of a provider: surfaces errors and eager fallbacks, with warnings as context."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = fn()
+        except Exception as exc:
+            hints = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+            if hints:
+                raise RuntimeError(f"{first_line(exc)} [warnings: {' | '.join(hints[:2])[:300]}]") from exc
+            raise
+    for w in caught:
+        text = str(w.message)
+        if any(marker in text for marker in prepared.fallback_markers):
+            raise FellBack(f"fallback: {text.strip().splitlines()[0][:200]}")
+    return result
+
+
+def measure_mode(prepared: Prepared, mode: str, timer: Timer, device: torch.device):
+    """(ms, peak_mem_bytes, note) of one mode."""
+    forward = prepared.forward
+    inputs = prepared.grad_inputs
+    with prepared.context():
+        if mode == "fwd":
+            call_checked(forward, prepared)
+            synchronize(device)
+            peak = peak_extra_bytes(forward, device)
+            return timer(forward), peak, None
+
+        first = call_checked(forward, prepared)
+        dout = torch.randn_like(first)
+        if mode == "fwd_bwd":
+            del first
+
+            def fwd_bwd():
+                return torch.autograd.grad(forward(), inputs, dout)
+
+            fwd_bwd()
+            synchronize(device)
+            peak = peak_extra_bytes(fwd_bwd, device)
+            return timer(fwd_bwd), peak, None
+
+        # bwd: time the backward pass alone, on an output computed once.
+        out = first
+
+        def bwd():
+            return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+        try:
+            bwd()
+            synchronize(device)
+        except Exception as exc:
+            if is_oom(exc) or is_sticky_cuda_error(exc):
+                raise
+            # Some backward graphs refuse retain_graph; derive it instead.
+            del out
+
+            def fwd_bwd():
+                return torch.autograd.grad(forward(), inputs, dout)
+
+            ms = max(timer(fwd_bwd) - timer(forward), 0.0)
+            return ms, None, f"bwd = fwd_bwd - fwd (backward with retain_graph failed: {first_line(exc, 150)})"
+        peak = peak_extra_bytes(bwd, device)
+        return timer(bwd), peak, None
+
+
+# ----------------------------------------------------------------------------
+# The run
+
+
+class Run:
+    def __init__(self, args, device: torch.device, grid: Grid, providers: list):
+        self.args = args
+        self.device = device
+        self.grid = grid
+        self.providers = providers
+        self.timer = Timer(device, args.warmup_ms, args.rep_ms, args.cpu_budget_s)
+        self.meta = describe_environment(device)
+        self.meta.update(
+            timer=self.timer.describe(),
+            flops="fwd 4*b*h*sq*sk*d (halved when causal), bwd 2.5x, fwd_bwd 3.5x",
+            argv=sys.argv[1:],
+            started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+        if args.cpu_standin:
+            self.meta["note"] = "CPU stand-in of the GPU protocol: numbers are meaningless"
+        elif device.type == "cpu":
+            self.meta["note"] = "no GPU found: these are CPU numbers"
+        self.rows: list = []
+        self.copy_gbps: Optional[float] = None
+        self.broken: Optional[str] = None  # set once the CUDA context is unusable
+        self.done = 0
+        self.total = 0
+        self.t_start = time.perf_counter()
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def base_row(self, regime: str, shape: Shape, mode: str, provider: str) -> dict:
+        row = dict.fromkeys(ROW_KEYS)
+        row.update(
+            gpu=self.meta["gpu"], torch=self.meta["torch"], cuda=self.meta["cuda"],
+            dtype=shape.dtype, headdim=shape.headdim, causal=shape.causal,
+            seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, batch=shape.batch,
+            nheads=shape.nheads, nheads_k=shape.nheads_k, mode=mode, provider=provider,
+            regime=regime, device=self.device.type,
+        )
+        return row
+
+    def record(self, row: dict, label: str) -> None:
+        self.rows.append(row)
+        self.done += 1
+        elapsed = time.perf_counter() - self.t_start
+        if row["error"]:
+            result = row["error"][:150]
+        elif row["regime"] == "decode":
+            result = f"{row['ms'] * 1e3:9.1f} us  {row['gbps']:8.1f} GB/s"
+            if row.get("pct_of_copy_bw") is not None:
+                result += f" ({row['pct_of_copy_bw']:.0f}% of copy)"
+        else:
+            result = f"{row['ms']:9.3f} ms  {row['tflops']:8.2f} TFLOP/s"
+            if row["peak_mem_bytes"] is not None:
+                result += f"  peak {row['peak_mem_bytes'] / MIB:9.1f} MiB"
+        if row.get("warning"):
+            result += f"  WARNING: {row['warning']}"
+        elif row["note"] and not row["error"]:
+            result += f"  [{row['note'][:80]}]"
+        print(f"[{self.done:5d}/{self.total}] {elapsed:7.1f}s  {label:<52s} {result}", flush=True)
+
+    def write_json(self) -> None:
+        os.makedirs(self.args.out, exist_ok=True)
+        self.meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.meta["copy_gbps"] = self.copy_gbps
+        payload = {"meta": self.meta, "rows": self.rows}
+        path = os.path.join(self.args.out, "results.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(json_safe(payload), f, indent=1)
+        os.replace(tmp, path)
+
+    def check_context(self, exc: BaseException) -> None:
+        """After a failure, find out whether the CUDA context survived it."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+            if not is_sticky_cuda_error(exc):
+                return
+        except Exception:
+            pass
+        self.broken = f"CUDA context lost after: {first_line(exc, 200)}"
+        print(f"!! {self.broken}; the remaining cases are recorded as skipped", flush=True)
+
+    def run_provider(self, regime, shape, provider, modes, build, label, extra=None):
+        """Build one provider's inputs once, then measure each mode; never raises."""
+        rows = {mode: self.base_row(regime, shape, mode, provider) for mode in modes}
+        for row in rows.values():
+            row.update(extra or {})
+        prepared = None
+        build_error = None
+        if self.broken:
+            build_error = f"skipped: {self.broken}"
+        else:
+            try:
+                t0 = time.perf_counter()
+                prepared = build()
+                build_s = time.perf_counter() - t0
+            except (Unavailable, FellBack) as exc:
+                build_error = str(exc)
+            except Exception as exc:
+                build_error = first_line(exc)
+                if is_oom(exc):
+                    build_error = f"OOM: {build_error}"
+                self.check_context(exc)
+        for mode in modes:
+            row = rows[mode]
+            if prepared is None:
+                row["error"] = build_error
+            elif self.broken:
+                row["error"] = f"skipped: {self.broken}"
+            else:
+                t0 = time.perf_counter()
+                try:
+                    ms, peak, note = measure_mode(prepared, mode, self.timer, self.device)
+                    self.fill(row, ms, peak, note, prepared)
+                    if provider == "flex" and mode == modes[0]:
+                        first_s = time.perf_counter() - t0 + build_s
+                        row["note"] = join_notes(row["note"], f"compile + first timing {first_s:.1f}s")
+                except (Unavailable, FellBack) as exc:
+                    row["error"] = str(exc)
+                except Exception as exc:
+                    row["error"] = f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
+                    self.check_context(exc)
+            self.record(row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}")
+        del prepared
+        release_memory(self.device)
+
+    def fill(self, row: dict, ms: float, peak, note, prepared: Prepared) -> None:
+        row["ms"] = ms
+        row["peak_mem_bytes"] = peak
+        flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
+                                row["headdim"], row["causal"], row["mode"])
+        row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
+        row["note"] = join_notes(prepared.note, note)
+        for key, value in prepared.extra.items():
+            row[key] = value
+        if row["regime"] == "decode" and ms > 0:
+            elem = torch.empty((), dtype=DTYPES[row["dtype"]]).element_size()
+            kv_bytes = 2.0 * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
+            row["gbps"] = kv_bytes / (ms * 1e-3) / 1e9
+            if self.copy_gbps:
+                row["pct_of_copy_bw"] = 100.0 * row["gbps"] / self.copy_gbps
+
+    # -- regimes -------------------------------------------------------------
+
+    def train_shapes(self):
+        g = self.grid
+        for dtype in g.dtypes:
+            for headdim in g.headdims:
+                for causal in g.causals:
+                    for seqlen in g.seqlens:
+                        nheads = max(1, g.hidden // headdim)
+                        yield Shape(dtype, max(1, g.tokens // seqlen), seqlen, seqlen,
+                                    nheads, nheads, headdim, causal)
+
+    def decode_cases(self):
+        g = self.grid
+        providers = [p for p in self.providers if p not in DECODE_EXCLUDED]
+        for sq in g.decode_seqlens_q:
+            for sk in g.decode_seqlens_k:
+                for batch in g.decode_batches:
+                    shape = Shape(g.decode_dtype, batch, sq, sk, g.decode_nheads,
+                                  g.decode_nheads_k, g.decode_headdim, False)
+                    cases = []
+                    for provider in providers:
+                        cases.append((provider, None))
+                        if provider == OURS:
+                            cases.extend((OURS, ps) for ps in g.decode_page_sizes)
+                    yield shape, cases
+
+    def memory_shapes(self):
+        g = self.grid
+        for seqlen in g.memory_seqlens:
+            yield Shape(g.memory_dtype, g.memory_batch, seqlen, seqlen, g.memory_nheads,
+                        g.memory_nheads, g.memory_headdim, False)
+
+    def count(self) -> int:
+        total = 0
+        if "train" in self.args.regimes:
+            total += sum(1 for _ in self.train_shapes()) * len(self.providers) * len(self.grid.modes)
+        if "decode" in self.args.regimes:
+            total += sum(len(cases) for _, cases in self.decode_cases())
+        if "memory" in self.args.regimes:
+            total += sum(1 for _ in self.memory_shapes()) * len(self.providers)
+        return total
+
+    def run(self) -> None:
+        self.total = self.count()
+        print(f"{self.total} measurements planned; timer: {self.timer.describe()}", flush=True)
+        try:
+            if "train" in self.args.regimes and self.grid.modes:
+                self.run_train()
+            if "decode" in self.args.regimes:
+                self.run_decode()
+            if "memory" in self.args.regimes:
+                self.run_memory()
+        except KeyboardInterrupt:
+            print("\ninterrupted: writing what was measured so far", flush=True)
+            self.meta["interrupted"] = True
+        self.write_json()
+
+    def run_train(self) -> None:
+        with_grad = any(mode != "fwd" for mode in self.grid.modes)
+        for shape in self.train_shapes():
+            label = (f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
+                     f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}")
+            for provider in self.providers:
+                self.run_provider(
+                    "train", shape, provider, self.grid.modes,
+                    lambda p=provider: build_train(p, shape, self.device, with_grad), label)
+            self.write_json()
+
+    def run_decode(self) -> None:
+        if self.copy_gbps is None and not self.broken:
+            self.copy_gbps = measure_copy_bandwidth(self.device, self.timer)
+            if self.copy_gbps:
+                print(f"device copy bandwidth (read + write): {self.copy_gbps:.0f} GB/s", flush=True)
+        for shape, cases in self.decode_cases():
+            label = f"decode sq={shape.seqlen_q} sk={shape.seqlen_k} b={shape.batch}"
+            for provider, page_size in cases:
+                self.run_provider(
+                    "decode", shape, provider, ["fwd"],
+                    lambda p=provider, ps=page_size: build_decode(p, shape, ps, self.device),
+                    label, extra={"page_size": page_size})
+            self.write_json()
+
+    def run_memory(self) -> None:
+        for shape in self.memory_shapes():
+            label = f"memory s={shape.seqlen_q} b={shape.batch} h={shape.nheads} d={shape.headdim}"
+            elem = torch.empty((), dtype=DTYPES[shape.dtype]).element_size()
+            input_bytes = 4 * shape.batch * shape.seqlen_q * shape.nheads * shape.headdim * elem
+            for provider in self.providers:
+                self.run_provider(
+                    "memory", shape, provider, ["fwd_bwd"],
+                    lambda p=provider: build_train(p, shape, self.device, True),
+                    label, extra={"input_bytes": input_bytes})
+            self.write_json()
+
+
+def join_notes(*notes) -> Optional[str]:
+    kept = [n for n in notes if n]
+    return "; ".join(kept) if kept else None
+
+
+def provider_label(row: dict) -> str:
+    if row.get("page_size"):
+        return f"{row['provider']}[paged{row['page_size']}]"
+    return row["provider"]
+
+
+def json_safe(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------
+# Tables
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_table(title: str, header: list, lines: list) -> None:
+    widths = [max(len(str(h)), *(len(str(line[i])) for line in lines)) for i, h in enumerate(header)]
+    print()
+    print(title)
+    print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
+    for line in lines:
+        print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
+
+
+def _cell(row: Optional[dict], value_key: str, scale: float, spec: str) -> str:
+    if row is None:
+        return "-"
+    if row.get("error"):
+        text = row["error"]
+        return "skip" if text.startswith(("skipped", "unavailable")) else (
+            "n/a" if "import flash_attn_cuda" in text or "has no" in text else "err")
+    value = row.get(value_key)
+    return _fmt(value * scale if value is not None else None, spec)
+
+
+def print_tables(meta: dict, rows: list) -> None:
+    on_cpu = meta.get("device") == "cpu"
+    flop_scale, flop_unit = (1e3, "GFLOP/s") if on_cpu else (1.0, "TFLOP/s")
+    providers = []
+    for row in rows:
+        if row["provider"] not in providers:
+            providers.append(row["provider"])
+    others = [p for p in providers if p != OURS]
+
+    train = [r for r in rows if r.get("regime") == "train"]
+    groups = {}
+    for r in train:
+        groups.setdefault((r["dtype"], r["headdim"], r["causal"], r["mode"]), {}).setdefault(
+            (r["seqlen_q"], r["batch"], r["nheads"]), {})[r["provider"]] = r
+    ratio_log = {p: [] for p in others}
+    for (dtype, headdim, causal, mode), by_shape in groups.items():
+        header = ["seqlen", "batch", "nheads"] + providers + [f"x{p}" for p in others if OURS in providers]
+        lines = []
+        for (seqlen, batch, nheads), by_provider in sorted(by_shape.items()):
+            line = [seqlen, batch, nheads]
+            line += [_cell(by_provider.get(p), "tflops", flop_scale, ".1f") for p in providers]
+            if OURS in providers:
+                ours = by_provider.get(OURS)
+                for p in others:
+                    other = by_provider.get(p)
+                    ratio = None
+                    if ours and other and not ours.get("error") and not other.get("error") \
+                            and ours.get("ms") and other.get("ms"):
+                        ratio = other["ms"] / ours["ms"]
+                        ratio_log[p].append(ratio)
+                    line.append(_fmt(ratio, ".2f"))
+            lines.append(line)
+        _print_table(
+            f"train {dtype} headdim={headdim} {'causal' if causal else 'non-causal'} {mode}: {flop_unit}"
+            f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster)", header, lines)
+
+    decode = [r for r in rows if r.get("regime") == "decode"]
+    if decode:
+        labels = []
+        for r in decode:
+            if provider_label(r) not in labels:
+                labels.append(provider_label(r))
+        by_sq = {}
+        for r in decode:
+            by_sq.setdefault(r["seqlen_q"], {}).setdefault((r["seqlen_k"], r["batch"]), {})[provider_label(r)] = r
+        copy = meta.get("copy_gbps")
+        for sq, by_shape in sorted(by_sq.items()):
+            sample = next(iter(next(iter(by_shape.values())).values()))
+            header = ["seqlen_k", "batch"] + [f"{lb} us" for lb in labels] + [f"{OURS} GB/s", "% copy"]
+            header += [f"x{lb}" for lb in labels if lb in others]
+            lines = []
+            for (sk, batch), by_label in sorted(by_shape.items()):
+                line = [sk, batch] + [_cell(by_label.get(lb), "ms", 1e3, ".1f") for lb in labels]
+                ours = by_label.get(OURS)
+                ok = ours is not None and not ours.get("error") and ours.get("ms")
+                line.append(_fmt(ours.get("gbps") if ok else None, ".0f"))
+                line.append(_fmt(ours.get("pct_of_copy_bw") if ok else None, ".0f"))
+                for lb in labels:
+                    if lb in others:
+                        other = by_label.get(lb)
+                        good = ok and other and not other.get("error") and other.get("ms")
+                        line.append(_fmt(other["ms"] / ours["ms"] if good else None, ".2f"))
+                lines.append(line)
+            _print_table(
+                f"decode seqlen_q={sq} heads {sample['nheads']}:{sample['nheads_k']} headdim="
+                f"{sample['headdim']} {sample['dtype']}: microseconds; GB/s of K/V read; copy bandwidth "
+                f"{_fmt(copy, '.0f')} GB/s (read + write)", header, lines)
+
+    memory = [r for r in rows if r.get("regime") == "memory"]
+    if memory:
+        by_seqlen = {}
+        for r in memory:
+            by_seqlen.setdefault(r["seqlen_q"], {})[r["provider"]] = r
+        header = ["seqlen"] + providers
+        lines = [[s] + [_cell(by_p.get(p), "peak_mem_bytes", 1 / MIB, ".0f") for p in providers]
+                 for s, by_p in sorted(by_seqlen.items())]
+        sample = memory[0]
+        _print_table(
+            f"memory: peak MiB allocated by fwd+bwd beyond its inputs (batch {sample['batch']}, "
+            f"{sample['nheads']} heads, headdim {sample['headdim']}, {sample['dtype']})", header, lines)
+
+    summary = [(p, v) for p, v in ratio_log.items() if v]
+    if summary:
+        print()
+        print(f"training summary ({OURS} speed relative to each provider, geometric mean):")
+        for p, values in summary:
+            geo = math.exp(sum(math.log(x) for x in values) / len(values))
+            print(f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f})")
+
+    errors = {}
+    for r in rows:
+        if r.get("error"):
+            key = (r["provider"], r["error"][:160])
+            errors[key] = errors.get(key, 0) + 1
+    if errors:
+        print()
+        print("errors and skipped cases (provider: count x message):")
+        for (provider, message), n in sorted(errors.items()):
+            print(f"  {provider}: {n} x {message}")
+    warned = [r for r in rows if r.get("warning")]
+    if warned:
+        print()
+        print(f"WARNING: {len(warned)} {OURS} rows differ from SDPA beyond tolerance, e.g.: {warned[0]['warning']}")
+
+
+# ----------------------------------------------------------------------------
+# Command line
+
+
+def parse_list(text: Optional[str], convert=str) -> Optional[list]:
+    if text is None:
+        return None
+    return [convert(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parse_bool_choice(text: str) -> list:
+    return {"both": [False, True], "true": [True], "false": [False]}[text]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Benchmark flash_attn_cuda against PyTorch SDPA backends and flex_attention.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
+    p.add_argument("--out", default=None,
+                   help="output folder for results.json and PNGs (default benchmarks/results/<device>/)")
+    p.add_argument("--regimes", default=None, help=f"comma list of {REGIMES}")
+    p.add_argument("--providers", default=None,
+                   help=f"comma list; GPU: {GPU_PROVIDERS}; CPU: {CPU_PROVIDERS}")
+    p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32 (training grid)")
+    p.add_argument("--headdims", default=None, help="comma list of head dims (training grid)")
+    p.add_argument("--modes", default=None, help=f"comma list of {MODES}")
+    p.add_argument("--seqlens", default=None, help="comma list of training seqlens")
+    p.add_argument("--causal", default=None, choices=["both", "true", "false"])
+    p.add_argument("--decode-paged", action="store_true",
+                   help="also measure flash_attn_with_kvcache on a paged cache (page sizes 16 and 256)")
+    p.add_argument("--decode-seqlens-q", default=None, help="comma list (default 1,4)")
+    p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
+    p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
+    p.add_argument("--memory-seqlens", default=None, help="comma list (default 1024..65536)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing window per measurement")
+    p.add_argument("--cpu-budget-s", type=float, default=None,
+                   help="CPU timing window per measurement (default 0.15 with --quick, else 0.5)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--cpu-standin", action="store_true",
+                   help="developer check: walk the GPU providers and regimes on the CPU with tiny "
+                        "shapes (numbers meaningless)")
+    return p
+
+
+def select(args) -> tuple:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU")
+    use_gpu = torch.cuda.is_available() and args.device != "cpu" and not args.cpu_standin
+    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+    if args.cpu_standin:
+        grid, known, default_regimes = standin_grid(), GPU_PROVIDERS, REGIMES
+    elif use_gpu:
+        grid, known, default_regimes = gpu_grid(args.quick), GPU_PROVIDERS, REGIMES
+    else:
+        # No GPU: peak-memory rows would be empty, so that regime is off by default.
+        grid, known, default_regimes = cpu_grid(args.quick), CPU_PROVIDERS, ["train", "decode"]
+
+    providers = parse_list(args.providers) or list(known)
+    unknown = [p for p in providers if p not in known]
+    if unknown:
+        raise SystemExit(f"unknown provider(s) {unknown} on {device.type}; choose from {known}")
+    args.regimes = parse_list(args.regimes) or default_regimes
+    bad = [r for r in args.regimes if r not in REGIMES]
+    if bad:
+        raise SystemExit(f"unknown regime(s) {bad}; choose from {REGIMES}")
+
+    if args.dtypes:
+        grid.dtypes = parse_list(args.dtypes)
+        bad = [d for d in grid.dtypes if d not in DTYPES]
+        if bad:
+            raise SystemExit(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
+    if args.headdims:
+        grid.headdims = parse_list(args.headdims, int)
+    if args.modes:
+        grid.modes = parse_list(args.modes)
+        bad = [m for m in grid.modes if m not in MODES]
+        if bad:
+            raise SystemExit(f"unknown mode(s) {bad}; choose from {MODES}")
+    if args.seqlens:
+        grid.seqlens = parse_list(args.seqlens, int)
+    if args.causal:
+        grid.causals = parse_bool_choice(args.causal)
+    if args.decode_seqlens_q:
+        grid.decode_seqlens_q = parse_list(args.decode_seqlens_q, int)
+    if args.decode_seqlens_k:
+        grid.decode_seqlens_k = parse_list(args.decode_seqlens_k, int)
+    if args.decode_batches:
+        grid.decode_batches = parse_list(args.decode_batches, int)
+    if args.decode_paged:
+        grid.decode_page_sizes = [16, 256]
+    if args.memory_seqlens:
+        grid.memory_seqlens = parse_list(args.memory_seqlens, int)
+    if args.cpu_budget_s is None:
+        args.cpu_budget_s = 0.15 if (args.quick or args.cpu_standin) else 0.5
+
+    if args.out is None:
+        if device.type == "cuda":
+            name = sanitize(torch.cuda.get_device_name(device))
+        else:
+            name = "cpu-standin" if args.cpu_standin else "cpu"
+        args.out = os.path.join(BENCH_DIR, "results", name)
+    return device, grid, providers
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    device, grid, providers = select(args)
+    torch.manual_seed(0)
+    if device.type == "cpu" and not args.cpu_standin:
+        print("=" * 78)
+        print("No CUDA GPU found: measuring flash_attn_cuda's CPU path against SDPA on the CPU.")
+        print("These are CPU numbers; they say nothing about the GPU kernels.")
+        print("=" * 78, flush=True)
+    run = Run(args, device, grid, providers)
+    print(f"device: {run.meta['gpu'] or run.meta['cpu']} ({device.type}); torch {run.meta['torch']}; "
+          f"CUDA {run.meta['cuda']}; flash_attn_cuda {run.meta['flash_attn_cuda']}", flush=True)
+    if run.meta.get("flash_attn_cuda_error"):
+        print(f"  {OURS} unavailable: {run.meta['flash_attn_cuda_error']}", flush=True)
+    run.run()
+    print_tables(run.meta, run.rows)
+    out_json = os.path.join(args.out, "results.json")
+    print(f"\n{len(run.rows)} rows written to {out_json}")
+    if not args.no_plots:
+        try:
+            import plot_results
+
+            for path in plot_results.make_plots(run.meta, run.rows, args.out):
+                print(f"plot: {path}")
+        except Exception as exc:  # plots are a convenience; the JSON is the record
+            print(f"plots skipped: {first_line(exc)} (regenerate with benchmarks/plot_results.py)")
+    if device.type == "cpu" and not args.cpu_standin:
+        print("(no GPU found: every number above is a CPU number)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+// Argument validation at the torch boundary, shared by the CPU and CUDA
+// implementations of fwd / bwd / varlen_fwd / varlen_bwd, plus the two small
+// normalisations every implementation applies the same way (attention window,
+// Philox seed/offset). Every failure is a TORCH_CHECK whose message names the
+// argument and says what was expected.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace flash {
+
+// Shapes of a fixed-length problem: q (batch, seqlen_q, nheads, head_dim),
+// k / v (batch, seqlen_k, nheads_k, head_dim).
+struct FwdShape {
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int nheads;
+  int nheads_k;
+  int head_dim;
+};
+
+// Shapes of a varlen problem: q (total_q, nheads, head_dim); k / v either
+// (total_k, nheads_k, head_dim), or paged (num_blocks, page_size, nheads_k,
+// head_dim) with a block_table (batch, max_blocks_per_seq).
+struct VarlenShape {
+  int batch;  // cu_seqlens_q.numel() - 1
+  int total_q;
+  int total_k;  // rows of k when not paged; num_blocks * page_size when paged
+  int nheads;
+  int nheads_k;
+  int head_dim;
+  int max_seqlen_q;
+  int max_seqlen_k;
+  bool paged;
+  int num_blocks;          // paged only
+  int page_size;           // paged only
+  int max_blocks_per_seq;  // paged only
+};
+
+// Fixed-length forward. allowed_dtypes is the set the calling device accepts
+// (fp16/bf16 on CUDA; fp32/fp16/bf16 on CPU).
+FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                        double softmax_scale, int64_t window_size_left,
+                        int64_t window_size_right, double softcap,
+                        const std::optional<at::Tensor>& rng_state,
+                        c10::ArrayRef<at::ScalarType> allowed_dtypes);
+
+// Fixed-length backward: the forward's checks plus dout / out (same shape and
+// dtype as q) and softmax_lse (fp32, (batch, nheads, seqlen_q)). rng_state is
+// required when dropout_p > 0 (the backward has no seed arguments).
+FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out,
+                        const at::Tensor& softmax_lse,
+                        const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                        double softmax_scale, int64_t window_size_left,
+                        int64_t window_size_right, double softcap,
+                        const std::optional<at::Tensor>& rng_state,
+                        c10::ArrayRef<at::ScalarType> allowed_dtypes);
+
+// Varlen forward; block_table selects paged K/V. Only shapes, dtypes and
+// devices are checked here: the contents of cu_seqlens / block_table live on
+// the device (see check_cu_seqlens_host / check_block_table_host for host data).
+VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k,
+                                  const std::optional<at::Tensor>& block_table,
+                                  const std::optional<at::Tensor>& alibi_slopes,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                  double dropout_p, double softmax_scale,
+                                  int64_t window_size_left, int64_t window_size_right,
+                                  double softcap, const std::optional<at::Tensor>& rng_state,
+                                  c10::ArrayRef<at::ScalarType> allowed_dtypes);
+
+// Varlen backward (never paged): softmax_lse is fp32 (nheads, total_q).
+VarlenShape check_varlen_bwd_args(const at::Tensor& dout, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& softmax_lse,
+                                  const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k,
+                                  const std::optional<at::Tensor>& alibi_slopes,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                  double dropout_p, double softmax_scale,
+                                  int64_t window_size_left, int64_t window_size_right,
+                                  double softcap, const std::optional<at::Tensor>& rng_state,
+                                  c10::ArrayRef<at::ScalarType> allowed_dtypes);
+
+// Host-side content checks of a CPU cu_seqlens tensor (already shape-checked):
+// first entry >= 0, non-decreasing, last entry <= total_rows (skipped when
+// total_rows < 0, e.g. for paged keys), and every sequence no longer than
+// max_seqlen. A device path cannot afford the
+// sync these need; the CPU path must not read out of bounds.
+void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows,
+                           int64_t max_seqlen, const char* name);
+
+// Host-side content check of a CPU block_table: every entry a key of batch b
+// can reach (the first ceil(seqlen_k[b] / page_size) of its row) is in
+// [0, num_blocks), and the row is long enough for seqlen_k[b].
+void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k,
+                            int64_t num_blocks, int64_t page_size);
+
+// The attention window the kernels use. causal forces right = 0 (left kept:
+// causal with a left window is local attention). A side that reaches past
+// seqlen_k (>= seqlen_k) becomes unbounded (-1), as flash-attn 2.x does, and
+// any negative side is -1. For varlen pass max_seqlen_k.
+struct Window {
+  int left;
+  int right;
+};
+Window normalize_window(bool causal, int64_t window_size_left, int64_t window_size_right,
+                        int64_t seqlen_k);
+
+// Philox seed and offset on the host: rng_state (int64 [seed, offset], any
+// device; reading a device tensor synchronises) overrides the values.
+struct PhiloxSeed {
+  uint64_t seed;
+  uint64_t offset;
+};
+PhiloxSeed resolve_philox_seed(int64_t philox_seed, int64_t philox_offset,
+                               const std::optional<at::Tensor>& rng_state);
+
+// The rng_state a forward returns: int64 [seed, offset] on `device`.
+at::Tensor make_rng_state(const PhiloxSeed& seed, c10::Device device);
+
+// Same, without a host round trip when rng_state is given: a copy of it moved
+// to `device` (useful where a device pointer to the seed is all the kernel needs).
+at::Tensor output_rng_state(int64_t philox_seed, int64_t philox_offset,
+                            const std::optional<at::Tensor>& rng_state, c10::Device device);
+
+}  // namespace flash

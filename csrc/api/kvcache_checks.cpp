@@ -1,0 +1,281 @@
+#include "kvcache_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+
+namespace flash {
+namespace {
+
+std::string dtype_list(c10::ArrayRef<at::ScalarType> dtypes) {
+  std::ostringstream text;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    text << (i ? ", " : "") << c10::toString(dtypes[i]);
+  }
+  return text.str();
+}
+
+void check_on_device_of_q(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.device() == q.device(), "fwd_kvcache: ", name,
+              " must be on the same device as q (", q.device(), "), got ", t.device());
+}
+
+void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, "fwd_kvcache: ", name,
+              " must have a contiguous last dimension (stride 1), got stride ", t.stride(-1));
+}
+
+void check_shape(const at::Tensor& t, c10::IntArrayRef expected, const char* name,
+                 const char* layout) {
+  TORCH_CHECK(t.sizes() == expected, "fwd_kvcache: ", name, " must have shape ", layout, " = ",
+              expected, ", got ", t.sizes());
+}
+
+// A per-batch int32 vector: cache_seqlens, cache_leftpad, cache_batch_idx.
+void check_batch_vector(const std::optional<at::Tensor>& t, const at::Tensor& q, int batch,
+                        const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->scalar_type() == at::kInt, "fwd_kvcache: ", name,
+              " must have dtype torch.int32, got ", t->scalar_type());
+  check_on_device_of_q(*t, q, name);
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == batch, "fwd_kvcache: ", name,
+              " must have shape (batch,) = (", batch, ",), got ", t->sizes());
+}
+
+}  // namespace
+
+KvcacheShape check_fwd_kvcache_args(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad,
+    const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+  (void)window_size_left;
+  (void)window_size_right;
+  KvcacheShape shape{};
+
+  // dtypes
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(std::find(allowed_dtypes.begin(), allowed_dtypes.end(), dtype) !=
+                  allowed_dtypes.end(),
+              "fwd_kvcache: q must have dtype one of ", dtype_list(allowed_dtypes), " on ",
+              q.device().type(), ", got ", dtype);
+  TORCH_CHECK(k_cache.scalar_type() == dtype, "fwd_kvcache: k_cache must have the dtype of q (",
+              dtype, "), got ", k_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == dtype, "fwd_kvcache: v_cache must have the dtype of q (",
+              dtype, "), got ", v_cache.scalar_type());
+  check_on_device_of_q(k_cache, q, "k_cache");
+  check_on_device_of_q(v_cache, q, "v_cache");
+
+  // q
+  TORCH_CHECK(q.dim() == 4, "fwd_kvcache: q must be 4-D (batch, seqlen_q, nheads, head_dim), got ",
+              q.dim(), "-D with shape ", q.sizes());
+  shape.batch = static_cast<int>(q.size(0));
+  shape.seqlen_q = static_cast<int>(q.size(1));
+  shape.nheads = static_cast<int>(q.size(2));
+  shape.head_dim = static_cast<int>(q.size(3));
+  TORCH_CHECK(shape.batch > 0, "fwd_kvcache: q must have batch > 0, got shape ", q.sizes());
+  TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
+  TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= 256,
+              "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most "
+              "256, got ", shape.head_dim);
+  check_last_dim_contiguous(q, "q");
+
+  // cache, contiguous or paged
+  TORCH_CHECK(k_cache.dim() == 4, "fwd_kvcache: k_cache must be 4-D, got ", k_cache.dim(),
+              "-D with shape ", k_cache.sizes());
+  shape.nheads_k = static_cast<int>(k_cache.size(2));
+  TORCH_CHECK(shape.nheads_k > 0 && shape.nheads % shape.nheads_k == 0,
+              "fwd_kvcache: nheads of q (", shape.nheads,
+              ") must be a multiple of nheads_k of k_cache (", shape.nheads_k, ")");
+  shape.paged = block_table.has_value();
+  if (shape.paged) {
+    TORCH_CHECK(!cache_batch_idx.has_value(),
+                "fwd_kvcache: cache_batch_idx cannot be used together with block_table (a paged "
+                "cache selects its pages through block_table)");
+    TORCH_CHECK(!cache_leftpad.has_value(),
+                "fwd_kvcache: cache_leftpad cannot be used together with block_table (paged "
+                "caches with left padding are not supported)");
+    TORCH_CHECK(block_table->scalar_type() == at::kInt,
+                "fwd_kvcache: block_table must have dtype torch.int32, got ",
+                block_table->scalar_type());
+    check_on_device_of_q(*block_table, q, "block_table");
+    TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == shape.batch,
+                "fwd_kvcache: block_table must have shape (batch, max_blocks_per_seq) with batch = ",
+                shape.batch, ", got ", block_table->sizes());
+    shape.num_blocks = static_cast<int>(k_cache.size(0));
+    shape.page_size = static_cast<int>(k_cache.size(1));
+    shape.max_blocks_per_seq = static_cast<int>(block_table->size(1));
+    TORCH_CHECK(shape.page_size > 0,
+                "fwd_kvcache: with block_table, k_cache must be paged (num_blocks, page_size, "
+                "nheads_k, head_dim) with page_size >= 1, got ", k_cache.sizes());
+    TORCH_CHECK(shape.num_blocks > 0,
+                "fwd_kvcache: with block_table, k_cache must hold at least one page, got ",
+                k_cache.sizes());
+    check_shape(k_cache, {shape.num_blocks, shape.page_size, shape.nheads_k, shape.head_dim},
+                "k_cache", "(num_blocks, page_size, nheads_k, head_dim of q)");
+    check_shape(v_cache, k_cache.sizes(), "v_cache", "(the shape of k_cache)");
+    shape.cache_capacity = shape.max_blocks_per_seq * shape.page_size;
+    shape.batch_cache = shape.batch;
+  } else {
+    shape.batch_cache = static_cast<int>(k_cache.size(0));
+    shape.cache_capacity = static_cast<int>(k_cache.size(1));
+    check_shape(k_cache, {shape.batch_cache, shape.cache_capacity, shape.nheads_k, shape.head_dim},
+                "k_cache", "(batch_cache, seqlen_cache, nheads_k, head_dim of q)");
+    check_shape(v_cache, k_cache.sizes(), "v_cache", "(the shape of k_cache)");
+    if (!cache_batch_idx.has_value()) {
+      TORCH_CHECK(shape.batch_cache >= shape.batch, "fwd_kvcache: k_cache must hold at least "
+                  "batch = ", shape.batch, " sequences when cache_batch_idx is not given, got ",
+                  shape.batch_cache);
+    }
+  }
+  check_last_dim_contiguous(k_cache, "k_cache");
+  check_last_dim_contiguous(v_cache, "v_cache");
+
+  // per-batch index vectors
+  check_batch_vector(cache_seqlens, q, shape.batch, "cache_seqlens");
+  check_batch_vector(cache_leftpad, q, shape.batch, "cache_leftpad");
+  check_batch_vector(cache_batch_idx, q, shape.batch, "cache_batch_idx");
+
+  // new keys / values
+  TORCH_CHECK(k.has_value() == v.has_value(),
+              "fwd_kvcache: k and v (the new tokens to append) must be given together, got ",
+              k.has_value() ? "k without v" : "v without k");
+  shape.seqlen_new = 0;
+  if (k.has_value()) {
+    TORCH_CHECK(cache_seqlens.has_value(),
+                "fwd_kvcache: cache_seqlens must be given with k / v (it says where to append)");
+    TORCH_CHECK(k->scalar_type() == dtype, "fwd_kvcache: k must have the dtype of q (", dtype,
+                "), got ", k->scalar_type());
+    TORCH_CHECK(v->scalar_type() == dtype, "fwd_kvcache: v must have the dtype of q (", dtype,
+                "), got ", v->scalar_type());
+    check_on_device_of_q(*k, q, "k");
+    check_on_device_of_q(*v, q, "v");
+    TORCH_CHECK(k->dim() == 4, "fwd_kvcache: k must be 4-D (batch, seqlen_new, nheads_k, "
+                "head_dim), got shape ", k->sizes());
+    shape.seqlen_new = static_cast<int>(k->size(1));
+    check_shape(*k, {shape.batch, shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
+                "(batch, seqlen_new, nheads_k, head_dim)");
+    check_shape(*v, k->sizes(), "v", "(the shape of k)");
+    check_last_dim_contiguous(*k, "k");
+    check_last_dim_contiguous(*v, "v");
+    TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity,
+                "fwd_kvcache: with k / v, seqlen_q (", shape.seqlen_q,
+                ") must be at most the cache length (", shape.cache_capacity, ")");
+    TORCH_CHECK(shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: k has ",
+                shape.seqlen_new, " new tokens, more than the cache holds (",
+                shape.cache_capacity, ")");
+  }
+
+  // rotary embedding of the new keys and of q
+  shape.rotary_dim = 0;
+  shape.seqlen_rotary = 0;
+  TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
+              "fwd_kvcache: rotary_cos and rotary_sin must be given together");
+  if (rotary_cos.has_value()) {
+    TORCH_CHECK(k.has_value(), "fwd_kvcache: rotary_cos / rotary_sin need k / v (the rotary "
+                "embedding is applied to the appended keys and to q)");
+    const at::Tensor& cos = *rotary_cos;
+    const at::Tensor& sin = *rotary_sin;
+    TORCH_CHECK(cos.dim() == 2, "fwd_kvcache: rotary_cos must be 2-D (seqlen_ro, rotary_dim / 2), "
+                "got shape ", cos.sizes());
+    check_shape(sin, cos.sizes(), "rotary_sin", "(the shape of rotary_cos)");
+    TORCH_CHECK(cos.scalar_type() == dtype, "fwd_kvcache: rotary_cos must have the dtype of q (",
+                dtype, "), got ", cos.scalar_type());
+    TORCH_CHECK(sin.scalar_type() == dtype, "fwd_kvcache: rotary_sin must have the dtype of q (",
+                dtype, "), got ", sin.scalar_type());
+    check_on_device_of_q(cos, q, "rotary_cos");
+    check_on_device_of_q(sin, q, "rotary_sin");
+    shape.seqlen_rotary = static_cast<int>(cos.size(0));
+    shape.rotary_dim = static_cast<int>(cos.size(1)) * 2;
+    TORCH_CHECK(shape.rotary_dim > 0 && shape.rotary_dim <= shape.head_dim,
+                "fwd_kvcache: rotary_dim (2 * rotary_cos.size(1) = ", shape.rotary_dim,
+                ") must be in [2, head_dim = ", shape.head_dim, "]");
+    TORCH_CHECK(shape.seqlen_rotary >= shape.cache_capacity,
+                "fwd_kvcache: rotary_cos / rotary_sin must have at least as many rows as the cache "
+                "length (", shape.cache_capacity, "), got ", shape.seqlen_rotary);
+  }
+
+  // ALiBi
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& slopes = *alibi_slopes;
+    TORCH_CHECK(slopes.scalar_type() == at::kFloat,
+                "fwd_kvcache: alibi_slopes must have dtype torch.float32, got ",
+                slopes.scalar_type());
+    check_on_device_of_q(slopes, q, "alibi_slopes");
+    const bool per_head = slopes.dim() == 1 && slopes.size(0) == shape.nheads;
+    const bool per_batch_head =
+        slopes.dim() == 2 && slopes.size(0) == shape.batch && slopes.size(1) == shape.nheads;
+    TORCH_CHECK(per_head || per_batch_head, "fwd_kvcache: alibi_slopes must have shape (nheads,) = (",
+                shape.nheads, ",) or (batch, nheads) = (", shape.batch, ", ", shape.nheads,
+                "), got ", slopes.sizes());
+    check_last_dim_contiguous(slopes, "alibi_slopes");
+  }
+
+  TORCH_CHECK(softmax_scale == softmax_scale, "fwd_kvcache: softmax_scale must not be NaN");
+  TORCH_CHECK(softcap == softcap, "fwd_kvcache: softcap must not be NaN");
+  return shape;
+}
+
+void check_kvcache_contents_host(const KvcacheShape& shape,
+                                 const std::optional<at::Tensor>& cache_seqlens,
+                                 const std::optional<at::Tensor>& cache_batch_idx,
+                                 const std::optional<at::Tensor>& cache_leftpad,
+                                 const std::optional<at::Tensor>& block_table,
+                                 bool rotary_q_per_row) {
+  auto host_ints = [](const std::optional<at::Tensor>& t) -> at::Tensor {
+    if (!t.has_value()) return at::Tensor();
+    TORCH_CHECK(t->device().is_cpu(), "check_kvcache_contents_host needs CPU tensors");
+    return t->contiguous();
+  };
+  const at::Tensor seqlens = host_ints(cache_seqlens);
+  const at::Tensor batch_idx = host_ints(cache_batch_idx);
+  const at::Tensor leftpad = host_ints(cache_leftpad);
+  const at::Tensor table = host_ints(block_table);
+
+  for (int b = 0; b < shape.batch; ++b) {
+    const int64_t end = seqlens.defined() ? seqlens.data_ptr<int32_t>()[b] : shape.cache_capacity;
+    TORCH_CHECK(end >= 0 && end <= shape.cache_capacity, "fwd_kvcache: cache_seqlens[", b,
+                "] = ", end, " must be in [0, ", shape.cache_capacity, "] (the cache length)");
+    TORCH_CHECK(end + shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: cache_seqlens[", b,
+                "] + seqlen_new = ", end, " + ", shape.seqlen_new,
+                " must fit in the cache length (", shape.cache_capacity, ")");
+    if (leftpad.defined()) {
+      const int64_t pad = leftpad.data_ptr<int32_t>()[b];
+      TORCH_CHECK(pad >= 0 && pad <= end, "fwd_kvcache: cache_leftpad[", b, "] = ", pad,
+                  " must be in [0, cache_seqlens[", b, "] = ", end, "]");
+    }
+    if (batch_idx.defined()) {
+      const int64_t row = batch_idx.data_ptr<int32_t>()[b];
+      TORCH_CHECK(row >= 0 && row < shape.batch_cache, "fwd_kvcache: cache_batch_idx[", b,
+                  "] = ", row, " must be in [0, ", shape.batch_cache,
+                  ") (the batch size of k_cache)");
+    }
+    if (table.defined()) {
+      const int64_t used_rows = end + shape.seqlen_new;
+      const int64_t used_pages = (used_rows + shape.page_size - 1) / shape.page_size;
+      const int32_t* pages = table.data_ptr<int32_t>() + int64_t(b) * shape.max_blocks_per_seq;
+      for (int64_t p = 0; p < used_pages; ++p) {
+        TORCH_CHECK(pages[p] >= 0 && pages[p] < shape.num_blocks, "fwd_kvcache: block_table[",
+                    b, ", ", p, "] = ", pages[p], " must be in [0, ", shape.num_blocks,
+                    ") (the number of pages of k_cache)");
+      }
+    }
+    if (shape.rotary_dim > 0) {
+      const int64_t last_key = end + shape.seqlen_new - 1;
+      const int64_t last_query = rotary_q_per_row ? end + shape.seqlen_q - 1 : end;
+      const int64_t last_position = std::max(last_key, last_query);
+      TORCH_CHECK(last_position < shape.seqlen_rotary, "fwd_kvcache: rotary_cos / rotary_sin have ",
+                  shape.seqlen_rotary, " rows, but batch ", b, " needs position ", last_position);
+    }
+  }
+}
+
+}  // namespace flash

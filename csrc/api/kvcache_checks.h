@@ -1,0 +1,73 @@
+// Argument validation of fwd_kvcache at the torch boundary, shared by the CPU
+// and CUDA implementations. Shapes, dtypes and devices only: the contents of
+// cache_seqlens / cache_leftpad / cache_batch_idx / block_table live on the
+// device, so reading them is left to the caller (check_kvcache_contents_host
+// for host data). Every failure is a TORCH_CHECK whose message names the
+// argument and says what was expected.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace flash {
+
+// Sizes of a kvcache problem. q is (batch, seqlen_q, nheads, head_dim); the
+// cache is (batch_cache, seqlen_cache, nheads_k, head_dim), or paged
+// (num_blocks, page_size, nheads_k, head_dim) with a block_table
+// (batch, max_blocks_per_seq).
+struct KvcacheShape {
+  int batch;
+  int seqlen_q;
+  int nheads;
+  int nheads_k;
+  int head_dim;
+  // Key rows one sequence can hold: seqlen_cache, or max_blocks_per_seq * page_size.
+  int cache_capacity;
+  int batch_cache;  // k_cache.size(0) when not paged, else batch
+  bool paged;
+  int num_blocks;          // paged only
+  int page_size;           // paged only
+  int max_blocks_per_seq;  // paged only
+  int seqlen_new;          // rows of k / v to append; 0 without them
+  int rotary_dim;          // 0 without rotary_cos / rotary_sin
+  int seqlen_rotary;       // rows of rotary_cos / rotary_sin
+};
+
+// allowed_dtypes is the set the calling device accepts (fp16/bf16 on CUDA;
+// fp32/fp16/bf16 on CPU). Any positive page size passes here; a device path
+// with a stricter tiling requirement checks that itself.
+KvcacheShape check_fwd_kvcache_args(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad,
+    const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes);
+
+// Contents of the int32 index tensors, read on the host (each optional may be
+// empty; all must already be shape-checked and on the CPU). For every batch b,
+// with end[b] = cache_seqlens[b] (cache_capacity when absent):
+//   0 <= cache_leftpad[b] <= end[b], and end[b] + seqlen_new <= cache_capacity;
+//   cache_batch_idx[b] in [0, batch_cache);
+//   the block_table entries that rows [0, end[b] + seqlen_new) reach are in
+//   [0, num_blocks);
+//   the rotary tables hold every position used: end[b] + seqlen_new - 1 for the
+//   new keys and end[b] + seqlen_q - 1 (rotary_q_per_row) or end[b] for q.
+// A device path cannot afford the sync these need; the CPU path must not read
+// or write out of bounds.
+void check_kvcache_contents_host(const KvcacheShape& shape,
+                                 const std::optional<at::Tensor>& cache_seqlens,
+                                 const std::optional<at::Tensor>& cache_batch_idx,
+                                 const std::optional<at::Tensor>& cache_leftpad,
+                                 const std::optional<at::Tensor>& block_table,
+                                 bool rotary_q_per_row);
+
+}  // namespace flash

@@ -1,0 +1,277 @@
+// CPU implementation of flash_attn::fwd_kvcache: append the new keys / values
+// into the cache in place (rotating the keys when rotary tables are given),
+// rotate q the same way, then run the shared attention core over the cache
+// rows each batch entry owns.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../api/checks.h"
+#include "../api/kvcache_checks.h"
+#include "attention_cpu.h"
+
+namespace flash::cpu {
+namespace {
+
+// Per-batch placement of the cache rows, resolved on the host.
+struct CacheLayout {
+  const KvcacheShape& shape;
+  const int32_t* cache_seqlens;    // null: every sequence fills the cache
+  const int32_t* cache_leftpad;    // null: no left padding
+  const int32_t* cache_batch_idx;  // null: batch entry b uses cache row b
+  const int32_t* block_table;      // null: contiguous cache
+  int64_t block_table_stride;
+
+  // One past the last filled position of batch b before the append; the new
+  // tokens go to [end, end + seqlen_new).
+  int64_t end(int b) const { return cache_seqlens ? cache_seqlens[b] : shape.cache_capacity; }
+  int64_t leftpad(int b) const { return cache_leftpad ? cache_leftpad[b] : 0; }
+  int64_t cache_row(int b) const { return cache_batch_idx ? cache_batch_idx[b] : b; }
+
+  // Element offset of (batch b, logical position pos, kv head h) in a cache
+  // tensor with the given strides.
+  int64_t offset(int b, int64_t pos, int h, const RowStrides& strides) const {
+    if (block_table) {
+      const int64_t page = block_table[b * block_table_stride + pos / shape.page_size];
+      return page * strides.batch + (pos % shape.page_size) * strides.row + h * strides.head;
+    }
+    return cache_row(b) * strides.batch + pos * strides.row + h * strides.head;
+  }
+};
+
+RowStrides strides_of(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Rotates the first rotary_dim entries of one head vector: pairs (2m, 2m+1)
+// when interleaved (GPT-J), else (m, m + rotary_dim / 2) (GPT-NeoX). The math
+// runs in fp32 and rounds once to T, as the GPU kernels do.
+template <typename T>
+void copy_rotated(const T* src, T* dst, int head_dim, const T* cos, const T* sin,
+                  int rotary_dim, bool interleaved) {
+  const int half = rotary_dim / 2;
+  for (int m = 0; m < half; ++m) {
+    const int first = interleaved ? 2 * m : m;
+    const int second = interleaved ? 2 * m + 1 : m + half;
+    const float x0 = static_cast<float>(src[first]);
+    const float x1 = static_cast<float>(src[second]);
+    const float c = static_cast<float>(cos[m]);
+    const float s = static_cast<float>(sin[m]);
+    dst[first] = static_cast<T>(x0 * c - x1 * s);
+    dst[second] = static_cast<T>(x0 * s + x1 * c);
+  }
+  for (int d = rotary_dim; d < head_dim; ++d) dst[d] = src[d];
+}
+
+struct Rotary {
+  const void* cos;  // (seqlen_ro, rotary_dim / 2), contiguous, dtype of q
+  const void* sin;
+  int rotary_dim;  // 0: no rotation
+  bool interleaved;
+};
+
+template <typename T>
+void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new,
+                       const at::Tensor& v_new, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const Rotary& rotary) {
+  const KvcacheShape& shape = layout.shape;
+  const RowStrides k_new_strides = strides_of(k_new);
+  const RowStrides v_new_strides = strides_of(v_new);
+  const RowStrides k_cache_strides = strides_of(k_cache);
+  const RowStrides v_cache_strides = strides_of(v_cache);
+  const T* k_src = k_new.const_data_ptr<T>();
+  const T* v_src = v_new.const_data_ptr<T>();
+  T* k_dst = k_cache.data_ptr<T>();
+  T* v_dst = v_cache.data_ptr<T>();
+  const T* cos = static_cast<const T*>(rotary.cos);
+  const T* sin = static_cast<const T*>(rotary.sin);
+  const int64_t half = rotary.rotary_dim / 2;
+
+  const int64_t rows = int64_t(shape.batch) * shape.seqlen_new * shape.nheads_k;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int h = static_cast<int>(index % shape.nheads_k);
+      const int64_t i = (index / shape.nheads_k) % shape.seqlen_new;
+      const int b = static_cast<int>(index / (int64_t(shape.nheads_k) * shape.seqlen_new));
+      const int64_t pos = layout.end(b) + i;
+      const T* k_row = k_src + b * k_new_strides.batch + i * k_new_strides.row + h * k_new_strides.head;
+      const T* v_row = v_src + b * v_new_strides.batch + i * v_new_strides.row + h * v_new_strides.head;
+      T* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
+      T* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
+      if (rotary.rotary_dim > 0) {
+        // Rotary positions are absolute cache positions (left padding included).
+        copy_rotated(k_row, k_out, shape.head_dim, cos + pos * half, sin + pos * half,
+                     rotary.rotary_dim, rotary.interleaved);
+      } else {
+        for (int d = 0; d < shape.head_dim; ++d) k_out[d] = k_row[d];
+      }
+      for (int d = 0; d < shape.head_dim; ++d) v_out[d] = v_row[d];
+    }
+  });
+}
+
+// q rotated at position end(b) + i when every row has its own position
+// (causal or local), else at end(b) for all rows: without a window the rows of
+// one step are treated as one position.
+template <typename T>
+at::Tensor rotate_q(const CacheLayout& layout, const at::Tensor& q, const Rotary& rotary,
+                    bool per_row) {
+  const KvcacheShape& shape = layout.shape;
+  at::Tensor q_rotated = at::empty(q.sizes(), q.options());
+  const RowStrides src_strides = strides_of(q);
+  const RowStrides dst_strides = strides_of(q_rotated);
+  const T* src = q.const_data_ptr<T>();
+  T* dst = q_rotated.data_ptr<T>();
+  const T* cos = static_cast<const T*>(rotary.cos);
+  const T* sin = static_cast<const T*>(rotary.sin);
+  const int64_t half = rotary.rotary_dim / 2;
+
+  const int64_t rows = int64_t(shape.batch) * shape.seqlen_q * shape.nheads;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int h = static_cast<int>(index % shape.nheads);
+      const int64_t i = (index / shape.nheads) % shape.seqlen_q;
+      const int b = static_cast<int>(index / (int64_t(shape.nheads) * shape.seqlen_q));
+      const int64_t pos = layout.end(b) + (per_row ? i : 0);
+      copy_rotated(src + b * src_strides.batch + i * src_strides.row + h * src_strides.head,
+                   dst + b * dst_strides.batch + i * dst_strides.row + h * dst_strides.head,
+                   shape.head_dim, cos + pos * half, sin + pos * half, rotary.rotary_dim,
+                   rotary.interleaved);
+    }
+  });
+  return q_rotated;
+}
+
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->contiguous();
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType dtype, F&& run) {
+  switch (dtype) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "fwd_kvcache: unsupported dtype ", dtype);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool rotary_interleaved, int64_t num_splits) {
+  (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
+  const KvcacheShape shape = check_fwd_kvcache_args(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, window_size_left,
+      window_size_right, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
+  TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
+
+  // The window rule uses the cache capacity, as flash-attn does: a side that
+  // reaches past the whole cache is unbounded.
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.cache_capacity);
+  const bool rotary_q_per_row = window.left >= 0 || window.right >= 0;
+
+  const std::optional<at::Tensor> seqlens_host = contiguous_or_none(cache_seqlens);
+  const std::optional<at::Tensor> leftpad_host = contiguous_or_none(cache_leftpad);
+  const std::optional<at::Tensor> batch_idx_host = contiguous_or_none(cache_batch_idx);
+  const std::optional<at::Tensor> table_host = contiguous_or_none(block_table);
+  check_kvcache_contents_host(shape, seqlens_host, batch_idx_host, leftpad_host, table_host,
+                              rotary_q_per_row);
+
+  const CacheLayout layout{
+      shape,
+      seqlens_host ? seqlens_host->const_data_ptr<int32_t>() : nullptr,
+      leftpad_host ? leftpad_host->const_data_ptr<int32_t>() : nullptr,
+      batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
+      table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
+      table_host ? table_host->stride(0) : 0};
+
+  const std::optional<at::Tensor> cos_host = contiguous_or_none(rotary_cos);
+  const std::optional<at::Tensor> sin_host = contiguous_or_none(rotary_sin);
+  const Rotary rotary{cos_host ? cos_host->const_data_ptr() : nullptr,
+                      sin_host ? sin_host->const_data_ptr() : nullptr, shape.rotary_dim,
+                      rotary_interleaved};
+
+  at::Tensor q_attended = q;
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if (k.has_value() && shape.seqlen_new > 0) {
+      append_new_tokens<T>(layout, *k, *v, k_cache, v_cache, rotary);
+    }
+    if (rotary.rotary_dim > 0 && shape.seqlen_q > 0) {
+      q_attended = rotate_q<T>(layout, q, rotary, rotary_q_per_row);
+    }
+  });
+
+  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
+                             q.options());
+  at::Tensor softmax_lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
+                                     q.options().dtype(at::kFloat));
+  if (shape.seqlen_q == 0) return {out, softmax_lse};
+
+  const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
+
+  AttentionProblem problem{};
+  problem.dtype = q.scalar_type();
+  problem.nheads = shape.nheads;
+  problem.nheads_k = shape.nheads_k;
+  problem.head_dim = shape.head_dim;
+  problem.sequences.reserve(shape.batch);
+  for (int b = 0; b < shape.batch; ++b) {
+    SequenceSpan span{};
+    span.seqlen_q = shape.seqlen_q;
+    // Keys are the filled rows from the left padding on, new tokens included.
+    span.seqlen_k = static_cast<int>(layout.end(b) - layout.leftpad(b) + shape.seqlen_new);
+    span.q_batch = b;
+    span.q_first_row = 0;
+    span.kv_batch = layout.cache_row(b);
+    span.kv_first_row = layout.leftpad(b);
+    span.block_table_row =
+        layout.block_table ? layout.block_table + b * layout.block_table_stride : nullptr;
+    problem.sequences.push_back(span);
+  }
+  problem.q = q_attended.const_data_ptr();
+  problem.q_strides = strides_of(q_attended);
+  problem.k = k_cache.const_data_ptr();
+  problem.k_strides = strides_of(k_cache);
+  problem.v = v_cache.const_data_ptr();
+  problem.v_strides = strides_of(v_cache);
+  problem.page_size = shape.paged ? shape.page_size : 0;
+  problem.softmax_scale = static_cast<float>(softmax_scale);
+  problem.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  problem.alibi_slopes = slopes ? slopes->const_data_ptr<float>() : nullptr;
+  problem.alibi_batch_stride = slopes && slopes->dim() == 2 ? slopes->stride(0) : 0;
+  problem.window_left = window.left;
+  problem.window_right = window.right;
+  problem.dropout_p = 0.f;
+
+  ForwardOutputs outputs{};
+  outputs.out = out.data_ptr();
+  outputs.out_strides = strides_of(out);
+  outputs.lse = softmax_lse.data_ptr<float>();
+  outputs.lse_strides = {softmax_lse.stride(0), softmax_lse.stride(2), softmax_lse.stride(1)};
+  outputs.probs = nullptr;
+
+  attention_forward(problem, outputs);
+  return {out, softmax_lse};
+}
+
+}  // namespace
+}  // namespace flash::cpu
+
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
+  m.impl("fwd_kvcache", &flash::cpu::fwd_kvcache_cpu);
+}

@@ -1,0 +1,257 @@
+// CPU implementations of fwd, bwd, varlen_fwd and varlen_bwd: argument
+// checks (api/checks.h), output allocation, and a problem description handed
+// to the CPU attention core (attention_cpu.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "../api/checks.h"
+#include "attention_cpu.h"
+
+namespace flash::cpu {
+namespace {
+
+constexpr at::ScalarType kCpuDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16};
+
+// (batch, seqlen, heads, dim) and varlen / paged views of it.
+RowStrides fixed_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+RowStrides varlen_strides(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
+
+AttentionProblem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              bool varlen_kv, int nheads, int nheads_k, int head_dim,
+                              const std::optional<at::Tensor>& alibi_slopes,
+                              double softmax_scale, const Window& window, double softcap,
+                              double dropout_p, const PhiloxSeed& philox) {
+  AttentionProblem p;
+  p.dtype = q.scalar_type();
+  p.nheads = nheads;
+  p.nheads_k = nheads_k;
+  p.head_dim = head_dim;
+  p.q = q.data_ptr();
+  p.q_strides = q.dim() == 4 ? fixed_strides(q) : varlen_strides(q);
+  p.k = k.data_ptr();
+  p.k_strides = varlen_kv ? varlen_strides(k) : fixed_strides(k);
+  p.v = v.data_ptr();
+  p.v_strides = varlen_kv ? varlen_strides(v) : fixed_strides(v);
+  p.page_size = 0;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.alibi_slopes = nullptr;
+  p.alibi_batch_stride = 0;
+  if (alibi_slopes.has_value()) {
+    p.alibi_slopes = alibi_slopes->data_ptr<float>();
+    p.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  }
+  p.window_left = window.left;
+  p.window_right = window.right;
+  p.dropout_p = static_cast<float>(dropout_p);
+  p.philox_seed = philox.seed;
+  p.philox_offset = philox.offset;
+  return p;
+}
+
+at::Tensor make_probs(bool return_softmax, const at::Tensor& q, int batch, int nheads,
+                      int seqlen_q, int seqlen_k) {
+  if (!return_softmax) return at::empty({0}, q.options());
+  // Entries a row does not see stay 0.
+  return at::zeros({batch, nheads, seqlen_q, seqlen_k}, q.options());
+}
+
+void set_probs(ForwardOutputs& o, const at::Tensor& probs, bool return_softmax) {
+  o.probs = return_softmax ? probs.data_ptr() : nullptr;
+  o.probs_batch_stride = return_softmax ? probs.stride(0) : 0;
+  o.probs_head_stride = return_softmax ? probs.stride(1) : 0;
+  o.probs_row_stride = return_softmax ? probs.stride(2) : 0;
+}
+
+// True when the sequences of cu_seqlens cover every one of total_rows rows;
+// otherwise rows outside them must be given a defined value.
+bool covers_all_rows(const at::Tensor& cu_seqlens, int64_t total_rows) {
+  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  return cu[0] == 0 && cu[cu_seqlens.numel() - 1] == total_rows;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state) {
+  const FwdShape shape =
+      check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
+                     window_size_right, softcap, rng_state, kCpuDtypes);
+  const Window window = normalize_window(causal, window_size_left, window_size_right,
+                                         shape.seqlen_k);
+  const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
+
+  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
+                             q.options());
+  at::Tensor lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
+                             q.options().dtype(at::kFloat));
+  at::Tensor probs =
+      make_probs(return_softmax, q, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k);
+
+  AttentionProblem problem =
+      make_problem(q, k, v, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
+                   alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+  problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
+  ForwardOutputs outputs;
+  outputs.out = out.data_ptr();
+  outputs.out_strides = fixed_strides(out);
+  outputs.lse = lse.data_ptr<float>();
+  outputs.lse_strides = {lse.stride(0), lse.stride(2), lse.stride(1)};
+  set_probs(outputs, probs, return_softmax);
+  attention_forward(problem, outputs);
+  return {out, lse, probs, make_rng_state(philox, q.device())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+  (void)deterministic;  // the CPU backward is always deterministic
+  const FwdShape shape =
+      check_bwd_args(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale,
+                     window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+  const Window window = normalize_window(causal, window_size_left, window_size_right,
+                                         shape.seqlen_k);
+  const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+
+  AttentionProblem problem =
+      make_problem(q, k, v, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
+                   alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+  problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
+  BackwardTensors tensors;
+  tensors.dout = dout.data_ptr();
+  tensors.dout_strides = fixed_strides(dout);
+  tensors.out = out.data_ptr();
+  tensors.out_strides = fixed_strides(out);
+  tensors.lse = softmax_lse.data_ptr<float>();
+  tensors.lse_strides = {softmax_lse.stride(0), softmax_lse.stride(2), softmax_lse.stride(1)};
+  tensors.dq = dq.data_ptr();
+  tensors.dq_strides = fixed_strides(dq);
+  tensors.dk = dk.data_ptr();
+  tensors.dk_strides = fixed_strides(dk);
+  tensors.dv = dv.data_ptr();
+  tensors.dv_strides = fixed_strides(dv);
+  attention_backward(problem, tensors);
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state) {
+  const VarlenShape shape = check_varlen_fwd_args(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
+      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+      rng_state, kCpuDtypes);
+  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, "cu_seqlens_q");
+  check_cu_seqlens_host(cu_seqlens_k, shape.paged ? -1 : shape.total_k, shape.max_seqlen_k,
+                        "cu_seqlens_k");
+  if (shape.paged) {
+    check_block_table_host(*block_table, cu_seqlens_k, shape.num_blocks, shape.page_size);
+  }
+  const Window window = normalize_window(causal, window_size_left, window_size_right,
+                                         shape.max_seqlen_k);
+  const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
+
+  at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
+  if (!covers_all_rows(cu_seqlens_q, shape.total_q)) {
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+  }
+  at::Tensor probs = make_probs(return_softmax, q, shape.batch, shape.nheads, shape.max_seqlen_q,
+                                shape.max_seqlen_k);
+
+  AttentionProblem problem =
+      make_problem(q, k, v, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k,
+                   shape.head_dim, alibi_slopes, softmax_scale, window, softcap, dropout_p,
+                   philox);
+  problem.sequences = varlen_sequences(
+      shape.batch, cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
+      shape.paged ? block_table->data_ptr<int32_t>() : nullptr,
+      shape.paged ? block_table->stride(0) : 0);
+  if (shape.paged) problem.page_size = shape.page_size;
+  ForwardOutputs outputs;
+  outputs.out = out.data_ptr();
+  outputs.out_strides = varlen_strides(out);
+  outputs.lse = lse.data_ptr<float>();
+  outputs.lse_strides = {0, lse.stride(1), lse.stride(0)};
+  set_probs(outputs, probs, return_softmax);
+  attention_forward(problem, outputs);
+  return {out, lse, probs, make_rng_state(philox, q.device())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+  (void)deterministic;  // the CPU backward is always deterministic
+  const VarlenShape shape = check_varlen_bwd_args(
+      dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+      rng_state, kCpuDtypes);
+  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, "cu_seqlens_q");
+  check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, "cu_seqlens_k");
+  const Window window = normalize_window(causal, window_size_left, window_size_right,
+                                         shape.max_seqlen_k);
+  const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (!covers_all_rows(cu_seqlens_q, shape.total_q)) dq.zero_();
+  if (!covers_all_rows(cu_seqlens_k, shape.total_k)) {
+    dk.zero_();
+    dv.zero_();
+  }
+
+  AttentionProblem problem =
+      make_problem(q, k, v, /*varlen_kv=*/true, shape.nheads, shape.nheads_k, shape.head_dim,
+                   alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+  problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
+                                       cu_seqlens_k.data_ptr<int32_t>(), nullptr, 0);
+  BackwardTensors tensors;
+  tensors.dout = dout.data_ptr();
+  tensors.dout_strides = varlen_strides(dout);
+  tensors.out = out.data_ptr();
+  tensors.out_strides = varlen_strides(out);
+  tensors.lse = softmax_lse.data_ptr<float>();
+  tensors.lse_strides = {0, softmax_lse.stride(1), softmax_lse.stride(0)};
+  tensors.dq = dq.data_ptr();
+  tensors.dq_strides = varlen_strides(dq);
+  tensors.dk = dk.data_ptr();
+  tensors.dk_strides = varlen_strides(dk);
+  tensors.dv = dv.data_ptr();
+  tensors.dv_strides = varlen_strides(dv);
+  attention_backward(problem, tensors);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace flash::cpu
+
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
+  m.impl("fwd", &flash::cpu::fwd_cpu);
+  m.impl("bwd", &flash::cpu::bwd_cpu);
+  m.impl("varlen_fwd", &flash::cpu::varlen_fwd_cpu);
+  m.impl("varlen_bwd", &flash::cpu::varlen_bwd_cpu);
+}

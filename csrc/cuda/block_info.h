@@ -1,0 +1,49 @@
+// Where one (batch, head) lives: sequence lengths and the element offsets of
+// its first row in q/k/v/o and the lse, for fixed-length and varlen batches.
+// 64-bit offsets throughout: a tensor may exceed 2^31 elements.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash {
+
+struct BlockInfo {
+  int seqlen_q;
+  int seqlen_k;
+  int64_t q_row_begin;  // first row of this batch in the (total, ...) view
+  int64_t k_row_begin;
+  bool varlen;
+
+  __device__ BlockInfo(const FwdParams& params, int batch) {
+    varlen = params.cu_seqlens_q != nullptr;
+    if (varlen) {
+      q_row_begin = params.cu_seqlens_q[batch];
+      k_row_begin = params.cu_seqlens_k[batch];
+      seqlen_q = params.cu_seqlens_q[batch + 1] - static_cast<int>(q_row_begin);
+      seqlen_k = params.cu_seqlens_k[batch + 1] - static_cast<int>(k_row_begin);
+    } else {
+      q_row_begin = 0;
+      k_row_begin = 0;
+      seqlen_q = params.seqlen_q;
+      seqlen_k = params.seqlen_k;
+    }
+  }
+
+  __device__ int64_t q_offset(const QKVStrides& s, int batch, int head) const {
+    return (varlen ? q_row_begin * s.row_stride : int64_t(batch) * s.batch_stride) +
+           int64_t(head) * s.head_stride;
+  }
+  __device__ int64_t k_offset(const QKVStrides& s, int batch, int head) const {
+    return (varlen ? k_row_begin * s.row_stride : int64_t(batch) * s.batch_stride) +
+           int64_t(head) * s.head_stride;
+  }
+  // softmax_lse is (batch, nheads, seqlen_q), or (nheads, total_q) for varlen.
+  __device__ int64_t lse_offset(const FwdParams& params, int batch, int head) const {
+    return varlen ? int64_t(head) * params.total_q + q_row_begin
+                  : (int64_t(batch) * params.nheads + head) * params.seqlen_q;
+  }
+};
+
+}  // namespace flash

@@ -1,0 +1,76 @@
+// Compile-time shape of the forward kernel for one (head dim, tile, dtype):
+// shared-memory layouts, the tiled MMA, and the copy atoms that move tiles
+// between global memory, shared memory and registers.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
+  static_assert(kBlockM % (16 * kNWarps) == 0,
+                "each warp owns whole 16-row MMA slabs of the query tile");
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // Warps tile the M (query row) dimension only, so every score row lives in
+  // one warp and the softmax reductions never leave it.
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
+                            Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  // Shared-memory rows are read by ldmatrix 8 rows x 16 bytes at a time. A
+  // swizzle over 8-row atoms of 64 (or 32) elements spreads those 8 rows over
+  // all 32 banks, for both the row-major reads of Q/K and the transposed reads
+  // of V.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzleBits, 3, 3>{},
+      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V seen as (head dim, key): the B operand of P V without moving data.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  using SmemLayoutO = SmemLayoutQ;
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  // Global memory moves 16 bytes per thread per access; a row of the smem atom
+  // is read by kGmemThreadsPerRow consecutive threads, so a warp reads whole
+  // 128-byte lines.
+  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+  using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopyQKV = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemTiledCopyO = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+
+  static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSize = kSmemSizeQ + kSmemSizeKV;
+};
+
+}  // namespace flash

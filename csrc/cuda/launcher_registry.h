@@ -1,0 +1,22 @@
+// Runtime table of the compiled kernel instantiations. Each generated
+// instantiation file registers its launcher at load time, so a build that
+// compiles a subset of head dims or dtypes links, and asking for a missing one
+// is a clear error instead of a link failure.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flash {
+
+using FwdLauncher = void (*)(const FwdParams&, cudaStream_t);
+
+// Null when (head_dim, dtype) was not compiled into this build.
+FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16);
+
+struct FwdLauncherRegistration {
+  FwdLauncherRegistration(int compiled_head_dim, bool is_bf16, FwdLauncher launcher);
+};
+
+}  // namespace flash

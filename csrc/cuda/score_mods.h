@@ -1,0 +1,67 @@
+// What happens to a tile of raw Q K^T scores before the softmax, in contract
+// order: scale, softcap, ALiBi, then the causal / local / bounds mask. The
+// rule itself (which key a row sees, the ALiBi distance) lives in
+// ../common/mask_rule.h; this header applies it to a thread's fragment.
+//
+// Fragments are (rows, cols) views of the accumulator; coord is the identity
+// tensor partitioned the same way, giving each element's (row, col) in the tile.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "../common/mask_rule.h"
+
+namespace flash {
+
+using namespace cute;
+
+// s = softcap * tanh(s * scale / softcap), or s * scale when softcap is 0:
+// either way the scores leave in natural (scaled) units.
+template <typename TensorS>
+__forceinline__ __device__ void apply_scale_and_softcap(TensorS& scores, float softmax_scale,
+                                                        float softcap) {
+  if (softcap > 0.f) {
+    const float pre = softmax_scale / softcap;
+    CUTE_UNROLL
+    for (int i = 0; i < size(scores); ++i) scores(i) = softcap * tanhf(scores(i) * pre);
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(scores); ++i) scores(i) *= softmax_scale;
+  }
+}
+
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coord, int row_base,
+                                            int col_base, float slope, int seqlen_q,
+                                            int seqlen_k) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(scores); ++mi) {
+    const int row = row_base + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const int col = col_base + get<1>(coord(0, ni));
+      scores(mi, ni) += alibi_bias(slope, row, col, seqlen_q, seqlen_k);
+    }
+  }
+}
+
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord, int row_base,
+                                           int col_base, int seqlen_q, int seqlen_k,
+                                           int window_left, int window_right) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(scores); ++mi) {
+    const int row = row_base + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const int col = col_base + get<1>(coord(0, ni));
+      if (!key_visible(row, col, seqlen_q, seqlen_k, window_left, window_right)) {
+        scores(mi, ni) = -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace flash

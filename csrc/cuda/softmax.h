@@ -1,0 +1,91 @@
+// Online softmax over a stream of score tiles, one state per query row that
+// the thread holds. Each score row is spread over the 4 threads of a quad (the
+// m16n8 accumulator gives a thread 2 columns per n8 tile), so row reductions
+// finish with two xor-shuffles inside the quad.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+__forceinline__ __device__ float quad_allreduce_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return x;
+}
+
+__forceinline__ __device__ float quad_allreduce_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x;
+}
+
+template <int kNRows>
+struct OnlineSoftmax {
+  // row_max is in score units (before exp_scale_log2); row_sum is this
+  // thread's partial sum of exp over its own columns, reduced across the quad
+  // only once, in finalize(): every quad member rescales by the same factor.
+  float row_max[kNRows];
+  float row_sum[kNRows];
+
+  __forceinline__ __device__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int i = 0; i < kNRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+  }
+
+  // scores (rows, cols) becomes exp2(scores * exp_scale_log2 - running max),
+  // and acc_o (rows, head dim) is rescaled to the new running max.
+  template <typename TensorS, typename TensorO>
+  __forceinline__ __device__ void update(TensorS& scores, TensorO& acc_o, float exp_scale_log2) {
+    static_assert(decltype(size<0>(scores))::value == kNRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float tile_max = row_max[mi];
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
+      tile_max = quad_allreduce_max(tile_max);
+      // A row that has seen only masked keys keeps max -inf; subtracting 0
+      // instead leaves exp2(-inf) = 0 rather than NaN.
+      const float max_scaled = tile_max == -INFINITY ? 0.f : tile_max * exp_scale_log2;
+      const float correction = exp2f(row_max[mi] * exp_scale_log2 - max_scaled);
+      row_max[mi] = tile_max;
+      row_sum[mi] *= correction;
+      CUTE_UNROLL
+      for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction;
+      float tile_sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(scores); ++ni) {
+        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled);
+        scores(mi, ni) = p;
+        tile_sum += p;
+      }
+      row_sum[mi] += tile_sum;
+    }
+  }
+
+  // Normalises acc_o and returns each row's natural-log sum-exp in lse.
+  // lse_scale converts row_max back to natural score units. A row that saw no
+  // key gets output 0 and lse +inf. out_rescale carries the dropout 1/(1-p).
+  template <typename TensorO>
+  __forceinline__ __device__ void finalize(TensorO& acc_o, float lse_scale, float out_rescale,
+                                           float (&lse)[kNRows]) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const float sum = quad_allreduce_sum(row_sum[mi]);
+      const bool empty = sum == 0.f || row_max[mi] == -INFINITY;
+      const float inv_sum = empty ? 0.f : out_rescale / sum;
+      lse[mi] = empty ? INFINITY : row_max[mi] * lse_scale + logf(sum);
+      CUTE_UNROLL
+      for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= inv_sum;
+    }
+  }
+};
+
+}  // namespace flash

@@ -1,0 +1,32 @@
+// The one table of forward tile configurations, per compiled head dim.
+// Head dims between two entries run on the next larger one with the extra
+// columns predicated off. The numbers behind each choice are in
+// benchmarks/PERF_LOG.md.
+#pragma once
+
+namespace flash {
+
+template <int kHeadDim>
+struct FwdTileConfig;
+
+//                         head dim       block M  block N  warps
+template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+
+// Compiled head dims, ascending; a request for head dim d runs on the first >= d.
+constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+inline int round_up_head_dim(int head_dim) {
+  for (int compiled : kCompiledHeadDims) {
+    if (head_dim <= compiled) return compiled;
+  }
+  return -1;
+}
+
+}  // namespace flash

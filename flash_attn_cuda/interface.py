@@ -1,0 +1,803 @@
+"""The flash-attn 2.x Python API on top of the ``torch.ops.flash_attn`` ops.
+
+Every public function here takes the same parameters, in the same order and
+with the same defaults, as its namesake in flash-attn 2.8, and returns the same
+values. Each differentiable family has one ``torch.autograd.Function`` whose
+forward calls one forward op and whose backward calls the matching backward op;
+no gradient is computed in Python. The packed variants split their packed input
+into strided views, so autograd stacks the three (or two) gradients back into
+the packed tensor's gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+# The kernels need the head dim to be a multiple of this; other head dims are
+# zero-padded here and the padding is sliced off the results. Zero columns add
+# nothing to q.k and produce zero output columns, so the math is unchanged.
+_HEAD_DIM_ALIGNMENT = 8
+
+# Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
+# int64 on every backend.
+_SEED_BOUND = 2**62
+
+
+def _last_dim_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # The ops accept any strides except on the last dim; copy only when needed.
+    if t is not None and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _pad_head_dim(t: torch.Tensor) -> torch.Tensor:
+    missing = -t.shape[-1] % _HEAD_DIM_ALIGNMENT
+    return F.pad(t, (0, missing)) if missing else t
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    return _pad_head_dim(_last_dim_contiguous(t))
+
+
+def _check_ndim(t: torch.Tensor, name: str, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str) -> None:
+    _check_ndim(t, name, dim + 3, layout)
+    if t.shape[dim] != count:
+        raise ValueError(
+            f"{name} must have size {count} at dim {dim} {layout}, got shape {tuple(t.shape)}"
+        )
+
+
+def _check_dropout_p(dropout_p: float) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _attention_window(causal: bool, window_size: Sequence[int]) -> Tuple[int, int]:
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = int(window_size[0]), int(window_size[1])
+    # Causal is the window's right side closed at the diagonal; the ops apply
+    # the same rule, normalising here keeps the two flags from disagreeing.
+    if causal:
+        right = 0
+    return left, right
+
+
+def _default_softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    # Uses the caller's head dim, before any padding.
+    return head_dim ** (-0.5) if softmax_scale is None else softmax_scale
+
+
+def _draw_rng_state(dropout_p: float, device: torch.device) -> Optional[torch.Tensor]:
+    # A fresh [seed, offset] per call, drawn from torch's default generator on
+    # the device the kernel reads it from: torch.manual_seed makes runs
+    # reproducible, CUDA graphs can capture it, and torch.compile traces it as
+    # an ordinary random op (no graph break). The forward returns the pair it
+    # used and the backward regenerates the same dropout mask from it.
+    if dropout_p <= 0.0:
+        return None
+    return torch.randint(0, _SEED_BOUND, (2,), dtype=torch.int64, device=device)
+
+
+def _distinct(*tensors):
+    # torch.compile cannot trace an autograd.Function that receives one tensor
+    # object in two argument slots (flash_attn_func(x, x, x), or one cu_seqlens
+    # for queries and keys). A view of the repeat is a distinct object over the
+    # same memory, and autograd still routes its gradient to the original.
+    seen = []
+    result = []
+    for t in tensors:
+        if t is not None and any(t is s for s in seen):
+            t = t.view_as(t)
+        elif t is not None:
+            seen.append(t)
+        result.append(t)
+    return result
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)}")
+        return int(value.item())
+    return int(value)
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    """Fixed-length attention: forward is flash_attn.fwd, backward flash_attn.bwd."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        rng_state,
+    ):
+        head_dim = q.shape[-1]
+        q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
+        out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.fwd(
+            q_padded,
+            k_padded,
+            v_padded,
+            alibi_slopes,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_softmax,
+            0,
+            0,
+            rng_state,
+        )
+        ctx.save_for_backward(
+            q_padded, k_padded, v_padded, out_padded, softmax_lse, rng_used, alibi_slopes
+        )
+        ctx.head_dim = head_dim
+        ctx.dropout_p = dropout_p
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.window = window
+        ctx.softcap = softcap
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(softmax_lse, s_dmask)
+        return out_padded[..., :head_dim], softmax_lse, s_dmask
+
+    @staticmethod
+    def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
+        q, k, v, out, softmax_lse, rng_state, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = torch.ops.flash_attn.bwd(
+            _prepare(dout),
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            alibi_slopes,
+            ctx.dropout_p,
+            ctx.softmax_scale,
+            ctx.causal,
+            ctx.window[0],
+            ctx.window[1],
+            ctx.softcap,
+            ctx.deterministic,
+            rng_state,
+        )
+        d = ctx.head_dim
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 9
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    """Varlen attention: forward is flash_attn.varlen_fwd, backward flash_attn.varlen_bwd."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_softmax,
+        block_table,
+        rng_state,
+    ):
+        head_dim = q.shape[-1]
+        q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
+        out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.varlen_fwd(
+            q_padded,
+            k_padded,
+            v_padded,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            alibi_slopes,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_softmax,
+            0,
+            0,
+            rng_state,
+        )
+        ctx.save_for_backward(
+            q_padded,
+            k_padded,
+            v_padded,
+            out_padded,
+            softmax_lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            rng_used,
+            alibi_slopes,
+        )
+        ctx.paged = block_table is not None
+        ctx.head_dim = head_dim
+        ctx.max_seqlen_q = max_seqlen_q
+        ctx.max_seqlen_k = max_seqlen_k
+        ctx.dropout_p = dropout_p
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.window = window
+        ctx.softcap = softcap
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(softmax_lse, s_dmask)
+        return out_padded[..., :head_dim], softmax_lse, s_dmask
+
+    @staticmethod
+    def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
+        if ctx.paged:
+            # As in flash-attn 2.x: paged K/V (block_table) is a forward-only feature.
+            raise RuntimeError(
+                "flash_attn_varlen_func: the backward pass does not support block_table "
+                "(paged K/V); call it under torch.no_grad() or without block_table"
+            )
+        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes) = (
+            ctx.saved_tensors
+        )
+        dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
+            _prepare(dout),
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            alibi_slopes,
+            ctx.max_seqlen_q,
+            ctx.max_seqlen_k,
+            ctx.dropout_p,
+            ctx.softmax_scale,
+            ctx.causal,
+            ctx.window[0],
+            ctx.window[1],
+            ctx.softcap,
+            ctx.deterministic,
+            rng_state,
+        )
+        d = ctx.head_dim
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 14
+
+
+def _attention(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+    deterministic, return_attn_probs,
+):
+    _check_dropout_p(dropout_p)
+    window = _attention_window(causal, window_size)
+    q, k, v, alibi_slopes = _distinct(q, k, v, alibi_slopes)
+    out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
+        q,
+        k,
+        v,
+        dropout_p,
+        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        causal,
+        window,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        # As in flash-attn: the probabilities are only materialised when there
+        # is a dropout pattern to report; otherwise S_dmask is empty.
+        return_attn_probs and dropout_p > 0.0,
+        _draw_rng_state(dropout_p, q.device),
+    )
+    return (out, softmax_lse, s_dmask) if return_attn_probs else out
+
+
+def _varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+    return_attn_probs, block_table,
+):
+    _check_dropout_p(dropout_p)
+    window = _attention_window(causal, window_size)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table = _distinct(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table
+    )
+    out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _as_int(max_seqlen_q, "max_seqlen_q"),
+        _as_int(max_seqlen_k, "max_seqlen_k"),
+        dropout_p,
+        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        causal,
+        window,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs and dropout_p > 0.0,
+        block_table,
+        _draw_rng_state(dropout_p, q.device),
+    )
+    return (out, softmax_lse, s_dmask) if return_attn_probs else out
+
+
+_RETURNS_DOC = """
+    Returns:
+        out when return_attn_probs is False, otherwise the tuple
+        (out, softmax_lse, S_dmask):
+        out: {out_layout}, same dtype as q.
+        softmax_lse: fp32 {lse_layout}, the natural-log log-sum-exp of each row
+            of scaled (and softcapped, ALiBi-biased, masked) scores; +inf for a
+            query row that sees no key.
+        S_dmask: meant for tests only. When dropout_p > 0, the normalised
+            attention probabilities {probs_layout} in q's dtype, with every
+            dropped entry negated (negative = dropped). When dropout_p == 0 it
+            is an empty tensor, as in flash-attn.
+"""
+
+_COMMON_ARGS_DOC = """
+        dropout_p: probability of dropping an attention weight. Dropout is
+            applied whenever dropout_p > 0, so pass 0.0 at evaluation time.
+            Kept weights are scaled by 1 / (1 - dropout_p).
+        softmax_scale: factor applied to q.k before the softmax; None means
+            1 / sqrt(headdim).
+        causal: mask out keys after the query's position. With
+            seqlen_q != seqlen_k the diagonal is aligned to the bottom-right
+            corner: query i sees key j iff j <= i + seqlen_k - seqlen_q. A
+            query row that sees no key produces zeros.
+        window_size: (left, right) sliding-window (local) attention: query i
+            sees keys i + seqlen_k - seqlen_q - left through
+            i + seqlen_k - seqlen_q + right, inclusive. -1 leaves that side
+            unbounded; causal sets right to 0.
+        softcap: when > 0, scores become softcap * tanh(score / softcap).
+        alibi_slopes: optional fp32 tensor of shape (nheads,) or
+            (batch_size, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|
+            to the score of query i and key j.
+        deterministic: make the backward pass bitwise reproducible (the
+            forward pass always is).
+        return_attn_probs: also return softmax_lse and S_dmask (see below).
+"""
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    _check_ndim(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
+    _check_ndim(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
+    return _attention(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs,
+    )
+
+
+flash_attn_func.__doc__ = (
+    """Scaled dot-product attention over fixed-length batches.
+
+    Grouped-query and multi-query attention: k and v may have fewer heads
+    than q (nheads must be a multiple of nheads_k); query head h reads key /
+    value head h // (nheads // nheads_k), without copying K or V.
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
+            (fp32 is also accepted on CPU). Any headdim up to 256 works; one
+            that is not a multiple of 8 is zero-padded internally.
+        k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
+        v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
+"""
+    + _COMMON_ARGS_DOC
+    + _RETURNS_DOC.format(
+        out_layout="(batch_size, seqlen_q, nheads, headdim)",
+        lse_layout="(batch_size, nheads, seqlen_q)",
+        probs_layout="(batch_size, nheads, seqlen_q, seqlen_k)",
+    )
+)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    _check_packed(kv, "kv", 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=2)
+    return _attention(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs,
+    )
+
+
+flash_attn_kvpacked_func.__doc__ = (
+    """Attention with keys and values stacked in one tensor.
+
+    Same as flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...); the gradient of
+    kv arrives as one packed tensor. GQA / MQA work as in flash_attn_func.
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim).
+        kv: (batch_size, seqlen_k, 2, nheads_k, headdim), keys at index 0 of
+            dim 2 and values at index 1.
+"""
+    + _COMMON_ARGS_DOC
+    + _RETURNS_DOC.format(
+        out_layout="(batch_size, seqlen_q, nheads, headdim)",
+        lse_layout="(batch_size, nheads, seqlen_q)",
+        probs_layout="(batch_size, nheads, seqlen_q, seqlen_k)",
+    )
+)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    _check_packed(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=2)
+    return _attention(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs,
+    )
+
+
+flash_attn_qkvpacked_func.__doc__ = (
+    """Self-attention with queries, keys and values stacked in one tensor.
+
+    Same as flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...);
+    the gradient of qkv arrives as one packed tensor. q, k and v share the
+    head count here; use flash_attn_kvpacked_func or flash_attn_func for
+    GQA / MQA.
+
+    Args:
+        qkv: (batch_size, seqlen, 3, nheads, headdim).
+"""
+    + _COMMON_ARGS_DOC
+    + _RETURNS_DOC.format(
+        out_layout="(batch_size, seqlen, nheads, headdim)",
+        lse_layout="(batch_size, nheads, seqlen)",
+        probs_layout="(batch_size, nheads, seqlen, seqlen)",
+    )
+)
+
+
+_VARLEN_ARGS_DOC = """
+        cu_seqlens_q: int32 (batch_size + 1,), prefix sums of the query
+            lengths: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b + 1].
+        cu_seqlens_k: int32 (batch_size + 1,), the same for keys and values.
+        max_seqlen_q: int, the longest query sequence of the batch.
+        max_seqlen_k: int, the longest key sequence of the batch.
+"""
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+    kv_layout = (
+        "(total_k, nheads_k, headdim)"
+        if block_table is None
+        else "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+    )
+    kv_ndim = 3 if block_table is None else 4
+    _check_ndim(k, "k", kv_ndim, kv_layout)
+    _check_ndim(v, "v", kv_ndim, kv_layout)
+    return _varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, block_table,
+    )
+
+
+flash_attn_varlen_func.__doc__ = (
+    """Attention over a batch of variable-length sequences packed end to end.
+
+    Queries of all sequences are concatenated along the first dim, and so are
+    keys and values; cu_seqlens_q / cu_seqlens_k say where each sequence
+    starts. Causal and local windows are aligned per sequence, to the
+    bottom-right corner of that sequence's (seqlen_q, seqlen_k) score matrix.
+    GQA / MQA work as in flash_attn_func.
+
+    Args:
+        q: (total_q, nheads, headdim).
+        k: (total_k, nheads_k, headdim), or, with block_table, a paged cache
+            (num_blocks, page_block_size, nheads_k, headdim).
+        v: same layout as k.
+"""
+    + _VARLEN_ARGS_DOC
+    + _COMMON_ARGS_DOC
+    + """        block_table: optional int32 (batch_size, max_num_blocks_per_seq).
+            Key position p of sequence b lives in page block_table[b, p //
+            page_block_size], row p % page_block_size. Forward only: the
+            backward pass does not support it.
+"""
+    + _RETURNS_DOC.format(
+        out_layout="(total_q, nheads, headdim)",
+        lse_layout="(nheads, total_q)",
+        probs_layout="(batch_size, nheads, max_seqlen_q, max_seqlen_k)",
+    )
+)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+    _check_packed(kv, "kv", 1, 2, "(total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=1)
+    return _varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, None,
+    )
+
+
+flash_attn_varlen_kvpacked_func.__doc__ = (
+    """Variable-length attention with keys and values stacked in one tensor.
+
+    Same as flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], ...); the gradient
+    of kv arrives as one packed tensor.
+
+    Args:
+        q: (total_q, nheads, headdim).
+        kv: (total_k, 2, nheads_k, headdim).
+"""
+    + _VARLEN_ARGS_DOC
+    + _COMMON_ARGS_DOC
+    + _RETURNS_DOC.format(
+        out_layout="(total_q, nheads, headdim)",
+        lse_layout="(nheads, total_q)",
+        probs_layout="(batch_size, nheads, max_seqlen_q, max_seqlen_k)",
+    )
+)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    _check_packed(qkv, "qkv", 1, 3, "(total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=1)
+    return _varlen_attention(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None,
+    )
+
+
+flash_attn_varlen_qkvpacked_func.__doc__ = (
+    """Variable-length self-attention with q, k and v stacked in one tensor.
+
+    Same as flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2],
+    cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, ...); the gradient of qkv
+    arrives as one packed tensor.
+
+    Args:
+        qkv: (total, 3, nheads, headdim).
+        cu_seqlens: int32 (batch_size + 1,), prefix sums of the sequence
+            lengths.
+        max_seqlen: int, the longest sequence of the batch.
+"""
+    + _COMMON_ARGS_DOC
+    + _RETURNS_DOC.format(
+        out_layout="(total, nheads, headdim)",
+        lse_layout="(nheads, total)",
+        probs_layout="(batch_size, nheads, max_seqlen, max_seqlen)",
+    )
+)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of new queries against a key/value cache, for decoding.
+
+    When k and v are given, they are first written into k_cache / v_cache
+    *in place*, at positions cache_seqlens[b], cache_seqlens[b] + 1, ... of
+    each sequence b, and attention then runs over the updated cache: one call
+    both appends the step's keys/values and attends. The caller keeps the cache
+    large enough and advances cache_seqlens itself. There is no backward pass.
+
+    With rotary_cos / rotary_sin, rotary embeddings are applied to the new
+    keys at their cache positions and to q: with causal or local attention
+    query row i is rotated as position cache_seqlens[b] + i, otherwise every
+    query row is rotated as position cache_seqlens[b].
+
+    Masking, GQA / MQA, softcap and ALiBi follow flash_attn_func, with
+    seqlen_k the number of valid cache rows of each sequence (after the
+    append).
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim); headdim a multiple of 8,
+            at most 256.
+        k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with
+            block_table a paged cache (num_blocks, page_block_size, nheads_k,
+            headdim). Its last dim must be contiguous (it is written in place).
+        v_cache: same layout as k_cache.
+        k: optional (batch_size, seqlen_new, nheads_k, headdim), keys to append.
+        v: optional (batch_size, seqlen_new, nheads_k, headdim), values to
+            append; given together with k.
+        rotary_cos: optional (seqlen_rotary, rotary_dim / 2) cosines.
+        rotary_sin: optional (seqlen_rotary, rotary_dim / 2) sines.
+        cache_seqlens: int, or int32 (batch_size,): the number of valid rows in
+            each sequence's cache before the append. None means the whole cache
+            is valid.
+        cache_batch_idx: optional int32 (batch_size,): the cache entry each
+            batch element uses; default 0, 1, ..., batch_size - 1.
+        cache_leftpad: optional int32 (batch_size,): the first valid cache row
+            of each sequence; default 0.
+        block_table: optional int32 (batch_size, max_num_blocks_per_seq) for a
+            paged cache: position p of sequence b lives in page
+            block_table[b, p // page_block_size].
+        softmax_scale: factor applied to q.k; None means 1 / sqrt(headdim).
+        causal: causal mask aligned to the bottom-right corner.
+        window_size: (left, right) local attention; -1 leaves a side unbounded.
+        softcap: when > 0, scores become softcap * tanh(score / softcap).
+        rotary_interleaved: True rotates dimension pairs (0, 1), (2, 3), ...;
+            False rotates (i, i + rotary_dim / 2) (GPT-NeoX style).
+        alibi_slopes: optional fp32 (nheads,) or (batch_size, nheads).
+        num_splits: how many chunks to split the keys into; 0 lets the kernel
+            choose, 1 disables splitting. Affects speed only.
+        return_softmax_lse: also return the fp32 log-sum-exp.
+
+    Returns:
+        out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
+        with softmax_lse fp32 (batch_size, nheads, seqlen_q) when
+        return_softmax_lse is True.
+    """
+    _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    # The caches are written in place, so a copy to fix their layout would
+    # silently drop the update.
+    if k_cache.stride(-1) != 1:
+        raise ValueError("k_cache must have a contiguous last dimension (stride 1)")
+    if v_cache.stride(-1) != 1:
+        raise ValueError("v_cache must have a contiguous last dimension (stride 1)")
+    window = _attention_window(causal, window_size)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full(
+            (q.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device
+        )
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+    out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        rotary_cos,
+        rotary_sin,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        alibi_slopes,
+        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        rotary_interleaved,
+        num_splits,
+    )
+    return (out, softmax_lse) if return_softmax_lse else out

@@ -1,0 +1,162 @@
+"""Fake (meta) kernels for every op of the ``flash_attn`` library.
+
+The real kernels live in C++ (CPU) and CUDA; these functions only describe the
+outputs -- shapes, dtypes, devices, strides -- so that FakeTensor tracing,
+``torch.compile`` and ``torch.library.opcheck`` can reason about the ops without
+running them. Every output allocated here is contiguous, as the real kernels
+allocate theirs. The schemas themselves are defined in csrc/flash_api.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = []  # nothing public: importing this module registers the kernels
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    # new_empty always returns a contiguous tensor, whatever the strides of t.
+    return t.new_empty(t.shape)
+
+
+def _rng_state_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty((2,), dtype=torch.int64, device=q.device)
+
+
+@torch.library.register_fake("flash_attn::fwd")
+def _fwd_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    return_softmax: bool,
+    philox_seed: int,
+    philox_offset: int,
+    rng_state: Optional[torch.Tensor],
+):
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    out = _contiguous_like(q)
+    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    if return_softmax:
+        s_dmask = q.new_empty((batch, nheads, seqlen_q, seqlen_k))
+    else:
+        s_dmask = q.new_empty((0,))
+    return out, softmax_lse, s_dmask, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_attn::bwd")
+def _bwd_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor],
+):
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
+
+
+@torch.library.register_fake("flash_attn::varlen_fwd")
+def _varlen_fwd_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    return_softmax: bool,
+    philox_seed: int,
+    philox_offset: int,
+    rng_state: Optional[torch.Tensor],
+):
+    total_q, nheads, _ = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    out = _contiguous_like(q)
+    softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
+    if return_softmax:
+        s_dmask = q.new_empty((batch, nheads, max_seqlen_q, max_seqlen_k))
+    else:
+        s_dmask = q.new_empty((0,))
+    return out, softmax_lse, s_dmask, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_attn::varlen_bwd")
+def _varlen_bwd_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor],
+):
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
+
+
+@torch.library.register_fake("flash_attn::fwd_kvcache")
+def _fwd_kvcache_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+):
+    # k_cache / v_cache are written in place by the real kernel (schema (a!) /
+    # (b!)); a fake kernel has no data to write, so only the outputs appear here.
+    batch, seqlen_q, nheads, _ = q.shape
+    out = _contiguous_like(q)
+    softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Build, test and benchmark on a machine with a GPU, in one go, writing logs
+# and results under $RESULTS_DIR (default ./gpu_check_out).
+#
+#   scripts/gpu_check.sh [build|test|bench|all]...   (default: all)
+#
+# Environment: FLASH_ATTN_CUDA_ARCHS (default: this GPU's arch), MAX_JOBS,
+# TESTS (pytest selection, default tests/test_cuda_*.py), BENCH_ARGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RESULTS_DIR=${RESULTS_DIR:-$PWD/gpu_check_out}
+mkdir -p "$RESULTS_DIR"
+export PYTHONUNBUFFERED=1
+
+# A wheel folder (.whl/) with nvidia-cutlass lets an offline machine build.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+  export PYTHONPATH=$PWD/.site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(all)
+
+do_build() {
+  if [ -z "${FLASH_ATTN_CUDA_ARCHS:-}" ]; then
+    FLASH_ATTN_CUDA_ARCHS=$(python3 -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")')
+    export FLASH_ATTN_CUDA_ARCHS
+  fi
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RESULTS_DIR/gpu.txt"
+  local start=$SECONDS
+  FLASH_ATTN_FORCE_CUDA_BUILD=1 FLASH_ATTN_PTXAS_VERBOSE=${FLASH_ATTN_PTXAS_VERBOSE:-1} \
+    python3 setup.py build_ext --inplace >"$RESULTS_DIR/build.log" 2>&1 || {
+      tail -50 "$RESULTS_DIR/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s with MAX_JOBS=$MAX_JOBS archs=$FLASH_ATTN_CUDA_ARCHS" | tee -a "$RESULTS_DIR/build_time.txt"
+  grep -E "Function properties|spill|Used [0-9]+ registers" "$RESULTS_DIR/build.log" >"$RESULTS_DIR/ptxas.txt" || true
+}
+
+do_test() {
+  local selection=${TESTS:-tests/test_cuda_*.py}
+  # shellcheck disable=SC2086
+  python3 -m pytest -q -x --no-header -rs $selection 2>&1 | tee "$RESULTS_DIR/tests.log" | tail -40
+}
+
+do_bench() {
+  # shellcheck disable=SC2086
+  python3 benchmarks/benchmark_attention.py --out "$RESULTS_DIR/bench" ${BENCH_ARGS:---quick} \
+    2>&1 | tee "$RESULTS_DIR/bench.log" | tail -60
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    build) do_build ;;
+    test) do_test ;;
+    bench) do_bench ;;
+    all) do_build; do_test; do_bench ;;
+    *) echo "unknown step $step (build|test|bench|all)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,443 @@
+"""Builds flash_attn_cuda: one extension module, flash_attn_cuda._C.
+
+The C++ API layer and the CPU kernels are always built. The CUDA kernels are
+built too when a CUDA toolkit is found (and FLASH_ATTN_SKIP_CUDA_BUILD is not
+"1"); otherwise every CUDA op is registered as a stub that raises a clear error.
+
+Environment switches (see README.md and MAX_JOBS.md):
+  FLASH_ATTN_SKIP_CUDA_BUILD=1     CPU-only build, even if nvcc is present.
+  FLASH_ATTN_FORCE_CUDA_BUILD=1    fail instead of falling back to CPU-only.
+  FLASH_ATTN_CUDA_ARCHS="80;90"    one -gencode per entry ("90a" for sm_90a).
+  FLASH_ATTN_CUDA_HDIMS=64,128     head dims to instantiate (default: all).
+  FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16).
+  FLASH_ATTN_PTXAS_VERBOSE=1       print registers / spills per kernel.
+  FLASH_ATTN_NVCC_THREADS=N        nvcc --threads (archs of one file in parallel).
+  MAX_JOBS=N                       parallel compile jobs (default: what RAM allows).
+  CUDA_HOME, CUTLASS_DIR           where the toolkit / CUTLASS checkout live.
+"""
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE = "flash_attn_cuda"
+VERSION = "0.1.0"
+
+ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+ALL_DTYPES = ("fp16", "bf16")
+DEFAULT_ARCHS = "80;90"
+
+# Peak resident memory of the largest single compile job, measured in MAX_JOBS.md;
+# used to pick a default MAX_JOBS that does not run the machine out of memory.
+GIB_PER_CUDA_JOB = 4.0
+GIB_PER_CXX_JOB = 1.5
+
+
+def _fail(message):
+    sys.exit(f"error: {message}")
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _split_list(value):
+    return [item.strip() for item in re.split(r"[;,\s]+", value) if item.strip()]
+
+
+# ---------------------------------------------------------------------------
+# Build selection from the environment
+# ---------------------------------------------------------------------------
+
+
+def _parse_archs():
+    """FLASH_ATTN_CUDA_ARCHS -> list like ["80", "90a"]."""
+    archs = []
+    for item in _split_list(os.environ.get("FLASH_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)):
+        arch = item.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
+        if not re.fullmatch(r"\d{2,3}[af]?", arch):
+            _fail(f"FLASH_ATTN_CUDA_ARCHS: '{item}' is not a CUDA arch; expected e.g. '80;90' or '90a'")
+        if arch not in archs:
+            archs.append(arch)
+    if not archs:
+        _fail("FLASH_ATTN_CUDA_ARCHS is empty; expected e.g. '80;90'")
+    return archs
+
+
+def _parse_hdims():
+    value = os.environ.get("FLASH_ATTN_CUDA_HDIMS", "all").strip()
+    if value.lower() in ("", "all"):
+        return list(ALL_HDIMS)
+    hdims = []
+    for item in _split_list(value):
+        if not item.isdigit() or int(item) not in ALL_HDIMS:
+            _fail(f"FLASH_ATTN_CUDA_HDIMS: '{item}' is not one of {','.join(map(str, ALL_HDIMS))}")
+        if int(item) not in hdims:
+            hdims.append(int(item))
+    return sorted(hdims)
+
+
+def _parse_dtypes():
+    value = os.environ.get("FLASH_ATTN_CUDA_DTYPES", "all").strip().lower()
+    if value in ("", "all"):
+        return list(ALL_DTYPES)
+    aliases = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+    dtypes = []
+    for item in _split_list(value):
+        if item not in aliases:
+            _fail(f"FLASH_ATTN_CUDA_DTYPES: '{item}' is not one of fp16,bf16")
+        if aliases[item] not in dtypes:
+            dtypes.append(aliases[item])
+    return [d for d in ALL_DTYPES if d in dtypes]
+
+
+# ---------------------------------------------------------------------------
+# Toolchain discovery
+# ---------------------------------------------------------------------------
+
+
+def _is_toolkit(path):
+    """A CUDA toolkit root: bin/nvcc, the runtime headers and the runtime library."""
+    if not path:
+        return False
+    root = Path(path)
+    has_lib = any((root / lib).is_dir() for lib in ("lib64", "lib", "targets"))
+    return (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file() and has_lib
+
+
+def _toolkit_reported_by(nvcc):
+    """Ask nvcc where it lives: a dry run prints the directory of the real binary.
+
+    This sees through wrapper scripts and symlinks placed outside the toolkit
+    (from which torch would guess a CUDA_HOME that has no lib64).
+    """
+    try:
+        dry_run = subprocess.run(
+            [nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (dry_run.stdout + dry_run.stderr).splitlines():
+        match = re.match(r"#\$ (?:_HERE_|TOP)=(.+)", line.strip())
+        if match:
+            bin_dir = Path(match.group(1).strip())
+            root = (bin_dir.parent if bin_dir.name == "bin" else bin_dir).resolve()
+            if _is_toolkit(root):
+                return str(root)
+    return None
+
+
+def _nvcc_version(cuda_home):
+    try:
+        text = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+            capture_output=True, text=True, timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", text)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def _find_cuda_home(torch_cuda_version):
+    """Returns (cuda_home or None, reason when None)."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        configured = os.environ.get(variable)
+        if configured:
+            if _is_toolkit(configured):
+                return str(Path(configured).resolve()), None
+            _fail(
+                f"{variable}={configured} is not a CUDA toolkit (no bin/nvcc, include/cuda_runtime.h "
+                f"or lib64 there); point it at the toolkit root, unset it, or set "
+                f"FLASH_ATTN_SKIP_CUDA_BUILD=1 for a CPU-only build"
+            )
+
+    nvcc_on_path = shutil.which("nvcc")
+    if nvcc_on_path:
+        resolved_root = Path(nvcc_on_path).resolve().parent.parent
+        if _is_toolkit(resolved_root):
+            return str(resolved_root), None
+        reported_root = _toolkit_reported_by(nvcc_on_path)
+        if reported_root:
+            return reported_root, None
+
+    # No usable nvcc on PATH: look at the usual install locations, preferring
+    # the toolkit whose major version matches the one torch was built with.
+    candidates = [Path("/usr/local/cuda"), Path("/opt/cuda")]
+    candidates += sorted((Path(p) for p in glob.glob("/usr/local/cuda-*")), reverse=True)
+    toolkits = [str(p.resolve()) for p in candidates if _is_toolkit(p)]
+    if torch_cuda_version:
+        torch_major = torch_cuda_version.split(".")[0]
+        matching = [t for t in toolkits if (_nvcc_version(t) or "").split(".")[0] == torch_major]
+        toolkits = matching + [t for t in toolkits if t not in matching]
+    if toolkits:
+        return toolkits[0], None
+    return None, "no nvcc found (put it on PATH or set CUDA_HOME)"
+
+
+def _torch_bundled_cuda_includes(cuda_home, torch_cuda_version):
+    """Headers of the CUDA math libraries (cusparse.h, cublas_v2.h, ...) when the toolkit lacks them.
+
+    ATen/cuda/CUDAContext.h includes them. A minimal toolkit (nvcc and the runtime only)
+    does not ship them, but the CUDA build of torch depends on wheels under site-packages/nvidia/
+    that do. They go last on the include path, so that the toolkit's own headers win.
+    """
+    if (Path(cuda_home) / "include" / "cusparse.h").is_file():
+        return []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    major = (torch_cuda_version or "").split(".")[0]
+    found = []
+    for location in spec.submodule_search_locations:
+        headers = sorted(Path(location).glob("*/include/cusparse.h"))
+        # Prefer the folder for torch's CUDA major version (nvidia/cu13/include).
+        headers.sort(key=lambda h: h.parent.parent.name != f"cu{major}")
+        found += [str(h.parent) for h in headers[:1]]
+    return found[:1]
+
+
+def _find_cutlass_include():
+    configured = os.environ.get("CUTLASS_DIR")
+    if configured:
+        for candidate in (Path(configured) / "include", Path(configured)):
+            if (candidate / "cute").is_dir() and (candidate / "cutlass").is_dir():
+                return str(candidate.resolve())
+        _fail(f"CUTLASS_DIR={configured} has no include/cute and include/cutlass; point it at a CUTLASS checkout")
+    checkout = ROOT / "third_party" / "cutlass" / "include"
+    if (checkout / "cute").is_dir():
+        return str(checkout)
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            wheel_include = Path(location) / "source" / "include"
+            if (wheel_include / "cute").is_dir():
+                return str(wheel_include)
+    return None
+
+
+def _default_max_jobs(building_cuda):
+    """Parallel compile jobs that fit in the available memory (MAX_JOBS overrides)."""
+    gib_per_job = GIB_PER_CUDA_JOB if building_cuda else GIB_PER_CXX_JOB
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available_gib = int(fields["MemAvailable"].split()[0]) / (1024 * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+    return max(1, min(os.cpu_count() or 1, int(available_gib / gib_per_job)))
+
+
+# ---------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------
+
+
+def _sources(pattern):
+    return sorted(glob.glob(pattern, root_dir=ROOT))
+
+
+def _instantiation_selected(path, hdims, dtypes):
+    name = Path(path).stem
+    hdim = re.search(r"hdim(\d+)", name)
+    if hdim and int(hdim.group(1)) not in hdims:
+        return False
+    dtype = re.search(r"(?:^|_)(fp16|bf16)(?:_|$)", name)
+    if dtype and dtype.group(1) not in dtypes:
+        return False
+    return True
+
+
+def _write_if_changed(path, text):
+    # Rewriting an unchanged header would make ninja rebuild module.cpp every time.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def _c_string(text):
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+def _configure():
+    import torch
+
+    archs, hdims, dtypes = _parse_archs(), _parse_hdims(), _parse_dtypes()
+
+    cuda_home, cpu_only_reason = None, None
+    if _env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
+        cpu_only_reason = "FLASH_ATTN_SKIP_CUDA_BUILD=1"
+    elif torch.version.cuda is None:
+        cpu_only_reason = f"the installed torch {torch.__version__} is built without CUDA"
+    else:
+        cuda_home, cpu_only_reason = _find_cuda_home(torch.version.cuda)
+
+    cutlass_include = None
+    if cuda_home:
+        cutlass_include = _find_cutlass_include()
+        if cutlass_include is None:
+            _fail(
+                "CUTLASS headers not found: run `pip install nvidia-cutlass==4.2.0.0`, or set CUTLASS_DIR "
+                "to a CUTLASS checkout, or set FLASH_ATTN_SKIP_CUDA_BUILD=1 for a CPU-only build."
+            )
+    elif _env_flag("FLASH_ATTN_FORCE_CUDA_BUILD") and not _env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
+        _fail(f"FLASH_ATTN_FORCE_CUDA_BUILD=1 but the CUDA kernels cannot be built: {cpu_only_reason}")
+
+    if cuda_home:
+        # torch.utils.cpp_extension reads CUDA_HOME once, at import; both must name the real toolkit.
+        os.environ["CUDA_HOME"] = cuda_home
+        # Our own -gencode flags already contain "arch", which makes torch add none of its own;
+        # the matching list keeps any other torch code path consistent with them.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a[:-1]}.{a[-1]}" if a[-1].isdigit()
+                                                      else f"{a[:-2]}.{a[-2:]}" for a in archs)
+    import torch.utils.cpp_extension as cpp_extension
+
+    if cuda_home:
+        cpp_extension.CUDA_HOME = cuda_home
+
+    return {
+        "torch": torch,
+        "cpp_extension": cpp_extension,
+        "cuda_home": cuda_home,
+        "cuda_version": _nvcc_version(cuda_home) if cuda_home else None,
+        "cpu_only_reason": cpu_only_reason,
+        "cutlass_include": cutlass_include,
+        "extra_cuda_includes": _torch_bundled_cuda_includes(cuda_home, torch.version.cuda) if cuda_home else [],
+        "archs": archs,
+        "hdims": hdims,
+        "dtypes": dtypes,
+    }
+
+
+def _extension(config):
+    cpp_extension = config["cpp_extension"]
+    building_cuda = config["cuda_home"] is not None
+
+    sources = _sources("csrc/*.cpp") + _sources("csrc/api/*.cpp") + _sources("csrc/cpu/*.cpp")
+    generated_dir = ROOT / "build" / "generated"
+    include_dirs = [str(ROOT / "csrc"), str(generated_dir)]
+    cxx_flags = ["-O3", "-std=c++20"]
+
+    if building_cuda:
+        stub = "csrc/cuda/flash_api_nocuda.cpp"
+        sources += [s for s in _sources("csrc/cuda/*.cpp") if s != stub]
+        sources += _sources("csrc/cuda/*.cu")
+        instantiations = _sources("csrc/cuda/instantiations/*.cu")
+        sources += [s for s in instantiations
+                    if _instantiation_selected(s, config["hdims"], config["dtypes"])]
+        include_dirs.append(config["cutlass_include"])
+
+        nvcc_flags = [
+            "-O3", "-std=c++20", "-DNDEBUG",
+            "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+            # torch defines these to keep its own headers off the CUDA half operators;
+            # the kernels here need the operators and conversions.
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+            "-lineinfo",
+        ]
+        for arch in config["archs"]:
+            nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        if _env_flag("FLASH_ATTN_PTXAS_VERBOSE"):
+            nvcc_flags += ["-Xptxas", "-v"]
+        nvcc_threads = os.environ.get("FLASH_ATTN_NVCC_THREADS", "").strip()
+        if nvcc_threads.isdigit() and int(nvcc_threads) > 1:
+            nvcc_flags += ["--threads", nvcc_threads]
+
+        build_info = (
+            f"cuda {config['cuda_version'] or 'unknown'}; "
+            f"archs {','.join('sm_' + a for a in config['archs'])}; "
+            f"hdims {','.join(map(str, config['hdims']))}; "
+            f"dtypes {','.join(config['dtypes'])}; "
+            f"torch {config['torch'].__version__}"
+        )
+    else:
+        sources.append("csrc/cuda/flash_api_nocuda.cpp")
+        build_info = f"cpu-only ({config['cpu_only_reason']}); torch {config['torch'].__version__}"
+
+    # The build description reaches module.cpp alone through a generated header: a -D
+    # flag would go to every translation unit, and changing it would rebuild them all.
+    _write_if_changed(
+        generated_dir / "flash_attn_cuda_build_info.h",
+        "// Generated by setup.py; describes what this build of flash_attn_cuda._C contains.\n"
+        "#pragma once\n"
+        f"#define FLASH_ATTN_CUDA_BUILT {1 if building_cuda else 0}\n"
+        f"#define FLASH_ATTN_BUILD_INFO {_c_string(build_info)}\n"
+        f"#define FLASH_ATTN_VERSION {_c_string(VERSION)}\n",
+    )
+
+    if building_cuda:
+        summary = (f"flash_attn_cuda: building CPU + CUDA kernels with {config['cuda_home']} "
+                   f"({build_info}); CUTLASS from {config['cutlass_include']}")
+        extension = cpp_extension.CUDAExtension(
+            name=f"{PACKAGE}._C",
+            sources=sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        )
+        extension.include_dirs += config["extra_cuda_includes"]
+    else:
+        summary = f"flash_attn_cuda: building CPU-only, because {config['cpu_only_reason']}"
+        extension = cpp_extension.CppExtension(
+            name=f"{PACKAGE}._C",
+            sources=sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    return extension, summary, building_cuda
+
+
+def _build_ext_class(cpp_extension):
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExtension(base):
+        def finalize_options(self):
+            super().finalize_options()
+            # One stable object directory for regular and editable installs, so that
+            # ninja rebuilds only what changed (editable builds otherwise use a fresh
+            # temporary directory and recompile everything).
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = str(ROOT / "build" / f"temp.{tag}")
+
+    return BuildExtension
+
+
+def main():
+    config = _configure()
+    extension, summary, building_cuda = _extension(config)
+    if "MAX_JOBS" not in os.environ:
+        max_jobs = _default_max_jobs(building_cuda)
+        if max_jobs is not None:
+            os.environ["MAX_JOBS"] = str(max_jobs)
+    print(summary, file=sys.stderr)
+
+    packages = [PACKAGE] + sorted(
+        str(Path(init).parent).replace(os.sep, ".")
+        for init in glob.glob(f"{PACKAGE}/*/**/__init__.py", root_dir=ROOT, recursive=True)
+    )
+    setup(
+        packages=packages,
+        ext_modules=[extension],
+        cmdclass={"build_ext": _build_ext_class(config["cpp_extension"])},
+        zip_safe=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

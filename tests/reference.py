@@ -1,0 +1,301 @@
+"""Independent reference attention for the tests, in pure torch.
+
+Nothing here calls the extension: the window rule, softcap, ALiBi, GQA,
+dropout and the Philox4x32-10 keep mask are restated from the op contract
+(DESIGN.md, "The op contract") so that the kernels are checked against a
+second, plain implementation.
+
+Layouts follow the ops: q (batch, seqlen_q, nheads, head_dim), k / v
+(batch, seqlen_k, nheads_k, head_dim); lse (batch, nheads, seqlen_q).
+"""
+
+import math
+
+import torch
+
+# ---------------------------------------------------------------------------
+# Window rule
+# ---------------------------------------------------------------------------
+
+
+def normalize_window(causal, window_left, window_right, seqlen_k):
+    """The (left, right) window the ops use: causal forces right = 0; a side
+    that is negative or reaches seqlen_k or beyond becomes unbounded (-1)."""
+
+    def side(w):
+        return -1 if (w < 0 or w >= seqlen_k) else int(w)
+
+    left, right = side(window_left), side(window_right)
+    if causal:
+        right = 0
+    return left, right
+
+
+def visible_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, device="cpu"):
+    """Bool (seqlen_q, seqlen_k): query i sees key j iff
+    i + sk - sq - left <= j <= i + sk - sq + right (a negative side unbounded)."""
+    rows = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diagonal = rows + seqlen_k - seqlen_q
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        mask &= cols >= diagonal - window_left
+    if window_right >= 0:
+        mask &= cols <= diagonal + window_right
+    return mask
+
+
+def alibi_bias(slopes, seqlen_q, seqlen_k, dtype=torch.float64):
+    """slopes (..., nheads) -> bias (..., nheads, seqlen_q, seqlen_k):
+    -slope * |i + sk - sq - j|."""
+    rows = torch.arange(seqlen_q, device=slopes.device).unsqueeze(1)
+    cols = torch.arange(seqlen_k, device=slopes.device).unsqueeze(0)
+    distance = (rows + seqlen_k - seqlen_q - cols).abs().to(dtype)
+    return -slopes.to(dtype)[..., None, None] * distance
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+
+
+def attention_ref(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    keep_mask=None,
+    compute_dtype=torch.float64,
+    normalize=True,
+):
+    """Attention of fixed-length q, k, v in compute_dtype.
+
+    alibi_slopes: None, (nheads) or (batch, nheads). keep_mask: None or bool
+    (batch, nheads, seqlen_q, seqlen_k), True where dropout keeps P; kept
+    values are scaled by 1 / (1 - dropout_p). normalize=False takes the window
+    as given instead of normalising it like the ops do.
+
+    Returns (out (batch, seqlen_q, nheads, head_dim), lse (batch, nheads,
+    seqlen_q)), both in compute_dtype and differentiable. Rows that see no
+    key: out 0, lse +inf.
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    assert nheads % nheads_k == 0
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    left, right = window_size
+    if normalize:
+        left, right = normalize_window(causal, left, right, seqlen_k)
+    elif causal:
+        right = 0
+
+    qc, kc, vc = (t.to(compute_dtype) for t in (q, k, v))
+    group = nheads // nheads_k
+    kc = kc.repeat_interleave(group, dim=2)
+    vc = vc.repeat_interleave(group, dim=2)
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.expand(batch, nheads)
+        scores = scores + alibi_bias(slopes, seqlen_q, seqlen_k, compute_dtype)
+    visible = visible_mask(seqlen_q, seqlen_k, left, right, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    row_sees_key = visible.any(dim=-1)  # (seqlen_q,)
+    # logsumexp of a row with no visible key would be -inf and poison the
+    # gradient; give it finite scores, then report +inf and P = 0.
+    safe_scores = scores.masked_fill(~row_sees_key[:, None], 0.0)
+    lse = torch.logsumexp(safe_scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    lse = lse.masked_fill(~row_sees_key, float("inf"))
+
+    if dropout_p > 0 or keep_mask is not None:
+        assert keep_mask is not None, "dropout needs the keep mask"
+        probs = probs * keep_mask.to(compute_dtype) / (1.0 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vc)
+    return out, lse
+
+
+def varlen_attention_ref(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    keep_masks=None,
+    compute_dtype=torch.float64,
+):
+    """Varlen attention by a loop over the sequences: q (total_q, nheads, d),
+    k / v (total_k, nheads_k, d). The window is normalised against
+    max_seqlen_k (default: the longest key sequence), as the ops do.
+    keep_masks: None or a list of bool (nheads, seqlen_q_b, seqlen_k_b).
+
+    Returns (out (total_q, nheads, d), lse (nheads, total_q)). Rows outside
+    every sequence are 0 in out and +inf in lse.
+    """
+    cu_q = [int(x) for x in cu_seqlens_q]
+    cu_k = [int(x) for x in cu_seqlens_k]
+    batch = len(cu_q) - 1
+    head_dim = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if max_seqlen_k is None:
+        max_seqlen_k = max([cu_k[b + 1] - cu_k[b] for b in range(batch)] + [0])
+    left, right = normalize_window(causal, window_size[0], window_size[1], max_seqlen_k)
+    nheads = q.shape[1]
+    out = q.new_zeros(q.shape, dtype=compute_dtype)
+    lse = torch.full((nheads, q.shape[0]), float("inf"), dtype=compute_dtype, device=q.device)
+    pieces_out, pieces_lse = [], []
+    for b in range(batch):
+        qb = q[cu_q[b] : cu_q[b + 1]].unsqueeze(0)
+        kb = k[cu_k[b] : cu_k[b + 1]].unsqueeze(0)
+        vb = v[cu_k[b] : cu_k[b + 1]].unsqueeze(0)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+        mask = None if keep_masks is None else keep_masks[b].unsqueeze(0)
+        ob, lb = attention_ref(
+            qb,
+            kb,
+            vb,
+            softmax_scale=softmax_scale,
+            causal=False,
+            window_size=(left, right),
+            softcap=softcap,
+            alibi_slopes=slopes,
+            dropout_p=dropout_p,
+            keep_mask=mask,
+            compute_dtype=compute_dtype,
+            normalize=False,
+        )
+        pieces_out.append((cu_q[b], cu_q[b + 1], ob[0]))
+        pieces_lse.append((cu_q[b], cu_q[b + 1], lb[0]))
+    # Assemble without in-place writes so that autograd flows through.
+    out_rows, lse_cols, cursor = [], [], 0
+    for (start, end, ob), (_, _, lb) in zip(pieces_out, pieces_lse):
+        if start > cursor:
+            out_rows.append(out[cursor:start])
+            lse_cols.append(lse[:, cursor:start])
+        out_rows.append(ob)
+        lse_cols.append(lb)
+        cursor = end
+    if cursor < q.shape[0]:
+        out_rows.append(out[cursor:])
+        lse_cols.append(lse[:, cursor:])
+    out = torch.cat(out_rows, dim=0) if out_rows else out
+    lse = torch.cat(lse_cols, dim=1) if lse_cols else lse
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Philox4x32-10 dropout mask (same definition as csrc/common/philox.h)
+# ---------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_MUL = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_WEYL = (0x9E3779B9, 0xBB67AE85)
+
+
+def _mulhilo32(constant, x):
+    """(hi, lo) 32-bit halves of constant * x for int64 tensors holding
+    uint32 values, without overflowing int64 (16-bit split of the constant)."""
+    c_hi, c_lo = constant >> 16, constant & 0xFFFF
+    upper = x * c_hi  # < 2^48
+    lower = x * c_lo  # < 2^48
+    low_sum = ((upper & 0xFFFF) << 16) + lower  # < 2^49
+    hi = (upper >> 16) + (low_sum >> 32)
+    return hi & _MASK32, low_sum & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on int64 tensors (uint32 values); keys are Python ints."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(_PHILOX_MUL[0], c0)
+        hi1, lo1 = _mulhilo32(_PHILOX_MUL[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _PHILOX_WEYL[0]) & _MASK32
+        k1 = (k1 + _PHILOX_WEYL[1]) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(dropout_p):
+    """Draws below this uint32 are dropped. The ops hold dropout_p as float32."""
+    scaled = float(torch.tensor(dropout_p, dtype=torch.float32).item()) * 4294967296.0
+    return _MASK32 if scaled >= 4294967295.0 else int(scaled)
+
+
+def dropout_keep_mask(seed, offset, batch_index, nheads, seqlen_q, seqlen_k, dropout_p, heads=None):
+    """Bool (len(heads), seqlen_q, seqlen_k) keep mask of one batch entry.
+
+    One Philox call per (row, group of 4 columns): key = (seed lo, seed hi),
+    counter = (col // 4, row, batch_index * nheads + head, offset lo); column
+    col reads output word col % 4 and is kept iff it is >= the threshold.
+    """
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    heads = list(range(nheads)) if heads is None else list(heads)
+    groups = (seqlen_k + 3) // 4
+    head_t = torch.tensor(heads, dtype=torch.int64).view(-1, 1, 1)
+    rows = torch.arange(seqlen_q, dtype=torch.int64).view(1, -1, 1)
+    cols = torch.arange(groups, dtype=torch.int64).view(1, 1, -1)
+    shape = (len(heads), seqlen_q, groups)
+    c0 = cols.expand(shape)
+    c1 = rows.expand(shape)
+    c2 = ((batch_index * nheads + head_t) & _MASK32).expand(shape)
+    c3 = torch.full(shape, offset & _MASK32, dtype=torch.int64)
+    words = philox4x32_10(c0, c1, c2, c3, seed & _MASK32, (seed >> 32) & _MASK32)
+    bits = torch.stack(words, dim=-1).reshape(len(heads), seqlen_q, groups * 4)[..., :seqlen_k]
+    return bits >= dropout_threshold(dropout_p)
+
+
+def dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """Bool (batch, nheads, seqlen_q, seqlen_k) keep mask of a fixed-length problem."""
+    return torch.stack(
+        [dropout_keep_mask(seed, offset, b, nheads, seqlen_q, seqlen_k, dropout_p) for b in range(batch)]
+    ) if batch > 0 else torch.zeros(0, nheads, seqlen_q, seqlen_k, dtype=torch.bool)
+
+
+def dropout_keep_masks_varlen(seed, offset, cu_seqlens_q, cu_seqlens_k, nheads, dropout_p):
+    """List of bool (nheads, seqlen_q_b, seqlen_k_b), one per sequence."""
+    cu_q = [int(x) for x in cu_seqlens_q]
+    cu_k = [int(x) for x in cu_seqlens_k]
+    return [
+        dropout_keep_mask(seed, offset, b, nheads, cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], dropout_p)
+        for b in range(len(cu_q) - 1)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Comparison criterion (DESIGN.md, "Correctness criterion")
+# ---------------------------------------------------------------------------
+
+
+def max_abs_err(a, b):
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - b.double()).abs().max().item()
+
+
+def assert_within_criterion(ours, ref_exact, ref_same_dtype, factor=2.0, atol=1e-5, name="out"):
+    """max|ours - ref_exact| <= factor * max|ref_same_dtype - ref_exact| + atol."""
+    err = max_abs_err(ours, ref_exact)
+    baseline = max_abs_err(ref_same_dtype, ref_exact)
+    assert err <= factor * baseline + atol, (
+        f"{name}: max error {err:.3e} exceeds {factor} x the same-dtype torch error "
+        f"{baseline:.3e} + {atol:.0e}"
+    )

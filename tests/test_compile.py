@@ -1,0 +1,138 @@
+"""torch.compile(fullgraph=True) through the public API.
+
+fullgraph=True turns any graph break into an error, so a passing test means the
+autograd.Functions, the ops and their fake kernels trace into one graph. Most
+tests use the aot_eager backend (AOTAutograd traces forward and backward with
+the fake kernels, then runs the real ops), which checks the same tracing at a
+fraction of inductor's compile time; one test goes through inductor.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class TwoPathAttention(nn.Module):
+    """Self-attention computed twice: once batched, once as varlen sequences."""
+
+    def __init__(self, nheads, head_dim, lengths, dropout_p=0.0, project=True):
+        super().__init__()
+        self.nheads, self.head_dim, self.dropout_p = nheads, head_dim, dropout_p
+        width = nheads * head_dim
+        # Without projections (inputs are then already 3 * width wide) the graph
+        # holds little besides the attention ops, which keeps inductor's compile
+        # time (C++ codegen on CPU) short.
+        self.qkv = nn.Linear(width, 3 * width) if project else nn.Identity()
+        self.out = nn.Linear(width, width) if project else nn.Identity()
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths).cumsum(0)
+        self.register_buffer("cu_seqlens", cu, persistent=False)
+        self.max_seqlen = max(lengths)  # a Python int, as callers pass it
+
+    def forward(self, x, tokens):
+        batch, seqlen, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seqlen, 3, self.nheads, self.head_dim).unbind(2)
+        dense = flash_attn_func(q, k, v, dropout_p=self.dropout_p, causal=True)
+        tq, tk, tv = self.qkv(tokens).view(-1, 3, self.nheads, self.head_dim).unbind(1)
+        varlen = flash_attn_varlen_func(
+            tq, tk, tv, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
+            dropout_p=self.dropout_p, window_size=(5, 5),
+        )
+        return self.out(dense.flatten(2)), self.out(varlen.flatten(1))
+
+
+def make_model_and_inputs(device, dropout_p=0.0, project=True):
+    lengths = [7, 1, 12]
+    model = TwoPathAttention(2, 32, lengths, dropout_p, project)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    width = 64 if project else 3 * 64
+    x = torch.randn(2, 16, width, dtype=torch.bfloat16, device=device, requires_grad=True)
+    tokens = torch.randn(sum(lengths), width, dtype=torch.bfloat16, device=device,
+                         requires_grad=True)
+    return model, x, tokens
+
+
+def forward_backward(fn, model, x, tokens):
+    model.zero_grad(set_to_none=True)
+    x.grad = tokens.grad = None
+    dense, varlen = fn(x, tokens)
+    (dense.float().square().mean() + varlen.float().square().mean()).backward()
+    grads = [x.grad, tokens.grad] + [p.grad for p in model.parameters()]
+    return [dense.detach(), varlen.detach()], [g.clone() for g in grads]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_module_compiles_and_matches_eager(device, backend):
+    model, x, tokens = make_model_and_inputs(device, project=backend != "inductor")
+    eager_outs, eager_grads = forward_backward(model, model, x, tokens)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    outs, grads = forward_backward(compiled, model, x, tokens)
+    for ours, ref in zip(outs + grads, eager_outs + eager_grads):
+        # The projections may fuse or reorder differently under inductor; the
+        # attention ops run the same kernels either way.
+        torch.testing.assert_close(ours, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_shapes(device):
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True, dynamic=True)
+    for seqlen_q, seqlen_k in [(9, 13), (21, 5)]:
+        q = torch.randn(2, seqlen_q, 4, 32, dtype=torch.float16, device=device, requires_grad=True)
+        k = torch.randn(2, seqlen_k, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
+        v = torch.randn(2, seqlen_k, 2, 32, dtype=torch.float16, device=device, requires_grad=True)
+        out = compiled(q, k, v)
+        torch.testing.assert_close(out, attention(q, k, v), atol=0, rtol=0)
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_compiles(device):
+    # Dropout draws its seed with torch.randint inside the traced function; the
+    # compiled graph must not break on it and must draw a fresh mask per call.
+    model, x, tokens = make_model_and_inputs(device, dropout_p=0.3)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    (first, _), grads = forward_backward(compiled, model, x, tokens)
+    (second, _), _ = forward_backward(compiled, model, x, tokens)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvcache_compiles(device):
+    def decode_step(q, k_cache, v_cache, k, v, cache_seqlens):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                       causal=True, return_softmax_lse=True)
+
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+        return (rand(2, 1, 4, 32), rand(2, 16, 2, 32), rand(2, 16, 2, 32), rand(2, 1, 2, 32),
+                rand(2, 1, 2, 32), torch.tensor([3, 8], dtype=torch.int32, device=device))
+
+    eager_args, compiled_args = inputs(), inputs()
+    eager_out, eager_lse = decode_step(*eager_args)
+    compiled = torch.compile(decode_step, backend="aot_eager", fullgraph=True)
+    out, lse = compiled(*compiled_args)
+    torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+    # The in-place append to the caches survives functionalization.
+    torch.testing.assert_close(compiled_args[1], eager_args[1], atol=0, rtol=0)
+    torch.testing.assert_close(compiled_args[2], eager_args[2], atol=0, rtol=0)
+    assert torch.equal(compiled_args[1][0, 3], compiled_args[3][0, 0])

@@ -1,0 +1,282 @@
+"""CUDA forward kernel against an fp32 reference (DESIGN.md criterion).
+
+Every test here needs a GPU and is skipped with a reason without one.
+"""
+
+import pytest
+import torch
+
+import reference
+from reference import assert_within_criterion, attention_ref
+
+import flash_attn_cuda  # noqa: F401  (registers the ops)
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
+SEQLEN_PAIRS = [
+    (1, 1), (2, 2), (1, 129), (17, 17), (113, 203), (127, 128), (128, 127), (129, 129),
+    (255, 17), (17, 255), (1023, 1024), (2049, 2049),
+]
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Fill soon-to-be-reused cached memory with NaN, so an output element the
+    kernel forgets to write shows up as NaN instead of a stale plausible value."""
+    blob = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
+    del blob
+
+
+def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+            dropout_p=0.0, softmax_scale=None, return_softmax=False, seed=0, offset=0):
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    poison_allocator()
+    return torch.ops.flash_attn.fwd(
+        q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
+        return_softmax, seed, offset, None)
+
+
+def check_against_reference(q, k, v, out, lse, **ref_kwargs):
+    ref_out, ref_lse = attention_ref(q, k, v, compute_dtype=torch.float32, **ref_kwargs)
+    same_out, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **ref_kwargs)
+    assert not out.isnan().any(), "output has NaN (unwritten or poisoned element)"
+    assert_within_criterion(out, ref_out, same_out, name="out")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~finite), "lse +inf rows differ from the reference"
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float(), atol=2e-3, rtol=1e-3)
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal):
+    batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+    out, lse, _, _ = run_fwd(q, k, v, causal=causal)
+    check_against_reference(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(0, 0), (16, 0), (63, 17), (-1, 40), (100, -1)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 256), (300, 129)])
+def test_fwd_local(dtype, head_dim, window, seqlen_q, seqlen_k):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype)
+    out, lse, _, _ = run_fwd(q, k, v, window=window)
+    check_against_reference(q, k, v, out, lse, window_size=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("softcap", [0.0, 5.0, 30.0])
+@pytest.mark.parametrize("alibi", [None, "heads", "batch_heads"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
+    batch, nheads = 2, 4
+    q, k, v = random_qkv(batch, 129, 257, nheads, 2, head_dim, dtype)
+    slopes = None
+    if alibi == "heads":
+        slopes = torch.rand(nheads, device=DEVICE) * 0.3
+    elif alibi == "batch_heads":
+        slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
+    out, lse, _, _ = run_fwd(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
+    check_against_reference(q, k, v, out, lse, causal=causal, softcap=softcap,
+                            alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nheads,nheads_k", [(8, 8), (8, 4), (8, 1), (16, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_gqa(dtype, nheads, nheads_k, causal):
+    q, k, v = random_qkv(3, 200, 333, nheads, nheads_k, 128, dtype)
+    out, lse, _, _ = run_fwd(q, k, v, causal=causal)
+    check_against_reference(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fwd_strided_views_of_packed_qkv(dtype, head_dim):
+    qkv = torch.randn(2, 177, 3, 6, head_dim, device=DEVICE, dtype=dtype)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    out, lse, _, _ = run_fwd(q, k, v, causal=True)
+    check_against_reference(q, k, v, out, lse, causal=True)
+
+
+def random_cu_seqlens(batch, max_len, allow_empty=True):
+    low = 0 if allow_empty else 1
+    lengths = torch.randint(low, max_len + 1, (batch,))
+    lengths[0] = max_len
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu, int(lengths.max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap,alibi", [(0.0, False), (10.0, True)])
+def test_varlen_fwd(dtype, head_dim, causal, softcap, alibi):
+    batch, nheads, nheads_k = 5, 4, 2
+    cu_q, max_q = random_cu_seqlens(batch, 150)
+    cu_k, max_k = random_cu_seqlens(batch, 300)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(total_q, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3 if alibi else None
+    scale = head_dim ** -0.5
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, slopes, max_q, max_k, 0.0, scale,
+        causal, -1, -1, softcap, False, 0, 0, None)
+    assert not out.isnan().any()
+    for b in range(batch):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
+        sb = slopes[b] if alibi else None
+        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=causal, softcap=softcap,
+                                         alibi_slopes=sb, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, causal=causal, softcap=softcap, alibi_slopes=sb,
+                                    compute_dtype=dtype)
+        assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
+        lse_b = lse[:, qs:qe]
+        finite = torch.isfinite(ref_lse[0])
+        assert torch.equal(torch.isinf(lse_b), ~finite)
+        torch.testing.assert_close(lse_b[finite], ref_lse[0][finite].float(), atol=2e-3,
+                                   rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
+def test_fwd_dropout_matches_reference_mask(dtype, causal, dropout_p):
+    batch, nheads, seqlen_q, seqlen_k = 2, 3, 97, 133
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype)
+    seed, offset = 1234567891234, 77
+    out, lse, probs, rng_state = run_fwd(q, k, v, causal=causal, dropout_p=dropout_p,
+                                         return_softmax=True, seed=seed, offset=offset)
+    assert rng_state.tolist() == [seed, offset]
+    keep = reference.dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k,
+                                             dropout_p).to(DEVICE)
+    check_against_reference(q, k, v, out, lse, causal=causal, dropout_p=dropout_p,
+                            keep_mask=keep)
+    # return_softmax encodes dropped entries as negative probabilities.
+    visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
+    dropped_visible = (probs < 0) & visible
+    assert torch.equal(dropped_visible, (~keep) & visible & (probs != 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_dropout_same_mask_as_cpu(dtype):
+    q, k, v = random_qkv(2, 65, 80, 2, 2, 64, dtype)
+    args = (None, 0.3, 0.125, False, -1, -1, 0.0, True, 42, 5, None)
+    _, _, probs_cuda, _ = torch.ops.flash_attn.fwd(q, k, v, *args)
+    _, _, probs_cpu, _ = torch.ops.flash_attn.fwd(q.cpu(), k.cpu(), v.cpu(), *args)
+    assert torch.equal(probs_cuda.cpu() < 0, probs_cpu < 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_softmax_probabilities(dtype, causal):
+    q, k, v = random_qkv(2, 70, 90, 4, 2, 64, dtype)
+    _, lse, probs, _ = run_fwd(q, k, v, causal=causal, return_softmax=True)
+    qf, kf = q.float(), k.float().repeat_interleave(2, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * 64 ** -0.5
+    visible = reference.visible_mask(70, 90, -1, 0 if causal else -1, DEVICE)
+    ref_probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    torch.testing.assert_close(probs.float(), ref_probs, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_deterministic_and_matches_cpu(dtype):
+    q, k, v = random_qkv(2, 300, 257, 4, 2, 128, dtype)
+    first = run_fwd(q, k, v, causal=True)
+    second = run_fwd(q, k, v, causal=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    cpu_out, cpu_lse, _, _ = torch.ops.flash_attn.fwd(
+        q.cpu(), k.cpu(), v.cpu(), None, 0.0, 128 ** -0.5, True, -1, -1, 0.0, False, 0, 0, None)
+    ref_out, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float32)
+    # Both paths accumulate in fp32 from the same rounded inputs: they agree to
+    # within the output's own rounding.
+    torch.testing.assert_close(first[0].cpu().float(), cpu_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(first[1].cpu(), cpu_lse, atol=1e-3, rtol=1e-3)
+    assert (first[0].float() - ref_out).abs().max() < 5e-2
+
+
+def test_fwd_cuda_graph_replay():
+    q, k, v = random_qkv(2, 256, 256, 4, 4, 64, torch.bfloat16)
+    static_q = q.clone()
+    eager_out = run_fwd(q, k, v, causal=True)[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run_fwd(static_q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0,
+                                             False, 0, 0, None)[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, eager_out)
+    new_q = torch.randn_like(q)
+    static_q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, run_fwd(new_q, k, v, causal=True)[0])
+
+
+def test_fwd_torch_compile_matches_eager():
+    from flash_attn_cuda import flash_attn_func
+
+    q, k, v = random_qkv(2, 128, 128, 4, 4, 64, torch.bfloat16)
+    compiled = torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True),
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v), flash_attn_func(q, k, v, causal=True))
+
+
+def test_fwd_batch_heads_over_65535():
+    batch, nheads = 17000, 4  # batch * heads = 68000 thread-block columns
+    q, k, v = random_qkv(batch, 3, 5, nheads, nheads, 32, torch.float16)
+    out, lse, _, _ = run_fwd(q, k, v)
+    for b in (0, batch // 2, batch - 1):
+        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1], lse[b:b + 1])
+
+
+def test_fwd_tensor_over_2_pow_31_elements():
+    free, _ = torch.cuda.mem_get_info()
+    # q, k, v, out at 4 GiB each plus the reference of a few slices.
+    if free < 20 * (1 << 30):
+        pytest.skip("needs about 20 GiB of free GPU memory")
+    seqlen, nheads, head_dim = 128, 16, 128
+    batch = (1 << 31) // (seqlen * nheads * head_dim) + 1
+    q, k, v = random_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16)
+    assert q.numel() > 1 << 31
+    out, lse, _, _ = torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1,
+                                             0.0, False, 0, 0, None)
+    for b in (0, batch - 1):
+        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1],
+                                lse[b:b + 1], causal=True)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 10), (10, 0), (0, 0)])
+def test_fwd_empty_sequences(seqlen_q, seqlen_k):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2, 2, 64, torch.bfloat16)
+    out, lse, _, _ = run_fwd(q, k, v)
+    assert out.shape == q.shape and lse.shape == (2, 2, seqlen_q)
+    if seqlen_q > 0:
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.isinf(lse).all() and (lse > 0).all()
