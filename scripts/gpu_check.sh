@@ -39,7 +39,7 @@ do_build() {
 do_test() {
   local selection=${TESTS:-tests/test_cuda_*.py}
   # shellcheck disable=SC2086
-  python3 -m pytest -q -x --no-header -rs $selection 2>&1 | tee "$RESULTS_DIR/tests.log" | tail -40
+  python3 -m pytest -q --maxfail=${MAXFAIL:-25} --no-header -rs $selection 2>&1 | tee "$RESULTS_DIR/tests.log" | tail -40
 }
 
 do_bench() {

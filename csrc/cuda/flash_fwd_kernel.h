@@ -18,6 +18,10 @@
 #include "softmax.h"
 #include "tile_ops.h"
 
+#ifndef FA_FWD_MIN_BLOCKS
+#define FA_FWD_MIN_BLOCKS 1
+#endif
+
 namespace flash {
 
 using namespace cute;
@@ -43,8 +47,13 @@ __forceinline__ __device__ void write_empty_rows(const TensorGO& gO, const Tenso
   }
 }
 
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdParams params) {
+// kWithScoreExtras compiles in softcap, ALiBi and dropout. The plain variant
+// (causal / local / bounds masking only) is the one training and serving hit
+// most; keeping the extras out of it keeps its register allocation free of
+// their live ranges.
+template <typename Traits, bool kWithScoreExtras>
+__global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
+    flash_fwd_kernel(const FwdParams params) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -125,6 +134,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdP
   Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
+  const bool full_head_dim = params.head_dim == kHeadDim;
+  // Whole K/V tiles need no predication: every key block but a ragged last one.
+  auto kv_tile_in_bounds = [&](int n) { return full_head_dim && (n + 1) * kBlockN <= seqlen_k; };
 
   // MMA partitions: S = Q K^T is (M, N); O = P V is (M, D).
   typename Traits::TiledMma tiled_mma;
@@ -156,14 +168,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdP
   // Scores go through scale/softcap/ALiBi in natural units when any of those
   // is on; otherwise the scale is folded into the exp2 multiplier for free.
   const float alibi_slope =
-      params.alibi_slopes == nullptr
+      !kWithScoreExtras || params.alibi_slopes == nullptr
           ? 0.f
           : params.alibi_slopes[batch * params.alibi_batch_stride + head];
-  const bool has_alibi = params.alibi_slopes != nullptr;
-  const bool prescale_scores = params.softcap > 0.f || has_alibi;
+  const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
+  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
-  const bool has_dropout = params.dropout_p > 0.f;
+  const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
   DropoutState dropout{};
   if (has_dropout) {
     dropout = {static_cast<uint64_t>(params.rng_state[0]),
@@ -178,9 +190,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdP
   // run from high to low so that a causal mask's diagonal block, the one that
   // needs per-element masking, comes first.
   int n_block = n_block_max - 1;
-  copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left);
+  copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
+                       full_head_dim && rows_left >= kBlockM);
   copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block), tKsK, tKVcKV, tKVpKV,
-                       seqlen_k - n_block * kBlockN);
+                       seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
   cute::cp_async_fence();
 
   OnlineSoftmax<kNRows> softmax;
@@ -192,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdP
     cute::cp_async_wait<0>();
     __syncthreads();
     copy_tile_predicated(gmem_tiled_copy_QKV, tVgV(_, _, _, n_block), tVsV, tKVcKV, tKVpKV,
-                         seqlen_k - n_block * kBlockN);
+                         seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
     cute::cp_async_fence();
 
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
@@ -218,7 +231,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const FwdP
     __syncthreads();
     if (n_block > n_block_min) {
       copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, tKVpKV,
-                           seqlen_k - (n_block - 1) * kBlockN);
+                           seqlen_k - (n_block - 1) * kBlockN, kv_tile_in_bounds(n_block - 1));
       cute::cp_async_fence();
     }
 

@@ -22,7 +22,9 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
   // Query blocks on x (no 65535 limit); heads and batch on y and z.
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
-  auto kernel = &flash_fwd_kernel<Traits>;
+  const bool with_score_extras =
+      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  auto kernel = with_score_extras ? &flash_fwd_kernel<Traits, true> : &flash_fwd_kernel<Traits, false>;
   constexpr int kSmemSize = Traits::kSmemSize;
   if (kSmemSize >= 48 * 1024) {
     FA_CUDA_CHECK(

@@ -47,6 +47,8 @@ __forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coor
   }
 }
 
+// Each row's visible keys form one interval (the window rule), so the bounds
+// are computed once per row and each element costs two compares.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord, int row_base,
                                            int col_base, int seqlen_q, int seqlen_k,
@@ -54,12 +56,14 @@ __forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
     const int row = row_base + get<0>(coord(mi, 0));
+    const KeyRange visible =
+        visible_key_range(row, row + 1, seqlen_q, seqlen_k, window_left, window_right);
+    const int col_lo = visible.begin - col_base;
+    const int col_hi = visible.end - col_base;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int col = col_base + get<1>(coord(0, ni));
-      if (!key_visible(row, col, seqlen_q, seqlen_k, window_left, window_right)) {
-        scores(mi, ni) = -INFINITY;
-      }
+      const int col = get<1>(coord(0, ni));
+      if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
     }
   }
 }

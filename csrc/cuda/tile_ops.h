@@ -92,13 +92,19 @@ __forceinline__ __device__ auto convert_type(const Tensor<Engine, Layout>& tenso
 // past max_row and column chunks past the head dim are zero-filled instead of
 // read. Zero, not left stale, because a garbage K row could be NaN (0 * NaN
 // survives masking in P V) and padded head-dim columns enter Q K^T.
+// all_in_bounds (a whole tile inside the tensor, the common case) takes a
+// branch-free path.
 template <typename TiledCopy, typename TensorSrc, typename TensorDst, typename TensorCoord,
           typename TensorColPred>
 __forceinline__ __device__ void copy_tile_predicated(const TiledCopy& tiled_copy,
                                                      const TensorSrc& src, TensorDst& dst,
                                                      const TensorCoord& identity,
                                                      const TensorColPred& col_in_bounds,
-                                                     int max_row) {
+                                                     int max_row, bool all_in_bounds = false) {
+  if (all_in_bounds) {
+    copy(tiled_copy, src, dst);
+    return;
+  }
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
     if (get<0>(identity(0, m, 0)) < max_row) {
