@@ -36,9 +36,10 @@ ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 ALL_DTYPES = ("fp16", "bf16")
 DEFAULT_ARCHS = "80;90"
 
-# Peak resident memory of the largest single compile job, measured in MAX_JOBS.md;
-# used to pick a default MAX_JOBS that does not run the machine out of memory.
-GIB_PER_CUDA_JOB = 4.0
+# Memory to budget per parallel compile job when picking a default MAX_JOBS: the
+# largest peak measured (MAX_JOBS.md: a backward instantiation file, 3.9 GiB; a C++
+# file with the torch headers, 1.0 GiB) plus headroom.
+GIB_PER_CUDA_JOB = 4.5
 GIB_PER_CXX_JOB = 1.5
 
 
@@ -226,9 +227,15 @@ def _find_cutlass_include():
     return None
 
 
+def _nvcc_threads():
+    value = os.environ.get("FLASH_ATTN_NVCC_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 1 else 1
+
+
 def _default_max_jobs(building_cuda):
     """Parallel compile jobs that fit in the available memory (MAX_JOBS overrides)."""
-    gib_per_job = GIB_PER_CUDA_JOB if building_cuda else GIB_PER_CXX_JOB
+    # nvcc --threads N runs N device compilers of one file at once.
+    gib_per_job = GIB_PER_CUDA_JOB * _nvcc_threads() if building_cuda else GIB_PER_CXX_JOB
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
@@ -324,6 +331,25 @@ def _configure():
     }
 
 
+def _host_cxx_standard():
+    """The C++ standard of the translation units that include torch headers.
+
+    It must be the one torch itself was built with: inline torch classes can
+    differ between standards, and an extension built with another one can
+    crash when an exception crosses into libtorch (seen with torch 2.11 built
+    as C++17 and this extension as C++20: every TORCH_CHECK raised on CUDA
+    killed the process). torch 2.14's headers demand C++20; older releases
+    are C++17. FLASH_ATTN_CXX_STD overrides.
+    """
+    override = os.environ.get("FLASH_ATTN_CXX_STD", "").strip()
+    if override:
+        return override
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def _extension(config):
     cpp_extension = config["cpp_extension"]
     building_cuda = config["cuda_home"] is not None
@@ -331,7 +357,7 @@ def _extension(config):
     sources = _sources("csrc/*.cpp") + _sources("csrc/api/*.cpp") + _sources("csrc/cpu/*.cpp")
     generated_dir = ROOT / "build" / "generated"
     include_dirs = [str(ROOT / "csrc"), str(generated_dir)]
-    cxx_flags = ["-O3", "-std=c++20"]
+    cxx_flags = ["-O3", f"-std={_host_cxx_standard()}"]
 
     if building_cuda:
         stub = "csrc/cuda/flash_api_nocuda.cpp"
@@ -356,9 +382,8 @@ def _extension(config):
             nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         if _env_flag("FLASH_ATTN_PTXAS_VERBOSE"):
             nvcc_flags += ["-Xptxas", "-v"]
-        nvcc_threads = os.environ.get("FLASH_ATTN_NVCC_THREADS", "").strip()
-        if nvcc_threads.isdigit() and int(nvcc_threads) > 1:
-            nvcc_flags += ["--threads", nvcc_threads]
+        if _nvcc_threads() > 1:
+            nvcc_flags += ["--threads", str(_nvcc_threads())]
 
         build_info = (
             f"cuda {config['cuda_version'] or 'unknown'}; "
@@ -425,7 +450,7 @@ def main():
         max_jobs = _default_max_jobs(building_cuda)
         if max_jobs is not None:
             os.environ["MAX_JOBS"] = str(max_jobs)
-    print(summary, file=sys.stderr)
+    print(f"{summary}; MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')}", file=sys.stderr)
 
     packages = [PACKAGE] + sorted(
         str(Path(init).parent).replace(os.sep, ".")

@@ -31,6 +31,8 @@ __all__ = [
 # nothing to q.k and produce zero output columns, so the math is unchanged.
 _HEAD_DIM_ALIGNMENT = 8
 
+_MAX_HEAD_DIM = 256
+
 # Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
 # int64 on every backend.
 _SEED_BOUND = 2**62
@@ -46,6 +48,10 @@ def _last_dim_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _pad_head_dim(t: torch.Tensor) -> torch.Tensor:
     missing = -t.shape[-1] % _HEAD_DIM_ALIGNMENT
     return F.pad(t, (0, missing)) if missing else t
+
+
+def _unpad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return t if t.shape[-1] == head_dim else t[..., :head_dim]
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +71,20 @@ def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str)
         raise ValueError(
             f"{name} must have size {count} at dim {dim} {layout}, got shape {tuple(t.shape)}"
         )
+
+
+def _check_head_dim(q: torch.Tensor) -> None:
+    # Checked before padding, so that the message names the caller's head dim.
+    if q.shape[-1] > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dimension (last dim of q) must be at most {_MAX_HEAD_DIM}, got {q.shape[-1]}"
+        )
+
+
+def _check_same_device(q: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
 def _check_dropout_p(dropout_p: float) -> None:
@@ -171,7 +191,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         ctx.softcap = softcap
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(softmax_lse, s_dmask)
-        return out_padded[..., :head_dim], softmax_lse, s_dmask
+        return _unpad_head_dim(out_padded, head_dim), softmax_lse, s_dmask
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
@@ -193,8 +213,8 @@ class _FlashAttnFunc(torch.autograd.Function):
             ctx.deterministic,
             rng_state,
         )
-        d = ctx.head_dim
-        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 9
+        grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
+        return grads + (None,) * 9
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -266,7 +286,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         ctx.softcap = softcap
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(softmax_lse, s_dmask)
-        return out_padded[..., :head_dim], softmax_lse, s_dmask
+        return _unpad_head_dim(out_padded, head_dim), softmax_lse, s_dmask
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
@@ -300,14 +320,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             ctx.deterministic,
             rng_state,
         )
-        d = ctx.head_dim
-        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 14
+        grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
+        return grads + (None,) * 14
 
 
 def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs,
 ):
+    _check_head_dim(q)
+    _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     q, k, v, alibi_slopes = _distinct(q, k, v, alibi_slopes)
@@ -335,6 +357,11 @@ def _varlen_attention(
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
     return_attn_probs, block_table,
 ):
+    _check_head_dim(q)
+    _check_same_device(
+        q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        alibi_slopes=alibi_slopes, block_table=block_table,
+    )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table = _distinct(
@@ -726,8 +753,9 @@ def flash_attn_with_kvcache(
     append).
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim); headdim a multiple of 8,
-            at most 256.
+        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 256. A
+            headdim that is not a multiple of 8 works on zero-padded copies of
+            the caches, which costs a copy of both caches per call.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with
             block_table a paged cache (num_blocks, page_block_size, nheads_k,
             headdim). Its last dim must be contiguous (it is written in place).
@@ -766,23 +794,35 @@ def flash_attn_with_kvcache(
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _check_head_dim(q)
     # The caches are written in place, so a copy to fix their layout would
     # silently drop the update.
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache must have a contiguous last dimension (stride 1)")
     if v_cache.stride(-1) != 1:
         raise ValueError("v_cache must have a contiguous last dimension (stride 1)")
+    _check_same_device(
+        q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, alibi_slopes=alibi_slopes,
+        cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+    )
     window = _attention_window(causal, window_size)
-    if isinstance(cache_seqlens, int):
+    head_dim = q.shape[-1]
+    softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full(
             (q.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device
         )
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = (None if t is None else _prepare(t) for t in (q, k, v))
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+    # An unaligned head dim runs on zero-padded copies of the caches (as
+    # flash-attn does); the appended rows are copied back afterwards.
+    k_cache_used, v_cache_used = _pad_head_dim(k_cache), _pad_head_dim(v_cache)
     out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
         q,
-        k_cache,
-        v_cache,
+        k_cache_used,
+        v_cache_used,
         k,
         v,
         cache_seqlens,
@@ -792,7 +832,7 @@ def flash_attn_with_kvcache(
         cache_leftpad,
         block_table,
         alibi_slopes,
-        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        softmax_scale,
         causal,
         window[0],
         window[1],
@@ -800,4 +840,9 @@ def flash_attn_with_kvcache(
         rotary_interleaved,
         num_splits,
     )
+    if k_cache_used is not k_cache:
+        out = _unpad_head_dim(out, head_dim)
+        if k is not None:
+            k_cache.copy_(k_cache_used[..., :head_dim])
+            v_cache.copy_(v_cache_used[..., :head_dim])
     return (out, softmax_lse) if return_softmax_lse else out

@@ -119,7 +119,7 @@ def attention_ref(
 
     if dropout_p > 0 or keep_mask is not None:
         assert keep_mask is not None, "dropout needs the keep mask"
-        probs = probs * keep_mask.to(compute_dtype) / (1.0 - dropout_p)
+        probs = probs * keep_mask.to(device=probs.device, dtype=compute_dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vc)
     return out, lse
 

@@ -707,3 +707,28 @@ def test_with_kvcache_int_seqlens_and_no_append(device):
     ref_full, _, _ = attention_ref(q, k_cache, v_cache)
     lowp_full, _, _ = attention_ref(q, k_cache, v_cache, compute_dtype=q.dtype)
     assert_within(full, ref_full, lowp_full, 2, "kvcache full cache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_kvcache_odd_head_dim(device):
+    # Padded internally; the appended rows still land in the caller's caches.
+    head_dim = 20
+    q = torch.randn(2, 2, 4, head_dim, dtype=torch.bfloat16, device=device)
+    k_cache = torch.randn(2, 10, 2, head_dim, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    k_new, v_new = torch.randn_like(k_cache[:, :2]), torch.randn_like(v_cache[:, :2])
+    cache_seqlens = torch.tensor([3, 6], dtype=torch.int32, device=device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(cache_seqlens.tolist()):
+        expected_k[b, start:start + 2], expected_v[b, start:start + 2] = k_new[b], v_new[b]
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                  causal=True)
+    assert out.shape == q.shape
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    for b, start in enumerate(cache_seqlens.tolist()):
+        end = start + 2
+        ref, _, _ = attention_ref(q[b, None], expected_k[b, None, :end], expected_v[b, None, :end],
+                                  causal=True)
+        lowp, _, _ = attention_ref(q[b, None], expected_k[b, None, :end],
+                                   expected_v[b, None, :end], causal=True, compute_dtype=q.dtype)
+        assert_within(out[b, None], ref, lowp, 2, "kvcache head_dim=20")

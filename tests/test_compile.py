@@ -102,6 +102,22 @@ def test_dynamic_shapes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_one_tensor_in_several_slots(device):
+    # flash_attn_func(x, x, x): dynamo cannot trace an autograd.Function that
+    # receives one tensor twice, so the API hands it distinct views.
+    def self_attention(x):
+        return flash_attn_func(x, x, x, causal=True)
+
+    x = torch.randn(2, 11, 2, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    compiled = torch.compile(self_attention, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (eager_grad,) = torch.autograd.grad(self_attention(x).sum(), x)
+    torch.testing.assert_close(out, self_attention(x), atol=0, rtol=0)
+    torch.testing.assert_close(grad, eager_grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dropout_compiles(device):
     # Dropout draws its seed with torch.randint inside the traced function; the
     # compiled graph must not break on it and must draw a fresh mask per call.

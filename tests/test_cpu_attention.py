@@ -469,6 +469,25 @@ def test_dropout_mask_output_and_backward(dropout_p, causal):
         assert_close64(ours, expected, FP32_GRAD_TOL, name)
 
 
+def test_dropout_with_every_feature():
+    # Dropout together with a local window, softcap, strided (batch, nheads) ALiBi and GQA.
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dropout_p = 2, 50, 70, 4, 2, 32, 0.2
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    alibi = (torch.rand(batch, 2 * nheads) * 0.5)[:, :nheads]
+    opts = dict(alibi=alibi, dropout_p=dropout_p, scale=0.2, window=(10, 5), softcap=2.0)
+    out, lse, _, rng_state = call_fwd(q, k, v, seed=5, offset=9, **opts)
+    keep = ref.dropout_keep_mask_batch(5, 9, batch, nheads, seqlen_q, seqlen_k, dropout_p)
+    dout = randn(*q.shape)
+    out_ref, lse_ref, grads_ref = reference_with_grads(
+        q, k, v, dout, softmax_scale=0.2, window_size=(10, 5), softcap=2.0, alibi_slopes=alibi,
+        dropout_p=dropout_p, keep_mask=keep)
+    assert_close64(out, out_ref, FP32_TOL, "out")
+    assert_close64(lse, lse_ref, FP32_TOL, "lse")
+    grads = call_bwd(dout, q, k, v, out, lse, rng_state=rng_state, **opts)
+    for name, ours, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close64(ours, expected, FP32_GRAD_TOL, name)
+
+
 def test_dropout_seed_offset_and_rng_state():
     q, k, v = make_qkv(1, 40, 40, 2, 2, 16)
     base = call_fwd(q, k, v, dropout_p=0.3, return_softmax=True, seed=7, offset=3)
@@ -566,6 +585,7 @@ BAD_FWD = [
     (_fixed(), dict(alibi=torch.rand(2).double()), "alibi_slopes must have dtype float32"),
     (_fixed(), dict(alibi=torch.rand(3)), "alibi_slopes must have shape"),
     (_fixed(), dict(alibi=torch.rand(2, 2)), "alibi_slopes must have shape"),
+    (_fixed(), dict(alibi=torch.rand(4)[::2]), "alibi_slopes must have a contiguous last dimension"),
     (_fixed(), dict(rng_state=torch.tensor([1, 2], dtype=torch.int32)), "rng_state must have dtype int64"),
     (_fixed(), dict(rng_state=torch.tensor([1, 2, 3])), "2 elements"),
 ]

@@ -486,6 +486,7 @@ def bad_input_cases():
     yield "k_without_v", with_(base(), v=None), r"k and v .* must be given together"
     yield "v_without_k", with_(base(), k=None), r"k and v .* must be given together"
     yield "k_shape", with_(base(), k=torch.randn(2, 2, 4, 32), v=torch.randn(2, 2, 4, 32)), r"k must have shape"
+    yield "seqlen_q_longer_than_cache", with_(base(), q=torch.randn(2, 17, 4, 32)), r"seqlen_q \(17\) must be at most the cache length \(16\)"
     yield "k_without_cache_seqlens", with_(base(), cache_seqlens=None), r"cache_seqlens must be given with k"
     yield "cache_seqlens_dtype", with_(base(), cache_seqlens=a["cache_seqlens"].long()), r"cache_seqlens must have dtype torch.int32"
     yield "cache_seqlens_shape", with_(base(), cache_seqlens=torch.zeros(3, dtype=torch.int32)), r"cache_seqlens must have shape \(batch,\)"
@@ -513,6 +514,9 @@ def bad_input_cases():
     yield "rotary_dim_too_big", with_(base(rotary="neox"), rotary_cos=torch.rand(16, 20), rotary_sin=torch.rand(16, 20)), r"rotary_dim .* must be in \[2, head_dim = 32\]"
     yield "rotary_shape_mismatch", with_(base(rotary="neox"), rotary_sin=rot["rotary_sin"][:, :4]), r"rotary_sin must have shape"
     yield "rotary_too_short", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"][:10], rotary_sin=rot["rotary_sin"][:10]), r"rotary_cos / rotary_sin must have at least as many rows"
+    past_table = with_(base(rotary="neox"), q=torch.randn(2, 8, 4, 32), causal=True)
+    past_table["cache_seqlens"] = torch.tensor([14, 0], dtype=torch.int32)
+    yield "rotary_q_position_past_table", past_table, r"batch 0 needs position 21"
     yield "rotary_dtype", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"].double()), r"rotary_cos must have the dtype of q"
     yield "rotary_rank", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"].flatten(), rotary_sin=rot["rotary_sin"].flatten()), r"rotary_cos must be 2-D"
     yield "alibi_dtype", with_(base(), alibi_slopes=torch.rand(4, dtype=torch.float64)), r"alibi_slopes must have dtype torch.float32"

@@ -37,11 +37,15 @@ def rand(*shape, device, dtype=torch.bfloat16):
 
 
 def fwd_args(device, *, alibi=False, dropout_p=0.0, rng_state=None, return_softmax=False,
-             causal=False, window=(-1, -1), softcap=0.0):
+             causal=False, window=(-1, -1), softcap=0.0, packed=False):
     batch, nheads = 2, 4
-    q = rand(batch, 17, nheads, 32, device=device)
-    k = rand(batch, 23, 2, 32, device=device)
-    v = rand(batch, 23, 2, 32, device=device)
+    if packed:
+        # Strided views of one packed tensor: the outputs are still contiguous.
+        q, k, v = rand(batch, 17, 3, nheads, 32, device=device).unbind(2)
+    else:
+        q = rand(batch, 17, nheads, 32, device=device)
+        k = rand(batch, 23, 2, 32, device=device)
+        v = rand(batch, 23, 2, 32, device=device)
     slopes = torch.rand(batch, nheads, device=device) if alibi else None
     return (q, k, v, slopes, dropout_p, 32 ** -0.5, causal, window[0], window[1], softcap,
             return_softmax, 1234, 7, rng_state)
@@ -51,6 +55,7 @@ FWD_CASES = {
     "plain": {},
     "causal_alibi_softcap": {"causal": True, "alibi": True, "softcap": 4.0},
     "local_window": {"window": (4, 3)},
+    "strided_views_of_packed_qkv": {"packed": True, "causal": True},
     "dropout_seed_values_probs": {"dropout_p": 0.2, "return_softmax": True},
     "dropout_rng_state_tensor": {"dropout_p": 0.2, "rng_state": "tensor"},
 }
@@ -70,7 +75,10 @@ def test_fwd(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["plain", "causal_alibi_softcap", "dropout_rng_state_tensor"])
+@pytest.mark.parametrize(
+    "case", ["plain", "causal_alibi_softcap", "dropout_rng_state_tensor",
+             "strided_views_of_packed_qkv"]
+)
 def test_bwd(device, case):
     args = fwd_args(device, **_resolve(FWD_CASES[case], device))
     q, k, v, slopes, dropout_p, scale, causal, left, right, softcap = args[:10]

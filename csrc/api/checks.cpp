@@ -69,8 +69,9 @@ void check_heads(int64_t nheads, int64_t nheads_k) {
 }
 
 void check_scalars(double dropout_p, double softcap) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ",
-              dropout_p);
+  // The kernels hold dropout_p as float32: it must stay below 1 after rounding.
+  TORCH_CHECK(dropout_p >= 0.0 && static_cast<float>(dropout_p) < 1.0f,
+              "flash_attn: dropout_p must be in [0, 1), got ", dropout_p);
   TORCH_CHECK(softcap >= 0.0, "flash_attn: softcap must be >= 0 (0 disables it), got ", softcap);
 }
 

@@ -54,11 +54,8 @@ KvcacheShape check_fwd_kvcache_args(
     const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad,
     const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
     c10::ArrayRef<at::ScalarType> allowed_dtypes) {
-  (void)window_size_left;
-  (void)window_size_right;
   KvcacheShape shape{};
 
   // dtypes

@@ -39,7 +39,13 @@ struct KvcacheShape {
 
 // allowed_dtypes is the set the calling device accepts (fp16/bf16 on CUDA;
 // fp32/fp16/bf16 on CPU). Any positive page size passes here; a device path
-// with a stricter tiling requirement checks that itself.
+// with a stricter tiling requirement checks that itself. The rules of
+// flash-attn 2.x apply: k and v come together and need cache_seqlens (and then
+// seqlen_q <= cache length); rotary tables need k / v and at least as many rows
+// as the cache length; block_table excludes cache_batch_idx and cache_leftpad.
+// q / caches / k / v need a contiguous last dim; the int32 index tensors and
+// the rotary tables may have any strides (a kernel that needs them contiguous
+// makes them so).
 KvcacheShape check_fwd_kvcache_args(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
@@ -48,8 +54,7 @@ KvcacheShape check_fwd_kvcache_args(
     const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad,
     const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
     c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Contents of the int32 index tensors, read on the host (each optional may be

@@ -20,6 +20,7 @@ namespace flash::cpu {
 // L2 at head_dim 256, large enough to amortise per-tile overhead.
 constexpr int kBlockM = 32;
 constexpr int kBlockN = 64;
+static_assert(kBlockN % 16 == 0, "matmul_a_bt computes key columns in strips of 16");
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
@@ -66,49 +67,103 @@ inline void store_row(const float* src, T* dst, int n, float scale) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
 }
 
-// c[m x n] = a[m x k] * bt[k x n]. The inner loop runs over n so that it
-// vectorises without reassociating a reduction.
+// fp32 tile products. Each keeps a strip of output (two rows x 4V columns)
+// in vector registers across the whole reduction: per term, one load of y
+// feeds 2V independent multiply-adds, and no sum is reassociated. Vectors of
+// 4 floats (GCC / Clang vector extensions) map onto SSE2 / NEON registers, so
+// the default -O3 build is vectorised without any -march flag.
+#if defined(__GNUC__) || defined(__clang__)
+typedef float Float4 __attribute__((vector_size(16)));
+#else
+#error "the CPU attention tiles need GCC or Clang vector extensions"
+#endif
+
+inline Float4 load4(const float* src) {
+  Float4 v;
+  __builtin_memcpy(&v, src, sizeof v);
+  return v;
+}
+
+inline void store4(float* dst, Float4 v) { __builtin_memcpy(dst, &v, sizeof v); }
+
+// out_r[0, 4V) (+)= sum_t x_r[t * x_step] * y[t * y_stride + (0, 4V)], r = 0, 1;
+// out1 may be null (one row).
+template <int V, bool Accumulate>
+inline void strip_2xW(const float* x0, const float* x1, int64_t x_step, const float* y,
+                      int64_t y_stride, int terms, float* out0, float* out1) {
+  Float4 acc0[V], acc1[V];
+  for (int v = 0; v < V; ++v) {
+    acc0[v] = Accumulate ? load4(out0 + 4 * v) : Float4{};
+    acc1[v] = Accumulate && out1 != nullptr ? load4(out1 + 4 * v) : Float4{};
+  }
+  for (int t = 0; t < terms; ++t) {
+    const float a0 = x0[t * x_step], a1 = x1[t * x_step];
+    const float* yt = y + t * y_stride;
+    for (int v = 0; v < V; ++v) {
+      const Float4 yv = load4(yt + 4 * v);
+      acc0[v] += yv * a0;
+      acc1[v] += yv * a1;
+    }
+  }
+  for (int v = 0; v < V; ++v) store4(out0 + 4 * v, acc0[v]);
+  if (out1 != nullptr) {
+    for (int v = 0; v < V; ++v) store4(out1 + 4 * v, acc1[v]);
+  }
+}
+
+// c[m x n] = a[m x k] * bt[k x n]. Computes columns up to n rounded up to 16:
+// bt and c must have that many columns (ldbt, ldc >= it); the extra columns
+// of c hold garbage the caller never reads.
 inline void matmul_a_bt(const float* a, int lda, const float* bt, int ldbt, float* c, int ldc,
                         int m, int n, int k) {
-  for (int i = 0; i < m; ++i) {
-    float* ci = c + static_cast<int64_t>(i) * ldc;
-    for (int j = 0; j < n; ++j) ci[j] = 0.f;
-    const float* ai = a + static_cast<int64_t>(i) * lda;
-    for (int kk = 0; kk < k; ++kk) {
-      const float aik = ai[kk];
-      const float* b = bt + static_cast<int64_t>(kk) * ldbt;
-      for (int j = 0; j < n; ++j) ci[j] += aik * b[j];
+  const int n_padded = (n + 15) & ~15;
+  for (int i = 0; i < m; i += 2) {
+    const float* a0 = a + static_cast<int64_t>(i) * lda;
+    const bool pair = i + 1 < m;
+    const float* a1 = pair ? a0 + lda : a0;
+    float* c0 = c + static_cast<int64_t>(i) * ldc;
+    float* c1 = pair ? c0 + ldc : nullptr;
+    for (int j = 0; j < n_padded; j += 16) {
+      strip_2xW<4, false>(a0, a1, 1, bt + j, ldbt, k, c0 + j, c1 != nullptr ? c1 + j : nullptr);
     }
   }
 }
 
-// c[m x k] += p[m x n] * b[n x k]
+// Rows (r0, r0 + 1) of c += x * y where x rows are read at x0 / x1 with
+// x_step between terms, over `terms` rows of y; k (a multiple of 8) columns.
+inline void accumulate_rows(const float* x0, const float* x1, int64_t x_step, const float* y,
+                            int64_t ldy, int terms, float* c0, float* c1, int k) {
+  int col = 0;
+  for (; col + 16 <= k; col += 16) {
+    strip_2xW<4, true>(x0, x1, x_step, y + col, ldy, terms, c0 + col,
+                       c1 != nullptr ? c1 + col : nullptr);
+  }
+  for (; col < k; col += 8) {
+    strip_2xW<2, true>(x0, x1, x_step, y + col, ldy, terms, c0 + col,
+                       c1 != nullptr ? c1 + col : nullptr);
+  }
+}
+
+// c[m x k] += p[m x n] * b[n x k]; k a multiple of 8.
 inline void matmul_acc_p_b(const float* p, int ldp, const float* b, int ldb, float* c, int ldc,
                            int m, int n, int k) {
-  for (int i = 0; i < m; ++i) {
-    float* ci = c + static_cast<int64_t>(i) * ldc;
-    const float* pi = p + static_cast<int64_t>(i) * ldp;
-    for (int j = 0; j < n; ++j) {
-      const float pij = pi[j];
-      if (pij == 0.f) continue;
-      const float* bj = b + static_cast<int64_t>(j) * ldb;
-      for (int kk = 0; kk < k; ++kk) ci[kk] += pij * bj[kk];
-    }
+  for (int i = 0; i < m; i += 2) {
+    const float* p0 = p + static_cast<int64_t>(i) * ldp;
+    const bool pair = i + 1 < m;
+    const float* p1 = pair ? p0 + ldp : p0;
+    float* c0 = c + static_cast<int64_t>(i) * ldc;
+    accumulate_rows(p0, p1, 1, b, ldb, n, c0, pair ? c0 + ldc : nullptr, k);
   }
 }
 
-// c[n x k] += p[m x n]^T * a[m x k]
+// c[n x k] += p[m x n]^T * a[m x k]; k a multiple of 8.
 inline void matmul_acc_pt_a(const float* p, int ldp, const float* a, int lda, float* c, int ldc,
                             int m, int n, int k) {
-  for (int i = 0; i < m; ++i) {
-    const float* pi = p + static_cast<int64_t>(i) * ldp;
-    const float* ai = a + static_cast<int64_t>(i) * lda;
-    for (int j = 0; j < n; ++j) {
-      const float pij = pi[j];
-      if (pij == 0.f) continue;
-      float* cj = c + static_cast<int64_t>(j) * ldc;
-      for (int kk = 0; kk < k; ++kk) cj[kk] += pij * ai[kk];
-    }
+  for (int j = 0; j < n; j += 2) {
+    const bool pair = j + 1 < n;
+    float* c0 = c + static_cast<int64_t>(j) * ldc;
+    accumulate_rows(p + j, pair ? p + j + 1 : p + j, ldp, a, lda, m, c0,
+                    pair ? c0 + ldc : nullptr, k);
   }
 }
 

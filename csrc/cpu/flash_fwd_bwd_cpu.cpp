@@ -392,9 +392,17 @@ void backward_impl(const AttentionProblem& p, const BackwardTensors& t) {
   });
 }
 
+void check_head_dim(const AttentionProblem& problem) {
+  // The tile products work on column strips of 8.
+  TORCH_CHECK(problem.head_dim > 0 && problem.head_dim % 8 == 0 && problem.head_dim <= 256,
+              "flash_attn (CPU): head_dim must be a multiple of 8 in [8, 256], got ",
+              problem.head_dim);
+}
+
 }  // namespace
 
 void attention_forward(const AttentionProblem& problem, const ForwardOutputs& outputs) {
+  check_head_dim(problem);
   switch (problem.dtype) {
     case c10::ScalarType::Float:
       return forward_impl<float>(problem, outputs);
@@ -409,6 +417,7 @@ void attention_forward(const AttentionProblem& problem, const ForwardOutputs& ou
 }
 
 void attention_backward(const AttentionProblem& problem, const BackwardTensors& tensors) {
+  check_head_dim(problem);
   TORCH_CHECK(problem.page_size == 0, "flash_attn (CPU): the backward pass does not support paged K/V");
   switch (problem.dtype) {
     case c10::ScalarType::Float:

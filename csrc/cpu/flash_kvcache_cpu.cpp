@@ -174,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
   const KvcacheShape shape = check_fwd_kvcache_args(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-      cache_leftpad, block_table, alibi_slopes, softmax_scale, window_size_left,
-      window_size_right, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, softcap,
+      {at::kFloat, at::kHalf, at::kBFloat16});
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
 
   // The window rule uses the cache capacity, as flash-attn does: a side that

@@ -7,15 +7,22 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "api/checks.h"
+#include "api/kvcache_checks.h"
 #include "common/philox.h"
 #include "cuda/launcher_registry.h"
 #include "cuda/params.h"
+#include "cuda/bwd_tile_config.h"
 #include "cuda/tile_config.h"
+#include "cuda/kvcache_append_rotary.h"
+#include "cuda/splitkv_tile_config.h"
 
 namespace flash {
 namespace {
@@ -215,29 +222,405 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
               " has no CUDA kernel in this version yet; run it on CPU tensors");
 }
 
+BwdLauncher bwd_launcher_for(int head_dim, at::ScalarType dtype) {
+  const int compiled = round_up_head_dim(head_dim);
+  const bool is_bf16 = dtype == at::kBFloat16;
+  BwdLauncher launcher = find_bwd_launcher(compiled, is_bf16);
+  TORCH_CHECK(launcher != nullptr, "flash_attn_cuda: the backward of head_dim ", head_dim, " in ",
+              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
+              "FLASH_ATTN_CUDA_DTYPES including it");
+  return launcher;
+}
+
+// Deterministic dQ: each of num_splits thread blocks per (batch, head) owns one
+// fp32 slice and walks its key blocks in order, so every element's additions
+// happen in a fixed order; the slices are summed in order afterwards. Enough
+// splits to keep about two blocks per SM, never more than there are key blocks.
+int deterministic_dq_splits(int batch, int nheads, int max_seqlen_k, int compiled_head_dim) {
+  const int block_n = bwd_block_n(compiled_head_dim);
+  const int num_n_blocks = (max_seqlen_k + block_n - 1) / block_n;
+  const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t heads_total = std::max<int64_t>(int64_t(batch) * nheads, 1);
+  const int64_t wanted = (2 * int64_t(sm_count) + heads_total - 1) / heads_total;
+  return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::max(num_n_blocks, 1)));
+}
+
+// Everything bwd and varlen_bwd fill the same way. q/k/v/out/dout are already
+// 16-byte aligned views; dq/dk/dv are fresh contiguous tensors.
+void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
+                     const at::Tensor& softmax_lse, const at::Tensor& dq, const at::Tensor& dk,
+                     const at::Tensor& dv, bool varlen) {
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.do_ptr = dout.data_ptr();
+  params.dq_ptr = dq.data_ptr();
+  params.dk_ptr = dk.data_ptr();
+  params.dv_ptr = dv.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = nullptr;
+  params.q = strides_of(q, varlen);
+  params.k = strides_of(k, varlen);
+  params.v = strides_of(v, varlen);
+  params.o = strides_of(out, varlen);
+  params.dout = strides_of(dout, varlen);
+  params.dq = strides_of(dq, varlen);
+  params.dk = strides_of(dk, varlen);
+  params.dv = strides_of(dv, varlen);
+}
+
+// The fp32 work buffers of the backward: D, the dQ accumulator (zeroed) and,
+// under GQA, the per-query-head dK/dV shares. rows_q / rows_k are the
+// (batch, seqlen) or (total) row shapes of q and k.
+struct BwdWorkspace {
+  at::Tensor softmax_d;
+  at::Tensor dq_accum;
+  at::Tensor dk_accum;
+  at::Tensor dv_accum;
+};
+
+BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse,
+                                at::IntArrayRef dq_accum_shape, at::IntArrayRef dkv_accum_shape,
+                                int num_splits, bool deterministic) {
+  const auto f32 = softmax_lse.options().dtype(at::kFloat);
+  BwdWorkspace ws;
+  ws.softmax_d = at::empty_like(softmax_lse, f32);
+  std::vector<int64_t> split_shape{num_splits};
+  split_shape.insert(split_shape.end(), dq_accum_shape.begin(), dq_accum_shape.end());
+  ws.dq_accum = at::zeros(split_shape, f32);
+  params.softmax_d_ptr = ws.softmax_d.data_ptr<float>();
+  params.dq_accum_ptr = ws.dq_accum.data_ptr<float>();
+  params.dq_accum_split_stride = ws.dq_accum.stride(0);
+  params.num_splits = num_splits;
+  params.deterministic = deterministic;
+  params.dk_accum_ptr = nullptr;
+  params.dv_accum_ptr = nullptr;
+  if (params.nheads != params.nheads_k) {
+    // Every row the reduction reads is written by the main kernel: no zeroing.
+    ws.dk_accum = at::empty(dkv_accum_shape, f32);
+    ws.dv_accum = at::empty(dkv_accum_shape, f32);
+    params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
+    params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
+  }
+  return ws;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, double,
-    bool, int64_t, int64_t, double, bool, const std::optional<at::Tensor>&) {
-  not_on_cuda_yet("bwd");
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+  const FwdShape shape = check_bwd_args(dout_in, q_in, k_in, v_in, out_in, softmax_lse_in,
+                                        alibi_slopes_in, dropout_p, softmax_scale,
+                                        window_size_left, window_size_right, softcap, rng_state,
+                                        kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
+
+  at::Tensor dq = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
+                            q_in.options());
+  at::Tensor dk = at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim},
+                            q_in.options());
+  at::Tensor dv = at::empty_like(dk);
+  if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
+    // No query sees a key: every gradient is zero.
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  const at::Tensor softmax_lse = softmax_lse_in.contiguous();
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
+  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+
+  BwdParams params{};
+  set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, false);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.seqlen_q;
+  params.seqlen_k = shape.seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = nullptr;
+  params.cu_seqlens_k = nullptr;
+  params.total_q = 0;
+  params.total_k = 0;
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const int num_splits =
+      deterministic ? deterministic_dq_splits(shape.batch, shape.nheads, shape.seqlen_k, compiled)
+                    : 1;
+  const BwdWorkspace workspace = make_bwd_workspace(
+      params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_q, compiled},
+      {shape.batch, shape.nheads, shape.seqlen_k, compiled}, num_splits, deterministic);
+  launcher(params, at::cuda::getCurrentCUDAStream().stream());
+  return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, int64_t, int64_t, double, double, bool, int64_t, int64_t,
-    double, bool, const std::optional<at::Tensor>&) {
-  not_on_cuda_yet("varlen_bwd");
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
+    const std::optional<at::Tensor>& rng_state) {
+  const VarlenShape shape = check_varlen_bwd_args(
+      dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k,
+      alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+      window_size_right, softcap, rng_state, kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
+
+  // Zero-filled: rows outside every sequence get no gradient from the kernels.
+  at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
+  at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
+  at::Tensor dv = at::zeros_like(dk);
+  if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
+      shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
+    return {dq, dk, dv};
+  }
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  const at::Tensor softmax_lse = softmax_lse_in.contiguous();
+  const at::Tensor cu_q = cu_seqlens_q.contiguous();
+  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
+  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+
+  BwdParams params{};
+  set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, true);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.max_seqlen_q;
+  params.seqlen_k = shape.max_seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = cu_q.data_ptr<int>();
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.total_q = shape.total_q;
+  params.total_k = shape.total_k;
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const int num_splits = deterministic ? deterministic_dq_splits(shape.batch, shape.nheads,
+                                                                 shape.max_seqlen_k, compiled)
+                                       : 1;
+  const BwdWorkspace workspace = make_bwd_workspace(
+      params, softmax_lse, {shape.nheads, shape.total_q, compiled},
+      {shape.nheads, shape.total_k, compiled}, num_splits, deterministic);
+  launcher(params, at::cuda::getCurrentCUDAStream().stream());
+  return {dq, dk, dv};
 }
 
+// The cache is written in place, so it cannot be copied into an aligned
+// layout: every row must already start on a 16-byte boundary.
+void check_cache_aligned(const at::Tensor& cache, const char* name) {
+  bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0;
+  for (int64_t dim = 0; dim + 1 < cache.dim(); ++dim) {
+    aligned = aligned && (cache.size(dim) <= 1 || cache.stride(dim) % 8 == 0);
+  }
+  TORCH_CHECK(aligned, "fwd_kvcache (CUDA): ", name,
+              " must start on a 16-byte boundary and have strides that are multiples of 8 "
+              "elements on every dim but the last, got strides ", cache.strides());
+}
+
+// Splits of the key range for num_splits = 0: enough thread blocks for about
+// two waves over the SMs, no more splits than key blocks (of the cache
+// capacity: the per-batch lengths live on the device), at most kMaxKvSplits.
+// An explicit count is honoured up to the same caps; the result does not
+// depend on it beyond rounding.
+int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
+                     int block_n) {
+  const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
+  const int cap = std::min(kMaxKvSplits, num_n_blocks);
+  if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
+  const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted =
+      (2 * int64_t(sm_count) + blocks_without_split - 1) / std::max<int64_t>(blocks_without_split, 1);
+  return static_cast<int>(std::clamp<int64_t>(wanted, 1, cap));
+}
+
+QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return {0, 0, 0};
+  return {t->stride(0), t->stride(1), t->stride(2)};
+}
+
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->contiguous();
+}
+
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// Append (+ rotary) kernel, then the split-KV attention over the cache. The
+// contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
+// are not validated here: reading them would synchronise with the device (and
+// break CUDA graph capture); out-of-range values are the caller's error, as in
+// flash-attn.
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double, bool, int64_t,
-    int64_t, double, bool, int64_t) {
-  not_on_cuda_yet("fwd_kvcache");
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
+    const std::optional<at::Tensor>& cache_seqlens_in,
+    const std::optional<at::Tensor>& rotary_cos_in,
+    const std::optional<at::Tensor>& rotary_sin_in,
+    const std::optional<at::Tensor>& cache_batch_idx_in,
+    const std::optional<at::Tensor>& cache_leftpad_in,
+    const std::optional<at::Tensor>& block_table_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool rotary_interleaved, int64_t num_splits) {
+  const KvcacheShape shape = check_fwd_kvcache_args(
+      q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in, rotary_sin_in,
+      cache_batch_idx_in, cache_leftpad_in, block_table_in, alibi_slopes_in, softmax_scale,
+      softcap, kCudaDtypes);
+  TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
+  TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
+              num_splits);
+  TORCH_CHECK(!shape.paged || shape.page_size % 16 == 0,
+              "fwd_kvcache (CUDA): a paged cache needs page_size (k_cache.size(1)) to be a "
+              "multiple of 16, got ", shape.page_size);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const bool is_bf16 = q_in.scalar_type() == at::kBFloat16;
+  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16);
+  TORCH_CHECK(launcher != nullptr, "fwd_kvcache (CUDA): head_dim ", shape.head_dim, " in ",
+              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
+              "FLASH_ATTN_CUDA_DTYPES including it");
+  check_cache_aligned(k_cache, "k_cache");
+  check_cache_aligned(v_cache, "v_cache");
+  const int group = shape.nheads / shape.nheads_k;
+  const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
+  const int64_t num_m_blocks = (rows_per_kv_head + kSplitKvBlockM - 1) / kSplitKvBlockM;
+  TORCH_CHECK(num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
+              rows_per_kv_head, " is more than the kernel's grid holds (",
+              65535 * kSplitKvBlockM, ")");
+  TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
+              "fwd_kvcache (CUDA): batch * nheads_k is too large");
+
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.cache_capacity);
+  const bool rotary_q_per_row = window.left >= 0 || window.right >= 0;
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const bool appending = k_in.has_value() && shape.seqlen_new > 0;
+  const std::optional<at::Tensor> k_new =
+      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*k_in)) : std::nullopt;
+  const std::optional<at::Tensor> v_new =
+      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*v_in)) : std::nullopt;
+  const std::optional<at::Tensor> cache_seqlens = contiguous_or_none(cache_seqlens_in);
+  const std::optional<at::Tensor> cache_leftpad = contiguous_or_none(cache_leftpad_in);
+  const std::optional<at::Tensor> cache_batch_idx = contiguous_or_none(cache_batch_idx_in);
+  const std::optional<at::Tensor> block_table = contiguous_or_none(block_table_in);
+  const std::optional<at::Tensor> rotary_cos = contiguous_or_none(rotary_cos_in);
+  const std::optional<at::Tensor> rotary_sin = contiguous_or_none(rotary_sin_in);
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const bool rotating = shape.rotary_dim > 0;
+
+  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
+                             q.options());
+  at::Tensor softmax_lse =
+      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
+  const at::Tensor q_attended = rotating && shape.seqlen_q > 0 ? at::empty_like(out) : q;
+
+  KvcacheParams params{};
+  params.q_ptr = q_attended.data_ptr();
+  params.k_ptr = k_cache.data_ptr();
+  params.v_ptr = v_cache.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = nullptr;
+  params.q = strides_of(q_attended, false);
+  params.k = strides_of(k_cache, false);
+  params.v = strides_of(v_cache, false);
+  params.o = strides_of(out, false);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.seqlen_q;
+  params.seqlen_k = shape.cache_capacity;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = nullptr;
+  params.cu_seqlens_k = nullptr;
+  params.total_q = 0;
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  params.alibi_slopes = data_or_null<float>(alibi_slopes);
+  params.alibi_batch_stride =
+      alibi_slopes.has_value() && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  params.window_left = window.left;
+  params.window_right = window.right;
+  params.dropout_p = 0.f;
+  params.dropout_threshold = 0;
+  params.dropout_rescale = 1.f;
+  params.rng_state = nullptr;
+  params.is_bf16 = is_bf16;
+
+  params.cache_seqlens = data_or_null<int>(cache_seqlens);
+  params.cache_leftpad = data_or_null<int>(cache_leftpad);
+  params.cache_batch_idx = data_or_null<int>(cache_batch_idx);
+  params.block_table = data_or_null<int>(block_table);
+  params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
+  params.page_size = shape.paged ? shape.page_size : 0;
+  params.seqlen_new = appending ? shape.seqlen_new : 0;
+  params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
+  params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;
+  params.new_k = strides_or_zero(k_new);
+  params.new_v = strides_or_zero(v_new);
+  params.rotary_cos_ptr = rotating ? rotary_cos->data_ptr() : nullptr;
+  params.rotary_sin_ptr = rotating ? rotary_sin->data_ptr() : nullptr;
+  params.rotary_dim = rotating ? shape.rotary_dim : 0;
+  params.rotary_interleaved = rotary_interleaved;
+  params.rotary_q_per_row = rotary_q_per_row;
+  params.q_unrotated_ptr = q.data_ptr();
+  params.q_unrotated = strides_of(q, false);
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  launch_kvcache_append_rotary(params, stream);
+  if (shape.seqlen_q == 0) return {out, softmax_lse};
+
+  params.num_splits = choose_kv_splits(num_splits, int64_t(shape.batch) * shape.nheads_k * num_m_blocks,
+                                       shape.cache_capacity, splitkv_block_n(compiled));
+  at::Tensor out_accum, lse_accum;
+  params.out_accum_ptr = nullptr;
+  params.lse_accum_ptr = nullptr;
+  if (params.num_splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    out_accum = at::empty({params.num_splits, shape.batch, shape.nheads, shape.seqlen_q, compiled},
+                          f32);
+    lse_accum = at::empty({params.num_splits, shape.batch, shape.nheads, shape.seqlen_q}, f32);
+    params.out_accum_ptr = out_accum.data_ptr<float>();
+    params.lse_accum_ptr = lse_accum.data_ptr<float>();
+  }
+  launcher(params, stream);
+  return {out, softmax_lse};
 }
 
 }  // namespace

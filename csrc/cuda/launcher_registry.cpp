@@ -13,6 +13,11 @@ std::map<std::pair<int, bool>, FwdLauncher>& fwd_table() {
   return table;
 }
 
+std::map<std::pair<int, bool>, BwdLauncher>& bwd_table() {
+  static std::map<std::pair<int, bool>, BwdLauncher> table;
+  return table;
+}
+
 }  // namespace
 
 FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16) {
@@ -24,5 +29,35 @@ FwdLauncherRegistration::FwdLauncherRegistration(int compiled_head_dim, bool is_
                                                  FwdLauncher launcher) {
   fwd_table()[{compiled_head_dim, is_bf16}] = launcher;
 }
+
+BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16) {
+  const auto it = bwd_table().find({compiled_head_dim, is_bf16});
+  return it == bwd_table().end() ? nullptr : it->second;
+}
+
+BwdLauncherRegistration::BwdLauncherRegistration(int compiled_head_dim, bool is_bf16,
+                                                 BwdLauncher launcher) {
+  bwd_table()[{compiled_head_dim, is_bf16}] = launcher;
+}
+
+namespace {
+
+std::map<std::pair<int, bool>, SplitKvLauncher>& splitkv_table() {
+  static std::map<std::pair<int, bool>, SplitKvLauncher> table;
+  return table;
+}
+
+}  // namespace
+
+SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16) {
+  const auto it = splitkv_table().find({compiled_head_dim, is_bf16});
+  return it == splitkv_table().end() ? nullptr : it->second;
+}
+
+SplitKvLauncherRegistration::SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16,
+                                                         SplitKvLauncher launcher) {
+  splitkv_table()[{compiled_head_dim, is_bf16}] = launcher;
+}
+
 
 }  // namespace flash

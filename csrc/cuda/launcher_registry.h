@@ -19,4 +19,22 @@ struct FwdLauncherRegistration {
   FwdLauncherRegistration(int compiled_head_dim, bool is_bf16, FwdLauncher launcher);
 };
 
+using BwdLauncher = void (*)(const BwdParams&, cudaStream_t);
+
+// Null when the backward of (head_dim, dtype) was not compiled into this build.
+BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16);
+
+struct BwdLauncherRegistration {
+  BwdLauncherRegistration(int compiled_head_dim, bool is_bf16, BwdLauncher launcher);
+};
+
+using SplitKvLauncher = void (*)(const KvcacheParams&, cudaStream_t);
+
+// Null when fwd_kvcache's attention for (head_dim, dtype) was not compiled in.
+SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16);
+
+struct SplitKvLauncherRegistration {
+  SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16, SplitKvLauncher launcher);
+};
+
 }  // namespace flash

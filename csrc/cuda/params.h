@@ -56,4 +56,69 @@ struct FwdParams {
   bool is_bf16;
 };
 
+// The backward pass reads everything the forward read (same score rule, same
+// dropout seed) plus dO, O, and writes dQ, dK, dV through fp32 accumulators.
+struct BwdParams : FwdParams {
+  const void* do_ptr;
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+  QKVStrides dout, dq, dk, dv;
+
+  // rowsum(dO * O) per query row, in the layout of softmax_lse.
+  float* softmax_d_ptr;
+
+  // fp32 dQ accumulator, zeroed before the main kernel: num_splits slices of
+  // (batch, nheads, seqlen_q, compiled head dim), or (nheads, total_q, compiled
+  // head dim) for varlen. One slice unless deterministic.
+  float* dq_accum_ptr;
+  int64_t dq_accum_split_stride;
+  int num_splits;
+  bool deterministic;
+
+  // GQA/MQA only (null when nheads == nheads_k): per-query-head fp32 dK and dV,
+  // (batch, nheads, seqlen_k, compiled head dim) or (nheads, total_k, compiled
+  // head dim) for varlen, summed over each kv head's group in a fixed order.
+  float* dk_accum_ptr;
+  float* dv_accum_ptr;
+  int total_k;  // varlen: rows of k
+};
+
+// fwd_kvcache: attention of q against a per-batch prefix of a (possibly paged)
+// cache, after the new keys / values were appended. The FwdParams k / v
+// pointers and strides describe the cache; seqlen_k is the cache capacity (one
+// sequence's rows). Key j of batch b is cache position cache_leftpad[b] + j,
+// for j < cache_seqlens[b] + seqlen_new - cache_leftpad[b].
+struct KvcacheParams : FwdParams {
+  const int* cache_seqlens;    // null: every sequence fills the cache
+  const int* cache_leftpad;    // null: no left padding
+  const int* cache_batch_idx;  // null: batch entry b uses cache entry b
+  const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
+  int64_t block_table_batch_stride;
+  int page_size;               // paged only: rows per page, a multiple of 16
+  int seqlen_new;              // rows appended by this call (already in the cache)
+
+  // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
+  // (num_splits, batch, nheads, seqlen_q, compiled head dim) and
+  // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
+  int num_splits;
+  float* out_accum_ptr;
+  float* lse_accum_ptr;
+
+  // Append + rotary (run before the attention kernel). new_k / new_v are
+  // (batch, seqlen_new, nheads_k, head_dim); rotary tables (seqlen_ro,
+  // rotary_dim / 2), contiguous, q's dtype. q_rotated (contiguous, q's shape)
+  // receives q rotated; the attention then reads q_ptr = q_rotated.
+  const void* new_k_ptr;
+  const void* new_v_ptr;
+  QKVStrides new_k, new_v;
+  const void* rotary_cos_ptr;
+  const void* rotary_sin_ptr;
+  int rotary_dim;  // 0: no rotation
+  bool rotary_interleaved;
+  bool rotary_q_per_row;  // causal / local: query row i at position end + i
+  const void* q_unrotated_ptr;
+  QKVStrides q_unrotated;
+};
+
 }  // namespace flash

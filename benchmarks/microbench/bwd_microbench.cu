@@ -1,0 +1,215 @@
+// Times one backward tile configuration without torch, for tile-shape
+// experiments: each configuration is its own binary, so several compile in
+// parallel. The forward kernel (the shipped tile table) runs once to produce
+// O and the lse the backward needs; then the backward runs as the launcher
+// runs it (D = rowsum(dO * O), dQ accumulator zeroing, main kernel, dQ
+// conversion) and is timed with CUDA events. The main kernel is also timed
+// alone, to separate it from the memory-bound steps around it.
+//
+//   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
+//     -gencode arch=compute_90,code=sm_90 -DHEAD_DIM=128 -DBLOCK_M=64 -DBLOCK_N=128 -DWARPS=8 \
+//     -DATOM_SDP=2 -DATOM_DKV=4 -DATOM_DQ=2 -DDOUBLE_BUFFER=1 \
+//     benchmarks/microbench/bwd_microbench.cu -o bwd_d128
+//   ./bwd_d128 [seqlen] [causal 0/1]
+//
+// Without the tile macros the head dim's entry of csrc/cuda/bwd_tile_config.h
+// is timed. -DWITH_EXTRAS=1 times the softcap/ALiBi/dropout variant of the
+// main kernel (run with the plain score rule, so only its cost shows).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "cuda/bwd_tile_config.h"
+#include "cuda/cuda_check.h"
+#include "cuda/flash_bwd_aux_kernels.h"
+#include "cuda/flash_bwd_kernel.h"
+#include "cuda/flash_fwd_kernel.h"
+#include "cuda/tile_config.h"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+using TableConfig = flash::BwdTileConfig<HEAD_DIM>;
+#ifndef BLOCK_M
+#define BLOCK_M TableConfig::kBlockM
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N TableConfig::kBlockN
+#endif
+#ifndef WARPS
+#define WARPS TableConfig::kNWarps
+#endif
+#ifndef ATOM_SDP
+#define ATOM_SDP TableConfig::kAtomLayoutMSdP
+#endif
+#ifndef ATOM_DKV
+#define ATOM_DKV TableConfig::kAtomLayoutNdKV
+#endif
+#ifndef ATOM_DQ
+#define ATOM_DQ TableConfig::kAtomLayoutMdQ
+#endif
+#ifndef DOUBLE_BUFFER
+#define DOUBLE_BUFFER TableConfig::kDoubleBufferQdO
+#endif
+#ifndef WITH_EXTRAS
+#define WITH_EXTRAS 0
+#endif
+
+using Element = cutlass::bfloat16_t;
+using Traits = flash::BwdKernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV,
+                                      ATOM_DQ, bool(DOUBLE_BUFFER), Element>;
+using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
+using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
+                                         FwdConfig::kNWarps, Element>;
+
+// Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
+// on tensor cores than real data.
+__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
+  }
+}
+
+template <typename Launch>
+double median_ms(Launch launch, int iters) {
+  cudaEvent_t start, stop;
+  FA_CUDA_CHECK(cudaEventCreate(&start));
+  FA_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    FA_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    FA_CUDA_CHECK(cudaEventRecord(stop));
+    FA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms;
+    FA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  FA_CUDA_CHECK(cudaGetLastError());
+  FA_CUDA_CHECK(cudaEventDestroy(start));
+  FA_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[iters / 2];
+}
+
+int main(int argc, char** argv) {
+  const int seqlen = argc > 1 ? atoi(argv[1]) : 4096;
+  const bool causal = argc > 2 && atoi(argv[2]) != 0;
+  const int nheads = 2048 / HEAD_DIM;
+  const int batch = std::max(1, 16384 / seqlen);
+  const int64_t elems = int64_t(batch) * seqlen * nheads * HEAD_DIM;
+  const int64_t rows = int64_t(batch) * nheads * seqlen;
+
+  Element *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+  float *lse, *softmax_d, *dq_accum;
+  for (Element** buffer : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) {
+    FA_CUDA_CHECK(cudaMalloc(buffer, elems * sizeof(Element)));
+  }
+  FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
+  FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
+  FA_CUDA_CHECK(cudaMalloc(&dq_accum, rows * HEAD_DIM * sizeof(float)));
+  fill_random<<<1024, 256>>>(q, elems, 1);
+  fill_random<<<1024, 256>>>(k, elems, 2);
+  fill_random<<<1024, 256>>>(v, elems, 3);
+  fill_random<<<1024, 256>>>(dout, elems, 4);
+
+  flash::BwdParams params{};
+  params.q_ptr = q;
+  params.k_ptr = k;
+  params.v_ptr = v;
+  params.o_ptr = o;
+  params.softmax_lse_ptr = lse;
+  params.do_ptr = dout;
+  params.dq_ptr = dq;
+  params.dk_ptr = dk;
+  params.dv_ptr = dv;
+  params.softmax_d_ptr = softmax_d;
+  params.dq_accum_ptr = dq_accum;
+  params.dq_accum_split_stride = rows * HEAD_DIM;
+  params.num_splits = 1;
+  const flash::QKVStrides strides{int64_t(seqlen) * nheads * HEAD_DIM, nheads * HEAD_DIM,
+                                  HEAD_DIM};
+  params.q = params.k = params.v = params.o = strides;
+  params.dout = params.dq = params.dk = params.dv = strides;
+  params.batch = batch;
+  params.nheads = params.nheads_k = nheads;
+  params.seqlen_q = params.seqlen_k = seqlen;
+  params.head_dim = HEAD_DIM;
+  params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
+  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
+  params.window_left = -1;
+  params.window_right = causal ? 0 : -1;
+  params.dropout_rescale = 1.f;
+  params.is_bf16 = true;
+
+  // O and the lse, from the forward kernel of the shipped table.
+  const flash::FwdParams& fwd_params = params;
+  auto fwd_kernel = &flash::flash_fwd_kernel<FwdTraits, false>;
+  FA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     FwdTraits::kSmemSize));
+  const dim3 fwd_grid((seqlen + FwdTraits::kBlockM - 1) / FwdTraits::kBlockM, nheads, batch);
+  fwd_kernel<<<fwd_grid, FwdTraits::kNThreads, FwdTraits::kSmemSize>>>(fwd_params);
+  FA_CUDA_CHECK(cudaGetLastError());
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+
+  auto kernel = &flash::flash_bwd_dq_dk_dv_kernel<Traits, bool(WITH_EXTRAS)>;
+  constexpr int kSmemSize = Traits::kSmemSize;
+  FA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+  const dim3 dot_grid((seqlen + flash::kDotRowsPerBlock - 1) / flash::kDotRowsPerBlock, nheads,
+                      batch);
+  const dim3 grid((seqlen + BLOCK_N - 1) / BLOCK_N, nheads, batch);
+  const dim3 dq_grid((seqlen + flash::kConvertRowsPerBlock - 1) / flash::kConvertRowsPerBlock,
+                     nheads, batch);
+  auto run_main = [&] { kernel<<<grid, Traits::kNThreads, kSmemSize>>>(params); };
+  auto run_backward = [&] {
+    flash::flash_bwd_dot_do_o_kernel<Element><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    cudaMemsetAsync(dq_accum, 0, rows * HEAD_DIM * sizeof(float));
+    run_main();
+    flash::flash_bwd_convert_dq_kernel<Element, HEAD_DIM>
+        <<<dq_grid, flash::kBwdAuxThreads>>>(params);
+  };
+  for (int i = 0; i < 5; ++i) run_backward();
+  FA_CUDA_CHECK(cudaGetLastError());
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+
+  // dQ must be finite: a wrong tile config shows up here, not as a fast number.
+  std::vector<Element> dq_host(std::min<int64_t>(elems, 1 << 20));
+  FA_CUDA_CHECK(
+      cudaMemcpy(dq_host.data(), dq, dq_host.size() * sizeof(Element), cudaMemcpyDeviceToHost));
+  for (const Element& x : dq_host) {
+    if (!std::isfinite(float(x))) {
+      printf("non-finite dQ\n");
+      return 1;
+    }
+  }
+
+  constexpr int kIters = 20;
+  const double total_ms = median_ms(run_backward, kIters);
+  const double main_ms = median_ms(run_main, kIters);
+  const double flops =
+      2.5 * 4.0 * batch * nheads * double(seqlen) * seqlen * HEAD_DIM / (causal ? 2 : 1);
+  cudaFuncAttributes attributes;
+  FA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  int blocks_per_sm = 0;
+  FA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                              Traits::kNThreads, kSmemSize));
+  printf(
+      "d=%d M=%d N=%d warps=%d atoms=%d,%d,%d dbuf=%d extras=%d seqlen=%d causal=%d: "
+      "bwd %.3f ms %.1f TFLOP/s | main %.3f ms %.1f TFLOP/s | %d regs, %d B local, %d KiB smem, "
+      "%d blocks/SM\n",
+      HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV, ATOM_DQ, int(DOUBLE_BUFFER),
+      WITH_EXTRAS, seqlen, causal, total_ms, flops / total_ms * 1e-9, main_ms,
+      flops / main_ms * 1e-9, attributes.numRegs, int(attributes.localSizeBytes),
+      kSmemSize / 1024, blocks_per_sm);
+  return 0;
+}

@@ -1,0 +1,45 @@
+// The one table of backward tile configurations, per compiled head dim.
+//
+// A thread block owns kBlockN keys and loops over query blocks of kBlockM
+// rows. Warps tile each of the three GEMM shapes on their own grid:
+//   S = Q K^T and dP = dO V^T   (kBlockM x kBlockN): kAtomLayoutMSdP warps on M
+//   dK = dS^T Q, dV = P^T dO    (kBlockN x head dim): kAtomLayoutNdKV warps on N
+//   dQ = dS K                   (kBlockM x head dim): kAtomLayoutMdQ warps on M
+// The remaining warps of each grid tile its second dimension. dK and dV stay
+// in registers for the whole loop, which is what bounds kBlockN * head dim.
+// kDoubleBufferQdO loads the next Q and dO tiles during the current block's
+// math; it is off where the second copy would not fit in an sm80's 163 KiB.
+#pragma once
+
+namespace flash {
+
+template <int kHeadDim>
+struct BwdTileConfig;
+
+//                         head dim      block M  block N  warps  SdP  dKV  dQ   double buffer
+template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true; };
+template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = false; };
+template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = false; };
+
+// kBlockN of a compiled head dim, for the host code that sizes the
+// deterministic dQ split buffers; 0 for a head dim with no entry.
+inline int bwd_block_n(int compiled_head_dim) {
+  switch (compiled_head_dim) {
+    case 32: return BwdTileConfig<32>::kBlockN;
+    case 64: return BwdTileConfig<64>::kBlockN;
+    case 96: return BwdTileConfig<96>::kBlockN;
+    case 128: return BwdTileConfig<128>::kBlockN;
+    case 160: return BwdTileConfig<160>::kBlockN;
+    case 192: return BwdTileConfig<192>::kBlockN;
+    case 224: return BwdTileConfig<224>::kBlockN;
+    case 256: return BwdTileConfig<256>::kBlockN;
+    default: return 0;
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,453 @@
+// The FlashAttention-2 backward main kernel: one thread block per (key block,
+// head, batch). Its K and V tiles stay in shared memory and its dK, dV stay in
+// registers while it walks the query blocks that can see its keys; per query
+// block it recomputes S and P, forms dS, accumulates dK and dV, and adds its
+// share of dQ into an fp32 buffer with atomicAdd.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "../common/mask_rule.h"
+#include "block_info.h"
+#include "bwd_kernel_traits.h"
+#include "bwd_mask_range.h"
+#include "dropout.h"
+#include "flash_bwd_pointwise.h"
+#include "params.h"
+#include "score_mods.h"
+#include "tile_ops.h"
+
+namespace flash {
+
+using namespace cute;
+
+// Element offset of (batch, head) in a per-query-head fp32 buffer of
+// (batch, nheads, seqlen_k, head dim) rows, or (nheads, total_k, head dim).
+__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
+                                                    const BlockInfo& binfo, int batch, int head,
+                                                    int accum_head_dim) {
+  const int64_t row = binfo.varlen
+                          ? int64_t(head) * params.total_k + binfo.k_row_begin
+                          : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
+  return row * accum_head_dim;
+}
+
+// kWithScoreExtras compiles in softcap, ALiBi and dropout; the plain variant
+// (causal / local / bounds masking only) leaves their live ranges out of the
+// register allocation, which is what keeps it free of spills.
+template <typename Traits, bool kWithScoreExtras>
+__forceinline__ __device__ void compute_key_block(const BwdParams& params,
+                                                  const BlockInfo& binfo, int batch, int head,
+                                                  int n_block, int split) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kQdOBuffers = Traits::kQdOBuffers;
+
+  extern __shared__ char smem[];
+  const int tidx = threadIdx.x;
+  const int seqlen_q = binfo.seqlen_q;
+  const int seqlen_k = binfo.seqlen_k;
+  const int col_begin = n_block * kBlockN;
+  const int cols_left = seqlen_k - col_begin;
+  const int group = params.nheads / params.nheads_k;
+  const int head_kv = head / group;
+
+  const QueryRange query_range =
+      visible_query_range(col_begin, col_begin + kBlockN, seqlen_q, seqlen_k,
+                          params.window_left, params.window_right);
+  const int m_block_min = query_range.begin / kBlockM;
+  const int m_block_max = (query_range.end + kBlockM - 1) / kBlockM;
+
+  const Element* q_ptr =
+      static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params.q, batch, head);
+  const Element* do_ptr =
+      static_cast<const Element*>(params.do_ptr) + binfo.q_offset(params.dout, batch, head);
+  const Element* k_ptr =
+      static_cast<const Element*>(params.k_ptr) + binfo.k_offset(params.k, batch, head_kv);
+  const Element* v_ptr =
+      static_cast<const Element*>(params.v_ptr) + binfo.k_offset(params.v, batch, head_kv);
+  const int64_t row_stat_offset = binfo.lse_offset(params, batch, head);
+  const float* lse_rows = params.softmax_lse_ptr + row_stat_offset;
+  const float* d_rows = params.softmax_d_ptr + row_stat_offset;
+  float* dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
+                    row_stat_offset * kHeadDim;
+
+  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, params.head_dim),
+                          make_stride(params.q.row_stride, _1{}));
+  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(seqlen_q, params.head_dim),
+                           make_stride(params.dout.row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(seqlen_k, params.head_dim),
+                          make_stride(params.k.row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(seqlen_k, params.head_dim),
+                          make_stride(params.v.row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M, D, m)
+  Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+
+  // Shared memory: Q and dO (one or two buffers each), K, V, P, dS.
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                          typename Traits::SmemLayoutQdO{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQdOt{});
+  Tensor sQtNoSwizzle =
+      make_tensor(sQ.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sdO = make_tensor(sQ.data() + kQdOBuffers * size(sQ), typename Traits::SmemLayoutQdO{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQdOt{});
+  Tensor sdOtNoSwizzle =
+      make_tensor(sdO.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sK = make_tensor(sdO.data() + kQdOBuffers * size(sdO), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdStNoSwizzle =
+      make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  // Offset of the second Q / dO buffer; a whole number of swizzle periods, so
+  // a partition of buffer 0 moved by it is a partition of buffer 1.
+  constexpr int kQdOBufferElems = kBlockM * kHeadDim;
+
+  // Global -> shared copies.
+  typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_D, m)
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tQcQ = gmem_thr_copy.partition_S(cQ);
+  Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);
+  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+  make_col_predicate(tQpQ, tQcQ, params.head_dim);
+  make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
+  // Whole tiles inside the tensors (all but the last block of a sequence whose
+  // length is not a tile multiple) take the branch-free copy.
+  const bool head_dim_is_full = params.head_dim == kHeadDim;
+
+  auto load_q_do = [&](int m_block, int buffer) {
+    Tensor tQsQ_buf = make_tensor(tQsQ.data() + buffer * kQdOBufferElems, tQsQ.layout());
+    Tensor tdOsdO_buf = make_tensor(tdOsdO.data() + buffer * kQdOBufferElems, tdOsdO.layout());
+    const int rows_left = seqlen_q - m_block * kBlockM;
+    const bool all_in_bounds = head_dim_is_full && rows_left >= kBlockM;
+    copy_tile_predicated(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_buf, tQcQ, tQpQ,
+                         rows_left, all_in_bounds);
+    copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tQpQ,
+                         rows_left, all_in_bounds);
+  };
+
+  // S = Q K^T and dP = dO V^T.
+  typename Traits::TiledMmaSdP tiled_mma_sdp;
+  auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+  auto smem_tiled_copy_QdO = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+  auto smem_thr_copy_QdO = smem_tiled_copy_QdO.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);
+  Tensor tdPsdO = smem_thr_copy_QdO.partition_S(sdO);
+  auto smem_tiled_copy_KV = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+  auto smem_thr_copy_KV = smem_tiled_copy_KV.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_KV.partition_S(sK);
+  Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);
+
+  // P and dS: accumulator registers -> shared memory.
+  auto smem_tiled_copy_PdS =
+      make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
+  auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(tidx);
+  Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);
+  Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);
+
+  // dV += P^T dO and dK += dS^T Q, both operands read transposed.
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);
+  auto smem_tiled_copy_PdSt =
+      make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
+  auto smem_thr_copy_PdSt = smem_tiled_copy_PdSt.get_thread_slice(tidx);
+  Tensor tdVsPt = smem_thr_copy_PdSt.partition_S(sPt);
+  Tensor tdKsdSt = smem_thr_copy_PdSt.partition_S(sdSt);
+  auto smem_tiled_copy_QdOt =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
+  auto smem_thr_copy_QdOt = smem_tiled_copy_QdOt.get_thread_slice(tidx);
+  Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(sdOt);
+  Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ = dS K.
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  // K^T in kDQChunks row slices of kDQChunkCols head-dim rows each.
+  constexpr int kDQChunks = Traits::kDQChunks;
+  constexpr int kDQChunkCols = Traits::kDQChunkCols;
+  using DQChunkShapeKt = Shape<Int<kDQChunkCols>, Int<kBlockN>>;
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
+      local_tile(sKtNoSwizzle, DQChunkShapeKt{}, make_coord(0, 0)));
+  auto smem_tiled_copy_dS = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
+  auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
+  Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);
+  auto smem_tiled_copy_Kt =
+      make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
+  auto smem_thr_copy_Kt = smem_tiled_copy_Kt.get_thread_slice(tidx);
+  Tensor tdQsKt = smem_thr_copy_Kt.partition_S(
+      local_tile(sKt, DQChunkShapeKt{}, make_coord(_, 0)));  // (CPY, N, K, chunk)
+  Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
+  Tensor tdQcdQ = thr_mma_dq.partition_C(cdQ);
+
+  // (row, col) of each S element this thread holds.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_mma_sdp.partition_C(cS);
+  Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
+  constexpr int kNRows = decltype(size<0>(tScS_rowcol))::value;
+
+  const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
+  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
+  BwdPointwiseArgs pointwise{};
+  pointwise.exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
+  pointwise.softcap = kWithScoreExtras ? params.softcap : 0.f;
+  pointwise.inv_softcap = pointwise.softcap > 0.f ? 1.f / pointwise.softcap : 0.f;
+  pointwise.has_alibi = has_alibi;
+  pointwise.alibi_slope =
+      has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f;
+  pointwise.seqlen_q = seqlen_q;
+  pointwise.seqlen_k = seqlen_k;
+  pointwise.has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
+  pointwise.dropout_rescale = params.dropout_rescale;
+  DropoutState dropout{};
+  if (pointwise.has_dropout) {
+    dropout = {static_cast<uint64_t>(params.rng_state[0]),
+               static_cast<uint64_t>(params.rng_state[1]),
+               params.dropout_threshold,
+               batch,
+               head,
+               params.nheads};
+  }
+
+  if (m_block_max > m_block_min) {
+    // Prologue: K, V and the last visible query block in flight together.
+    // Query blocks run from high to low.
+    const bool kv_in_bounds = head_dim_is_full && cols_left >= kBlockN;
+    copy_tile_predicated(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
+    copy_tile_predicated(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
+    load_q_do(m_block_max - 1, 0);
+    cute::cp_async_fence();
+
+    int buffer = 0;
+    for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
+      const int row_begin = m_block * kBlockM;
+      const int rows_left = seqlen_q - row_begin;
+
+      // The saved statistics of this thread's rows; loaded before the wait so
+      // the latency hides behind it.
+      float lse_log2[kNRows];
+      float row_d[kNRows];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const int row = get<0>(tScS_rowcol(mi, 0));
+        const bool in_seq = row < rows_left;
+        lse_log2[mi] = in_seq ? lse_rows[row_begin + row] * float(M_LOG2E) : INFINITY;
+        row_d[mi] = in_seq ? d_rows[row_begin + row] : 0.f;
+      }
+
+      // Q(m), dO(m) (and K, V) have landed, and every warp is done with the
+      // previous block: its buffer, sP and sdS may be overwritten.
+      cute::cp_async_wait<0>();
+      __syncthreads();
+      if (Traits::kDoubleBufferQdO && m_block > m_block_min) {
+        load_q_do(m_block - 1, buffer ^ 1);
+        cute::cp_async_fence();
+      }
+      const int buffer_offset = buffer * kQdOBufferElems;
+
+      Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_smem_smem(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + buffer_offset, tSsQ.layout()),
+                     tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
+                     smem_thr_copy_QdO, smem_thr_copy_KV);
+      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
+                     make_tensor(tdPsdO.data() + buffer_offset, tdPsdO.layout()), tdPsV,
+                     tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_QdO,
+                     smem_thr_copy_KV);
+
+      // The forward's score rule, applied to the same (row, col) positions.
+      Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
+      Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
+      if (prescale_scores) {
+        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+        if (has_alibi) {
+          apply_alibi(scores, tScS_rowcol, row_begin, col_begin, pointwise.alibi_slope,
+                      seqlen_q, seqlen_k);
+        }
+      }
+      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_begin,
+                                  col_begin + kBlockN, seqlen_q, seqlen_k, params.window_left,
+                                  params.window_right)) {
+        apply_mask(scores, tScS_rowcol, row_begin, col_begin, seqlen_q, seqlen_k,
+                   params.window_left, params.window_right);
+      }
+      if constexpr (kWithScoreExtras) {
+        scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
+                           pointwise, dropout);
+      } else {
+        scores_to_p(scores, lse_log2, params.softmax_scale_log2);
+        p_to_ds(scores, dp, row_d);
+      }
+
+      Tensor rP = convert_type<Element>(acc_s);
+      Tensor rdS = convert_type<Element>(acc_dp);
+      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP);
+      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS);
+      __syncthreads();  // P and dS visible to every warp
+
+      gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt,
+                     make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()),
+                     tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
+                     smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+      gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
+                     make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()),
+                     tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
+                     smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+
+      // Every key block adds into the same dQ rows; in deterministic mode this
+      // block is the only writer of its split slice, so the order is fixed.
+      // The accumulator has kHeadDim columns whatever the head dim, so only
+      // rows past the sequence need a check.
+      CUTE_UNROLL
+      for (int chunk = 0; chunk < kDQChunks; ++chunk) {
+        Tensor acc_dq =
+            partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
+        clear(acc_dq);
+        gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
+                       smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
+                       smem_thr_copy_Kt);
+        float* dq_accum_block =
+            dq_accum + int64_t(row_begin) * kHeadDim + chunk * kDQChunkCols;
+        if (rows_left >= kBlockM) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_dq); ++i) {
+            const int row = get<0>(tdQcdQ(i));
+            const int col = get<1>(tdQcdQ(i));
+            atomicAdd(dq_accum_block + row * kHeadDim + col, acc_dq(i));
+          }
+        } else {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_dq); ++i) {
+            const int row = get<0>(tdQcdQ(i));
+            const int col = get<1>(tdQcdQ(i));
+            if (row < rows_left) atomicAdd(dq_accum_block + row * kHeadDim + col, acc_dq(i));
+          }
+        }
+      }
+
+      if (!Traits::kDoubleBufferQdO && m_block > m_block_min) {
+        __syncthreads();  // every warp is done reading sQ and sdO
+        load_q_do(m_block - 1, 0);
+        cute::cp_async_fence();
+      }
+      if (Traits::kDoubleBufferQdO) buffer ^= 1;
+    }
+  }
+
+  // dS was taken with respect to the scaled score: dK carries the scale once.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  if (group == 1) {
+    // Registers -> shared (over K and V) -> global, with 16-byte stores.
+    Tensor rdK = convert_type<Element>(acc_dk);
+    Tensor rdV = convert_type<Element>(acc_dv);
+    Tensor sdK = make_tensor(sK.data(), typename Traits::SmemLayoutKV{});
+    Tensor sdV = make_tensor(sV.data(), typename Traits::SmemLayoutKV{});
+    auto smem_tiled_copy_dKV =
+        make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
+    auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
+    __syncthreads();  // every warp is done reading sK (dQ) and sV (dP)
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
+    __syncthreads();
+
+    Element* dk_ptr =
+        static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv);
+    Element* dv_ptr =
+        static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv);
+    Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(seqlen_k, params.head_dim),
+                             make_stride(params.dk.row_stride, _1{}));
+    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(seqlen_k, params.head_dim),
+                             make_stride(params.dv.row_stride, _1{}));
+    Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
+    auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
+    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);
+    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);
+    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);
+    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);
+    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);
+    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));
+    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
+    Tensor tdKrdK = make_fragment_like(tdKsdK);
+    Tensor tdVrdV = make_fragment_like(tdVsdV);
+    copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
+    copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV, cols_left);
+  } else {
+    // GQA/MQA: this query head's share, in fp32, for the group reduction.
+    const int64_t accum_offset =
+        dkv_accum_offset(params, binfo, batch, head, kHeadDim) + int64_t(col_begin) * kHeadDim;
+    float* dk_accum = params.dk_accum_ptr + accum_offset;
+    float* dv_accum = params.dv_accum_ptr + accum_offset;
+    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = get<0>(tdKVcdKV(i));
+      const int col = get<1>(tdKVcdKV(i));
+      if (row < cols_left) {
+        dk_accum[row * kHeadDim + col] = acc_dk(i);
+        dv_accum[row * kHeadDim + col] = acc_dv(i);
+      }
+    }
+  }
+}
+
+// Grid: (key blocks, or dQ splits when deterministic; heads; batch). A split
+// block walks key blocks split, split + gridDim.x, ... in order.
+template <typename Traits, bool kWithScoreExtras>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_dq_dk_dv_kernel(const BwdParams params) {
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const BlockInfo binfo(params, batch);
+  const int num_n_blocks = (binfo.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int split = params.deterministic ? blockIdx.x : 0;
+  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    compute_key_block<Traits, kWithScoreExtras>(params, binfo, batch, head, n_block, split);
+    __syncthreads();  // the next key block reuses shared memory
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,63 @@
+// Host side of the backward pass for one (dtype, compiled head dim): the
+// D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
+// under GQA, the dK/dV group reduction, all on one stream. The caller
+// (flash_api_cuda.cpp) allocates and zeroes the accumulators.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd_kernel_traits.h"
+#include "bwd_tile_config.h"
+#include "cuda_check.h"
+#include "flash_bwd_aux_kernels.h"
+#include "flash_bwd_kernel.h"
+#include "params.h"
+
+namespace flash {
+
+template <typename Element, int kHeadDim>
+void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
+  using Config = BwdTileConfig<kHeadDim>;
+  using Traits =
+      BwdKernelTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps,
+                      Config::kAtomLayoutMSdP, Config::kAtomLayoutNdKV, Config::kAtomLayoutMdQ,
+                      Config::kDoubleBufferQdO, Element>;
+  if (params.batch == 0 || params.nheads == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {
+    return;
+  }
+
+  const dim3 dot_grid((params.seqlen_q + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.nheads,
+                      params.batch);
+  flash_bwd_dot_do_o_kernel<Element><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid(params.deterministic ? params.num_splits : num_n_blocks, params.nheads,
+                  params.batch);
+  const bool with_score_extras =
+      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  auto kernel = with_score_extras ? &flash_bwd_dq_dk_dv_kernel<Traits, true>
+                                  : &flash_bwd_dq_dk_dv_kernel<Traits, false>;
+  constexpr int kSmemSize = Traits::kSmemSize;
+  if (kSmemSize >= 48 * 1024) {
+    FA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+  }
+  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  const dim3 dq_grid((params.seqlen_q + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
+                     params.nheads, params.batch);
+  flash_bwd_convert_dq_kernel<Element, kHeadDim><<<dq_grid, kBwdAuxThreads, 0, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  if (params.nheads != params.nheads_k) {
+    const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
+                        params.nheads_k, params.batch);
+    flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
+        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
+    FA_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace flash

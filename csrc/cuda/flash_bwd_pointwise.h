@@ -1,0 +1,132 @@
+// The pointwise middle of the backward pass, on one thread's fragment of the
+// (query, key) tile: recompute P from the saved lse and turn dP into dS.
+//
+//   P     = exp(s - lse)                       (s after scale, softcap, ALiBi, mask)
+//   P_out = P * keep / (1 - p_drop)            (what O was built from: feeds dV)
+//   dP'   = dP * keep / (1 - p_drop)           (gradient w.r.t. the undropped P)
+//   dS    = P * (dP' - D) * (1 - tanh^2)       (tanh term only under softcap)
+//
+// with D = rowsum(dO * O). dS is the gradient with respect to the raw score
+// q.k divided by softmax_scale; the scale is applied once to dQ and dK.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "../common/mask_rule.h"
+#include "../common/philox.h"
+#include "dropout.h"
+
+namespace flash {
+
+using namespace cute;
+
+struct BwdPointwiseArgs {
+  float exp_scale_log2;  // multiplies s before exp2: log2(e), or softmax_scale*log2(e)
+  float softcap;         // 0 when off
+  float inv_softcap;
+  bool has_alibi;
+  float alibi_slope;
+  int seqlen_q;
+  int seqlen_k;
+  bool has_dropout;
+  float dropout_rescale;
+};
+
+// The plain score rule (no softcap, no dropout), in two steps.
+//
+// scores (rows, cols) holds s with the mask applied (-inf where hidden) and
+// becomes P; lse_log2 is per row of the fragment (+inf for rows past the
+// sequence, so their P is 0).
+template <int kNRows, typename TensorS>
+__forceinline__ __device__ void scores_to_p(TensorS& scores, const float (&lse_log2)[kNRows],
+                                            float exp_scale_log2) {
+  static_assert(decltype(size<0>(scores))::value == kNRows);
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const float s = scores(mi, ni);
+      // Checked, not left to exp2: with a negative softmax_scale a masked
+      // -inf would turn into +inf.
+      scores(mi, ni) = s == -INFINITY ? 0.f : exp2f(fmaf(s, exp_scale_log2, -lse_log2[mi]));
+    }
+  }
+}
+
+// dp holds dO V^T and becomes dS = P * (dP - D).
+template <int kNRows, typename TensorP, typename TensorDP>
+__forceinline__ __device__ void p_to_ds(const TensorP& p, TensorDP& dp,
+                                        const float (&row_d)[kNRows]) {
+  static_assert(decltype(size<0>(dp))::value == kNRows);
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - row_d[mi]);
+  }
+}
+
+// The full score rule, after both GEMMs: scores (rows, cols) holds s with the
+// mask applied (-inf where hidden) and becomes P_out; dp holds dO V^T and
+// becomes dS. lse_log2 / row_d are per row of the fragment (+inf / 0 for rows
+// past the sequence, so their P is 0).
+template <int kNRows, typename TensorS, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp,
+                                                   const TensorC& coord, int row_base,
+                                                   int col_base, const float (&lse_log2)[kNRows],
+                                                   const float (&row_d)[kNRows],
+                                                   const BwdPointwiseArgs& args,
+                                                   const DropoutState& dropout) {
+  static_assert(decltype(size<0>(scores))::value == kNRows);
+  static_assert(decltype(size<1, 0>(scores))::value == 2);
+  if (!args.has_dropout && args.softcap == 0.f) {
+    scores_to_p(scores, lse_log2, args.exp_scale_log2);
+    p_to_ds(scores, dp, row_d);
+    return;
+  }
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    const int row = row_base + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int nj = 0; nj < size<1, 1>(scores); ++nj) {
+      const int col0 = col_base + get<1>(coord(0, make_coord(0, nj)));
+      // One Philox draw covers this thread's column pair (col0 is even), the
+      // same draw the forward made for these elements.
+      PhiloxOut bits{};
+      if (args.has_dropout) {
+        bits = dropout_random_bits(dropout.seed, dropout.offset, dropout.batch, dropout.head,
+                                   dropout.nheads, row, col0);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const int col = col0 + j;
+        const float s = scores(mi, make_coord(j, nj));
+        const float p =
+            s == -INFINITY ? 0.f : exp2f(fmaf(s, args.exp_scale_log2, -lse_log2[mi]));
+        float p_out = p;
+        float dp_kept = dp(mi, make_coord(j, nj));
+        if (args.has_dropout) {
+          const bool keep = dropout_keep(bits, col, dropout.threshold);
+          p_out = keep ? p * args.dropout_rescale : 0.f;
+          dp_kept = keep ? dp_kept * args.dropout_rescale : 0.f;
+        }
+        float ds = p * (dp_kept - row_d[mi]);
+        if (args.softcap > 0.f && p > 0.f) {
+          // s = softcap * tanh(.) + alibi: recover tanh from s rather than
+          // keeping a second score tile in registers.
+          float capped = s;
+          if (args.has_alibi) {
+            capped -= alibi_bias(args.alibi_slope, row, col, args.seqlen_q, args.seqlen_k);
+          }
+          const float tanh_value = capped * args.inv_softcap;
+          ds *= 1.f - tanh_value * tanh_value;
+        }
+        scores(mi, make_coord(j, nj)) = p_out;
+        dp(mi, make_coord(j, nj)) = ds;
+      }
+    }
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,328 @@
+// The split-KV (flash-decoding) forward kernel of fwd_kvcache. One thread
+// block per (batch, kv head, query block, split): the query rows of all query
+// heads that share the kv head are packed into the M dimension of the tile
+// (packed row r = query i * group + g), so each K/V tile read from the cache
+// serves the whole group. Split s walks its share of the key blocks and writes
+// either the final output (one split) or an fp32 partial output and its lse,
+// merged afterwards by splitkv_combine_kernel.
+//
+// Differences from flash_fwd_kernel.h: per-batch key counts (cache_seqlens,
+// leftpad), K/V rows addressed one by one (a paged cache maps each row through
+// the block table), and the GQA packing of rows, which makes the row -> (query,
+// head) mapping and hence the mask and ALiBi slope per row.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "../common/mask_rule.h"
+#include "kernel_traits.h"
+#include "params.h"
+#include "score_mods.h"
+#include "softmax.h"
+#include "tile_ops.h"
+
+namespace flash {
+
+using namespace cute;
+
+// cp.async of one 16-byte chunk; src_size 0 zero-fills the destination
+// without reading the source, so masked-off rows cost no memory traffic.
+__forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
+                                                    bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(src_size));
+}
+
+// Global -> shared copy of a tile whose rows live at unrelated addresses:
+// row_ptr(tile_row) gives the first element of a row. Rows at or past
+// num_rows and columns past head_dim are zero-filled.
+template <typename TensorDst, typename TensorCoord, typename RowPtr, typename Element>
+__forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoord& coord,
+                                                int num_rows, int head_dim,
+                                                const Element* any_address, RowPtr row_ptr) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(dst); ++m) {
+    const int row = get<0>(coord(0, m, 0));
+    const bool row_ok = row < num_rows;
+    const Element* src_row = row_ok ? row_ptr(row) : any_address;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(dst); ++k) {
+      const int col = get<1>(coord(0, m, k));
+      const bool ok = row_ok && col < head_dim;
+      cp_async_16_or_zero(&dst(0, m, k), ok ? src_row + col : any_address, ok);
+    }
+  }
+}
+
+// Where one batch entry's keys are: key j is cache position leftpad + j.
+struct CacheRows {
+  const int* block_table_row;  // null: contiguous cache
+  int64_t entry;               // contiguous: the cache entry of this batch element
+  int leftpad;
+  int page_size;
+
+  __forceinline__ __device__ int64_t offset(int key, const QKVStrides& s) const {
+    const int pos = leftpad + key;
+    if (block_table_row != nullptr) {
+      const int64_t page = block_table_row[pos / page_size];
+      return page * s.batch_stride + int64_t(pos % page_size) * s.row_stride;
+    }
+    return entry * s.batch_stride + int64_t(pos) * s.row_stride;
+  }
+};
+
+template <typename Traits, bool kWithScoreExtras>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_splitkv_kernel(const KvcacheParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ char smem[];
+  const int batch = blockIdx.x / params.nheads_k;
+  const int head_kv = blockIdx.x % params.nheads_k;
+  const int m_block = blockIdx.y;
+  const int split = blockIdx.z;
+  const int tidx = threadIdx.x;
+
+  const int group = params.nheads / params.nheads_k;
+  const int seqlen_q = params.seqlen_q;
+  const int rows_total = seqlen_q * group;
+  const int row_begin = m_block * kBlockM;
+  if (row_begin >= rows_total) return;
+  const int rows_left = rows_total - row_begin;
+  const int row_end = row_begin + (rows_left < kBlockM ? rows_left : kBlockM);
+
+  const int cache_end =
+      params.cache_seqlens ? params.cache_seqlens[batch] + params.seqlen_new : params.seqlen_k;
+  const int leftpad = params.cache_leftpad ? params.cache_leftpad[batch] : 0;
+  const int seqlen_k = cache_end - leftpad;
+  const CacheRows cache{
+      params.block_table ? params.block_table + batch * params.block_table_batch_stride : nullptr,
+      params.cache_batch_idx ? params.cache_batch_idx[batch] : batch, leftpad, params.page_size};
+
+  // Key blocks: this split's share of the batch entry's blocks, cut to the
+  // ones some row of this query block can see.
+  const int query_first = row_begin / group;
+  const int query_last = (row_end - 1) / group;
+  const KeyRange key_range = visible_key_range(query_first, query_last + 1, seqlen_q, seqlen_k,
+                                               params.window_left, params.window_right);
+  const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int blocks_per_split = (num_n_blocks + params.num_splits - 1) / params.num_splits;
+  const int split_begin = split * blocks_per_split;
+  const int split_end = min(num_n_blocks, split_begin + blocks_per_split);
+  const int n_block_min = max(key_range.begin / kBlockN, split_begin);
+  const int n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
+
+  const Element* q_base = static_cast<const Element*>(params.q_ptr) +
+                          batch * params.q.batch_stride +
+                          int64_t(head_kv) * group * params.q.head_stride;
+  const Element* k_base =
+      static_cast<const Element*>(params.k_ptr) + int64_t(head_kv) * params.k.head_stride;
+  const Element* v_base =
+      static_cast<const Element*>(params.v_ptr) + int64_t(head_kv) * params.v.head_stride;
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                          typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+  typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
+  auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
+  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
+  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
+  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
+  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
+
+  auto q_row = [&](int tile_row) {
+    const int row = row_begin + tile_row;
+    const int query = row / group;
+    return q_base + int64_t(query) * params.q.row_stride +
+           int64_t(row - query * group) * params.q.head_stride;
+  };
+  auto load_k = [&](int n_block) {
+    const int key0 = n_block * kBlockN;
+    copy_rows_async(tKsK, tKVcKV, seqlen_k - key0, params.head_dim, k_base,
+                    [&](int r) { return k_base + cache.offset(key0 + r, params.k); });
+  };
+  auto load_v = [&](int n_block) {
+    const int key0 = n_block * kBlockN;
+    copy_rows_async(tVsV, tKVcKV, seqlen_k - key0, params.head_dim, v_base,
+                    [&](int r) { return v_base + cache.offset(key0 + r, params.v); });
+  };
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_mma.partition_C(cS);
+  Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
+  Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
+
+  // Per-row query index and (ALiBi) slope: packed rows of one tile belong to
+  // different query heads.
+  int row_query[kNRows];
+  float row_slope[kNRows];
+  const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    const int row = row_begin + get<0>(tScS_rowcol(mi, 0));
+    row_query[mi] = row / group;
+    row_slope[mi] = has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride +
+                                                    head_kv * group + (row - row_query[mi] * group)]
+                              : 0.f;
+  }
+  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
+  const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
+  const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
+
+  OnlineSoftmax<kNRows> softmax;
+
+  if (n_block_max > n_block_min) {
+    // Q and the last K block in flight together; key blocks run high to low
+    // so that the block on a causal diagonal comes first.
+    copy_rows_async(tQsQ, tQcQ, rows_left, params.head_dim, q_base, q_row);
+    int n_block = n_block_max - 1;
+    load_k(n_block);
+    cute::cp_async_fence();
+
+    for (; n_block >= n_block_min; --n_block) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cute::cp_async_wait<0>();
+      __syncthreads();
+      load_v(n_block);
+      cute::cp_async_fence();
+
+      gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q,
+                     smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
+
+      Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
+      const int col_base = n_block * kBlockN;
+      if (prescale_scores) {
+        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+        if (has_alibi) {
+          CUTE_UNROLL
+          for (int mi = 0; mi < kNRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(scores); ++ni) {
+              const int col = col_base + get<1>(tScS_rowcol(0, ni));
+              scores(mi, ni) += alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
+            }
+          }
+        }
+      }
+      if (!key_tile_fully_visible(query_first, query_last + 1, col_base, col_base + kBlockN,
+                                  seqlen_q, seqlen_k, params.window_left, params.window_right)) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) {
+          const KeyRange visible = visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q,
+                                                     seqlen_k, params.window_left,
+                                                     params.window_right);
+          const int col_lo = visible.begin - col_base;
+          const int col_hi = visible.end - col_base;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ++ni) {
+            const int col = get<1>(tScS_rowcol(0, ni));
+            if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
+          }
+        }
+      }
+
+      cute::cp_async_wait<0>();
+      __syncthreads();
+      if (n_block > n_block_min) {
+        load_k(n_block - 1);
+        cute::cp_async_fence();
+      }
+
+      softmax.update(scores, acc_o_rowcol, exp_scale_log2);
+
+      Tensor rP = convert_type<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
+      gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    }
+  }
+
+  // A row that saw no key in this block's range gets output 0 and lse +inf
+  // (final) or -inf (a partial result that must weigh nothing in the merge).
+  float lse[kNRows];
+  softmax.finalize(acc_o_rowcol, lse_scale, 1.f, lse);
+
+  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor taccOcO = thr_mma.partition_C(cO);
+  Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), acc_layout_as_rowcol(taccOcO.layout()));
+  const bool write_lse = get<1>(taccOcO_rowcol(0, 0)) == 0;
+  const bool final_output = params.num_splits == 1;
+  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
+
+  // Straight from the accumulator: pairs of adjacent columns, 4 (bf16/fp16) or
+  // 8 (fp32) bytes per store. Decode writes little output; the K/V reads
+  // dominate.
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    const int tile_row = get<0>(taccOcO_rowcol(mi, 0));
+    if (tile_row >= rows_left) continue;
+    const int row = row_begin + tile_row;
+    const int query = row / group;
+    const int head = head_kv * group + (row - query * group);
+    const int64_t lse_index = (int64_t(batch) * params.nheads + head) * seqlen_q + query;
+    if (final_output) {
+      Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
+                         int64_t(query) * params.o.row_stride + int64_t(head) * params.o.head_stride;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
+        const int col = get<1>(taccOcO_rowcol(mi, ni));
+        if (col < params.head_dim) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = static_cast<Element>(acc_o_rowcol(mi, ni));
+          pair[1] = static_cast<Element>(acc_o_rowcol(mi, ni + 1));
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
+        }
+      }
+      if (write_lse) params.softmax_lse_ptr[lse_index] = lse[mi];
+    } else {
+      const int64_t partial_row = split * rows_per_split + lse_index;
+      float* out_row = params.out_accum_ptr + partial_row * kHeadDim;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
+        const int col = get<1>(taccOcO_rowcol(mi, ni));
+        if (col < params.head_dim) {
+          *reinterpret_cast<float2*>(out_row + col) =
+              make_float2(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 1));
+        }
+      }
+      if (write_lse) params.lse_accum_ptr[partial_row] = lse[mi] == INFINITY ? -INFINITY : lse[mi];
+    }
+  }
+}
+
+}  // namespace flash

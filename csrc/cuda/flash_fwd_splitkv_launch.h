@@ -1,0 +1,45 @@
+// Host side of fwd_kvcache's attention: the split-KV kernel over the cache,
+// then (num_splits > 1) the combine kernel, for one (dtype, compiled head dim).
+// The append / rotary step runs before this (kvcache_append_rotary.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda_check.h"
+#include "flash_fwd_splitkv_kernel.h"
+#include "kernel_traits.h"
+#include "params.h"
+#include "splitkv_combine.h"
+#include "splitkv_tile_config.h"
+
+namespace flash {
+
+template <typename Element, int kHeadDim>
+void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
+  using Traits = FwdKernelTraits<kHeadDim, kSplitKvBlockM, splitkv_block_n(kHeadDim),
+                                 kSplitKvWarps, Element>;
+  const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
+  const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
+  if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
+  // (batch, kv head) on x, which has no 65535 limit.
+  const dim3 grid(params.batch * params.nheads_k, num_m_blocks, params.num_splits);
+  const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  auto kernel = with_score_extras ? &flash_fwd_splitkv_kernel<Traits, true>
+                                  : &flash_fwd_splitkv_kernel<Traits, false>;
+  constexpr int kSmemSize = Traits::kSmemSize;
+  if (kSmemSize >= 48 * 1024) {
+    FA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+  }
+  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+  if (params.num_splits > 1) {
+    const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;
+    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    splitkv_combine_kernel<Element, kHeadDim>
+        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(params);
+    FA_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace flash

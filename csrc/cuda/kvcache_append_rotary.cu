@@ -1,0 +1,166 @@
+#include "kvcache_append_rotary.h"
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda_check.h"
+
+namespace flash {
+namespace {
+
+constexpr int kElemsPerThread = 8;  // one 16-byte chunk of a head vector
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ float to_float(T x);
+template <>
+__device__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ T from_float(float x);
+template <>
+__device__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Element d of a head vector after rotation at one position: pairs (2m, 2m+1)
+// when interleaved, else (m, m + rotary_dim / 2). Explicit _rn products keep
+// the compiler from contracting into an FMA, matching the CPU rounding.
+template <typename T>
+__device__ T rotated_element(const T* src, int d, const T* cos_row, const T* sin_row,
+                             int rotary_dim, bool interleaved) {
+  if (d >= rotary_dim) return src[d];
+  const int half = rotary_dim / 2;
+  int m, first, second;
+  if (interleaved) {
+    m = d / 2;
+    first = 2 * m;
+    second = first + 1;
+  } else {
+    m = d < half ? d : d - half;
+    first = m;
+    second = m + half;
+  }
+  const float x0 = to_float(src[first]);
+  const float x1 = to_float(src[second]);
+  const float c = to_float(cos_row[m]);
+  const float s = to_float(sin_row[m]);
+  const float value = d == first ? __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s))
+                                 : __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+  return from_float<T>(value);
+}
+
+// Copies (rotating when rotary_dim > 0) 8 consecutive elements of one head
+// vector; 16-byte stores when nothing is rotated.
+template <typename T>
+__device__ void copy_chunk(const T* src, T* dst, int d0, const T* cos_row, const T* sin_row,
+                           int rotary_dim, bool interleaved) {
+  if (d0 >= rotary_dim) {
+    *reinterpret_cast<uint4*>(dst + d0) = *reinterpret_cast<const uint4*>(src + d0);
+    return;
+  }
+  alignas(16) T values[kElemsPerThread];
+#pragma unroll
+  for (int e = 0; e < kElemsPerThread; ++e) {
+    values[e] = rotated_element(src, d0 + e, cos_row, sin_row, rotary_dim, interleaved);
+  }
+  *reinterpret_cast<uint4*>(dst + d0) = *reinterpret_cast<const uint4*>(values);
+}
+
+__device__ int cache_end(const KvcacheParams& p, int b) {
+  return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k;
+}
+
+// One thread per 8-element chunk of one appended (batch, row, kv head).
+template <typename T>
+__global__ void append_kernel(const KvcacheParams p) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks;
+  if (index >= total) return;
+  const int chunk = static_cast<int>(index % chunks);
+  const int h = static_cast<int>((index / chunks) % p.nheads_k);
+  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads_k)) % p.seqlen_new);
+  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads_k * p.seqlen_new));
+  const int pos = cache_end(p, b) + i;
+
+  int64_t k_dst, v_dst;
+  if (p.block_table) {
+    const int64_t page = p.block_table[b * p.block_table_batch_stride + pos / p.page_size];
+    const int64_t row = pos % p.page_size;
+    k_dst = page * p.k.batch_stride + row * p.k.row_stride + h * p.k.head_stride;
+    v_dst = page * p.v.batch_stride + row * p.v.row_stride + h * p.v.head_stride;
+  } else {
+    const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+    k_dst = entry * p.k.batch_stride + int64_t(pos) * p.k.row_stride + h * p.k.head_stride;
+    v_dst = entry * p.v.batch_stride + int64_t(pos) * p.v.row_stride + h * p.v.head_stride;
+  }
+  const T* k_src = static_cast<const T*>(p.new_k_ptr) + b * p.new_k.batch_stride +
+                   int64_t(i) * p.new_k.row_stride + h * p.new_k.head_stride;
+  const T* v_src = static_cast<const T*>(p.new_v_ptr) + b * p.new_v.batch_stride +
+                   int64_t(i) * p.new_v.row_stride + h * p.new_v.head_stride;
+  T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
+  T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
+  const int half = p.rotary_dim / 2;
+  const T* cos_row = static_cast<const T*>(p.rotary_cos_ptr) + int64_t(pos) * half;
+  const T* sin_row = static_cast<const T*>(p.rotary_sin_ptr) + int64_t(pos) * half;
+  const int d0 = chunk * kElemsPerThread;
+  copy_chunk(k_src, k_cache, d0, cos_row, sin_row, p.rotary_dim, p.rotary_interleaved);
+  copy_chunk(v_src, v_cache, d0, cos_row, sin_row, 0, false);
+}
+
+// One thread per 8-element chunk of one (batch, query row, head) of q.
+template <typename T>
+__global__ void rotate_q_kernel(const KvcacheParams p) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = int64_t(p.batch) * p.seqlen_q * p.nheads * chunks;
+  if (index >= total) return;
+  const int chunk = static_cast<int>(index % chunks);
+  const int h = static_cast<int>((index / chunks) % p.nheads);
+  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
+  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads * p.seqlen_q));
+  const int pos = cache_end(p, b) + (p.rotary_q_per_row ? i : 0);
+  const T* src = static_cast<const T*>(p.q_unrotated_ptr) + b * p.q_unrotated.batch_stride +
+                 int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
+  T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +
+           int64_t(i) * p.q.row_stride + h * p.q.head_stride;
+  const int half = p.rotary_dim / 2;
+  copy_chunk(src, dst, chunk * kElemsPerThread,
+             static_cast<const T*>(p.rotary_cos_ptr) + int64_t(pos) * half,
+             static_cast<const T*>(p.rotary_sin_ptr) + int64_t(pos) * half, p.rotary_dim,
+             p.rotary_interleaved);
+}
+
+int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
+
+template <typename T>
+void launch(const KvcacheParams& p, cudaStream_t stream) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  if (p.seqlen_new > 0 && p.new_k_ptr != nullptr) {
+    const int64_t threads = int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks;
+    append_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(p);
+    FA_CUDA_CHECK(cudaGetLastError());
+  }
+  if (p.rotary_dim > 0 && p.seqlen_q > 0) {
+    const int64_t threads = int64_t(p.batch) * p.seqlen_q * p.nheads * chunks;
+    rotate_q_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(p);
+    FA_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace
+
+void launch_kvcache_append_rotary(const KvcacheParams& params, cudaStream_t stream) {
+  if (params.is_bf16) {
+    launch<__nv_bfloat16>(params, stream);
+  } else {
+    launch<__half>(params, stream);
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,63 @@
+"""A few small backward calls for compute-sanitizer (not a pytest module).
+
+    compute-sanitizer --tool memcheck  python tests/sanitize_bwd.py
+    compute-sanitizer --tool racecheck python tests/sanitize_bwd.py
+
+Shapes are small and odd so that every partial tile, the padded head dim,
+GQA, varlen, dropout and the deterministic path run at least once.
+"""
+
+import torch
+
+import flash_attn_cuda  # noqa: F401  (registers the ops)
+
+
+def fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
+          window=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0, deterministic=False):
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
+    scale = head_dim ** -0.5
+    out, lse, _, rng = torch.ops.flash_attn.fwd(q, k, v, slopes, dropout_p, scale, causal,
+                                                window[0], window[1], softcap, False, 3, 1, None)
+    return torch.ops.flash_attn.bwd(dout, q, k, v, out, lse, slopes, dropout_p, scale, causal,
+                                    window[0], window[1], softcap, deterministic, rng)
+
+
+def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
+           deterministic=False):
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
+    q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    scale = head_dim ** -0.5
+    mq, mk = max(lengths_q), max(lengths_k)
+    out, lse, _, rng = torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, None, None, mq, mk,
+                                                       0.0, scale, causal, -1, -1, 0.0, False,
+                                                       0, 0, None)
+    return torch.ops.flash_attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, None, mq, mk, 0.0,
+                                           scale, causal, -1, -1, 0.0, deterministic, rng)
+
+
+def main():
+    torch.manual_seed(0)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    fixed(1, 1, 1, 1, 1, 32, bf16)
+    fixed(2, 17, 129, 2, 1, 40, fp16, causal=True)
+    fixed(1, 130, 70, 4, 2, 64, bf16, softcap=5.0, alibi=True)
+    fixed(1, 129, 131, 2, 2, 128, fp16, window=(20, 5), dropout_p=0.2)
+    fixed(1, 65, 200, 2, 1, 128, bf16, causal=True, deterministic=True)
+    fixed(1, 70, 65, 2, 2, 256, bf16, causal=True)
+    fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1, deterministic=True)
+    varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)
+    varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)
+    torch.cuda.synchronize()
+    print("sanitize_bwd: all calls completed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""CUDA tests of torch.ops.flash_attn.fwd_kvcache (flash_attn_with_kvcache semantics).
+
+Inputs are drawn on the CPU with the helpers of test_cpu_kvcache.py, then the
+CUDA op runs on device copies and the CPU op on host copies of the same
+tensors (each on its own clone of the caches, which both ops write in place).
+Outputs are held to the DESIGN.md criterion against the float64 reference and
+compared with the CPU op; the caches after the append are compared with the
+expected contents and with the CPU op's.
+
+Every test here needs a GPU and is skipped with a reason without one.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_attn_cuda
+from test_cpu_kvcache import (
+    check_against_reference,
+    check_caches,
+    make_inputs,
+    page_cache,
+    unpage,
+)
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+fwd_kvcache = torch.ops.flash_attn.fwd_kvcache
+
+DTYPES = [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["bf16", "fp16"]
+MODES = {  # seqlen_new, rotary
+    "no_new": (0, None),
+    "new": (3, None),
+    "new_rotary_interleaved": (3, "interleaved"),
+    "new_rotary_neox": (3, "neox"),
+}
+
+
+def to_device(args, device=DEVICE):
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in args.items()}
+
+
+def poison_allocator(nbytes=1 << 26):
+    """Leaves NaN in soon-to-be-reused cached memory, so an output element the
+    kernels forget to write shows up."""
+    blob = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
+    del blob
+
+
+def run_cuda(args, **overrides):
+    """Runs the CUDA op on device copies; returns host (out, lse, k_cache, v_cache)."""
+    call = to_device(dict(args, **overrides))
+    poison_allocator()
+    out, lse = fwd_kvcache(**call)
+    torch.cuda.synchronize()
+    return out.cpu(), lse.cpu(), call["k_cache"].cpu(), call["v_cache"].cpu()
+
+
+def run_cpu(args, **overrides):
+    call = dict(args, **overrides)
+    call["k_cache"] = call["k_cache"].clone()
+    call["v_cache"] = call["v_cache"].clone()
+    out, lse = fwd_kvcache(**call)
+    return out, lse, call["k_cache"], call["v_cache"]
+
+
+def check_matches_cpu_op(args, got, rotary):
+    """CUDA and CPU results of the same call: outputs within rounding of each
+    other, appended cache rows identical (rotary included: both rotate in fp32
+    without fused multiply-add and round once)."""
+    out, lse, k_after, v_after = got
+    out_cpu, lse_cpu, k_cpu, v_cpu = run_cpu(args)
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out, out_cpu, atol=tol, rtol=tol)
+    finite = torch.isfinite(lse_cpu)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], lse_cpu[finite], atol=1e-3, rtol=1e-3)
+    assert torch.equal(v_after, v_cpu)
+    if rotary:
+        # One rounding of the same fp32 value: at most one ulp apart.
+        torch.testing.assert_close(k_after, k_cpu, atol=0, rtol=1e-2)
+    else:
+        assert torch.equal(k_after, k_cpu)
+
+
+def check_all(args, got, seqlen_new, rotary):
+    out, lse, k_after, v_after = got
+    assert not torch.isnan(out).any(), "an output element was left unwritten"
+    check_against_reference(args, out, lse)
+    if seqlen_new:
+        check_caches(args, k_after, v_after)
+    else:
+        assert torch.equal(k_after, args["k_cache"]) and torch.equal(v_after, args["v_cache"])
+    check_matches_cpu_op(args, got, rotary)
+
+
+# ----------------------------------------------------------------------------
+# decode against the reference and the CPU op
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (6, 1)], ids=["mha", "gqa4", "mqa6"])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 16])
+def test_matches_reference(dtype, causal, mode, heads, seqlen_q):
+    seqlen_new, rotary = MODES[mode]
+    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=301, nheads=heads[0],
+                       nheads_k=heads[1], head_dim=128, dtype=dtype, seqlen_new=seqlen_new,
+                       rotary=rotary, causal=causal)
+    check_all(args, run_cuda(args), seqlen_new, rotary)
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_head_dims(head_dim, dtype):
+    args = make_inputs(batch=2, seqlen_q=2, capacity=203, nheads=8, nheads_k=2,
+                       head_dim=head_dim, dtype=dtype, seqlen_new=2, rotary="neox",
+                       rotary_dim=head_dim // 2 if head_dim % 4 == 0 else head_dim, causal=True)
+    check_all(args, run_cuda(args), 2, "neox")
+
+
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
+@pytest.mark.parametrize("rotary_dim", [16, 48, 64])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+def test_cache_contents_after_append(rotary, rotary_dim, page_size):
+    args = make_inputs(batch=3, seqlen_q=2, capacity=131, nheads=4, nheads_k=2, head_dim=64,
+                       dtype=torch.bfloat16, seqlen_new=6, rotary=rotary, rotary_dim=rotary_dim,
+                       page_size=page_size)
+    check_all(args, run_cuda(args), 6, rotary)
+
+
+# ----------------------------------------------------------------------------
+# paged caches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_matches_contiguous(dtype, page_size, num_splits):
+    capacity = 2 * 256 if page_size == 256 else page_size * math.ceil(300 / page_size)
+    args = make_inputs(batch=3, seqlen_q=2, capacity=capacity, nheads=16, nheads_k=4,
+                       head_dim=128, dtype=dtype, seqlen_new=2, rotary="neox", causal=True)
+    # Lengths crossing page and tile boundaries, one reaching the last page.
+    args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
+    paged = dict(args)
+    page_cache(paged, page_size)
+    contiguous = run_cuda(args, num_splits=num_splits)
+    got = run_cuda(paged, num_splits=num_splits)
+    out, lse, k_after, v_after = got
+    # Same key tiles in the same order: the page layout changes addresses only.
+    assert torch.equal(out, contiguous[0]) and torch.equal(lse, contiguous[1])
+    assert torch.equal(unpage(k_after, paged["block_table"]), contiguous[2])
+    assert torch.equal(unpage(v_after, paged["block_table"]), contiguous[3])
+    check_all(paged, got, 2, "neox")
+
+
+def test_page_size_not_multiple_of_16_raises():
+    args = make_inputs(batch=2, seqlen_q=1, capacity=40, head_dim=64, dtype=torch.bfloat16,
+                       page_size=8)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        run_cuda(args)
+
+
+# ----------------------------------------------------------------------------
+# split-KV
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("capacity", [63, 1000, 2049])
+def test_num_splits_agree(dtype, causal, capacity):
+    args = make_inputs(batch=2, seqlen_q=4, capacity=capacity, nheads=32, nheads_k=8,
+                       head_dim=128, dtype=dtype, seqlen_new=4, rotary="interleaved",
+                       causal=causal)
+    results = {n: run_cuda(args, num_splits=n) for n in (0, 1, 2, 3, 8, 128)}
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    first = results[1]
+    for n, got in results.items():
+        torch.testing.assert_close(got[0], first[0], atol=tol, rtol=tol, msg=f"num_splits={n}")
+        torch.testing.assert_close(got[1], first[1], atol=1e-3, rtol=1e-3, msg=f"num_splits={n}")
+        assert torch.equal(got[2], first[2]) and torch.equal(got[3], first[3])
+        check_against_reference(dict(args, num_splits=n), got[0], got[1])
+    check_matches_cpu_op(args, results[0], "interleaved")
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+def test_per_batch_lengths_with_empty_sequence(seqlen_new):
+    args = make_inputs(batch=4, seqlen_q=3, capacity=333, nheads=8, nheads_k=2, head_dim=64,
+                       dtype=torch.bfloat16, seqlen_new=seqlen_new, causal=True)
+    args["cache_seqlens"] = torch.tensor([0, 1, 129, 331 - seqlen_new], dtype=torch.int32)
+    for num_splits in (1, 4):
+        got = run_cuda(args, num_splits=num_splits)
+        check_all(args, got, seqlen_new, None)
+        if seqlen_new == 0:
+            assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+            assert torch.isinf(got[1][0]).all() and (got[1][0] > 0).all()
+
+
+def test_cache_seqlens_none_attends_whole_cache():
+    args = make_inputs(batch=2, seqlen_q=3, capacity=190, head_dim=64, dtype=torch.bfloat16,
+                       causal=True)
+    args["cache_seqlens"] = None
+    got = run_cuda(args)
+    check_all(args, got, 0, None)
+
+
+# ----------------------------------------------------------------------------
+# cache_batch_idx, leftpad
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 4])
+def test_cache_batch_idx(seqlen_new):
+    cache_batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    args = make_inputs(batch=3, seqlen_q=4, capacity=223, batch_cache=5, nheads=8, nheads_k=4,
+                       head_dim=128, cache_batch_idx=cache_batch_idx, dtype=torch.bfloat16,
+                       seqlen_new=seqlen_new, rotary="interleaved" if seqlen_new else None,
+                       causal=True)
+    got = run_cuda(args)
+    check_all(args, got, seqlen_new, "interleaved" if seqlen_new else None)
+    for unused in (1, 3):
+        assert torch.equal(got[2][unused], args["k_cache"][unused])
+        assert torch.equal(got[3][unused], args["v_cache"][unused])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_cache_leftpad(causal, mode, num_splits):
+    seqlen_new, rotary = MODES[mode]
+    args = make_inputs(batch=4, seqlen_q=3, capacity=270, nheads=8, nheads_k=2, head_dim=64,
+                       dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary, leftpad=True,
+                       causal=causal)
+    args["cache_leftpad"][1] = args["cache_seqlens"][1]
+    args["num_splits"] = num_splits
+    check_all(args, run_cuda(args), seqlen_new, rotary)
+
+
+# ----------------------------------------------------------------------------
+# masks and score modifiers
+
+WINDOWS = {
+    "causal": (True, (-1, -1)),
+    "local_40_0": (False, (40, 0)),
+    "local_2_3": (False, (2, 3)),
+    "right_only_1": (False, (-1, 1)),
+    "left_only_70": (False, (70, -1)),
+    "causal_left_100": (True, (100, -1)),
+    "wider_than_cache": (False, (1000, 1000)),
+}
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 2, 7, 16])
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_causal_and_local(seqlen_q, window):
+    causal, (left, right) = WINDOWS[window]
+    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=400, nheads=8, nheads_k=2,
+                       head_dim=64, dtype=torch.bfloat16, seqlen_new=seqlen_q,
+                       rotary="interleaved", causal=causal, window=(left, right))
+    for num_splits in (1, 3):
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
+                  seqlen_q, "interleaved")
+
+
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+@pytest.mark.parametrize("alibi", [None, "per_head", "per_batch_head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_and_alibi(softcap, alibi, causal):
+    args = make_inputs(batch=3, seqlen_q=4, capacity=300, nheads=8, nheads_k=2, head_dim=128,
+                       dtype=torch.bfloat16, seqlen_new=2, causal=causal)
+    args["softcap"] = softcap
+    if alibi == "per_head":
+        args["alibi_slopes"] = torch.rand(8) * 0.5
+    elif alibi == "per_batch_head":
+        args["alibi_slopes"] = torch.rand(3, 8) * 0.5
+    for num_splits in (1, 4):
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
+                  2, None)
+
+
+def test_strided_views_append_into_shared_storage():
+    batch, capacity, nheads, nheads_k, head_dim, seqlen_new = 2, 224, 8, 2, 64, 3
+    qkv = torch.randn(batch, seqlen_new, nheads + 2 * nheads_k, head_dim, dtype=torch.bfloat16,
+                      device=DEVICE)
+    q, k, v = qkv.split([nheads, nheads_k, nheads_k], dim=2)
+    kv_cache = torch.randn(batch, capacity, 2, nheads_k, head_dim, dtype=torch.bfloat16,
+                           device=DEVICE)
+    args = dict(q=q, k_cache=kv_cache[:, :, 0], v_cache=kv_cache[:, :, 1], k=k, v=v,
+                cache_seqlens=torch.tensor([5, 130], dtype=torch.int32, device=DEVICE),
+                rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
+                block_table=None, alibi_slopes=None, softmax_scale=head_dim ** -0.5,
+                causal=True, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                rotary_interleaved=False, num_splits=0)
+    before = {name: args[name].clone() for name in ("k_cache", "v_cache")}
+    reference_args = to_device(dict(args, **before), "cpu")
+    out, lse = fwd_kvcache(**args)
+    check_against_reference(reference_args, out.cpu(), lse.cpu())
+    check_caches(reference_args, kv_cache[:, :, 0].cpu(), kv_cache[:, :, 1].cpu())
+
+
+# ----------------------------------------------------------------------------
+# CUDA graphs and the Python API
+
+
+def test_cuda_graph_replay_with_changing_lengths():
+    batch, capacity, nheads, nheads_k, head_dim = 4, 512, 16, 4, 128
+    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=nheads,
+                       nheads_k=nheads_k, head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1,
+                       rotary="neox", causal=True, page_size=16)
+    static = to_device(args)
+    static["cache_seqlens"] = torch.tensor([3, 100, 250, 17], dtype=torch.int32, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph
+            fwd_kvcache(**dict(static, k_cache=static["k_cache"].clone(),
+                               v_cache=static["v_cache"].clone()))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = fwd_kvcache(**static)
+    for step in range(3):
+        # New step: fresh q / new token, lengths advanced in place.
+        static["q"].copy_(torch.randn_like(static["q"]))
+        static["k"].copy_(torch.randn_like(static["k"]))
+        static["v"].copy_(torch.randn_like(static["v"]))
+        static["cache_seqlens"].add_(torch.tensor([1, 7, 30, 2 * step + 1], dtype=torch.int32,
+                                                  device=DEVICE))
+        host_before = to_device(static, "cpu")
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(host_before, static_out.cpu(), static_lse.cpu())
+        check_caches(host_before, static["k_cache"].cpu(), static["v_cache"].cpu())
+
+
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_flash_attn_with_kvcache_api(head_dim):
+    args = make_inputs(batch=2, seqlen_q=2, capacity=257, nheads=8, nheads_k=2,
+                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=2, rotary="neox",
+                       rotary_dim=32, causal=True)
+    dev = to_device(args)
+    k_cache, v_cache = dev["k_cache"].clone(), dev["v_cache"].clone()
+    out, lse = flash_attn_cuda.flash_attn_with_kvcache(
+        dev["q"], k_cache, v_cache, k=dev["k"], v=dev["v"], rotary_cos=dev["rotary_cos"],
+        rotary_sin=dev["rotary_sin"], cache_seqlens=dev["cache_seqlens"], causal=True,
+        rotary_interleaved=False, num_splits=3, return_softmax_lse=True)
+    check_against_reference(args, out.cpu(), lse.cpu())
+    check_caches(args, k_cache.cpu(), v_cache.cpu())
