@@ -182,15 +182,24 @@ int main(int argc, char** argv) {
   FA_CUDA_CHECK(cudaGetLastError());
   FA_CUDA_CHECK(cudaDeviceSynchronize());
 
-  // dQ must be finite: a wrong tile config shows up here, not as a fast number.
-  std::vector<Element> dq_host(std::min<int64_t>(elems, 1 << 20));
-  FA_CUDA_CHECK(
-      cudaMemcpy(dq_host.data(), dq, dq_host.size() * sizeof(Element), cudaMemcpyDeviceToHost));
-  for (const Element& x : dq_host) {
-    if (!std::isfinite(float(x))) {
-      printf("non-finite dQ\n");
-      return 1;
+  // Checksums of dQ, dK, dV (first 2^20 elements): every configuration of a
+  // head dim must print the same numbers up to fp32 summation order, and a
+  // wrong tile shape shows up here rather than as a fast number.
+  double checksums[3];
+  const Element* outputs[3] = {dq, dk, dv};
+  std::vector<Element> host(std::min<int64_t>(elems, 1 << 20));
+  for (int t = 0; t < 3; ++t) {
+    FA_CUDA_CHECK(cudaMemcpy(host.data(), outputs[t], host.size() * sizeof(Element),
+                             cudaMemcpyDeviceToHost));
+    double abs_sum = 0;
+    for (const Element& x : host) {
+      if (!std::isfinite(float(x))) {
+        printf("non-finite output %d\n", t);
+        return 1;
+      }
+      abs_sum += std::fabs(float(x));
     }
+    checksums[t] = abs_sum / host.size();
   }
 
   constexpr int kIters = 20;
@@ -206,10 +215,10 @@ int main(int argc, char** argv) {
   printf(
       "d=%d M=%d N=%d warps=%d atoms=%d,%d,%d dbuf=%d extras=%d seqlen=%d causal=%d: "
       "bwd %.3f ms %.1f TFLOP/s | main %.3f ms %.1f TFLOP/s | %d regs, %d B local, %d KiB smem, "
-      "%d blocks/SM\n",
+      "%d blocks/SM | mean |dq|,|dk|,|dv| %.6e %.6e %.6e\n",
       HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV, ATOM_DQ, int(DOUBLE_BUFFER),
       WITH_EXTRAS, seqlen, causal, total_ms, flops / total_ms * 1e-9, main_ms,
       flops / main_ms * 1e-9, attributes.numRegs, int(attributes.localSizeBytes),
-      kSmemSize / 1024, blocks_per_sm);
+      kSmemSize / 1024, blocks_per_sm, checksums[0], checksums[1], checksums[2]);
   return 0;
 }
