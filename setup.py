@@ -12,6 +12,8 @@ Environment switches (see README.md and MAX_JOBS.md):
   FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16).
   FLASH_ATTN_PTXAS_VERBOSE=1       print registers / spills per kernel.
   FLASH_ATTN_NVCC_THREADS=N        nvcc --threads (archs of one file in parallel).
+  FLASH_ATTN_CXX_STD=c++17         C++ standard of the files with torch headers
+                                   (default: the one torch's headers demand).
   MAX_JOBS=N                       parallel compile jobs (default: what RAM allows).
   CUDA_HOME, CUTLASS_DIR           where the toolkit / CUTLASS checkout live.
 """
@@ -37,9 +39,9 @@ ALL_DTYPES = ("fp16", "bf16")
 DEFAULT_ARCHS = "80;90"
 
 # Memory to budget per parallel compile job when picking a default MAX_JOBS: the
-# largest peak measured (MAX_JOBS.md: a backward instantiation file, 3.9 GiB; a C++
+# largest peak measured (MAX_JOBS.md: a backward instantiation file, 4.5 GiB; a C++
 # file with the torch headers, 1.0 GiB) plus headroom.
-GIB_PER_CUDA_JOB = 4.5
+GIB_PER_CUDA_JOB = 5.5
 GIB_PER_CXX_JOB = 1.5
 
 
@@ -346,6 +348,15 @@ def _host_cxx_standard():
         return override
     import torch
 
+    # torch's own headers say which standard they demand (ATen.h: "#error C++20 or later
+    # compatible compiler is required"); the release number is the fallback.
+    aten_header = Path(torch.__file__).parent / "include" / "ATen" / "ATen.h"
+    try:
+        demanded = re.search(r"C\+\+(\d+) or later compatible compiler", aten_header.read_text())
+    except OSError:
+        demanded = None
+    if demanded:
+        return f"c++{demanded.group(1)}"
     major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
@@ -358,6 +369,13 @@ def _extension(config):
     generated_dir = ROOT / "build" / "generated"
     include_dirs = [str(ROOT / "csrc"), str(generated_dir)]
     cxx_flags = ["-O3", f"-std={_host_cxx_standard()}"]
+    link_flags = []
+    if config["torch"].backends.openmp.is_available() and sys.platform.startswith("linux"):
+        # With torch's OpenMP backend, at::parallel_for is an inline template that only
+        # runs in parallel in translation units compiled with OpenMP. The extension then
+        # needs libgomp.so.1, which resolves to the copy torch has already loaded.
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
 
     if building_cuda:
         stub = "csrc/cuda/flash_api_nocuda.cpp"
@@ -415,6 +433,7 @@ def _extension(config):
             sources=sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
         )
         extension.include_dirs += config["extra_cuda_includes"]
     else:
@@ -424,6 +443,7 @@ def _extension(config):
             sources=sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
         )
     return extension, summary, building_cuda
 

@@ -159,6 +159,25 @@ def test_paged_matches_contiguous(dtype, page_size, num_splits):
     check_all(paged, got, 2, "neox")
 
 
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_decode_batch_default_splits(page_size):
+    """Decode as served (one query, GQA 32:8, num_splits chosen by the op) over
+    caches of many key tiles: every split runs several tiles through the
+    two-stage copy pipeline and the block-table look-ahead, and the paged cache
+    gives the same bits as the contiguous one."""
+    capacity = 2048
+    args = make_inputs(batch=8, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
+                       head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
+    args["cache_seqlens"] = torch.tensor([capacity - 1, 0, 700, 1500, 64, 1023, 1919, 333],
+                                         dtype=torch.int32)
+    paged = dict(args)
+    page_cache(paged, page_size)
+    contiguous = run_cuda(args)
+    got = run_cuda(paged)
+    assert torch.equal(got[0], contiguous[0]) and torch.equal(got[1], contiguous[1])
+    check_all(paged, got, 1, "neox")
+
+
 def test_page_size_not_multiple_of_16_raises():
     args = make_inputs(batch=2, seqlen_q=1, capacity=40, head_dim=64, dtype=torch.bfloat16,
                        page_size=8)

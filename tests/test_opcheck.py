@@ -114,6 +114,9 @@ def varlen_inputs(device, paged=False):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "paged", "alibi_causal", "dropout_probs"])
 def test_varlen_fwd(device, case):
+    if device == "cuda" and case == "paged":
+        pytest.skip("paged K/V in varlen_fwd runs on CPU only; CUDA raises a clear error "
+                    "(tests/test_api.py::test_varlen_paged_kv)")
     q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=case == "paged")
     slopes = torch.rand(4, device=device) if case == "alibi_causal" else None
     dropout_p = 0.3 if case == "dropout_probs" else 0.0
@@ -144,7 +147,8 @@ def test_varlen_bwd(device, case):
 
 def kvcache_args(device, *, append=False, rotary=False, paged=False, optional_indices=False):
     batch, seqlen_q, nheads, nheads_k, head_dim = 2, 3, 4, 2, 32
-    seqlen_cache, page_size = 16, 8
+    # CUDA pages hold a multiple of 16 rows; the CPU takes any page size.
+    seqlen_cache, page_size = (16, 8) if device == "cpu" else (32, 16)
     q = rand(batch, seqlen_q, nheads, head_dim, device=device)
     if paged:
         num_blocks = batch * seqlen_cache // page_size + 1

@@ -100,6 +100,22 @@ std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alib
   return alibi_slopes->contiguous();
 }
 
+// Pointers and strides common to the fixed-length and varlen forward.
+void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
+                     const at::Tensor& s_dmask, bool return_softmax, bool varlen) {
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = return_softmax ? s_dmask.data_ptr() : nullptr;
+  params.q = strides_of(q, varlen);
+  params.k = strides_of(k, varlen);
+  params.v = strides_of(v, varlen);
+  params.o = strides_of(out, varlen);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
@@ -130,16 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
-  params.o_ptr = out.data_ptr();
-  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
-  params.p_ptr = return_softmax ? s_dmask.data_ptr() : nullptr;
-  params.q = strides_of(q, false);
-  params.k = strides_of(k, false);
-  params.v = strides_of(v, false);
-  params.o = strides_of(out, false);
+  set_fwd_tensors(params, q, k, v, out, softmax_lse, s_dmask, return_softmax, /*varlen=*/false);
   params.batch = shape.batch;
   params.nheads = shape.nheads;
   params.nheads_k = shape.nheads_k;
@@ -192,16 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
-  params.q_ptr = q.data_ptr();
-  params.k_ptr = k.data_ptr();
-  params.v_ptr = v.data_ptr();
-  params.o_ptr = out.data_ptr();
-  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
-  params.p_ptr = return_softmax ? s_dmask.data_ptr() : nullptr;
-  params.q = strides_of(q, true);
-  params.k = strides_of(k, true);
-  params.v = strides_of(v, true);
-  params.o = strides_of(out, true);
+  set_fwd_tensors(params, q, k, v, out, softmax_lse, s_dmask, return_softmax, /*varlen=*/true);
   params.batch = shape.batch;
   params.nheads = shape.nheads;
   params.nheads_k = shape.nheads_k;
@@ -446,20 +444,49 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
               "elements on every dim but the last, got strides ", cache.strides());
 }
 
-// Splits of the key range for num_splits = 0: enough thread blocks for about
-// two waves over the SMs, no more splits than key blocks (of the cache
-// capacity: the per-batch lengths live on the device), at most kMaxKvSplits.
-// An explicit count is honoured up to the same caps; the result does not
-// depend on it beyond rounding.
+// Splits of the key range for num_splits = 0. Decode reads the cache once, so
+// what matters is keeping every SM busy until the end: the grid is cut into
+// waves of (SMs x resident blocks per SM), and a last wave that is mostly
+// empty leaves most of the memory system idle. Among the split counts whose
+// fill of the waves is at least 85% of the best one's, the smallest wins
+// (fewer partial results to write and merge). Split counts are counted
+// as the kernel sees them (ceil of key blocks per split), no more splits than
+// key blocks of the cache capacity (the per-batch lengths live on the device),
+// at most kMaxKvSplits. An explicit count is honoured up to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
-                     int block_n) {
+                     int compiled_head_dim) {
+  const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
-  const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted =
-      (2 * int64_t(sm_count) + blocks_without_split - 1) / std::max<int64_t>(blocks_without_split, 1);
-  return static_cast<int>(std::clamp<int64_t>(wanted, 1, cap));
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  // 128 threads of at most 255 registers: two blocks always fit the register
+  // file; shared memory may allow fewer.
+  const int64_t smem_per_block =
+      splitkv_smem_bytes(compiled_head_dim) + int64_t(props->reservedSharedMemPerBlock);
+  const int64_t blocks_per_sm =
+      std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) / smem_per_block, 1, 2);
+  const int64_t slots = std::max<int64_t>(1, blocks_per_sm * props->multiProcessorCount);
+  const int64_t base = std::max<int64_t>(blocks_without_split, 1);
+  auto wave_efficiency = [&](int splits) {
+    const double waves = double(base * splits) / double(slots);
+    return waves / std::ceil(waves);
+  };
+  auto effective_splits = [&](int splits) {
+    const int blocks_per_split = (num_n_blocks + splits - 1) / splits;
+    return (num_n_blocks + blocks_per_split - 1) / blocks_per_split;
+  };
+  if (wave_efficiency(1) >= 0.85) return 1;  // no split count can beat it by more
+  double best = 0.0;
+  for (int splits = 1; splits <= cap; ++splits) {
+    if (effective_splits(splits) != splits) continue;
+    best = std::max(best, wave_efficiency(splits));
+  }
+  for (int splits = 1; splits <= cap; ++splits) {
+    if (effective_splits(splits) != splits) continue;
+    if (wave_efficiency(splits) >= 0.85 * best) return splits;
+  }
+  return 1;
 }
 
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
@@ -607,17 +634,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
   params.num_splits = choose_kv_splits(num_splits, int64_t(shape.batch) * shape.nheads_k * num_m_blocks,
-                                       shape.cache_capacity, splitkv_block_n(compiled));
-  at::Tensor out_accum, lse_accum;
+                                       shape.cache_capacity, compiled);
+  at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;
   if (params.num_splits > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    out_accum = at::empty({params.num_splits, shape.batch, shape.nheads, shape.seqlen_q, compiled},
-                          f32);
-    lse_accum = at::empty({params.num_splits, shape.batch, shape.nheads, shape.seqlen_q}, f32);
-    params.out_accum_ptr = out_accum.data_ptr<float>();
-    params.lse_accum_ptr = lse_accum.data_ptr<float>();
+    // One allocation (decode calls are short; each allocator call shows):
+    // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then
+    // their lse (num_splits, batch, nheads, seqlen_q). compiled is a multiple
+    // of 32, so every partial row stays 16-byte aligned.
+    const int64_t partial_rows =
+        int64_t(params.num_splits) * shape.batch * shape.nheads * shape.seqlen_q;
+    split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
+    params.out_accum_ptr = split_accum.data_ptr<float>();
+    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
   }
   launcher(params, stream);
   return {out, softmax_lse};

@@ -35,9 +35,36 @@ __forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
   return row * accum_head_dim;
 }
 
+// dst(i) += acc(i) for this thread's dQ fragment, as reductions without a
+// return value. On sm90 the two adjacent columns each accumulator pair holds
+// go as one 8-byte reduction: half the atomic instructions and L2 requests
+// (the dQ buffer and every offset into it are even, so the pair is aligned).
+// kCheckRows drops rows at or past rows_left.
+template <bool kCheckRows, typename TensorAcc, typename TensorDst, typename TensorCoord>
+__forceinline__ __device__ void atomic_add_dq(const TensorAcc& acc, TensorDst& dst,
+                                              const TensorCoord& coord, int rows_left) {
+  static_assert(decltype(size(acc))::value == decltype(size(dst))::value);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(decltype(size<0, 0>(dst))::value == 2 && decltype(stride<0, 0>(dst))::value == 1,
+                "each accumulator pair must be two adjacent columns");
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    if (!kCheckRows || get<0>(coord(i)) < rows_left) {
+      atomicAdd(reinterpret_cast<float2*>(&dst(i)), make_float2(acc(i), acc(i + 1)));
+    }
+  }
+#else
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    if (!kCheckRows || get<0>(coord(i)) < rows_left) atomicAdd(&dst(i), acc(i));
+  }
+#endif
+}
+
 // kWithScoreExtras compiles in softcap, ALiBi and dropout; the plain variant
-// (causal / local / bounds masking only) leaves their live ranges out of the
-// register allocation, which is what keeps it free of spills.
+// (causal / local / bounds masking only, a positive normal softmax scale)
+// leaves their live ranges out of the register allocation, which is what
+// keeps it free of spills.
 template <typename Traits, bool kWithScoreExtras>
 __forceinline__ __device__ void compute_key_block(const BwdParams& params,
                                                   const BlockInfo& binfo, int batch, int head,
@@ -214,6 +241,15 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       local_tile(sKt, DQChunkShapeKt{}, make_coord(_, 0)));  // (CPY, N, K, chunk)
   Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
   Tensor tdQcdQ = thr_mma_dq.partition_C(cdQ);
+  // This thread's dQ accumulator elements of row block 0, chunk 0, as a
+  // tensor with static strides: moved to another block / chunk by one pointer
+  // add, every element's address is then the thread's pointer plus a
+  // compile-time offset (an immediate of the atomic), not a 64-bit address
+  // computed per element. The accumulator has kHeadDim columns whatever the
+  // head dim.
+  Tensor tdQgdQaccum = thr_mma_dq.partition_C(
+      make_tensor(make_gmem_ptr(dq_accum), Shape<Int<kBlockM>, Int<kDQChunkCols>>{},
+                  Stride<Int<kHeadDim>, _1>{}));
 
   // (row, col) of each S element this thread holds.
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -259,14 +295,17 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       const int rows_left = seqlen_q - row_begin;
 
       // The saved statistics of this thread's rows; loaded before the wait so
-      // the latency hides behind it.
+      // the latency hides behind it. A row that saw no key has lse +inf from
+      // our forward; -inf (the other convention for an empty sum) is taken
+      // as +inf too, so that its masked -inf scores give P = 0, not NaN.
       float lse_log2[kNRows];
       float row_d[kNRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kNRows; ++mi) {
         const int row = get<0>(tScS_rowcol(mi, 0));
         const bool in_seq = row < rows_left;
-        lse_log2[mi] = in_seq ? lse_rows[row_begin + row] * float(M_LOG2E) : INFINITY;
+        const float lse = in_seq ? lse_rows[row_begin + row] : INFINITY;
+        lse_log2[mi] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
         row_d[mi] = in_seq ? d_rows[row_begin + row] : 0.f;
       }
 
@@ -312,7 +351,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
         scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
                            pointwise, dropout);
       } else {
-        scores_to_p(scores, lse_log2, params.softmax_scale_log2);
+        // The launcher sends any scale that is not positive and normal to the
+        // extras variant.
+        scores_to_p</*kScaleIsPositive=*/true>(scores, lse_log2, params.softmax_scale_log2);
         p_to_ds(scores, dp, row_d);
       }
 
@@ -333,8 +374,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
 
       // Every key block adds into the same dQ rows; in deterministic mode this
       // block is the only writer of its split slice, so the order is fixed.
-      // The accumulator has kHeadDim columns whatever the head dim, so only
-      // rows past the sequence need a check.
+      // Only rows past the sequence need a check.
       CUTE_UNROLL
       for (int chunk = 0; chunk < kDQChunks; ++chunk) {
         Tensor acc_dq =
@@ -343,22 +383,13 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
         gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
                        smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
                        smem_thr_copy_Kt);
-        float* dq_accum_block =
-            dq_accum + int64_t(row_begin) * kHeadDim + chunk * kDQChunkCols;
+        Tensor tdQgdQaccum_block = make_tensor(
+            tdQgdQaccum.data() + (int64_t(row_begin) * kHeadDim + chunk * kDQChunkCols),
+            tdQgdQaccum.layout());
         if (rows_left >= kBlockM) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_dq); ++i) {
-            const int row = get<0>(tdQcdQ(i));
-            const int col = get<1>(tdQcdQ(i));
-            atomicAdd(dq_accum_block + row * kHeadDim + col, acc_dq(i));
-          }
+          atomic_add_dq</*kCheckRows=*/false>(acc_dq, tdQgdQaccum_block, tdQcdQ, rows_left);
         } else {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_dq); ++i) {
-            const int row = get<0>(tdQcdQ(i));
-            const int col = get<1>(tdQcdQ(i));
-            if (row < rows_left) atomicAdd(dq_accum_block + row * kHeadDim + col, acc_dq(i));
-          }
+          atomic_add_dq</*kCheckRows=*/true>(acc_dq, tdQgdQaccum_block, tdQcdQ, rows_left);
         }
       }
 

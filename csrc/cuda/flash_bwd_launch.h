@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <limits>
+
 #include "bwd_kernel_traits.h"
 #include "bwd_tile_config.h"
 #include "cuda_check.h"
@@ -34,8 +36,14 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(params.deterministic ? params.num_splits : num_n_blocks, params.nheads,
                   params.batch);
-  const bool with_score_extras =
-      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  // The plain kernel also assumes a positive, normal softmax scale (its exp
+  // lets a masked -inf score become 0 untested; a scale the device would
+  // flush to 0 would make it NaN); any other scale takes the general kernel,
+  // which tests.
+  const bool scale_is_positive_normal =
+      params.softmax_scale_log2 >= std::numeric_limits<float>::min();
+  const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr ||
+                                 params.dropout_p > 0.f || !scale_is_positive_normal;
   auto kernel = with_score_extras ? &flash_bwd_dq_dk_dv_kernel<Traits, true>
                                   : &flash_bwd_dq_dk_dv_kernel<Traits, false>;
   constexpr int kSmemSize = Traits::kSmemSize;

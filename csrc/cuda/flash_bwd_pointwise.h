@@ -38,8 +38,16 @@ struct BwdPointwiseArgs {
 //
 // scores (rows, cols) holds s with the mask applied (-inf where hidden) and
 // becomes P; lse_log2 is per row of the fragment (+inf for rows past the
-// sequence, so their P is 0).
-template <int kNRows, typename TensorS>
+// sequence and for rows that saw no key, so their P is 0).
+//
+// kScaleIsPositive (exp_scale_log2 positive and normal, so that flushing
+// denormals cannot make it 0: the caller's runtime promise) lets a
+// masked -inf flow through exp2 to 0 (-inf * scale - lse is -inf, lse being
+// finite or +inf) instead of being tested per element; the test plus the
+// predicated exp cost ~2 extra instructions per element in the hot loop.
+// Otherwise the test stays: a negative scale would turn -inf into +inf, and
+// a zero scale into NaN.
+template <bool kScaleIsPositive = false, int kNRows, typename TensorS>
 __forceinline__ __device__ void scores_to_p(TensorS& scores, const float (&lse_log2)[kNRows],
                                             float exp_scale_log2) {
   static_assert(decltype(size<0>(scores))::value == kNRows);
@@ -48,9 +56,8 @@ __forceinline__ __device__ void scores_to_p(TensorS& scores, const float (&lse_l
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(scores); ++ni) {
       const float s = scores(mi, ni);
-      // Checked, not left to exp2: with a negative softmax_scale a masked
-      // -inf would turn into +inf.
-      scores(mi, ni) = s == -INFINITY ? 0.f : exp2f(fmaf(s, exp_scale_log2, -lse_log2[mi]));
+      const float p = exp2f(fmaf(s, exp_scale_log2, -lse_log2[mi]));
+      scores(mi, ni) = kScaleIsPositive || s != -INFINITY ? p : 0.f;
     }
   }
 }

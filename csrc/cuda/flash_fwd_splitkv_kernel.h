@@ -23,6 +23,7 @@
 #include "params.h"
 #include "score_mods.h"
 #include "softmax.h"
+#include "splitkv_tile_config.h"
 #include "tile_ops.h"
 
 namespace flash {
@@ -60,20 +61,27 @@ __forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoor
   }
 }
 
-// Where one batch entry's keys are: key j is cache position leftpad + j.
+// Where one batch entry's keys are: key j is cache position leftpad + j, which
+// lives in row `in_page` of cache entry `page` (the batch entry itself for a
+// contiguous cache, a block-table entry for a paged one). K and V share it.
 struct CacheRows {
   const int* block_table_row;  // null: contiguous cache
-  int64_t entry;               // contiguous: the cache entry of this batch element
+  int entry;                   // contiguous: the cache entry of this batch element
   int leftpad;
   int page_size;
 
-  __forceinline__ __device__ int64_t offset(int key, const QKVStrides& s) const {
+  // Reads the block table (paged): issued a tile ahead of use so that the
+  // dependent load is off the path of the K/V copies.
+  __forceinline__ __device__ void locate(int key, bool valid, int& page, int& in_page) const {
     const int pos = leftpad + key;
     if (block_table_row != nullptr) {
-      const int64_t page = block_table_row[pos / page_size];
-      return page * s.batch_stride + int64_t(pos % page_size) * s.row_stride;
+      const int page_index = pos / page_size;
+      page = valid ? block_table_row[page_index] : 0;
+      in_page = pos - page_index * page_size;
+    } else {
+      page = entry;
+      in_page = pos;
     }
-    return entry * s.batch_stride + int64_t(pos) * s.row_stride;
   }
 };
 
@@ -129,22 +137,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const Element* v_base =
       static_cast<const Element*>(params.v_ptr) + int64_t(head_kv) * params.v.head_stride;
 
+  // Shared memory: Q, then kSplitKvStages (K tile, V tile) stages, so that the
+  // copies of the next tiles run while the current one is computed. Decode
+  // does little math per byte; the kernel lives on the bytes it keeps in
+  // flight.
+  constexpr int kTileElems = cosize_v<typename Traits::SmemLayoutKV>;
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
-  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+  Element* const kv_smem = sQ.data().get() + cosize_v<typename Traits::SmemLayoutQ>;
+  auto stage_k = [&](int stage) {
+    return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems),
+                       typename Traits::SmemLayoutKV{});
+  };
+  auto stage_v = [&](int stage) {
+    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
+                       typename Traits::SmemLayoutKV{});
+  };
+  auto stage_vt = [&](int stage) {
+    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
+                       typename Traits::SmemLayoutVt{});
+  };
+  Tensor sK0 = stage_k(0);
+  Tensor sVtNoSwizzle = make_tensor(make_smem_ptr(kv_smem + kTileElems),
+                                    typename Traits::SmemLayoutVtNoSwizzle{});
 
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
   Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
-  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
-  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
   Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
+  constexpr int kCopyRows = decltype(size<1>(tKVcKV))::value;
+  constexpr int kCopyCols = decltype(size<2>(tKVcKV))::value;
 
   auto q_row = [&](int tile_row) {
     const int row = row_begin + tile_row;
@@ -152,21 +177,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return q_base + int64_t(query) * params.q.row_stride +
            int64_t(row - query * group) * params.q.head_stride;
   };
-  auto load_k = [&](int n_block) {
+
+  // Cache location of this thread's K/V copy rows of the tile being located.
+  int row_page[kCopyRows];
+  int row_in_page[kCopyRows];
+  auto locate_tile = [&](int n_block) {
     const int key0 = n_block * kBlockN;
-    copy_rows_async(tKsK, tKVcKV, seqlen_k - key0, params.head_dim, k_base,
-                    [&](int r) { return k_base + cache.offset(key0 + r, params.k); });
+    CUTE_UNROLL
+    for (int m = 0; m < kCopyRows; ++m) {
+      const int key = key0 + get<0>(tKVcKV(0, m, 0));
+      cache.locate(key, key < seqlen_k, row_page[m], row_in_page[m]);
+    }
   };
-  auto load_v = [&](int n_block) {
-    const int key0 = n_block * kBlockN;
-    copy_rows_async(tVsV, tKVcKV, seqlen_k - key0, params.head_dim, v_base,
-                    [&](int r) { return v_base + cache.offset(key0 + r, params.v); });
+  // K and V of one tile into one stage, from the rows locate_tile found.
+  // Rows past the keys and columns past head_dim are zero-filled (zeros, not
+  // stale data: P V multiplies them by 0).
+  auto load_tile = [&](int n_block, int stage) {
+    Tensor tKsK = gmem_thr_copy_QKV.partition_D(stage_k(stage));
+    Tensor tVsV = gmem_thr_copy_QKV.partition_D(stage_v(stage));
+    const int rows_in_tile = seqlen_k - n_block * kBlockN;
+    CUTE_UNROLL
+    for (int m = 0; m < kCopyRows; ++m) {
+      const bool row_ok = get<0>(tKVcKV(0, m, 0)) < rows_in_tile;
+      const int64_t page = row_page[m];
+      const int64_t in_page = row_in_page[m];
+      const Element* k_row = k_base + page * params.k.batch_stride + in_page * params.k.row_stride;
+      const Element* v_row = v_base + page * params.v.batch_stride + in_page * params.v.row_stride;
+      CUTE_UNROLL
+      for (int k = 0; k < kCopyCols; ++k) {
+        const int col = get<1>(tKVcKV(0, m, k));
+        const bool ok = row_ok && col < params.head_dim;
+        cp_async_16_or_zero(&tKsK(0, m, k), ok ? k_row + col : k_base, ok);
+        cp_async_16_or_zero(&tVsV(0, m, k), ok ? v_row + col : v_base, ok);
+      }
+    }
   };
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK0);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
@@ -176,16 +226,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
   auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
-  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
   auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
   auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
-  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_mma.partition_C(cS);
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
+  // Each warp owns one 16-row MMA slab of the query tile. Decode packs only
+  // seqlen_q x group rows (often 4-8), so warps whose slab is all padding skip
+  // the MMAs and their shared-memory reads, which would otherwise compete with
+  // the useful warp for shared-memory bandwidth. No barrier sits inside the
+  // skipped part, and the rows of such a warp are never written out.
+  static_assert(kBlockM == 16 * Traits::kNWarps && kNRows == 2,
+                "one 16-row slab per warp (two accumulator rows per thread)");
+  const bool warp_has_rows = (get<0>(tScS_rowcol(0, 0)) / 16) * 16 < rows_left;
 
   // Per-row query index and (ALiBi) slope: packed rows of one tile belong to
   // different query heads.
@@ -196,9 +252,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   for (int mi = 0; mi < kNRows; ++mi) {
     const int row = row_begin + get<0>(tScS_rowcol(mi, 0));
     row_query[mi] = row / group;
-    row_slope[mi] = has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride +
-                                                    head_kv * group + (row - row_query[mi] * group)]
-                              : 0.f;
+    row_slope[mi] = has_alibi && row < rows_total
+                        ? params.alibi_slopes[batch * params.alibi_batch_stride +
+                                              head_kv * group + (row - row_query[mi] * group)]
+                        : 0.f;
   }
   const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
@@ -207,68 +264,82 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   OnlineSoftmax<kNRows> softmax;
 
   if (n_block_max > n_block_min) {
-    // Q and the last K block in flight together; key blocks run high to low
-    // so that the block on a causal diagonal comes first.
+    // Key blocks run high to low so that the block on a causal diagonal comes
+    // first. Commit group i holds tile i (group 0 also Q); every iteration
+    // commits one group, empty or not, so "all but the newest group done"
+    // always means "this iteration's tile is here".
+    static_assert(kSplitKvStages == 2, "the loop below rotates two K/V stages");
     copy_rows_async(tQsQ, tQcQ, rows_left, params.head_dim, q_base, q_row);
-    int n_block = n_block_max - 1;
-    load_k(n_block);
+    locate_tile(n_block_max - 1);
+    load_tile(n_block_max - 1, 0);
     cute::cp_async_fence();
+    if (n_block_max - 2 >= n_block_min) {
+      locate_tile(n_block_max - 2);
+      load_tile(n_block_max - 2, 1);
+    }
+    cute::cp_async_fence();
+    if (n_block_max - 3 >= n_block_min) locate_tile(n_block_max - 3);
 
-    for (; n_block >= n_block_min; --n_block) {
-      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      cute::cp_async_wait<0>();
+    int stage = 0;
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      cute::cp_async_wait<1>();
       __syncthreads();
-      load_v(n_block);
-      cute::cp_async_fence();
 
-      gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q,
-                     smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
+      if (warp_has_rows) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_s);
+        Tensor tSsK = smem_thr_copy_K.partition_S(stage_k(stage));
+        gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q,
+                       smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
 
-      Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
-      const int col_base = n_block * kBlockN;
-      if (prescale_scores) {
-        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
-        if (has_alibi) {
-          CUTE_UNROLL
-          for (int mi = 0; mi < kNRows; ++mi) {
+        Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
+        const int col_base = n_block * kBlockN;
+        if (prescale_scores) {
+          apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+          if (has_alibi) {
             CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(scores); ++ni) {
-              const int col = col_base + get<1>(tScS_rowcol(0, ni));
-              scores(mi, ni) += alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
+            for (int mi = 0; mi < kNRows; ++mi) {
+              CUTE_UNROLL
+              for (int ni = 0; ni < size<1>(scores); ++ni) {
+                const int col = col_base + get<1>(tScS_rowcol(0, ni));
+                scores(mi, ni) +=
+                    alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
+              }
             }
           }
         }
-      }
-      if (!key_tile_fully_visible(query_first, query_last + 1, col_base, col_base + kBlockN,
-                                  seqlen_q, seqlen_k, params.window_left, params.window_right)) {
-        CUTE_UNROLL
-        for (int mi = 0; mi < kNRows; ++mi) {
-          const KeyRange visible = visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q,
-                                                     seqlen_k, params.window_left,
-                                                     params.window_right);
-          const int col_lo = visible.begin - col_base;
-          const int col_hi = visible.end - col_base;
+        if (!key_tile_fully_visible(query_first, query_last + 1, col_base, col_base + kBlockN,
+                                    seqlen_q, seqlen_k, params.window_left,
+                                    params.window_right)) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(scores); ++ni) {
-            const int col = get<1>(tScS_rowcol(0, ni));
-            if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
+          for (int mi = 0; mi < kNRows; ++mi) {
+            const KeyRange visible = visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q,
+                                                       seqlen_k, params.window_left,
+                                                       params.window_right);
+            const int col_lo = visible.begin - col_base;
+            const int col_hi = visible.end - col_base;
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(scores); ++ni) {
+              const int col = get<1>(tScS_rowcol(0, ni));
+              if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
+            }
           }
         }
+
+        softmax.update(scores, acc_o_rowcol, exp_scale_log2);
+
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
+        Tensor tOsVt = smem_thr_copy_V.partition_S(stage_vt(stage));
+        gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
       }
 
-      cute::cp_async_wait<0>();
+      // Every warp is done with this stage before it is refilled.
       __syncthreads();
-      if (n_block > n_block_min) {
-        load_k(n_block - 1);
-        cute::cp_async_fence();
-      }
-
-      softmax.update(scores, acc_o_rowcol, exp_scale_log2);
-
-      Tensor rP = convert_type<Element>(acc_s);
-      Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
-      gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+      if (n_block - 2 >= n_block_min) load_tile(n_block - 2, stage);
+      cute::cp_async_fence();
+      if (n_block - 3 >= n_block_min) locate_tile(n_block - 3);
+      stage ^= 1;
     }
   }
 

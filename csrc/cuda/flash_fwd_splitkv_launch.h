@@ -26,7 +26,9 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
   auto kernel = with_score_extras ? &flash_fwd_splitkv_kernel<Traits, true>
                                   : &flash_fwd_splitkv_kernel<Traits, false>;
-  constexpr int kSmemSize = Traits::kSmemSize;
+  constexpr int kSmemSize = Traits::kSmemSizeQ + kSplitKvStages * Traits::kSmemSizeKV;
+  static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim) && sizeof(Element) == 2,
+                "host code sizes the grid from splitkv_smem_bytes");
   if (kSmemSize >= 48 * 1024) {
     FA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));

@@ -11,6 +11,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "params.h"
+#include "splitkv_tile_config.h"
 
 namespace flash {
 
@@ -19,8 +20,15 @@ constexpr int kCombineWarps = 4;
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     splitkv_combine_kernel(const KvcacheParams params) {
+  static_assert(kMaxKvSplits % 32 == 0, "each lane holds whole split slots");
+  constexpr int kSplitsPerLane = kMaxKvSplits / 32;
+  // Per warp: the weight exp(lse_s - lse) of each split, so that the output
+  // loop below has only independent loads left (a dependent load per split
+  // would cost one memory latency per split).
+  __shared__ float split_weight[kCombineWarps][kMaxKvSplits];
+  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  const int64_t row = int64_t(blockIdx.x) * kCombineWarps + warp;
   const int64_t rows_per_split = int64_t(params.batch) * params.nheads * params.seqlen_q;
   if (row >= rows_per_split) return;
   const int i = static_cast<int>(row % params.seqlen_q);
@@ -29,21 +37,37 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int num_splits = params.num_splits;
   const float* lse_accum = params.lse_accum_ptr + row;
 
+  float lse_split[kSplitsPerLane];
   float max_lse = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32) max_lse = fmaxf(max_lse, lse_accum[s * rows_per_split]);
+  CUTE_UNROLL
+  for (int j = 0; j < kSplitsPerLane; ++j) {
+    const int s = lane + 32 * j;
+    lse_split[j] = s < num_splits ? lse_accum[s * rows_per_split] : -INFINITY;
+    max_lse = fmaxf(max_lse, lse_split[j]);
+  }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) {
     max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
   }
   const bool empty = max_lse == -INFINITY;
   float sum = 0.f;
-  if (!empty) {
-    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_accum[s * rows_per_split] - max_lse);
+  CUTE_UNROLL
+  for (int j = 0; j < kSplitsPerLane; ++j) {
+    if (!empty && lse_split[j] != -INFINITY) sum += expf(lse_split[j] - max_lse);
   }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   const float lse = empty ? INFINITY : max_lse + logf(sum);
   if (lane == 0) params.softmax_lse_ptr[row] = lse;
+  CUTE_UNROLL
+  for (int j = 0; j < kSplitsPerLane; ++j) {
+    const int s = lane + 32 * j;
+    if (s < num_splits) {
+      split_weight[warp][s] =
+          empty || lse_split[j] == -INFINITY ? 0.f : expf(lse_split[j] - lse);
+    }
+  }
+  __syncwarp();
 
   Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
                      int64_t(i) * params.o.row_stride + int64_t(head) * params.o.head_stride;
@@ -54,12 +78,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   for (int col = lane * 4; col < params.head_dim; col += 128) {
     cutlass::Array<float, 4> acc;
     acc.fill(0.f);
-    if (!empty) {
-      for (int s = 0; s < num_splits; ++s) {
-        const float lse_s = lse_accum[s * rows_per_split];
-        if (lse_s == -INFINITY) continue;
-        const float weight = expf(lse_s - lse);
-        const float4 o = *reinterpret_cast<const float4*>(accum_row + s * split_stride + col);
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float weight = split_weight[warp][s];
+      const float4 o = *reinterpret_cast<const float4*>(accum_row + s * split_stride + col);
+      // A split that saw no key weighs nothing, whatever its row holds.
+      if (weight != 0.f) {
         acc[0] += weight * o.x;
         acc[1] += weight * o.y;
         acc[2] += weight * o.z;
