@@ -12,12 +12,10 @@ import reference
 from reference import assert_within_criterion, attention_ref, varlen_attention_ref
 
 import flash_attn_cuda  # noqa: F401  (registers the ops)
+from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
 
 pytestmark = pytest.mark.cuda
 
-DEVICE = "cuda"
-DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
 SEQLEN_PAIRS = [
     (1, 1), (2, 2), (1, 129), (17, 17), (113, 203), (127, 128), (128, 127), (129, 129),
     (255, 17), (17, 255), (1023, 1024),
@@ -26,20 +24,6 @@ GRAD_FACTOR = 3.0
 # Absolute slack for gradients that are exactly zero in exact arithmetic (a
 # single visible key gives dS = 0), where the same-dtype baseline can be 0 too.
 GRAD_ATOL = 1e-4
-
-
-def poison_allocator(nbytes=1 << 28):
-    """Fill soon-to-be-reused cached memory with NaN, so a gradient element the
-    kernels forget to write shows up as NaN instead of a stale plausible value."""
-    blob = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
-    del blob
-
-
-def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
-    q = torch.randn(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
-    return q, k, v
 
 
 def run_fwd_bwd(q, k, v, dout, *, causal=False, window=(-1, -1), softcap=0.0,
@@ -170,15 +154,6 @@ def test_bwd_dropout_with_softcap_alibi_window(dtype):
                                              0.25).to(DEVICE)
     check_grads(q, k, v, dout, grads, window_size=(40, 7), softcap=8.0, alibi_slopes=slopes,
                 dropout_p=0.25, keep_mask=keep)
-
-
-def random_cu_seqlens(batch, max_len, allow_empty=True):
-    low = 0 if allow_empty else 1
-    lengths = torch.randint(low, max_len + 1, (batch,))
-    lengths[0] = max_len
-    cu = torch.zeros(batch + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu, int(lengths.max())
 
 
 def run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, *, causal=False,

@@ -10,23 +10,14 @@ import reference
 from reference import assert_within_criterion, attention_ref
 
 import flash_attn_cuda  # noqa: F401  (registers the ops)
+from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
 
 pytestmark = pytest.mark.cuda
 
-DEVICE = "cuda"
-DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 192, 224, 256]
 SEQLEN_PAIRS = [
     (1, 1), (2, 2), (1, 129), (17, 17), (113, 203), (127, 128), (128, 127), (129, 129),
     (255, 17), (17, 255), (1023, 1024), (2049, 2049),
 ]
-
-
-def poison_allocator(nbytes=1 << 28):
-    """Fill soon-to-be-reused cached memory with NaN, so an output element the
-    kernel forgets to write shows up as NaN instead of a stale plausible value."""
-    blob = torch.full((nbytes // 4,), float("nan"), device=DEVICE)
-    del blob
 
 
 def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -47,13 +38,6 @@ def check_against_reference(q, k, v, out, lse, **ref_kwargs):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isinf(lse), ~finite), "lse +inf rows differ from the reference"
     torch.testing.assert_close(lse[finite], ref_lse[finite].float(), atol=2e-3, rtol=1e-3)
-
-
-def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
-    q = torch.randn(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
-    return q, k, v
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,15 +96,6 @@ def test_fwd_strided_views_of_packed_qkv(dtype, head_dim):
     assert not q.is_contiguous()
     out, lse, _, _ = run_fwd(q, k, v, causal=True)
     check_against_reference(q, k, v, out, lse, causal=True)
-
-
-def random_cu_seqlens(batch, max_len, allow_empty=True):
-    low = 0 if allow_empty else 1
-    lengths = torch.randint(low, max_len + 1, (batch,))
-    lengths[0] = max_len
-    cu = torch.zeros(batch + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu, int(lengths.max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
