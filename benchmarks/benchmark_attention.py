@@ -45,9 +45,14 @@ SDPA_BACKENDS = {
     "sdpa_math": "MATH",
 }
 GPU_PROVIDERS = [OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex"]
+# Measured only when named in --providers: this project's backward with
+# deterministic=True (the cost of bitwise-reproducible gradients).
+OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
+GPU_OPTIONAL_PROVIDERS = [OURS_DETERMINISTIC]
 CPU_PROVIDERS = [OURS, "sdpa_cpu"]
-# flex_attention would need one compile per decode shape for little insight.
-DECODE_EXCLUDED = {"flex"}
+# flex_attention would need one compile per decode shape for little insight;
+# decode has no backward, so the deterministic variant is the plain one.
+DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC}
 
 MODES = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each mode as a multiple of the forward pass (flash-attn's convention).
@@ -514,12 +519,15 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
     h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
     gqa = h != hk
 
-    if provider == OURS:
+    if provider in (OURS, OURS_DETERMINISTIC):
         attn = ours_op("flash_attn_func", device)
+        deterministic = provider == OURS_DETERMINISTIC
         q = random_tensor((b, sq, h, d), dtype, device, with_grad)
         k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
         v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
-        prepared = Prepared(forward=lambda: attn(q, k, v, causal=shape.causal), grad_inputs=(q, k, v))
+        prepared = Prepared(
+            forward=lambda: attn(q, k, v, causal=shape.causal, deterministic=deterministic),
+            grad_inputs=(q, k, v))
         prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
         return prepared
 
@@ -980,7 +988,8 @@ class Run:
     def count(self) -> int:
         total = 0
         if "train" in self.args.regimes:
-            total += sum(1 for _ in self.train_shapes()) * len(self.providers) * len(self.grid.modes)
+            total += sum(1 for _ in self.train_shapes()) * sum(
+                len(self.train_modes(p)) for p in self.providers)
         if "decode" in self.args.regimes:
             total += sum(len(cases) for _, cases in self.decode_cases())
         if "memory" in self.args.regimes:
@@ -1002,14 +1011,22 @@ class Run:
             self.meta["interrupted"] = True
         self.write_json()
 
+    def train_modes(self, provider: str) -> list:
+        if provider == OURS_DETERMINISTIC:
+            # Its forward is the plain one; only the backward differs.
+            return [m for m in self.grid.modes if m != "fwd"]
+        return self.grid.modes
+
     def run_train(self) -> None:
         with_grad = any(mode != "fwd" for mode in self.grid.modes)
         for shape in self.train_shapes():
             label = (f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
                      f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}")
             for provider in self.providers:
+                if not self.train_modes(provider):
+                    continue
                 self.run_provider(
-                    "train", shape, provider, self.grid.modes,
+                    "train", shape, provider, self.train_modes(provider),
                     lambda p=provider: build_train(p, shape, self.device, with_grad), label)
             self.write_json()
 
@@ -1218,7 +1235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder for results.json and PNGs (default benchmarks/results/<device>/)")
     p.add_argument("--regimes", default=None, help=f"comma list of {REGIMES}")
     p.add_argument("--providers", default=None,
-                   help=f"comma list; GPU: {GPU_PROVIDERS}; CPU: {CPU_PROVIDERS}")
+                   help=f"comma list; GPU: {GPU_PROVIDERS} (default), also {GPU_OPTIONAL_PROVIDERS}; CPU: {CPU_PROVIDERS}")
     p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32 (training grid)")
     p.add_argument("--headdims", default=None, help="comma list of head dims (training grid)")
     p.add_argument("--modes", default=None, help=f"comma list of {MODES}")
@@ -1256,6 +1273,8 @@ def select(args) -> tuple:
         grid, known, default_regimes = cpu_grid(args.quick), CPU_PROVIDERS, ["train", "decode"]
 
     providers = parse_list(args.providers) or list(known)
+    if device.type == "cuda" or args.cpu_standin:
+        known = known + GPU_OPTIONAL_PROVIDERS
     unknown = [p for p in providers if p not in known]
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown} on {device.type}; choose from {known}")

@@ -7,6 +7,8 @@
 //     -gencode arch=compute_90,code=sm_90 -DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=64 -DWARPS=4 \
 //     benchmarks/microbench/fwd_microbench.cu -o fwd_d128
 //   ./fwd_d128 [seqlen] [causal 0/1]
+// -DWITH_EXTRAS=1 times the softcap/ALiBi/dropout variant of the kernel (run
+// with the plain score rule, so only the cost of carrying the extras shows).
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
@@ -19,6 +21,9 @@
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
+#endif
+#ifndef WITH_EXTRAS
+#define WITH_EXTRAS 0
 #endif
 #ifndef BLOCK_M
 #define BLOCK_M 128
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
   params.window_right = causal ? 0 : -1;
   params.is_bf16 = true;
 
-  auto kernel = &flash::flash_fwd_kernel<Traits, false>;
+  auto kernel = &flash::flash_fwd_kernel<Traits, WITH_EXTRAS != 0>;
   FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Traits::kSmemSize));
   const dim3 grid((seqlen + BLOCK_M - 1) / BLOCK_M, nheads, batch);

@@ -6,7 +6,10 @@
 # A CONFIG is D:M:N:WARPS:ATOM_SDP:ATOM_DKV:ATOM_DQ:DOUBLE_BUFFER, the fields
 # of a csrc/cuda/bwd_tile_config.h entry. EXTRAS=1 times the
 # softcap/ALiBi/dropout variant of the main kernel instead of the plain one.
+# SWEEP_STEP=compile or run splits the two halves (compile while the GPU does
+# something else, time when it is idle); the default does both.
 set -euo pipefail
+step=${SWEEP_STEP:-all}
 cd "$(dirname "$0")/../.."
 out=${1:?output dir}
 configs=${2:-"64:128:128:8:4:4:4:0 64:128:128:8:4:4:4:1 64:64:128:8:2:4:4:1 128:64:128:8:2:4:2:1 128:64:128:8:2:4:2:0 128:128:64:8:4:2:4:1 128:64:64:8:4:2:2:1 256:64:64:8:4:2:2:0 256:64:64:8:4:2:2:1"}
@@ -18,6 +21,7 @@ arch=${ARCH:-90}
 nvcc=${NVCC:-nvcc}
 name_of() { echo "bwd_${1//:/_}"; }
 export -f name_of
+if [ "$step" != run ]; then
 for config in $configs; do echo "$config"; done | xargs -P "$(nproc)" -I{} bash -c '
   IFS=: read -r d m n w s k q b <<<"{}"
   name=$(name_of "{}")
@@ -27,6 +31,8 @@ for config in $configs; do echo "$config"; done | xargs -P "$(nproc)" -I{} bash 
     -DATOM_DQ=$q -DDOUBLE_BUFFER=$b -DWITH_EXTRAS='"$extras"' \
     benchmarks/microbench/bwd_microbench.cu -o '"$out"'/$name \
     >'"$out"'/ptxas_$name.txt 2>&1 || echo "compile failed: {}"'
+fi
+[ "$step" = compile ] && exit 0
 for config in $configs; do
   name=$(name_of "$config")
   [ -x "$out/$name" ] || { echo "$config: not built (see $out/ptxas_$name.txt)"; continue; }

@@ -4,7 +4,8 @@
 # benchmark grid's shape (hidden 2048, batch*seqlen 16384).
 #   benchmarks/microbench/run_tile_sweep.sh OUT_DIR "D:M:N:W D:M:N:W ..."
 # SWEEP_STEP=compile or run splits the two halves (compile while the GPU does
-# something else, time when it is idle); the default does both.
+# something else, time when it is idle); the default does both. EXTRAS=1
+# times the softcap/ALiBi/dropout variant of the kernel instead of the plain one.
 set -euo pipefail
 step=${SWEEP_STEP:-all}
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ for config in $configs; do echo "$config"; done | xargs -P "$(nproc)" -I{} bash 
   IFS=: read -r d m n w <<<"{}"
   '"$nvcc"' -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I '"$cutlass"' \
     -gencode arch=compute_'"$arch"',code=sm_'"$arch"' -Xptxas -v \
-    -DHEAD_DIM=$d -DBLOCK_M=$m -DBLOCK_N=$n -DWARPS=$w \
+    -DHEAD_DIM=$d -DBLOCK_M=$m -DBLOCK_N=$n -DWARPS=$w -DWITH_EXTRAS='"${EXTRAS:-0}"' \
     benchmarks/microbench/fwd_microbench.cu -o '"$out"'/fwd_${d}_${m}_${n}_${w} \
     >'"$out"'/ptxas_${d}_${m}_${n}_${w}.txt 2>&1 || echo "compile failed: {}"'
 fi

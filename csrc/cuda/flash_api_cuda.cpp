@@ -638,6 +638,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;
+  params.programmatic_combine = at::cuda::getCurrentDeviceProperties()->major >= 9;
   if (params.num_splits > 1) {
     // One allocation (decode calls are short; each allocator call shows):
     // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then

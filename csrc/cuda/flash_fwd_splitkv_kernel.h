@@ -19,6 +19,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "../common/mask_rule.h"
+#include "dependent_launch.h"
 #include "kernel_traits.h"
 #include "params.h"
 #include "score_mods.h"
@@ -92,6 +93,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+
+  // The combine kernel (if any) may be scheduled as soon as every block of
+  // this grid runs: it waits for this grid's results itself, and its launch
+  // latency then overlaps this kernel instead of following it.
+  allow_dependent_grid_launch();
 
   extern __shared__ char smem[];
   const int batch = blockIdx.x / params.nheads_k;

@@ -3,9 +3,12 @@
 // The append / rotary step runs before this (kvcache_append_rotary.h).
 #pragma once
 
+#include <stdexcept>
+
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
+#include "dependent_launch.h"
 #include "flash_fwd_splitkv_kernel.h"
 #include "kernel_traits.h"
 #include "params.h"
@@ -37,10 +40,13 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   FA_CUDA_CHECK(cudaGetLastError());
   if (params.num_splits > 1) {
     const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    splitkv_combine_kernel<Element, kHeadDim>
-        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(params);
-    FA_CUDA_CHECK(cudaGetLastError());
+    if (rows > 0x7fffffff) {
+      throw std::runtime_error(
+          "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
+    }
+    launch_maybe_programmatic(&splitkv_combine_kernel<Element, kHeadDim>,
+                              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream,
+                              params.programmatic_combine, params);
   }
 }
 

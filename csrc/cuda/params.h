@@ -104,6 +104,7 @@ struct KvcacheParams : FwdParams {
   int num_splits;
   float* out_accum_ptr;
   float* lse_accum_ptr;
+  bool programmatic_combine;  // sm90+: combine launched as a dependent grid
 
   // Append + rotary (run before the attention kernel). new_k / new_v are
   // (batch, seqlen_new, nheads_k, head_dim); rotary tables (seqlen_ro,

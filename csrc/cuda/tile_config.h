@@ -10,11 +10,11 @@ template <int kHeadDim>
 struct FwdTileConfig;
 
 //                         head dim       block M  block N  warps
-template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
+template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
 template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4; };
-template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4; };
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
 template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };

@@ -1,0 +1,53 @@
+// Programmatic dependent launch (sm90 and newer): a kernel launched with
+// programmatic stream serialization may start while the kernel before it in
+// the stream still runs, and waits in wait_for_preceding_grid() until that
+// grid has finished and its writes are visible. The launch latency of a short
+// follow-up kernel (the split-KV combine) then hides behind the tail of the
+// kernel before it instead of adding to it. Before sm90 the device functions
+// are no-ops and the launch is an ordinary one.
+#pragma once
+
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "cuda_check.h"
+
+namespace flash {
+
+// Called by the dependent kernel before it reads what the preceding grid wrote.
+__forceinline__ __device__ void wait_for_preceding_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Called by the preceding kernel: once every block has called it (or exited),
+// the dependent grid may be scheduled on free SM resources. Correctness does
+// not depend on where it is called; the dependent kernel still waits.
+__forceinline__ __device__ void allow_dependent_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), allowing it
+// to overlap the preceding kernel when `programmatic` (the device is sm90+).
+template <typename... KernelArgs, typename... Args>
+void launch_maybe_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                               size_t smem_bytes, cudaStream_t stream, bool programmatic,
+                               Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = programmatic ? &attribute : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  FA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace flash
