@@ -12,12 +12,17 @@
 //
 // From benchmarks/microbench/run_bwd_tile_sweep.sh on an H200 (bf16, whole
 // backward, seqlen 16384, non-causal / causal TFLOP/s):
-//   64:  128x128 w8 4,4,4 single 199 / 191, no spill (was 64x128 w8 2,4,4
-//        double: 179 / 174); the double-buffered 128x128 is no faster.
+//   64:  128x128 w8 2,4,4 double 243.6 / 239.7 (132 B spill); same run:
+//        4,4,4 single 232.0 / 218.9, 2,4,4 single 231.1 / 225.6, 4,4,2 single
+//        238.1 / 233.0, 4,2,4 single 226.4 / 220.2, 64x128 2,4,4 double
+//        224.7 / 223.6. (An earlier sweep, before the dQ-atomics change, had
+//        found the double-buffered 128x128 no faster.) 160 KiB of smem: fits
+//        an sm80 block (163 KiB).
 //   128: 64x128 w8 2,4,2 double 208 / 207 (single: 193 / 194; 128x64 and
 //        64x64 tiles: 131-157).
-//   256: 64x64 w8 4,2,2 single 142 / 144; double buffering gives 147 / 149
-//        but needs 208 KiB, more than an sm80 block may have.
+//   256: 64x64 w8 4,2,2 single 142 / 144 (204.9 / 210.2 after the
+//        dQ-atomics change; 2,4,4: 191.7 / 196.1); double buffering gave
+//        147 / 149 but needs 208 KiB, more than an sm80 block may have.
 #pragma once
 
 namespace flash {
@@ -27,7 +32,7 @@ struct BwdTileConfig;
 
 //                         head dim      block M  block N  warps  SdP  dKV  dQ   double buffer
 template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = false; };
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
 template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
 template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true; };
 template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };

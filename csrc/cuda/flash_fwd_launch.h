@@ -13,18 +13,19 @@
 
 namespace flash {
 
-template <typename Element, int kHeadDim>
-void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
+// One variant of the kernel (plain, or with softcap / ALiBi / dropout), each
+// with its own tile from the table.
+template <typename Element, int kHeadDim, bool kWithScoreExtras>
+void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
   using Config = FwdTileConfig<kHeadDim>;
-  using Traits =
-      FwdKernelTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps, Element>;
+  using Traits = FwdKernelTraits<kHeadDim, Config::kBlockM,
+                                 kWithScoreExtras ? Config::kBlockNExtras : Config::kBlockN,
+                                 kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps,
+                                 Element>;
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
   // Query blocks on x (no 65535 limit); heads and batch on y and z.
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
-  const bool with_score_extras =
-      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
-  auto kernel = with_score_extras ? &flash_fwd_kernel<Traits, true> : &flash_fwd_kernel<Traits, false>;
+  auto kernel = &flash_fwd_kernel<Traits, kWithScoreExtras>;
   constexpr int kSmemSize = Traits::kSmemSize;
   if (kSmemSize >= 48 * 1024) {
     FA_CUDA_CHECK(
@@ -32,6 +33,18 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename Element, int kHeadDim>
+void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
+  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
+  const bool with_score_extras =
+      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  if (with_score_extras) {
+    launch_flash_fwd_variant<Element, kHeadDim, true>(params, stream);
+  } else {
+    launch_flash_fwd_variant<Element, kHeadDim, false>(params, stream);
+  }
   if (params.p_ptr != nullptr) launch_return_probs(params, stream);
 }
 

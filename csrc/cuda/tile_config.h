@@ -9,15 +9,19 @@ namespace flash {
 template <int kHeadDim>
 struct FwdTileConfig;
 
-//                         head dim       block M  block N  warps
-template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4; };
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4; };
-template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
-template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8; };
+// Two tiles per head dim: the plain kernel's, and the one of the variant that
+// carries softcap / ALiBi / dropout. The extras' extra registers make some
+// tiles that win on the plain path spill heavily (d32 128 x 128: 120 B plain,
+// 496 B with the extras, 231 vs 205 TFLOP/s plain but 62 vs 81 with extras).
+//                         head dim       block M  block N  warps     extras: block N  warps
+template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8; };
+template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8; };
 
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
