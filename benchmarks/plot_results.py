@@ -19,9 +19,11 @@ import os
 import sys
 
 OURS = "flash_attn_cuda"
-PROVIDER_ORDER = [OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex", "sdpa_cpu"]
+OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
+PROVIDER_ORDER = [OURS, OURS_DETERMINISTIC, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex", "sdpa_cpu"]
 PROVIDER_STYLE = {
     OURS: dict(color="tab:red", marker="o", linewidth=2.4),
+    OURS_DETERMINISTIC: dict(color="tab:red", marker="o", markerfacecolor="none", linestyle="--"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),
     "sdpa_cudnn": dict(color="tab:green", marker="^"),
     "sdpa_efficient": dict(color="tab:purple", marker="v"),

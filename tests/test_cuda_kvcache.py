@@ -207,6 +207,22 @@ def test_num_splits_agree(dtype, causal, capacity):
     check_matches_cpu_op(args, results[0], "interleaved")
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 160, 256])
+def test_many_splits_every_head_dim(head_dim):
+    # The combine kernel spreads a row's splits over groups of threads whose
+    # count depends on the head dim (96: 5 groups, 160: 3, 256: 2); 60+ splits
+    # also take its path for more splits than one round of loads covers.
+    args = make_inputs(batch=1, seqlen_q=1, capacity=2000, nheads=8, nheads_k=2,
+                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=0, rotary=None,
+                       causal=False)
+    args["cache_seqlens"] = torch.tensor([1999], dtype=torch.int32)
+    single = run_cuda(args, num_splits=1)
+    many = run_cuda(args, num_splits=128)
+    torch.testing.assert_close(many[0], single[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(many[1], single[1], atol=1e-3, rtol=1e-3)
+    check_against_reference(dict(args, num_splits=128), many[0], many[1])
+
+
 @pytest.mark.parametrize("seqlen_new", [0, 2])
 def test_per_batch_lengths_with_empty_sequence(seqlen_new):
     args = make_inputs(batch=4, seqlen_q=3, capacity=333, nheads=8, nheads_k=2, head_dim=64,
