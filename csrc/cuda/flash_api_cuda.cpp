@@ -616,6 +616,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.block_table = data_or_null<int>(block_table);
   params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
   params.page_size = shape.paged ? shape.page_size : 0;
+  params.page_size_divisor = IntDivisor(shape.paged ? shape.page_size : 1);
   params.seqlen_new = appending ? shape.seqlen_new : 0;
   params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
   params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;

@@ -69,16 +69,24 @@ struct CacheRows {
   const int* block_table_row;  // null: contiguous cache
   int entry;                   // contiguous: the cache entry of this batch element
   int leftpad;
-  int page_size;
+  IntDivisor page_size;
 
-  // Reads the block table (paged): issued a tile ahead of use so that the
-  // dependent load is off the path of the K/V copies.
-  __forceinline__ __device__ void locate(int key, bool valid, int& page, int& in_page) const {
+  // Locates one key; called for a thread's copy rows of a tile in increasing
+  // order, with (last_index, last_page) carried from row to row so that the
+  // block table is read once per distinct page (a page of 64 or more rows
+  // holds all of a thread's rows of a tile). Paged lookups are issued a tile
+  // ahead of use, so that the dependent load is off the path of the copies.
+  __forceinline__ __device__ void locate(int key, bool valid, int& page, int& in_page,
+                                         int& last_index, int& last_page) const {
     const int pos = leftpad + key;
     if (block_table_row != nullptr) {
-      const int page_index = pos / page_size;
-      page = valid ? block_table_row[page_index] : 0;
-      in_page = pos - page_index * page_size;
+      const int page_index = page_size.quotient(pos);
+      in_page = pos - page_index * page_size.divisor;
+      if (page_index != last_index) {
+        last_index = page_index;
+        last_page = valid ? block_table_row[page_index] : 0;
+      }
+      page = last_page;
     } else {
       page = entry;
       in_page = pos;
@@ -120,7 +128,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int seqlen_k = cache_end - leftpad;
   const CacheRows cache{
       params.block_table ? params.block_table + batch * params.block_table_batch_stride : nullptr,
-      params.cache_batch_idx ? params.cache_batch_idx[batch] : batch, leftpad, params.page_size};
+      params.cache_batch_idx ? params.cache_batch_idx[batch] : batch, leftpad,
+      params.page_size_divisor};
 
   // Key blocks: this split's share of the batch entry's blocks, cut to the
   // ones some row of this query block can see.
@@ -189,10 +198,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int row_in_page[kCopyRows];
   auto locate_tile = [&](int n_block) {
     const int key0 = n_block * kBlockN;
+    int last_index = -1;
+    int last_page = 0;
     CUTE_UNROLL
     for (int m = 0; m < kCopyRows; ++m) {
       const int key = key0 + get<0>(tKVcKV(0, m, 0));
-      cache.locate(key, key < seqlen_k, row_page[m], row_in_page[m]);
+      cache.locate(key, key < seqlen_k, row_page[m], row_in_page[m], last_index, last_page);
     }
   };
   // K and V of one tile into one stage, from the rows locate_tile found.

@@ -1,0 +1,68 @@
+"""A few small fwd_kvcache calls for compute-sanitizer (not a pytest module).
+
+    compute-sanitizer --tool memcheck  python tests/sanitize_kvcache.py
+    compute-sanitizer --tool racecheck python tests/sanitize_kvcache.py
+
+Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
+packing, left padding, cache_batch_idx, and split counts from one to many (the
+combine kernel's thread groups differ per head dim: 64, 96, 128, 256).
+"""
+
+import torch
+
+import flash_attn_cuda  # noqa: F401  (registers the ops)
+
+
+def call(batch, seqlen_q, capacity, nheads, nheads_k, head_dim, dtype, *, seqlen_new=0,
+         rotary=False, page_size=None, leftpad=False, batch_idx=False, causal=False,
+         num_splits=0):
+    dev = "cuda"
+    batch_cache = batch + 1 if batch_idx else batch
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device=dev, dtype=dtype)
+    k_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), dtype=torch.int32)
+    lengths[0] = capacity - seqlen_new
+    k_new = v_new = cos = sin = None
+    if seqlen_new:
+        k_new = torch.randn(batch, seqlen_new, nheads_k, head_dim, device=dev, dtype=dtype)
+        v_new = torch.randn_like(k_new)
+    if rotary:
+        angle = torch.rand(capacity + 256, head_dim // 4, device=dev) * 6.28
+        cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+    block_table = None
+    if page_size is not None:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = batch_cache * pages_per_seq
+        k_cache = torch.randn(num_pages, page_size, nheads_k, head_dim, device=dev, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        block_table = torch.randperm(num_pages, device=dev, dtype=torch.int32)
+        block_table = block_table.view(batch_cache, pages_per_seq)[:batch].contiguous()
+    cache_batch_idx = (torch.arange(batch, dtype=torch.int32, device=dev) + 1
+                       if batch_idx and page_size is None else None)
+    cache_leftpad = (torch.minimum(lengths, torch.full_like(lengths, 3)).to(dev)
+                     if leftpad else None)
+    return torch.ops.flash_attn.fwd_kvcache(
+        q, k_cache, v_cache, k_new, v_new, lengths.to(dev), cos, sin, cache_batch_idx,
+        cache_leftpad, block_table, None, head_dim ** -0.5, causal, -1, -1, 0.0, True,
+        num_splits)
+
+
+def main():
+    torch.manual_seed(0)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    call(2, 1, 301, 32, 8, 128, bf16)
+    call(2, 1, 301, 32, 8, 128, bf16, num_splits=1)
+    call(1, 1, 2000, 8, 2, 128, bf16, num_splits=128)
+    call(1, 1, 2000, 8, 2, 96, fp16, num_splits=128)
+    call(1, 1, 2000, 8, 2, 256, bf16, num_splits=128)
+    call(3, 4, 131, 8, 2, 64, fp16, seqlen_new=3, rotary=True, causal=True)
+    call(2, 2, 203, 4, 1, 128, bf16, seqlen_new=2, rotary=True, page_size=16)
+    call(2, 1, 513, 16, 4, 128, fp16, page_size=256, num_splits=5)
+    call(2, 3, 77, 4, 4, 64, bf16, batch_idx=True, leftpad=True, causal=True)
+    torch.cuda.synchronize()
+    print("sanitize_kvcache: all calls completed")
+
+
+if __name__ == "__main__":
+    main()
