@@ -70,28 +70,6 @@ struct CacheRows {
   int entry;                   // contiguous: the cache entry of this batch element
   int leftpad;
   IntDivisor page_size;
-
-  // Locates one key; called for a thread's copy rows of a tile in increasing
-  // order, with (last_index, last_page) carried from row to row so that the
-  // block table is read once per distinct page (a page of 64 or more rows
-  // holds all of a thread's rows of a tile). Paged lookups are issued a tile
-  // ahead of use, so that the dependent load is off the path of the copies.
-  __forceinline__ __device__ void locate(int key, bool valid, int& page, int& in_page,
-                                         int& last_index, int& last_page) const {
-    const int pos = leftpad + key;
-    if (block_table_row != nullptr) {
-      const int page_index = page_size.quotient(pos);
-      in_page = pos - page_index * page_size.divisor;
-      if (page_index != last_index) {
-        last_index = page_index;
-        last_page = valid ? block_table_row[page_index] : 0;
-      }
-      page = last_page;
-    } else {
-      page = entry;
-      in_page = pos;
-    }
-  }
 };
 
 template <typename Traits, bool kWithScoreExtras>
@@ -194,16 +172,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
 
   // Cache location of this thread's K/V copy rows of the tile being located.
+  // Paged: the block table is read once per distinct page (a page of 64 rows
+  // or more holds all of a thread's rows of a tile); row_page[m] is left
+  // stale when row m shares row m - 1's page, and the rows are resolved when
+  // the copies are issued, a tile later: no instruction waits on a table read
+  // in between (a copy of the loaded value from row to row would).
   int row_page[kCopyRows];
   int row_in_page[kCopyRows];
+  bool row_shares_page[kCopyRows];
   auto locate_tile = [&](int n_block) {
     const int key0 = n_block * kBlockN;
-    int last_index = -1;
-    int last_page = 0;
+    int previous_index = -1;
     CUTE_UNROLL
     for (int m = 0; m < kCopyRows; ++m) {
       const int key = key0 + get<0>(tKVcKV(0, m, 0));
-      cache.locate(key, key < seqlen_k, row_page[m], row_in_page[m], last_index, last_page);
+      const int pos = cache.leftpad + key;
+      if (cache.block_table_row != nullptr) {
+        const int page_index = cache.page_size.quotient(pos);
+        row_in_page[m] = pos - page_index * cache.page_size.divisor;
+        row_shares_page[m] = page_index == previous_index;
+        if (!row_shares_page[m]) {
+          row_page[m] = key < seqlen_k ? cache.block_table_row[page_index] : 0;
+        }
+        previous_index = page_index;
+      } else {
+        row_page[m] = cache.entry;
+        row_in_page[m] = pos;
+        row_shares_page[m] = false;
+      }
     }
   };
   // K and V of one tile into one stage, from the rows locate_tile found.
@@ -213,10 +209,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(stage_k(stage));
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(stage_v(stage));
     const int rows_in_tile = seqlen_k - n_block * kBlockN;
+    int64_t page = 0;
     CUTE_UNROLL
     for (int m = 0; m < kCopyRows; ++m) {
       const bool row_ok = get<0>(tKVcKV(0, m, 0)) < rows_in_tile;
-      const int64_t page = row_page[m];
+      page = row_shares_page[m] ? page : int64_t(row_page[m]);
       const int64_t in_page = row_in_page[m];
       const Element* k_row = k_base + page * params.k.batch_stride + in_page * params.k.row_stride;
       const Element* v_row = v_base + page * params.v.batch_stride + in_page * params.v.row_stride;
