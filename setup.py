@@ -396,6 +396,10 @@ def _extension(config):
             "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
             "-lineinfo",
         ]
+        # Machine code only, no PTX: a GPU whose arch was not built gets a clear
+        # "no kernel image" error instead of a JIT build of older-arch PTX. That
+        # also keeps an sm90 device from running sm80 code (compiled without
+        # griddepcontrol.wait) as the programmatically launched split-KV combine.
         for arch in config["archs"]:
             nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         if _env_flag("FLASH_ATTN_PTXAS_VERBOSE"):
