@@ -139,7 +139,7 @@ def test_cache_contents_after_append(rotary, rotary_dim, page_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("page_size", [16, 48, 64, 80, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_matches_contiguous(dtype, page_size, num_splits):
     capacity = 2 * 256 if page_size == 256 else page_size * math.ceil(300 / page_size)
