@@ -8,7 +8,7 @@
 //
 //   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
 //     -gencode arch=compute_90,code=sm_90 -DHEAD_DIM=128 -DBLOCK_M=64 -DBLOCK_N=128 -DWARPS=8 \
-//     -DATOM_SDP=2 -DATOM_DKV=4 -DATOM_DQ=2 -DDOUBLE_BUFFER=1 \
+//     -DATOM_SDP=2 -DATOM_DKV=4 -DATOM_DQ=2 -DDOUBLE_BUFFER=1 -DDQ_BEFORE_DK=1 \
 //     benchmarks/microbench/bwd_microbench.cu -o bwd_d128
 //   ./bwd_d128 [seqlen] [causal 0/1]
 //
@@ -55,13 +55,17 @@ using TableConfig = flash::BwdTileConfig<HEAD_DIM>;
 #ifndef DOUBLE_BUFFER
 #define DOUBLE_BUFFER TableConfig::kDoubleBufferQdO
 #endif
+#ifndef DQ_BEFORE_DK
+#define DQ_BEFORE_DK TableConfig::kDQBeforeDK
+#endif
 #ifndef WITH_EXTRAS
 #define WITH_EXTRAS 0
 #endif
 
 using Element = cutlass::bfloat16_t;
 using Traits = flash::BwdKernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV,
-                                      ATOM_DQ, bool(DOUBLE_BUFFER), Element>;
+                                      ATOM_DQ, bool(DOUBLE_BUFFER), bool(DQ_BEFORE_DK),
+                                      Element>;
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
                                          FwdConfig::kNWarps, Element>;
@@ -213,11 +217,11 @@ int main(int argc, char** argv) {
   FA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
                                                               Traits::kNThreads, kSmemSize));
   printf(
-      "d=%d M=%d N=%d warps=%d atoms=%d,%d,%d dbuf=%d extras=%d seqlen=%d causal=%d: "
+      "d=%d M=%d N=%d warps=%d atoms=%d,%d,%d dbuf=%d dq_first=%d extras=%d seqlen=%d causal=%d: "
       "bwd %.3f ms %.1f TFLOP/s | main %.3f ms %.1f TFLOP/s | %d regs, %d B local, %d KiB smem, "
       "%d blocks/SM | mean |dq|,|dk|,|dv| %.6e %.6e %.6e\n",
       HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV, ATOM_DQ, int(DOUBLE_BUFFER),
-      WITH_EXTRAS, seqlen, causal, total_ms, flops / total_ms * 1e-9, main_ms,
+      int(DQ_BEFORE_DK), WITH_EXTRAS, seqlen, causal, total_ms, flops / total_ms * 1e-9, main_ms,
       flops / main_ms * 1e-9, attributes.numRegs, int(attributes.localSizeBytes),
       kSmemSize / 1024, blocks_per_sm, checksums[0], checksums[1], checksums[2]);
   return 0;

@@ -3,8 +3,9 @@
 # parallel) and times the whole backward (bf16, hidden 2048, batch*seqlen
 # 16384) at each seqlen, causal and not.
 #   benchmarks/microbench/run_bwd_tile_sweep.sh OUT_DIR "CONFIG CONFIG ..." ["SEQLENS"]
-# A CONFIG is D:M:N:WARPS:ATOM_SDP:ATOM_DKV:ATOM_DQ:DOUBLE_BUFFER, the fields
-# of a csrc/cuda/bwd_tile_config.h entry. EXTRAS=1 times the
+# A CONFIG is D:M:N:WARPS:ATOM_SDP:ATOM_DKV:ATOM_DQ:DOUBLE_BUFFER[:DQ_BEFORE_DK],
+# the fields of a csrc/cuda/bwd_tile_config.h entry (the last one defaults to
+# the table's). EXTRAS=1 times the
 # softcap/ALiBi/dropout variant of the main kernel instead of the plain one.
 # SWEEP_STEP=compile or run splits the two halves (compile while the GPU does
 # something else, time when it is idle); the default does both.
@@ -23,12 +24,12 @@ name_of() { echo "bwd_${1//:/_}"; }
 export -f name_of
 if [ "$step" != run ]; then
 for config in $configs; do echo "$config"; done | xargs -P "$(nproc)" -I{} bash -c '
-  IFS=: read -r d m n w s k q b <<<"{}"
+  IFS=: read -r d m n w s k q b f <<<"{}"
   name=$(name_of "{}")
   '"$nvcc"' -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I '"$cutlass"' \
     -gencode arch=compute_'"$arch"',code=sm_'"$arch"' -Xptxas -v \
     -DHEAD_DIM=$d -DBLOCK_M=$m -DBLOCK_N=$n -DWARPS=$w -DATOM_SDP=$s -DATOM_DKV=$k \
-    -DATOM_DQ=$q -DDOUBLE_BUFFER=$b -DWITH_EXTRAS='"$extras"' \
+    -DATOM_DQ=$q -DDOUBLE_BUFFER=$b ${f:+-DDQ_BEFORE_DK=$f} -DWITH_EXTRAS='"$extras"' \
     benchmarks/microbench/bwd_microbench.cu -o '"$out"'/$name \
     >'"$out"'/ptxas_$name.txt 2>&1 || echo "compile failed: {}"'
 fi

@@ -13,7 +13,8 @@ namespace flash {
 using namespace cute;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kAtomLayoutMSdP_,
-          int kAtomLayoutNdKV_, int kAtomLayoutMdQ_, bool kDoubleBufferQdO_, typename Element_>
+          int kAtomLayoutNdKV_, int kAtomLayoutMdQ_, bool kDoubleBufferQdO_, bool kDQBeforeDK_,
+          typename Element_>
 struct BwdKernelTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -27,6 +28,7 @@ struct BwdKernelTraits {
   static constexpr int kAtomLayoutMdQ = kAtomLayoutMdQ_;
   static constexpr bool kDoubleBufferQdO = kDoubleBufferQdO_;
   static constexpr int kQdOBuffers = kDoubleBufferQdO ? 2 : 1;
+  static constexpr bool kDQBeforeDK = kDQBeforeDK_;
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
   static_assert(kNWarps % kAtomLayoutMSdP == 0 && kNWarps % kAtomLayoutNdKV == 0 &&
                 kNWarps % kAtomLayoutMdQ == 0);
@@ -115,8 +117,11 @@ struct BwdKernelTraits {
   static constexpr int kSmemSizeQdO = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizePdS = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kSmemSize =
-      2 * kQdOBuffers * kSmemSizeQdO + 2 * kSmemSizeKV + 2 * kSmemSizePdS;
+  // The lse and D = rowsum(dO * O) of each buffered query block, fp32.
+  static constexpr int kSmemSizeRowStats = 2 * kBlockM * int(sizeof(float));
+  static_assert(2 * kBlockM <= kNThreads, "one row statistic copied per thread");
+  static constexpr int kSmemSize = 2 * kQdOBuffers * kSmemSizeQdO + 2 * kSmemSizeKV +
+                                   2 * kSmemSizePdS + kQdOBuffers * kSmemSizeRowStats;
 };
 
 }  // namespace flash

@@ -9,6 +9,9 @@
 // in registers for the whole loop, which is what bounds kBlockN * head dim.
 // kDoubleBufferQdO loads the next Q and dO tiles during the current block's
 // math; it is off where the second copy would not fit in an sm80's 163 KiB.
+// kDQBeforeDK runs the dQ GEMM and issues its atomics before the dK GEMM, so
+// that the atomics drain while the dK MMAs run, instead of ending the
+// iteration with every warp waiting on the memory pipe.
 //
 // From benchmarks/microbench/run_bwd_tile_sweep.sh on an H200 (bf16, whole
 // backward, seqlen 16384, non-causal / causal TFLOP/s):
@@ -23,6 +26,10 @@
 //   256: 64x64 w8 4,2,2 single 142 / 144 (204.9 / 210.2 after the
 //        dQ-atomics change; 2,4,4: 191.7 / 196.1); double buffering gave
 //        147 / 149 but needs 208 KiB, more than an sm80 block may have.
+// dQ before dK, H100, seqlen 16384, same tiles (lse and D read from shared
+// memory in both): d64 254.6 -> 274.3 / 249.0 -> 270.0, d128 296.3 -> 298.8 /
+// 296.0 -> 297.6, d256 209.2 -> 203.6 / 210.3 -> 209.0. Head dims 32 and 96
+// follow 64 and 128, 160-224 follow 256 (not measured).
 #pragma once
 
 namespace flash {
@@ -30,15 +37,15 @@ namespace flash {
 template <int kHeadDim>
 struct BwdTileConfig;
 
-//                         head dim      block M  block N  warps  SdP  dKV  dQ   double buffer
-template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true; };
-template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = false; };
-template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = false; };
+//                         head dim      block M  block N  warps  SdP  dKV  dQ   double buffer, dQ before dK
+template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 
 // kBlockN of a compiled head dim, for the host code that sizes the
 // deterministic dQ split buffers; 0 for a head dim with no entry.

@@ -141,6 +141,11 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   // Offset of the second Q / dO buffer; a whole number of swizzle periods, so
   // a partition of buffer 0 moved by it is a partition of buffer 1.
   constexpr int kQdOBufferElems = kBlockM * kHeadDim;
+  // Per Q / dO buffer, the saved lse (kBlockM floats) then D of its rows.
+  // They travel with Q and dO and are read after the S and dP GEMMs: loaded
+  // into registers at the top of the loop they lived across both GEMMs, and
+  // at head dim 64 were spilled (about 13% of the kernel's stall samples).
+  float* smem_row_stats = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + size(sdS)));
 
   // Global -> shared copies.
   typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
@@ -174,6 +179,21 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
                          rows_left, all_in_bounds);
     copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tQpQ,
                          rows_left, all_in_bounds);
+    // One 4-byte copy per thread (lse rows on the first kBlockM threads, D on
+    // the next): the statistics of a block start at any row, so 16-byte
+    // copies would not be aligned. Rows past the sequence get lse +inf and
+    // D 0, which make their P and dS zero.
+    if (tidx < 2 * kBlockM) {
+      const bool is_d = tidx >= kBlockM;
+      const int row = tidx - (is_d ? kBlockM : 0);
+      float& dst = smem_row_stats[buffer * 2 * kBlockM + tidx];
+      if (row < rows_left) {
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy((is_d ? d_rows : lse_rows)[m_block * kBlockM + row],
+                                               dst);
+      } else {
+        dst = is_d ? 0.f : INFINITY;
+      }
+    }
   };
 
   // S = Q K^T and dP = dO V^T.
@@ -294,23 +314,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       const int row_begin = m_block * kBlockM;
       const int rows_left = seqlen_q - row_begin;
 
-      // The saved statistics of this thread's rows; loaded before the wait so
-      // the latency hides behind it. A row that saw no key has lse +inf from
-      // our forward; -inf (the other convention for an empty sum) is taken
-      // as +inf too, so that its masked -inf scores give P = 0, not NaN.
-      float lse_log2[kNRows];
-      float row_d[kNRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
-        const int row = get<0>(tScS_rowcol(mi, 0));
-        const bool in_seq = row < rows_left;
-        const float lse = in_seq ? lse_rows[row_begin + row] : INFINITY;
-        lse_log2[mi] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-        row_d[mi] = in_seq ? d_rows[row_begin + row] : 0.f;
-      }
-
-      // Q(m), dO(m) (and K, V) have landed, and every warp is done with the
-      // previous block: its buffer, sP and sdS may be overwritten.
+      // Q(m), dO(m), their row statistics (and K, V) have landed, and every
+      // warp is done with the previous block: its buffer, sP and sdS may be
+      // overwritten.
       cute::cp_async_wait<0>();
       __syncthreads();
       if (Traits::kDoubleBufferQdO && m_block > m_block_min) {
@@ -324,16 +330,22 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       gemm_smem_smem(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + buffer_offset, tSsQ.layout()),
                      tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
                      smem_thr_copy_QdO, smem_thr_copy_KV);
-      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
-                     make_tensor(tdPsdO.data() + buffer_offset, tdPsdO.layout()), tdPsV,
-                     tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_QdO,
-                     smem_thr_copy_KV);
+
+      // The saved statistics of this thread's rows. A row that saw no key has
+      // lse +inf from our forward; -inf (the other convention for an empty
+      // sum) is taken as +inf too, so that its masked -inf scores give P = 0,
+      // not NaN.
+      const float* row_lse = smem_row_stats + buffer * 2 * kBlockM;
+      const float* row_d_smem = row_lse + kBlockM;
+      float lse_log2[kNRows];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const float lse = row_lse[get<0>(tScS_rowcol(mi, 0))];
+        lse_log2[mi] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+      }
 
       // The forward's score rule, applied to the same (row, col) positions.
       Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
-      Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
       if (prescale_scores) {
         apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
         if (has_alibi) {
@@ -347,16 +359,28 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
         apply_mask(scores, tScS_rowcol, row_begin, col_begin, seqlen_q, seqlen_k,
                    params.window_left, params.window_right);
       }
+
+      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
+                     make_tensor(tdPsdO.data() + buffer_offset, tdPsdO.layout()), tdPsV,
+                     tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_QdO,
+                     smem_thr_copy_KV);
+
+      float row_d[kNRows];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) row_d[mi] = row_d_smem[get<0>(tScS_rowcol(mi, 0))];
+      Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
       if constexpr (kWithScoreExtras) {
         scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
                            pointwise, dropout);
       } else {
         // The launcher sends any scale that is not positive and normal to the
-        // extras variant.
+        // extras variant. (P computed and stored before the dP GEMM, to
+        // overlap its stores with that GEMM, measured 1-4% slower.)
         scores_to_p</*kScaleIsPositive=*/true>(scores, lse_log2, params.softmax_scale_log2);
         p_to_ds(scores, dp, row_d);
       }
-
       Tensor rP = convert_type<Element>(acc_s);
       Tensor rdS = convert_type<Element>(acc_dp);
       copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP);
@@ -367,10 +391,16 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
                      make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()),
                      tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
                      smem_thr_copy_PdSt, smem_thr_copy_QdOt);
-      gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
-                     make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()),
-                     tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
-                     smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+
+      // dK += dS^T Q; before or after the dQ GEMM and its atomics, as the
+      // tile table says (bwd_tile_config.h).
+      auto accumulate_dk = [&] {
+        gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
+                       make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()),
+                       tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
+                       smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+      };
+      if constexpr (!Traits::kDQBeforeDK) accumulate_dk();
 
       // Every key block adds into the same dQ rows; in deterministic mode this
       // block is the only writer of its split slice, so the order is fixed.
@@ -392,6 +422,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
           atomic_add_dq</*kCheckRows=*/true>(acc_dq, tdQgdQaccum_block, tdQcdQ, rows_left);
         }
       }
+
+      if constexpr (Traits::kDQBeforeDK) accumulate_dk();
 
       if (!Traits::kDoubleBufferQdO && m_block > m_block_min) {
         __syncthreads();  // every warp is done reading sQ and sdO

@@ -23,7 +23,7 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits =
       BwdKernelTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps,
                       Config::kAtomLayoutMSdP, Config::kAtomLayoutNdKV, Config::kAtomLayoutMdQ,
-                      Config::kDoubleBufferQdO, Element>;
+                      Config::kDoubleBufferQdO, Config::kDQBeforeDK, Element>;
   if (params.batch == 0 || params.nheads == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {
     return;
   }
