@@ -11,7 +11,8 @@
 // math; it is off where the second copy would not fit in an sm80's 163 KiB.
 // kDQBeforeDK runs the dQ GEMM and issues its atomics before the dK GEMM, so
 // that the atomics drain while the dK MMAs run, instead of ending the
-// iteration with every warp waiting on the memory pipe.
+// iteration with every warp waiting on the memory pipe (plain variant only;
+// the softcap/ALiBi/dropout variant keeps dK first).
 //
 // From benchmarks/microbench/run_bwd_tile_sweep.sh on an H200 (bf16, whole
 // backward, seqlen 16384, non-causal / causal TFLOP/s):
