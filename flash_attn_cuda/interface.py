@@ -615,7 +615,10 @@ flash_attn_varlen_func.__doc__ = (
     + """        block_table: optional int32 (batch_size, max_num_blocks_per_seq).
             Key position p of sequence b lives in page block_table[b, p //
             page_block_size], row p % page_block_size. Forward only: the
-            backward pass does not support it.
+            backward pass does not support it. On CUDA the pages a call
+            reaches are first gathered into packed keys and values (one
+            extra copy of them per call); flash_attn_with_kvcache reads
+            pages in place.
 """
     + _RETURNS_DOC.format(
         out_layout="(total_q, nheads, headdim)",

@@ -500,15 +500,6 @@ def test_varlen_packed(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_paged_kv(device):
-    if device == "cuda":
-        # Not implemented by the CUDA varlen kernel yet: it must say so, not guess.
-        q = torch.randn(4, 2, 32, dtype=torch.bfloat16, device=device)
-        pages = torch.randn(2, 16, 2, 32, dtype=torch.bfloat16, device=device)
-        cu = cu_seqlens([4], device)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        with pytest.raises(RuntimeError, match="block_table"):
-            flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=table)
-        return
     lengths_q, lengths_k = [3, 11], [20, 9]
     page_size, nheads_k, head_dim = 8, 2, 32
     cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)

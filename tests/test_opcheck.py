@@ -114,9 +114,6 @@ def varlen_inputs(device, paged=False):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "paged", "alibi_causal", "dropout_probs"])
 def test_varlen_fwd(device, case):
-    if device == "cuda" and case == "paged":
-        pytest.skip("paged K/V in varlen_fwd runs on CPU only; CUDA raises a clear error "
-                    "(tests/test_api.py::test_varlen_paged_kv)")
     q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=case == "paged")
     slopes = torch.rand(4, device=device) if case == "alibi_causal" else None
     dropout_p = 0.3 if case == "dropout_probs" else 0.0

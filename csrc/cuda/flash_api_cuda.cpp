@@ -22,6 +22,7 @@
 #include "cuda/bwd_tile_config.h"
 #include "cuda/tile_config.h"
 #include "cuda/kvcache_append_rotary.h"
+#include "cuda/paged_gather.h"
 #include "cuda/splitkv_tile_config.h"
 
 namespace flash {
@@ -162,6 +163,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   return {out, softmax_lse, s_dmask, rng_state_out};
 }
 
+// Paged K/V for the varlen forward: the keys each sequence reaches, gathered
+// into packed tensors (see paged_gather.h) with their own row offsets. The
+// sequence lengths stay on the device (no synchronisation): they are cut to
+// max_rows_per_seq, so the packed tensors (batch x max_rows_per_seq rows) hold
+// every row the forward kernel reads whatever cu_seqlens_k holds.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor& k_cache,
+                                                               const at::Tensor& v_cache,
+                                                               const at::Tensor& cu_seqlens_k,
+                                                               const at::Tensor& block_table_in,
+                                                               const VarlenShape& shape) {
+  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const at::Tensor block_table = block_table_in.contiguous();
+  // No sequence is longer than max_seqlen_k or than its block-table row can
+  // address (longer ones are the caller's error; the CPU path reports them).
+  const int64_t max_rows_per_seq =
+      shape.num_blocks == 0
+          ? 0
+          : std::min<int64_t>(shape.max_seqlen_k,
+                              int64_t(shape.max_blocks_per_seq) * shape.page_size);
+  const at::Tensor lengths =
+      (cu_k.slice(0, 1) - cu_k.slice(0, 0, shape.batch)).clamp(0, max_rows_per_seq);
+  at::Tensor cu_packed = at::zeros({shape.batch + 1}, cu_k.options());
+  cu_packed.slice(0, 1).copy_(lengths.cumsum(0));
+  const int64_t rows = int64_t(shape.batch) * max_rows_per_seq;
+  at::Tensor k_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, k_cache.options());
+  at::Tensor v_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, v_cache.options());
+
+  PagedGatherParams params{};
+  params.k_cache = k_cache.data_ptr();
+  params.v_cache = v_cache.data_ptr();
+  params.k_block_stride = k_cache.stride(0);
+  params.k_row_stride = k_cache.stride(1);
+  params.k_head_stride = k_cache.stride(2);
+  params.v_block_stride = v_cache.stride(0);
+  params.v_row_stride = v_cache.stride(1);
+  params.v_head_stride = v_cache.stride(2);
+  params.k_packed = k_packed.data_ptr();
+  params.v_packed = v_packed.data_ptr();
+  params.cu_seqlens_packed = cu_packed.data_ptr<int>();
+  params.block_table = block_table.data_ptr<int>();
+  params.block_table_batch_stride = block_table.stride(0);
+  params.batch = shape.batch;
+  params.max_seqlen_k = static_cast<int>(max_rows_per_seq);
+  params.page_size = shape.page_size;
+  params.num_blocks = shape.num_blocks;
+  params.nheads_k = shape.nheads_k;
+  params.head_dim = shape.head_dim;
+  launch_gather_paged_rows(params, at::cuda::getCurrentCUDAStream().stream());
+  return {k_packed, v_packed, cu_packed};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
@@ -174,17 +226,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
       q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes_in, max_seqlen_q,
       max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
       rng_state, kCudaDtypes);
-  TORCH_CHECK(!shape.paged,
-              "flash_attn_cuda: block_table (paged K/V) is not supported by the CUDA varlen "
-              "forward yet; use flash_attn_with_kvcache or contiguous k/v");
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
-  const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(v_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
-  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  at::Tensor k, v, cu_k;
+  if (shape.paged) {
+    std::tie(k, v, cu_k) = gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape);
+  } else {
+    k = aligned_for_16b_loads(k_in);
+    v = aligned_for_16b_loads(v_in);
+    cu_k = cu_seqlens_k.contiguous();
+  }
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
