@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python tests/sanitize_fwd.py
 
 Shapes are small and odd so that partial query and key tiles, the padded head
-dim, GQA, varlen, the mask, the score extras and dropout all run at least once.
+dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once.
 """
 
 import torch
@@ -33,6 +33,27 @@ def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=Fa
                                            0.0, False, 0, 0, None)
 
 
+def varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dtype):
+    """Keys in pages of a shuffled pool; unused table entries -1 and one table
+    entry out of range past the last page a sequence reaches (never read)."""
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
+    pages = [(n + page_size - 1) // page_size for n in lengths_k]
+    num_blocks = sum(pages) + 1
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(lengths_k), max(pages) + 1), -1, dtype=torch.int32)
+    for b, count in enumerate(pages):
+        table[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+        table[b, count] = num_blocks + 7
+    q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(num_blocks, page_size, nheads_k, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    return torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, table.cuda(), None,
+                                           max(lengths_q), max(lengths_k), 0.0,
+                                           head_dim ** -0.5, True, -1, -1, 0.0, False, 0, 0,
+                                           None)
+
+
 def main():
     torch.manual_seed(0)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -46,6 +67,8 @@ def main():
     fixed(1, 5, 0, 2, 2, 64, bf16)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16)
+    varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 64, bf16)
+    varlen_paged([7], [50], 1, 2, 2, 40, fp16)
     torch.cuda.synchronize()
     print("sanitize_fwd: all calls completed")
 
