@@ -142,9 +142,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   // a partition of buffer 0 moved by it is a partition of buffer 1.
   constexpr int kQdOBufferElems = kBlockM * kHeadDim;
   // Per Q / dO buffer, the saved lse (kBlockM floats) then D of its rows.
-  // They travel with Q and dO and are read after the S and dP GEMMs: loaded
-  // into registers at the top of the loop they lived across both GEMMs, and
-  // at head dim 64 were spilled (about 13% of the kernel's stall samples).
+  // They travel with Q and dO; lse is read after the S GEMM, D after the dP
+  // GEMM. Loaded into registers at the top of the loop they lived across both
+  // GEMMs, and at head dim 64 were spilled (about 13% of the stall samples).
   float* smem_row_stats = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + size(sdS)));
 
   // Global -> shared copies.
@@ -188,8 +188,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       const int row = tidx - (is_d ? kBlockM : 0);
       float& dst = smem_row_stats[buffer * 2 * kBlockM + tidx];
       if (row < rows_left) {
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy((is_d ? d_rows : lse_rows)[m_block * kBlockM + row],
-                                               dst);
+        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(
+            (is_d ? d_rows : lse_rows)[m_block * kBlockM + row], dst);
       } else {
         dst = is_d ? 0.f : INFINITY;
       }
