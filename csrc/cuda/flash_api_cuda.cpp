@@ -206,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor&
   params.block_table_batch_stride = block_table.stride(0);
   params.batch = shape.batch;
   params.max_seqlen_k = static_cast<int>(max_rows_per_seq);
-  params.page_size = shape.page_size;
+  params.page_size = IntDivisor(shape.page_size);
   params.num_blocks = shape.num_blocks;
   params.nheads_k = shape.nheads_k;
   params.head_dim = shape.head_dim;
@@ -672,8 +672,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.cache_batch_idx = data_or_null<int>(cache_batch_idx);
   params.block_table = data_or_null<int>(block_table);
   params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
-  params.page_size = shape.paged ? shape.page_size : 0;
-  params.page_size_divisor = IntDivisor(shape.paged ? shape.page_size : 1);
+  params.page_size = IntDivisor(shape.paged ? shape.page_size : 1);
   params.seqlen_new = appending ? shape.seqlen_new : 0;
   params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
   params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;

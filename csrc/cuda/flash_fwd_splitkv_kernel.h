@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const CacheRows cache{
       params.block_table ? params.block_table + batch * params.block_table_batch_stride : nullptr,
       params.cache_batch_idx ? params.cache_batch_idx[batch] : batch, leftpad,
-      params.page_size_divisor};
+      params.page_size};
 
   // Key blocks: this split's share of the batch entry's blocks, cut to the
   // ones some row of this query block can see.
@@ -188,8 +188,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int key = key0 + get<0>(tKVcKV(0, m, 0));
       const int pos = cache.leftpad + key;
       if (cache.block_table_row != nullptr) {
-        const int page_index = cache.page_size.quotient(pos);
-        row_in_page[m] = pos - page_index * cache.page_size.divisor;
+        int page_index;
+        cache.page_size.divmod(pos, page_index, row_in_page[m]);
         row_shares_page[m] = page_index == previous_index;
         if (!row_shares_page[m]) {
           row_page[m] = key < seqlen_k ? cache.block_table_row[page_index] : 0;

@@ -2,7 +2,8 @@
 // (the page size of a paged KV cache), as a multiply-high and a shift: the
 // split-KV copy loop maps every K/V row to its page, and a hardware integer
 // division there costs about twenty instructions per row in a loop that has
-// few to spare.
+// few to spare. Every kernel that maps a key position to (page, row in page)
+// goes through divmod.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,11 @@ struct IntDivisor {
 #if defined(__CUDACC__)
   __forceinline__ __device__ int quotient(int n) const {
     return divisor == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+  }
+
+  __forceinline__ __device__ void divmod(int n, int& quot, int& rem) const {
+    quot = quotient(n);
+    rem = n - quot * divisor;
   }
 #endif
 };

@@ -90,8 +90,9 @@ __global__ void append_kernel(const KvcacheParams p) {
 
   int64_t k_dst, v_dst;
   if (p.block_table) {
-    const int64_t page = p.block_table[b * p.block_table_batch_stride + pos / p.page_size];
-    const int64_t row = pos % p.page_size;
+    int page_index, row;
+    p.page_size.divmod(pos, page_index, row);
+    const int64_t page = p.block_table[b * p.block_table_batch_stride + page_index];
     k_dst = page * p.k.batch_stride + row * p.k.row_stride + h * p.k.head_stride;
     v_dst = page * p.v.batch_stride + row * p.v.row_stride + h * p.v.head_stride;
   } else {

@@ -26,9 +26,10 @@ __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
   for (int r = 0; r < kRowsPerBlock; ++r) {
     const int key = blockIdx.x * kRowsPerBlock + r;
     if (key >= seqlen) return;
-    int page = table[key / params.page_size];
+    int page_index, in_page;
+    params.page_size.divmod(key, page_index, in_page);
+    int page = table[page_index];
     page = page < 0 ? 0 : (page >= params.num_blocks ? params.num_blocks - 1 : page);
-    const int in_page = key % params.page_size;
     const int64_t k_row = page * params.k_block_stride + in_page * params.k_row_stride;
     const int64_t v_row = page * params.v_block_stride + in_page * params.v_row_stride;
     const int64_t dst_row = int64_t(row_begin + key) * elems_per_row;

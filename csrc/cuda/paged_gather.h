@@ -10,6 +10,8 @@
 
 #include <cuda_runtime.h>
 
+#include "int_divisor.h"
+
 namespace flash {
 
 struct PagedGatherParams {
@@ -24,7 +26,8 @@ struct PagedGatherParams {
   const int* cu_seqlens_packed;
   const int* block_table;
   int64_t block_table_batch_stride;
-  int batch, max_seqlen_k, page_size, num_blocks, nheads_k, head_dim;
+  IntDivisor page_size;
+  int batch, max_seqlen_k, num_blocks, nheads_k, head_dim;
 };
 
 // Launch-only: no host synchronisation. Table entries outside [0, num_blocks)

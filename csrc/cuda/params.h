@@ -97,8 +97,7 @@ struct KvcacheParams : FwdParams {
   const int* cache_batch_idx;  // null: batch entry b uses cache entry b
   const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
   int64_t block_table_batch_stride;
-  int page_size;               // paged only: rows per page, a multiple of 16
-  IntDivisor page_size_divisor;  // the same, for the row -> page mapping in kernels
+  IntDivisor page_size;        // paged only: rows per page (a multiple of 16)
   int seqlen_new;              // rows appended by this call (already in the cache)
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
