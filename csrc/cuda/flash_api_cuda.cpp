@@ -505,12 +505,12 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
 // fill of the waves is at least 95% of the best one's, the smallest wins
 // (fewer partial results to write and merge). (85% picked 28 splits for one
 // sequence where 32 fill the waves and 7 for four where 8 do: a contiguous
-// cache did not mind, a paged one ran 5-10% slower on the emptier wave; H200.) Split counts are counted
-// as the kernel sees them (ceil of key blocks per split), no more splits than
-// key blocks of the cache capacity (the per-batch lengths live on the device),
-// at most kMaxKvSplits. An explicit count is honoured up to the same caps.
+// cache did not mind, a paged one ran 5-10% slower on the emptier wave; H200.)
+// No more splits than key blocks of the cache capacity (the per-batch lengths
+// live on the device), at most kMaxKvSplits. An explicit count is honoured up
+// to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
-                     int compiled_head_dim) {
+                     int compiled_head_dim, int warps_n) {
   const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
@@ -519,7 +519,7 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   // 128 threads of at most 255 registers: two blocks always fit the register
   // file; shared memory may allow fewer.
   const int64_t smem_per_block =
-      splitkv_smem_bytes(compiled_head_dim) + int64_t(props->reservedSharedMemPerBlock);
+      splitkv_smem_bytes(compiled_head_dim, warps_n) + int64_t(props->reservedSharedMemPerBlock);
   const int64_t blocks_per_sm =
       std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) / smem_per_block, 1, 2);
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * props->multiProcessorCount);
@@ -528,19 +528,11 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
     const double waves = double(base * splits) / double(slots);
     return waves / std::ceil(waves);
   };
-  auto effective_splits = [&](int splits) {
-    const int blocks_per_split = (num_n_blocks + splits - 1) / splits;
-    return (num_n_blocks + blocks_per_split - 1) / blocks_per_split;
-  };
   constexpr double kFillTolerance = 0.95;
   if (wave_efficiency(1) >= kFillTolerance) return 1;  // no split count can beat it by more
   double best = 0.0;
+  for (int splits = 1; splits <= cap; ++splits) best = std::max(best, wave_efficiency(splits));
   for (int splits = 1; splits <= cap; ++splits) {
-    if (effective_splits(splits) != splits) continue;
-    best = std::max(best, wave_efficiency(splits));
-  }
-  for (int splits = 1; splits <= cap; ++splits) {
-    if (effective_splits(splits) != splits) continue;
     if (wave_efficiency(splits) >= kFillTolerance * best) return splits;
   }
   return 1;
@@ -601,10 +593,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   check_cache_aligned(v_cache, "v_cache");
   const int group = shape.nheads / shape.nheads_k;
   const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
-  const int64_t num_m_blocks = (rows_per_kv_head + kSplitKvBlockM - 1) / kSplitKvBlockM;
+  const int warps_n = splitkv_warps_n_for_rows(compiled, rows_per_kv_head);
+  const int block_m = splitkv_block_m(warps_n);
+  const int64_t num_m_blocks = (rows_per_kv_head + block_m - 1) / block_m;
   TORCH_CHECK(num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
               rows_per_kv_head, " is more than the kernel's grid holds (",
-              65535 * kSplitKvBlockM, ")");
+              65535 * splitkv_block_m(1), ")");
   TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k is too large");
 
@@ -691,7 +685,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
   params.num_splits = choose_kv_splits(num_splits, int64_t(shape.batch) * shape.nheads_k * num_m_blocks,
-                                       shape.cache_capacity, compiled);
+                                       shape.cache_capacity, compiled, warps_n);
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;

@@ -8,8 +8,10 @@
 //
 // Differences from flash_fwd_kernel.h: per-batch key counts (cache_seqlens,
 // leftpad), K/V rows addressed one by one (a paged cache maps each row through
-// the block table), and the GQA packing of rows, which makes the row -> (query,
-// head) mapping and hence the mask and ALiBi slope per row.
+// the block table), the GQA packing of rows, which makes the row -> (query,
+// head) mapping and hence the mask and ALiBi slope per row, and the warps:
+// with few rows they split each K/V tile by keys, each running its own online
+// softmax, and their rows are merged once at the end (SplitKvKernelTraits).
 #pragma once
 
 #include <cmath>
@@ -79,6 +81,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kWarpsN = Traits::kWarpsN;
+  constexpr int kSlabN = Traits::kSlabN;
 
   // The combine kernel (if any) may be scheduled as soon as every block of
   // this grid runs: it waits for this grid's results itself, and its launch
@@ -91,6 +95,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int m_block = blockIdx.y;
   const int split = blockIdx.z;
   const int tidx = threadIdx.x;
+  const int lane = tidx % 32;
+  const int warp_n = (tidx / 32) % kWarpsN;  // which slab of keys of each tile
+  const int warp_m = (tidx / 32) / kWarpsN;  // which 16 query rows
 
   const int group = params.nheads / params.nheads_k;
   const int seqlen_q = params.seqlen_q;
@@ -110,15 +117,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       params.page_size};
 
   // Key blocks: this split's share of the batch entry's blocks, cut to the
-  // ones some row of this query block can see.
+  // ones some row of this query block can see. Split s gets key blocks
+  // [s * n / splits, (s + 1) * n / splits): shares differ by at most one
+  // block, and any split count is honoured as given.
   const int query_first = row_begin / group;
   const int query_last = (row_end - 1) / group;
   const KeyRange key_range = visible_key_range(query_first, query_last + 1, seqlen_q, seqlen_k,
                                                params.window_left, params.window_right);
   const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-  const int blocks_per_split = (num_n_blocks + params.num_splits - 1) / params.num_splits;
-  const int split_begin = split * blocks_per_split;
-  const int split_end = min(num_n_blocks, split_begin + blocks_per_split);
+  const int split_begin = int(int64_t(split) * num_n_blocks / params.num_splits);
+  const int split_end = int(int64_t(split + 1) * num_n_blocks / params.num_splits);
   const int n_block_min = max(key_range.begin / kBlockN, split_begin);
   const int n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
 
@@ -146,13 +154,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
                        typename Traits::SmemLayoutKV{});
   };
-  auto stage_vt = [&](int stage) {
-    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
-                       typename Traits::SmemLayoutVt{});
+  // This warp's slab of a stage's K tile (keys) and V tile (seen transposed).
+  auto slab_k = [&](int stage) {
+    return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems +
+                                     warp_n * Traits::kKVSlabElems),
+                       typename Traits::SmemLayoutKVSlab{});
   };
-  Tensor sK0 = stage_k(0);
-  Tensor sVtNoSwizzle = make_tensor(make_smem_ptr(kv_smem + kTileElems),
-                                    typename Traits::SmemLayoutVtNoSwizzle{});
+  auto slab_vt = [&](int stage) {
+    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems +
+                                     warp_n * Traits::kKVSlabElems),
+                       typename Traits::SmemLayoutVtSlab{});
+  };
+  Tensor sQslab = make_tensor(make_smem_ptr(sQ.data().get() + warp_m * Traits::kQSlabElems),
+                              typename Traits::SmemLayoutQSlab{});
 
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
@@ -227,35 +241,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  typename Traits::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK0);
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
-  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  // Each warp multiplies its 16 query rows by its slab of keys on its own.
+  typename Traits::WarpMma warp_mma;
+  auto thr_mma = warp_mma.get_thread_slice(lane);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQslab);
+  Tensor tSrK = thr_mma.partition_fragment_B(slab_k(0));
+  Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(
+      make_smem_ptr(kv_smem), typename Traits::SmemLayoutVtSlabNoSwizzle{}));
+  Tensor acc_o = partition_fragment_C(warp_mma, Shape<_16, Int<kHeadDim>>{});
   clear(acc_o);
 
-  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
-  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
-  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
-  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
-  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
-  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(lane);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQslab);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, warp_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(lane);
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, warp_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(lane);
 
-  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  // (row, col) of each accumulator element within the warp's 16 x kSlabN
+  // scores; the warp's rows start at warp_row0 of the tile, its keys at
+  // warp_n * kSlabN of each key tile.
+  Tensor cS = make_identity_tensor(Shape<_16, Int<kSlabN>>{});
   Tensor tScS = thr_mma.partition_C(cS);
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<_16, Int<kHeadDim>>{}));
+  Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_layout_as_rowcol(tOcO.layout()));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
-  // Each warp owns one 16-row MMA slab of the query tile. Decode packs only
-  // seqlen_q x group rows (often 4-8), so warps whose slab is all padding skip
-  // the MMAs and their shared-memory reads, which would otherwise compete with
-  // the useful warp for shared-memory bandwidth. No barrier sits inside the
-  // skipped part, and the rows of such a warp are never written out.
-  static_assert(kBlockM == 16 * Traits::kNWarps && kNRows == 2,
-                "one 16-row slab per warp (two accumulator rows per thread)");
-  const bool warp_has_rows = (get<0>(tScS_rowcol(0, 0)) / 16) * 16 < rows_left;
+  static_assert(kNRows == 2, "a thread holds two rows of the warp's 16");
+  const int warp_row0 = 16 * warp_m;
+  const int warp_col0 = kSlabN * warp_n;
+  // Decode packs only seqlen_q x group rows (often 4-8): a warp whose rows are
+  // all padding skips the MMAs and their shared-memory reads. No barrier sits
+  // inside the skipped part, and its rows are never written out.
+  const bool warp_has_rows = warp_row0 < rows_left;
 
   // Per-row query index and (ALiBi) slope: packed rows of one tile belong to
   // different query heads.
@@ -264,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
   CUTE_UNROLL
   for (int mi = 0; mi < kNRows; ++mi) {
-    const int row = row_begin + get<0>(tScS_rowcol(mi, 0));
+    const int row = row_begin + warp_row0 + get<0>(tScS_rowcol(mi, 0));
     row_query[mi] = row / group;
     row_slope[mi] = has_alibi && row < rows_total
                         ? params.alibi_slopes[batch * params.alibi_batch_stride +
@@ -279,35 +299,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (n_block_max > n_block_min) {
     // Key blocks run high to low so that the block on a causal diagonal comes
-    // first. Commit group i holds tile i (group 0 also Q); every iteration
-    // commits one group, empty or not, so "all but the newest group done"
-    // always means "this iteration's tile is here".
-    static_assert(kSplitKvStages == 2, "the loop below rotates two K/V stages");
+    // first. Tile t of this split (t = 0 for n_block_max - 1) lives in stage
+    // t % kStages and is commit group t (group 0 also holds Q); every
+    // iteration commits one group, empty or not, so "all but the newest
+    // kStages - 1 groups done" always means "this iteration's tile is here".
+    // A stage is refilled right after its tile's math: kStages tiles are in
+    // flight while a block waits, kStages - 1 while it computes.
+    constexpr int kStages = kSplitKvStages;
     copy_rows_async(tQsQ, tQcQ, rows_left, params.head_dim, q_base, q_row);
-    locate_tile(n_block_max - 1);
-    load_tile(n_block_max - 1, 0);
-    cute::cp_async_fence();
-    if (n_block_max - 2 >= n_block_min) {
-      locate_tile(n_block_max - 2);
-      load_tile(n_block_max - 2, 1);
+    CUTE_UNROLL
+    for (int t = 0; t < kStages; ++t) {
+      if (n_block_max - 1 - t >= n_block_min) {
+        locate_tile(n_block_max - 1 - t);
+        load_tile(n_block_max - 1 - t, t);
+      }
+      cute::cp_async_fence();
     }
-    cute::cp_async_fence();
-    if (n_block_max - 3 >= n_block_min) locate_tile(n_block_max - 3);
+    if (n_block_max - 1 - kStages >= n_block_min) locate_tile(n_block_max - 1 - kStages);
 
     int stage = 0;
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-      cute::cp_async_wait<1>();
+      cute::cp_async_wait<kStages - 1>();
       __syncthreads();
 
       if (warp_has_rows) {
-        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        Tensor acc_s = partition_fragment_C(warp_mma, Shape<_16, Int<kSlabN>>{});
         clear(acc_s);
-        Tensor tSsK = smem_thr_copy_K.partition_S(stage_k(stage));
-        gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q,
+        Tensor tSsK = smem_thr_copy_K.partition_S(slab_k(stage));
+        gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, warp_mma, smem_tiled_copy_Q,
                        smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
 
         Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
-        const int col_base = n_block * kBlockN;
+        const int col_base = n_block * kBlockN + warp_col0;
         if (prescale_scores) {
           apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
           if (has_alibi) {
@@ -322,9 +345,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
           }
         }
-        if (!key_tile_fully_visible(query_first, query_last + 1, col_base, col_base + kBlockN,
-                                    seqlen_q, seqlen_k, params.window_left,
-                                    params.window_right)) {
+        if (!key_tile_fully_visible(query_first, query_last + 1, n_block * kBlockN,
+                                    (n_block + 1) * kBlockN, seqlen_q, seqlen_k,
+                                    params.window_left, params.window_right)) {
           CUTE_UNROLL
           for (int mi = 0; mi < kNRows; ++mi) {
             const KeyRange visible = visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q,
@@ -344,68 +367,128 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
-        Tensor tOsVt = smem_thr_copy_V.partition_S(stage_vt(stage));
-        gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+        Tensor tOsVt = smem_thr_copy_V.partition_S(slab_vt(stage));
+        gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, warp_mma, smem_tiled_copy_V, smem_thr_copy_V);
       }
 
       // Every warp is done with this stage before it is refilled.
       __syncthreads();
-      if (n_block - 2 >= n_block_min) load_tile(n_block - 2, stage);
+      if (n_block - kStages >= n_block_min) load_tile(n_block - kStages, stage);
       cute::cp_async_fence();
-      if (n_block - 3 >= n_block_min) locate_tile(n_block - 3);
-      stage ^= 1;
+      if (n_block - 1 - kStages >= n_block_min) locate_tile(n_block - 1 - kStages);
+      stage = stage == kStages - 1 ? 0 : stage + 1;
     }
   }
 
-  // A row that saw no key in this block's range gets output 0 and lse +inf
-  // (final) or -inf (a partial result that must weigh nothing in the merge).
-  float lse[kNRows];
-  softmax.finalize(acc_o_rowcol, lse_scale, 1.f, lse);
+  // Merge the warps that share rows (one per key slab), through shared
+  // memory, which the tiles no longer need: each warp's (row max, row sum)
+  // goes to row_stats, its output rows, already weighted by its share of the
+  // merged softmax, to o_parts; then every thread sums the parts of a few
+  // output chunks and stores them with wide, coalesced writes.
+  // o_parts rows are padded by 8 floats so that the float2 writes of the 8
+  // rows of a warp's accumulator land on distinct banks.
+  constexpr int kPartStride = kHeadDim + 8;
+  float* const o_parts = reinterpret_cast<float*>(smem);
+  float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
+  static_assert((kWarpsN * kBlockM * kPartStride + 2 * kWarpsN * kBlockM) * 4 <=
+                    Traits::kSmemSizeQ + kSplitKvStages * Traits::kSmemSizeKV,
+                "the merge fits in the tiles' shared memory");
+  cute::cp_async_wait<0>();
+  __syncthreads();
 
-  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor taccOcO = thr_mma.partition_C(cO);
-  Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), acc_layout_as_rowcol(taccOcO.layout()));
-  const bool write_lse = get<1>(taccOcO_rowcol(0, 0)) == 0;
-  const bool final_output = params.num_splits == 1;
-  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
-
-  // Straight from the accumulator: pairs of adjacent columns, 4 (bf16/fp16) or
-  // 8 (fp32) bytes per store. Decode writes little output; the K/V reads
-  // dominate.
+  float row_sum[kNRows];
   CUTE_UNROLL
   for (int mi = 0; mi < kNRows; ++mi) {
-    const int tile_row = get<0>(taccOcO_rowcol(mi, 0));
-    if (tile_row >= rows_left) continue;
+    row_sum[mi] = quad_allreduce_sum(softmax.row_sum[mi]);
+    if (warp_has_rows && lane % 4 == 0) {
+      const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
+      row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum[mi]);
+    }
+  }
+  __syncthreads();
+
+  // A row that saw no key in this block's range gets output 0 and lse +inf
+  // (final) or -inf (a partial result that must weigh nothing in the merge).
+  const bool final_output = params.num_splits == 1;
+  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
+  auto lse_index_of = [&](int tile_row) {
     const int row = row_begin + tile_row;
     const int query = row / group;
     const int head = head_kv * group + (row - query * group);
-    const int64_t lse_index = (int64_t(batch) * params.nheads + head) * seqlen_q + query;
+    return (int64_t(batch) * params.nheads + head) * seqlen_q + query;
+  };
+  if (warp_has_rows) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
+      // Row max over the slabs, in score units; -inf when no slab saw a key.
+      float max_all = -INFINITY;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) max_all = fmaxf(max_all, row_stats[tile_row * kWarpsN + w].x);
+      const float max_scaled = max_all == -INFINITY ? 0.f : max_all * exp_scale_log2;
+      float sum_all = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        const float2 stats = row_stats[tile_row * kWarpsN + w];
+        sum_all += exp2f(stats.x * exp_scale_log2 - max_scaled) * stats.y;
+      }
+      const bool empty = sum_all == 0.f || max_all == -INFINITY;
+      const float weight =
+          empty ? 0.f : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
+      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
+        const int col = get<1>(tOcO_rowcol(0, ni));
+        *reinterpret_cast<float2*>(part_row + col) =
+            make_float2(acc_o_rowcol(mi, ni) * weight, acc_o_rowcol(mi, ni + 1) * weight);
+      }
+      if (warp_n == 0 && lane % 4 == 0 && tile_row < rows_left) {
+        const float lse = empty ? INFINITY : max_all * lse_scale + logf(sum_all);
+        const int64_t lse_index = lse_index_of(tile_row);
+        if (final_output) {
+          params.softmax_lse_ptr[lse_index] = lse;
+        } else {
+          params.lse_accum_ptr[split * rows_per_split + lse_index] =
+              lse == INFINITY ? -INFINITY : lse;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Output chunks of 4 columns: the sum of the slabs' parts, to the final
+  // output (16-bit) or to this split's fp32 partial output.
+  constexpr int kChunksPerRow = kHeadDim / 4;
+  CUTE_UNROLL
+  for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
+    const int tile_row = chunk / kChunksPerRow;
+    const int col = (chunk % kChunksPerRow) * 4;
+    if (tile_row >= rows_left || col >= params.head_dim) continue;
+    float4 sum = *reinterpret_cast<const float4*>(o_parts + tile_row * kPartStride + col);
+    CUTE_UNROLL
+    for (int w = 1; w < kWarpsN; ++w) {
+      const float4 part =
+          *reinterpret_cast<const float4*>(o_parts + (w * kBlockM + tile_row) * kPartStride + col);
+      sum.x += part.x;
+      sum.y += part.y;
+      sum.z += part.z;
+      sum.w += part.w;
+    }
+    const int row = row_begin + tile_row;
+    const int query = row / group;
+    const int head = head_kv * group + (row - query * group);
     if (final_output) {
       Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
                          int64_t(query) * params.o.row_stride + int64_t(head) * params.o.head_stride;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
-        const int col = get<1>(taccOcO_rowcol(mi, ni));
-        if (col < params.head_dim) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = static_cast<Element>(acc_o_rowcol(mi, ni));
-          pair[1] = static_cast<Element>(acc_o_rowcol(mi, ni + 1));
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
-        }
-      }
-      if (write_lse) params.softmax_lse_ptr[lse_index] = lse[mi];
+      cutlass::Array<Element, 4> quad;
+      quad[0] = static_cast<Element>(sum.x);
+      quad[1] = static_cast<Element>(sum.y);
+      quad[2] = static_cast<Element>(sum.z);
+      quad[3] = static_cast<Element>(sum.w);
+      *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
     } else {
-      const int64_t partial_row = split * rows_per_split + lse_index;
-      float* out_row = params.out_accum_ptr + partial_row * kHeadDim;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
-        const int col = get<1>(taccOcO_rowcol(mi, ni));
-        if (col < params.head_dim) {
-          *reinterpret_cast<float2*>(out_row + col) =
-              make_float2(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 1));
-        }
-      }
-      if (write_lse) params.lse_accum_ptr[partial_row] = lse[mi] == INFINITY ? -INFINITY : lse[mi];
+      const int64_t partial_row = split * rows_per_split + lse_index_of(tile_row);
+      *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
     }
   }
 }

@@ -17,10 +17,10 @@
 
 namespace flash {
 
-template <typename Element, int kHeadDim>
-void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
-  using Traits = FwdKernelTraits<kHeadDim, kSplitKvBlockM, splitkv_block_n(kHeadDim),
-                                 kSplitKvWarps, Element>;
+template <typename Element, int kHeadDim, int kWarpsN>
+void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
+  using Traits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps,
+                                     Element>;
   const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
   const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
@@ -30,7 +30,7 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   auto kernel = with_score_extras ? &flash_fwd_splitkv_kernel<Traits, true>
                                   : &flash_fwd_splitkv_kernel<Traits, false>;
   constexpr int kSmemSize = Traits::kSmemSizeQ + kSplitKvStages * Traits::kSmemSizeKV;
-  static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim) && sizeof(Element) == 2,
+  static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
   if (kSmemSize >= 48 * 1024) {
     FA_CUDA_CHECK(
@@ -38,6 +38,19 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   }
   kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
+}
+
+// The variant follows the packed row count (splitkv_warps_n_for_rows), as the
+// host's choice of the split count does.
+template <typename Element, int kHeadDim>
+void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
+  constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
+  const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
+  if (splitkv_warps_n_for_rows(kHeadDim, rows_total) == kDecodeWarpsN) {
+    launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, stream);
+  } else {
+    launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, stream);
+  }
   if (params.num_splits > 1) {
     const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;
     if (rows > 0x7fffffff) {

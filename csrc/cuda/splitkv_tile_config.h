@@ -1,12 +1,11 @@
 // Tile shape of the split-KV (decode) kernel per compiled head dim. Decode has
-// few query rows (seqlen_q x the GQA group), so the query tile is 64 rows;
-// host code reads the key tile and the shared-memory footprint to choose the
-// number of splits.
+// few query rows (seqlen_q x the GQA group), so the query tile is at most 64
+// rows; host code reads the tiles and the shared-memory footprint to choose
+// the kernel variant and the number of splits.
 #pragma once
 
 namespace flash {
 
-constexpr int kSplitKvBlockM = 64;
 constexpr int kSplitKvWarps = 4;
 constexpr int kMaxKvSplits = 128;
 // (K tile, V tile) buffers: the next tile's copies overlap this tile's math.
@@ -19,12 +18,36 @@ constexpr int splitkv_block_n(int compiled_head_dim) {
   return compiled_head_dim <= 64 ? 128 : (compiled_head_dim <= 128 ? 64 : 32);
 }
 
+// The four warps of a block split each K/V tile into warps_n slabs of keys and
+// the query rows into 4 / warps_n slabs of 16 rows. warps_n = 1 (64 query
+// rows, every warp reads the whole tile) suits many rows. Decode has a few
+// rows: with warps_n = 1 one warp would do all the MMAs of a block while the
+// others only copy, and that warp then paces the stream of tiles; the decode
+// variant spreads the keys over the warps instead. A slab feeds P V, so it
+// holds at least 16 keys; a Q tile is at least as tall as one pass of the
+// 128-thread global copy (16 rows for head dims that are multiples of 64, 32
+// rows for the others).
+constexpr int splitkv_decode_warps_n(int compiled_head_dim) {
+  const int by_keys = splitkv_block_n(compiled_head_dim) / 16;
+  const int by_rows = compiled_head_dim % 64 == 0 ? kSplitKvWarps : kSplitKvWarps / 2;
+  const int warps_n = by_keys < by_rows ? by_keys : by_rows;
+  return warps_n < kSplitKvWarps ? warps_n : kSplitKvWarps;
+}
+
+constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_n); }
+
+// The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows.
+constexpr int splitkv_warps_n_for_rows(int compiled_head_dim, long long rows_total) {
+  const int decode = splitkv_decode_warps_n(compiled_head_dim);
+  return rows_total <= splitkv_block_m(decode) ? decode : 1;
+}
+
 // Dynamic shared memory of one thread block (16-bit elements): the Q tile and
 // kSplitKvStages K and V tiles.
-constexpr int splitkv_smem_bytes(int compiled_head_dim) {
+constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n) {
   return 2 * compiled_head_dim *
-         (kSplitKvBlockM + 2 * kSplitKvStages * splitkv_block_n(compiled_head_dim));
+         (splitkv_block_m(warps_n) + 2 * kSplitKvStages * splitkv_block_n(compiled_head_dim));
 }
-static_assert(splitkv_smem_bytes(256) <= 99 * 1024, "fits sm86/sm89 (99 KB per block)");
+static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024, "fits sm86/sm89 (99 KB per block)");
 
 }  // namespace flash
