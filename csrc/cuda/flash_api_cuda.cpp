@@ -510,18 +510,23 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
 // live on the device), at most kMaxKvSplits. An explicit count is honoured up
 // to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
-                     int compiled_head_dim, int warps_n) {
+                     int compiled_head_dim, int warps_n, bool paged) {
   const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   // 128 threads of at most 255 registers: two blocks always fit the register
-  // file; shared memory may allow fewer.
+  // file; shared memory may allow fewer. The decode variant over a contiguous
+  // cache is meant to run one block per SM (splitkv_stages); over a paged one
+  // its page lookups lengthen each tile's copy, which a second block per SM
+  // hides (H200, GQA 32:8 d128, 16-row pages: 1.22-1.45x the contiguous time
+  // with one block per SM, 1.04-1.07x with two).
   const int64_t smem_per_block =
       splitkv_smem_bytes(compiled_head_dim, warps_n) + int64_t(props->reservedSharedMemPerBlock);
-  const int64_t blocks_per_sm =
+  const int64_t blocks_fit =
       std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) / smem_per_block, 1, 2);
+  const int64_t blocks_per_sm = warps_n > 1 && !paged ? 1 : blocks_fit;
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * props->multiProcessorCount);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -593,7 +598,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   check_cache_aligned(v_cache, "v_cache");
   const int group = shape.nheads / shape.nheads_k;
   const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
-  const int warps_n = splitkv_warps_n_for_rows(compiled, rows_per_kv_head);
+  const int warps_n = splitkv_warps_n_for(
+      compiled, rows_per_kv_head,
+      int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin));
   const int block_m = splitkv_block_m(warps_n);
   const int64_t num_m_blocks = (rows_per_kv_head + block_m - 1) / block_m;
   TORCH_CHECK(num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
@@ -684,8 +691,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   launch_kvcache_append_rotary(params, stream);
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
+  params.splitkv_warps_n = warps_n;
   params.num_splits = choose_kv_splits(num_splits, int64_t(shape.batch) * shape.nheads_k * num_m_blocks,
-                                       shape.cache_capacity, compiled, warps_n);
+                                       shape.cache_capacity, compiled, warps_n,
+                                       block_table.has_value());
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const Element* v_base =
       static_cast<const Element*>(params.v_ptr) + int64_t(head_kv) * params.v.head_stride;
 
-  // Shared memory: Q, then kSplitKvStages (K tile, V tile) stages, so that the
+  // Shared memory: Q, then Traits::kStages (K tile, V tile) stages, so that the
   // copies of the next tiles run while the current one is computed. Decode
   // does little math per byte; the kernel lives on the bytes it keeps in
   // flight.
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // kStages - 1 groups done" always means "this iteration's tile is here".
     // A stage is refilled right after its tile's math: kStages tiles are in
     // flight while a block waits, kStages - 1 while it computes.
-    constexpr int kStages = kSplitKvStages;
+    constexpr int kStages = Traits::kStages;
     copy_rows_async(tQsQ, tQcQ, rows_left, params.head_dim, q_base, q_row);
     CUTE_UNROLL
     for (int t = 0; t < kStages; ++t) {
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* const o_parts = reinterpret_cast<float*>(smem);
   float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
   static_assert((kWarpsN * kBlockM * kPartStride + 2 * kWarpsN * kBlockM) * 4 <=
-                    Traits::kSmemSizeQ + kSplitKvStages * Traits::kSmemSizeKV,
+                    Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
                 "the merge fits in the tiles' shared memory");
   cute::cp_async_wait<0>();
   __syncthreads();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <stdexcept>
+#include <string>
 
 #include <cuda_runtime.h>
 
@@ -29,7 +30,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
   auto kernel = with_score_extras ? &flash_fwd_splitkv_kernel<Traits, true>
                                   : &flash_fwd_splitkv_kernel<Traits, false>;
-  constexpr int kSmemSize = Traits::kSmemSizeQ + kSplitKvStages * Traits::kSmemSizeKV;
+  constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
   if (kSmemSize >= 48 * 1024) {
@@ -40,16 +41,18 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   FA_CUDA_CHECK(cudaGetLastError());
 }
 
-// The variant follows the packed row count (splitkv_warps_n_for_rows), as the
-// host's choice of the split count does.
+// The host picked the variant (params.splitkv_warps_n, splitkv_warps_n_for)
+// and sized the split count for it.
 template <typename Element, int kHeadDim>
 void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
-  const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
-  if (splitkv_warps_n_for_rows(kHeadDim, rows_total) == kDecodeWarpsN) {
+  if (params.splitkv_warps_n == kDecodeWarpsN) {
     launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, stream);
-  } else {
+  } else if (params.splitkv_warps_n == 1) {
     launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, stream);
+  } else {
+    throw std::runtime_error("flash_attn_cuda: fwd_kvcache: no split-KV kernel variant with " +
+                             std::to_string(params.splitkv_warps_n) + " warps along the keys");
   }
   if (params.num_splits > 1) {
     const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;

@@ -8,6 +8,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "splitkv_tile_config.h"
+
 namespace flash {
 
 using namespace cute;
@@ -91,6 +93,7 @@ struct SplitKvKernelTraits {
   static constexpr int kBlockM = 16 * kWarpsM;
   static constexpr int kSlabN = kBlockN / kWarpsN;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = splitkv_stages(kWarpsN);
   static_assert(kNWarps % kWarpsN == 0 && kBlockN % (16 * kWarpsN) == 0,
                 "whole warps per key slab, at least one k16 step of P V per slab");
 

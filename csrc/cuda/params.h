@@ -104,6 +104,7 @@ struct KvcacheParams : FwdParams {
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and
   // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
   int num_splits;
+  int splitkv_warps_n;  // kernel variant: warps side by side along a K/V tile's keys
   float* out_accum_ptr;
   float* lse_accum_ptr;
   bool programmatic_combine;  // sm90+: combine launched as a dependent grid

@@ -8,8 +8,6 @@ namespace flash {
 
 constexpr int kSplitKvWarps = 4;
 constexpr int kMaxKvSplits = 128;
-// (K tile, V tile) buffers: the next tile's copies overlap this tile's math.
-constexpr int kSplitKvStages = 2;
 
 // Key tile: 16-32 KB of K+V per stage. Above d128 the tile narrows to 32 keys
 // so that two stages (and two blocks per SM on sm90) still fit, and the block
@@ -36,18 +34,33 @@ constexpr int splitkv_decode_warps_n(int compiled_head_dim) {
 
 constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_n); }
 
-// The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows.
-constexpr int splitkv_warps_n_for_rows(int compiled_head_dim, long long rows_total) {
-  const int decode = splitkv_decode_warps_n(compiled_head_dim);
-  return rows_total <= splitkv_block_m(decode) ? decode : 1;
-}
+// (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
+// The decode variant keeps three tiles in flight and is meant to run one
+// block per SM: on the H200 (bf16, d128, GQA 32:8) 128 blocks of three stages
+// streamed the cache 3-4% faster than 256 blocks of two or three stages, or
+// than 128-key tiles (PERF_LOG). The 64-row variant keeps two, so that it
+// fits the 99 KB per block of sm86/sm89 at every head dim.
+constexpr int splitkv_stages(int warps_n) { return warps_n > 1 ? 3 : 2; }
 
 // Dynamic shared memory of one thread block (16-bit elements): the Q tile and
-// kSplitKvStages K and V tiles.
+// the stages of K and V tiles.
 constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n) {
   return 2 * compiled_head_dim *
-         (splitkv_block_m(warps_n) + 2 * kSplitKvStages * splitkv_block_n(compiled_head_dim));
+         (splitkv_block_m(warps_n) +
+          2 * splitkv_stages(warps_n) * splitkv_block_n(compiled_head_dim));
 }
-static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024, "fits sm86/sm89 (99 KB per block)");
+static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
+              "the 64-row variant fits sm86/sm89 (99 KB per block)");
+
+// The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
+// a device with max_smem_per_block bytes of shared memory per block: the
+// decode variant when the rows fit one block and its stages fit the device.
+inline int splitkv_warps_n_for(int compiled_head_dim, long long rows_total,
+                               long long max_smem_per_block) {
+  const int decode = splitkv_decode_warps_n(compiled_head_dim);
+  const bool fits = rows_total <= splitkv_block_m(decode) &&
+                    splitkv_smem_bytes(compiled_head_dim, decode) <= max_smem_per_block;
+  return fits ? decode : 1;
+}
 
 }  // namespace flash
