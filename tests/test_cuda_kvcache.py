@@ -162,9 +162,12 @@ def test_paged_matches_contiguous(dtype, page_size, num_splits):
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_decode_batch_default_splits(page_size):
     """Decode as served (one query, GQA 32:8, num_splits chosen by the op) over
-    caches of many key tiles: every split runs several tiles through the
-    two-stage copy pipeline and the block-table look-ahead, and the paged cache
-    gives the same bits as the contiguous one."""
+    caches of many key tiles: every split runs several tiles through the copy
+    pipeline and the block-table look-ahead. The op may pick another split
+    count for a paged cache than for a contiguous one (it targets two blocks
+    per SM over pages, one over a contiguous cache), so the two agree within
+    the rounding of the split merge, not bit for bit (test_paged_matches_contiguous
+    compares bits at equal split counts)."""
     capacity = 2048
     args = make_inputs(batch=8, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
                        head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
@@ -174,7 +177,8 @@ def test_decode_batch_default_splits(page_size):
     page_cache(paged, page_size)
     contiguous = run_cuda(args)
     got = run_cuda(paged)
-    assert torch.equal(got[0], contiguous[0]) and torch.equal(got[1], contiguous[1])
+    torch.testing.assert_close(got[0].float(), contiguous[0].float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[1], contiguous[1], rtol=1e-5, atol=1e-5)
     check_all(paged, got, 1, "neox")
 
 
