@@ -97,16 +97,19 @@ struct SplitKvKernelTraits {
   static_assert(kNWarps % kWarpsN == 0 && kBlockN % (16 * kWarpsN) == 0,
                 "whole warps per key slab, at least one k16 step of P V per slab");
 
-  using MmaAtom = typename FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps,
-                                           Element>::MmaAtom;
+  // MMA atom, swizzle atom and copies as in the forward kernel's traits (of
+  // a 64-row tile, which no part used here depends on).
+  using FwdTraits = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, Element>;
+  using MmaAtom = typename FwdTraits::MmaAtom;
   // One warp's MMA: 16 rows x 16 (k16 steps of P V read 16 keys).
   using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+  using SmemLayoutAtom = typename FwdTraits::SmemLayoutAtom;
+  using SmemCopyAtom = typename FwdTraits::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename FwdTraits::SmemCopyAtomTransposed;
+  using GmemTiledCopyQKV = typename FwdTraits::GmemTiledCopyQKV;
+  static_assert(kBlockM % (kNThreads / FwdTraits::kGmemThreadsPerRow) == 0,
+                "the Q tile is a whole number of global-copy passes");
 
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzleBits, 3, 3>{},
-      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
   // A slab starts at a multiple of 512 elements, above the swizzle's bits, so
   // the slab-by-slab tile and one slab seen alone swizzle alike.
   using SmemLayoutQSlab = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
@@ -122,19 +125,6 @@ struct SplitKvKernelTraits {
   static constexpr int kQSlabElems = 16 * kHeadDim;
   static constexpr int kKVSlabElems = kSlabN * kHeadDim;
   static_assert(kQSlabElems % 512 == 0 && kKVSlabElems % 512 == 0);
-
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-
-  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopyQKV = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
-  static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0,
-                "the Q tile is a whole number of global-copy passes");
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
