@@ -124,6 +124,20 @@ def test_head_dims(head_dim, dtype):
     check_all(args, run_cuda(args), 2, "neox")
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+@pytest.mark.parametrize("seqlen_q", [2, 3, 4, 5])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_kernel_variant_boundary(head_dim, seqlen_q, num_splits):
+    # seqlen_q x 8 query heads per kv head = 16, 24, 32, 40 packed rows: the
+    # split-KV kernel's decode variant (warps along the keys) takes up to 16
+    # rows at head dims 64 and 128, 32 at 96 and 256; more rows go to the
+    # 64-row variant. Both sides of each boundary, with and without splits.
+    args = make_inputs(batch=2, seqlen_q=seqlen_q, capacity=333, nheads=16, nheads_k=2,
+                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=seqlen_q,
+                       rotary="neox", causal=True)
+    check_all(args, run_cuda(args, num_splits=num_splits), seqlen_q, "neox")
+
+
 @pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
 @pytest.mark.parametrize("rotary_dim", [16, 48, 64])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
