@@ -605,7 +605,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   const int64_t num_m_blocks = (rows_per_kv_head + block_m - 1) / block_m;
   TORCH_CHECK(num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
               rows_per_kv_head, " is more than the kernel's grid holds (",
-              65535 * splitkv_block_m(1), ")");
+              65535 * block_m, ")");
   TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k is too large");
 
