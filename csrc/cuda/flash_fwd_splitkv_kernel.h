@@ -64,6 +64,18 @@ __forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoor
   }
 }
 
+// Packed row r of a (batch, kv head) block: query r / group of the group's
+// query head r % group.
+struct PackedRow {
+  int query;
+  int head_in_group;
+};
+
+__forceinline__ __device__ PackedRow unpack_row(int row, int group) {
+  const int query = row / group;
+  return {query, row - query * group};
+}
+
 // Where one batch entry's keys are: key j is cache position leftpad + j, which
 // lives in row `in_page` of cache entry `page` (the batch entry itself for a
 // contiguous cache, a block-table entry for a paged one). K and V share it.
@@ -179,10 +191,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kCopyCols = decltype(size<2>(tKVcKV))::value;
 
   auto q_row = [&](int tile_row) {
-    const int row = row_begin + tile_row;
-    const int query = row / group;
-    return q_base + int64_t(query) * params.q.row_stride +
-           int64_t(row - query * group) * params.q.head_stride;
+    const PackedRow packed = unpack_row(row_begin + tile_row, group);
+    return q_base + int64_t(packed.query) * params.q.row_stride +
+           int64_t(packed.head_in_group) * params.q.head_stride;
   };
 
   // Cache location of this thread's K/V copy rows of the tile being located.
@@ -285,10 +296,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   CUTE_UNROLL
   for (int mi = 0; mi < kNRows; ++mi) {
     const int row = row_begin + warp_row0 + get<0>(tScS_rowcol(mi, 0));
-    row_query[mi] = row / group;
+    const PackedRow packed = unpack_row(row, group);
+    row_query[mi] = packed.query;
     row_slope[mi] = has_alibi && row < rows_total
                         ? params.alibi_slopes[batch * params.alibi_batch_stride +
-                                              head_kv * group + (row - row_query[mi] * group)]
+                                              head_kv * group + packed.head_in_group]
                         : 0.f;
   }
   const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
@@ -412,29 +424,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const bool final_output = params.num_splits == 1;
   const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
   auto lse_index_of = [&](int tile_row) {
-    const int row = row_begin + tile_row;
-    const int query = row / group;
-    const int head = head_kv * group + (row - query * group);
-    return (int64_t(batch) * params.nheads + head) * seqlen_q + query;
+    const PackedRow packed = unpack_row(row_begin + tile_row, group);
+    const int head = head_kv * group + packed.head_in_group;
+    return (int64_t(batch) * params.nheads + head) * seqlen_q + packed.query;
   };
   if (warp_has_rows) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
-      // Row max over the slabs, in score units; -inf when no slab saw a key.
+      // The row's softmax over all slabs: max over the slabs' maxima, and
+      // each slab's sum rescaled to it.
       float max_all = -INFINITY;
       CUTE_UNROLL
       for (int w = 0; w < kWarpsN; ++w) max_all = fmaxf(max_all, row_stats[tile_row * kWarpsN + w].x);
-      const float max_scaled = max_all == -INFINITY ? 0.f : max_all * exp_scale_log2;
+      const float max_scaled = scaled_row_max(max_all, exp_scale_log2);
       float sum_all = 0.f;
       CUTE_UNROLL
       for (int w = 0; w < kWarpsN; ++w) {
         const float2 stats = row_stats[tile_row * kWarpsN + w];
         sum_all += exp2f(stats.x * exp_scale_log2 - max_scaled) * stats.y;
       }
-      const bool empty = sum_all == 0.f || max_all == -INFINITY;
       const float weight =
-          empty ? 0.f : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
+          row_is_empty(max_all, sum_all)
+              ? 0.f
+              : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
       float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
@@ -443,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             make_float2(acc_o_rowcol(mi, ni) * weight, acc_o_rowcol(mi, ni + 1) * weight);
       }
       if (warp_n == 0 && lane % 4 == 0 && tile_row < rows_left) {
-        const float lse = empty ? INFINITY : max_all * lse_scale + logf(sum_all);
+        const float lse = row_lse(max_all, sum_all, lse_scale);
         const int64_t lse_index = lse_index_of(tile_row);
         if (final_output) {
           params.softmax_lse_ptr[lse_index] = lse;
@@ -474,12 +487,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       sum.z += part.z;
       sum.w += part.w;
     }
-    const int row = row_begin + tile_row;
-    const int query = row / group;
-    const int head = head_kv * group + (row - query * group);
     if (final_output) {
+      const PackedRow packed = unpack_row(row_begin + tile_row, group);
+      const int head = head_kv * group + packed.head_in_group;
       Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
-                         int64_t(query) * params.o.row_stride + int64_t(head) * params.o.head_stride;
+                         int64_t(packed.query) * params.o.row_stride +
+                         int64_t(head) * params.o.head_stride;
       cutlass::Array<Element, 4> quad;
       quad[0] = static_cast<Element>(sum.x);
       quad[1] = static_cast<Element>(sum.y);

@@ -24,6 +24,24 @@ __forceinline__ __device__ float quad_allreduce_sum(float x) {
   return x;
 }
 
+// The row rules shared by every kernel that ends a softmax: the running max
+// is kept in score units (before exp_scale_log2) and is -inf while a row has
+// seen only masked keys; scaling it as 0 then leaves exp2(-inf) = 0 instead
+// of NaN. A row with no visible key gets output 0 and lse +inf.
+__forceinline__ __device__ float scaled_row_max(float row_max, float exp_scale_log2) {
+  return row_max == -INFINITY ? 0.f : row_max * exp_scale_log2;
+}
+
+__forceinline__ __device__ bool row_is_empty(float row_max, float row_sum) {
+  return row_sum == 0.f || row_max == -INFINITY;
+}
+
+// Natural-log sum-exp of a row; lse_scale converts row_max back to natural
+// score units.
+__forceinline__ __device__ float row_lse(float row_max, float row_sum, float lse_scale) {
+  return row_is_empty(row_max, row_sum) ? INFINITY : row_max * lse_scale + logf(row_sum);
+}
+
 template <int kNRows>
 struct OnlineSoftmax {
   // row_max is in score units (before exp_scale_log2); row_sum is this
@@ -51,9 +69,7 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
       tile_max = quad_allreduce_max(tile_max);
-      // A row that has seen only masked keys keeps max -inf; subtracting 0
-      // instead leaves exp2(-inf) = 0 rather than NaN.
-      const float max_scaled = tile_max == -INFINITY ? 0.f : tile_max * exp_scale_log2;
+      const float max_scaled = scaled_row_max(tile_max, exp_scale_log2);
       const float correction = exp2f(row_max[mi] * exp_scale_log2 - max_scaled);
       row_max[mi] = tile_max;
       row_sum[mi] *= correction;
@@ -70,18 +86,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalises acc_o and returns each row's natural-log sum-exp in lse.
-  // lse_scale converts row_max back to natural score units. A row that saw no
-  // key gets output 0 and lse +inf. out_rescale carries the dropout 1/(1-p).
+  // Normalises acc_o and returns each row's lse (row_lse). out_rescale
+  // carries the dropout 1/(1-p).
   template <typename TensorO>
   __forceinline__ __device__ void finalize(TensorO& acc_o, float lse_scale, float out_rescale,
                                            float (&lse)[kNRows]) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const float sum = quad_allreduce_sum(row_sum[mi]);
-      const bool empty = sum == 0.f || row_max[mi] == -INFINITY;
-      const float inv_sum = empty ? 0.f : out_rescale / sum;
-      lse[mi] = empty ? INFINITY : row_max[mi] * lse_scale + logf(sum);
+      const float inv_sum = row_is_empty(row_max[mi], sum) ? 0.f : out_rescale / sum;
+      lse[mi] = row_lse(row_max[mi], sum, lse_scale);
       CUTE_UNROLL
       for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= inv_sum;
     }
