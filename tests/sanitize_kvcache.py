@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck python tests/sanitize_kvcache.py
 
 Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
-packing, left padding, cache_batch_idx, and split counts from one to many (the
-combine kernel's thread groups differ per head dim: 64, 96, 128, 256).
+packing, left padding, cache_batch_idx, split counts from one to many (the
+combine kernel's thread groups differ per head dim: 64, 96, 128, 256), and a
+long cache launched for one block per SM.
 """
 
 import torch
@@ -60,6 +61,9 @@ def main():
     call(2, 2, 203, 4, 1, 128, bf16, seqlen_new=2, rotary=True, page_size=16)
     call(2, 1, 513, 16, 4, 128, fp16, page_size=256, num_splits=5)
     call(2, 3, 77, 4, 4, 64, bf16, batch_idx=True, leftpad=True, causal=True)
+    # 128 key tiles per split over a contiguous cache: launched with shared
+    # memory for one block per SM.
+    call(1, 1, 8192 + 37, 8, 2, 128, bf16, num_splits=1)
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 

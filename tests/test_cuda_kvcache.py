@@ -138,6 +138,20 @@ def test_kernel_variant_boundary(head_dim, seqlen_q, num_splits):
     check_all(args, run_cuda(args, num_splits=num_splits), seqlen_q, "neox")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_long_runs_one_block_per_sm(head_dim, num_splits):
+    # A contiguous cache whose splits each hold at least 128 key tiles: the
+    # op launches the decode variant with shared memory for one block per SM
+    # (splitkv_launch_smem_bytes), whose extra bytes the kernel never touches.
+    tile = {64: 128, 128: 64, 256: 32}[head_dim]
+    capacity = 128 * tile * num_splits + 37
+    args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=8, nheads_k=2,
+                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
+    args["cache_seqlens"] = torch.tensor([capacity - 1, capacity // 3], dtype=torch.int32)
+    check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
+
+
 @pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
 @pytest.mark.parametrize("rotary_dim", [16, 48, 64])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])

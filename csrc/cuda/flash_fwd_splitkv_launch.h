@@ -33,11 +33,13 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
-  if (kSmemSize >= 48 * 1024) {
+  const int smem_bytes = params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
+                                                                : kSmemSize;
+  if (smem_bytes >= 48 * 1024) {
     FA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   }
-  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+  kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 }
 

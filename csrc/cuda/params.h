@@ -105,6 +105,9 @@ struct KvcacheParams : FwdParams {
   // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
   int num_splits;
   int splitkv_warps_n;  // kernel variant: warps side by side along a K/V tile's keys
+  // Dynamic shared memory to launch the split-KV kernel with: at least what
+  // its tiles need, more to keep a second block off the SM.
+  int splitkv_launch_smem;
   float* out_accum_ptr;
   float* lse_accum_ptr;
   bool programmatic_combine;  // sm90+: combine launched as a dependent grid
