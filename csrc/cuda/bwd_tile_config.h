@@ -48,6 +48,22 @@ template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlo
 template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 
+// Tiles for devices whose blocks may opt in to more shared memory than an
+// sm80 block's 163 KiB (sm90: 227 KiB), at the head dims where that pays; the
+// launcher takes one when the device has room for it, for the plain kernel
+// variant (the softcap/ALiBi/dropout variant keeps the table's tile). Same
+// kBlockN as the table's, which the grid and the deterministic dQ splits use.
+//   256: Q and dO double-buffered (209 KiB) and dQ before dK: microbench,
+//        H200, bf16, seqlen 4096 / 16384, non-causal and causal: 6.708 /
+//        3.537 / 25.896 / 12.623 ms -> 6.328 / 3.448 / 24.537 / 12.103 ms
+//        (results/NVIDIA_H200/bwd_d256_sweep.txt); whole backward against
+//        SDPA FLASH at seqlen >= 2048: 0.81-0.93x -> 0.86-0.96x.
+template <int kHeadDim>
+struct BwdTileConfigLargeSmem {
+  static constexpr bool kExists = false;
+};
+template <> struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> { static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true; };
+
 // kBlockN of a compiled head dim, for the host code that sizes the
 // deterministic dQ split buffers; 0 for a head dim with no entry.
 inline int bwd_block_n(int compiled_head_dim) {

@@ -348,6 +348,8 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   params.dq_accum_split_stride = ws.dq_accum.stride(0);
   params.num_splits = num_splits;
   params.deterministic = deterministic;
+  params.smem_per_block_optin =
+      int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
   params.dk_accum_ptr = nullptr;
   params.dv_accum_ptr = nullptr;
   if (params.nheads != params.nheads_k) {

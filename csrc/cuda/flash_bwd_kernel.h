@@ -499,19 +499,33 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   }
 }
 
+// A tile that needs more shared memory than an sm80 block may have is only
+// launched on newer devices (BwdTileConfigLargeSmem): its sm80 machine code
+// is left empty rather than compiled for nothing.
+template <typename Traits>
+constexpr bool bwd_tile_fits_this_arch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return Traits::kSmemSize <= 163 * 1024;
+#else
+  return true;
+#endif
+}
+
 // Grid: (key blocks, or dQ splits when deterministic; heads; batch). A split
 // block walks key blocks split, split + gridDim.x, ... in order.
 template <typename Traits, bool kWithScoreExtras>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_dq_dk_dv_kernel(const BwdParams params) {
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const BlockInfo binfo(params, batch);
-  const int num_n_blocks = (binfo.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int split = params.deterministic ? blockIdx.x : 0;
-  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
-    compute_key_block<Traits, kWithScoreExtras>(params, binfo, batch, head, n_block, split);
-    __syncthreads();  // the next key block reuses shared memory
+  if constexpr (bwd_tile_fits_this_arch<Traits>()) {
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const BlockInfo binfo(params, batch);
+    const int num_n_blocks = (binfo.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const int split = params.deterministic ? blockIdx.x : 0;
+    for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+      compute_key_block<Traits, kWithScoreExtras>(params, binfo, batch, head, n_block, split);
+      __syncthreads();  // the next key block reuses shared memory
+    }
   }
 }
 

@@ -17,13 +17,27 @@
 
 namespace flash {
 
+template <typename Config, int kHeadDim, typename Element>
+using BwdTraitsFor =
+    BwdKernelTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps,
+                    Config::kAtomLayoutMSdP, Config::kAtomLayoutNdKV, Config::kAtomLayoutMdQ,
+                    Config::kDoubleBufferQdO, Config::kDQBeforeDK, Element>;
+
+template <typename Traits, bool kWithScoreExtras>
+void launch_bwd_dq_dk_dv(const BwdParams& params, dim3 grid, cudaStream_t stream) {
+  auto kernel = &flash_bwd_dq_dk_dv_kernel<Traits, kWithScoreExtras>;
+  constexpr int kSmemSize = Traits::kSmemSize;
+  if (kSmemSize >= 48 * 1024) {
+    FA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+  }
+  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename Element, int kHeadDim>
 void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Config = BwdTileConfig<kHeadDim>;
-  using Traits =
-      BwdKernelTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps,
-                      Config::kAtomLayoutMSdP, Config::kAtomLayoutNdKV, Config::kAtomLayoutMdQ,
-                      Config::kDoubleBufferQdO, Config::kDQBeforeDK, Element>;
+  using Traits = BwdTraitsFor<BwdTileConfig<kHeadDim>, kHeadDim, Element>;
   if (params.batch == 0 || params.nheads == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {
     return;
   }
@@ -44,15 +58,19 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
       params.softmax_scale_log2 >= std::numeric_limits<float>::min();
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr ||
                                  params.dropout_p > 0.f || !scale_is_positive_normal;
-  auto kernel = with_score_extras ? &flash_bwd_dq_dk_dv_kernel<Traits, true>
-                                  : &flash_bwd_dq_dk_dv_kernel<Traits, false>;
-  constexpr int kSmemSize = Traits::kSmemSize;
-  if (kSmemSize >= 48 * 1024) {
-    FA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
+  if (with_score_extras) {
+    launch_bwd_dq_dk_dv<Traits, true>(params, grid, stream);
+  } else if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
+    using LargeTraits = BwdTraitsFor<BwdTileConfigLargeSmem<kHeadDim>, kHeadDim, Element>;
+    static_assert(LargeTraits::kBlockN == Traits::kBlockN, "one grid for both tiles");
+    if (params.smem_per_block_optin >= LargeTraits::kSmemSize) {
+      launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
+    } else {
+      launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
+    }
+  } else {
+    launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
   }
-  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
 
   const dim3 dq_grid((params.seqlen_q + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
                      params.nheads, params.batch);

@@ -77,6 +77,9 @@ struct BwdParams : FwdParams {
   int64_t dq_accum_split_stride;
   int num_splits;
   bool deterministic;
+  // Shared memory one block may opt in to on this device: picks the
+  // large-shared-memory tile where the table has one (bwd_tile_config.h).
+  int smem_per_block_optin;
 
   // GQA/MQA only (null when nheads == nheads_k): per-query-head fp32 dK and dV,
   // (batch, nheads, seqlen_k, compiled head dim) or (nheads, total_k, compiled
