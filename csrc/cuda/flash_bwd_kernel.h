@@ -501,7 +501,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
 
 // A tile that needs more shared memory than an sm80 block may have is only
 // launched on newer devices (BwdTileConfigLargeSmem): its sm80 machine code
-// is left empty rather than compiled for nothing.
+// is a trap rather than a kernel compiled for nothing.
 template <typename Traits>
 constexpr bool bwd_tile_fits_this_arch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -526,6 +526,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       compute_key_block<Traits, kWithScoreExtras>(params, binfo, batch, head, n_block, split);
       __syncthreads();  // the next key block reuses shared memory
     }
+  } else {
+    __trap();
   }
 }
 
