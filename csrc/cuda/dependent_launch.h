@@ -1,3 +1,5 @@
+// Kernel launch helpers.
+//
 // Programmatic dependent launch (sm90 and newer): a kernel launched with
 // programmatic stream serialization may start while the kernel before it in
 // the stream still runs, and waits in wait_for_preceding_grid() until that
@@ -32,6 +34,20 @@ __forceinline__ __device__ void allow_dependent_grid_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), first letting
+// the kernel opt in to more than the default 48 KB of dynamic shared memory
+// when smem_bytes needs it.
+template <typename... KernelArgs, typename... Args>
+void launch_with_dynamic_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                              int smem_bytes, cudaStream_t stream, Args&&... args) {
+  if (smem_bytes >= 48 * 1024) {
+    FA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  }
+  kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
+  FA_CUDA_CHECK(cudaGetLastError());
 }
 
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), allowing it

@@ -11,6 +11,7 @@
 #include "bwd_kernel_traits.h"
 #include "bwd_tile_config.h"
 #include "cuda_check.h"
+#include "dependent_launch.h"
 #include "flash_bwd_aux_kernels.h"
 #include "flash_bwd_kernel.h"
 #include "params.h"
@@ -25,14 +26,8 @@ using BwdTraitsFor =
 
 template <typename Traits, bool kWithScoreExtras>
 void launch_bwd_dq_dk_dv(const BwdParams& params, dim3 grid, cudaStream_t stream) {
-  auto kernel = &flash_bwd_dq_dk_dv_kernel<Traits, kWithScoreExtras>;
-  constexpr int kSmemSize = Traits::kSmemSize;
-  if (kSmemSize >= 48 * 1024) {
-    FA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
-  }
-  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
+  launch_with_dynamic_smem(&flash_bwd_dq_dk_dv_kernel<Traits, kWithScoreExtras>, grid,
+                           dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
 }
 
 template <typename Element, int kHeadDim>

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
+#include "dependent_launch.h"
 #include "flash_fwd_kernel.h"
 #include "kernel_traits.h"
 #include "params.h"
@@ -25,14 +26,8 @@ void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // Query blocks on x (no 65535 limit); heads and batch on y and z.
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
-  auto kernel = &flash_fwd_kernel<Traits, kWithScoreExtras>;
-  constexpr int kSmemSize = Traits::kSmemSize;
-  if (kSmemSize >= 48 * 1024) {
-    FA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
-  }
-  kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
+  launch_with_dynamic_smem(&flash_fwd_kernel<Traits, kWithScoreExtras>, grid,
+                           dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
 }
 
 template <typename Element, int kHeadDim>

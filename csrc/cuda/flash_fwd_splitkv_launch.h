@@ -35,12 +35,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
                 "host code sizes the grid from splitkv_smem_bytes");
   const int smem_bytes = params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
                                                                 : kSmemSize;
-  if (smem_bytes >= 48 * 1024) {
-    FA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  }
-  kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
+  launch_with_dynamic_smem(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, params);
 }
 
 // The host picked the variant (params.splitkv_warps_n, splitkv_warps_n_for)
