@@ -361,6 +361,32 @@ def _host_cxx_standard():
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
 
+def _warn_if_static_cxx_runtime():
+    """Warns when the C++ compiler would link a static libstdc++ into the extension.
+
+    A compiler that finds no shared libstdc++ (`-print-file-name=libstdc++.so`
+    answers a bare name) links its static archive into _C.so. The process then
+    holds two C++ runtimes, torch's shared one and the extension's copy, and
+    formatting a number into a stream inside the extension crashes: an argument
+    check that should raise (TORCH_CHECK with a number in its message) kills the
+    process instead. Seen with a g++ whose installation ships only libstdc++.a.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return
+    if found and not os.path.isabs(found):
+        print(f"flash_attn_cuda: WARNING: the C++ compiler {cxx!r} finds no shared libstdc++ "
+              "(-print-file-name=libstdc++.so gives no path), so the extension would carry a "
+              "static copy of the C++ runtime beside torch's, and its argument errors can crash "
+              "the process instead of raising. Set CXX (and CC) to a compiler that links the "
+              "shared libstdc++, for example CXX=/usr/bin/g++.", file=sys.stderr)
+
+
 def _extension(config):
     cpp_extension = config["cpp_extension"]
     building_cuda = config["cuda_home"] is not None
@@ -469,6 +495,7 @@ def _build_ext_class(cpp_extension):
 
 def main():
     config = _configure()
+    _warn_if_static_cxx_runtime()
     extension, summary, building_cuda = _extension(config)
     if "MAX_JOBS" not in os.environ:
         max_jobs = _default_max_jobs(building_cuda)
