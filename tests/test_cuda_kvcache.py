@@ -152,6 +152,28 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
 
 
+@pytest.mark.parametrize("profile", ["rising", "falling", "late_spike"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_row_max_moves_at_chosen_tiles(profile, num_splits):
+    # The decode kernel skips rescaling a warp's output when none of its rows'
+    # maxima moved in a tile. Key tiles run from the last key to the first, so
+    # scores rising with the key position put each row's max in the first tile
+    # (no rescale after it), falling scores move it in every tile, and one large
+    # score at key 5 moves it only in the last tile.
+    capacity, head_dim = 1500, 128
+    args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=8, nheads_k=2,
+                       head_dim=head_dim, dtype=torch.bfloat16)
+    direction = torch.randint(0, 2, (head_dim,)).float() * 2 - 1
+    position = torch.arange(capacity, dtype=torch.float32) / capacity
+    strength = {"rising": 4 * position, "falling": 4 * (1 - position),
+                "late_spike": torch.zeros(capacity).index_fill_(0, torch.tensor([5]), 8.0)}[profile]
+    keys = strength[None, :, None, None] * direction + 0.1 * torch.randn(2, capacity, 2, head_dim)
+    args["q"] = (0.1 * direction).expand(2, 1, 8, head_dim).to(torch.bfloat16).contiguous()
+    args["k_cache"] = keys.to(torch.bfloat16)
+    args["cache_seqlens"] = torch.tensor([capacity, capacity - 77], dtype=torch.int32)
+    check_all(args, run_cuda(args, num_splits=num_splits), 0, None)
+
+
 @pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
 @pytest.mark.parametrize("rotary_dim", [16, 48, 64])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])

@@ -34,7 +34,9 @@ namespace flash {
 using namespace cute;
 
 // cp.async of one 16-byte chunk; src_size 0 zero-fills the destination
-// without reading the source, so masked-off rows cost no memory traffic.
+// without reading the source, so masked-off rows cost no memory traffic and
+// gmem_src may then point past the tensor (at the row or column it would
+// have read), which spares a select per chunk.
 __forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
                                                     bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
@@ -86,7 +88,13 @@ struct CacheRows {
   IntDivisor page_size;
 };
 
-template <typename Traits, bool kWithScoreExtras>
+// Which caches a kernel instance serves. The decode variant's plain kernel
+// is compiled once per layout, so that each streams its tiles with only its
+// own address arithmetic (decode spends its issue slots on the copies); the
+// other instances take either, chosen per call.
+enum class CacheLayout { kContiguous, kPaged, kEither };
+
+template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_splitkv_kernel(const KvcacheParams params) {
   using Element = typename Traits::Element;
@@ -196,58 +204,75 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
            int64_t(packed.head_in_group) * params.q.head_stride;
   };
 
-  // Cache location of this thread's K/V copy rows of the tile being located.
-  // Paged: the block table is read once per distinct page (a page of 64 rows
-  // or more holds all of a thread's rows of a tile); row_page[m] is left
+  // Paged cache: location of this thread's K/V copy rows of the tile being
+  // located. The block table is read once per distinct page (a page of 64
+  // rows or more holds all of a thread's rows of a tile); row_page[m] is left
   // stale when row m shares row m - 1's page, and the rows are resolved when
   // the copies are issued, a tile later: no instruction waits on a table read
   // in between (a copy of the loaded value from row to row would).
+  const bool paged = kLayout == CacheLayout::kPaged ||
+                     (kLayout == CacheLayout::kEither && cache.block_table_row != nullptr);
   int row_page[kCopyRows];
   int row_in_page[kCopyRows];
   bool row_shares_page[kCopyRows];
   auto locate_tile = [&](int n_block) {
+    if (!paged) return;
     const int key0 = n_block * kBlockN;
     int previous_index = -1;
     CUTE_UNROLL
     for (int m = 0; m < kCopyRows; ++m) {
       const int key = key0 + get<0>(tKVcKV(0, m, 0));
-      const int pos = cache.leftpad + key;
-      if (cache.block_table_row != nullptr) {
-        int page_index;
-        cache.page_size.divmod(pos, page_index, row_in_page[m]);
-        row_shares_page[m] = page_index == previous_index;
-        if (!row_shares_page[m]) {
-          row_page[m] = key < seqlen_k ? cache.block_table_row[page_index] : 0;
-        }
-        previous_index = page_index;
-      } else {
-        row_page[m] = cache.entry;
-        row_in_page[m] = pos;
-        row_shares_page[m] = false;
+      int page_index;
+      cache.page_size.divmod(cache.leftpad + key, page_index, row_in_page[m]);
+      row_shares_page[m] = page_index == previous_index;
+      if (!row_shares_page[m]) {
+        row_page[m] = key < seqlen_k ? cache.block_table_row[page_index] : 0;
       }
+      previous_index = page_index;
     }
   };
-  // K and V of one tile into one stage, from the rows locate_tile found.
-  // Rows past the keys and columns past head_dim are zero-filled (zeros, not
-  // stale data: P V multiplies them by 0).
+  // Contiguous cache: a thread's copy rows of a tile are kCopyRowStep keys
+  // apart, so one address per tile and a fixed step locate them all.
+  constexpr int kCopyRowStep = Traits::kNThreads / Traits::FwdTraits::kGmemThreadsPerRow;
+  static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
+  const Element* const k_entry = k_base + int64_t(cache.entry) * params.k.batch_stride;
+  const Element* const v_entry = v_base + int64_t(cache.entry) * params.v.batch_stride;
+  const int64_t k_row_step = int64_t(kCopyRowStep) * params.k.row_stride;
+  const int64_t v_row_step = int64_t(kCopyRowStep) * params.v.row_stride;
+  // K and V of one tile into one stage. Rows past the keys and columns past
+  // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
   auto load_tile = [&](int n_block, int stage) {
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(stage_k(stage));
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(stage_v(stage));
     const int rows_in_tile = seqlen_k - n_block * kBlockN;
-    int64_t page = 0;
-    CUTE_UNROLL
-    for (int m = 0; m < kCopyRows; ++m) {
+    auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
       const bool row_ok = get<0>(tKVcKV(0, m, 0)) < rows_in_tile;
-      page = row_shares_page[m] ? page : int64_t(row_page[m]);
-      const int64_t in_page = row_in_page[m];
-      const Element* k_row = k_base + page * params.k.batch_stride + in_page * params.k.row_stride;
-      const Element* v_row = v_base + page * params.v.batch_stride + in_page * params.v.row_stride;
       CUTE_UNROLL
       for (int k = 0; k < kCopyCols; ++k) {
         const int col = get<1>(tKVcKV(0, m, k));
         const bool ok = row_ok && col < params.head_dim;
-        cp_async_16_or_zero(&tKsK(0, m, k), ok ? k_row + col : k_base, ok);
-        cp_async_16_or_zero(&tVsV(0, m, k), ok ? v_row + col : v_base, ok);
+        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, ok);
+        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, ok);
+      }
+    };
+    if (paged) {
+      int64_t page = 0;
+      CUTE_UNROLL
+      for (int m = 0; m < kCopyRows; ++m) {
+        page = row_shares_page[m] ? page : int64_t(row_page[m]);
+        const int64_t in_page = row_in_page[m];
+        copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
+                 v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
+      }
+    } else {
+      const int64_t first_pos = cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
+      const Element* k_row = k_entry + first_pos * params.k.row_stride;
+      const Element* v_row = v_entry + first_pos * params.v.row_stride;
+      CUTE_UNROLL
+      for (int m = 0; m < kCopyRows; ++m) {
+        copy_row(m, k_row, v_row);
+        k_row += k_row_step;
+        v_row += v_row_step;
       }
     }
   };
@@ -375,7 +400,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
 
-        softmax.update(scores, acc_o_rowcol, exp_scale_log2);
+        softmax.template update</*kSkipRescaleIfMaxKept=*/true>(scores, acc_o_rowcol, exp_scale_log2);
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));

@@ -28,8 +28,22 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   // (batch, kv head) on x, which has no 65535 limit.
   const dim3 grid(params.batch * params.nheads_k, num_m_blocks, params.num_splits);
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  auto kernel = with_score_extras ? &flash_fwd_splitkv_kernel<Traits, true>
-                                  : &flash_fwd_splitkv_kernel<Traits, false>;
+  // Only the decode variant's plain kernel has one instance per cache layout
+  // (it carries the decode benchmarks; H200, batch 64: 3% faster over a
+  // contiguous cache without the paged path's per-row addressing); the
+  // others serve both layouts (five split-KV kernels per file).
+  auto plain_kernel = [&] {
+    if constexpr (kWarpsN > 1) {
+      return params.block_table != nullptr
+                 ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged>
+                 : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous>;
+    } else {
+      return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kEither>;
+    }
+  };
+  const auto kernel = with_score_extras
+                          ? &flash_fwd_splitkv_kernel<Traits, true, CacheLayout::kEither>
+                          : plain_kernel();
   constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
