@@ -155,11 +155,11 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
 @pytest.mark.parametrize("profile", ["rising", "falling", "late_spike"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_row_max_moves_at_chosen_tiles(profile, num_splits):
-    # The decode kernel skips rescaling a warp's output when none of its rows'
-    # maxima moved in a tile. Key tiles run from the last key to the first, so
-    # scores rising with the key position put each row's max in the first tile
-    # (no rescale after it), falling scores move it in every tile, and one large
-    # score at key 5 moves it only in the last tile.
+    # The online softmax's rescaling of the output, driven where it happens.
+    # Key tiles run from the last key to the first, so scores rising with the
+    # key position put each row's max in the first tile (no rescale after it),
+    # falling scores move it in every tile, and one large score at key 5 moves
+    # it only in the last tile (or last split).
     capacity, head_dim = 1500, 128
     args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=8, nheads_k=2,
                        head_dim=head_dim, dtype=torch.bfloat16)

@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
 
-        softmax.template update</*kSkipRescaleIfMaxKept=*/true>(scores, acc_o_rowcol, exp_scale_log2);
+        softmax.update(scores, acc_o_rowcol, exp_scale_log2);
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));

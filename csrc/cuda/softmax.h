@@ -60,44 +60,25 @@ struct OnlineSoftmax {
 
   // scores (rows, cols) becomes exp2(scores * exp_scale_log2 - running max),
   // and acc_o (rows, head dim) is rescaled to the new running max.
-  // kSkipRescaleIfMaxKept: the warp leaves acc_o and the row sums alone when
-  // none of its rows' maxima moved. Decode streams thousands of key tiles
-  // past a few rows, and after the first few tiles a row's max rarely moves,
-  // while rescaling the output accumulator is the bulk of the softmax's
-  // instructions. The result is bitwise the same: an unmoved max makes the
-  // correction exactly 1 (or 0 for a row that has seen no key, whose
-  // accumulator and sum are still 0).
-  template <bool kSkipRescaleIfMaxKept = false, typename TensorS, typename TensorO>
+  template <typename TensorS, typename TensorO>
   __forceinline__ __device__ void update(TensorS& scores, TensorO& acc_o, float exp_scale_log2) {
     static_assert(decltype(size<0>(scores))::value == kNRows);
-    float max_scaled[kNRows];
-    float correction[kNRows];
-    bool max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float tile_max = row_max[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
       tile_max = quad_allreduce_max(tile_max);
-      max_scaled[mi] = scaled_row_max(tile_max, exp_scale_log2);
-      correction[mi] = exp2f(row_max[mi] * exp_scale_log2 - max_scaled[mi]);
-      max_moved |= tile_max != row_max[mi];
+      const float max_scaled = scaled_row_max(tile_max, exp_scale_log2);
+      const float correction = exp2f(row_max[mi] * exp_scale_log2 - max_scaled);
       row_max[mi] = tile_max;
-    }
-    if (!kSkipRescaleIfMaxKept || __any_sync(0xffffffffu, max_moved)) {
+      row_sum[mi] *= correction;
       CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
-        row_sum[mi] *= correction[mi];
-        CUTE_UNROLL
-        for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction[mi];
-      }
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
+      for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction;
       float tile_sum = 0.f;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) {
-        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled[mi]);
+        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled);
         scores(mi, ni) = p;
         tile_sum += p;
       }
