@@ -1,0 +1,194 @@
+// How fast can a decode kernel stream a KV cache, as a function of how a
+// thread block walks it? No math: each block copies its K/V rows into a ring
+// of shared-memory stages with cp.async, exactly as the split-KV kernel does,
+// and touches one value per stage. The question it answers: on flash-attn's
+// (batch, seqlen, kv head, head dim) cache, does a block that reads the rows
+// of 2 (or 4) neighbouring kv heads at once - 512 B (1 KB) contiguous per key
+// instead of 256 B - stream faster, and how close does that come to a
+// head-major cache, where one head's keys are contiguous?
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_read_pattern.cu -o drp
+//   ./drp            (prints one line per pattern and shape)
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#define CHECK(x)                                                                      \
+  do {                                                                                \
+    cudaError_t e = (x);                                                              \
+    if (e != cudaSuccess) {                                                           \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));           \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+constexpr int kHeadDim = 128;
+constexpr int kRowBytes = kHeadDim * 2;
+constexpr int kThreads = 128;
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// heads_per_block neighbouring kv heads, rows_per_head keys of each per tile,
+// kStages tiles in flight. head_major: the cache is (b, hk, s, d).
+template <int kStages>
+__global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads_k,
+                          int heads_per_block, int rows_per_head, bool head_major,
+                          float* sink) {
+  extern __shared__ char smem[];
+  const int groups = nheads_k / heads_per_block;
+  const int batch = blockIdx.x / groups;
+  const int head0 = (blockIdx.x % groups) * heads_per_block;
+  const int tile_bytes = heads_per_block * rows_per_head * kRowBytes;  // one of K or V
+  const int chunks = tile_bytes / 16;
+  const int num_tiles = seqlen_k / rows_per_head;
+
+  auto load = [&](int tile, int stage) {
+    char* sk = smem + (2 * stage) * tile_bytes;
+    char* sv = sk + tile_bytes;
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      // chunk c: key row r of the tile, head h of the block's heads, 16 B piece
+      // p; consecutive threads take consecutive bytes of memory.
+      const int p = c % (kRowBytes / 16);
+      const int h = (c / (kRowBytes / 16)) % heads_per_block;
+      const int r = c / (kRowBytes / 16) / heads_per_block;
+      const int64_t key = int64_t(tile) * rows_per_head + r;
+      int64_t offset;
+      if (head_major) {
+        offset = ((int64_t(batch) * nheads_k + head0 + h) * seqlen_k + key) * kRowBytes;
+      } else {
+        offset = ((int64_t(batch) * seqlen_k + key) * nheads_k + head0 + h) * kRowBytes;
+      }
+      cp_async_16(sk + c * 16, k + offset + p * 16);
+      cp_async_16(sv + c * 16, v + offset + p * 16);
+    }
+  };
+
+  float acc = 0.f;
+  for (int t = 0; t < kStages; ++t) {
+    if (t < num_tiles) load(t, t);
+    cp_async_fence();
+  }
+  int stage = 0;
+  for (int t = 0; t < num_tiles; ++t) {
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+    acc += reinterpret_cast<const float*>(smem + (2 * stage) * tile_bytes)[threadIdx.x];
+    __syncthreads();
+    if (t + kStages < num_tiles) load(t + kStages, stage);
+    cp_async_fence();
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+  }
+  if (acc == 12345.f) sink[blockIdx.x] = acc;
+}
+
+int main() {
+  int sms = 0, smem_optin = 0, smem_per_sm = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+  CHECK(cudaFuncSetAttribute(stream_kv<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_optin));
+  CHECK(cudaFuncSetAttribute(stream_kv<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_optin));
+  const int nheads_k = 8;
+  const int batch = 64;
+  const int64_t max_bytes = int64_t(batch) * 32768 * nheads_k * kRowBytes;
+  char *k, *v;
+  float* sink;
+  CHECK(cudaMalloc(&k, max_bytes));
+  CHECK(cudaMalloc(&v, max_bytes));
+  CHECK(cudaMalloc(&sink, 1 << 20));
+  CHECK(cudaMemset(k, 0, max_bytes));
+  CHECK(cudaMemset(v, 0, max_bytes));
+  char* flush;
+  CHECK(cudaMalloc(&flush, 256 << 20));
+
+  // Device copy bandwidth (read + write bytes), for scale.
+  {
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) CHECK(cudaMemcpy(v, k, max_bytes, cudaMemcpyDeviceToDevice));
+    CHECK(cudaEventRecord(a));
+    for (int i = 0; i < 10; ++i) CHECK(cudaMemcpy(v, k, max_bytes, cudaMemcpyDeviceToDevice));
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    std::printf("copy  %.3f TB/s (read + write)\n", 2.0 * max_bytes * 10 / (ms * 1e-3) / 1e12);
+  }
+
+  struct Pattern {
+    const char* name;
+    int heads_per_block, rows_per_head, stages;
+    bool head_major, one_per_sm;
+  };
+  const Pattern patterns[] = {
+      {"bshd 1 head x64 rows s3 1/SM", 1, 64, 3, false, true},
+      {"bshd 1 head x64 rows s3 2/SM", 1, 64, 3, false, false},
+      {"bshd 2 heads x32 rows s3 2/SM", 2, 32, 3, false, false},
+      {"bshd 2 heads x32 rows s3 1/SM", 2, 32, 3, false, true},
+      {"bshd 2 heads x64 rows s3 1/SM", 2, 64, 3, false, true},
+      {"bshd 2 heads x64 rows s2 1/SM", 2, 64, 2, false, true},
+      {"bshd 4 heads x16 rows s3 2/SM", 4, 16, 3, false, false},
+      {"bshd 4 heads x32 rows s3 1/SM", 4, 32, 3, false, true},
+      {"bshd 8 heads x16 rows s3 1/SM", 8, 16, 3, false, true},
+      {"bhsd 1 head x64 rows s3 1/SM", 1, 64, 3, true, true},
+      {"bhsd 1 head x64 rows s3 2/SM", 1, 64, 3, true, false},
+  };
+  const int seqlens[] = {4096, 16384, 32768};
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int round = 0; round < 2; ++round)
+  for (int seqlen_k : seqlens) {
+    const double bytes = 2.0 * batch * seqlen_k * nheads_k * kRowBytes;
+    for (const Pattern& p : patterns) {
+      const int blocks = batch * nheads_k / p.heads_per_block;
+      const int smem = 2 * p.stages * p.heads_per_block * p.rows_per_head * kRowBytes;
+      const int launch_smem = p.one_per_sm ? (smem > smem_per_sm / 2 ? smem : smem_per_sm / 2 + 1024)
+                                           : smem;
+      if (launch_smem > smem_optin) continue;
+      auto launch = [&] {
+        if (p.stages == 3) {
+          stream_kv<3><<<blocks, kThreads, launch_smem>>>(k, v, seqlen_k, nheads_k,
+                                                          p.heads_per_block, p.rows_per_head,
+                                                          p.head_major, sink);
+        } else {
+          stream_kv<2><<<blocks, kThreads, launch_smem>>>(k, v, seqlen_k, nheads_k,
+                                                          p.heads_per_block, p.rows_per_head,
+                                                          p.head_major, sink);
+        }
+      };
+      launch();
+      CHECK(cudaGetLastError());
+      std::vector<float> times;
+      for (int rep = 0; rep < 15; ++rep) {
+        CHECK(cudaMemsetAsync(flush, rep, 256 << 20));
+        CHECK(cudaEventRecord(a));
+        launch();
+        CHECK(cudaEventRecord(b));
+        CHECK(cudaEventSynchronize(b));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, a, b));
+        times.push_back(ms);
+      }
+      std::sort(times.begin(), times.end());
+      const float median = times[times.size() / 2];
+      std::printf("sk %6d  %-34s %8.1f us  %.3f TB/s\n", seqlen_k, p.name, median * 1e3,
+                  bytes / (median * 1e-3) / 1e12);
+    }
+  }
+  return 0;
+}
