@@ -5,9 +5,11 @@
 // (batch, seqlen, kv head, head dim) cache, does a block that reads the rows
 // of 2 (or 4) neighbouring kv heads at once - 512 B (1 KB) contiguous per key
 // instead of 256 B - stream faster, and how close does that come to a
-// head-major cache, where one head's keys are contiguous?
+// head-major cache, where one head's keys are contiguous? And a block that
+// reads all 8 kv heads of a key range (2 KB contiguous per key, the key range
+// split so that the grid still covers every SM)?
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_read_pattern.cu -o drp
-//   ./drp            (prints one line per pattern and shape)
+//   ./drp [batch ...] (default 64; prints one line per pattern and shape)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -40,7 +42,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // heads_per_block neighbouring kv heads, rows_per_head keys of each per tile,
-// kStages tiles in flight. head_major: the cache is (b, hk, s, d).
+// kStages tiles in flight; the keys split into blockIdx.y's ranges.
+// head_major: the cache is (b, hk, s, d).
 template <int kStages>
 __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads_k,
                           int heads_per_block, int rows_per_head, bool head_major,
@@ -51,7 +54,9 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
   const int head0 = (blockIdx.x % groups) * heads_per_block;
   const int tile_bytes = heads_per_block * rows_per_head * kRowBytes;  // one of K or V
   const int chunks = tile_bytes / 16;
-  const int num_tiles = seqlen_k / rows_per_head;
+  const int all_tiles = seqlen_k / rows_per_head;
+  const int first_tile = int(int64_t(blockIdx.y) * all_tiles / gridDim.y);
+  const int num_tiles = int(int64_t(blockIdx.y + 1) * all_tiles / gridDim.y) - first_tile;
 
   auto load = [&](int tile, int stage) {
     char* sk = smem + (2 * stage) * tile_bytes;
@@ -62,7 +67,7 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
       const int p = c % (kRowBytes / 16);
       const int h = (c / (kRowBytes / 16)) % heads_per_block;
       const int r = c / (kRowBytes / 16) / heads_per_block;
-      const int64_t key = int64_t(tile) * rows_per_head + r;
+      const int64_t key = int64_t(first_tile + tile) * rows_per_head + r;
       int64_t offset;
       if (head_major) {
         offset = ((int64_t(batch) * nheads_k + head0 + h) * seqlen_k + key) * kRowBytes;
@@ -92,7 +97,7 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
-int main() {
+int main(int argc, char** argv) {
   int sms = 0, smem_optin = 0, smem_per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -102,8 +107,11 @@ int main() {
   CHECK(cudaFuncSetAttribute(stream_kv<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin));
   const int nheads_k = 8;
-  const int batch = 64;
-  const int64_t max_bytes = int64_t(batch) * 32768 * nheads_k * kRowBytes;
+  std::vector<int> batches;
+  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
+  if (batches.empty()) batches.push_back(64);
+  constexpr int64_t kMaxKeys = 64 * 32768;  // batch x seqlen_k of the largest cache
+  const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
   char *k, *v;
   float* sink;
   CHECK(cudaMalloc(&k, max_bytes));
@@ -133,29 +141,40 @@ int main() {
     const char* name;
     int heads_per_block, rows_per_head, stages;
     bool head_major, one_per_sm;
+    int splits;  // of the key range; 0: the fewest that give every SM a block
   };
   const Pattern patterns[] = {
-      {"bshd 1 head x64 rows s3 1/SM", 1, 64, 3, false, true},
-      {"bshd 1 head x64 rows s3 2/SM", 1, 64, 3, false, false},
-      {"bshd 2 heads x32 rows s3 2/SM", 2, 32, 3, false, false},
-      {"bshd 2 heads x32 rows s3 1/SM", 2, 32, 3, false, true},
-      {"bshd 2 heads x64 rows s3 1/SM", 2, 64, 3, false, true},
-      {"bshd 2 heads x64 rows s2 1/SM", 2, 64, 2, false, true},
-      {"bshd 4 heads x16 rows s3 2/SM", 4, 16, 3, false, false},
-      {"bshd 4 heads x32 rows s3 1/SM", 4, 32, 3, false, true},
-      {"bshd 8 heads x16 rows s3 1/SM", 8, 16, 3, false, true},
-      {"bhsd 1 head x64 rows s3 1/SM", 1, 64, 3, true, true},
-      {"bhsd 1 head x64 rows s3 2/SM", 1, 64, 3, true, false},
+      {"bshd 1 head x64 rows s3 1/SM", 1, 64, 3, false, true, 1},
+      {"bshd 1 head x64 rows s3 2/SM", 1, 64, 3, false, false, 1},
+      {"bshd 2 heads x32 rows s3 2/SM", 2, 32, 3, false, false, 1},
+      {"bshd 2 heads x32 rows s3 1/SM", 2, 32, 3, false, true, 1},
+      {"bshd 2 heads x64 rows s3 1/SM", 2, 64, 3, false, true, 1},
+      {"bshd 2 heads x64 rows s2 1/SM", 2, 64, 2, false, true, 1},
+      {"bshd 4 heads x16 rows s3 2/SM", 4, 16, 3, false, false, 1},
+      {"bshd 4 heads x32 rows s3 1/SM", 4, 32, 3, false, true, 1},
+      {"bshd 8 heads x16 rows s3 1/SM", 8, 16, 3, false, true, 1},
+      {"bshd 8 heads x16 rows s3 1/SM split", 8, 16, 3, false, true, 0},
+      {"bshd 8 heads x8 rows s3 2/SM split", 8, 8, 3, false, false, 0},
+      {"bshd 8 heads x16 rows s2 1/SM split", 8, 16, 2, false, true, 0},
+      {"bshd 8 heads x16 rows s3 1/SM 4/SM-split", 8, 16, 3, false, true, -4},
+      {"bhsd 1 head x64 rows s3 1/SM", 1, 64, 3, true, true, 1},
+      {"bhsd 1 head x64 rows s3 2/SM", 1, 64, 3, true, false, 1},
   };
-  const int seqlens[] = {4096, 16384, 32768};
+  const int seqlens[] = {4096, 16384, 32768, 131072};
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   for (int round = 0; round < 2; ++round)
+  for (int batch : batches)
   for (int seqlen_k : seqlens) {
+    if (int64_t(batch) * seqlen_k > kMaxKeys) continue;
     const double bytes = 2.0 * batch * seqlen_k * nheads_k * kRowBytes;
     for (const Pattern& p : patterns) {
-      const int blocks = batch * nheads_k / p.heads_per_block;
+      const int items = batch * nheads_k / p.heads_per_block;
+      // splits 0 / -n: as many splits as fit one / n blocks on every SM.
+      const int per_sm = p.splits < 0 ? -p.splits : 1;
+      const int splits = p.splits > 0 ? p.splits : std::max(1, per_sm * sms / items);
+      const dim3 blocks(items, splits);
       const int smem = 2 * p.stages * p.heads_per_block * p.rows_per_head * kRowBytes;
       const int launch_smem = p.one_per_sm ? (smem > smem_per_sm / 2 ? smem : smem_per_sm / 2 + 1024)
                                            : smem;
@@ -186,8 +205,8 @@ int main() {
       }
       std::sort(times.begin(), times.end());
       const float median = times[times.size() / 2];
-      std::printf("sk %6d  %-34s %8.1f us  %.3f TB/s\n", seqlen_k, p.name, median * 1e3,
-                  bytes / (median * 1e-3) / 1e12);
+      std::printf("b %2d sk %6d  %-40s %4d blocks %8.1f us  %.3f TB/s\n", batch, seqlen_k,
+                  p.name, items * splits, median * 1e3, bytes / (median * 1e-3) / 1e12);
     }
   }
   return 0;

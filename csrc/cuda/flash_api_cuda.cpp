@@ -549,19 +549,23 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
 // a contiguous cache streams best one block per SM once each block has a
 // long run of keys: on the H200 (bf16, d128, GQA 32:8) batch 64 ran 1.2-1.5%
 // faster at 32k-128k keys and batch 32 x 16k 2.4% faster than with two
-// blocks per SM; short runs prefer the second block, which hides each
-// block's start (batch 64 x 4k keys: 1% slower with one, 8k: even). With
-// 128 threads, shared memory is what bounds the blocks per SM, so such a
-// block asks for just over half of the SM's. Smaller grids already run one
-// block per SM (choose_kv_splits sizes them so); paged caches keep two.
+// blocks per SM. Short runs prefer the second block, which hides each
+// block's start, as long as two per SM hold the whole grid at once (batch
+// 32 x 4k keys: 1% slower with one on the H200); a grid that needs more
+// waves than that also streams best one block per SM (batch 64 x 4k keys:
+// 1.1% faster on the H100, 0.5% on the H200). With 128 threads, shared
+// memory is what bounds the blocks per SM, so such a block asks for just
+// over half of the SM's. Paged caches keep two (choose_kv_splits).
 int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, int cache_capacity,
-                              int num_splits) {
+                              int num_splits, int64_t grid_blocks) {
   const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n);
+  if (warps_n == 1 || paged) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int keys_per_block = cache_capacity / std::max(num_splits, 1);
   const bool long_runs = keys_per_block >= kLongRunKeyBlocks * splitkv_block_n(compiled_head_dim);
-  if (warps_n == 1 || paged || !long_runs) return tiles_smem;
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const bool one_wave_of_two = grid_blocks <= 2 * int64_t(props->multiProcessorCount);
+  if (!long_runs && one_wave_of_two) return tiles_smem;
   const int one_per_sm = int(props->sharedMemPerMultiprocessor) / 2 -
                          int(props->reservedSharedMemPerBlock) + 16;
   return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
@@ -716,11 +720,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
   params.splitkv_warps_n = warps_n;
-  params.num_splits = choose_kv_splits(num_splits, int64_t(shape.batch) * shape.nheads_k * num_m_blocks,
-                                       shape.cache_capacity, compiled, warps_n,
-                                       block_table.has_value());
-  params.splitkv_launch_smem = splitkv_launch_smem_bytes(
-      compiled, warps_n, block_table.has_value(), shape.cache_capacity, params.num_splits);
+  const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * num_m_blocks;
+  params.num_splits = choose_kv_splits(num_splits, blocks_without_split, shape.cache_capacity,
+                                       compiled, warps_n, block_table.has_value());
+  params.splitkv_launch_smem =
+      splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
+                                params.num_splits, blocks_without_split * params.num_splits);
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;
