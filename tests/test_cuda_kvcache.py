@@ -152,6 +152,20 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
 
 
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_grid_beyond_two_blocks_per_sm(num_splits):
+    # Short runs over a contiguous cache, but more (batch, kv head) blocks
+    # than two per SM hold at once: the op launches with shared memory for
+    # one block per SM here too (splitkv_launch_smem_bytes).
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = (2 * sm_count) // 8 + 1
+    capacity = 300
+    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
+                       head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
+    args["cache_seqlens"] = torch.randint(1, capacity, (batch,), dtype=torch.int32)
+    check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
+
+
 @pytest.mark.parametrize("profile", ["rising", "falling", "late_spike"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_row_max_moves_at_chosen_tiles(profile, num_splits):
