@@ -63,7 +63,7 @@ REGIMES = ["train", "decode", "memory"]
 ROW_KEYS = [
     "gpu", "torch", "cuda", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k",
     "batch", "nheads", "nheads_k", "mode", "provider", "ms", "tflops", "gbps",
-    "peak_mem_bytes", "error", "note",
+    "peak_mem_bytes", "error", "note", "ms_rounds",
 ]
 
 # Warnings that mean flex_attention ran eagerly instead of as a compiled kernel.
@@ -835,6 +835,9 @@ class Run:
             self.meta["note"] = "CPU stand-in of the GPU protocol: numbers are meaningless"
         elif device.type == "cpu":
             self.meta["note"] = "no GPU found: these are CPU numbers"
+        # Rounds per decode case (see run_decode): 3 on a GPU, 1 on the CPU.
+        self.decode_rounds = args.decode_rounds or (3 if device.type == "cuda" and not args.cpu_standin else 1)
+        self.meta["decode_rounds"] = self.decode_rounds
         self.rows: list = []
         self.copy_gbps: Optional[float] = None
         self.broken: Optional[str] = None  # set once the CUDA context is unusable
@@ -904,8 +907,9 @@ class Run:
         self.broken = f"CUDA context lost after: {first_line(exc, 200)}"
         print(f"!! {self.broken}; the remaining cases are recorded as skipped", flush=True)
 
-    def run_provider(self, regime, shape, provider, modes, build, label, extra=None):
-        """Build one provider's inputs once, then measure each mode; never raises."""
+    def run_provider(self, regime, shape, provider, modes, build, label, extra=None, record=True):
+        """Build one provider's inputs once, then measure each mode; never raises.
+        Returns the rows by mode; record=False leaves recording them to the caller."""
         rows = {mode: self.base_row(regime, shape, mode, provider) for mode in modes}
         for row in rows.values():
             row.update(extra or {})
@@ -945,19 +949,25 @@ class Run:
                 except Exception as exc:
                     row["error"] = f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
                     self.check_context(exc)
-            self.record(row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}")
+            if record:
+                self.record(row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}")
         del prepared
         release_memory(self.device)
+        return rows
 
     def fill(self, row: dict, ms: float, peak, note, prepared: Prepared) -> None:
-        row["ms"] = ms
         row["peak_mem_bytes"] = peak
-        flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
-                                row["headdim"], row["causal"], row["mode"])
-        row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         row["note"] = join_notes(prepared.note, note)
         for key, value in prepared.extra.items():
             row[key] = value
+        self.set_time(row, ms)
+
+    def set_time(self, row: dict, ms: float) -> None:
+        """The time and what follows from it (throughput, bandwidth)."""
+        row["ms"] = ms
+        flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
+                                row["headdim"], row["causal"], row["mode"])
+        row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         if row["regime"] == "decode" and ms > 0:
             elem = DTYPES[row["dtype"]].itemsize
             kv_bytes = 2.0 * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
@@ -1048,13 +1058,35 @@ class Run:
             self.copy_gbps = measure_copy_bandwidth(self.device, self.timer)
             if self.copy_gbps:
                 print(f"device copy bandwidth (read + write): {self.copy_gbps:.0f} GB/s", flush=True)
+        rounds = self.decode_rounds
         for shape, cases in self.decode_cases():
             label = f"decode sq={shape.seqlen_q} sk={shape.seqlen_k} b={shape.batch}"
-            for provider, page_size in cases:
-                self.run_provider(
-                    "decode", shape, provider, ["fwd"],
-                    lambda p=provider, ps=page_size: build_decode(p, shape, ps, self.device),
-                    label, extra={"page_size": page_size})
+            # Decode cells of different providers are within a few percent of
+            # each other, about as far apart as one provider's time is from
+            # one process or position in the run to the next. So every case of
+            # a shape is measured in `rounds` rounds, each round in the order
+            # of the previous one rotated by one case, and a case reports the
+            # median of its rounds: no provider is always measured first or
+            # right after another's memory traffic.
+            per_case = [[] for _ in cases]
+            for r in range(rounds):
+                for i in [(r + j) % len(cases) for j in range(len(cases))]:
+                    provider, page_size = cases[i]
+                    rows = self.run_provider(
+                        "decode", shape, provider, ["fwd"],
+                        lambda p=provider, ps=page_size: build_decode(p, shape, ps, self.device),
+                        label, extra={"page_size": page_size}, record=False)
+                    per_case[i].append(rows["fwd"])
+            for case_rows in per_case:
+                row = case_rows[0]
+                times = [r["ms"] for r in case_rows]
+                if rounds > 1 and not any(r["error"] for r in case_rows) and None not in times:
+                    self.set_time(row, statistics.median(times))
+                    row["ms_rounds"] = times
+                elif rounds > 1:
+                    row["error"] = row["error"] or next(r["error"] for r in case_rows if r["error"])
+                    row["ms"] = None
+                self.record(row, f"{label} {provider_label(row)}")
             self.write_json()
 
     def run_memory(self) -> None:
@@ -1259,6 +1291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-seqlens-q", default=None, help="comma list (default 1,4)")
     p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
+    p.add_argument("--decode-rounds", type=int, default=None,
+                   help="rounds per decode case, in rotated order; a case reports their median "
+                        "(default 3 on a GPU, 1 on the CPU)")
     p.add_argument("--memory-seqlens", default=None, help="comma list (default 1024..65536)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement")
@@ -1318,6 +1353,8 @@ def select(args) -> tuple:
         grid.decode_seqlens_k = parse_list(args.decode_seqlens_k, int)
     if args.decode_batches:
         grid.decode_batches = parse_list(args.decode_batches, int)
+    if args.decode_rounds is not None and args.decode_rounds < 1:
+        raise SystemExit(f"--decode-rounds must be at least 1, got {args.decode_rounds}")
     if args.decode_paged:
         grid.decode_page_sizes = [16, 256]
     if args.memory_seqlens:
