@@ -1069,8 +1069,8 @@ class Run:
             # median of its rounds: no provider is always measured first or
             # right after another's memory traffic.
             per_case = [[] for _ in cases]
-            for r in range(rounds):
-                for i in [(r + j) % len(cases) for j in range(len(cases))]:
+            for round_index in range(rounds):
+                for i in [(round_index + j) % len(cases) for j in range(len(cases))]:
                     provider, page_size = cases[i]
                     rows = self.run_provider(
                         "decode", shape, provider, ["fwd"],
@@ -1080,12 +1080,16 @@ class Run:
             for case_rows in per_case:
                 row = case_rows[0]
                 times = [r["ms"] for r in case_rows]
-                if rounds > 1 and not any(r["error"] for r in case_rows) and None not in times:
+                errors = [r["error"] for r in case_rows if r["error"]]
+                if rounds > 1 and not errors and None not in times:
                     self.set_time(row, statistics.median(times))
                     row["ms_rounds"] = times
                 elif rounds > 1:
-                    row["error"] = row["error"] or next(r["error"] for r in case_rows if r["error"])
-                    row["ms"] = None
+                    # A case that failed in any round reports the failure, not
+                    # the rounds that happened to pass.
+                    row["error"] = errors[0] if errors else "no time measured"
+                    for key in ("ms", "tflops", "gbps", "pct_of_copy_bw"):
+                        row[key] = None
                 self.record(row, f"{label} {provider_label(row)}")
             self.write_json()
 
