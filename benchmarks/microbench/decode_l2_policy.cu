@@ -10,26 +10,8 @@
 // cache, 64-key tiles, three cp.async stages, no math (as decode_read_pattern).
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_l2_policy.cu -o dl2
 //   ./dl2 [batch ...] (default 16 64)
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
+#include "decode_stream.cuh"
 
-#include <cuda_runtime.h>
-
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e = (x);                                                              \
-    if (e != cudaSuccess) {                                                           \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-constexpr int kHeadDim = 128;
-constexpr int kRowBytes = kHeadDim * 2;
-constexpr int kThreads = 128;
 constexpr int kRows = 64;
 constexpr int kStages = 3;
 
@@ -37,7 +19,7 @@ enum Hint { kNone, kPrefetch256, kEvictFirst, kEvictFirstPrefetch256, kNumHints 
 const char* const kHintNames[] = {"no hint", "L2::256B", "evict_first", "evict_first+256B"};
 
 template <int kHint>
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint64_t policy) {
+__device__ __forceinline__ void cp_async_16_hinted(void* dst, const void* src, uint64_t policy) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   if constexpr (kHint == kNone) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
@@ -50,11 +32,6 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint64_t
     asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n" ::"r"(d),
                  "l"(src), "l"(policy));
   }
-}
-__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 template <int kHint>
@@ -77,25 +54,11 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
       const int r = c / (kRowBytes / 16);
       const int64_t key = int64_t(tile) * kRows + r;
       const int64_t offset = ((int64_t(batch) * seqlen_k + key) * nheads_k + head) * kRowBytes;
-      cp_async_16<kHint>(sk + c * 16, k + offset + p * 16, policy);
-      cp_async_16<kHint>(sv + c * 16, v + offset + p * 16, policy);
+      cp_async_16_hinted<kHint>(sk + c * 16, k + offset + p * 16, policy);
+      cp_async_16_hinted<kHint>(sv + c * 16, v + offset + p * 16, policy);
     }
   };
-  float acc = 0.f;
-  for (int t = 0; t < kStages; ++t) {
-    if (t < num_tiles) load(t, t);
-    cp_async_fence();
-  }
-  int stage = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    acc += reinterpret_cast<const float*>(smem + (2 * stage) * kTileBytes)[threadIdx.x];
-    __syncthreads();
-    if (t + kStages < num_tiles) load(t + kStages, stage);
-    cp_async_fence();
-    stage = stage == kStages - 1 ? 0 : stage + 1;
-  }
+  const float acc = stream_tiles_cp_async<kStages>(smem, kTileBytes, num_tiles, load);
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
@@ -123,28 +86,17 @@ int main(int argc, char** argv) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
   const int nheads_k = 8;
-  std::vector<int> batches;
-  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
-  if (batches.empty()) batches = {16, 64};
+  const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  char *k, *v;
-  float* sink;
-  CHECK(cudaMalloc(&k, max_bytes));
-  CHECK(cudaMalloc(&v, max_bytes));
-  CHECK(cudaMalloc(&sink, 1 << 20));
-  CHECK(cudaMemset(k, 1, max_bytes));
-  CHECK(cudaMemset(v, 1, max_bytes));
-  constexpr int64_t kFlushBytes = 256 << 20;
-  char* flush;
-  CHECK(cudaMalloc(&flush, kFlushBytes));
-  CHECK(cudaMemset(flush, 0, kFlushBytes));
+  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
+  char* const k = buffers.k;
+  char* const v = buffers.v;
+  float* const sink = buffers.sink;
+  char* const flush = buffers.flush;
   std::printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
   const char* const flush_names[] = {"write 256 MB", "read 256 MB", "none"};
 
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   for (int round = 0; round < 2; ++round)
   for (int batch : batches)
   for (int seqlen_k : {4096, 8192, 16384, 131072}) {
@@ -155,25 +107,14 @@ int main(int argc, char** argv) {
       auto launch = [&] {
         kernels[hint]<<<batch * nheads_k, kThreads, smem>>>(k, v, seqlen_k, nheads_k, sink);
       };
-      launch();
-      CHECK(cudaGetLastError());
-      std::vector<float> times;
-      for (int rep = 0; rep < 21; ++rep) {
+      auto flush_l2 = [&](int rep) {
         if (flush_mode == 0) CHECK(cudaMemsetAsync(flush, rep, kFlushBytes));
         if (flush_mode == 1) {
           read_buffer<<<4 * sms, 512>>>(reinterpret_cast<const int4*>(flush), kFlushBytes / 16,
                                         sink);
         }
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        times.push_back(ms);
-      }
-      std::sort(times.begin(), times.end());
-      const float median = times[times.size() / 2];
+      };
+      const float median = median_ms(21, flush_l2, launch);
       std::printf("b %2d sk %6d  flush %-12s %-17s %8.1f us  %.3f TB/s\n", batch, seqlen_k,
                   flush_names[flush_mode], kHintNames[hint], median * 1e3,
                   bytes / (median * 1e-3) / 1e12);

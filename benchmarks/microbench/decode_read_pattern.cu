@@ -10,36 +10,7 @@
 // split so that the grid still covers every SM)?
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_read_pattern.cu -o drp
 //   ./drp [batch ...] (default 64; prints one line per pattern and shape)
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
-
-#include <cuda_runtime.h>
-
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e = (x);                                                              \
-    if (e != cudaSuccess) {                                                           \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-constexpr int kHeadDim = 128;
-constexpr int kRowBytes = kHeadDim * 2;
-constexpr int kThreads = 128;
-
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+#include "decode_stream.cuh"
 
 // heads_per_block neighbouring kv heads, rows_per_head keys of each per tile,
 // kStages tiles in flight; the keys split into blockIdx.y's ranges.
@@ -79,21 +50,7 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
     }
   };
 
-  float acc = 0.f;
-  for (int t = 0; t < kStages; ++t) {
-    if (t < num_tiles) load(t, t);
-    cp_async_fence();
-  }
-  int stage = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    acc += reinterpret_cast<const float*>(smem + (2 * stage) * tile_bytes)[threadIdx.x];
-    __syncthreads();
-    if (t + kStages < num_tiles) load(t + kStages, stage);
-    cp_async_fence();
-    stage = stage == kStages - 1 ? 0 : stage + 1;
-  }
+  const float acc = stream_tiles_cp_async<kStages>(smem, tile_bytes, num_tiles, load);
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
@@ -107,20 +64,14 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(stream_kv<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin));
   const int nheads_k = 8;
-  std::vector<int> batches;
-  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
-  if (batches.empty()) batches.push_back(64);
+  const std::vector<int> batches = batches_from_args(argc, argv, {64});
   constexpr int64_t kMaxKeys = 64 * 32768;  // batch x seqlen_k of the largest cache
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  char *k, *v;
-  float* sink;
-  CHECK(cudaMalloc(&k, max_bytes));
-  CHECK(cudaMalloc(&v, max_bytes));
-  CHECK(cudaMalloc(&sink, 1 << 20));
-  CHECK(cudaMemset(k, 0, max_bytes));
-  CHECK(cudaMemset(v, 0, max_bytes));
-  char* flush;
-  CHECK(cudaMalloc(&flush, 256 << 20));
+  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
+  char* const k = buffers.k;
+  char* const v = buffers.v;
+  float* const sink = buffers.sink;
+  char* const flush = buffers.flush;
 
   // Device copy bandwidth (read + write bytes), for scale.
   {
@@ -161,9 +112,6 @@ int main(int argc, char** argv) {
       {"bhsd 1 head x64 rows s3 2/SM", 1, 64, 3, true, false, 1},
   };
   const int seqlens[] = {4096, 16384, 32768, 131072};
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   for (int round = 0; round < 2; ++round)
   for (int batch : batches)
   for (int seqlen_k : seqlens) {
@@ -190,21 +138,8 @@ int main(int argc, char** argv) {
                                                           p.head_major, sink);
         }
       };
-      launch();
-      CHECK(cudaGetLastError());
-      std::vector<float> times;
-      for (int rep = 0; rep < 15; ++rep) {
-        CHECK(cudaMemsetAsync(flush, rep, 256 << 20));
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        times.push_back(ms);
-      }
-      std::sort(times.begin(), times.end());
-      const float median = times[times.size() / 2];
+      const float median = median_ms(
+          15, [&](int rep) { CHECK(cudaMemsetAsync(flush, rep, kFlushBytes)); }, launch);
       std::printf("b %2d sk %6d  %-40s %4d blocks %8.1f us  %.3f TB/s\n", batch, seqlen_k,
                   p.name, items * splits, median * 1e3, bytes / (median * 1e-3) / 1e12);
     }

@@ -1,67 +1,25 @@
 // How the decode stream is issued, and how fast each way reads a KV cache.
-// (1) Walk order: the split-KV kernel walks its key tiles from the last to the
-// first (so that a causal diagonal tile comes first); does a descending walk
-// stream as fast as an ascending one? (2) Does the Hopper bulk-copy engine
-// stream faster than per-thread cp.async: (2a) cp.async.bulk of whole key
-// rows, (2b) TMA tensor copies of whole tiles? The split-KV kernel moves each K/V tile as 16-byte
-// cp.async chunks, 16 per key row per tensor, all issued by the block's 128
-// threads. cp.async.bulk moves a whole 256-byte key row (one kv head, d128
-// bf16) per instruction and signals an mbarrier with the bytes that landed,
-// so a tile of 64 rows is 128 instructions instead of 2048. No math (as
+// The split-KV kernel moves each K/V tile as 16-byte cp.async chunks, 16 per
+// key row per tensor, K and V chunk by chunk, issued by all 128 threads of a
+// block, and walks the key tiles from the last to the first (so that a causal
+// diagonal tile comes first). Variants, each a pure stream with no math (as
 // decode_read_pattern.cu): one block per (batch, kv head) over flash-attn's
-// (b, s, hk, d) cache, one block per SM, `stages` tiles in flight.
+// (b, s, hk, d) cache, one block per SM, `x N` = N tiles in flight:
+//   - walk order: ascending against descending;
+//   - issue order: a thread's K chunks of a tile before its V chunks;
+//   - tile shape and depth: 64 or 128 keys, 2-4 stages;
+//   - cp.async.bulk: a whole 256-byte key row per instruction, completing on
+//     an mbarrier (a 64-key tile is 128 instructions instead of 2048);
+//   - TMA: one tensor copy per K or V tile, issued by one thread, with and
+//     without the 128-byte swizzle an ldmatrix reader needs, and with each
+//     L2 promotion;
+//   - the head-major (b, hk, s, d) cache SDPA is given, for cp.async and TMA.
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a decode_stream_variants.cu -o dsv
 //   ./dsv [batch ...] (default 16 64)
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
-
 #include <cuda.h>
-#include <cuda_runtime.h>
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e = (x);                                                              \
-    if (e != cudaSuccess) {                                                           \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "decode_stream.cuh"
 
-constexpr int kHeadDim = 128;
-constexpr int kRowBytes = kHeadDim * 2;
-constexpr int kThreads = 128;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes));
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity));
-}
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
                                           uint64_t* bar) {
   asm volatile(
@@ -107,21 +65,7 @@ __global__ void stream_cp_async(const char* k, const char* v, int seqlen_k, int 
       }
     }
   };
-  float acc = 0.f;
-  for (int t = 0; t < kStages; ++t) {
-    if (t < num_tiles) load(t, t);
-    cp_async_fence();
-  }
-  int stage = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    acc += reinterpret_cast<const float*>(smem + (2 * stage) * kTileBytes)[threadIdx.x];
-    __syncthreads();
-    if (t + kStages < num_tiles) load(t + kStages, stage);
-    cp_async_fence();
-    stage = stage == kStages - 1 ? 0 : stage + 1;
-  }
+  const float acc = stream_tiles_cp_async<kStages>(smem, kTileBytes, num_tiles, load);
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
@@ -136,11 +80,7 @@ __global__ void stream_bulk(const char* k, const char* v, int seqlen_k, int nhea
   const int batch = blockIdx.x / nheads_k;
   const int head = blockIdx.x % nheads_k;
   const int num_tiles = seqlen_k / kRows;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers<kStages>(full);
   auto load = [&](int tile, int stage) {
     if (threadIdx.x >= kIssuers) return;
     if (threadIdx.x == 0) mbar_expect_tx(&full[stage], 2 * kTileBytes);
@@ -154,20 +94,7 @@ __global__ void stream_bulk(const char* k, const char* v, int seqlen_k, int nhea
       bulk_copy(sv + r * kRowBytes, v + offset, kRowBytes, &full[stage]);
     }
   };
-  float acc = 0.f;
-  for (int t = 0; t < kStages && t < num_tiles; ++t) load(t, t);
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    mbar_wait(&full[stage], phase);
-    acc += reinterpret_cast<const float*>(smem + (2 * stage) * kTileBytes)[threadIdx.x];
-    __syncthreads();
-    if (t + kStages < num_tiles) load(t + kStages, stage);
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
+  const float acc = stream_tiles_mbarrier<kStages>(smem, kTileBytes, num_tiles, full, load);
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
@@ -188,11 +115,7 @@ __global__ void stream_tma(const __grid_constant__ CUtensorMap k_map,
   const int batch = blockIdx.x / nheads_k;
   const int head = blockIdx.x % nheads_k;
   const int num_tiles = seqlen_k / kRows;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers<kStages>(full);
   auto copy = [&](const CUtensorMap* map, char* dst, int key0, uint64_t* bar) {
     const uint64_t desc = reinterpret_cast<uint64_t>(map);
     if constexpr (kMap == 0) {
@@ -224,20 +147,7 @@ __global__ void stream_tma(const __grid_constant__ CUtensorMap k_map,
     copy(&k_map, sk, tile * kRows, &full[stage]);
     copy(&v_map, sk + kTileBytes, tile * kRows, &full[stage]);
   };
-  float acc = 0.f;
-  for (int t = 0; t < kStages && t < num_tiles; ++t) load(t, t);
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    mbar_wait(&full[stage], phase);
-    acc += reinterpret_cast<const float*>(smem + (2 * stage) * kTileBytes)[threadIdx.x];
-    __syncthreads();
-    if (t + kStages < num_tiles) load(t + kStages, stage);
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
+  const float acc = stream_tiles_mbarrier<kStages>(smem, kTileBytes, num_tiles, full, load);
   if (acc == 12345.f) sink[blockIdx.x] = acc;
 }
 
@@ -288,21 +198,14 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int nheads_k = 8;
-  std::vector<int> batches;
-  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
-  if (batches.empty()) batches = {16, 64};
+  const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  char *k, *v;
-  float* sink;
-  CHECK(cudaMalloc(&k, max_bytes));
-  CHECK(cudaMalloc(&v, max_bytes));
-  CHECK(cudaMalloc(&sink, 1 << 20));
-  CHECK(cudaMemset(k, 1, max_bytes));
-  CHECK(cudaMemset(v, 1, max_bytes));
-  constexpr int64_t kFlushBytes = 256 << 20;
-  char* flush;
-  CHECK(cudaMalloc(&flush, kFlushBytes));
+  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
+  char* const k = buffers.k;
+  char* const v = buffers.v;
+  float* const sink = buffers.sink;
+  char* const flush = buffers.flush;
 
   EncodeTiled encode = nullptr;
   cudaDriverEntryPointQueryResult query;
@@ -379,9 +282,6 @@ int main(int argc, char** argv) {
   }
   std::printf("%s, %d SMs; L2 flushed by a 256 MB write before each call, median of 21\n",
               prop.name, sms);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   for (int round = 0; round < 2; ++round)
   for (int batch : batches)
   for (int seqlen_k : {4096, 8192, 16384, 131072}) {
@@ -399,21 +299,8 @@ int main(int argc, char** argv) {
                                                                      seqlen_k, nheads_k, sink);
         }
       };
-      launch();
-      CHECK(cudaGetLastError());
-      std::vector<float> times;
-      for (int rep = 0; rep < 21; ++rep) {
-        CHECK(cudaMemsetAsync(flush, rep, kFlushBytes));
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        times.push_back(ms);
-      }
-      std::sort(times.begin(), times.end());
-      const float median = times[times.size() / 2];
+      const float median = median_ms(
+          21, [&](int rep) { CHECK(cudaMemsetAsync(flush, rep, kFlushBytes)); }, launch);
       std::printf("b %2d sk %6d  %-32s %8.1f us  %.3f TB/s\n", batch, seqlen_k, var.name,
                   median * 1e3, bytes / (median * 1e-3) / 1e12);
     }
