@@ -153,13 +153,13 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [0, 1])
-def test_grid_beyond_two_blocks_per_sm(num_splits):
-    # Short runs over a contiguous cache, but more (batch, kv head) blocks
-    # than two per SM hold at once: the op launches with shared memory for
-    # one block per SM here too (splitkv_launch_smem_bytes).
+@pytest.mark.parametrize("capacity", [300, 1100], ids=["few_tiles", "17_tiles"])
+def test_grid_beyond_two_blocks_per_sm(num_splits, capacity):
+    # More (batch, kv head) blocks over a contiguous cache than two per SM
+    # hold at once (splitkv_launch_smem_bytes): blocks of at least 16 key
+    # tiles are launched one per SM, blocks of fewer tiles two per SM.
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (2 * sm_count) // 8 + 1
-    capacity = 300
     args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
                        head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
     args["cache_seqlens"] = torch.randint(1, capacity, (batch,), dtype=torch.int32)

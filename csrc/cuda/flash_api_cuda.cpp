@@ -553,19 +553,27 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
 // block's start, as long as two per SM hold the whole grid at once (batch
 // 32 x 4k keys: 1% slower with one on the H200); a grid that needs more
 // waves than that also streams best one block per SM (batch 64 x 4k keys:
-// 1.1% faster on the H100, 0.5% on the H200). With 128 threads, shared
-// memory is what bounds the blocks per SM, so such a block asks for just
-// over half of the SM's. Paged caches keep two (choose_kv_splits).
+// 1.1% faster on the H100, 0.5% on the H200), unless its blocks run very few
+// key tiles: such a block spends most of its time in its fixed latency (Q,
+// the first tile, the merge and the stores), which a second block per SM
+// overlaps (batch 64-256 x 64-512 keys: 8-21% faster with two on the H200,
+// 7-17% on the H100; from 16 tiles on, two were level or up to 2% slower).
+// With 128 threads, shared memory is what bounds the blocks per SM, so a
+// block meant to run alone asks for just over half of the SM's. Paged caches
+// keep two (choose_kv_splits).
 int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, int cache_capacity,
                               int num_splits, int64_t grid_blocks) {
   const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n);
   if (warps_n == 1 || paged) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
-  const int keys_per_block = cache_capacity / std::max(num_splits, 1);
-  const bool long_runs = keys_per_block >= kLongRunKeyBlocks * splitkv_block_n(compiled_head_dim);
+  constexpr int kShortRunKeyBlocks = 16;
+  const int key_blocks_per_block =
+      cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+  const bool long_runs = key_blocks_per_block >= kLongRunKeyBlocks;
+  const bool short_runs = key_blocks_per_block < kShortRunKeyBlocks;
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const bool one_wave_of_two = grid_blocks <= 2 * int64_t(props->multiProcessorCount);
-  if (!long_runs && one_wave_of_two) return tiles_smem;
+  if (!long_runs && (one_wave_of_two || short_runs)) return tiles_smem;
   const int one_per_sm = int(props->sharedMemPerMultiprocessor) / 2 -
                          int(props->reservedSharedMemPerBlock) + 16;
   return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
