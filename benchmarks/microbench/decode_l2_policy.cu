@@ -8,7 +8,7 @@
 // lines brought in then tend to evict each other, not the dirty lines.
 // Stream: one block per (batch, kv head) over flash-attn's (b, s, hk, d)
 // cache, 64-key tiles, three cp.async stages, no math (as decode_read_pattern).
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_l2_policy.cu -o dl2
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90,code=sm_90 decode_l2_policy.cu -o dl2
 //   ./dl2 [batch ...] (default 16 64)
 #include "decode_stream.cuh"
 
@@ -89,11 +89,7 @@ int main(int argc, char** argv) {
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
-  char* const k = buffers.k;
-  char* const v = buffers.v;
-  float* const sink = buffers.sink;
-  char* const flush = buffers.flush;
+  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
   std::printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
   const char* const flush_names[] = {"write 256 MB", "read 256 MB", "none"};
 

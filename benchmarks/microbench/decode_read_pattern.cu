@@ -8,7 +8,7 @@
 // head-major cache, where one head's keys are contiguous? And a block that
 // reads all 8 kv heads of a key range (2 KB contiguous per key, the key range
 // split so that the grid still covers every SM)?
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 decode_read_pattern.cu -o drp
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90,code=sm_90 decode_read_pattern.cu -o drp
 //   ./drp [batch ...] (default 64; prints one line per pattern and shape)
 #include "decode_stream.cuh"
 
@@ -67,11 +67,7 @@ int main(int argc, char** argv) {
   const std::vector<int> batches = batches_from_args(argc, argv, {64});
   constexpr int64_t kMaxKeys = 64 * 32768;  // batch x seqlen_k of the largest cache
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
-  char* const k = buffers.k;
-  char* const v = buffers.v;
-  float* const sink = buffers.sink;
-  char* const flush = buffers.flush;
+  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
 
   // Device copy bandwidth (read + write bytes), for scale.
   {

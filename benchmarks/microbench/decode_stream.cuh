@@ -144,7 +144,8 @@ float median_ms(int reps, Before before, Launch launch) {
 // The device buffers of a run: the K and V caches (kv_bytes each, filled with
 // a constant: the stream does not look at the values), a sink for results the
 // kernels must not drop, and the buffer whose 256 MB write flushes L2 as
-// triton's do_bench does.
+// triton's do_bench does. (The benchmarks unpack it with a structured binding
+// that their lambdas capture: C++20.)
 constexpr int64_t kFlushBytes = 256 << 20;
 struct StreamBuffers {
   char* k;

@@ -14,7 +14,7 @@
 //     without the 128-byte swizzle an ldmatrix reader needs, and with each
 //     L2 promotion;
 //   - the head-major (b, hk, s, d) cache SDPA is given, for cp.async and TMA.
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a decode_stream_variants.cu -o dsv
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a decode_stream_variants.cu -o dsv
 //   ./dsv [batch ...] (default 16 64)
 #include <cuda.h>
 
@@ -201,11 +201,7 @@ int main(int argc, char** argv) {
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
   const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const StreamBuffers buffers = alloc_stream_buffers(max_bytes);
-  char* const k = buffers.k;
-  char* const v = buffers.v;
-  float* const sink = buffers.sink;
-  char* const flush = buffers.flush;
+  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
 
   EncodeTiled encode = nullptr;
   cudaDriverEntryPointQueryResult query;
