@@ -1,7 +1,8 @@
 // What the decode stream microbenchmarks (decode_read_pattern.cu,
-// decode_l2_policy.cu, decode_stream_variants.cu) share: the cache geometry,
-// the cp.async and mbarrier primitives, the two tile pipelines (cp.async
-// commit groups, and mbarriers for bulk / TMA copies), and the timing loop.
+// decode_l2_policy.cu, decode_stream_variants.cu, decode_cluster_lockstep.cu)
+// share: the cache geometry, the cp.async and mbarrier primitives, the two
+// tile pipelines (cp.async commit groups, and mbarriers for bulk / TMA
+// copies), and the timing loop.
 // The pipelines are the split-KV kernel's with the math left out: kStages K/V
 // tiles in flight, each stage refilled as soon as every thread has seen it,
 // and one value per tile touched so that nothing is optimised away.
@@ -71,9 +72,14 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full) {
 
 // cp.async pipeline: load(tile, stage) issues one tile's copies into a stage
 // (K at smem + 2 * stage * tile_bytes, V after it); one commit group per tile.
-template <int kStages, typename Load>
+// before_tile(tile), if given, runs before each tile is waited for.
+struct NoHook {
+  __device__ void operator()(int) const {}
+};
+template <int kStages, typename Load, typename BeforeTile = NoHook>
 __device__ __forceinline__ float stream_tiles_cp_async(const char* smem, int tile_bytes,
-                                                       int num_tiles, Load load) {
+                                                       int num_tiles, Load load,
+                                                       BeforeTile before_tile = {}) {
   float acc = 0.f;
   for (int t = 0; t < kStages; ++t) {
     if (t < num_tiles) load(t, t);
@@ -81,6 +87,7 @@ __device__ __forceinline__ float stream_tiles_cp_async(const char* smem, int til
   }
   int stage = 0;
   for (int t = 0; t < num_tiles; ++t) {
+    before_tile(t);
     cp_async_wait<kStages - 1>();
     __syncthreads();
     acc += reinterpret_cast<const float*>(smem + (2 * stage) * tile_bytes)[threadIdx.x];
