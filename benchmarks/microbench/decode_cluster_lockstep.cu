@@ -56,11 +56,9 @@ __global__ void stream_cluster(const char* k, const char* v, int seqlen_k, int n
 }
 
 int main(int argc, char** argv) {
-  int sms = 0, smem_per_sm = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = device_properties();
+  const int sms = prop.multiProcessorCount;
+  const int smem_per_sm = int(prop.sharedMemPerMultiprocessor);
   const int nheads_k = 8;
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
@@ -98,18 +96,25 @@ int main(int argc, char** argv) {
   };
   std::printf("%s, %d SMs; L2 flushed by a 256 MB write before each call, median of 21\n",
               prop.name, sms);
-  for (int cluster : {2, 4, 8}) {
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attribute{};
+  // A launch of grid_x blocks in clusters of `cluster` along x (1: no
+  // cluster); `attribute` must outlive the config.
+  auto launch_config = [&](int grid_x, int cluster, cudaLaunchAttribute& attribute) {
+    attribute = {};
     attribute.id = cudaLaunchAttributeClusterDimension;
     attribute.val.clusterDim.x = cluster;
     attribute.val.clusterDim.y = 1;
     attribute.val.clusterDim.z = 1;
-    config.gridDim = dim3(16 * nheads_k);
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(grid_x);
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = launch_smem;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    config.attrs = cluster > 1 ? &attribute : nullptr;
+    config.numAttrs = cluster > 1 ? 1 : 0;
+    return config;
+  };
+  for (int cluster : {2, 4, 8}) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = launch_config(16 * nheads_k, cluster, attribute);
     int clusters = 0;
     CHECK(cudaOccupancyMaxActiveClusters(&clusters, stream_cluster<kStages, false>, &config));
     std::printf("cluster %d: at most %d clusters resident (%d blocks)\n", cluster, clusters,
@@ -122,17 +127,8 @@ int main(int argc, char** argv) {
     const double bytes = 2.0 * batch * seqlen_k * nheads_k * kRowBytes;
     for (const Variant& var : variants) {
       auto launch = [&] {
-        cudaLaunchAttribute attribute{};
-        attribute.id = cudaLaunchAttributeClusterDimension;
-        attribute.val.clusterDim.x = var.cluster;
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = 1;
-        cudaLaunchConfig_t config{};
-        config.gridDim = dim3(batch * nheads_k);
-        config.blockDim = dim3(kThreads);
-        config.dynamicSmemBytes = launch_smem;
-        config.attrs = var.cluster > 1 ? &attribute : nullptr;
-        config.numAttrs = var.cluster > 1 ? 1 : 0;
+        cudaLaunchAttribute attribute;
+        const cudaLaunchConfig_t config = launch_config(batch * nheads_k, var.cluster, attribute);
         auto kernel = var.head_major ? stream_cluster<kStages, true> : stream_cluster<kStages, false>;
         CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const char*>(k),
                                  static_cast<const char*>(v), seqlen_k, nheads_k, var.sync, sink));

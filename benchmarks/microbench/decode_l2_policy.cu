@@ -74,10 +74,8 @@ __global__ void read_buffer(const int4* buf, int64_t n, float* sink) {
 }
 
 int main(int argc, char** argv) {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = device_properties();
+  const int sms = prop.multiProcessorCount;
   const int smem = 2 * kStages * kRows * kRowBytes;
   void (*kernels[kNumHints])(const char*, const char*, int, int, float*) = {
       stream_kv<kNone>, stream_kv<kPrefetch256>, stream_kv<kEvictFirst>,

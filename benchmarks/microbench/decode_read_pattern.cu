@@ -55,10 +55,10 @@ __global__ void stream_kv(const char* k, const char* v, int seqlen_k, int nheads
 }
 
 int main(int argc, char** argv) {
-  int sms = 0, smem_optin = 0, smem_per_sm = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+  const cudaDeviceProp prop = device_properties();
+  const int sms = prop.multiProcessorCount;
+  const int smem_optin = int(prop.sharedMemPerBlockOptin);
+  const int smem_per_sm = int(prop.sharedMemPerMultiprocessor);
   CHECK(cudaFuncSetAttribute(stream_kv<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin));
   CHECK(cudaFuncSetAttribute(stream_kv<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -172,6 +172,14 @@ inline StreamBuffers alloc_stream_buffers(int64_t kv_bytes) {
   return buffers;
 }
 
+// Device 0, whose SM count and shared memory sizes the benchmarks size their
+// grids and launches by.
+inline cudaDeviceProp device_properties() {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  return prop;
+}
+
 // The batch sizes named on the command line, or `fallback`.
 inline std::vector<int> batches_from_args(int argc, char** argv, std::vector<int> fallback) {
   std::vector<int> batches;

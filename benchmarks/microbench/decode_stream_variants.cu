@@ -192,11 +192,9 @@ CUtensorMap make_map(EncodeTiled encode, void* base, int64_t rows, int map, int 
 }
 
 int main(int argc, char** argv) {
-  int sms = 0, smem_per_sm = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = device_properties();
+  const int sms = prop.multiProcessorCount;
+  const int smem_per_sm = int(prop.sharedMemPerMultiprocessor);
   const int nheads_k = 8;
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
   constexpr int64_t kMaxKeys = 16 * 131072;
