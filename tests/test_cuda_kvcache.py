@@ -166,6 +166,21 @@ def test_grid_beyond_two_blocks_per_sm(num_splits, capacity):
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("batch, nheads_k", [(3, 2), (2, 8), (3, 1), (5, 3)],
+                         ids=["clusters_6", "clusters_16", "odd_3", "odd_15"])
+def test_cluster_launch(batch, nheads_k, num_splits):
+    # On sm90 the decode variant over a contiguous cache is launched in
+    # clusters of 2 blocks along (batch, kv head) when batch * nheads_k is
+    # even, and without clusters when it is odd (splitkv_cluster_x); both
+    # must give the same results. Before sm90 there are no clusters.
+    capacity = 700
+    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=4 * nheads_k,
+                       nheads_k=nheads_k, head_dim=128, dtype=torch.bfloat16, seqlen_new=1)
+    args["cache_seqlens"] = torch.randint(1, capacity - 1, (batch,), dtype=torch.int32)
+    check_all(args, run_cuda(args, num_splits=num_splits), 1, None)
+
+
 @pytest.mark.parametrize("profile", ["rising", "falling", "late_spike"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_row_max_moves_at_chosen_tiles(profile, num_splits):

@@ -36,36 +36,63 @@ __forceinline__ __device__ void allow_dependent_grid_launch() {
 #endif
 }
 
-// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), first letting
-// the kernel opt in to more than the default 48 KB of dynamic shared memory
-// when smem_bytes needs it.
-template <typename... KernelArgs, typename... Args>
-void launch_with_dynamic_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
-                              int smem_bytes, cudaStream_t stream, Args&&... args) {
+// Lets `kernel` take smem_bytes of dynamic shared memory where that is more
+// than the default 48 KB.
+template <typename... KernelArgs>
+void allow_dynamic_smem(void (*kernel)(KernelArgs...), int smem_bytes) {
   if (smem_bytes >= 48 * 1024) {
     FA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   }
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...).
+template <typename... KernelArgs, typename... Args>
+void launch_with_dynamic_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                              int smem_bytes, cudaStream_t stream, Args&&... args) {
+  allow_dynamic_smem(kernel, smem_bytes);
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   FA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...), allowing it
-// to overlap the preceding kernel when `programmatic` (the device is sm90+).
+// How launch_ex launches (both need sm90 or newer):
+//   programmatic: the kernel may overlap the preceding kernel in the stream
+//                 (it must call wait_for_preceding_grid before reading that
+//                 kernel's results);
+//   cluster_x:    blocks grouped into clusters of cluster_x along grid x
+//                 (grid.x a multiple of it), which run at the same time on
+//                 one GPC; 1: no clusters.
+struct LaunchOptions {
+  bool programmatic = false;
+  int cluster_x = 1;
+};
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...) with `options`.
 template <typename... KernelArgs, typename... Args>
-void launch_maybe_programmatic(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
-                               size_t smem_bytes, cudaStream_t stream, bool programmatic,
-                               Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+void launch_ex(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes,
+               cudaStream_t stream, LaunchOptions options, Args&&... args) {
+  allow_dynamic_smem(kernel, smem_bytes);
+  cudaLaunchAttribute attributes[2] = {};
+  unsigned num_attributes = 0;
+  if (options.programmatic) {
+    cudaLaunchAttribute& attribute = attributes[num_attributes++];
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (options.cluster_x > 1) {
+    cudaLaunchAttribute& attribute = attributes[num_attributes++];
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = options.cluster_x;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  config.attrs = programmatic ? &attribute : nullptr;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.attrs = num_attributes > 0 ? attributes : nullptr;
+  config.numAttrs = num_attributes;
   FA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

@@ -579,6 +579,25 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
   return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
 }
 
+// Thread blocks per cluster for the split-KV kernel, along grid x: the
+// blocks of neighbouring kv heads of one batch entry, which on flash-attn's
+// (b, s, hk, d) cache read neighbouring 256-byte pieces of each key's span.
+// Launched as clusters of 2, such pairs run at the same time on one GPC, and
+// the decode variant over a contiguous cache runs faster so; the kernel uses
+// nothing else of the cluster, and we have not pinned down why the placement
+// helps. A/B in alternating processes (GQA 32:8 d128 bf16, 3 rounds): H100
+// b16 x 4k-128k 0.4-1.2% faster, b4 x 64k 0.5%, b64 0-0.3%; H200 b16 x
+// 16k-128k 0.3-0.6% faster on one machine, b16 x 128k 0.4% slower on another,
+// the other cells level (results/*/decode_cluster_ab.txt). Clusters of 4 or 8
+// leave only 120 of 132 SMs usable at one block per SM (two waves at batch
+// 16). Paged caches, which launch two blocks per SM, were not measured with
+// clusters and keep none.
+int splitkv_cluster_x(int warps_n, bool paged, int64_t grid_x) {
+  constexpr int kCluster = 2;
+  const bool clusters_exist = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  return clusters_exist && warps_n > 1 && !paged && grid_x % kCluster == 0 ? kCluster : 1;
+}
+
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return {0, 0, 0};
   return {t->stride(0), t->stride(1), t->stride(2)};
@@ -734,6 +753,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.splitkv_launch_smem =
       splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
                                 params.num_splits, blocks_without_split * params.num_splits);
+  params.splitkv_cluster_x =
+      splitkv_cluster_x(warps_n, block_table.has_value(), int64_t(shape.batch) * shape.nheads_k);
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;

@@ -49,7 +49,9 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
                 "host code sizes the grid from splitkv_smem_bytes");
   const int smem_bytes = params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
                                                                 : kSmemSize;
-  launch_with_dynamic_smem(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, params);
+  LaunchOptions options;
+  options.cluster_x = params.splitkv_cluster_x;
+  launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);
 }
 
 // The host picked the variant (params.splitkv_warps_n, splitkv_warps_n_for)
@@ -71,9 +73,10 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
       throw std::runtime_error(
           "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
     }
-    launch_maybe_programmatic(&splitkv_combine_kernel<Element, kHeadDim>,
-                              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream,
-                              params.programmatic_combine, params);
+    LaunchOptions options;
+    options.programmatic = params.programmatic_combine;
+    launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
+              dim3(kCombineThreads), 0, stream, options, params);
   }
 }
 

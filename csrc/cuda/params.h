@@ -111,6 +111,9 @@ struct KvcacheParams : FwdParams {
   // Dynamic shared memory to launch the split-KV kernel with: at least what
   // its tiles need, more to keep a second block off the SM.
   int splitkv_launch_smem;
+  // sm90+: thread blocks per cluster along grid x (neighbouring kv heads of a
+  // batch entry, which share each key's span of the cache); 1: no cluster.
+  int splitkv_cluster_x;
   float* out_accum_ptr;
   float* lse_accum_ptr;
   bool programmatic_combine;  // sm90+: combine launched as a dependent grid
