@@ -586,12 +586,12 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // the decode variant over a contiguous cache runs faster so; the kernel uses
 // nothing else of the cluster, and we have not pinned down why the placement
 // helps. A/B in alternating processes (GQA 32:8 d128 bf16, 3 rounds): H100
-// b16 x 4k-128k 0.4-1.2% faster, b4 x 64k 0.5%, b64 0-0.3%; H200 b16 x
+// b16 x 4k-128k 0.4-1.5% faster, b4 x 64k 0.45%, b64 0.1-0.2%; H200 b16 x
 // 16k-128k 0.3-0.6% faster on one machine, b16 x 128k 0.4% slower on another,
-// the other cells level (results/*/decode_cluster_ab.txt). Clusters of 4 or 8
-// leave only 120 of 132 SMs usable at one block per SM (two waves at batch
-// 16). Paged caches, which launch two blocks per SM, were not measured with
-// clusters and keep none.
+// the other cells level (benchmarks/results/NVIDIA_H100 and NVIDIA_H200,
+// decode_cluster_ab.txt). Clusters of 4 or 8 leave only 120 of 132 SMs
+// usable at one block per SM (two waves at batch 16). Paged caches, which
+// launch two blocks per SM, were not measured with clusters and keep none.
 int splitkv_cluster_x(int warps_n, bool paged, int64_t grid_x) {
   constexpr int kCluster = 2;
   const bool clusters_exist = at::cuda::getCurrentDeviceProperties()->major >= 9;
