@@ -83,11 +83,9 @@ int main(int argc, char** argv) {
   for (auto kernel : kernels) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
-  const int nheads_k = 8;
+  const int nheads_k = kNheadsK;
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
-  constexpr int64_t kMaxKeys = 16 * 131072;
-  const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
+  const auto [k, v, sink, flush] = alloc_stream_buffers(kCacheBytes);
   std::printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
   const char* const flush_names[] = {"write 256 MB", "read 256 MB", "none"};
 

@@ -63,25 +63,23 @@ int main(int argc, char** argv) {
                              smem_optin));
   CHECK(cudaFuncSetAttribute(stream_kv<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin));
-  const int nheads_k = 8;
+  const int nheads_k = kNheadsK;
   const std::vector<int> batches = batches_from_args(argc, argv, {64});
-  constexpr int64_t kMaxKeys = 64 * 32768;  // batch x seqlen_k of the largest cache
-  const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
+  const auto [k, v, sink, flush] = alloc_stream_buffers(kCacheBytes);
 
   // Device copy bandwidth (read + write bytes), for scale.
   {
     cudaEvent_t a, b;
     CHECK(cudaEventCreate(&a));
     CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) CHECK(cudaMemcpy(v, k, max_bytes, cudaMemcpyDeviceToDevice));
+    for (int i = 0; i < 3; ++i) CHECK(cudaMemcpy(v, k, kCacheBytes, cudaMemcpyDeviceToDevice));
     CHECK(cudaEventRecord(a));
-    for (int i = 0; i < 10; ++i) CHECK(cudaMemcpy(v, k, max_bytes, cudaMemcpyDeviceToDevice));
+    for (int i = 0; i < 10; ++i) CHECK(cudaMemcpy(v, k, kCacheBytes, cudaMemcpyDeviceToDevice));
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms;
     CHECK(cudaEventElapsedTime(&ms, a, b));
-    std::printf("copy  %.3f TB/s (read + write)\n", 2.0 * max_bytes * 10 / (ms * 1e-3) / 1e12);
+    std::printf("copy  %.3f TB/s (read + write)\n", 2.0 * kCacheBytes * 10 / (ms * 1e-3) / 1e12);
   }
 
   struct Pattern {

@@ -29,6 +29,11 @@
 constexpr int kHeadDim = 128;
 constexpr int kRowBytes = kHeadDim * 2;
 constexpr int kThreads = 128;
+// The benchmarks' caches: 8 kv heads (GQA 32:8), batch x seqlen_k up to 16 x
+// 128k keys; kCacheBytes is one of K or V.
+constexpr int kNheadsK = 8;
+constexpr int64_t kMaxKeys = 16 * 131072;
+constexpr int64_t kCacheBytes = kMaxKeys * kNheadsK * kRowBytes;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

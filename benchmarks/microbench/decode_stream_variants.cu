@@ -195,11 +195,9 @@ int main(int argc, char** argv) {
   const cudaDeviceProp prop = device_properties();
   const int sms = prop.multiProcessorCount;
   const int smem_per_sm = int(prop.sharedMemPerMultiprocessor);
-  const int nheads_k = 8;
+  const int nheads_k = kNheadsK;
   const std::vector<int> batches = batches_from_args(argc, argv, {16, 64});
-  constexpr int64_t kMaxKeys = 16 * 131072;
-  const int64_t max_bytes = kMaxKeys * nheads_k * kRowBytes;
-  const auto [k, v, sink, flush] = alloc_stream_buffers(max_bytes);
+  const auto [k, v, sink, flush] = alloc_stream_buffers(kCacheBytes);
 
   EncodeTiled encode = nullptr;
   cudaDriverEntryPointQueryResult query;
