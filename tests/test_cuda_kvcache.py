@@ -155,15 +155,73 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
 @pytest.mark.parametrize("num_splits", [0, 1])
 @pytest.mark.parametrize("capacity", [300, 1100], ids=["few_tiles", "17_tiles"])
 def test_grid_beyond_two_blocks_per_sm(num_splits, capacity):
-    # More (batch, kv head) blocks over a contiguous cache than two per SM
-    # hold at once (splitkv_launch_smem_bytes): blocks of at least 16 key
-    # tiles are launched one per SM, blocks of fewer tiles two per SM.
+    # More (batch, kv head) items over a contiguous cache than two blocks per
+    # SM hold at once: items of fewer than 16 key tiles run two blocks per SM
+    # (splitkv_launch_smem_bytes), items of 16-63 tiles the persistent grid,
+    # one block per SM (splitkv_grid_blocks).
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (2 * sm_count) // 8 + 1
     args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
                        head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
     args["cache_seqlens"] = torch.randint(1, capacity, (batch,), dtype=torch.int32)
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
+
+
+PERSISTENT_CASES = {  # head_dim, options
+    "d64": (64, {}),
+    "d96": (96, {}),
+    "d128": (128, {}),
+    "d256": (256, {}),
+    "append_rotary_causal": (128, dict(seqlen_new=2, rotary="interleaved", causal=True)),
+    "local_seqlen_q4": (128, dict(seqlen_q=4, window=(40, 0))),
+    # softcap / ALiBi keep a block per item: the same big grid on that path.
+    "softcap_alibi_block_per_item": (128, dict(softcap=4.0, alibi=True)),
+    "leftpad_batch_idx": (128, dict(leftpad=True, batch_idx=True)),
+}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+def test_persistent_grid(case, num_splits):
+    # More work items (batch x kv head x split) over a contiguous cache than
+    # two blocks per SM hold, each of 16-63 key tiles of the capacity: one
+    # block per SM runs
+    # every SM-count-th item (splitkv_grid_blocks), the copies of an
+    # item's first tiles in flight while the previous item is finished
+    # (flash_fwd_splitkv_kernel.h). The lengths mix items without keys, items
+    # of one tile (fewer than the stages in flight, so the copy stream runs
+    # several items ahead) and items of many tiles; with a window or several
+    # splits, items without keys also sit between items with keys.
+    head_dim, options = PERSISTENT_CASES[case]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    # Key tiles per item at d96/d128 (64 keys): 50, or 16 with 3 splits; d64
+    # (128 keys) runs persistent with one split, d256 (32 keys) with three.
+    nheads_k, capacity = 4, 3200
+    batch = 2 * sm_count // nheads_k + 5
+    seqlen_new = options.get("seqlen_new", 0)
+    rotary = options.get("rotary")
+    batch_cache = batch + 3 if options.get("batch_idx") else None
+    cache_batch_idx = (torch.randperm(batch_cache)[:batch].to(torch.int32)
+                       if options.get("batch_idx") else None)
+    args = make_inputs(batch=batch, seqlen_q=options.get("seqlen_q", 1), capacity=capacity,
+                       nheads=4 * nheads_k, nheads_k=nheads_k, head_dim=head_dim,
+                       dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary,
+                       batch_cache=batch_cache, cache_batch_idx=cache_batch_idx,
+                       causal=options.get("causal", False),
+                       window=options.get("window", (-1, -1)))
+    room = max(seqlen_new, args["q"].shape[1] if rotary else 0)
+    lengths = torch.randint(0, capacity - room + 1, (batch,), dtype=torch.int32)
+    lengths[:6] = torch.tensor([0, 1, 2, 0, capacity - room, 63], dtype=torch.int32)
+    lengths[7::5] = torch.randint(0, 3, lengths[7::5].shape, dtype=torch.int32)
+    args["cache_seqlens"] = lengths
+    if options.get("leftpad"):
+        args["cache_leftpad"] = (lengths * torch.rand(batch)).to(torch.int32)
+    if options.get("softcap"):
+        args["softcap"] = options["softcap"]
+    if options.get("alibi"):
+        args["alibi_slopes"] = torch.rand(batch, 4 * nheads_k) * 0.5
+    args["num_splits"] = num_splits
+    check_all(args, run_cuda(args), seqlen_new, rotary)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

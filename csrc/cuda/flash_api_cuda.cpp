@@ -545,6 +545,11 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   return 1;
 }
 
+// Key tiles per block below which the decode variant over a contiguous cache
+// runs two blocks per SM, whatever the grid (splitkv_launch_smem_bytes,
+// splitkv_grid_blocks).
+constexpr int kShortRunKeyBlocks = 16;
+
 // Shared memory to launch the split-KV kernel with. The decode variant over
 // a contiguous cache streams best one block per SM once each block has a
 // long run of keys: on the H200 (bf16, d128, GQA 32:8) batch 64 ran 1.2-1.5%
@@ -566,7 +571,6 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
   const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n);
   if (warps_n == 1 || paged) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
-  constexpr int kShortRunKeyBlocks = 16;
   const int key_blocks_per_block =
       cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
   const bool long_runs = key_blocks_per_block >= kLongRunKeyBlocks;
@@ -577,6 +581,43 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
   const int one_per_sm = int(props->sharedMemPerMultiprocessor) / 2 -
                          int(props->reservedSharedMemPerBlock) + 16;
   return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
+}
+
+// Thread blocks to launch the split-KV kernel with. The decode variant over a
+// contiguous cache runs one block per SM when two blocks per SM cannot hold
+// all its work items at once and each item streams kShortRunKeyBlocks to
+// kShortItemKeyBlocks - 1 key tiles (1k-4k keys at d128), the grids that
+// otherwise run one block per SM of one item each (splitkv_launch_smem_bytes):
+// each block streams the K/V tiles of several items back to back, the next
+// item's first tiles in flight while the current one is finished
+// (flash_fwd_splitkv_kernel.h), instead of every item waiting out the start
+// of a block of its own. GQA 32:8 d128 bf16, against one block per item:
+// b64 x 1k keys 2.2% faster on the H100, 4-5% on the H200; b128 x 1k 1.5% /
+// 4.3%. Left to one block per item: shorter items, which run two blocks per
+// SM (b128 x 256 / 512 keys ran 10% / 8% slower persistent on the H200: two
+// blocks per SM overlap each other's merge and stores, one block's items
+// wait for its own); items of 4k keys and more (b64 x 4k: 0.3% slower on the
+// H100, 0.7% faster on the H200; b64 x 32k 1% slower on the H200, where the
+// hardware, handing out blocks as SMs free up, balances the SMs better than
+// a fixed share of items each); grids that two blocks per SM hold at once
+// (b32 x 4k ran 2% slower persistent on the H200, with half the copies in
+// flight per SM). benchmarks/results/NVIDIA_H100 and NVIDIA_H200,
+// decode_persistent_ab.txt. Paged caches run two blocks per SM
+// (choose_kv_splits); softcap / ALiBi, the 64-row variant, or a device whose
+// blocks cannot hold the persistent block's shared memory keep one block per
+// item (the persistent kernel is compiled for the plain decode path only).
+int64_t splitkv_grid_blocks(int compiled_head_dim, int warps_n, bool paged, bool score_extras,
+                            int cache_capacity, int num_splits, int64_t num_items) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t sms = props->multiProcessorCount;
+  constexpr int kShortItemKeyBlocks = 64;
+  const int key_blocks_per_item =
+      cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+  const bool persistent =
+      warps_n > 1 && !paged && !score_extras && num_items > 2 * sms &&
+      key_blocks_per_item >= kShortRunKeyBlocks && key_blocks_per_item < kShortItemKeyBlocks &&
+      splitkv_smem_bytes(compiled_head_dim, warps_n, true) <= int(props->sharedMemPerBlockOptin);
+  return persistent ? sms : num_items;
 }
 
 // Thread blocks per cluster for the split-KV kernel, along grid x: the
@@ -592,10 +633,14 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // decode_cluster_ab.txt). Clusters of 4 or 8 leave only 120 of 132 SMs
 // usable at one block per SM (two waves at batch 16). Paged caches, which
 // launch two blocks per SM, were not measured with clusters and keep none.
-int splitkv_cluster_x(int warps_n, bool paged, int64_t grid_x) {
+// A persistent grid (splitkv_grid_blocks) keeps none: its blocks run items
+// of a stride apart.
+int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persistent) {
   constexpr int kCluster = 2;
   const bool clusters_exist = at::cuda::getCurrentDeviceProperties()->major >= 9;
-  return clusters_exist && warps_n > 1 && !paged && grid_x % kCluster == 0 ? kCluster : 1;
+  return clusters_exist && warps_n > 1 && !paged && !persistent && batch_heads % kCluster == 0
+             ? kCluster
+             : 1;
 }
 
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
@@ -753,8 +798,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.splitkv_launch_smem =
       splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
                                 params.num_splits, blocks_without_split * params.num_splits);
-  params.splitkv_cluster_x =
-      splitkv_cluster_x(warps_n, block_table.has_value(), int64_t(shape.batch) * shape.nheads_k);
+  const int64_t num_items = blocks_without_split * params.num_splits;
+  TORCH_CHECK(num_items <= std::numeric_limits<int>::max(),
+              "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", num_items,
+              " exceeds 2^31 - 1 thread blocks");
+  const bool score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const int64_t grid_blocks =
+      splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
+                          shape.cache_capacity, params.num_splits, num_items);
+  params.splitkv_grid_blocks = static_cast<int>(grid_blocks);
+  params.splitkv_cluster_x = splitkv_cluster_x(warps_n, block_table.has_value(),
+                                               int64_t(shape.batch) * shape.nheads_k,
+                                               grid_blocks < num_items);
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;

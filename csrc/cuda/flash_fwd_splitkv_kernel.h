@@ -1,10 +1,18 @@
-// The split-KV (flash-decoding) forward kernel of fwd_kvcache. One thread
-// block per (batch, kv head, query block, split): the query rows of all query
-// heads that share the kv head are packed into the M dimension of the tile
-// (packed row r = query i * group + g), so each K/V tile read from the cache
-// serves the whole group. Split s walks its share of the key blocks and writes
-// either the final output (one split) or an fp32 partial output and its lse,
-// merged afterwards by splitkv_combine_kernel.
+// The split-KV (flash-decoding) forward kernel of fwd_kvcache. Its work items
+// are (batch, kv head, query block, split) (splitkv_work_item.h): the query
+// rows of all query heads that share the kv head are packed into the M
+// dimension of the tile (packed row r = query i * group + g), so each K/V tile
+// read from the cache serves the whole group. Split s walks its share of the
+// key blocks and writes either the final output (one split) or an fp32
+// partial output and its lse, merged afterwards by splitkv_combine_kernel.
+//
+// A thread block runs item blockIdx.x, then every gridDim.x-th item after it.
+// Launched with one block per item, that is one item. Launched persistently
+// (fewer blocks than items, one per SM) a block streams the K/V tiles of its
+// items back to back: the copies of the next item's first tiles are in
+// flight while the current item's last tiles are computed and its output is
+// merged and stored, so no SM waits out a block's start (Q, the first tile's
+// latency) once per item.
 //
 // Differences from flash_fwd_kernel.h: per-batch key counts (cache_seqlens,
 // leftpad), K/V rows addressed one by one (a paged cache maps each row through
@@ -27,6 +35,7 @@
 #include "score_mods.h"
 #include "softmax.h"
 #include "splitkv_tile_config.h"
+#include "splitkv_work_item.h"
 #include "tile_ops.h"
 
 namespace flash {
@@ -66,35 +75,16 @@ __forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoor
   }
 }
 
-// Packed row r of a (batch, kv head) block: query r / group of the group's
-// query head r % group.
-struct PackedRow {
-  int query;
-  int head_in_group;
-};
-
-__forceinline__ __device__ PackedRow unpack_row(int row, int group) {
-  const int query = row / group;
-  return {query, row - query * group};
-}
-
-// Where one batch entry's keys are: key j is cache position leftpad + j, which
-// lives in row `in_page` of cache entry `page` (the batch entry itself for a
-// contiguous cache, a block-table entry for a paged one). K and V share it.
-struct CacheRows {
-  const int* block_table_row;  // null: contiguous cache
-  int entry;                   // contiguous: the cache entry of this batch element
-  int leftpad;
-  IntDivisor page_size;
-};
-
 // Which caches a kernel instance serves. The decode variant's plain kernel
 // is compiled once per layout, so that each streams its tiles with only its
 // own address arithmetic (decode spends its issue slots on the copies); the
 // other instances take either, chosen per call.
 enum class CacheLayout { kContiguous, kPaged, kEither };
 
-template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout>
+// kSeveralItems: compiled for the persistent grid (a block may run several
+// items); without it the block runs item blockIdx.x alone, and the grid must
+// have a block per item.
+template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout, bool kSeveralItems>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_splitkv_kernel(const KvcacheParams params) {
   using Element = typename Traits::Element;
@@ -103,6 +93,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kWarpsN = Traits::kWarpsN;
   constexpr int kSlabN = Traits::kSlabN;
+  constexpr int kStages = Traits::kStages;
 
   // The combine kernel (if any) may be scheduled as soon as every block of
   // this grid runs: it waits for this grid's results itself, and its launch
@@ -110,10 +101,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   allow_dependent_grid_launch();
 
   extern __shared__ char smem[];
-  const int batch = blockIdx.x / params.nheads_k;
-  const int head_kv = blockIdx.x % params.nheads_k;
-  const int m_block = blockIdx.y;
-  const int split = blockIdx.z;
   const int tidx = threadIdx.x;
   const int lane = tidx % 32;
   const int warp_n = (tidx / 32) % kWarpsN;  // which slab of keys of each tile
@@ -121,51 +108,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int group = params.nheads / params.nheads_k;
   const int seqlen_q = params.seqlen_q;
-  const int rows_total = seqlen_q * group;
-  const int row_begin = m_block * kBlockM;
-  if (row_begin >= rows_total) return;
-  const int rows_left = rows_total - row_begin;
-  const int row_end = row_begin + (rows_left < kBlockM ? rows_left : kBlockM);
+  const int num_m_blocks = (seqlen_q * group + kBlockM - 1) / kBlockM;
+  const int num_items = params.batch * params.nheads_k * num_m_blocks * params.num_splits;
+  // The item a block runs after `item` (or `item` itself past the last one,
+  // whose inputs are then loaded again, never used).
+  auto next_item = [&](int item) {
+    return num_items - item > int(gridDim.x) ? item + int(gridDim.x) : item;
+  };
+  auto item_at = [&](int item, const SplitKvItemInputs& inputs) {
+    return splitkv_item<kBlockM, kBlockN>(params, item, num_m_blocks, inputs);
+  };
 
-  const int cache_end =
-      params.cache_seqlens ? params.cache_seqlens[batch] + params.seqlen_new : params.seqlen_k;
-  const int leftpad = params.cache_leftpad ? params.cache_leftpad[batch] : 0;
-  const int seqlen_k = cache_end - leftpad;
-  const CacheRows cache{
-      params.block_table ? params.block_table + batch * params.block_table_batch_stride : nullptr,
-      params.cache_batch_idx ? params.cache_batch_idx[batch] : batch, leftpad,
-      params.page_size};
+  const Element* const q_ptr = static_cast<const Element*>(params.q_ptr);
+  const Element* const k_ptr = static_cast<const Element*>(params.k_ptr);
+  const Element* const v_ptr = static_cast<const Element*>(params.v_ptr);
 
-  // Key blocks: this split's share of the batch entry's blocks, cut to the
-  // ones some row of this query block can see. Split s gets key blocks
-  // [s * n / splits, (s + 1) * n / splits): shares differ by at most one
-  // block, and any split count is honoured as given.
-  const int query_first = row_begin / group;
-  const int query_last = (row_end - 1) / group;
-  const KeyRange key_range = visible_key_range(query_first, query_last + 1, seqlen_q, seqlen_k,
-                                               params.window_left, params.window_right);
-  const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-  const int split_begin = int(int64_t(split) * num_n_blocks / params.num_splits);
-  const int split_end = int(int64_t(split + 1) * num_n_blocks / params.num_splits);
-  const int n_block_min = max(key_range.begin / kBlockN, split_begin);
-  const int n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
-
-  const Element* q_base = static_cast<const Element*>(params.q_ptr) +
-                          batch * params.q.batch_stride +
-                          int64_t(head_kv) * group * params.q.head_stride;
-  const Element* k_base =
-      static_cast<const Element*>(params.k_ptr) + int64_t(head_kv) * params.k.head_stride;
-  const Element* v_base =
-      static_cast<const Element*>(params.v_ptr) + int64_t(head_kv) * params.v.head_stride;
-
-  // Shared memory: Q, then Traits::kStages (K tile, V tile) stages, so that the
-  // copies of the next tiles run while the current one is computed. Decode
+  // Shared memory: Traits::kStages (K tile, V tile) stages, so that the
+  // copies of the next tiles run while the current one is computed (decode
   // does little math per byte; the kernel lives on the bytes it keeps in
-  // flight.
+  // flight), then the Q slots, then (several items) the merge's own bytes
+  // (splitkv_tile_config.h).
   constexpr int kTileElems = cosize_v<typename Traits::SmemLayoutKV>;
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
-                          typename Traits::SmemLayoutQ{});
-  Element* const kv_smem = sQ.data().get() + cosize_v<typename Traits::SmemLayoutQ>;
+  constexpr int kQElems = cosize_v<typename Traits::SmemLayoutQ>;
+  static_assert(kTileElems == Traits::kSmemSizeKV / 2 / int(sizeof(Element)) &&
+                kQElems == Traits::kSmemSizeQ / int(sizeof(Element)));
+  Element* const kv_smem = reinterpret_cast<Element*>(smem);
+  Element* const q_smem = kv_smem + 2 * kStages * kTileElems;
+  constexpr int q_slots = splitkv_q_slots(kWarpsN, kSeveralItems);
+  auto next_q_slot = [&](int slot) { return slot + 1 == q_slots ? 0 : slot + 1; };
+  auto slot_q = [&](int slot) {
+    return make_tensor(make_smem_ptr(q_smem + slot * kQElems), typename Traits::SmemLayoutQ{});
+  };
   auto stage_k = [&](int stage) {
     return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems),
                        typename Traits::SmemLayoutKV{});
@@ -174,7 +147,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
                        typename Traits::SmemLayoutKV{});
   };
-  // This warp's slab of a stage's K tile (keys) and V tile (seen transposed).
+  // This warp's slab of a stage's K tile (keys) and V tile (seen transposed),
+  // and its 16 rows of a Q slot.
   auto slab_k = [&](int stage) {
     return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems +
                                      warp_n * Traits::kKVSlabElems),
@@ -185,12 +159,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                      warp_n * Traits::kKVSlabElems),
                        typename Traits::SmemLayoutVtSlab{});
   };
-  Tensor sQslab = make_tensor(make_smem_ptr(sQ.data().get() + warp_m * Traits::kQSlabElems),
-                              typename Traits::SmemLayoutQSlab{});
+  auto slab_q = [&](int slot) {
+    return make_tensor(
+        make_smem_ptr(q_smem + slot * kQElems + warp_m * Traits::kQSlabElems),
+        typename Traits::SmemLayoutQSlab{});
+  };
 
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
-  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
   Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
@@ -198,10 +174,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kCopyRows = decltype(size<1>(tKVcKV))::value;
   constexpr int kCopyCols = decltype(size<2>(tKVcKV))::value;
 
-  auto q_row = [&](int tile_row) {
-    const PackedRow packed = unpack_row(row_begin + tile_row, group);
-    return q_base + int64_t(packed.query) * params.q.row_stride +
-           int64_t(packed.head_in_group) * params.q.head_stride;
+  auto load_q = [&](const SplitKvItem& it, int slot) {
+    const Element* q_base = q_ptr + it.batch * params.q.batch_stride +
+                            int64_t(it.head_kv) * group * params.q.head_stride;
+    auto q_row = [&](int tile_row) {
+      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
+      return q_base + int64_t(packed.query) * params.q.row_stride +
+             int64_t(packed.head_in_group) * params.q.head_stride;
+    };
+    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(slot_q(slot));
+    copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
   };
 
   // Paged cache: location of this thread's K/V copy rows of the tile being
@@ -210,23 +192,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // stale when row m shares row m - 1's page, and the rows are resolved when
   // the copies are issued, a tile later: no instruction waits on a table read
   // in between (a copy of the loaded value from row to row would).
-  const bool paged = kLayout == CacheLayout::kPaged ||
-                     (kLayout == CacheLayout::kEither && cache.block_table_row != nullptr);
   int row_page[kCopyRows];
   int row_in_page[kCopyRows];
   bool row_shares_page[kCopyRows];
-  auto locate_tile = [&](int n_block) {
-    if (!paged) return;
+  auto is_paged = [&](const SplitKvItem& it) {
+    return kLayout == CacheLayout::kPaged ||
+           (kLayout == CacheLayout::kEither && it.cache.block_table_row != nullptr);
+  };
+  auto locate_tile = [&](const SplitKvItem& it, int n_block) {
+    if (!is_paged(it)) return;
     const int key0 = n_block * kBlockN;
     int previous_index = -1;
     CUTE_UNROLL
     for (int m = 0; m < kCopyRows; ++m) {
       const int key = key0 + get<0>(tKVcKV(0, m, 0));
       int page_index;
-      cache.page_size.divmod(cache.leftpad + key, page_index, row_in_page[m]);
+      it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] = key < seqlen_k ? cache.block_table_row[page_index] : 0;
+        row_page[m] = key < it.seqlen_k ? it.cache.block_table_row[page_index] : 0;
       }
       previous_index = page_index;
     }
@@ -235,16 +219,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // apart, so one address per tile and a fixed step locate them all.
   constexpr int kCopyRowStep = Traits::kNThreads / Traits::FwdTraits::kGmemThreadsPerRow;
   static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
-  const Element* const k_entry = k_base + int64_t(cache.entry) * params.k.batch_stride;
-  const Element* const v_entry = v_base + int64_t(cache.entry) * params.v.batch_stride;
   const int64_t k_row_step = int64_t(kCopyRowStep) * params.k.row_stride;
   const int64_t v_row_step = int64_t(kCopyRowStep) * params.v.row_stride;
   // K and V of one tile into one stage. Rows past the keys and columns past
   // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
-  auto load_tile = [&](int n_block, int stage) {
+  auto load_tile = [&](const SplitKvItem& it, int n_block, int stage) {
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(stage_k(stage));
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(stage_v(stage));
-    const int rows_in_tile = seqlen_k - n_block * kBlockN;
+    const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
+    const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
+    const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
     auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
       const bool row_ok = get<0>(tKVcKV(0, m, 0)) < rows_in_tile;
       CUTE_UNROLL
@@ -255,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, ok);
       }
     };
-    if (paged) {
+    if (is_paged(it)) {
       int64_t page = 0;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
@@ -265,9 +249,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
       }
     } else {
-      const int64_t first_pos = cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
-      const Element* k_row = k_entry + first_pos * params.k.row_stride;
-      const Element* v_row = v_entry + first_pos * params.v.row_stride;
+      const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
+      const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
+                             first_pos * params.k.row_stride;
+      const Element* v_row = v_base + int64_t(it.cache.entry) * params.v.batch_stride +
+                             first_pos * params.v.row_stride;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
         copy_row(m, k_row, v_row);
@@ -277,19 +263,72 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
+  // The stream of copies: the key tiles of this block's items, item after
+  // item, each from its last key block down (so that the block on a causal
+  // diagonal comes first), an item's Q with its first tile. Items without
+  // keys are skipped: they only write their empty output. Tile t of the
+  // stream lives in stage t % kStages and is commit group t; every step
+  // commits one group, empty or not, so "all but the newest kStages - 1
+  // groups done" always means "the tile about to be computed is here".
+  // With several items, the inputs of the stream's next item are loaded one
+  // item ahead.
+  const SplitKvItem first_item = item_at(blockIdx.x, splitkv_item_inputs(params, blockIdx.x));
+  SplitKvItem load_item_work = first_item;
+  int load_item = blockIdx.x;
+  int load_n_block = first_item.n_block_max - 1;
+  int load_q_slot = first_item.has_keys() ? 0 : q_slots - 1;
+  SplitKvItemInputs load_next_inputs{};
+  if constexpr (kSeveralItems) {
+    load_next_inputs = splitkv_item_inputs(params, next_item(load_item));
+  }
+  // To the next item with keys, or past the last item.
+  auto advance_load_item = [&] {
+    if constexpr (kSeveralItems) {
+      do {
+        load_item += gridDim.x;
+        if (load_item >= num_items) return;
+        load_item_work = item_at(load_item, load_next_inputs);
+        load_next_inputs = splitkv_item_inputs(params, next_item(load_item));
+      } while (!load_item_work.has_keys());
+      load_n_block = load_item_work.n_block_max - 1;
+      load_q_slot = next_q_slot(load_q_slot);
+      locate_tile(load_item_work, load_n_block);
+    } else {
+      load_item = num_items;
+    }
+  };
+  auto load_next_tile = [&](int stage) {
+    if (load_item < num_items) {
+      if (load_n_block == load_item_work.n_block_max - 1) load_q(load_item_work, load_q_slot);
+      load_tile(load_item_work, load_n_block, stage);
+      if (--load_n_block >= load_item_work.n_block_min) {
+        locate_tile(load_item_work, load_n_block);
+      } else {
+        advance_load_item();
+      }
+    }
+    cute::cp_async_fence();
+  };
+
+  if (first_item.has_keys()) {
+    locate_tile(first_item, load_n_block);
+  } else {
+    advance_load_item();
+  }
+  CUTE_UNROLL
+  for (int stage = 0; stage < kStages; ++stage) load_next_tile(stage);
+
   // Each warp multiplies its 16 query rows by its slab of keys on its own.
   typename Traits::WarpMma warp_mma;
   auto thr_mma = warp_mma.get_thread_slice(lane);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQslab);
+  Tensor tSrQ = thr_mma.partition_fragment_A(slab_q(0));
   Tensor tSrK = thr_mma.partition_fragment_B(slab_k(0));
   Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(
       make_smem_ptr(kv_smem), typename Traits::SmemLayoutVtSlabNoSwizzle{}));
   Tensor acc_o = partition_fragment_C(warp_mma, Shape<_16, Int<kHeadDim>>{});
-  clear(acc_o);
 
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma);
   auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(lane);
-  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQslab);
   auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, warp_mma);
   auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(lane);
   auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, warp_mma);
@@ -308,54 +347,71 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   static_assert(kNRows == 2, "a thread holds two rows of the warp's 16");
   const int warp_row0 = 16 * warp_m;
   const int warp_col0 = kSlabN * warp_n;
-  // Decode packs only seqlen_q x group rows (often 4-8): a warp whose rows are
-  // all padding skips the MMAs and their shared-memory reads. No barrier sits
-  // inside the skipped part, and its rows are never written out.
-  const bool warp_has_rows = warp_row0 < rows_left;
 
-  // Per-row query index and (ALiBi) slope: packed rows of one tile belong to
-  // different query heads.
-  int row_query[kNRows];
-  float row_slope[kNRows];
+  // The merge of the warps that share rows (one per key slab), through
+  // shared memory: each warp's (row max, row sum) goes to row_stats, its
+  // output rows, already weighted by its share of the merged softmax, to
+  // o_parts; then every thread sums the parts of a few output chunks and
+  // stores them with wide, coalesced writes. A block of one item merges in
+  // the tiles' bytes, a block of several in bytes of its own.
+  constexpr int kPartStride = splitkv_merge_row_floats(kHeadDim);
+  static_assert(splitkv_merge_bytes(kHeadDim, kWarpsN) <=
+                    Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
+                "a block of one item merges in its tiles' shared memory");
+  float* const o_parts = reinterpret_cast<float*>(
+      kSeveralItems ? smem + splitkv_smem_bytes(kHeadDim, kWarpsN, true) -
+                          splitkv_merge_bytes(kHeadDim, kWarpsN)
+                    : smem);
+  float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
+
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
-  CUTE_UNROLL
-  for (int mi = 0; mi < kNRows; ++mi) {
-    const int row = row_begin + warp_row0 + get<0>(tScS_rowcol(mi, 0));
-    const PackedRow packed = unpack_row(row, group);
-    row_query[mi] = packed.query;
-    row_slope[mi] = has_alibi && row < rows_total
-                        ? params.alibi_slopes[batch * params.alibi_batch_stride +
-                                              head_kv * group + packed.head_in_group]
-                        : 0.f;
-  }
   const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
+  // A row that saw no key in this block's range gets output 0 and lse +inf
+  // (final) or -inf (a partial result that must weigh nothing in the merge).
+  const bool final_output = params.num_splits == 1;
+  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
 
-  OnlineSoftmax<kNRows> softmax;
-
-  if (n_block_max > n_block_min) {
-    // Key blocks run high to low so that the block on a causal diagonal comes
-    // first. Tile t of this split (t = 0 for n_block_max - 1) lives in stage
-    // t % kStages and is commit group t (group 0 also holds Q); every
-    // iteration commits one group, empty or not, so "all but the newest
-    // kStages - 1 groups done" always means "this iteration's tile is here".
-    // A stage is refilled right after its tile's math: kStages tiles are in
-    // flight while a block waits, kStages - 1 while it computes.
-    constexpr int kStages = Traits::kStages;
-    copy_rows_async(tQsQ, tQcQ, rows_left, params.head_dim, q_base, q_row);
-    CUTE_UNROLL
-    for (int t = 0; t < kStages; ++t) {
-      if (n_block_max - 1 - t >= n_block_min) {
-        locate_tile(n_block_max - 1 - t);
-        load_tile(n_block_max - 1 - t, t);
+  int stage = 0;
+  int q_slot = q_slots - 1;
+  SplitKvItemInputs next_inputs{};
+  if constexpr (kSeveralItems) next_inputs = splitkv_item_inputs(params, next_item(blockIdx.x));
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    SplitKvItem it = first_item;
+    if constexpr (kSeveralItems) {
+      if (item != int(blockIdx.x)) {
+        it = item_at(item, next_inputs);
+        next_inputs = splitkv_item_inputs(params, next_item(item));  // in flight while `it` runs
       }
-      cute::cp_async_fence();
     }
-    if (n_block_max - 1 - kStages >= n_block_min) locate_tile(n_block_max - 1 - kStages);
+    const int seqlen_k = it.seqlen_k;
+    // Decode packs only seqlen_q x group rows (often 4-8): a warp whose rows
+    // are all padding skips the MMAs and their shared-memory reads. No
+    // barrier sits inside the skipped part, and its rows are never written.
+    const bool warp_has_rows = warp_row0 < it.rows_left;
 
-    int stage = 0;
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    // Per-row query index and (ALiBi) slope: packed rows of one tile belong
+    // to different query heads.
+    int row_query[kNRows];
+    float row_slope[kNRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const int row = it.row_begin + warp_row0 + get<0>(tScS_rowcol(mi, 0));
+      const PackedRow packed = unpack_row(row, group);
+      row_query[mi] = packed.query;
+      row_slope[mi] = has_alibi && row < it.row_begin + it.rows_left
+                          ? params.alibi_slopes[it.batch * params.alibi_batch_stride +
+                                                it.head_kv * group + packed.head_in_group]
+                          : 0.f;
+    }
+
+    OnlineSoftmax<kNRows> softmax;
+    clear(acc_o);
+    if (it.has_keys()) q_slot = next_q_slot(q_slot);
+    Tensor tSsQ = smem_thr_copy_Q.partition_S(slab_q(q_slot));
+
+    for (int n_block = it.n_block_max - 1; n_block >= it.n_block_min; --n_block) {
       cute::cp_async_wait<kStages - 1>();
       __syncthreads();
 
@@ -382,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
           }
         }
-        if (!key_tile_fully_visible(query_first, query_last + 1, n_block * kBlockN,
+        if (!key_tile_fully_visible(it.query_first, it.query_last + 1, n_block * kBlockN,
                                     (n_block + 1) * kBlockN, seqlen_q, seqlen_k,
                                     params.window_left, params.window_right)) {
           CUTE_UNROLL
@@ -410,124 +466,110 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Every warp is done with this stage before it is refilled.
       __syncthreads();
-      if (n_block - kStages >= n_block_min) load_tile(n_block - kStages, stage);
-      cute::cp_async_fence();
-      if (n_block - 1 - kStages >= n_block_min) locate_tile(n_block - 1 - kStages);
+      load_next_tile(stage);
       stage = stage == kStages - 1 ? 0 : stage + 1;
     }
-  }
 
-  // Merge the warps that share rows (one per key slab), through shared
-  // memory, which the tiles no longer need: each warp's (row max, row sum)
-  // goes to row_stats, its output rows, already weighted by its share of the
-  // merged softmax, to o_parts; then every thread sums the parts of a few
-  // output chunks and stores them with wide, coalesced writes.
-  // o_parts rows are padded by 8 floats so that the float2 writes of the 8
-  // rows of a warp's accumulator land on distinct banks.
-  constexpr int kPartStride = kHeadDim + 8;
-  float* const o_parts = reinterpret_cast<float*>(smem);
-  float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
-  static_assert((kWarpsN * kBlockM * kPartStride + 2 * kWarpsN * kBlockM) * 4 <=
-                    Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
-                "the merge fits in the tiles' shared memory");
-  cute::cp_async_wait<0>();
-  __syncthreads();
-
-  float row_sum[kNRows];
-  CUTE_UNROLL
-  for (int mi = 0; mi < kNRows; ++mi) {
-    row_sum[mi] = quad_allreduce_sum(softmax.row_sum[mi]);
-    if (warp_has_rows && lane % 4 == 0) {
-      const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
-      row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum[mi]);
-    }
-  }
-  __syncthreads();
-
-  // A row that saw no key in this block's range gets output 0 and lse +inf
-  // (final) or -inf (a partial result that must weigh nothing in the merge).
-  const bool final_output = params.num_splits == 1;
-  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
-  auto lse_index_of = [&](int tile_row) {
-    const PackedRow packed = unpack_row(row_begin + tile_row, group);
-    const int head = head_kv * group + packed.head_in_group;
-    return (int64_t(batch) * params.nheads + head) * seqlen_q + packed.query;
-  };
-  if (warp_has_rows) {
+    // The merge. A block of one item reuses the tiles' bytes, which every
+    // warp is done with after the loop's last barrier; a block of several
+    // waits here until every warp is done with the previous item's merge.
+    __syncthreads();
+    float row_sum[kNRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
-      // The row's softmax over all slabs: max over the slabs' maxima, and
-      // each slab's sum rescaled to it.
-      float max_all = -INFINITY;
-      CUTE_UNROLL
-      for (int w = 0; w < kWarpsN; ++w) max_all = fmaxf(max_all, row_stats[tile_row * kWarpsN + w].x);
-      const float max_scaled = scaled_row_max(max_all, exp_scale_log2);
-      float sum_all = 0.f;
-      CUTE_UNROLL
-      for (int w = 0; w < kWarpsN; ++w) {
-        const float2 stats = row_stats[tile_row * kWarpsN + w];
-        sum_all += exp2f(stats.x * exp_scale_log2 - max_scaled) * stats.y;
+      row_sum[mi] = quad_allreduce_sum(softmax.row_sum[mi]);
+      if (warp_has_rows && lane % 4 == 0) {
+        const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
+        row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum[mi]);
       }
-      const float weight =
-          row_is_empty(max_all, sum_all)
-              ? 0.f
-              : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
-      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
+    }
+    __syncthreads();
+
+    auto lse_index_of = [&](int tile_row) {
+      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
+      const int head = it.head_kv * group + packed.head_in_group;
+      return (int64_t(it.batch) * params.nheads + head) * seqlen_q + packed.query;
+    };
+    if (warp_has_rows) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
-        const int col = get<1>(tOcO_rowcol(0, ni));
-        *reinterpret_cast<float2*>(part_row + col) =
-            make_float2(acc_o_rowcol(mi, ni) * weight, acc_o_rowcol(mi, ni + 1) * weight);
-      }
-      if (warp_n == 0 && lane % 4 == 0 && tile_row < rows_left) {
-        const float lse = row_lse(max_all, sum_all, lse_scale);
-        const int64_t lse_index = lse_index_of(tile_row);
-        if (final_output) {
-          params.softmax_lse_ptr[lse_index] = lse;
-        } else {
-          params.lse_accum_ptr[split * rows_per_split + lse_index] =
-              lse == INFINITY ? -INFINITY : lse;
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
+        // The row's softmax over all slabs: max over the slabs' maxima, and
+        // each slab's sum rescaled to it.
+        float max_all = -INFINITY;
+        CUTE_UNROLL
+        for (int w = 0; w < kWarpsN; ++w) {
+          max_all = fmaxf(max_all, row_stats[tile_row * kWarpsN + w].x);
+        }
+        const float max_scaled = scaled_row_max(max_all, exp_scale_log2);
+        float sum_all = 0.f;
+        CUTE_UNROLL
+        for (int w = 0; w < kWarpsN; ++w) {
+          const float2 stats = row_stats[tile_row * kWarpsN + w];
+          sum_all += exp2f(stats.x * exp_scale_log2 - max_scaled) * stats.y;
+        }
+        const float weight =
+            row_is_empty(max_all, sum_all)
+                ? 0.f
+                : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
+        float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
+          const int col = get<1>(tOcO_rowcol(0, ni));
+          *reinterpret_cast<float2*>(part_row + col) =
+              make_float2(acc_o_rowcol(mi, ni) * weight, acc_o_rowcol(mi, ni + 1) * weight);
+        }
+        if (warp_n == 0 && lane % 4 == 0 && tile_row < it.rows_left) {
+          const float lse = row_lse(max_all, sum_all, lse_scale);
+          const int64_t lse_index = lse_index_of(tile_row);
+          if (final_output) {
+            params.softmax_lse_ptr[lse_index] = lse;
+          } else {
+            params.lse_accum_ptr[it.split * rows_per_split + lse_index] =
+                lse == INFINITY ? -INFINITY : lse;
+          }
         }
       }
     }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  // Output chunks of 4 columns: the sum of the slabs' parts, to the final
-  // output (16-bit) or to this split's fp32 partial output.
-  constexpr int kChunksPerRow = kHeadDim / 4;
-  CUTE_UNROLL
-  for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
-    const int tile_row = chunk / kChunksPerRow;
-    const int col = (chunk % kChunksPerRow) * 4;
-    if (tile_row >= rows_left || col >= params.head_dim) continue;
-    float4 sum = *reinterpret_cast<const float4*>(o_parts + tile_row * kPartStride + col);
+    // Output chunks of 4 columns: the sum of the slabs' parts, to the final
+    // output (16-bit) or to this split's fp32 partial output.
+    constexpr int kChunksPerRow = kHeadDim / 4;
     CUTE_UNROLL
-    for (int w = 1; w < kWarpsN; ++w) {
-      const float4 part =
-          *reinterpret_cast<const float4*>(o_parts + (w * kBlockM + tile_row) * kPartStride + col);
-      sum.x += part.x;
-      sum.y += part.y;
-      sum.z += part.z;
-      sum.w += part.w;
+    for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
+      const int tile_row = chunk / kChunksPerRow;
+      const int col = (chunk % kChunksPerRow) * 4;
+      if (tile_row >= it.rows_left || col >= params.head_dim) continue;
+      float4 sum = *reinterpret_cast<const float4*>(o_parts + tile_row * kPartStride + col);
+      CUTE_UNROLL
+      for (int w = 1; w < kWarpsN; ++w) {
+        const float4 part = *reinterpret_cast<const float4*>(
+            o_parts + (w * kBlockM + tile_row) * kPartStride + col);
+        sum.x += part.x;
+        sum.y += part.y;
+        sum.z += part.z;
+        sum.w += part.w;
+      }
+      if (final_output) {
+        const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
+        const int head = it.head_kv * group + packed.head_in_group;
+        Element* out_row = static_cast<Element*>(params.o_ptr) +
+                           it.batch * params.o.batch_stride +
+                           int64_t(packed.query) * params.o.row_stride +
+                           int64_t(head) * params.o.head_stride;
+        cutlass::Array<Element, 4> quad;
+        quad[0] = static_cast<Element>(sum.x);
+        quad[1] = static_cast<Element>(sum.y);
+        quad[2] = static_cast<Element>(sum.z);
+        quad[3] = static_cast<Element>(sum.w);
+        *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
+      } else {
+        const int64_t partial_row = it.split * rows_per_split + lse_index_of(tile_row);
+        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
+      }
     }
-    if (final_output) {
-      const PackedRow packed = unpack_row(row_begin + tile_row, group);
-      const int head = head_kv * group + packed.head_in_group;
-      Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
-                         int64_t(packed.query) * params.o.row_stride +
-                         int64_t(head) * params.o.head_stride;
-      cutlass::Array<Element, 4> quad;
-      quad[0] = static_cast<Element>(sum.x);
-      quad[1] = static_cast<Element>(sum.y);
-      quad[2] = static_cast<Element>(sum.z);
-      quad[3] = static_cast<Element>(sum.w);
-      *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
-    } else {
-      const int64_t partial_row = split * rows_per_split + lse_index_of(tile_row);
-      *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
-    }
+    if constexpr (!kSeveralItems) break;
   }
 }
 

@@ -25,30 +25,46 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
   const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
-  // (batch, kv head) on x, which has no 65535 limit.
-  const dim3 grid(params.batch * params.nheads_k, num_m_blocks, params.num_splits);
+  // Work items (splitkv_work_item.h) on x, which has no 65535 limit; the host
+  // checked that they fit an int. params.splitkv_grid_blocks < num_items
+  // launches the persistent grid, each block running several items.
+  const int64_t num_items =
+      int64_t(params.batch) * params.nheads_k * num_m_blocks * params.num_splits;
+  const bool several_items = params.splitkv_grid_blocks < num_items;
+  const dim3 grid(static_cast<unsigned>(several_items ? params.splitkv_grid_blocks : num_items));
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
   // Only the decode variant's plain kernel has one instance per cache layout
   // (it carries the decode benchmarks; H200, batch 64: 3% faster over a
-  // contiguous cache without the paged path's per-row addressing); the
-  // others serve both layouts (five split-KV kernels per file).
+  // contiguous cache without the paged path's per-row addressing), and over
+  // a contiguous cache a persistent one (splitkv_grid_blocks); the others
+  // serve both layouts with a block per item (six split-KV kernels per file).
+  if (several_items && (kWarpsN == 1 || with_score_extras || params.block_table != nullptr)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: fwd_kvcache: a persistent split-KV grid needs the decode variant's "
+        "plain kernel over a contiguous cache");
+  }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
+      if (several_items) {
+        return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, true>;
+      }
       return params.block_table != nullptr
-                 ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged>
-                 : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous>;
+                 ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false>
+                 : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false>;
     } else {
-      return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kEither>;
+      return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kEither, false>;
     }
   };
   const auto kernel = with_score_extras
-                          ? &flash_fwd_splitkv_kernel<Traits, true, CacheLayout::kEither>
+                          ? &flash_fwd_splitkv_kernel<Traits, true, CacheLayout::kEither, false>
                           : plain_kernel();
   constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
-  const int smem_bytes = params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
-                                                                : kSmemSize;
+  const int smem_bytes =
+      several_items ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
+                    : (params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
+                                                              : kSmemSize);
   LaunchOptions options;
   options.cluster_x = params.splitkv_cluster_x;
   launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);

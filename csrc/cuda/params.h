@@ -111,6 +111,9 @@ struct KvcacheParams : FwdParams {
   // Dynamic shared memory to launch the split-KV kernel with: at least what
   // its tiles need, more to keep a second block off the SM.
   int splitkv_launch_smem;
+  // Thread blocks of the split-KV grid: one per work item (batch x kv head x
+  // query block x split), or fewer, each running several items in turn.
+  int splitkv_grid_blocks;
   // sm90+: thread blocks per cluster along grid x (neighbouring kv heads of a
   // batch entry, which share each key's span of the cache); 1: no cluster.
   int splitkv_cluster_x;

@@ -42,12 +42,33 @@ constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_
 // fits the 99 KB per block of sm86/sm89 at every head dim.
 constexpr int splitkv_stages(int warps_n) { return warps_n > 1 ? 3 : 2; }
 
-// Dynamic shared memory of one thread block (16-bit elements): the Q tile and
-// the stages of K and V tiles.
-constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n) {
-  return 2 * compiled_head_dim *
-         (splitkv_block_m(warps_n) +
-          2 * splitkv_stages(warps_n) * splitkv_block_n(compiled_head_dim));
+// A block that runs several work items in turn (the persistent launch of
+// flash_api_cuda.cpp) loads an item's Q tile with its first K/V tile, while
+// it still computes earlier items: it keeps a Q tile for the item being
+// computed and for each of the kStages items whose first tile may be in
+// flight (one tile each at least). A block of one item keeps one.
+constexpr int splitkv_q_slots(int warps_n, bool several_items) {
+  return several_items ? splitkv_stages(warps_n) + 1 : 1;
+}
+
+// The merge of the warps that share rows (one per key slab) goes through
+// shared memory: per warp and row, the output row in fp32, padded by 8 floats
+// so that the float2 writes of the 8 rows of a warp's accumulator land on
+// distinct banks, and a (row max, row sum) pair.
+constexpr int splitkv_merge_row_floats(int compiled_head_dim) { return compiled_head_dim + 8; }
+constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
+  return 4 * warps_n * splitkv_block_m(warps_n) * (splitkv_merge_row_floats(compiled_head_dim) + 2);
+}
+
+// Dynamic shared memory of one thread block (16-bit elements): the stages of
+// K and V tiles and the Q tile(s). A block of one item merges in the tiles'
+// bytes once its last tile is done; a block of several has the next item's
+// tiles in flight by then, so its merge has bytes of its own.
+constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false) {
+  const int tiles = 2 * compiled_head_dim *
+                    (2 * splitkv_stages(warps_n) * splitkv_block_n(compiled_head_dim) +
+                     splitkv_q_slots(warps_n, several_items) * splitkv_block_m(warps_n));
+  return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
 static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
               "the 64-row variant fits sm86/sm89 (99 KB per block)");
