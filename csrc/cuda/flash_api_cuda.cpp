@@ -592,11 +592,11 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // item's first tiles in flight while the current one is finished
 // (flash_fwd_splitkv_kernel.h), instead of every item waiting out the start
 // of a block of its own. GQA 32:8 d128 bf16, against one block per item:
-// b64 x 1k keys 2.2% faster on the H100, 4-5% on the H200; b128 x 1k 1.5% /
-// 4.3%. Left to one block per item: shorter items, which run two blocks per
-// SM (b128 x 256 / 512 keys ran 10% / 8% slower persistent on the H200: two
-// blocks per SM overlap each other's merge and stores, one block's items
-// wait for its own); items of 4k keys and more (b64 x 4k: 0.3% slower on the
+// b64 x 1k keys 2.2% faster on the H100, 3-5% on the H200; b128 x 1k 1.5% on
+// the H100, level to 4.3% on H200s. Left to one block per item: shorter
+// items, which run two blocks per SM (b128 x 256 / 512 keys ran about 10% /
+// 8% slower persistent on the H200: two blocks per SM overlap each other's
+// merge and stores, one block's items wait for its own); items of 4k keys and more (b64 x 4k: 0.3% slower on the
 // H100, 0.7% faster on the H200; b64 x 32k 1% slower on the H200, where the
 // hardware, handing out blocks as SMs free up, balances the SMs better than
 // a fixed share of items each); grids that two blocks per SM hold at once
