@@ -550,6 +550,11 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
 // splitkv_grid_blocks).
 constexpr int kShortRunKeyBlocks = 16;
 
+// Key tiles of the cache capacity that one split-KV work item streams.
+int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int num_splits) {
+  return cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+}
+
 // Shared memory to launch the split-KV kernel with. The decode variant over
 // a contiguous cache streams best one block per SM once each block has a
 // long run of keys: on the H200 (bf16, d128, GQA 32:8) batch 64 ran 1.2-1.5%
@@ -572,7 +577,7 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
   if (warps_n == 1 || paged) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int key_blocks_per_block =
-      cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+      splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
   const bool long_runs = key_blocks_per_block >= kLongRunKeyBlocks;
   const bool short_runs = key_blocks_per_block < kShortRunKeyBlocks;
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
@@ -596,12 +601,12 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // the H100, level to 4.3% on H200s. Left to one block per item: shorter
 // items, which run two blocks per SM (b128 x 256 / 512 keys ran about 10% /
 // 8% slower persistent on the H200: two blocks per SM overlap each other's
-// merge and stores, one block's items wait for its own); items of 4k keys and more (b64 x 4k: 0.3% slower on the
-// H100, 0.7% faster on the H200; b64 x 32k 1% slower on the H200, where the
-// hardware, handing out blocks as SMs free up, balances the SMs better than
-// a fixed share of items each); grids that two blocks per SM hold at once
-// (b32 x 4k ran 2% slower persistent on the H200, with half the copies in
-// flight per SM). benchmarks/results/NVIDIA_H100 and NVIDIA_H200,
+// merge and stores, one block's items wait for its own); items of 4k keys
+// and more (b64 x 4k: 0.3% slower on the H100, 0.7% faster on the H200; b64
+// x 32k 1% slower on the H200, where the hardware, handing out blocks as SMs
+// free up, balances the SMs better than a fixed share of items each); grids
+// that two blocks per SM hold at once (b32 x 4k ran 2% slower persistent on
+// the H200, with half the copies in flight per SM). benchmarks/results/NVIDIA_H100 and NVIDIA_H200,
 // decode_persistent_ab.txt. Paged caches run two blocks per SM
 // (choose_kv_splits); softcap / ALiBi, the 64-row variant, or a device whose
 // blocks cannot hold the persistent block's shared memory keep one block per
@@ -612,7 +617,7 @@ int64_t splitkv_grid_blocks(int compiled_head_dim, int warps_n, bool paged, bool
   const int64_t sms = props->multiProcessorCount;
   constexpr int kShortItemKeyBlocks = 64;
   const int key_blocks_per_item =
-      cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+      splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
   const bool persistent =
       warps_n > 1 && !paged && !score_extras && num_items > 2 * sms &&
       key_blocks_per_item >= kShortRunKeyBlocks && key_blocks_per_item < kShortItemKeyBlocks &&
@@ -795,13 +800,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * num_m_blocks;
   params.num_splits = choose_kv_splits(num_splits, blocks_without_split, shape.cache_capacity,
                                        compiled, warps_n, block_table.has_value());
-  params.splitkv_launch_smem =
-      splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
-                                params.num_splits, blocks_without_split * params.num_splits);
   const int64_t num_items = blocks_without_split * params.num_splits;
   TORCH_CHECK(num_items <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", num_items,
               " exceeds 2^31 - 1 thread blocks");
+  params.splitkv_launch_smem =
+      splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
+                                params.num_splits, num_items);
   const bool score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
   const int64_t grid_blocks =
       splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
