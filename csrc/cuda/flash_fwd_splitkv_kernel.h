@@ -348,12 +348,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp_row0 = 16 * warp_m;
   const int warp_col0 = kSlabN * warp_n;
 
-  // The merge of the warps that share rows (one per key slab), through
-  // shared memory: each warp's (row max, row sum) goes to row_stats, its
-  // output rows, already weighted by its share of the merged softmax, to
-  // o_parts; then every thread sums the parts of a few output chunks and
-  // stores them with wide, coalesced writes. A block of one item merges in
-  // the tiles' bytes, a block of several in bytes of its own.
+  // The merge of the warps that share rows (one per key slab), in two steps
+  // through shared memory. First each warp leaves, for each of its real rows,
+  // its output row as it stands (not yet normalised) in o_parts and its
+  // (row max, row sum) in row_stats; no barrier is needed for that. Then,
+  // once a barrier has made them visible, every thread weighs and sums the
+  // slabs' parts of a few output chunks and stores them with wide, coalesced
+  // writes. A block of one item merges in the tiles' bytes. A block of
+  // several merges in bytes of its own and puts the second step of an item
+  // into its next item's first tile step, after that step's copies are
+  // issued: until then no copy would be issued, and a stream that pauses once
+  // per item loses its bandwidth for that long (H200, 1024 items of 1k keys:
+  // 5% of the time with the whole merge between two items).
   constexpr int kPartStride = splitkv_merge_row_floats(kHeadDim);
   static_assert(splitkv_merge_bytes(kHeadDim, kWarpsN) <=
                     Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
@@ -372,6 +378,88 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // (final) or -inf (a partial result that must weigh nothing in the merge).
   const bool final_output = params.num_splits == 1;
   const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
+
+  // Where an item's results go: what the second step of its merge needs,
+  // kept while the block goes on to its next item.
+  struct MergeTarget {
+    int batch, head_kv, split, row_begin, rows_left;
+  };
+  auto lse_index_of = [&](const MergeTarget& target, int tile_row) {
+    const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
+    const int head = target.head_kv * group + packed.head_in_group;
+    return (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
+  };
+  // Step 2, by every thread: output chunks of 4 columns, each the slabs'
+  // parts weighted by their share of the row's softmax over all slabs, to
+  // the final output (16-bit) or to this split's fp32 partial output; the
+  // thread of a row's first chunk also writes its lse.
+  auto combine_parts = [&](const MergeTarget& target) {
+    constexpr int kChunksPerRow = kHeadDim / 4;
+    CUTE_UNROLL
+    for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
+      const int tile_row = chunk / kChunksPerRow;
+      const int col = (chunk % kChunksPerRow) * 4;
+      if (tile_row >= target.rows_left) break;  // the rows run in order
+      if (col >= params.head_dim) continue;
+      float2 stats[kWarpsN];
+      float max_all = -INFINITY;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        stats[w] = row_stats[tile_row * kWarpsN + w];
+        max_all = fmaxf(max_all, stats[w].x);
+      }
+      const float max_scaled = scaled_row_max(max_all, exp_scale_log2);
+      float sum_all = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        stats[w].x = exp2f(stats[w].x * exp_scale_log2 - max_scaled);  // the slab's rescale
+        sum_all += stats[w].x * stats[w].y;
+      }
+      const bool empty = row_is_empty(max_all, sum_all);
+      const float inv_sum = empty ? 0.f : 1.f / sum_all;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        const float weight = stats[w].x * inv_sum;
+        const float4 part = *reinterpret_cast<const float4*>(
+            o_parts + (w * kBlockM + tile_row) * kPartStride + col);
+        sum.x += weight * part.x;
+        sum.y += weight * part.y;
+        sum.z += weight * part.z;
+        sum.w += weight * part.w;
+      }
+      const int64_t lse_index = lse_index_of(target, tile_row);
+      if (final_output) {
+        const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
+        const int head = target.head_kv * group + packed.head_in_group;
+        Element* out_row = static_cast<Element*>(params.o_ptr) +
+                           target.batch * params.o.batch_stride +
+                           int64_t(packed.query) * params.o.row_stride +
+                           int64_t(head) * params.o.head_stride;
+        cutlass::Array<Element, 4> quad;
+        quad[0] = static_cast<Element>(sum.x);
+        quad[1] = static_cast<Element>(sum.y);
+        quad[2] = static_cast<Element>(sum.z);
+        quad[3] = static_cast<Element>(sum.w);
+        *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
+      } else {
+        const int64_t partial_row = target.split * rows_per_split + lse_index;
+        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
+      }
+      if (col == 0) {
+        const float lse = row_lse(max_all, sum_all, lse_scale);
+        if (final_output) {
+          params.softmax_lse_ptr[lse_index] = lse;
+        } else {
+          params.lse_accum_ptr[target.split * rows_per_split + lse_index] =
+              lse == INFINITY ? -INFINITY : lse;
+        }
+      }
+    }
+  };
+  // The item whose merge waits for its second step (several items).
+  MergeTarget pending_merge{};
+  bool merge_pending = false;
 
   int stage = 0;
   int q_slot = q_slots - 1;
@@ -468,108 +556,57 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncthreads();
       load_next_tile(stage);
       stage = stage == kStages - 1 ? 0 : stage + 1;
-    }
-
-    // The merge. A block of one item reuses the tiles' bytes, which every
-    // warp is done with after the loop's last barrier; a block of several
-    // waits here until every warp is done with the previous item's merge.
-    __syncthreads();
-    float row_sum[kNRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
-      row_sum[mi] = quad_allreduce_sum(softmax.row_sum[mi]);
-      if (warp_has_rows && lane % 4 == 0) {
-        const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
-        row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum[mi]);
+      if (kSeveralItems && merge_pending) {
+        combine_parts(pending_merge);  // the parts were written before this step's barriers
+        merge_pending = false;
       }
     }
-    __syncthreads();
 
-    auto lse_index_of = [&](int tile_row) {
-      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
-      const int head = it.head_kv * group + packed.head_in_group;
-      return (int64_t(it.batch) * params.nheads + head) * seqlen_q + packed.query;
-    };
+    // Step 1 of the merge. A block of one item writes over its tiles, which
+    // every warp is done with after the loop's last barrier. A block of
+    // several makes sure that no thread still reads the previous item's
+    // parts: its second step ran in this item's first tile step, and the
+    // barriers of a second step (if any) separate the two.
+    const int tile_steps = it.n_block_max - it.n_block_min;
+    if constexpr (kSeveralItems) {
+      if (merge_pending) {  // this item had no tile step to run it in
+        __syncthreads();
+        combine_parts(pending_merge);
+        merge_pending = false;
+      }
+      if (tile_steps < 2) __syncthreads();
+    }
     if (warp_has_rows) {
       CUTE_UNROLL
       for (int mi = 0; mi < kNRows; ++mi) {
+        const float row_sum = quad_allreduce_sum(softmax.row_sum[mi]);
         const int tile_row = warp_row0 + get<0>(tScS_rowcol(mi, 0));
-        // The row's softmax over all slabs: max over the slabs' maxima, and
-        // each slab's sum rescaled to it.
-        float max_all = -INFINITY;
-        CUTE_UNROLL
-        for (int w = 0; w < kWarpsN; ++w) {
-          max_all = fmaxf(max_all, row_stats[tile_row * kWarpsN + w].x);
+        if (tile_row >= it.rows_left) continue;
+        if (lane % 4 == 0) {
+          row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum);
         }
-        const float max_scaled = scaled_row_max(max_all, exp_scale_log2);
-        float sum_all = 0.f;
-        CUTE_UNROLL
-        for (int w = 0; w < kWarpsN; ++w) {
-          const float2 stats = row_stats[tile_row * kWarpsN + w];
-          sum_all += exp2f(stats.x * exp_scale_log2 - max_scaled) * stats.y;
-        }
-        const float weight =
-            row_is_empty(max_all, sum_all)
-                ? 0.f
-                : exp2f(softmax.row_max[mi] * exp_scale_log2 - max_scaled) / sum_all;
         float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(acc_o_rowcol); ni += 2) {
           const int col = get<1>(tOcO_rowcol(0, ni));
           *reinterpret_cast<float2*>(part_row + col) =
-              make_float2(acc_o_rowcol(mi, ni) * weight, acc_o_rowcol(mi, ni + 1) * weight);
-        }
-        if (warp_n == 0 && lane % 4 == 0 && tile_row < it.rows_left) {
-          const float lse = row_lse(max_all, sum_all, lse_scale);
-          const int64_t lse_index = lse_index_of(tile_row);
-          if (final_output) {
-            params.softmax_lse_ptr[lse_index] = lse;
-          } else {
-            params.lse_accum_ptr[it.split * rows_per_split + lse_index] =
-                lse == INFINITY ? -INFINITY : lse;
-          }
+              make_float2(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 1));
         }
       }
     }
-    __syncthreads();
-
-    // Output chunks of 4 columns: the sum of the slabs' parts, to the final
-    // output (16-bit) or to this split's fp32 partial output.
-    constexpr int kChunksPerRow = kHeadDim / 4;
-    CUTE_UNROLL
-    for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
-      const int tile_row = chunk / kChunksPerRow;
-      const int col = (chunk % kChunksPerRow) * 4;
-      if (tile_row >= it.rows_left || col >= params.head_dim) continue;
-      float4 sum = *reinterpret_cast<const float4*>(o_parts + tile_row * kPartStride + col);
-      CUTE_UNROLL
-      for (int w = 1; w < kWarpsN; ++w) {
-        const float4 part = *reinterpret_cast<const float4*>(
-            o_parts + (w * kBlockM + tile_row) * kPartStride + col);
-        sum.x += part.x;
-        sum.y += part.y;
-        sum.z += part.z;
-        sum.w += part.w;
-      }
-      if (final_output) {
-        const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
-        const int head = it.head_kv * group + packed.head_in_group;
-        Element* out_row = static_cast<Element*>(params.o_ptr) +
-                           it.batch * params.o.batch_stride +
-                           int64_t(packed.query) * params.o.row_stride +
-                           int64_t(head) * params.o.head_stride;
-        cutlass::Array<Element, 4> quad;
-        quad[0] = static_cast<Element>(sum.x);
-        quad[1] = static_cast<Element>(sum.y);
-        quad[2] = static_cast<Element>(sum.z);
-        quad[3] = static_cast<Element>(sum.w);
-        *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
-      } else {
-        const int64_t partial_row = it.split * rows_per_split + lse_index_of(tile_row);
-        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
-      }
+    const MergeTarget target{it.batch, it.head_kv, it.split, it.row_begin, it.rows_left};
+    if constexpr (kSeveralItems) {
+      pending_merge = target;
+      merge_pending = true;
+    } else {
+      __syncthreads();
+      combine_parts(target);
     }
     if constexpr (!kSeveralItems) break;
+  }
+  if (kSeveralItems && merge_pending) {
+    __syncthreads();
+    combine_parts(pending_merge);
   }
 }
 
