@@ -5,8 +5,8 @@
 
 Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
 packing, left padding, cache_batch_idx, split counts from one to many (the
-combine kernel's thread groups differ per head dim: 64, 96, 128, 256), and a
-long cache launched for one block per SM.
+combine kernel's thread groups differ per head dim: 64, 96, 128, 256), a
+long cache launched for one block per SM, and the persistent grid.
 """
 
 import torch
@@ -64,6 +64,12 @@ def main():
     # 128 key tiles per split over a contiguous cache: launched with shared
     # memory for one block per SM.
     call(1, 1, 8192 + 37, 8, 2, 128, bf16, num_splits=1)
+    # More items of 16-63 key tiles than two blocks per SM hold: the
+    # persistent grid, whose blocks merge an item while the next one's tiles
+    # stream. The random lengths leave items of zero, one and many tiles.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    call(2 * sms // 4 + 2, 1, 1100, 16, 4, 128, bf16, num_splits=1)
+    call(2 * sms // 4 + 2, 1, 3200, 16, 4, 128, bf16, num_splits=3)
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 
