@@ -607,7 +607,10 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // free up, balances the SMs better than a fixed share of items each); grids
 // that two blocks per SM hold at once (b32 x 4k ran 2% slower persistent on
 // the H200, with half the copies in flight per SM). benchmarks/results/NVIDIA_H100 and NVIDIA_H200,
-// decode_persistent_ab.txt. Paged caches run two blocks per SM
+// decode_persistent_ab.txt. Once a persistent block merged each item while
+// the next one streamed (flash_fwd_splitkv_kernel.h), the range was measured
+// again on the H200 and kept: 64-128 tiles or any length, and under 16
+// tiles, still ran slower persistent (decode_merge_ab.txt). Paged caches run two blocks per SM
 // (choose_kv_splits); softcap / ALiBi, the 64-row variant, or a device whose
 // blocks cannot hold the persistent block's shared memory keep one block per
 // item (the persistent kernel is compiled for the plain decode path only).
