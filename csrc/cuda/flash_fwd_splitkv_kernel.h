@@ -10,9 +10,10 @@
 // Launched with one block per item, that is one item. Launched persistently
 // (fewer blocks than items, one per SM) a block streams the K/V tiles of its
 // items back to back: the copies of the next item's first tiles are in
-// flight while the current item's last tiles are computed and its output is
-// merged and stored, so no SM waits out a block's start (Q, the first tile's
-// latency) once per item.
+// flight while the current item's last tiles are computed, and the item's
+// output is merged and stored while the next item's tiles stream, so no SM
+// waits out a block's start (Q, the first tile's latency) or a merge once
+// per item.
 //
 // Differences from flash_fwd_kernel.h: per-batch key counts (cache_seqlens,
 // leftpad), K/V rows addressed one by one (a paged cache maps each row through
