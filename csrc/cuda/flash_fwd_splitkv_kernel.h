@@ -385,11 +385,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   struct MergeTarget {
     int batch, head_kv, split, row_begin, rows_left;
   };
-  auto lse_index_of = [&](const MergeTarget& target, int tile_row) {
-    const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
-    const int head = target.head_kv * group + packed.head_in_group;
-    return (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
-  };
   // Step 2, by every thread: output chunks of 4 columns, each the slabs'
   // parts weighted by their share of the row's softmax over all slabs, to
   // the final output (16-bit) or to this split's fp32 partial output; the
@@ -429,10 +424,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         sum.z += weight * part.z;
         sum.w += weight * part.w;
       }
-      const int64_t lse_index = lse_index_of(target, tile_row);
+      const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
+      const int head = target.head_kv * group + packed.head_in_group;
+      const int64_t lse_index =
+          (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
       if (final_output) {
-        const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
-        const int head = target.head_kv * group + packed.head_in_group;
         Element* out_row = static_cast<Element*>(params.o_ptr) +
                            target.batch * params.o.batch_stride +
                            int64_t(packed.query) * params.o.row_stride +
