@@ -26,8 +26,8 @@ if TESTS_DIR not in sys.path:
 HAS_CUDA = torch.cuda.is_available()
 CUDA_SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
-# setup.py ends build_info with this mark on a reduced build; the kernels'
-# registry words its refusal of a left-out head dim or dtype with the other.
+# setup.py ends build_info with the first on a reduced build; the C++
+# launchers' refusal of a left-out head dim or dtype contains the second.
 REDUCED_KERNEL_SET_MARK = "reduced kernel set"
 LEFT_OUT_MESSAGE = "which this build left out"
 
