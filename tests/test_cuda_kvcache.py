@@ -477,6 +477,57 @@ def test_strided_views_append_into_shared_storage():
     check_caches(reference_args, kv_cache[:, :, 0].cpu(), kv_cache[:, :, 1].cpu())
 
 
+@pytest.mark.parametrize("last_writer", ["q", "k", "cache_seqlens", "k_cache"])
+def test_inputs_written_by_the_kernel_just_before(last_writer):
+    """On sm90 each kernel of the call is launched as a programmatic dependent
+    of the kernel before it in the stream, so it may start while that kernel
+    still runs and must wait for it before touching memory. Each decode step
+    here takes an input written by the kernel right before the call (filled
+    with NaN first, so that an early read shows), the next step's q is this
+    step's output, and nothing synchronises between the steps."""
+    batch, capacity, nheads, nheads_k, head_dim, steps = 3, 300, 16, 4, 128, 4
+    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=nheads,
+                       nheads_k=nheads_k, head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1,
+                       rotary="neox", causal=True)
+    args["cache_seqlens"] = torch.tensor([0, 37, 250], dtype=torch.int32)
+    call = to_device(args)
+    snapshots, outputs = [], []
+    out = None
+    for step in range(steps):
+        # The next inputs: q from the last output, a fresh new token, lengths
+        # one further. Snapshots are taken before the last writer runs.
+        next_inputs = {
+            "q": (out * 0.5 if out is not None else call["q"]).clone(),
+            "k": call["k"] * 1.5 - 0.25,
+            "cache_seqlens": call["cache_seqlens"] + (1 if step else 0),
+        }
+        snapshots.append(dict({name: value.clone() if isinstance(value, torch.Tensor) else value
+                               for name, value in call.items()},
+                              **{name: value.clone() for name, value in next_inputs.items()}))
+        for name, value in next_inputs.items():
+            if name == last_writer:
+                continue
+            call[name] = value
+        if last_writer == "k_cache":
+            # An in-place write of the rows the step attends to: one kernel
+            # right before the call, same values as the snapshot.
+            fresh = call["k_cache"].clone()
+            call["k_cache"].fill_(float("nan"))
+            call["k_cache"].copy_(fresh)
+        else:
+            target = torch.full_like(next_inputs[last_writer], float("nan")) \
+                if last_writer != "cache_seqlens" else torch.full_like(next_inputs[last_writer], -7)
+            target.copy_(next_inputs[last_writer])
+            call[last_writer] = target
+        out, lse = fwd_kvcache(**call)
+        outputs.append((out, lse))
+    torch.cuda.synchronize()
+    for step, (out, lse) in enumerate(outputs):
+        assert not torch.isnan(out).any(), f"step {step}: NaN in the output"
+        check_against_reference(to_device(snapshots[step], "cpu"), out.cpu(), lse.cpu())
+    check_caches(to_device(snapshots[-1], "cpu"), call["k_cache"].cpu(), call["v_cache"].cpu())
+
+
 # ----------------------------------------------------------------------------
 # CUDA graphs and the Python API
 

@@ -3,13 +3,14 @@
 // Programmatic dependent launch (sm90 and newer): a kernel launched with
 // programmatic stream serialization may start while the kernel before it in
 // the stream still runs, and waits in wait_for_preceding_grid() until that
-// grid has finished and its writes are visible. The launch latency of a short
-// follow-up kernel (the split-KV combine) then hides behind the tail of the
-// kernel before it instead of adding to it. Before sm90 the device functions
-// are no-ops and the launch is an ordinary one. The host enables the
-// programmatic launch from the device's compute capability, so the kernel must
-// run as sm90 machine code there (setup.py embeds no PTX that could be JIT-
-// compiled from an older arch without the wait).
+// grid has finished and its writes are visible. The launch latency of each
+// kernel of a decode call (append / rotary, split-KV attention, combine)
+// then hides behind the kernel before it instead of adding to it. Before
+// sm90 the device functions are no-ops and the launch is an ordinary one.
+// The host enables the programmatic launch from the device's compute
+// capability, so the kernel must run as sm90 machine code there (setup.py
+// embeds no PTX that could be JIT-compiled from an older arch without the
+// wait).
 #pragma once
 
 #include <utility>

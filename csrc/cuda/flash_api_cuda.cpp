@@ -796,6 +796,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.q_unrotated = strides_of(q, false);
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  params.programmatic_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
   launch_kvcache_append_rotary(params, stream);
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
@@ -821,7 +822,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;
-  params.programmatic_combine = at::cuda::getCurrentDeviceProperties()->major >= 9;
   if (params.num_splits > 1) {
     // One allocation (decode calls are short; each allocator call shows):
     // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then

@@ -96,9 +96,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kSlabN = Traits::kSlabN;
   constexpr int kStages = Traits::kStages;
 
-  // The combine kernel (if any) may be scheduled as soon as every block of
-  // this grid runs: it waits for this grid's results itself, and its launch
-  // latency then overlaps this kernel instead of following it.
+  // Launched as a dependent grid (params.programmatic_launch), this block may
+  // be running before the kernel ahead of it in the stream (the append /
+  // rotary step, or the caller's) has finished: nothing here reads global
+  // memory before the wait. The combine kernel (if any) may be scheduled as
+  // soon as every block of this grid runs: it waits for this grid's results
+  // itself, and its launch latency then overlaps this kernel instead of
+  // following it.
+  wait_for_preceding_grid();
   allow_dependent_grid_launch();
 
   extern __shared__ char smem[];

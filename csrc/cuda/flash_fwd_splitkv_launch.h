@@ -66,6 +66,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
                     : (params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
                                                               : kSmemSize);
   LaunchOptions options;
+  options.programmatic = params.programmatic_launch;
   options.cluster_x = params.splitkv_cluster_x;
   launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);
 }
@@ -90,7 +91,7 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
           "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
     }
     LaunchOptions options;
-    options.programmatic = params.programmatic_combine;
+    options.programmatic = params.programmatic_launch;
     launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
               dim3(kCombineThreads), 0, stream, options, params);
   }

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda_check.h"
+#include "dependent_launch.h"
 
 namespace flash {
 namespace {
@@ -75,13 +76,10 @@ __device__ int cache_end(const KvcacheParams& p, int b) {
   return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k;
 }
 
-// One thread per 8-element chunk of one appended (batch, row, kv head).
+// Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
 template <typename T>
-__global__ void append_kernel(const KvcacheParams p) {
+__device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const int chunks = p.head_dim / kElemsPerThread;
-  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks;
-  if (index >= total) return;
   const int chunk = static_cast<int>(index % chunks);
   const int h = static_cast<int>((index / chunks) % p.nheads_k);
   const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads_k)) % p.seqlen_new);
@@ -114,13 +112,10 @@ __global__ void append_kernel(const KvcacheParams p) {
   copy_chunk(v_src, v_cache, d0, cos_row, sin_row, 0, false);
 }
 
-// One thread per 8-element chunk of one (batch, query row, head) of q.
+// Chunk `index` of the (batch, query row, head) vectors of q.
 template <typename T>
-__global__ void rotate_q_kernel(const KvcacheParams p) {
+__device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
   const int chunks = p.head_dim / kElemsPerThread;
-  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = int64_t(p.batch) * p.seqlen_q * p.nheads * chunks;
-  if (index >= total) return;
   const int chunk = static_cast<int>(index % chunks);
   const int h = static_cast<int>((index / chunks) % p.nheads);
   const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
@@ -137,21 +132,45 @@ __global__ void rotate_q_kernel(const KvcacheParams p) {
              p.rotary_interleaved);
 }
 
-int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
+// One thread per 8-element chunk: the appended k / v chunks first, then the
+// chunks of q to rotate. Both jobs share one launch because in a decode step
+// each kernel costs a few microseconds of launch and dependent loads, more
+// than its copies (H200, batch 1 x 4k keys: 15 us for the attention alone,
+// 18 with an append kernel before it, 23.4 with a rotate-q kernel as well;
+// benchmarks/results/NVIDIA_H200/decode_append_step_ab.txt).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    append_rotary_kernel(const KvcacheParams p, int64_t append_chunks, int64_t all_chunks) {
+  // Launched as a dependent grid (params.programmatic_launch): q and the new
+  // k / v may come from the kernel just before this one. The attention kernel
+  // after it is a dependent grid too, scheduled when this grid's blocks exit.
+  // Letting it in earlier (griddepcontrol.launch_dependents at the start
+  // here) made some steps slower, for reasons not pinned down (H200, an
+  // append at batch 16 x 4k keys: 79 -> 88 us; batch 8 x 4k: 51 -> 55 us).
+  wait_for_preceding_grid();
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index < append_chunks) {
+    append_chunk<T>(p, index);
+  } else if (index < all_chunks) {
+    rotate_q_chunk<T>(p, index - append_chunks);
+  }
+}
 
 template <typename T>
 void launch(const KvcacheParams& p, cudaStream_t stream) {
   const int chunks = p.head_dim / kElemsPerThread;
-  if (p.seqlen_new > 0 && p.new_k_ptr != nullptr) {
-    const int64_t threads = int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks;
-    append_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(p);
-    FA_CUDA_CHECK(cudaGetLastError());
-  }
-  if (p.rotary_dim > 0 && p.seqlen_q > 0) {
-    const int64_t threads = int64_t(p.batch) * p.seqlen_q * p.nheads * chunks;
-    rotate_q_kernel<T><<<blocks_for(threads), kThreads, 0, stream>>>(p);
-    FA_CUDA_CHECK(cudaGetLastError());
-  }
+  const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
+  const bool rotating_q = p.rotary_dim > 0 && p.seqlen_q > 0;
+  const int64_t append_chunks =
+      appending ? int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks : 0;
+  const int64_t q_chunks = rotating_q ? int64_t(p.batch) * p.seqlen_q * p.nheads * chunks : 0;
+  const int64_t all_chunks = append_chunks + q_chunks;
+  if (all_chunks == 0) return;
+  LaunchOptions options;
+  options.programmatic = p.programmatic_launch;
+  const dim3 grid(static_cast<unsigned>((all_chunks + kThreads - 1) / kThreads));
+  launch_ex(&append_rotary_kernel<T>, grid, dim3(kThreads), 0, stream, options, p, append_chunks,
+            all_chunks);
 }
 
 }  // namespace

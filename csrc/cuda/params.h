@@ -119,7 +119,10 @@ struct KvcacheParams : FwdParams {
   int splitkv_cluster_x;
   float* out_accum_ptr;
   float* lse_accum_ptr;
-  bool programmatic_combine;  // sm90+: combine launched as a dependent grid
+  // sm90+: each kernel of the call is launched as a programmatic dependent of
+  // the kernel before it in the stream (dependent_launch.h): the append /
+  // rotary kernel, the split-KV kernel and the combine.
+  bool programmatic_launch;
 
   // Append + rotary (run before the attention kernel). new_k / new_v are
   // (batch, seqlen_new, nheads_k, head_dim); rotary tables (seqlen_ro,
