@@ -610,7 +610,15 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
 // decode_persistent_ab.txt. Once a persistent block merged each item while
 // the next one streamed (flash_fwd_splitkv_kernel.h), the range was measured
 // again on the H200 and kept: 64-128 tiles or any length, and under 16
-// tiles, still ran slower persistent (decode_merge_ab.txt). Paged caches run two blocks per SM
+// tiles, still ran slower persistent (decode_merge_ab.txt). Nor does a grid
+// whose SMs would each stream more than kPersistentMaxKeyBlocksPerSm key
+// tiles (4 MB of K/V at d128): with that much work per SM, the hardware's
+// hand-out again beats the fixed shares, even at 16-63 tiles per item (one
+// block per item, against persistent: b256 x 1k keys 1.3% faster on the
+// H100, 1.9% on the H200; b128 x 2k 0.3% / 1.4%; b256 x 2k 1.1% / 1.7%;
+// b192 x 1k 1.1% / 1%; b80 x 2k and b160 x 1k within 0.4% either way; at
+// 128 tiles per SM, b128 x 1k, persistent still 0.3% / 1% ahead;
+// decode_persistent_range_ab.txt). Paged caches run two blocks per SM
 // (choose_kv_splits); softcap / ALiBi, the 64-row variant, or a device whose
 // blocks cannot hold the persistent block's shared memory keep one block per
 // item (the persistent kernel is compiled for the plain decode path only).
@@ -619,11 +627,13 @@ int64_t splitkv_grid_blocks(int compiled_head_dim, int warps_n, bool paged, bool
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const int64_t sms = props->multiProcessorCount;
   constexpr int kShortItemKeyBlocks = 64;
+  constexpr int64_t kPersistentMaxKeyBlocksPerSm = 128;
   const int key_blocks_per_item =
       splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
   const bool persistent =
       warps_n > 1 && !paged && !score_extras && num_items > 2 * sms &&
       key_blocks_per_item >= kShortRunKeyBlocks && key_blocks_per_item < kShortItemKeyBlocks &&
+      num_items * key_blocks_per_item <= kPersistentMaxKeyBlocksPerSm * sms &&
       splitkv_smem_bytes(compiled_head_dim, warps_n, true) <= int(props->sharedMemPerBlockOptin);
   return persistent ? sms : num_items;
 }
