@@ -821,7 +821,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.splitkv_launch_smem =
       splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
                                 params.num_splits, num_items);
-  const bool score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool score_extras = splitkv_has_score_extras(params);
   const int64_t grid_blocks =
       splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
                           shape.cache_capacity, params.num_splits, num_items);

@@ -32,7 +32,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
       int64_t(params.batch) * params.nheads_k * num_m_blocks * params.num_splits;
   const bool several_items = params.splitkv_grid_blocks < num_items;
   const dim3 grid(static_cast<unsigned>(several_items ? params.splitkv_grid_blocks : num_items));
-  const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool with_score_extras = splitkv_has_score_extras(params);
   // Only the decode variant's plain kernel has one instance per cache layout
   // (it carries the decode benchmarks; H200, batch 64: 3% faster over a
   // contiguous cache without the paged path's per-row addressing), and over

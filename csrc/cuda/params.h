@@ -140,4 +140,11 @@ struct KvcacheParams : FwdParams {
   QKVStrides q_unrotated;
 };
 
+// Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
+// ALiBi. The launcher picks the kernel by it, and the host reads it before
+// sizing the grid: the persistent grid exists for the plain variant only.
+inline bool splitkv_has_score_extras(const KvcacheParams& params) {
+  return params.softcap > 0.f || params.alibi_slopes != nullptr;
+}
+
 }  // namespace flash
