@@ -272,6 +272,31 @@ def test_cache_contents_after_append(rotary, rotary_dim, page_size):
     check_all(args, run_cuda(args), 6, rotary)
 
 
+@pytest.mark.parametrize("seqlen_new", [1, 16, 17, 40])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_append_in_attention_and_before(seqlen_new, rotary, page_size, num_splits):
+    # Appends of up to 16 rows (kAppendInAttentionMaxRows) in a grid of one
+    # wave are done by the attention kernel itself: each block rotates its q
+    # and takes its new rows from k / v, and the first query block of each
+    # split writes them into the cache. Longer ones go through the kernel
+    # before it (as do bigger grids: test_grid_beyond_two_blocks_per_sm,
+    # test_persistent_grid). The
+    # lengths put the new rows across a key-block boundary (64 keys at d128)
+    # and, with 7 splits, across a split boundary, so that two items each
+    # write a part; one entry's new rows (or its q positions) reach the
+    # cache's end.
+    capacity = 600
+    args = make_inputs(batch=4, seqlen_q=2, capacity=capacity, nheads=8, nheads_k=2,
+                       head_dim=128, dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary,
+                       page_size=page_size, causal=True)
+    capacity = args["block_table"].shape[1] * page_size if page_size else capacity
+    args["cache_seqlens"] = torch.tensor(
+        [128 - seqlen_new // 2, 0, 317, capacity - max(seqlen_new, 2)], dtype=torch.int32)
+    check_all(args, run_cuda(args, num_splits=num_splits), seqlen_new, rotary)
+
+
 # ----------------------------------------------------------------------------
 # paged caches
 

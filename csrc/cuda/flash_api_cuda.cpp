@@ -661,6 +661,29 @@ int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persist
              : 1;
 }
 
+// Whether the split-KV kernel does a call's append / rotary itself
+// (params.append_in_attention) instead of a kernel before it. Each of its
+// blocks loads its rotated rows before it issues its first copies; when all
+// blocks start at once those loads overlap, and the step saves the
+// pre-kernel's run and the wait for it (H100, GQA 32:8 d128 bf16, one new
+// token: b1-b16 x 4k-32k 1-2 us faster with rotary, 0.3-2 us without). In a
+// grid of several waves each later block waits out its own loads, and the
+// step got slower (b64 x 4k: 512 blocks on 132 SMs, 2.5 us slower with
+// rotary): such grids keep the pre-kernel, as do the variants compiled
+// without the append (the persistent grid, softcap / ALiBi, the 64-row
+// variant) and appends longer than kAppendInAttentionMaxRows.
+// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt.
+bool append_in_attention_fits(int warps_n, bool score_extras, int seqlen_new, int64_t num_items,
+                              int64_t grid_blocks, int launch_smem) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t blocks_per_sm = std::clamp<int64_t>(
+      int64_t(props->sharedMemPerMultiprocessor) /
+          (int64_t(launch_smem) + int64_t(props->reservedSharedMemPerBlock)),
+      1, 2);
+  return warps_n > 1 && !score_extras && seqlen_new <= kAppendInAttentionMaxRows &&
+         grid_blocks == num_items && num_items <= blocks_per_sm * props->multiProcessorCount;
+}
+
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return {0, 0, 0};
   return {t->stride(0), t->stride(1), t->stride(2)};
@@ -676,7 +699,8 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// Append (+ rotary) kernel, then the split-KV attention over the cache. The
+// Append (+ rotary), in a kernel of its own or in the split-KV attention
+// kernel over the cache (params.append_in_attention), then the attention. The
 // contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
 // are not validated here: reading them would synchronise with the device (and
 // break CUDA graph capture); out-of-range values are the caller's error, as in
@@ -750,16 +774,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                              q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
-  const at::Tensor q_attended = rotating && shape.seqlen_q > 0 ? at::empty_like(out) : q;
 
   KvcacheParams params{};
-  params.q_ptr = q_attended.data_ptr();
+  params.q_ptr = q.data_ptr();
   params.k_ptr = k_cache.data_ptr();
   params.v_ptr = v_cache.data_ptr();
   params.o_ptr = out.data_ptr();
   params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
   params.p_ptr = nullptr;
-  params.q = strides_of(q_attended, false);
+  params.q = strides_of(q, false);
   params.k = strides_of(k_cache, false);
   params.v = strides_of(v_cache, false);
   params.o = strides_of(out, false);
@@ -805,10 +828,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.q_unrotated_ptr = q.data_ptr();
   params.q_unrotated = strides_of(q, false);
 
+  params.append_in_attention = false;
+
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   params.programmatic_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
-  launch_kvcache_append_rotary(params, stream);
-  if (shape.seqlen_q == 0) return {out, softmax_lse};
+  if (shape.seqlen_q == 0) {
+    launch_kvcache_append_rotary(params, stream);  // the append alone (no q to rotate)
+    return {out, softmax_lse};
+  }
 
   params.splitkv_warps_n = warps_n;
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * num_m_blocks;
@@ -829,6 +856,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.splitkv_cluster_x = splitkv_cluster_x(warps_n, block_table.has_value(),
                                                int64_t(shape.batch) * shape.nheads_k,
                                                grid_blocks < num_items);
+  // The append and the rotation in the attention kernel itself where that
+  // pays (append_in_attention_fits); otherwise the pre-kernel writes the
+  // cache and a rotated copy of q first.
+  params.append_in_attention =
+      (appending || rotating) &&
+      append_in_attention_fits(warps_n, score_extras, params.seqlen_new, num_items, grid_blocks,
+                               params.splitkv_launch_smem);
+  at::Tensor q_rotated;
+  if (!params.append_in_attention) {
+    if (rotating) {
+      q_rotated = at::empty_like(out);
+      params.q_ptr = q_rotated.data_ptr();
+      params.q = strides_of(q_rotated, false);
+    }
+    launch_kvcache_append_rotary(params, stream);
+  }
   at::Tensor split_accum;
   params.out_accum_ptr = nullptr;
   params.lse_accum_ptr = nullptr;

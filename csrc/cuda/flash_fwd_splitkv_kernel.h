@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -33,6 +34,7 @@
 #include "dependent_launch.h"
 #include "kernel_traits.h"
 #include "params.h"
+#include "rotary.h"
 #include "score_mods.h"
 #include "softmax.h"
 #include "splitkv_tile_config.h"
@@ -84,8 +86,14 @@ enum class CacheLayout { kContiguous, kPaged, kEither };
 
 // kSeveralItems: compiled for the persistent grid (a block may run several
 // items); without it the block runs item blockIdx.x alone, and the grid must
-// have a block per item.
-template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout, bool kSeveralItems>
+// have a block per item. kAppends: compiled to do a decode step's append and
+// rotary itself (params.append_in_attention); an instance of its own, so
+// that the kernels of calls without them carry none of its code (with it
+// compiled in and branched around, attention alone ran 0.4-1.2 us slower per
+// call, though the main loop's machine code was the same; H100,
+// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt).
+template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout, bool kSeveralItems,
+          bool kAppends = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_splitkv_kernel(const KvcacheParams params) {
   using Element = typename Traits::Element;
@@ -128,6 +136,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const Element* const q_ptr = static_cast<const Element*>(params.q_ptr);
   const Element* const k_ptr = static_cast<const Element*>(params.k_ptr);
   const Element* const v_ptr = static_cast<const Element*>(params.v_ptr);
+
+  // The append and the rotation of a decode step, done here rather than in a
+  // kernel before this one (params.append_in_attention): that kernel's run
+  // and the wait for it cost a step 2.5-5 us, more than its copies. A block
+  // rotates its query rows as it loads them, takes the new keys / values of
+  // its tiles from new_k / new_v (it never reads back what another block
+  // writes), and writes the new rows of its item's share into the cache. A
+  // persistent block would stall its stream once per item on the rotations'
+  // loads; the host leaves that grid, and grids of several waves, to the
+  // pre-kernel (append_in_attention_fits, flash_api_cuda.cpp).
+  static_assert(!(kAppends && kSeveralItems), "the persistent grid leaves the append to a pre-kernel");
+  const bool append_here = kAppends && params.append_in_attention;
+  const bool appending = append_here && params.seqlen_new > 0;
+  const bool rotating = append_here && params.rotary_dim > 0;
+  using RotaryElement = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
+                                           __nv_bfloat16, __half>;
+  static_assert(sizeof(RotaryElement) == sizeof(Element));
 
   // Shared memory: Traits::kStages (K tile, V tile) stages, so that the
   // copies of the next tiles run while the current one is computed (decode
@@ -227,16 +252,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
   const int64_t k_row_step = int64_t(kCopyRowStep) * params.k.row_stride;
   const int64_t v_row_step = int64_t(kCopyRowStep) * params.v.row_stride;
+  // The source of new row `new_row` of the item's (batch, kv head) in new_k /
+  // new_v.
+  auto new_k_row = [&](const SplitKvItem& it, int new_row) {
+    return static_cast<const Element*>(params.new_k_ptr) + it.batch * params.new_k.batch_stride +
+           int64_t(new_row) * params.new_k.row_stride +
+           int64_t(it.head_kv) * params.new_k.head_stride;
+  };
+  auto new_v_row = [&](const SplitKvItem& it, int new_row) {
+    return static_cast<const Element*>(params.new_v_ptr) + it.batch * params.new_v.batch_stride +
+           int64_t(new_row) * params.new_v.row_stride +
+           int64_t(it.head_kv) * params.new_v.head_stride;
+  };
   // K and V of one tile into one stage. Rows past the keys and columns past
   // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
-  auto load_tile = [&](const SplitKvItem& it, int n_block, int stage) {
+  // In the prologue (in_prologue), rows from the item's first new row on are
+  // left to store_new_rows when the kernel appends: nothing else may write
+  // their bytes. The new rows are the last keys, so they lie in an item's
+  // first tiles (the walk runs from the last key block down), all loaded by
+  // the prologue; the main loop keeps the plain copy loop.
+  static_assert(kAppendInAttentionMaxRows <= kBlockN && kStages >= 2,
+                "new rows span at most two key blocks, both loaded by the prologue");
+  auto load_tile = [&](const SplitKvItem& it, int n_block, int stage, auto in_prologue) {
+    constexpr bool kMaySkipNewRows = decltype(in_prologue)::value;
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(stage_k(stage));
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(stage_v(stage));
     const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
     const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
     const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
+    const int new_rows_from =
+        appending ? it.seqlen_k - params.seqlen_new - n_block * kBlockN : rows_in_tile;
     auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
-      const bool row_ok = get<0>(tKVcKV(0, m, 0)) < rows_in_tile;
+      const int row = get<0>(tKVcKV(0, m, 0));
+      const bool row_ok = row < rows_in_tile;
+      if (kMaySkipNewRows && row_ok && row >= new_rows_from) return;
       CUTE_UNROLL
       for (int k = 0; k < kCopyCols; ++k) {
         const int col = get<1>(tKVcKV(0, m, k));
@@ -266,6 +315,118 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         k_row += k_row_step;
         v_row += v_row_step;
       }
+    }
+  };
+
+  // The item's new rows in its tiles, from new_k / new_v, into the stages the
+  // prologue loads those tiles into (tile t of the item in stage t): V and
+  // unrotated K by cp.async, issued before the prologue's first commit so
+  // that they join the first tile's group, rotated K with plain loads and
+  // stores (published by the first tile step's barrier).
+  auto store_new_rows = [&](const SplitKvItem& it) {
+    constexpr int kChunksPerRow = kHeadDim / kRotaryChunkElems;
+    const int first_new_key = it.seqlen_k - params.seqlen_new;
+    const int key_begin = max(first_new_key, it.n_block_min * kBlockN);
+    const int key_end = min(it.seqlen_k, it.n_block_max * kBlockN);
+    const int chunks = (key_end - key_begin) * kChunksPerRow;
+    for (int index = tidx; index < chunks; index += Traits::kNThreads) {
+      const int key = key_begin + index / kChunksPerRow;
+      const int col = index % kChunksPerRow * kRotaryChunkElems;
+      const int n_block = key / kBlockN;
+      const int stage = it.n_block_max - 1 - n_block;
+      const int tile_row = key - n_block * kBlockN;
+      Element* k_dst = &stage_k(stage)(tile_row, col);
+      Element* v_dst = &stage_v(stage)(tile_row, col);
+      const Element* k_src = new_k_row(it, key - first_new_key);
+      const Element* v_src = new_v_row(it, key - first_new_key);
+      const bool ok = col < params.head_dim;
+      if (rotating && ok) {
+        const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
+            params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim,
+            it.cache.leftpad + key);
+        *reinterpret_cast<uint4*>(k_dst) =
+            rotary_chunk(reinterpret_cast<const RotaryElement*>(k_src), col, rotary.cos_row,
+                         rotary.sin_row, params.rotary_dim, params.rotary_interleaved);
+      } else {
+        cp_async_16_or_zero(k_dst, k_src + col, ok);
+      }
+      cp_async_16_or_zero(v_dst, v_src + col, ok);
+    }
+  };
+
+  // Query rows rotated at their positions (cache_seqlens[b], plus the query
+  // index under a causal / local mask) into a Q slot, with plain loads and
+  // stores; rows past the item's and columns past head_dim are zeros, as the
+  // cp.async path leaves them. Called before the first tiles' copies are
+  // issued: behind them, its loads would wait for the whole prologue's bytes.
+  auto store_rotated_q = [&](const SplitKvItem& it, int slot) {
+    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(slot_q(slot));
+    const int cache_seqlen = it.cache.leftpad + it.seqlen_k - params.seqlen_new;
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tQsQ); ++m) {
+      const int tile_row = get<0>(tQcQ(0, m, 0));
+      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
+      const Element* q_row = q_ptr + it.batch * params.q.batch_stride +
+                             int64_t(packed.query) * params.q.row_stride +
+                             int64_t(it.head_kv * group + packed.head_in_group) *
+                                 params.q.head_stride;
+      const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
+          params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim,
+          cache_seqlen + (params.rotary_q_per_row ? packed.query : 0));
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tQsQ); ++k) {
+        const int col = get<1>(tQcQ(0, m, k));
+        uint4 chunk = make_uint4(0, 0, 0, 0);
+        if (tile_row < it.rows_left && col < params.head_dim) {
+          chunk = rotary_chunk(reinterpret_cast<const RotaryElement*>(q_row), col,
+                               rotary.cos_row, rotary.sin_row, params.rotary_dim,
+                               params.rotary_interleaved);
+        }
+        *reinterpret_cast<uint4*>(&tQsQ(0, m, k)) = chunk;
+      }
+    }
+  };
+
+  // The new rows of the item's share into the cache (appending), K rotated
+  // when rotary tables are given. Fire and forget: no block of this grid
+  // reads them back (the tiles take new rows from new_k / new_v).
+  auto append_to_cache = [&](const SplitKvItem& it) {
+    constexpr int kChunksPerRow = kHeadDim / kRotaryChunkElems;
+    const int first_new_key = it.seqlen_k - params.seqlen_new;
+    const int chunks = (it.append_key_end - it.append_key_begin) * kChunksPerRow;
+    Element* const k_cache = const_cast<Element*>(k_ptr);
+    Element* const v_cache = const_cast<Element*>(v_ptr);
+    for (int index = tidx; index < chunks; index += Traits::kNThreads) {
+      const int key = it.append_key_begin + index / kChunksPerRow;
+      const int col = index % kChunksPerRow * kRotaryChunkElems;
+      if (col >= params.head_dim) continue;
+      const int position = it.cache.leftpad + key;
+      int64_t k_offset, v_offset;
+      if (is_paged(it)) {
+        int page_index, in_page;
+        it.cache.page_size.divmod(position, page_index, in_page);
+        const int64_t page = it.cache.block_table_row[page_index];
+        k_offset = page * params.k.batch_stride + int64_t(in_page) * params.k.row_stride;
+        v_offset = page * params.v.batch_stride + int64_t(in_page) * params.v.row_stride;
+      } else {
+        k_offset = int64_t(it.cache.entry) * params.k.batch_stride +
+                   int64_t(position) * params.k.row_stride;
+        v_offset = int64_t(it.cache.entry) * params.v.batch_stride +
+                   int64_t(position) * params.v.row_stride;
+      }
+      k_offset += int64_t(it.head_kv) * params.k.head_stride + col;
+      v_offset += int64_t(it.head_kv) * params.v.head_stride + col;
+      const Element* k_src = new_k_row(it, key - first_new_key);
+      const Element* v_src = new_v_row(it, key - first_new_key);
+      const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
+          params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim, position);
+      *reinterpret_cast<uint4*>(k_cache + k_offset) =
+          rotating ? rotary_chunk(reinterpret_cast<const RotaryElement*>(k_src), col,
+                                  rotary.cos_row, rotary.sin_row, params.rotary_dim,
+                                  params.rotary_interleaved)
+                   : *reinterpret_cast<const uint4*>(k_src + col);
+      *reinterpret_cast<uint4*>(v_cache + v_offset) =
+          *reinterpret_cast<const uint4*>(v_src + col);
     }
   };
 
@@ -303,10 +464,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       load_item = num_items;
     }
   };
-  auto load_next_tile = [&](int stage) {
+  auto load_next_tile = [&](int stage, auto in_prologue) {
     if (load_item < num_items) {
-      if (load_n_block == load_item_work.n_block_max - 1) load_q(load_item_work, load_q_slot);
-      load_tile(load_item_work, load_n_block, stage);
+      if (load_n_block == load_item_work.n_block_max - 1 && !rotating) {
+        load_q(load_item_work, load_q_slot);
+      }
+      load_tile(load_item_work, load_n_block, stage, in_prologue);
       if (--load_n_block >= load_item_work.n_block_min) {
         locate_tile(load_item_work, load_n_block);
       } else {
@@ -321,8 +484,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     advance_load_item();
   }
+  // Rotated Q (in the slot the item computes from) and the new rows go into
+  // shared memory before the first copies, the new rows into the cache after
+  // them; the first tile step's barrier publishes what was stored.
+  if (first_item.has_keys()) {
+    if (rotating) store_rotated_q(first_item, 0);
+    if (appending) store_new_rows(first_item);
+  }
   CUTE_UNROLL
-  for (int stage = 0; stage < kStages; ++stage) load_next_tile(stage);
+  for (int stage = 0; stage < kStages; ++stage) load_next_tile(stage, std::true_type{});
+  if (appending) append_to_cache(first_item);
 
   // Each warp multiplies its 16 query rows by its slab of keys on its own.
   typename Traits::WarpMma warp_mma;
@@ -556,7 +727,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Every warp is done with this stage before it is refilled.
       __syncthreads();
-      load_next_tile(stage);
+      load_next_tile(stage, std::false_type{});
       stage = stage == kStages - 1 ? 0 : stage + 1;
       if (kSeveralItems && merge_pending) {
         combine_parts(pending_merge);  // the parts were written before this step's barriers

@@ -1,6 +1,7 @@
 // Host side of fwd_kvcache's attention: the split-KV kernel over the cache,
 // then (num_splits > 1) the combine kernel, for one (dtype, compiled head dim).
-// The append / rotary step runs before this (kvcache_append_rotary.h).
+// The append / rotary step runs before this (kvcache_append_rotary.h), or in
+// the split-KV kernel (params.append_in_attention).
 #pragma once
 
 #include <stdexcept>
@@ -43,8 +44,21 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
         "flash_attn_cuda: fwd_kvcache: a persistent split-KV grid needs the decode variant's "
         "plain kernel over a contiguous cache");
   }
+  // The append / rotary in the kernel (params.append_in_attention) has
+  // instances for the decode variant's plain kernels of one block per item.
+  if (params.append_in_attention && (several_items || kWarpsN == 1 || with_score_extras)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: fwd_kvcache: only the decode variant's plain kernel with a block per "
+        "item appends itself (params.append_in_attention must be false)");
+  }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
+      if (params.append_in_attention) {
+        return params.block_table != nullptr
+                   ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false, true>
+                   : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false,
+                                               true>;
+      }
       if (several_items) {
         return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, true>;
       }

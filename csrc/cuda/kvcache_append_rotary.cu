@@ -7,69 +7,21 @@
 
 #include "cuda_check.h"
 #include "dependent_launch.h"
+#include "rotary.h"
 
 namespace flash {
 namespace {
 
-constexpr int kElemsPerThread = 8;  // one 16-byte chunk of a head vector
+constexpr int kElemsPerThread = kRotaryChunkElems;
 constexpr int kThreads = 256;
 
-template <typename T>
-__device__ float to_float(T x);
-template <>
-__device__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ T from_float(float x);
-template <>
-__device__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// Element d of a head vector after rotation at one position: pairs (2m, 2m+1)
-// when interleaved, else (m, m + rotary_dim / 2). Explicit _rn products keep
-// the compiler from contracting into an FMA, matching the CPU rounding.
-template <typename T>
-__device__ T rotated_element(const T* src, int d, const T* cos_row, const T* sin_row,
-                             int rotary_dim, bool interleaved) {
-  if (d >= rotary_dim) return src[d];
-  const int half = rotary_dim / 2;
-  int m, first, second;
-  if (interleaved) {
-    m = d / 2;
-    first = 2 * m;
-    second = first + 1;
-  } else {
-    m = d < half ? d : d - half;
-    first = m;
-    second = m + half;
-  }
-  const float x0 = to_float(src[first]);
-  const float x1 = to_float(src[second]);
-  const float c = to_float(cos_row[m]);
-  const float s = to_float(sin_row[m]);
-  const float value = d == first ? __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s))
-                                 : __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
-  return from_float<T>(value);
-}
-
 // Copies (rotating when rotary_dim > 0) 8 consecutive elements of one head
-// vector; 16-byte stores when nothing is rotated.
+// vector.
 template <typename T>
-__device__ void copy_chunk(const T* src, T* dst, int d0, const T* cos_row, const T* sin_row,
+__device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& rotary,
                            int rotary_dim, bool interleaved) {
-  if (d0 >= rotary_dim) {
-    *reinterpret_cast<uint4*>(dst + d0) = *reinterpret_cast<const uint4*>(src + d0);
-    return;
-  }
-  alignas(16) T values[kElemsPerThread];
-#pragma unroll
-  for (int e = 0; e < kElemsPerThread; ++e) {
-    values[e] = rotated_element(src, d0 + e, cos_row, sin_row, rotary_dim, interleaved);
-  }
-  *reinterpret_cast<uint4*>(dst + d0) = *reinterpret_cast<const uint4*>(values);
+  *reinterpret_cast<uint4*>(dst + d0) =
+      rotary_chunk(src, d0, rotary.cos_row, rotary.sin_row, rotary_dim, interleaved);
 }
 
 __device__ int cache_end(const KvcacheParams& p, int b) {
@@ -104,12 +56,11 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
                    int64_t(i) * p.new_v.row_stride + h * p.new_v.head_stride;
   T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
   T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
-  const int half = p.rotary_dim / 2;
-  const T* cos_row = static_cast<const T*>(p.rotary_cos_ptr) + int64_t(pos) * half;
-  const T* sin_row = static_cast<const T*>(p.rotary_sin_ptr) + int64_t(pos) * half;
+  const RotaryRows<T> rotary =
+      rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos);
   const int d0 = chunk * kElemsPerThread;
-  copy_chunk(k_src, k_cache, d0, cos_row, sin_row, p.rotary_dim, p.rotary_interleaved);
-  copy_chunk(v_src, v_cache, d0, cos_row, sin_row, 0, false);
+  copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
+  copy_chunk(v_src, v_cache, d0, rotary, 0, false);
 }
 
 // Chunk `index` of the (batch, query row, head) vectors of q.
@@ -125,11 +76,9 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
                  int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
   T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +
            int64_t(i) * p.q.row_stride + h * p.q.head_stride;
-  const int half = p.rotary_dim / 2;
   copy_chunk(src, dst, chunk * kElemsPerThread,
-             static_cast<const T*>(p.rotary_cos_ptr) + int64_t(pos) * half,
-             static_cast<const T*>(p.rotary_sin_ptr) + int64_t(pos) * half, p.rotary_dim,
-             p.rotary_interleaved);
+             rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos),
+             p.rotary_dim, p.rotary_interleaved);
 }
 
 // One thread per 8-element chunk: the appended k / v chunks first, then the

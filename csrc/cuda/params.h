@@ -124,7 +124,8 @@ struct KvcacheParams : FwdParams {
   // rotary kernel, the split-KV kernel and the combine.
   bool programmatic_launch;
 
-  // Append + rotary (run before the attention kernel). new_k / new_v are
+  // Append + rotary (run before the attention kernel, or by it:
+  // append_in_attention). new_k / new_v are
   // (batch, seqlen_new, nheads_k, head_dim); rotary tables (seqlen_ro,
   // rotary_dim / 2), contiguous, q's dtype. q_rotated (contiguous, q's shape)
   // receives q rotated; the attention then reads q_ptr = q_rotated.
@@ -138,7 +139,21 @@ struct KvcacheParams : FwdParams {
   bool rotary_q_per_row;  // causal / local: query row i at position end + i
   const void* q_unrotated_ptr;
   QKVStrides q_unrotated;
+  // The split-KV kernel does the append and the rotation itself (no
+  // pre-kernel; q_ptr is then q as given, unrotated): each block rotates its
+  // query rows as it loads them, reads the new keys / values of its tiles
+  // from new_k / new_v, and the first query block of each split writes the
+  // new rows of its key blocks into the cache. The host sets it for the
+  // decode variant's plain kernel with one block per work item, one wave of
+  // blocks, and seqlen_new <= kAppendInAttentionMaxRows
+  // (append_in_attention_fits, flash_api_cuda.cpp).
+  bool append_in_attention;
 };
+
+// Longest append the split-KV kernel does itself (a decode step, or a few
+// speculative tokens): a block rotates its new keys one chunk at a time, with
+// a dependent load each, which a long chunk of prefill would queue up.
+constexpr int kAppendInAttentionMaxRows = 16;
 
 // Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
 // ALiBi. The launcher picks the kernel by it, and the host reads it before

@@ -48,6 +48,12 @@ struct SplitKvItem {
   // some row of the block can see. Empty when none is left.
   int n_block_min;
   int n_block_max;
+  // Keys [append_key_begin, append_key_end) are new rows (from new_k / new_v)
+  // that this item writes into the cache (params.append_in_attention): the
+  // first query block of each split writes those in the split's key blocks,
+  // seen by some query or not, so that each is written once.
+  int append_key_begin;
+  int append_key_end;
 
   __device__ bool has_keys() const { return n_block_max > n_block_min; }
 };
@@ -123,6 +129,10 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   const int split_end = int(int64_t(it.split + 1) * num_n_blocks / params.num_splits);
   it.n_block_min = max(key_range.begin / kBlockN, split_begin);
   it.n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
+  const bool writes_new_rows = params.append_in_attention && m_block == 0;
+  it.append_key_begin =
+      writes_new_rows ? max(it.seqlen_k - params.seqlen_new, split_begin * kBlockN) : 0;
+  it.append_key_end = writes_new_rows ? min(it.seqlen_k, split_end * kBlockN) : 0;
   return it;
 }
 
