@@ -511,6 +511,16 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
 // No more splits than key blocks of the cache capacity (the per-batch lengths
 // live on the device), at most kMaxKvSplits. An explicit count is honoured up
 // to the same caps.
+// Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
+// once: 128 threads of at most 255 registers, so two always fit the register
+// file; shared memory may allow fewer.
+int64_t splitkv_blocks_per_sm(int64_t smem_bytes) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  return std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) /
+                                 (smem_bytes + int64_t(props->reservedSharedMemPerBlock)),
+                             1, 2);
+}
+
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
                      int compiled_head_dim, int warps_n, bool paged) {
   const int block_n = splitkv_block_n(compiled_head_dim);
@@ -518,17 +528,15 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
   if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, cap));
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  // 128 threads of at most 255 registers: two blocks always fit the register
-  // file; shared memory may allow fewer. The decode variant over a contiguous
+  // The decode variant over a contiguous
   // cache is meant to run one block per SM (splitkv_stages); over a paged one
   // its page lookups lengthen each tile's copy, which a second block per SM
   // hides (H200, GQA 32:8 d128, 16-row pages: 1.22-1.45x the contiguous time
   // with one block per SM, 1.04-1.07x with two).
-  const int64_t smem_per_block =
-      splitkv_smem_bytes(compiled_head_dim, warps_n) + int64_t(props->reservedSharedMemPerBlock);
-  const int64_t blocks_fit =
-      std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) / smem_per_block, 1, 2);
-  const int64_t blocks_per_sm = warps_n > 1 && !paged ? 1 : blocks_fit;
+  const int64_t blocks_per_sm =
+      warps_n > 1 && !paged
+          ? 1
+          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n));
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * props->multiProcessorCount);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -675,13 +683,10 @@ int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persist
 // benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt.
 bool append_in_attention_fits(int warps_n, bool score_extras, int seqlen_new, int64_t num_items,
                               int64_t grid_blocks, int launch_smem) {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t blocks_per_sm = std::clamp<int64_t>(
-      int64_t(props->sharedMemPerMultiprocessor) /
-          (int64_t(launch_smem) + int64_t(props->reservedSharedMemPerBlock)),
-      1, 2);
   return warps_n > 1 && !score_extras && seqlen_new <= kAppendInAttentionMaxRows &&
-         grid_blocks == num_items && num_items <= blocks_per_sm * props->multiProcessorCount;
+         grid_blocks == num_items &&
+         num_items <= splitkv_blocks_per_sm(launch_smem) *
+                          at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {

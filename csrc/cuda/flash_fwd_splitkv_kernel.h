@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The append and the rotation of a decode step, done here rather than in a
   // kernel before this one (params.append_in_attention): that kernel's run
   // and the wait for it cost a step 2.5-5 us, more than its copies. A block
-  // rotates its query rows as it loads them, takes the new keys / values of
-  // its tiles from new_k / new_v (it never reads back what another block
+  // rotates its query rows into shared memory, takes the new keys / values
+  // of its tiles from new_k / new_v (it never reads back what another block
   // writes), and writes the new rows of its item's share into the cache. A
   // persistent block would stall its stream once per item on the rotations'
   // loads; the host leaves that grid, and grids of several waves, to the
@@ -252,17 +252,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
   const int64_t k_row_step = int64_t(kCopyRowStep) * params.k.row_stride;
   const int64_t v_row_step = int64_t(kCopyRowStep) * params.v.row_stride;
-  // The source of new row `new_row` of the item's (batch, kv head) in new_k /
-  // new_v.
-  auto new_k_row = [&](const SplitKvItem& it, int new_row) {
-    return static_cast<const Element*>(params.new_k_ptr) + it.batch * params.new_k.batch_stride +
-           int64_t(new_row) * params.new_k.row_stride +
-           int64_t(it.head_kv) * params.new_k.head_stride;
-  };
-  auto new_v_row = [&](const SplitKvItem& it, int new_row) {
-    return static_cast<const Element*>(params.new_v_ptr) + it.batch * params.new_v.batch_stride +
-           int64_t(new_row) * params.new_v.row_stride +
-           int64_t(it.head_kv) * params.new_v.head_stride;
+  // New row `new_row` of the item's (batch, kv head) in new_k or new_v.
+  auto new_row_of = [&](const void* tensor, const QKVStrides& strides, const SplitKvItem& it,
+                        int new_row) {
+    return static_cast<const Element*>(tensor) + it.batch * strides.batch_stride +
+           int64_t(new_row) * strides.row_stride + int64_t(it.head_kv) * strides.head_stride;
   };
   // K and V of one tile into one stage. Rows past the keys and columns past
   // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
@@ -337,8 +331,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int tile_row = key - n_block * kBlockN;
       Element* k_dst = &stage_k(stage)(tile_row, col);
       Element* v_dst = &stage_v(stage)(tile_row, col);
-      const Element* k_src = new_k_row(it, key - first_new_key);
-      const Element* v_src = new_v_row(it, key - first_new_key);
+      const Element* k_src = new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key);
+      const Element* v_src = new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key);
       const bool ok = col < params.head_dim;
       if (rotating && ok) {
         const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
@@ -401,23 +395,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int col = index % kChunksPerRow * kRotaryChunkElems;
       if (col >= params.head_dim) continue;
       const int position = it.cache.leftpad + key;
-      int64_t k_offset, v_offset;
-      if (is_paged(it)) {
-        int page_index, in_page;
-        it.cache.page_size.divmod(position, page_index, in_page);
-        const int64_t page = it.cache.block_table_row[page_index];
-        k_offset = page * params.k.batch_stride + int64_t(in_page) * params.k.row_stride;
-        v_offset = page * params.v.batch_stride + int64_t(in_page) * params.v.row_stride;
-      } else {
-        k_offset = int64_t(it.cache.entry) * params.k.batch_stride +
-                   int64_t(position) * params.k.row_stride;
-        v_offset = int64_t(it.cache.entry) * params.v.batch_stride +
-                   int64_t(position) * params.v.row_stride;
-      }
-      k_offset += int64_t(it.head_kv) * params.k.head_stride + col;
-      v_offset += int64_t(it.head_kv) * params.v.head_stride + col;
-      const Element* k_src = new_k_row(it, key - first_new_key);
-      const Element* v_src = new_v_row(it, key - first_new_key);
+      const CacheRowAt at = cache_row_at(it.cache, position);
+      const int64_t k_offset = cache_offset(at, it.head_kv, params.k) + col;
+      const int64_t v_offset = cache_offset(at, it.head_kv, params.v) + col;
+      const Element* k_src = new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key);
+      const Element* v_src = new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key);
       const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
           params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim, position);
       *reinterpret_cast<uint4*>(k_cache + k_offset) =

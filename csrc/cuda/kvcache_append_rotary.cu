@@ -8,6 +8,7 @@
 #include "cuda_check.h"
 #include "dependent_launch.h"
 #include "rotary.h"
+#include "splitkv_work_item.h"
 
 namespace flash {
 namespace {
@@ -38,18 +39,11 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads_k * p.seqlen_new));
   const int pos = cache_end(p, b) + i;
 
-  int64_t k_dst, v_dst;
-  if (p.block_table) {
-    int page_index, row;
-    p.page_size.divmod(pos, page_index, row);
-    const int64_t page = p.block_table[b * p.block_table_batch_stride + page_index];
-    k_dst = page * p.k.batch_stride + row * p.k.row_stride + h * p.k.head_stride;
-    v_dst = page * p.v.batch_stride + row * p.v.row_stride + h * p.v.head_stride;
-  } else {
-    const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
-    k_dst = entry * p.k.batch_stride + int64_t(pos) * p.k.row_stride + h * p.k.head_stride;
-    v_dst = entry * p.v.batch_stride + int64_t(pos) * p.v.row_stride + h * p.v.head_stride;
-  }
+  const CacheRows cache{p.block_table ? p.block_table + b * p.block_table_batch_stride : nullptr,
+                        p.cache_batch_idx ? p.cache_batch_idx[b] : b, 0, p.page_size};
+  const CacheRowAt at = cache_row_at(cache, pos);
+  const int64_t k_dst = cache_offset(at, h, p.k);
+  const int64_t v_dst = cache_offset(at, h, p.v);
   const T* k_src = static_cast<const T*>(p.new_k_ptr) + b * p.new_k.batch_stride +
                    int64_t(i) * p.new_k.row_stride + h * p.new_k.head_stride;
   const T* v_src = static_cast<const T*>(p.new_v_ptr) + b * p.new_v.batch_stride +

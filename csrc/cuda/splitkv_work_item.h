@@ -34,6 +34,29 @@ struct CacheRows {
   IntDivisor page_size;
 };
 
+// Cache position `position` (leftpad included) of a batch entry: the cache
+// entry (its own or a page) and the row in it. Offset of head h in a cache
+// of strides s: entry * s.batch_stride + row * s.row_stride + h *
+// s.head_stride. The split-KV kernel's tile copies locate their rows with
+// their own arithmetic (one table read per page per tile).
+struct CacheRowAt {
+  int64_t entry;
+  int64_t row;
+};
+
+__forceinline__ __device__ CacheRowAt cache_row_at(const CacheRows& cache, int position) {
+  if (cache.block_table_row == nullptr) return {cache.entry, position};
+  int page_index, in_page;
+  cache.page_size.divmod(position, page_index, in_page);
+  return {cache.block_table_row[page_index], in_page};
+}
+
+__forceinline__ __device__ int64_t cache_offset(const CacheRowAt& at, int head,
+                                                const QKVStrides& strides) {
+  return at.entry * strides.batch_stride + at.row * strides.row_stride +
+         int64_t(head) * strides.head_stride;
+}
+
 struct SplitKvItem {
   int batch;
   int head_kv;
