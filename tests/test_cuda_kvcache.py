@@ -278,11 +278,11 @@ def test_cache_contents_after_append(rotary, rotary_dim, page_size):
 @pytest.mark.parametrize("num_splits", [1, 7])
 def test_append_in_attention_and_before(seqlen_new, rotary, page_size, num_splits):
     # Appends of up to 16 rows (kAppendInAttentionMaxRows) in a grid of one
-    # wave are done by the attention kernel itself: each block rotates its q
-    # and takes its new rows from k / v, and the first query block of each
-    # split writes them into the cache. Longer ones go through the kernel
-    # before it (as do bigger grids: test_grid_beyond_two_blocks_per_sm,
-    # test_persistent_grid). The
+    # wave are done by the attention kernel itself: each block copies its q
+    # and its new rows from k / v with its first tile, rotates them, and the
+    # first query block of each split writes the new rows into the cache.
+    # Longer ones go through the kernel before it (as do bigger grids:
+    # test_grid_beyond_two_blocks_per_sm, test_persistent_grid). The
     # lengths put the new rows across a key-block boundary (64 keys at d128)
     # and, with 7 splits, across a split boundary, so that two items each
     # write a part; one entry's new rows (or its q positions) reach the
@@ -295,6 +295,36 @@ def test_append_in_attention_and_before(seqlen_new, rotary, page_size, num_split
     args["cache_seqlens"] = torch.tensor(
         [128 - seqlen_new // 2, 0, 317, capacity - max(seqlen_new, 2)], dtype=torch.int32)
     check_all(args, run_cuda(args, num_splits=num_splits), seqlen_new, rotary)
+
+
+def unaligned_copy(table):
+    """The table on the device at an address 8 bytes past a 16-byte boundary."""
+    flat = torch.empty(table.numel() + 4, dtype=table.dtype, device=DEVICE)
+    flat[4:] = table.flatten().to(DEVICE)
+    return flat[4:].view(table.shape)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "neox"])
+@pytest.mark.parametrize("case", ["dim32", "dim40", "dim8", "tables_unaligned",
+                                  "window_sees_new", "window_hides_new"])
+def test_append_in_attention_rules(rotary, case):
+    # The attention kernel rotates 16-element units it copied 16 bytes at a
+    # time, and loads only the new keys of the tiles it attends to: rotary
+    # dims that are not a multiple of 16, tables off a 16-byte boundary and
+    # local windows that hide a new key from every query (6 new keys, one
+    # query, 2 keys to its left) go through the kernel before it
+    # (append_in_attention_fits). Both sides of each rule, with rotary dims
+    # that leave part of each head unrotated.
+    rotary_dim = {"dim32": 32, "dim40": 40, "dim8": 8}.get(case, 64)
+    window = {"window_sees_new": (5, 0), "window_hides_new": (2, 0)}.get(case, (-1, -1))
+    args = make_inputs(batch=3, seqlen_q=1, capacity=300, nheads=8, nheads_k=2, head_dim=128,
+                       dtype=torch.bfloat16, seqlen_new=6, rotary=rotary, rotary_dim=rotary_dim,
+                       window=window)
+    args["cache_seqlens"] = torch.tensor([0, 61, 294], dtype=torch.int32)
+    overrides = {}
+    if case == "tables_unaligned":
+        overrides = {name: unaligned_copy(args[name]) for name in ("rotary_cos", "rotary_sin")}
+    check_all(args, run_cuda(args, **overrides), 6, rotary)
 
 
 # ----------------------------------------------------------------------------

@@ -671,20 +671,40 @@ int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persist
 
 // Whether the split-KV kernel does a call's append / rotary itself
 // (params.append_in_attention) instead of a kernel before it. Each of its
-// blocks loads its rotated rows before it issues its first copies; when all
-// blocks start at once those loads overlap, and the step saves the
-// pre-kernel's run and the wait for it (H100, GQA 32:8 d128 bf16, one new
-// token: b1-b16 x 4k-32k 1-2 us faster with rotary, 0.3-2 us without). In a
-// grid of several waves each later block waits out its own loads, and the
-// step got slower (b64 x 4k: 512 blocks on 132 SMs, 2.5 us slower with
-// rotary): such grids keep the pre-kernel, as do the variants compiled
-// without the append (the persistent grid, softcap / ALiBi, the 64-row
-// variant) and appends longer than kAppendInAttentionMaxRows.
-// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt.
-bool append_in_attention_fits(int warps_n, bool score_extras, int seqlen_new, int64_t num_items,
-                              int64_t grid_blocks, int launch_smem) {
-  return warps_n > 1 && !score_extras && seqlen_new <= kAppendInAttentionMaxRows &&
-         grid_blocks == num_items &&
+// blocks copies its query rows, new keys / values and rotary table rows into
+// shared memory with its first tile and rotates them there, and the step
+// saves the pre-kernel's run and the wait for it. In a grid of several waves
+// each later block would wait out its own rotation, and the step got slower
+// (H100, b64 x 4k: 512 blocks on 132 SMs, 2.5 us slower with rotary, when
+// the rotation's loads came before the copies): such grids keep the
+// pre-kernel, as do the variants compiled without the append (the
+// persistent grid, softcap / ALiBi, the 64-row variant), appends longer than
+// kAppendInAttentionMaxRows, rotary dims that are not a multiple of 16 or
+// tables not 16-byte aligned (the kernel rotates 16-element units from
+// 16-byte copies), and local windows that hide a new key from every query
+// (a block loads only new keys of tiles it attends to).
+// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt and
+// decode_append_smem_rotation_ab.txt.
+bool append_in_attention_fits(const KvcacheParams& params, bool score_extras, int64_t num_m_blocks,
+                              int64_t num_items, int64_t grid_blocks, int compiled_head_dim) {
+  const int warps_n = params.splitkv_warps_n;
+  if (warps_n == 1 || score_extras || num_m_blocks != 1 || grid_blocks != num_items ||
+      params.seqlen_new > kAppendInAttentionMaxRows) {
+    return false;
+  }
+  if (params.rotary_dim > 0) {
+    const bool tables_aligned = reinterpret_cast<uintptr_t>(params.rotary_cos_ptr) % 16 == 0 &&
+                                reinterpret_cast<uintptr_t>(params.rotary_sin_ptr) % 16 == 0;
+    if (params.rotary_dim % 16 != 0 || !tables_aligned) return false;
+  }
+  // The queries' keys reach down to key_diagonal(0) - window_left =
+  // seqlen_k - seqlen_q - window_left, and up to the last key.
+  if (params.window_left >= 0 && params.seqlen_new > params.seqlen_q + params.window_left) {
+    return false;
+  }
+  const int launch_smem = std::max(params.splitkv_launch_smem,
+                                   splitkv_append_smem_bytes(compiled_head_dim, warps_n));
+  return launch_smem <= int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) &&
          num_items <= splitkv_blocks_per_sm(launch_smem) *
                           at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
@@ -865,9 +885,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   // pays (append_in_attention_fits); otherwise the pre-kernel writes the
   // cache and a rotated copy of q first.
   params.append_in_attention =
-      (appending || rotating) &&
-      append_in_attention_fits(warps_n, score_extras, params.seqlen_new, num_items, grid_blocks,
-                               params.splitkv_launch_smem);
+      (appending || rotating) && append_in_attention_fits(params, score_extras, num_m_blocks,
+                                                          num_items, grid_blocks, compiled);
   at::Tensor q_rotated;
   if (!params.append_in_attention) {
     if (rotating) {

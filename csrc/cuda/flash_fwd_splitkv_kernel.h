@@ -140,12 +140,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The append and the rotation of a decode step, done here rather than in a
   // kernel before this one (params.append_in_attention): that kernel's run
   // and the wait for it cost a step 2.5-5 us, more than its copies. A block
-  // rotates its query rows into shared memory, takes the new keys / values
-  // of its tiles from new_k / new_v (it never reads back what another block
-  // writes), and writes the new rows of its item's share into the cache. A
-  // persistent block would stall its stream once per item on the rotations'
-  // loads; the host leaves that grid, and grids of several waves, to the
-  // pre-kernel (append_in_attention_fits, flash_api_cuda.cpp).
+  // copies its query rows and the new keys / values of its tiles (from
+  // new_k / new_v: it never reads back what another block writes) into
+  // shared memory with its first tile, rotates them there, and writes the
+  // new rows of its item's share into the cache from there. The host leaves
+  // the persistent grid and grids of several waves to the pre-kernel
+  // (append_in_attention_fits, flash_api_cuda.cpp).
   static_assert(!(kAppends && kSeveralItems), "the persistent grid leaves the append to a pre-kernel");
   const bool append_here = kAppends && params.append_in_attention;
   const bool appending = append_here && params.seqlen_new > 0;
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // K and V of one tile into one stage. Rows past the keys and columns past
   // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
   // In the prologue (in_prologue), rows from the item's first new row on are
-  // left to store_new_rows when the kernel appends: nothing else may write
+  // left to load_append_inputs when the kernel appends: nothing else may write
   // their bytes. The new rows are the last keys, so they lie in an item's
   // first tiles (the walk runs from the last key block down), all loaded by
   // the prologue; the main loop keeps the plain copy loop.
@@ -312,81 +312,114 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  // The item's new rows in its tiles, from new_k / new_v, into the stages the
-  // prologue loads those tiles into (tile t of the item in stage t): V and
-  // unrotated K by cp.async, issued before the prologue's first commit so
-  // that they join the first tile's group, rotated K with plain loads and
-  // stores (published by the first tile step's barrier).
-  auto store_new_rows = [&](const SplitKvItem& it) {
-    constexpr int kChunksPerRow = kHeadDim / kRotaryChunkElems;
+  // The appending kernel's own shared memory, past the Q slot: table row r
+  // holds the cosines, then the sines, of position cache_seqlen + r
+  // (splitkv_append_smem_bytes), for the query rows and the new keys.
+  Element* const rotary_table_smem = q_smem + q_slots * kQElems;
+  constexpr int kTableRowElems = kHeadDim;
+  static_assert(!kAppends || q_slots == 1, "one Q slot before the table rows");
+  // The item's new keys that lie in its tiles (none in the splits before the
+  // last ones). The host sends a call here only when every new key is
+  // visible to some query of the block (append_in_attention_fits), so its
+  // split's share of them (append_key_begin / end) lies in there too.
+  auto new_keys_in_tiles = [&](const SplitKvItem& it) {
+    const int begin = max(it.seqlen_k - params.seqlen_new, it.n_block_min * kBlockN);
+    return KeyRange{begin, max(begin, min(it.seqlen_k, it.n_block_max * kBlockN))};
+  };
+  // Where new key `key` lies in the prologue's stages (tile t of the item in
+  // stage t).
+  auto stage_of_key = [&](const SplitKvItem& it, int key) {
+    return it.n_block_max - 1 - key / kBlockN;
+  };
+
+  // What the append and the rotation need, by cp.async before the prologue's
+  // first commit, so that it arrives with the first tile: the new keys and
+  // values of the item's tiles (from new_k / new_v, unrotated) in their
+  // stages, and the table rows of the new keys' and query rows' positions.
+  // Loaded any earlier, with plain loads, a block would start its copies a
+  // memory latency later.
+  auto load_append_inputs = [&](const SplitKvItem& it) {
     const int first_new_key = it.seqlen_k - params.seqlen_new;
-    const int key_begin = max(first_new_key, it.n_block_min * kBlockN);
-    const int key_end = min(it.seqlen_k, it.n_block_max * kBlockN);
-    const int chunks = (key_end - key_begin) * kChunksPerRow;
-    for (int index = tidx; index < chunks; index += Traits::kNThreads) {
-      const int key = key_begin + index / kChunksPerRow;
-      const int col = index % kChunksPerRow * kRotaryChunkElems;
-      const int n_block = key / kBlockN;
-      const int stage = it.n_block_max - 1 - n_block;
-      const int tile_row = key - n_block * kBlockN;
-      Element* k_dst = &stage_k(stage)(tile_row, col);
-      Element* v_dst = &stage_v(stage)(tile_row, col);
-      const Element* k_src = new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key);
-      const Element* v_src = new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key);
-      const bool ok = col < params.head_dim;
-      if (rotating && ok) {
-        const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
-            params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim,
-            it.cache.leftpad + key);
-        *reinterpret_cast<uint4*>(k_dst) =
-            rotary_chunk(reinterpret_cast<const RotaryElement*>(k_src), col, rotary.cos_row,
-                         rotary.sin_row, params.rotary_dim, params.rotary_interleaved);
+    if (appending) {
+      constexpr int kChunksPerRow = kHeadDim / kRotaryChunkElems;
+      const KeyRange keys = new_keys_in_tiles(it);
+      for (int index = tidx; index < (keys.end - keys.begin) * kChunksPerRow;
+           index += Traits::kNThreads) {
+        const int key = keys.begin + index / kChunksPerRow;
+        const int col = index % kChunksPerRow * kRotaryChunkElems;
+        const int stage = stage_of_key(it, key);
+        const int tile_row = key % kBlockN;
+        const bool ok = col < params.head_dim;
+        cp_async_16_or_zero(&stage_k(stage)(tile_row, col),
+                            new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key) + col,
+                            ok);
+        cp_async_16_or_zero(&stage_v(stage)(tile_row, col),
+                            new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key) + col,
+                            ok);
+      }
+    }
+    if (rotating) {
+      const int last_query = unpack_row(it.row_begin + it.rows_left - 1, group).query;
+      const int table_rows = max(params.rotary_q_per_row ? last_query + 1 : 1, params.seqlen_new);
+      const int chunks_per_table = params.rotary_dim / 2 / kRotaryChunkElems;
+      const int64_t first_entry = int64_t(it.cache.leftpad + first_new_key) * (params.rotary_dim / 2);
+      for (int index = tidx; index < table_rows * 2 * chunks_per_table; index += Traits::kNThreads) {
+        const int row = index / (2 * chunks_per_table);
+        const bool sines = index / chunks_per_table % 2 == 1;
+        const int entry = index % chunks_per_table * kRotaryChunkElems;
+        const Element* table =
+            static_cast<const Element*>(sines ? params.rotary_sin_ptr : params.rotary_cos_ptr);
+        cp_async_16_or_zero(
+            rotary_table_smem + row * kTableRowElems + (sines ? kHeadDim / 2 : 0) + entry,
+            table + first_entry + int64_t(row) * (params.rotary_dim / 2) + entry, true);
+      }
+    }
+  };
+
+  // The query rows (Q slot 0) and the item's new keys (in their stages)
+  // rotated in place, once the first tile's group has brought them and the
+  // table rows. A thread takes one 16-element rotation unit at a time, which
+  // holds both halves of each pair it rotates (rotate_unit), so no thread
+  // reads what another writes.
+  auto rotate_in_smem = [&](const SplitKvItem& it) {
+    const int units_per_row = params.rotary_dim / 16;
+    auto rotate = [&](auto&& tile, int tile_row, int unit, int table_row) {
+      const int col_a = params.rotary_interleaved ? 16 * unit : 8 * unit;
+      const int col_b = params.rotary_interleaved ? col_a + 8 : col_a + params.rotary_dim / 2;
+      uint4* const a = reinterpret_cast<uint4*>(&tile(tile_row, col_a));
+      uint4* const b = reinterpret_cast<uint4*>(&tile(tile_row, col_b));
+      const Element* const cos_row = rotary_table_smem + table_row * kTableRowElems + 8 * unit;
+      uint4 xa = *a, xb = *b;
+      rotate_unit<RotaryElement>(xa, xb, *reinterpret_cast<const uint4*>(cos_row),
+                                 *reinterpret_cast<const uint4*>(cos_row + kHeadDim / 2),
+                                 params.rotary_interleaved);
+      *a = xa;
+      *b = xb;
+    };
+    // Query rows first, then new keys, in one loop: one inlined rotation.
+    const int first_new_key = it.seqlen_k - params.seqlen_new;
+    const KeyRange keys = new_keys_in_tiles(it);
+    const int q_units = it.rows_left * units_per_row;
+    const int units = q_units + (keys.end - keys.begin) * units_per_row;
+    for (int index = tidx; index < units; index += Traits::kNThreads) {
+      const bool is_query = index < q_units;
+      const int row = (is_query ? index : index - q_units) / units_per_row;
+      const int unit = index % units_per_row;
+      if (is_query) {
+        const int query = unpack_row(it.row_begin + row, group).query;
+        rotate(slot_q(0), row, unit, params.rotary_q_per_row ? query : 0);
       } else {
-        cp_async_16_or_zero(k_dst, k_src + col, ok);
-      }
-      cp_async_16_or_zero(v_dst, v_src + col, ok);
-    }
-  };
-
-  // Query rows rotated at their positions (cache_seqlens[b], plus the query
-  // index under a causal / local mask) into a Q slot, with plain loads and
-  // stores; rows past the item's and columns past head_dim are zeros, as the
-  // cp.async path leaves them. Called before the first tiles' copies are
-  // issued: behind them, its loads would wait for the whole prologue's bytes.
-  auto store_rotated_q = [&](const SplitKvItem& it, int slot) {
-    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(slot_q(slot));
-    const int cache_seqlen = it.cache.leftpad + it.seqlen_k - params.seqlen_new;
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tQsQ); ++m) {
-      const int tile_row = get<0>(tQcQ(0, m, 0));
-      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
-      const Element* q_row = q_ptr + it.batch * params.q.batch_stride +
-                             int64_t(packed.query) * params.q.row_stride +
-                             int64_t(it.head_kv * group + packed.head_in_group) *
-                                 params.q.head_stride;
-      const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
-          params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim,
-          cache_seqlen + (params.rotary_q_per_row ? packed.query : 0));
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tQsQ); ++k) {
-        const int col = get<1>(tQcQ(0, m, k));
-        uint4 chunk = make_uint4(0, 0, 0, 0);
-        if (tile_row < it.rows_left && col < params.head_dim) {
-          chunk = rotary_chunk(reinterpret_cast<const RotaryElement*>(q_row), col,
-                               rotary.cos_row, rotary.sin_row, params.rotary_dim,
-                               params.rotary_interleaved);
-        }
-        *reinterpret_cast<uint4*>(&tQsQ(0, m, k)) = chunk;
+        const int key = keys.begin + row;
+        rotate(stage_k(stage_of_key(it, key)), key % kBlockN, unit, key - first_new_key);
       }
     }
   };
 
-  // The new rows of the item's share into the cache (appending), K rotated
-  // when rotary tables are given. Fire and forget: no block of this grid
-  // reads them back (the tiles take new rows from new_k / new_v).
+  // The new rows of the item's share into the cache (appending), from the
+  // stages they were loaded (and rotated) into. Fire and forget: no block of
+  // this grid reads them back.
   auto append_to_cache = [&](const SplitKvItem& it) {
     constexpr int kChunksPerRow = kHeadDim / kRotaryChunkElems;
-    const int first_new_key = it.seqlen_k - params.seqlen_new;
     const int chunks = (it.append_key_end - it.append_key_begin) * kChunksPerRow;
     Element* const k_cache = const_cast<Element*>(k_ptr);
     Element* const v_cache = const_cast<Element*>(v_ptr);
@@ -394,21 +427,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int key = it.append_key_begin + index / kChunksPerRow;
       const int col = index % kChunksPerRow * kRotaryChunkElems;
       if (col >= params.head_dim) continue;
-      const int position = it.cache.leftpad + key;
-      const CacheRowAt at = cache_row_at(it.cache, position);
-      const int64_t k_offset = cache_offset(at, it.head_kv, params.k) + col;
-      const int64_t v_offset = cache_offset(at, it.head_kv, params.v) + col;
-      const Element* k_src = new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key);
-      const Element* v_src = new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key);
-      const RotaryRows<RotaryElement> rotary = rotary_rows<RotaryElement>(
-          params.rotary_cos_ptr, params.rotary_sin_ptr, params.rotary_dim, position);
-      *reinterpret_cast<uint4*>(k_cache + k_offset) =
-          rotating ? rotary_chunk(reinterpret_cast<const RotaryElement*>(k_src), col,
-                                  rotary.cos_row, rotary.sin_row, params.rotary_dim,
-                                  params.rotary_interleaved)
-                   : *reinterpret_cast<const uint4*>(k_src + col);
-      *reinterpret_cast<uint4*>(v_cache + v_offset) =
-          *reinterpret_cast<const uint4*>(v_src + col);
+      const int stage = stage_of_key(it, key);
+      const int tile_row = key % kBlockN;
+      const CacheRowAt at = cache_row_at(it.cache, it.cache.leftpad + key);
+      *reinterpret_cast<uint4*>(k_cache + cache_offset(at, it.head_kv, params.k) + col) =
+          *reinterpret_cast<const uint4*>(&stage_k(stage)(tile_row, col));
+      *reinterpret_cast<uint4*>(v_cache + cache_offset(at, it.head_kv, params.v) + col) =
+          *reinterpret_cast<const uint4*>(&stage_v(stage)(tile_row, col));
     }
   };
 
@@ -448,9 +473,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   auto load_next_tile = [&](int stage, auto in_prologue) {
     if (load_item < num_items) {
-      if (load_n_block == load_item_work.n_block_max - 1 && !rotating) {
-        load_q(load_item_work, load_q_slot);
-      }
+      if (load_n_block == load_item_work.n_block_max - 1) load_q(load_item_work, load_q_slot);
       load_tile(load_item_work, load_n_block, stage, in_prologue);
       if (--load_n_block >= load_item_work.n_block_min) {
         locate_tile(load_item_work, load_n_block);
@@ -463,19 +486,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (first_item.has_keys()) {
     locate_tile(first_item, load_n_block);
+    if (append_here) load_append_inputs(first_item);
   } else {
     advance_load_item();
   }
-  // Rotated Q (in the slot the item computes from) and the new rows go into
-  // shared memory before the first copies, the new rows into the cache after
-  // them; the first tile step's barrier publishes what was stored.
-  if (first_item.has_keys()) {
-    if (rotating) store_rotated_q(first_item, 0);
-    if (appending) store_new_rows(first_item);
-  }
   CUTE_UNROLL
   for (int stage = 0; stage < kStages; ++stage) load_next_tile(stage, std::true_type{});
-  if (appending) append_to_cache(first_item);
+  // The append's work waits for the first tile's group, which the first tile
+  // step waits for anyway; the other stages stay in flight meanwhile.
+  if (append_here && first_item.has_keys()) {
+    cute::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    if (rotating) {
+      rotate_in_smem(first_item);
+      __syncthreads();
+    }
+    if (appending) append_to_cache(first_item);
+  }
 
   // Each warp multiplies its 16 query rows by its slab of keys on its own.
   typename Traits::WarpMma warp_mma;

@@ -46,10 +46,12 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   }
   // The append / rotary in the kernel (params.append_in_attention) has
   // instances for the decode variant's plain kernels of one block per item.
-  if (params.append_in_attention && (several_items || kWarpsN == 1 || with_score_extras)) {
+  // Its table rows and new rows assume one query block (row 0 on).
+  if (params.append_in_attention &&
+      (several_items || kWarpsN == 1 || with_score_extras || num_m_blocks != 1)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: only the decode variant's plain kernel with a block per "
-        "item appends itself (params.append_in_attention must be false)");
+        "item and one query block appends itself (params.append_in_attention must be false)");
   }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
@@ -75,10 +77,13 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
+  const int kernel_smem = params.append_in_attention
+                              ? splitkv_append_smem_bytes(kHeadDim, kWarpsN)
+                              : kSmemSize;
   const int smem_bytes =
       several_items ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
-                    : (params.splitkv_launch_smem > kSmemSize ? params.splitkv_launch_smem
-                                                              : kSmemSize);
+                    : (params.splitkv_launch_smem > kernel_smem ? params.splitkv_launch_smem
+                                                                : kernel_smem);
   LaunchOptions options;
   options.programmatic = params.programmatic_launch;
   options.cluster_x = params.splitkv_cluster_x;

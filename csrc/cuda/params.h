@@ -140,20 +140,17 @@ struct KvcacheParams : FwdParams {
   const void* q_unrotated_ptr;
   QKVStrides q_unrotated;
   // The split-KV kernel does the append and the rotation itself (no
-  // pre-kernel; q_ptr is then q as given, unrotated): each block rotates its
-  // query rows as it loads them, reads the new keys / values of its tiles
-  // from new_k / new_v, and the first query block of each split writes the
-  // new rows of its key blocks into the cache. The host sets it for the
-  // decode variant's plain kernel with one block per work item, one wave of
-  // blocks, and seqlen_new <= kAppendInAttentionMaxRows
-  // (append_in_attention_fits, flash_api_cuda.cpp).
+  // pre-kernel; q_ptr is then q as given, unrotated): each block copies its
+  // query rows and the new keys / values of its tiles (from new_k / new_v)
+  // into shared memory with its first tile, rotates them there, and the
+  // first query block of each split writes the new rows of its key blocks
+  // into the cache. The host sets it for the decode variant's plain kernel
+  // with one block per work item, one wave of blocks, and
+  // seqlen_new <= kAppendInAttentionMaxRows (append_in_attention_fits,
+  // flash_api_cuda.cpp).
   bool append_in_attention;
 };
 
-// Longest append the split-KV kernel does itself (a decode step, or a few
-// speculative tokens): a block rotates its new keys one chunk at a time, with
-// a dependent load each, which a long chunk of prefill would queue up.
-constexpr int kAppendInAttentionMaxRows = 16;
 
 // Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
 // ALiBi. The launcher picks the kernel by it, and the host reads it before

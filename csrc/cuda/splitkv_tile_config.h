@@ -70,6 +70,27 @@ constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool severa
                      splitkv_q_slots(warps_n, several_items) * splitkv_block_m(warps_n));
   return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
+// Longest append the split-KV kernel does itself (params.append_in_attention:
+// a decode step, or a few speculative tokens). Its new rows are the last
+// keys, so they lie in the first key tiles an item streams, which its
+// prologue loads.
+constexpr int kAppendInAttentionMaxRows = 16;
+
+// Rotary table rows that the appending kernel keeps in shared memory, for
+// positions cache_seqlen + [0, rows): the query rows of its block (one
+// position per query under a causal / local mask) and the new keys.
+constexpr int splitkv_rotary_table_rows(int warps_n) {
+  return splitkv_block_m(warps_n) > kAppendInAttentionMaxRows ? splitkv_block_m(warps_n)
+                                                               : kAppendInAttentionMaxRows;
+}
+
+// Dynamic shared memory of the appending kernel: the tiles, then per table
+// row compiled_head_dim / 2 cosines and as many sines (16-bit).
+constexpr int splitkv_append_smem_bytes(int compiled_head_dim, int warps_n) {
+  return splitkv_smem_bytes(compiled_head_dim, warps_n) +
+         2 * splitkv_rotary_table_rows(warps_n) * compiled_head_dim;
+}
+
 static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
               "the 64-row variant fits sm86/sm89 (99 KB per block)");
 
