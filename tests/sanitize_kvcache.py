@@ -6,7 +6,8 @@
 Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
 packing, left padding, cache_batch_idx, split counts from one to many (the
 combine kernel's thread groups differ per head dim: 64, 96, 128, 256), a
-long cache launched for one block per SM, and the persistent grid.
+long cache launched for one block per SM, the persistent grid, and a grid of
+several waves that appends and rotates in the attention kernel.
 """
 
 import torch
@@ -70,6 +71,9 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     call(2 * sms // 4 + 2, 1, 1100, 16, 4, 128, bf16, num_splits=1)
     call(2 * sms // 4 + 2, 1, 3200, 16, 4, 128, bf16, num_splits=3)
+    # Items of 66 key tiles, a block each, one per SM in several waves, that
+    # append and rotate in the attention kernel.
+    call(sms // 4 + 1, 1, 4200, 32, 8, 128, bf16, seqlen_new=1, rotary=True, num_splits=1)
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 

@@ -153,14 +153,18 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [0, 1])
-@pytest.mark.parametrize("capacity", [300, 1100], ids=["few_tiles", "17_tiles"])
-def test_grid_beyond_two_blocks_per_sm(num_splits, capacity):
+@pytest.mark.parametrize("capacity,waves", [(300, 2), (1100, 2), (4200, 2), (4200, 5)],
+                         ids=["few_tiles", "17_tiles", "66_tiles", "66_tiles_5_waves"])
+def test_grid_beyond_two_blocks_per_sm(num_splits, capacity, waves):
     # More (batch, kv head) items over a contiguous cache than two blocks per
     # SM hold at once: items of fewer than 16 key tiles run two blocks per SM
     # (splitkv_launch_smem_bytes), items of 16-63 tiles the persistent grid,
-    # one block per SM (splitkv_grid_blocks).
+    # one block per SM (splitkv_grid_blocks), longer items a block each, one
+    # per SM, in several waves. The append and rotary: in the attention
+    # kernel, but for the persistent grid and grids of more than 4 waves
+    # (append_in_attention_fits).
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = (2 * sm_count) // 8 + 1
+    batch = (waves * sm_count) // 8 + 1  # 8 kv heads: (waves x SMs) items and a few more
     args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
                        head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
     args["cache_seqlens"] = torch.randint(1, capacity, (batch,), dtype=torch.int32)
@@ -281,8 +285,8 @@ def test_append_in_attention_and_before(seqlen_new, rotary, page_size, num_split
     # wave are done by the attention kernel itself: each block copies its q
     # and its new rows from k / v with its first tile, rotates them, and the
     # first query block of each split writes the new rows into the cache.
-    # Longer ones go through the kernel before it (as do bigger grids:
-    # test_grid_beyond_two_blocks_per_sm, test_persistent_grid). The
+    # Longer ones go through the kernel before it (as does the persistent
+    # grid: test_grid_beyond_two_blocks_per_sm, test_persistent_grid). The
     # lengths put the new rows across a key-block boundary (64 keys at d128)
     # and, with 7 splits, across a split boundary, so that two items each
     # write a part; one entry's new rows (or its q positions) reach the

@@ -500,6 +500,16 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
               "elements on every dim but the last, got strides ", cache.strides());
 }
 
+// Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
+// once: 128 threads of at most 255 registers, so two always fit the register
+// file; shared memory may allow fewer.
+int64_t splitkv_blocks_per_sm(int64_t smem_bytes) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  return std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) /
+                                 (smem_bytes + int64_t(props->reservedSharedMemPerBlock)),
+                             1, 2);
+}
+
 // Splits of the key range for num_splits = 0. Decode reads the cache once, so
 // what matters is keeping every SM busy until the end: the grid is cut into
 // waves of (SMs x resident blocks per SM), and a last wave that is mostly
@@ -511,16 +521,6 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
 // No more splits than key blocks of the cache capacity (the per-batch lengths
 // live on the device), at most kMaxKvSplits. An explicit count is honoured up
 // to the same caps.
-// Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
-// once: 128 threads of at most 255 registers, so two always fit the register
-// file; shared memory may allow fewer.
-int64_t splitkv_blocks_per_sm(int64_t smem_bytes) {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  return std::clamp<int64_t>(int64_t(props->sharedMemPerMultiprocessor) /
-                                 (smem_bytes + int64_t(props->reservedSharedMemPerBlock)),
-                             1, 2);
-}
-
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
                      int compiled_head_dim, int warps_n, bool paged) {
   const int block_n = splitkv_block_n(compiled_head_dim);
@@ -673,18 +673,21 @@ int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persist
 // (params.append_in_attention) instead of a kernel before it. Each of its
 // blocks copies its query rows, new keys / values and rotary table rows into
 // shared memory with its first tile and rotates them there, and the step
-// saves the pre-kernel's run and the wait for it. In a grid of several waves
-// each later block would wait out its own rotation, and the step got slower
-// (H100, b64 x 4k: 512 blocks on 132 SMs, 2.5 us slower with rotary, when
-// the rotation's loads came before the copies): such grids keep the
-// pre-kernel, as do the variants compiled without the append (the
-// persistent grid, softcap / ALiBi, the 64-row variant), appends longer than
+// saves the pre-kernel's run and the wait for it. The pre-kernel stays for
+// the variants compiled without the append (the persistent grid, softcap /
+// ALiBi, the 64-row variant), for appends longer than
 // kAppendInAttentionMaxRows, rotary dims that are not a multiple of 16 or
 // tables not 16-byte aligned (the kernel rotates 16-element units from
-// 16-byte copies), and local windows that hide a new key from every query
-// (a block loads only new keys of tiles it attends to).
-// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt and
-// decode_append_smem_rotation_ab.txt.
+// 16-byte copies), local windows that hide a new key from every query (a
+// block loads only new keys of tiles it attends to), where the table rows'
+// shared memory would cost the grid resident blocks, and for grids of more
+// than kAppendInAttentionMaxWaves waves: each block adds its rotation to
+// its wave. At up to 4 waves of one block per SM the step was 0.8-4 us
+// faster than with the pre-kernel (b32 x 16k, b64 x 4k-16k, H100 and H200);
+// at 8 (b128 x 4k) 0.5 us faster on the H100 but 5-6 us slower on an H200.
+// benchmarks/results/NVIDIA_H100/decode_append_in_kernel_ab.txt,
+// decode_append_smem_rotation_ab.txt and decode_append_waves_ab.txt.
+constexpr int64_t kAppendInAttentionMaxWaves = 4;
 bool append_in_attention_fits(const KvcacheParams& params, bool score_extras, int64_t num_m_blocks,
                               int64_t num_items, int64_t grid_blocks, int compiled_head_dim) {
   const int warps_n = params.splitkv_warps_n;
@@ -704,9 +707,12 @@ bool append_in_attention_fits(const KvcacheParams& params, bool score_extras, in
   }
   const int launch_smem = std::max(params.splitkv_launch_smem,
                                    splitkv_append_smem_bytes(compiled_head_dim, warps_n));
+  const int64_t blocks_per_sm = splitkv_blocks_per_sm(params.splitkv_launch_smem);
+  const int64_t resident_blocks =
+      blocks_per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return launch_smem <= int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) &&
-         num_items <= splitkv_blocks_per_sm(launch_smem) *
-                          at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+         splitkv_blocks_per_sm(launch_smem) == blocks_per_sm &&
+         num_items <= kAppendInAttentionMaxWaves * resident_blocks;
 }
 
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {

@@ -144,8 +144,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // new_k / new_v: it never reads back what another block writes) into
   // shared memory with its first tile, rotates them there, and writes the
   // new rows of its item's share into the cache from there. The host leaves
-  // the persistent grid and grids of several waves to the pre-kernel
-  // (append_in_attention_fits, flash_api_cuda.cpp).
+  // the persistent grid, whose blocks would wait once per item, and the
+  // other cases of append_in_attention_fits (flash_api_cuda.cpp) to the
+  // pre-kernel.
   static_assert(!(kAppends && kSeveralItems), "the persistent grid leaves the append to a pre-kernel");
   const bool append_here = kAppends && params.append_in_attention;
   const bool appending = append_here && params.seqlen_new > 0;

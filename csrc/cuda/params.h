@@ -145,7 +145,7 @@ struct KvcacheParams : FwdParams {
   // into shared memory with its first tile, rotates them there, and the
   // first query block of each split writes the new rows of its key blocks
   // into the cache. The host sets it for the decode variant's plain kernel
-  // with one block per work item, one wave of blocks, and
+  // with one block per work item and one query block, and
   // seqlen_new <= kAppendInAttentionMaxRows (append_in_attention_fits,
   // flash_api_cuda.cpp).
   bool append_in_attention;
