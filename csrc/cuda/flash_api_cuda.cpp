@@ -705,14 +705,13 @@ bool append_in_attention_fits(const KvcacheParams& params, bool score_extras, in
   if (params.window_left >= 0 && params.seqlen_new > params.seqlen_q + params.window_left) {
     return false;
   }
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const int launch_smem = std::max(params.splitkv_launch_smem,
                                    splitkv_append_smem_bytes(compiled_head_dim, warps_n));
   const int64_t blocks_per_sm = splitkv_blocks_per_sm(params.splitkv_launch_smem);
-  const int64_t resident_blocks =
-      blocks_per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return launch_smem <= int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) &&
+  return launch_smem <= int(props->sharedMemPerBlockOptin) &&
          splitkv_blocks_per_sm(launch_smem) == blocks_per_sm &&
-         num_items <= kAppendInAttentionMaxWaves * resident_blocks;
+         num_items <= kAppendInAttentionMaxWaves * blocks_per_sm * props->multiProcessorCount;
 }
 
 QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {

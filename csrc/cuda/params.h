@@ -151,7 +151,6 @@ struct KvcacheParams : FwdParams {
   bool append_in_attention;
 };
 
-
 // Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
 // ALiBi. The launcher picks the kernel by it, and the host reads it before
 // sizing the grid: the persistent grid exists for the plain variant only.
