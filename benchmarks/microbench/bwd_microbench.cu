@@ -120,7 +120,10 @@ int main(int argc, char** argv) {
   }
   FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
   FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
-  FA_CUDA_CHECK(cudaMalloc(&dq_accum, rows * HEAD_DIM * sizeof(float)));
+  // Padded to whole query blocks (dq_accum_layout.h).
+  const int64_t dq_accum_rows = flash::dq_accum_rows_per_head(false, seqlen, batch, BLOCK_M);
+  const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * HEAD_DIM;
+  FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
   fill_random<<<1024, 256>>>(q, elems, 1);
   fill_random<<<1024, 256>>>(k, elems, 2);
   fill_random<<<1024, 256>>>(v, elems, 3);
@@ -138,7 +141,8 @@ int main(int argc, char** argv) {
   params.dv_ptr = dv;
   params.softmax_d_ptr = softmax_d;
   params.dq_accum_ptr = dq_accum;
-  params.dq_accum_split_stride = rows * HEAD_DIM;
+  params.dq_accum_split_stride = dq_accum_elems;
+  params.dq_accum_rows_per_head = dq_accum_rows;
   params.num_splits = 1;
   const flash::QKVStrides strides{int64_t(seqlen) * nheads * HEAD_DIM, nheads * HEAD_DIM,
                                   HEAD_DIM};
@@ -172,15 +176,13 @@ int main(int argc, char** argv) {
   const dim3 dot_grid((seqlen + flash::kDotRowsPerBlock - 1) / flash::kDotRowsPerBlock, nheads,
                       batch);
   const dim3 grid((seqlen + BLOCK_N - 1) / BLOCK_N, nheads, batch);
-  const dim3 dq_grid((seqlen + flash::kConvertRowsPerBlock - 1) / flash::kConvertRowsPerBlock,
-                     nheads, batch);
+  const dim3 dq_grid((seqlen + BLOCK_M - 1) / BLOCK_M, nheads, batch);
   auto run_main = [&] { kernel<<<grid, Traits::kNThreads, kSmemSize>>>(params); };
   auto run_backward = [&] {
     flash::flash_bwd_dot_do_o_kernel<Element><<<dot_grid, flash::kBwdAuxThreads>>>(params);
-    cudaMemsetAsync(dq_accum, 0, rows * HEAD_DIM * sizeof(float));
+    cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
     run_main();
-    flash::flash_bwd_convert_dq_kernel<Element, HEAD_DIM>
-        <<<dq_grid, flash::kBwdAuxThreads>>>(params);
+    flash::flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads>>>(params);
   };
   for (int i = 0; i < 5; ++i) run_backward();
   FA_CUDA_CHECK(cudaGetLastError());

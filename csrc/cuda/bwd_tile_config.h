@@ -64,19 +64,30 @@ struct BwdTileConfigLargeSmem {
 };
 template <> struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> { static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true; };
 
-// kBlockN of a compiled head dim, for the host code that sizes the
-// deterministic dQ split buffers; 0 for a head dim with no entry.
-inline int bwd_block_n(int compiled_head_dim) {
+// The block shape of a compiled head dim, for the host code that sizes the dQ
+// accumulator (padded to whole query blocks) and the deterministic dQ splits
+// (one per key block at most); zeros for a head dim with no entry.
+struct BwdBlockShape {
+  int block_m;
+  int block_n;
+};
+
+template <int kHeadDim>
+constexpr BwdBlockShape bwd_block_shape_of() {
+  return {BwdTileConfig<kHeadDim>::kBlockM, BwdTileConfig<kHeadDim>::kBlockN};
+}
+
+inline BwdBlockShape bwd_block_shape(int compiled_head_dim) {
   switch (compiled_head_dim) {
-    case 32: return BwdTileConfig<32>::kBlockN;
-    case 64: return BwdTileConfig<64>::kBlockN;
-    case 96: return BwdTileConfig<96>::kBlockN;
-    case 128: return BwdTileConfig<128>::kBlockN;
-    case 160: return BwdTileConfig<160>::kBlockN;
-    case 192: return BwdTileConfig<192>::kBlockN;
-    case 224: return BwdTileConfig<224>::kBlockN;
-    case 256: return BwdTileConfig<256>::kBlockN;
-    default: return 0;
+    case 32: return bwd_block_shape_of<32>();
+    case 64: return bwd_block_shape_of<64>();
+    case 96: return bwd_block_shape_of<96>();
+    case 128: return bwd_block_shape_of<128>();
+    case 160: return bwd_block_shape_of<160>();
+    case 192: return bwd_block_shape_of<192>();
+    case 224: return bwd_block_shape_of<224>();
+    case 256: return bwd_block_shape_of<256>();
+    default: return {0, 0};
   }
 }
 

@@ -20,6 +20,7 @@
 #include "cuda/launcher_registry.h"
 #include "cuda/params.h"
 #include "cuda/bwd_tile_config.h"
+#include "cuda/dq_accum_layout.h"
 #include "cuda/tile_config.h"
 #include "cuda/kvcache_append_rotary.h"
 #include "cuda/paged_gather.h"
@@ -290,7 +291,7 @@ BwdLauncher bwd_launcher_for(int head_dim, at::ScalarType dtype) {
 // happen in a fixed order; the slices are summed in order afterwards. Enough
 // splits to keep about two blocks per SM, never more than there are key blocks.
 int deterministic_dq_splits(int batch, int nheads, int max_seqlen_k, int compiled_head_dim) {
-  const int block_n = bwd_block_n(compiled_head_dim);
+  const int block_n = bwd_block_shape(compiled_head_dim).block_n;
   const int num_n_blocks = (max_seqlen_k + block_n - 1) / block_n;
   const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t heads_total = std::max<int64_t>(int64_t(batch) * nheads, 1);
@@ -325,8 +326,9 @@ void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k
 }
 
 // The fp32 work buffers of the backward: D, the dQ accumulator (zeroed) and,
-// under GQA, the per-query-head dK/dV shares. rows_q / rows_k are the
-// (batch, seqlen) or (total) row shapes of q and k.
+// under GQA, the per-query-head dK/dV shares, of dkv_accum_shape: (batch,
+// nheads, seqlen_k) or (nheads, total_k), then the compiled head dim. Reads
+// the shape fields of params, which must be set.
 struct BwdWorkspace {
   at::Tensor softmax_d;
   at::Tensor dq_accum;
@@ -335,14 +337,20 @@ struct BwdWorkspace {
 };
 
 BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse,
-                                at::IntArrayRef dq_accum_shape, at::IntArrayRef dkv_accum_shape,
+                                at::IntArrayRef dkv_accum_shape, int compiled_head_dim,
                                 int num_splits, bool deterministic) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
   BwdWorkspace ws;
   ws.softmax_d = at::empty_like(softmax_lse, f32);
-  std::vector<int64_t> split_shape{num_splits};
-  split_shape.insert(split_shape.end(), dq_accum_shape.begin(), dq_accum_shape.end());
-  ws.dq_accum = at::zeros(split_shape, f32);
+  // dQ accumulator: every sequence padded to whole query blocks
+  // (dq_accum_layout.h).
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  params.dq_accum_rows_per_head = dq_accum_rows_per_head(
+      varlen, varlen ? params.total_q : params.seqlen_q, params.batch,
+      bwd_block_shape(compiled_head_dim).block_m);
+  const int64_t heads_total = varlen ? params.nheads : int64_t(params.batch) * params.nheads;
+  ws.dq_accum =
+      at::zeros({num_splits, heads_total, params.dq_accum_rows_per_head, compiled_head_dim}, f32);
   params.softmax_d_ptr = ws.softmax_d.data_ptr<float>();
   params.dq_accum_ptr = ws.dq_accum.data_ptr<float>();
   params.dq_accum_split_stride = ws.dq_accum.stride(0);
@@ -418,9 +426,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const int num_splits =
       deterministic ? deterministic_dq_splits(shape.batch, shape.nheads, shape.seqlen_k, compiled)
                     : 1;
-  const BwdWorkspace workspace = make_bwd_workspace(
-      params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_q, compiled},
-      {shape.batch, shape.nheads, shape.seqlen_k, compiled}, num_splits, deterministic);
+  const BwdWorkspace workspace =
+      make_bwd_workspace(params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled},
+                         compiled, num_splits, deterministic);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, dv};
 }
@@ -481,9 +489,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const int num_splits = deterministic ? deterministic_dq_splits(shape.batch, shape.nheads,
                                                                  shape.max_seqlen_k, compiled)
                                        : 1;
-  const BwdWorkspace workspace = make_bwd_workspace(
-      params, softmax_lse, {shape.nheads, shape.total_q, compiled},
-      {shape.nheads, shape.total_k, compiled}, num_splits, deterministic);
+  const BwdWorkspace workspace =
+      make_bwd_workspace(params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled,
+                         num_splits, deterministic);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, dv};
 }

@@ -1,7 +1,8 @@
 // The small memory-bound kernels around the backward main kernel:
 //   before: D = rowsum(dO * O) in fp32, per query row;
 //   after:  dQ = scale * (sum of the dQ accumulator slices), cast to the input
-//           dtype; under GQA, dK and dV of a kv head = the sum of its query
+//           dtype (templated on the main kernel's traits, whose dQ partition
+//           is the accumulator's layout); under GQA, dK and dV of a kv head = the sum of its query
 //           heads' fp32 shares, in head order.
 #pragma once
 
@@ -11,9 +12,12 @@
 #include <cutlass/numeric_types.h>
 
 #include "block_info.h"
+#include "dq_accum_layout.h"
 #include "params.h"
 
 namespace flash {
+
+using namespace cute;
 
 constexpr int kBwdAuxThreads = 256;
 constexpr int kDotRowsPerBlock = kBwdAuxThreads / 32;  // one warp per row
@@ -49,28 +53,85 @@ __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(cons
   if (lane == 0) params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
 }
 
-// Grid: (ceil(seqlen_q / kConvertRowsPerBlock), nheads, batch).
-template <typename Element, int kAccumHeadDim>
-__global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_convert_dq_kernel(const BwdParams params) {
+// Grid: (query blocks of the main kernel's kBlockM rows, nheads, batch), with
+// the main kernel's thread count: thread t reads back the values that thread
+// t's dQ fragments added (dq_accum_layout.h), whole reductions' worth at a
+// time, so every warp load is contiguous. The block's rows go through shared
+// memory to leave as 16-byte row pieces.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_convert_dq_kernel(const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kDQChunkCols = Traits::kDQChunkCols;
+  const int m_block = blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const BlockInfo binfo(params, batch);
-  const int row_begin = blockIdx.x * kConvertRowsPerBlock;
+  const int row_begin = m_block * kBlockM;
   if (row_begin >= binfo.seqlen_q) return;
-  const float* accum = params.dq_accum_ptr +
-                       (binfo.lse_offset(params, batch, head) + row_begin) * kAccumHeadDim;
-  Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
-                row_begin * params.dq.row_stride;
-  const int rows = min(kConvertRowsPerBlock, binfo.seqlen_q - row_begin);
-  for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-    const int r = idx / params.head_dim;
-    const int c = idx - r * params.head_dim;
-    const float* element = accum + r * kAccumHeadDim + c;
-    float sum = 0.f;
-    for (int split = 0; split < params.num_splits; ++split) {
-      sum += element[split * params.dq_accum_split_stride];
+  const int tidx = threadIdx.x;
+  const float* accum_thread = params.dq_accum_ptr +
+                              dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
+                              dq_accum_thread_offset(tidx);
+
+  // Rows of the block, padded by 16 bytes so that the fragment writes (eight
+  // rows by four column pairs per warp) and the 16-byte row reads both hit
+  // every bank once.
+  constexpr int kRowPitch = kHeadDim + 16 / int(sizeof(Element));
+  __shared__ alignas(16) char smem[kBlockM * kRowPitch * sizeof(Element)];
+  Element* tile = reinterpret_cast<Element*>(smem);
+
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
+  Tensor tdQcdQ = thr_mma_dq.partition_C(
+      make_identity_tensor(Shape<Int<kBlockM>, Int<kDQChunkCols>>{}));
+  constexpr int kValues = decltype(size(tdQcdQ))::value;
+  static_assert(kValues % kDQAccumVec == 0);
+  CUTE_UNROLL
+  for (int chunk = 0; chunk < Traits::kDQChunks; ++chunk) {
+    const float* chunk_accum =
+        accum_thread + dq_accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk);
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; i += kDQAccumVec) {
+      float sum[kDQAccumVec] = {};
+      const float* group = chunk_accum + dq_accum_value_offset<kNThreads>(i);
+      for (int split = 0; split < params.num_splits; ++split) {
+        const float* slice = group + split * params.dq_accum_split_stride;
+        if constexpr (kDQAccumVec == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(slice);
+          sum[0] += v.x;
+          sum[1] += v.y;
+          sum[2] += v.z;
+          sum[3] += v.w;
+        } else {
+          sum[0] += *slice;
+        }
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kDQAccumVec; ++j) {
+        const int row = get<0>(tdQcdQ(i + j));
+        const int col = chunk * kDQChunkCols + get<1>(tdQcdQ(i + j));
+        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * params.softmax_scale);
+      }
     }
-    dq[r * params.dq.row_stride + c] = static_cast<Element>(sum * params.softmax_scale);
+  }
+  __syncthreads();
+
+  constexpr int kVec = 16 / int(sizeof(Element));
+  constexpr int kPiecesPerRow = kHeadDim / kVec;
+  const int rows = min(kBlockM, binfo.seqlen_q - row_begin);
+  Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
+                int64_t(row_begin) * params.dq.row_stride;
+  for (int piece = tidx; piece < kBlockM * kPiecesPerRow; piece += kNThreads) {
+    const int row = piece / kPiecesPerRow;
+    const int col = (piece % kPiecesPerRow) * kVec;
+    if (row < rows && col < params.head_dim) {
+      *reinterpret_cast<uint4*>(dq + row * params.dq.row_stride + col) =
+          *reinterpret_cast<const uint4*>(tile + row * kRowPitch + col);
+    }
   }
 }
 

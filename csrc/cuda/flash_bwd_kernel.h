@@ -14,6 +14,7 @@
 #include "block_info.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_mask_range.h"
+#include "dq_accum_layout.h"
 #include "dropout.h"
 #include "flash_bwd_pointwise.h"
 #include "params.h"
@@ -35,30 +36,23 @@ __forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
   return row * accum_head_dim;
 }
 
-// dst(i) += acc(i) for this thread's dQ fragment, as reductions without a
-// return value. On sm90 the two adjacent columns each accumulator pair holds
-// go as one 8-byte reduction: half the atomic instructions and L2 requests
-// (the dQ buffer and every offset into it are even, so the pair is aligned).
-// kCheckRows drops rows at or past rows_left.
-template <bool kCheckRows, typename TensorAcc, typename TensorDst, typename TensorCoord>
-__forceinline__ __device__ void atomic_add_dq(const TensorAcc& acc, TensorDst& dst,
-                                              const TensorCoord& coord, int rows_left) {
-  static_assert(decltype(size(acc))::value == decltype(size(dst))::value);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(decltype(size<0, 0>(dst))::value == 2 && decltype(stride<0, 0>(dst))::value == 1,
-                "each accumulator pair must be two adjacent columns");
+// Adds this thread's dQ fragment of one chunk into the accumulator, as
+// reductions without a return value, kDQAccumVec values each; thread_chunk is
+// the thread's own place in the chunk (dq_accum_layout.h). Rows past the
+// sequence add zeros into the padding, so no row needs a check.
+template <int kNThreads, typename TensorAcc>
+__forceinline__ __device__ void atomic_add_dq(const TensorAcc& acc, float* thread_chunk) {
+  static_assert(decltype(size(acc))::value % kDQAccumVec == 0);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    if (!kCheckRows || get<0>(coord(i)) < rows_left) {
-      atomicAdd(reinterpret_cast<float2*>(&dst(i)), make_float2(acc(i), acc(i + 1)));
+  for (int i = 0; i < size(acc); i += kDQAccumVec) {
+    float* dst = thread_chunk + dq_accum_value_offset<kNThreads>(i);
+    if constexpr (kDQAccumVec == 4) {
+      atomicAdd(reinterpret_cast<float4*>(dst),
+                make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3)));
+    } else {
+      atomicAdd(dst, acc(i));
     }
   }
-#else
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    if (!kCheckRows || get<0>(coord(i)) < rows_left) atomicAdd(&dst(i), acc(i));
-  }
-#endif
 }
 
 // kWithScoreExtras compiles in softcap, ALiBi and dropout; the plain variant
@@ -101,8 +95,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   const int64_t row_stat_offset = binfo.lse_offset(params, batch, head);
   const float* lse_rows = params.softmax_lse_ptr + row_stat_offset;
   const float* d_rows = params.softmax_d_ptr + row_stat_offset;
-  float* dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
-                    row_stat_offset * kHeadDim;
+  float* dq_accum_thread = params.dq_accum_ptr + split * params.dq_accum_split_stride +
+                           dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
+                           dq_accum_thread_offset(tidx);
 
   Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, params.head_dim),
                           make_stride(params.q.row_stride, _1{}));
@@ -259,18 +254,6 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   auto smem_thr_copy_Kt = smem_tiled_copy_Kt.get_thread_slice(tidx);
   Tensor tdQsKt = smem_thr_copy_Kt.partition_S(
       local_tile(sKt, DQChunkShapeKt{}, make_coord(_, 0)));  // (CPY, N, K, chunk)
-  Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
-  Tensor tdQcdQ = thr_mma_dq.partition_C(cdQ);
-  // This thread's dQ accumulator elements of row block 0, chunk 0, as a
-  // tensor with static strides: moved to another block / chunk by one pointer
-  // add, every element's address is then the thread's pointer plus a
-  // compile-time offset (an immediate of the atomic), not a 64-bit address
-  // computed per element. The accumulator has kHeadDim columns whatever the
-  // head dim.
-  Tensor tdQgdQaccum = thr_mma_dq.partition_C(
-      make_tensor(make_gmem_ptr(dq_accum), Shape<Int<kBlockM>, Int<kDQChunkCols>>{},
-                  Stride<Int<kHeadDim>, _1>{}));
-
   // (row, col) of each S element this thread holds.
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_mma_sdp.partition_C(cS);
@@ -312,7 +295,6 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
     int buffer = 0;
     for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
       const int row_begin = m_block * kBlockM;
-      const int rows_left = seqlen_q - row_begin;
 
       // Q(m), dO(m), their row statistics (and K, V) have landed, and every
       // warp is done with the previous block: its buffer, sP and sdS may be
@@ -406,7 +388,6 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
 
       // Every key block adds into the same dQ rows; in deterministic mode this
       // block is the only writer of its split slice, so the order is fixed.
-      // Only rows past the sequence need a check.
       CUTE_UNROLL
       for (int chunk = 0; chunk < kDQChunks; ++chunk) {
         Tensor acc_dq =
@@ -415,14 +396,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
         gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
                        smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
                        smem_thr_copy_Kt);
-        Tensor tdQgdQaccum_block = make_tensor(
-            tdQgdQaccum.data() + (int64_t(row_begin) * kHeadDim + chunk * kDQChunkCols),
-            tdQgdQaccum.layout());
-        if (rows_left >= kBlockM) {
-          atomic_add_dq</*kCheckRows=*/false>(acc_dq, tdQgdQaccum_block, tdQcdQ, rows_left);
-        } else {
-          atomic_add_dq</*kCheckRows=*/true>(acc_dq, tdQgdQaccum_block, tdQcdQ, rows_left);
-        }
+        atomic_add_dq<Traits::kNThreads>(
+            acc_dq, dq_accum_thread +
+                        dq_accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
       }
 
       if constexpr (kDQFirst) accumulate_dk();

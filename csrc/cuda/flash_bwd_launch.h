@@ -58,6 +58,10 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   } else if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
     using LargeTraits = BwdTraitsFor<BwdTileConfigLargeSmem<kHeadDim>, kHeadDim, Element>;
     static_assert(LargeTraits::kBlockN == Traits::kBlockN, "one grid for both tiles");
+    static_assert(LargeTraits::kBlockM == Traits::kBlockM &&
+                      LargeTraits::kNWarps == Traits::kNWarps &&
+                      LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ,
+                  "one dQ accumulator layout for both tiles (dq_accum_layout.h)");
     if (params.smem_per_block_optin >= LargeTraits::kSmemSize) {
       launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
     } else {
@@ -67,9 +71,9 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
     launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
   }
 
-  const dim3 dq_grid((params.seqlen_q + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
-                     params.nheads, params.batch);
-  flash_bwd_convert_dq_kernel<Element, kHeadDim><<<dq_grid, kBwdAuxThreads, 0, stream>>>(params);
+  const dim3 dq_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
+                     params.batch);
+  flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
   if (params.nheads != params.nheads_k) {

@@ -70,11 +70,13 @@ struct BwdParams : FwdParams {
   // rowsum(dO * O) per query row, in the layout of softmax_lse.
   float* softmax_d_ptr;
 
-  // fp32 dQ accumulator, zeroed before the main kernel: num_splits slices of
-  // (batch, nheads, seqlen_q, compiled head dim), or (nheads, total_q, compiled
-  // head dim) for varlen. One slice unless deterministic.
+  // fp32 dQ accumulator, zeroed before the main kernel: num_splits slices
+  // (one unless deterministic) of nheads x dq_accum_rows_per_head rows (per
+  // batch entry unless varlen) of the compiled head dim, in the order
+  // dq_accum_layout.h describes.
   float* dq_accum_ptr;
   int64_t dq_accum_split_stride;
+  int64_t dq_accum_rows_per_head;
   int num_splits;
   bool deterministic;
   // Shared memory one block may opt in to on this device: picks the
