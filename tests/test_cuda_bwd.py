@@ -277,6 +277,33 @@ def test_varlen_bwd_deterministic_is_bitwise_reproducible():
                                 deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    check_grads(q, k, v, dout, first, ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministic):
+    # The dQ accumulator pads every sequence to whole query blocks of the main
+    # kernel (64 or 128 rows; csrc/cuda/dq_accum_layout.h) and stores a block's
+    # values in fragment order. Lengths on both sides of a block, and empty
+    # ones, side by side: a block's values landing in a neighbour's stretch, or
+    # read back at the wrong row, would show here.
+    lengths_q = torch.tensor([1, 63, 64, 65, 0, 127, 128, 129, 3, 200])
+    lengths_k = torch.tensor([5, 70, 64, 1, 9, 130, 128, 140, 2, 199])
+    cu_q = torch.zeros(len(lengths_q) + 1, dtype=torch.int32)
+    cu_k = torch.zeros_like(cu_q)
+    cu_q[1:], cu_k[1:] = torch.cumsum(lengths_q, 0), torch.cumsum(lengths_k, 0)
+    max_q, max_k = int(lengths_q.max()), int(lengths_k.max())
+    q = torch.randn(int(cu_q[-1]), 4, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), 2, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    grads = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True,
+                               deterministic=deterministic)
+    check_grads(q, k, v, dout, grads, ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=True)
 
 
 def test_bwd_default_path_repeats_within_rounding():
