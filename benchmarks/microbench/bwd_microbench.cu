@@ -173,13 +173,13 @@ int main(int argc, char** argv) {
   constexpr int kSmemSize = Traits::kSmemSize;
   FA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize));
-  const dim3 dot_grid((seqlen + flash::kDotRowsPerBlock - 1) / flash::kDotRowsPerBlock, nheads,
-                      batch);
+  constexpr int kDotRows = flash::dot_rows_per_block<HEAD_DIM>();
+  const dim3 dot_grid((seqlen + kDotRows - 1) / kDotRows, nheads, batch);
   const dim3 grid((seqlen + BLOCK_N - 1) / BLOCK_N, nheads, batch);
   const dim3 dq_grid((seqlen + BLOCK_M - 1) / BLOCK_M, nheads, batch);
   auto run_main = [&] { kernel<<<grid, Traits::kNThreads, kSmemSize>>>(params); };
   auto run_backward = [&] {
-    flash::flash_bwd_dot_do_o_kernel<Element><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
     cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
     run_main();
     flash::flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads>>>(params);

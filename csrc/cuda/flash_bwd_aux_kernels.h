@@ -20,37 +20,63 @@ namespace flash {
 using namespace cute;
 
 constexpr int kBwdAuxThreads = 256;
-constexpr int kDotRowsPerBlock = kBwdAuxThreads / 32;  // one warp per row
 constexpr int kConvertRowsPerBlock = 16;
 
-// Grid: (ceil(seqlen_q / kDotRowsPerBlock), nheads, batch).
-template <typename Element>
+// D = rowsum(dO * O): a row is split over kDotLanesPerRow lanes of 16-byte
+// pieces, the largest power of two the compiled head dim fills, so that a warp
+// reads several short rows at once (with one row per warp, half the lanes of
+// a d128 warp and three quarters of a d64 one sat idle: 65% of the copy
+// bandwidth on an H100).
+template <int kHeadDim>
+constexpr int dot_lanes_per_row() {
+  int lanes = 1;
+  while (lanes * 2 <= 32 && lanes * 2 * 8 <= kHeadDim) lanes *= 2;
+  return lanes;
+}
+template <int kHeadDim>
+constexpr int dot_rows_per_block() {
+  return kBwdAuxThreads / dot_lanes_per_row<kHeadDim>();
+}
+
+// Grid: (ceil(seqlen_q / dot_rows_per_block), nheads, batch).
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(const BwdParams params) {
+  constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const BlockInfo binfo(params, batch);
-  const int row = blockIdx.x * kDotRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= binfo.seqlen_q) return;
+  const int row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
+  const int lane = threadIdx.x % kLanesPerRow;
+  // No early return: every lane of a row group takes part in the shuffles.
+  const bool row_in_bounds = row < binfo.seqlen_q;
   const Element* o = static_cast<const Element*>(params.o_ptr) +
-                     binfo.q_offset(params.o, batch, head) + row * params.o.row_stride;
+                     binfo.q_offset(params.o, batch, head) + int64_t(row) * params.o.row_stride;
   const Element* dout = static_cast<const Element*>(params.do_ptr) +
-                        binfo.q_offset(params.dout, batch, head) + row * params.dout.row_stride;
+                        binfo.q_offset(params.dout, batch, head) +
+                        int64_t(row) * params.dout.row_stride;
   // 8 elements (16 bytes) per lane per step; rows start 16-byte aligned and
   // the head dim is a multiple of 8.
   constexpr int kVec = 8;
   float dot = 0.f;
-  for (int col = lane * kVec; col < params.head_dim; col += 32 * kVec) {
-    const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
-    const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
-    const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
-    const Element* do_vals = reinterpret_cast<const Element*>(&do_bits);
+  if (row_in_bounds) {
+    for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
+      const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
+      const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
+      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
+      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) dot += static_cast<float>(o_vals[i]) * static_cast<float>(do_vals[i]);
+      for (int i = 0; i < kVec; ++i) {
+        dot += static_cast<float>(o_vals[i]) * static_cast<float>(do_vals[i]);
+      }
+    }
   }
 #pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, mask);
-  if (lane == 0) params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+  for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
+    dot += __shfl_xor_sync(0xffffffff, dot, mask);
+  }
+  if (row_in_bounds && lane == 0) {
+    params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+  }
 }
 
 // Grid: (query blocks of the main kernel's kBlockM rows, nheads, batch), with

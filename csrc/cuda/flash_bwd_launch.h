@@ -37,9 +37,9 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
     return;
   }
 
-  const dim3 dot_grid((params.seqlen_q + kDotRowsPerBlock - 1) / kDotRowsPerBlock, params.nheads,
-                      params.batch);
-  flash_bwd_dot_do_o_kernel<Element><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
+  constexpr int kDotRows = dot_rows_per_block<kHeadDim>();
+  const dim3 dot_grid((params.seqlen_q + kDotRows - 1) / kDotRows, params.nheads, params.batch);
+  flash_bwd_dot_do_o_kernel<Element, kHeadDim><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
