@@ -286,7 +286,7 @@ def test_varlen_bwd_deterministic_is_bitwise_reproducible():
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministic):
     # The dQ accumulator pads every sequence to whole query blocks of the main
-    # kernel (64 or 128 rows; csrc/cuda/dq_accum_layout.h) and stores a block's
+    # kernel (64 or 128 rows; csrc/cuda/bwd_accum_layout.h) and stores a block's
     # values in fragment order. Lengths on both sides of a block, and empty
     # ones, side by side: a block's values landing in a neighbour's stretch, or
     # read back at the wrong row, would show here.

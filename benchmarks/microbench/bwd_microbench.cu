@@ -120,8 +120,8 @@ int main(int argc, char** argv) {
   }
   FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
   FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
-  // Padded to whole query blocks (dq_accum_layout.h).
-  const int64_t dq_accum_rows = flash::dq_accum_rows_per_head(false, seqlen, batch, BLOCK_M);
+  // Padded to whole query blocks (bwd_accum_layout.h).
+  const int64_t dq_accum_rows = flash::accum_rows_per_head(false, seqlen, batch, BLOCK_M);
   const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * HEAD_DIM;
   FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
   fill_random<<<1024, 256>>>(q, elems, 1);

@@ -20,7 +20,7 @@
 #include "cuda/launcher_registry.h"
 #include "cuda/params.h"
 #include "cuda/bwd_tile_config.h"
-#include "cuda/dq_accum_layout.h"
+#include "cuda/bwd_accum_layout.h"
 #include "cuda/tile_config.h"
 #include "cuda/kvcache_append_rotary.h"
 #include "cuda/paged_gather.h"
@@ -326,13 +326,14 @@ void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k
 }
 
 // The fp32 work buffers of the backward: D, the dQ accumulator (zeroed) and,
-// under GQA, the per-query-head dK/dV shares, of dkv_accum_shape: (batch,
-// nheads, seqlen_k) or (nheads, total_k), then the compiled head dim. Reads
-// the shape fields of params, which must be set.
+// under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
+// per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
+// or (nheads, total_k), then the compiled head dim. Reads the shape fields of
+// params, which must be set.
 struct BwdWorkspace {
   at::Tensor softmax_d;
   at::Tensor dq_accum;
-  at::Tensor dk_accum;
+  at::Tensor dk_accum;  // the kv heads' sums or the per-head shares (see below)
   at::Tensor dv_accum;
 };
 
@@ -343,9 +344,9 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   BwdWorkspace ws;
   ws.softmax_d = at::empty_like(softmax_lse, f32);
   // dQ accumulator: every sequence padded to whole query blocks
-  // (dq_accum_layout.h).
+  // (bwd_accum_layout.h).
   const bool varlen = params.cu_seqlens_q != nullptr;
-  params.dq_accum_rows_per_head = dq_accum_rows_per_head(
+  params.dq_accum_rows_per_head = accum_rows_per_head(
       varlen, varlen ? params.total_q : params.seqlen_q, params.batch,
       bwd_block_shape(compiled_head_dim).block_m);
   const int64_t heads_total = varlen ? params.nheads : int64_t(params.batch) * params.nheads;
@@ -360,12 +361,26 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
       int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
   params.dk_accum_ptr = nullptr;
   params.dv_accum_ptr = nullptr;
-  if (params.nheads != params.nheads_k) {
+  params.dk_sum_ptr = nullptr;
+  params.dv_sum_ptr = nullptr;
+  if (params.nheads != params.nheads_k && deterministic) {
     // Every row the reduction reads is written by the main kernel: no zeroing.
     ws.dk_accum = at::empty(dkv_accum_shape, f32);
     ws.dv_accum = at::empty(dkv_accum_shape, f32);
     params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
+  } else if (params.nheads != params.nheads_k) {
+    // The kv heads' sums, padded to whole key blocks (bwd_accum_layout.h).
+    params.dkv_sum_rows_per_head = accum_rows_per_head(
+        varlen, varlen ? params.total_k : params.seqlen_k, params.batch,
+        bwd_block_shape(compiled_head_dim).block_n);
+    const int64_t kv_heads_total =
+        varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
+    ws.dk_accum =
+        at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
+    ws.dv_accum = at::zeros_like(ws.dk_accum);
+    params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
+    params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
   }
   return ws;
 }

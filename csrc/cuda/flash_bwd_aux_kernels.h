@@ -1,9 +1,10 @@
 // The small memory-bound kernels around the backward main kernel:
 //   before: D = rowsum(dO * O) in fp32, per query row;
 //   after:  dQ = scale * (sum of the dQ accumulator slices), cast to the input
-//           dtype (templated on the main kernel's traits, whose dQ partition
-//           is the accumulator's layout); under GQA, dK and dV of a kv head = the sum of its query
-//           heads' fp32 shares, in head order.
+//           dtype; under GQA, dK and dV of a kv head cast from its fp32 sums
+//           (both templated on the main kernel's traits, whose partitions are
+//           the accumulators' layout), or in deterministic mode the sum of its
+//           query heads' fp32 shares, in head order.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +13,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "block_info.h"
-#include "dq_accum_layout.h"
+#include "bwd_accum_layout.h"
 #include "params.h"
 
 namespace flash {
@@ -79,68 +80,56 @@ __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(cons
   }
 }
 
-// Grid: (query blocks of the main kernel's kBlockM rows, nheads, batch), with
-// the main kernel's thread count: thread t reads back the values that thread
-// t's dQ fragments added (dq_accum_layout.h), whole reductions' worth at a
-// time, so every warp load is contiguous. The block's rows go through shared
-// memory to leave as 16-byte row pieces.
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads)
-    flash_bwd_convert_dq_kernel(const BwdParams params) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kNThreads = Traits::kNThreads;
-  constexpr int kDQChunkCols = Traits::kDQChunkCols;
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const BlockInfo binfo(params, batch);
-  const int row_begin = m_block * kBlockM;
-  if (row_begin >= binfo.seqlen_q) return;
+// One block of a fragment-ordered fp32 accumulator (bwd_accum_layout.h) to the
+// output dtype: thread t of the block reads back the values that thread t of
+// the main kernel's TiledMma added, whole reductions' worth at a time (every
+// warp load contiguous), sums num_slices slices slice_stride apart, scales,
+// and the rows go through shared memory to leave as 16-byte row pieces (rows
+// below `rows`, columns below head_dim). accum_thread is the block's start
+// plus accum_thread_offset(tidx).
+template <typename TiledMma, int kRows, int kHeadDim, int kChunkCols, typename Element>
+__forceinline__ __device__ void store_accum_block(const float* accum_thread, int num_slices,
+                                                  int64_t slice_stride, float scale,
+                                                  Element* out, int64_t out_row_stride, int rows,
+                                                  int head_dim) {
+  constexpr int kNThreads = decltype(size(TiledMma{}))::value;
   const int tidx = threadIdx.x;
-  const float* accum_thread = params.dq_accum_ptr +
-                              dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
-                              dq_accum_thread_offset(tidx);
-
   // Rows of the block, padded by 16 bytes so that the fragment writes (eight
   // rows by four column pairs per warp) and the 16-byte row reads both hit
   // every bank once.
   constexpr int kRowPitch = kHeadDim + 16 / int(sizeof(Element));
-  __shared__ alignas(16) char smem[kBlockM * kRowPitch * sizeof(Element)];
+  __shared__ alignas(16) char smem[kRows * kRowPitch * sizeof(Element)];
   Element* tile = reinterpret_cast<Element*>(smem);
 
-  typename Traits::TiledMmadQ tiled_mma_dq;
-  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
-  Tensor tdQcdQ = thr_mma_dq.partition_C(
-      make_identity_tensor(Shape<Int<kBlockM>, Int<kDQChunkCols>>{}));
-  constexpr int kValues = decltype(size(tdQcdQ))::value;
-  static_assert(kValues % kDQAccumVec == 0);
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kChunkCols>>{}));
+  constexpr int kValues = decltype(size(tCcC))::value;
+  static_assert(kValues % kAccumVec == 0);
   CUTE_UNROLL
-  for (int chunk = 0; chunk < Traits::kDQChunks; ++chunk) {
-    const float* chunk_accum =
-        accum_thread + dq_accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk);
+  for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
+    const float* chunk_accum = accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
     CUTE_UNROLL
-    for (int i = 0; i < kValues; i += kDQAccumVec) {
-      float sum[kDQAccumVec] = {};
-      const float* group = chunk_accum + dq_accum_value_offset<kNThreads>(i);
-      for (int split = 0; split < params.num_splits; ++split) {
-        const float* slice = group + split * params.dq_accum_split_stride;
-        if constexpr (kDQAccumVec == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(slice);
+    for (int i = 0; i < kValues; i += kAccumVec) {
+      float sum[kAccumVec] = {};
+      const float* group = chunk_accum + accum_value_offset<kNThreads>(i);
+      for (int slice = 0; slice < num_slices; ++slice) {
+        const float* values = group + slice * slice_stride;
+        if constexpr (kAccumVec == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(values);
           sum[0] += v.x;
           sum[1] += v.y;
           sum[2] += v.z;
           sum[3] += v.w;
         } else {
-          sum[0] += *slice;
+          sum[0] += *values;
         }
       }
       CUTE_UNROLL
-      for (int j = 0; j < kDQAccumVec; ++j) {
-        const int row = get<0>(tdQcdQ(i + j));
-        const int col = chunk * kDQChunkCols + get<1>(tdQcdQ(i + j));
-        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * params.softmax_scale);
+      for (int j = 0; j < kAccumVec; ++j) {
+        const int row = get<0>(tCcC(i + j));
+        const int col = chunk * kChunkCols + get<1>(tCcC(i + j));
+        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * scale);
       }
     }
   }
@@ -148,20 +137,77 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
   constexpr int kVec = 16 / int(sizeof(Element));
   constexpr int kPiecesPerRow = kHeadDim / kVec;
-  const int rows = min(kBlockM, binfo.seqlen_q - row_begin);
-  Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
-                int64_t(row_begin) * params.dq.row_stride;
-  for (int piece = tidx; piece < kBlockM * kPiecesPerRow; piece += kNThreads) {
+  for (int piece = tidx; piece < kRows * kPiecesPerRow; piece += kNThreads) {
     const int row = piece / kPiecesPerRow;
     const int col = (piece % kPiecesPerRow) * kVec;
-    if (row < rows && col < params.head_dim) {
-      *reinterpret_cast<uint4*>(dq + row * params.dq.row_stride + col) =
+    if (row < rows && col < head_dim) {
+      *reinterpret_cast<uint4*>(out + row * out_row_stride + col) =
           *reinterpret_cast<const uint4*>(tile + row * kRowPitch + col);
     }
   }
+  __syncthreads();  // the tile may be written again by the next call
 }
 
-// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), nheads_k, batch).
+// Grid: (query blocks of the main kernel's kBlockM rows, nheads, batch), with
+// the main kernel's thread count: dQ = scale * (sum of the accumulator's
+// slices), from its dQ partition.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_convert_dq_kernel(const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const BlockInfo binfo(params, batch);
+  const int row_begin = m_block * kBlockM;
+  if (row_begin >= binfo.seqlen_q) return;
+  const float* accum_thread = params.dq_accum_ptr +
+                              dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
+                              accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0) +
+                              accum_thread_offset(threadIdx.x);
+  Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
+                int64_t(row_begin) * params.dq.row_stride;
+  store_accum_block<typename Traits::TiledMmadQ, kBlockM, kHeadDim, Traits::kDQChunkCols>(
+      accum_thread, params.num_splits, params.dq_accum_split_stride, params.softmax_scale, dq,
+      params.dq.row_stride, min(kBlockM, binfo.seqlen_q - row_begin), params.head_dim);
+}
+
+// Grid: (key blocks of the main kernel's kBlockN rows, nheads_k, batch), with
+// the main kernel's thread count: GQA/MQA dK and dV from the kv heads' fp32
+// sums (non-deterministic mode), from the main kernel's dK / dV partition.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_convert_dkv_kernel(const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int n_block = blockIdx.x;
+  const int head_kv = blockIdx.y;
+  const int batch = blockIdx.z;
+  const BlockInfo binfo(params, batch);
+  const int row_begin = n_block * kBlockN;
+  if (row_begin >= binfo.seqlen_k) return;
+  const int64_t sum_offset = dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
+                             accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(n_block, 0) +
+                             accum_thread_offset(threadIdx.x);
+  const int rows = min(kBlockN, binfo.seqlen_k - row_begin);
+  Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
+                int64_t(row_begin) * params.dk.row_stride;
+  Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
+                int64_t(row_begin) * params.dv.row_stride;
+  using TiledMma = typename Traits::TiledMmadKV;
+  // dK carries the softmax scale already (the main kernel applies it).
+  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
+      params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
+  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
+      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim);
+}
+
+// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), nheads_k, batch). GQA/MQA in
+// deterministic mode: dK and dV of a kv head sum its query heads' shares in
+// head order.
 template <typename Element, int kAccumHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_reduce_dkv_kernel(const BwdParams params) {
   const int head_kv = blockIdx.y;

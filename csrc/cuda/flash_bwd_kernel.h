@@ -14,7 +14,7 @@
 #include "block_info.h"
 #include "bwd_kernel_traits.h"
 #include "bwd_mask_range.h"
-#include "dq_accum_layout.h"
+#include "bwd_accum_layout.h"
 #include "dropout.h"
 #include "flash_bwd_pointwise.h"
 #include "params.h"
@@ -36,17 +36,17 @@ __forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
   return row * accum_head_dim;
 }
 
-// Adds this thread's dQ fragment of one chunk into the accumulator, as
-// reductions without a return value, kDQAccumVec values each; thread_chunk is
-// the thread's own place in the chunk (dq_accum_layout.h). Rows past the
-// sequence add zeros into the padding, so no row needs a check.
+// Adds this thread's fragment of one chunk (dQ) or block (dK / dV sums) into
+// an fp32 accumulator, as reductions without a return value, kAccumVec values
+// each; thread_chunk is the thread's own place in it (bwd_accum_layout.h).
+// Rows past the sequence add zeros into the padding, so no row needs a check.
 template <int kNThreads, typename TensorAcc>
-__forceinline__ __device__ void atomic_add_dq(const TensorAcc& acc, float* thread_chunk) {
-  static_assert(decltype(size(acc))::value % kDQAccumVec == 0);
+__forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float* thread_chunk) {
+  static_assert(decltype(size(acc))::value % kAccumVec == 0);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += kDQAccumVec) {
-    float* dst = thread_chunk + dq_accum_value_offset<kNThreads>(i);
-    if constexpr (kDQAccumVec == 4) {
+  for (int i = 0; i < size(acc); i += kAccumVec) {
+    float* dst = thread_chunk + accum_value_offset<kNThreads>(i);
+    if constexpr (kAccumVec == 4) {
       atomicAdd(reinterpret_cast<float4*>(dst),
                 make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3)));
     } else {
@@ -97,7 +97,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   const float* d_rows = params.softmax_d_ptr + row_stat_offset;
   float* dq_accum_thread = params.dq_accum_ptr + split * params.dq_accum_split_stride +
                            dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
-                           dq_accum_thread_offset(tidx);
+                           accum_thread_offset(tidx);
 
   Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, params.head_dim),
                           make_stride(params.q.row_stride, _1{}));
@@ -396,9 +396,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
         gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
                        smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
                        smem_thr_copy_Kt);
-        atomic_add_dq<Traits::kNThreads>(
+        atomic_add_fragment<Traits::kNThreads>(
             acc_dq, dq_accum_thread +
-                        dq_accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
+                        accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
       }
 
       if constexpr (kDQFirst) accumulate_dk();
@@ -456,8 +456,17 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, cols_left);
     store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV, cols_left);
+  } else if (!params.deterministic) {
+    // GQA/MQA: added into the kv head's fp32 sums, which the conversion
+    // kernel casts once every query head of the group is in.
+    const int64_t sum_offset =
+        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
+        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(n_block, 0) + accum_thread_offset(tidx);
+    atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
+    atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
   } else {
-    // GQA/MQA: this query head's share, in fp32, for the group reduction.
+    // GQA/MQA, deterministic: this query head's share, in fp32, for the group
+    // reduction in head order.
     const int64_t accum_offset =
         dkv_accum_offset(params, binfo, batch, head, kHeadDim) + int64_t(col_begin) * kHeadDim;
     float* dk_accum = params.dk_accum_ptr + accum_offset;

@@ -61,7 +61,9 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
     static_assert(LargeTraits::kBlockM == Traits::kBlockM &&
                       LargeTraits::kNWarps == Traits::kNWarps &&
                       LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ,
-                  "one dQ accumulator layout for both tiles (dq_accum_layout.h)");
+                  "one dQ accumulator layout for both tiles (bwd_accum_layout.h)");
+    static_assert(LargeTraits::kAtomLayoutNdKV == Traits::kAtomLayoutNdKV,
+                  "one dK / dV sum layout for both tiles (bwd_accum_layout.h)");
     if (params.smem_per_block_optin >= LargeTraits::kSmemSize) {
       launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
     } else {
@@ -76,7 +78,11 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
-  if (params.nheads != params.nheads_k) {
+  if (params.dk_sum_ptr != nullptr) {
+    const dim3 dkv_grid(num_n_blocks, params.nheads_k, params.batch);
+    flash_bwd_convert_dkv_kernel<Traits><<<dkv_grid, Traits::kNThreads, 0, stream>>>(params);
+    FA_CUDA_CHECK(cudaGetLastError());
+  } else if (params.dk_accum_ptr != nullptr) {
     const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
                         params.nheads_k, params.batch);
     flash_bwd_reduce_dkv_kernel<Element, kHeadDim>

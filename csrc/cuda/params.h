@@ -73,7 +73,7 @@ struct BwdParams : FwdParams {
   // fp32 dQ accumulator, zeroed before the main kernel: num_splits slices
   // (one unless deterministic) of nheads x dq_accum_rows_per_head rows (per
   // batch entry unless varlen) of the compiled head dim, in the order
-  // dq_accum_layout.h describes.
+  // bwd_accum_layout.h describes.
   float* dq_accum_ptr;
   int64_t dq_accum_split_stride;
   int64_t dq_accum_rows_per_head;
@@ -83,7 +83,15 @@ struct BwdParams : FwdParams {
   // large-shared-memory tile where the table has one (bwd_tile_config.h).
   int smem_per_block_optin;
 
-  // GQA/MQA only (null when nheads == nheads_k): per-query-head fp32 dK and dV,
+  // GQA/MQA, default mode (else null): each kv head's fp32 dK and dV sums,
+  // zeroed, nheads_k x dkv_sum_rows_per_head rows (per batch entry unless
+  // varlen) of the compiled head dim, in the order bwd_accum_layout.h
+  // describes; every query head's blocks add into them.
+  float* dk_sum_ptr;
+  float* dv_sum_ptr;
+  int64_t dkv_sum_rows_per_head;
+
+  // GQA/MQA, deterministic mode (else null): per-query-head fp32 dK and dV,
   // (batch, nheads, seqlen_k, compiled head dim) or (nheads, total_k, compiled
   // head dim) for varlen, summed over each kv head's group in a fixed order.
   float* dk_accum_ptr;
