@@ -1,6 +1,7 @@
 // Host side of the backward pass for one (dtype, compiled head dim): the
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
-// under GQA, the dK/dV group reduction, all on one stream. The caller
+// under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
+// the group reduction of the per-head shares), all on one stream. The caller
 // (flash_api_cuda.cpp) allocates and zeroes the accumulators.
 #pragma once
 
