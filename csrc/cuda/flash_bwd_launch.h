@@ -79,11 +79,13 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
-  if (params.dk_sum_ptr != nullptr) {
+  // GQA/MQA: the main kernel's epilogue picks the same way (sums, or shares
+  // when deterministic).
+  if (params.nheads != params.nheads_k && !params.deterministic) {
     const dim3 dkv_grid(num_n_blocks, params.nheads_k, params.batch);
     flash_bwd_convert_dkv_kernel<Traits><<<dkv_grid, Traits::kNThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
-  } else if (params.dk_accum_ptr != nullptr) {
+  } else if (params.nheads != params.nheads_k) {
     const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
                         params.nheads_k, params.batch);
     flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
