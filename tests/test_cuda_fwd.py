@@ -306,12 +306,14 @@ def test_fwd_torch_compile_matches_eager():
     assert torch.equal(compiled(q, k, v), flash_attn_func(q, k, v, causal=True))
 
 
-def test_fwd_batch_heads_over_65535():
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_batch_heads_over_65535(causal):
     batch, nheads = 17000, 4  # batch * heads = 68000 thread-block columns
     q, k, v = random_qkv(batch, 3, 5, nheads, nheads, 32, torch.float16)
-    out, lse, _, _ = run_fwd(q, k, v)
+    out, lse, _, _ = run_fwd(q, k, v, causal=causal)
     for b in (0, batch // 2, batch - 1):
-        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1], lse[b:b + 1])
+        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1], lse[b:b + 1],
+                                causal=causal)
 
 
 def test_fwd_tensor_over_2_pow_31_elements():

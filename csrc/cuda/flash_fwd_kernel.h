@@ -12,6 +12,7 @@
 #include "../common/mask_rule.h"
 #include "block_info.h"
 #include "dropout.h"
+#include "fwd_block_order.h"
 #include "kernel_traits.h"
 #include "params.h"
 #include "score_mods.h"
@@ -60,9 +61,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   constexpr int kHeadDim = Traits::kHeadDim;
 
   extern __shared__ char smem[];
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0);
+  const int m_block = coord.m_block;
+  const int head = coord.head;
+  const int batch = coord.batch;
   const int tidx = threadIdx.x;
 
   const BlockInfo binfo(params, batch);
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
       cute::cp_async_fence();
     }
 
-    softmax.update(scores, acc_o_rowcol, exp_scale_log2);
+    softmax.template update</*kSkipUnmovedRescale=*/true>(scores, acc_o_rowcol, exp_scale_log2);
     if (has_dropout) apply_dropout(scores, tScS_rowcol, row_begin, col_base, dropout);
 
     Tensor rP = convert_type<Element>(acc_s);

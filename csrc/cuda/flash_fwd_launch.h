@@ -24,7 +24,8 @@ void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
                                  kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps,
                                  Element>;
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  // Query blocks on x (no 65535 limit); heads and batch on y and z.
+  // Query blocks on x (no 65535 limit); heads and batch on y and z. The
+  // kernel takes its block in the order of fwd_block_order.h.
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
   launch_with_dynamic_smem(&flash_fwd_kernel<Traits, kWithScoreExtras>, grid,
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);

@@ -60,25 +60,43 @@ struct OnlineSoftmax {
 
   // scores (rows, cols) becomes exp2(scores * exp_scale_log2 - running max),
   // and acc_o (rows, head dim) is rescaled to the new running max.
-  template <typename TensorS, typename TensorO>
+  //
+  // kSkipUnmovedRescale: once a row has seen a few tiles its max rarely moves,
+  // and then its correction is exactly 1 (exp2 of x - x). The rescale of
+  // acc_o costs one FMUL per output element per tile, as many instructions as
+  // the tile's P V MMAs at a 32-key tile, so the warp skips it when no row of
+  // the warp moved. The warp vote needs every lane of the warp in the call.
+  template <bool kSkipUnmovedRescale = false, typename TensorS, typename TensorO>
   __forceinline__ __device__ void update(TensorS& scores, TensorO& acc_o, float exp_scale_log2) {
     static_assert(decltype(size<0>(scores))::value == kNRows);
+    float correction[kNRows];
+    float max_scaled[kNRows];
+    bool max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float tile_max = row_max[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
       tile_max = quad_allreduce_max(tile_max);
-      const float max_scaled = scaled_row_max(tile_max, exp_scale_log2);
-      const float correction = exp2f(row_max[mi] * exp_scale_log2 - max_scaled);
+      max_moved |= tile_max != row_max[mi];
+      max_scaled[mi] = scaled_row_max(tile_max, exp_scale_log2);
+      correction[mi] = exp2f(row_max[mi] * exp_scale_log2 - max_scaled[mi]);
       row_max[mi] = tile_max;
-      row_sum[mi] *= correction;
+      row_sum[mi] *= correction[mi];
+    }
+    if (!kSkipUnmovedRescale || __any_sync(0xffffffffu, max_moved)) {
       CUTE_UNROLL
-      for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction;
+      for (int mi = 0; mi < kNRows; ++mi) {
+        CUTE_UNROLL
+        for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction[mi];
+      }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
       float tile_sum = 0.f;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) {
-        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled);
+        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled[mi]);
         scores(mi, ni) = p;
         tile_sum += p;
       }

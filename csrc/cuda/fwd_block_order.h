@@ -1,0 +1,42 @@
+// Which (query block, head, batch) each thread block of the forward grid
+// computes, in the order the hardware hands blocks out (x fastest, then y,
+// then z).
+//
+// Without a causal (right) bound every query block of a head does the same
+// work, and the blocks of one head are handed out one after the other: they
+// run side by side and read that head's K/V from DRAM once, then from L2.
+//
+// With a causal bound the work grows along the sequence: query block m sees
+// about m + 1 key blocks. Handed out head by head, the last head's longest
+// blocks start when little else is left, and the grid ends with a few SMs
+// still busy (on an H100, 8-16% of a causal forward with 16 heads). So the
+// query blocks of all heads of a batch entry are handed out together, the
+// longest first. A section spans one batch entry's heads and not more: the
+// sweep in benchmarks/PERF_LOG.md found sections of every head of every entry
+// 10% slower at head dim 64 (each head's K/V then leaves L2 before its next
+// block reads it) and sections straddling entries slower too.
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+struct FwdBlockCoord {
+  int m_block;
+  int head;
+  int batch;
+};
+
+// The grid is (num_m_blocks, nheads, batch), within CUDA's per-dimension
+// limits for any shape.
+__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal) {
+  if (!causal) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  // 64-bit: num_m_blocks * nheads may pass 2^32 in a varlen batch of many
+  // sequences and one long one (blocks past a short sequence's end exit).
+  const int64_t in_batch = blockIdx.x + int64_t(gridDim.x) * blockIdx.y;
+  const int64_t step = in_batch / gridDim.y;  // 0 = handed out first in the batch entry
+  const int head = int(in_batch - step * gridDim.y);
+  return {int(gridDim.x - 1 - step), head, int(blockIdx.z)};
+}
+
+}  // namespace flash
