@@ -7,7 +7,8 @@ built too when a CUDA toolkit is found (and FLASH_ATTN_SKIP_CUDA_BUILD is not
 Environment switches (see README.md and MAX_JOBS.md):
   FLASH_ATTN_SKIP_CUDA_BUILD=1     CPU-only build, even if nvcc is present.
   FLASH_ATTN_FORCE_CUDA_BUILD=1    fail instead of falling back to CPU-only.
-  FLASH_ATTN_CUDA_ARCHS="80;90"    one -gencode per entry ("90a" for sm_90a).
+  FLASH_ATTN_CUDA_ARCHS="80;90a"   one -gencode per entry (default; "90a" is
+                                   sm_90a, which the Hopper forward kernel needs).
   FLASH_ATTN_CUDA_HDIMS=64,128     head dims to instantiate (default: all).
   FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16).
   FLASH_ATTN_PTXAS_VERBOSE=1       print registers / spills per kernel.
@@ -36,7 +37,9 @@ VERSION = "0.1.0"
 
 ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 ALL_DTYPES = ("fp16", "bf16")
-DEFAULT_ARCHS = "80;90"
+# sm_90a (not sm_90): the Hopper forward kernel uses wgmma, which only the
+# arch-specific target has; sm_90a machine code runs on every sm90 GPU.
+DEFAULT_ARCHS = "80;90a"
 # Ends build_info when FLASH_ATTN_CUDA_HDIMS / _DTYPES left kernels out.
 REDUCED_KERNEL_SET_MARK = "reduced kernel set"
 
@@ -430,6 +433,9 @@ def _extension(config):
         # griddepcontrol.wait) as the programmatically launched split-KV combine.
         for arch in config["archs"]:
             nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        if "90a" in config["archs"]:
+            # The host side may launch the wgmma kernels: they have machine code.
+            nvcc_flags += ["-DFLASH_ATTN_HAS_SM90A"]
         if _env_flag("FLASH_ATTN_PTXAS_VERBOSE"):
             nvcc_flags += ["-Xptxas", "-v"]
         if _nvcc_threads() > 1:

@@ -9,7 +9,7 @@ import torch
 import reference
 from reference import assert_within_criterion, attention_ref
 
-import flash_attn_cuda  # noqa: F401  (registers the ops)
+import flash_attn_cuda  # registers the ops
 from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
 
 pytestmark = pytest.mark.cuda
@@ -20,6 +20,19 @@ SEQLEN_PAIRS = [
 ]
 
 
+@pytest.fixture(params=["default", "sm80"])
+def fwd_kernel(request, monkeypatch):
+    """Which forward kernel runs the plain score rule. On an sm90 GPU the head
+    dims with a Hopper tile (csrc/cuda/tile_config.h) run the warpgroup-MMA
+    kernel; FLASH_ATTN_FWD_KERNEL=sm80 keeps the SM80 kernel, the one every
+    other GPU runs, so both are checked there."""
+    if request.param == "sm80":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("FLASH_ATTN_FWD_KERNEL=sm80 only changes the kernel on an sm90 GPU")
+        monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm80")
+    return request.param
+
+
 def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
             dropout_p=0.0, softmax_scale=None, return_softmax=False, seed=0, offset=0):
     if softmax_scale is None:
@@ -28,6 +41,28 @@ def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes
     return torch.ops.flash_attn.fwd(
         q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
         return_softmax, seed, offset, None)
+
+
+def forward_kernel_names(q, k, v, **kwargs):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_fwd(q, k, v, **kwargs)
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events()}
+
+
+@pytest.mark.parametrize("head_dim,runs_sm90", [(64, False), (128, True), (256, True)])
+def test_fwd_kernel_choice_on_sm90(head_dim, runs_sm90, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    q, k, v = random_qkv(1, 256, 256, 2, 2, head_dim, torch.bfloat16)
+    uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
+    assert uses_sm90(forward_kernel_names(q, k, v, causal=True)) == runs_sm90
+    # The score extras stay on the SM80 kernel, and so does everything when forced.
+    assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm80")
+    assert not uses_sm90(forward_kernel_names(q, k, v))
 
 
 def check_against_reference(q, k, v, out, lse, **ref_kwargs):
@@ -44,7 +79,7 @@ def check_against_reference(q, k, v, out, lse, **ref_kwargs):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal):
+def test_fwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal, fwd_kernel):
     batch = 2 if seqlen_q * seqlen_k < 1 << 20 else 1
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     out, lse, _, _ = run_fwd(q, k, v, causal=causal)
@@ -55,7 +90,7 @@ def test_fwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(0, 0), (16, 0), (63, 17), (-1, 40), (100, -1)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 256), (300, 129)])
-def test_fwd_local(dtype, head_dim, window, seqlen_q, seqlen_k):
+def test_fwd_local(dtype, head_dim, window, seqlen_q, seqlen_k, fwd_kernel):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype)
     out, lse, _, _ = run_fwd(q, k, v, window=window)
     check_against_reference(q, k, v, out, lse, window_size=window)
@@ -82,7 +117,7 @@ def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nheads,nheads_k", [(8, 8), (8, 4), (8, 1), (16, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fwd_gqa(dtype, nheads, nheads_k, causal):
+def test_fwd_gqa(dtype, nheads, nheads_k, causal, fwd_kernel):
     q, k, v = random_qkv(3, 200, 333, nheads, nheads_k, 128, dtype)
     out, lse, _, _ = run_fwd(q, k, v, causal=causal)
     check_against_reference(q, k, v, out, lse, causal=causal)
@@ -90,7 +125,7 @@ def test_fwd_gqa(dtype, nheads, nheads_k, causal):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fwd_strided_views_of_packed_qkv(dtype, head_dim):
+def test_fwd_strided_views_of_packed_qkv(dtype, head_dim, fwd_kernel):
     qkv = torch.randn(2, 177, 3, 6, head_dim, device=DEVICE, dtype=dtype)
     q, k, v = qkv.unbind(dim=2)
     assert not q.is_contiguous()
@@ -102,7 +137,7 @@ def test_fwd_strided_views_of_packed_qkv(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("softcap,alibi", [(0.0, False), (10.0, True)])
-def test_varlen_fwd(dtype, head_dim, causal, softcap, alibi):
+def test_varlen_fwd(dtype, head_dim, causal, softcap, alibi, fwd_kernel):
     batch, nheads, nheads_k = 5, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 150)
     cu_k, max_k = random_cu_seqlens(batch, 300)
@@ -307,7 +342,7 @@ def test_fwd_torch_compile_matches_eager():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fwd_batch_heads_over_65535(causal):
+def test_fwd_batch_heads_over_65535(causal, fwd_kernel):
     batch, nheads = 17000, 4  # batch * heads = 68000 thread-block columns
     q, k, v = random_qkv(batch, 3, 5, nheads, nheads, 32, torch.float16)
     out, lse, _, _ = run_fwd(q, k, v, causal=causal)
@@ -333,7 +368,7 @@ def test_fwd_tensor_over_2_pow_31_elements():
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 10), (10, 0), (0, 0)])
-def test_fwd_empty_sequences(seqlen_q, seqlen_k):
+def test_fwd_empty_sequences(seqlen_q, seqlen_k, fwd_kernel):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2, 2, 64, torch.bfloat16)
     out, lse, _, _ = run_fwd(q, k, v)
     assert out.shape == q.shape and lse.shape == (2, 2, seqlen_q)

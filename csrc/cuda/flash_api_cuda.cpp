@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -103,6 +105,14 @@ std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alib
 }
 
 // Pointers and strides common to the fixed-length and varlen forward.
+// FLASH_ATTN_FWD_KERNEL=sm80 keeps the SM80 forward kernel on an sm90 GPU,
+// so that the tests (and anyone comparing) can run both there. Read per call:
+// a test flips it between calls.
+bool sm80_forward_forced() {
+  const char* choice = std::getenv("FLASH_ATTN_FWD_KERNEL");
+  return choice != nullptr && std::strcmp(choice, "sm80") == 0;
+}
+
 void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                      const at::Tensor& s_dmask, bool return_softmax, bool varlen) {
@@ -116,6 +126,8 @@ void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k
   params.k = strides_of(k, varlen);
   params.v = strides_of(v, varlen);
   params.o = strides_of(out, varlen);
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  params.use_sm90_kernels = props->major == 9 && props->minor == 0 && !sm80_forward_forced();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(

@@ -1,5 +1,6 @@
-// Host side of the forward kernel: grid, shared-memory opt-in and launch for
-// one (dtype, compiled head dim), with the tile shape from tile_config.h.
+// Host side of the forward kernels: grid, shared-memory opt-in and launch for
+// one (dtype, compiled head dim), with the tile shapes from tile_config.h,
+// and the choice between the SM80 kernel and the Hopper one.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +8,9 @@
 #include "cuda_check.h"
 #include "dependent_launch.h"
 #include "flash_fwd_kernel.h"
+#include "flash_fwd_sm90_kernel.h"
 #include "kernel_traits.h"
+#include "kernel_traits_sm90.h"
 #include "params.h"
 #include "return_probs.h"
 #include "tile_config.h"
@@ -31,11 +34,39 @@ void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
 }
 
+// The Hopper kernel exists as machine code only when the build has sm_90a
+// (FLASH_ATTN_CUDA_ARCHS; setup.py defines FLASH_ATTN_HAS_SM90A then).
+template <int kHeadDim>
+constexpr bool has_sm90_forward() {
+#if defined(FLASH_ATTN_HAS_SM90A)
+  return FwdTileConfig<kHeadDim>::kBlockNSm90 > 0;
+#else
+  return false;
+#endif
+}
+
+template <typename Element, int kHeadDim>
+void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+  using Traits =
+      FwdSm90KernelTraits<kHeadDim, 128, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+  const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const dim3 grid(num_m_blocks, params.nheads, params.batch);
+  launch_with_dynamic_smem(&flash_fwd_sm90_kernel<Traits>, grid, dim3(Traits::kNThreads),
+                           Traits::kSmemSize, stream, params);
+}
+
 template <typename Element, int kHeadDim>
 void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
   const bool with_score_extras =
       params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  if constexpr (has_sm90_forward<kHeadDim>()) {
+    if (params.use_sm90_kernels && !with_score_extras) {
+      launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
+      if (params.p_ptr != nullptr) launch_return_probs(params, stream);
+      return;
+    }
+  }
   if (with_score_extras) {
     launch_flash_fwd_variant<Element, kHeadDim, true>(params, stream);
   } else {

@@ -56,6 +56,12 @@ struct FwdParams {
   const int64_t* rng_state;   // device pointer to [seed, offset]
 
   bool is_bf16;
+
+  // Set by the API layer on an sm90 GPU: the head dims with a Hopper tile in
+  // tile_config.h run the warpgroup-MMA forward (flash_fwd_sm90_kernel.h)
+  // when the build has sm_90a machine code. FLASH_ATTN_FWD_KERNEL=sm80 in the
+  // environment keeps the SM80 kernel (the tests check both).
+  bool use_sm90_kernels;
 };
 
 // The backward pass reads everything the forward read (same score rule, same

@@ -68,29 +68,68 @@ struct OnlineSoftmax {
   // the warp moved. The warp vote needs every lane of the warp in the call.
   template <bool kSkipUnmovedRescale = false, typename TensorS, typename TensorO>
   __forceinline__ __device__ void update(TensorS& scores, TensorO& acc_o, float exp_scale_log2) {
-    static_assert(decltype(size<0>(scores))::value == kNRows);
-    float correction[kNRows];
+    TileCorrection correction;
     float max_scaled[kNRows];
-    bool max_moved = false;
+    move_row_max(scores, exp_scale_log2, correction, max_scaled);
+    rescale_output<kSkipUnmovedRescale>(acc_o, correction);
+    exponentiate(scores, exp_scale_log2, max_scaled);
+  }
+
+  // How acc_o must be rescaled after a tile: per row, exp2 of the old running
+  // max minus the new one, and whether any row max of this thread moved.
+  struct TileCorrection {
+    float factor[kNRows];
+    bool max_moved;
+  };
+
+  // update() without its acc_o rescale: a kernel whose previous P V is still
+  // in flight on the tensor cores runs this meanwhile, and rescale_output()
+  // once that product has landed.
+  template <typename TensorS>
+  __forceinline__ __device__ void update_scores(TensorS& scores, float exp_scale_log2,
+                                                TileCorrection& correction) {
+    float max_scaled[kNRows];
+    move_row_max(scores, exp_scale_log2, correction, max_scaled);
+    exponentiate(scores, exp_scale_log2, max_scaled);
+  }
+
+  template <bool kSkipUnmovedRescale = false, typename TensorO>
+  __forceinline__ __device__ void rescale_output(TensorO& acc_o, const TileCorrection& correction) {
+    if (!kSkipUnmovedRescale || __any_sync(0xffffffffu, correction.max_moved)) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        CUTE_UNROLL
+        for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction.factor[mi];
+      }
+    }
+  }
+
+  // The running max takes in the tile; the row sums follow it.
+  template <typename TensorS>
+  __forceinline__ __device__ void move_row_max(const TensorS& scores, float exp_scale_log2,
+                                               TileCorrection& correction,
+                                               float (&max_scaled)[kNRows]) {
+    static_assert(decltype(size<0>(scores))::value == kNRows);
+    correction.max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float tile_max = row_max[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
       tile_max = quad_allreduce_max(tile_max);
-      max_moved |= tile_max != row_max[mi];
+      correction.max_moved |= tile_max != row_max[mi];
       max_scaled[mi] = scaled_row_max(tile_max, exp_scale_log2);
-      correction[mi] = exp2f(row_max[mi] * exp_scale_log2 - max_scaled[mi]);
+      correction.factor[mi] = exp2f(row_max[mi] * exp_scale_log2 - max_scaled[mi]);
       row_max[mi] = tile_max;
-      row_sum[mi] *= correction[mi];
+      row_sum[mi] *= correction.factor[mi];
     }
-    if (!kSkipUnmovedRescale || __any_sync(0xffffffffu, max_moved)) {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
-        CUTE_UNROLL
-        for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= correction[mi];
-      }
-    }
+  }
+
+  // Scores become exp2(score * exp_scale_log2 - running max); their sum joins
+  // the row sums.
+  template <typename TensorS>
+  __forceinline__ __device__ void exponentiate(TensorS& scores, float exp_scale_log2,
+                                               const float (&max_scaled)[kNRows]) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float tile_sum = 0.f;

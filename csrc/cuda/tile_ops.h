@@ -88,6 +88,20 @@ __forceinline__ __device__ auto convert_type(const Tensor<Engine, Layout>& tenso
   return make_tensor(make_rmem_ptr<To>(&frag), tensor.layout());
 }
 
+// convert_type into an existing register tensor of the same size (a
+// fragment that lives across loop iterations).
+template <typename EngineSrc, typename LayoutSrc, typename EngineDst, typename LayoutDst>
+__forceinline__ __device__ void convert_type_into(const Tensor<EngineSrc, LayoutSrc>& src,
+                                                  Tensor<EngineDst, LayoutDst>& dst) {
+  using From = typename EngineSrc::value_type;
+  using To = typename EngineDst::value_type;
+  constexpr int kNumel = decltype(size(src))::value;
+  static_assert(kNumel == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, kNumel> converter;
+  *reinterpret_cast<cutlass::Array<To, kNumel>*>(dst.data()) =
+      converter(*reinterpret_cast<const cutlass::Array<From, kNumel>*>(src.data()));
+}
+
 // Global -> shared tile copy, predicated per (row, column chunk): rows at or
 // past max_row and column chunks past the head dim are zero-filled instead of
 // read. Zero, not left stale, because a garbage K row could be NaN (0 * NaN

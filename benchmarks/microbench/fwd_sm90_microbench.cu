@@ -1,0 +1,167 @@
+// The Hopper (wgmma) forward kernel against the SM80 one, without torch: both
+// run on the same inputs, their outputs and lse are compared element by
+// element (the SM80 kernel is the one the test suite checks against an fp32
+// reference), then each is timed with events after warm-up.
+//
+//   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
+//     -gencode arch=compute_90a,code=sm_90a -DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=128 \
+//     benchmarks/microbench/fwd_sm90_microbench.cu -o fwd_sm90_d128
+//   ./fwd_sm90_d128 [seqlen_q] [causal 0/1] [seqlen_k] [window_left]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/flash_fwd_kernel.h"
+#include "cuda/flash_fwd_sm90_kernel.h"
+#include "cuda/tile_config.h"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef BLOCK_M
+#define BLOCK_M 128
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 128
+#endif
+
+using Element = cutlass::bfloat16_t;
+using Config = flash::FwdTileConfig<HEAD_DIM>;
+using RefTraits =
+    flash::FwdKernelTraits<HEAD_DIM, Config::kBlockM, Config::kBlockN, Config::kNWarps, Element>;
+using Traits = flash::FwdSm90KernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, Element>;
+
+__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
+  }
+}
+
+template <typename Kernel>
+double time_ms(Kernel kernel, dim3 grid, int threads, int smem, const flash::FwdParams& params) {
+  for (int i = 0; i < 10; ++i) kernel<<<grid, threads, smem>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  constexpr int kIters = 30;
+  std::vector<float> times;
+  for (int i = 0; i < kIters; ++i) {
+    cudaEventRecord(start);
+    kernel<<<grid, threads, smem>>>(params);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  FA_CUDA_CHECK(cudaGetLastError());
+  std::sort(times.begin(), times.end());
+  return times[kIters / 2];
+}
+
+int main(int argc, char** argv) {
+  const int seqlen_q = argc > 1 ? atoi(argv[1]) : 4096;
+  const bool causal = argc > 2 && atoi(argv[2]) != 0;
+  const int seqlen_k = argc > 3 ? atoi(argv[3]) : seqlen_q;
+  const int window_left = argc > 4 ? atoi(argv[4]) : -1;
+  const int nheads = 2048 / HEAD_DIM;
+  const int batch = std::max(1, 16384 / seqlen_q);
+  const int64_t q_elems = int64_t(batch) * seqlen_q * nheads * HEAD_DIM;
+  const int64_t k_elems = int64_t(batch) * seqlen_k * nheads * HEAD_DIM;
+  const int64_t lse_elems = int64_t(batch) * nheads * seqlen_q;
+
+  Element *q, *k, *v, *o, *o_ref;
+  float *lse, *lse_ref;
+  FA_CUDA_CHECK(cudaMalloc(&q, q_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMalloc(&k, k_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMalloc(&v, k_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMalloc(&o, q_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMalloc(&o_ref, q_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMalloc(&lse, lse_elems * sizeof(float)));
+  FA_CUDA_CHECK(cudaMalloc(&lse_ref, lse_elems * sizeof(float)));
+  fill_random<<<1024, 256>>>(q, q_elems, 1);
+  fill_random<<<1024, 256>>>(k, k_elems, 2);
+  fill_random<<<1024, 256>>>(v, k_elems, 3);
+  // Poison: a row the kernel fails to write shows up as NaN.
+  FA_CUDA_CHECK(cudaMemset(o, 0xff, q_elems * sizeof(Element)));
+  FA_CUDA_CHECK(cudaMemset(lse, 0xff, lse_elems * sizeof(float)));
+
+  flash::FwdParams params{};
+  params.q_ptr = q;
+  params.k_ptr = k;
+  params.v_ptr = v;
+  params.o_ptr = o_ref;
+  params.softmax_lse_ptr = lse_ref;
+  params.q = params.o = {int64_t(seqlen_q) * nheads * HEAD_DIM, nheads * HEAD_DIM, HEAD_DIM};
+  params.k = params.v = {int64_t(seqlen_k) * nheads * HEAD_DIM, nheads * HEAD_DIM, HEAD_DIM};
+  params.batch = batch;
+  params.nheads = params.nheads_k = nheads;
+  params.seqlen_q = seqlen_q;
+  params.seqlen_k = seqlen_k;
+  params.head_dim = HEAD_DIM;
+  params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
+  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
+  params.window_left = window_left;
+  params.window_right = causal ? 0 : -1;
+  params.is_bf16 = true;
+
+  auto ref_kernel = &flash::flash_fwd_kernel<RefTraits, false>;
+  FA_CUDA_CHECK(cudaFuncSetAttribute(ref_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     RefTraits::kSmemSize));
+  const dim3 ref_grid((seqlen_q + RefTraits::kBlockM - 1) / RefTraits::kBlockM, nheads, batch);
+  const double ref_ms = time_ms(ref_kernel, ref_grid, RefTraits::kNThreads, RefTraits::kSmemSize, params);
+
+  params.o_ptr = o;
+  params.softmax_lse_ptr = lse;
+  auto kernel = &flash::flash_fwd_sm90_kernel<Traits>;
+  FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Traits::kSmemSize));
+  const dim3 grid((seqlen_q + BLOCK_M - 1) / BLOCK_M, nheads, batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params);
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+
+  std::vector<Element> h_o(q_elems), h_ref(q_elems);
+  std::vector<float> h_lse(lse_elems), h_lse_ref(lse_elems);
+  FA_CUDA_CHECK(cudaMemcpy(h_o.data(), o, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_ref.data(), o_ref, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_lse_ref.data(), lse_ref, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+  double max_o = 0, max_lse = 0;
+  int64_t bad = 0;
+  for (int64_t i = 0; i < q_elems; ++i) {
+    const double d = std::fabs(double(float(h_o[i])) - double(float(h_ref[i])));
+    if (!(d <= 1e30)) ++bad;  // NaN
+    else max_o = std::max(max_o, d);
+  }
+  for (int64_t i = 0; i < lse_elems; ++i) {
+    if (std::isinf(h_lse_ref[i]) && h_lse[i] == h_lse_ref[i]) continue;
+    const double d = std::fabs(double(h_lse[i]) - double(h_lse_ref[i]));
+    if (!(d <= 1e30)) ++bad;
+    else max_lse = std::max(max_lse, d);
+  }
+
+  const double ms = time_ms(kernel, grid, Traits::kNThreads, Traits::kSmemSize, params);
+  double visible = 0;  // exact count of visible (row, key) pairs, for FLOPs
+  for (int r = 0; r < seqlen_q; ++r) {
+    const flash::KeyRange kr = flash::visible_key_range(r, r + 1, seqlen_q, seqlen_k, window_left,
+                                                        causal ? 0 : -1);
+    visible += kr.end - kr.begin;
+  }
+  const double flops = 4.0 * batch * nheads * visible * HEAD_DIM;
+  printf("d=%d M=%d N=%d sq=%d sk=%d causal=%d wl=%d: max|dO|=%.3g max|dlse|=%.3g nan=%lld | "
+         "sm90 %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx\n",
+         HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, max_o, max_lse,
+         (long long)bad, ms, flops / ms * 1e-9, ref_ms, flops / ref_ms * 1e-9, ref_ms / ms);
+  return bad == 0 && max_o < 2e-2 && max_lse < 1e-3 ? 0 : 1;
+}

@@ -1,0 +1,73 @@
+// Warpgroup-MMA (wgmma, sm90a) counterparts of tile_ops.h: the MMA loop and
+// the views of its accumulator that the softmax and the P V product need.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+// Issues acc (= or +=) A * B over all k-slices as wgmmas, without the
+// fences, commit and wait around them (a kernel that overlaps two products
+// places those itself). B always comes from shared memory (descriptors); A
+// from shared memory too, or from registers (P). kZeroInit makes the first
+// slice overwrite acc, which saves clearing it.
+template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
+__forceinline__ __device__ void wgmma_issue(TiledMma& tiled_mma, const TensorA& tCrA,
+                                            const TensorB& tCrB, TensorAcc& acc) {
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+}
+
+// acc (= or +=) A * B as one wgmma batch, waited for.
+template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
+__forceinline__ __device__ void wgmma_gemm(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB,
+                                           TensorAcc& acc) {
+  constexpr bool kAInRegisters =
+      !std::is_same_v<std::decay_t<decltype(tCrA.data())>, GMMA::DescriptorIterator>;
+  if constexpr (kAInRegisters) warpgroup_fence_operand(tCrA);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  wgmma_issue<kZeroInit>(tiled_mma, tCrA, tCrB, acc);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if constexpr (kAInRegisters) warpgroup_fence_operand(tCrA);
+}
+
+// The wgmma accumulator fragment is ((2 cols, 2 row halves, N/8 col groups),
+// MMA_M, MMA_N); as (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)) a thread
+// walks its rows for the softmax. The 4 threads sharing a row are a quad, as
+// with the SM80 m16n8 accumulator.
+template <typename AccLayout>
+__forceinline__ __device__ auto wgmma_acc_layout_as_rowcol(AccLayout acc_layout) {
+  static_assert(decltype(rank<0>(acc_layout))::value == 3);
+  static_assert(decltype(rank(acc_layout))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc_layout), get<1>(acc_layout)),
+                     make_layout(get<0, 0>(acc_layout), get<0, 2>(acc_layout), get<2>(acc_layout)));
+}
+
+// Two neighbouring 8-column groups of the accumulator hold exactly the
+// registers of a k16 slice of wgmma's register A operand (16-bit types), so
+// P feeds P V without a shuffle: ((2, 2, N/8), MMA_M, MMA_N) ->
+// ((2, 2, 2), MMA_M, (N/16, MMA_N)).
+template <typename AccLayout>
+__forceinline__ __device__ auto wgmma_acc_layout_as_operand_a(AccLayout acc_layout) {
+  static_assert(decltype(rank<0>(acc_layout))::value == 3);
+  static_assert(decltype(size<0, 2>(acc_layout))::value % 2 == 0);
+  auto col_groups = logical_divide(get<0, 2>(acc_layout), Layout<_2>{});  // (2, N/16)
+  return make_layout(
+      make_layout(get<0, 0>(acc_layout), get<0, 1>(acc_layout), get<0>(col_groups)),
+      get<1>(acc_layout), make_layout(get<1>(col_groups), get<2>(acc_layout)));
+}
+
+}  // namespace flash
