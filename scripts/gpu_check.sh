@@ -33,7 +33,8 @@ do_build() {
        fi ;;
   esac
   if [ -z "${FLASH_ATTN_CUDA_ARCHS:-}" ]; then
-    FLASH_ATTN_CUDA_ARCHS=$(python3 -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")')
+    # sm90 builds as sm_90a: the Hopper forward kernel (wgmma) needs it.
+    FLASH_ATTN_CUDA_ARCHS=$(python3 -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}" + ("a" if (m, n) == (9, 0) else ""))')
     export FLASH_ATTN_CUDA_ARCHS
   fi
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}

@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tests/sanitize_fwd.py
 
 Shapes are small and odd so that partial query and key tiles, the padded head
-dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once.
+dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,
+on the SM80 forward kernel and (on an sm90 GPU) on the Hopper one.
 """
 
 import torch
@@ -62,6 +63,9 @@ def main():
     fixed(1, 130, 70, 4, 2, 64, bf16, softcap=5.0, alibi=True)
     fixed(1, 129, 131, 2, 2, 128, fp16, window=(20, 5), dropout_p=0.2, return_softmax=True)
     fixed(1, 70, 65, 2, 2, 256, bf16, causal=True)
+    # The plain score rule at head dims 128-256 runs the Hopper kernel on sm90.
+    fixed(2, 200, 333, 4, 2, 128, bf16)
+    fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
     fixed(1, 0, 5, 2, 2, 64, bf16)
     fixed(1, 5, 0, 2, 2, 64, bf16)
