@@ -5,7 +5,7 @@
 
 Shapes are small and odd so that partial query and key tiles, the padded head
 dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,
-on the SM80 forward kernel and (on an sm90 GPU) on the Hopper one.
+on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one.
 """
 
 import torch

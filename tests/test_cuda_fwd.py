@@ -20,16 +20,17 @@ SEQLEN_PAIRS = [
 ]
 
 
-@pytest.fixture(params=["default", "sm80"])
+@pytest.fixture(params=["sm90", "sm80"])
 def fwd_kernel(request, monkeypatch):
     """Which forward kernel runs the plain score rule. On an sm90 GPU the head
-    dims with a Hopper tile (csrc/cuda/tile_config.h) run the warpgroup-MMA
-    kernel; FLASH_ATTN_FWD_KERNEL=sm80 keeps the SM80 kernel, the one every
-    other GPU runs, so both are checked there."""
-    if request.param == "sm80":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("FLASH_ATTN_FWD_KERNEL=sm80 only changes the kernel on an sm90 GPU")
-        monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm80")
+    dims with a Hopper tile (csrc/cuda/tile_config.h) have two kernels, picked
+    by shape; FLASH_ATTN_FWD_KERNEL forces one, so both are checked on every
+    shape. Other GPUs run the SM80-design kernel only."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        if request.param == "sm90":
+            pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+        return request.param
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", request.param)
     return request.param
 
 
@@ -50,17 +51,23 @@ def forward_kernel_names(q, k, v, **kwargs):
     return {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize("head_dim,runs_sm90", [(64, False), (128, True), (256, True)])
-def test_fwd_kernel_choice_on_sm90(head_dim, runs_sm90, monkeypatch):
+@pytest.mark.parametrize("head_dim,has_sm90_tile", [(64, False), (128, True), (256, True)])
+def test_fwd_kernel_choice_on_sm90(head_dim, has_sm90_tile, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
     if "sm_90a" not in flash_attn_cuda.build_info:
         pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    q, k, v = random_qkv(1, 256, 256, 2, 2, head_dim, torch.bfloat16)
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
-    assert uses_sm90(forward_kernel_names(q, k, v, causal=True)) == runs_sm90
-    # The score extras stay on the SM80 kernel, and so does everything when forced.
+    q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
+    _, k_short, v_short = random_qkv(1, 256, 256, 2, 2, head_dim, torch.bfloat16)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    # By shape: the Hopper kernel from 512 keys on (flash_fwd_launch.h).
+    assert uses_sm90(forward_kernel_names(q, k, v, causal=True)) == has_sm90_tile
+    assert not uses_sm90(forward_kernel_names(q, k_short, v_short))
+    # The score extras stay on the SM80 kernel.
     assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
+    assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == has_sm90_tile
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm80")
     assert not uses_sm90(forward_kernel_names(q, k, v))
 

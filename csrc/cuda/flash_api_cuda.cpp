@@ -105,12 +105,16 @@ std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alib
 }
 
 // Pointers and strides common to the fixed-length and varlen forward.
-// FLASH_ATTN_FWD_KERNEL=sm80 keeps the SM80 forward kernel on an sm90 GPU,
-// so that the tests (and anyone comparing) can run both there. Read per call:
-// a test flips it between calls.
-bool sm80_forward_forced() {
-  const char* choice = std::getenv("FLASH_ATTN_FWD_KERNEL");
-  return choice != nullptr && std::strcmp(choice, "sm80") == 0;
+// The forward kernel for the plain score rule on this GPU. On sm90,
+// FLASH_ATTN_FWD_KERNEL=sm80 / sm90 forces one of the two kernels (read per
+// call: the tests switch it between calls); anything else picks by shape.
+FwdKernelChoice forward_kernel_choice() {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  if (props->major != 9 || props->minor != 0) return FwdKernelChoice::kSm80;
+  const char* forced = std::getenv("FLASH_ATTN_FWD_KERNEL");
+  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return FwdKernelChoice::kSm80;
+  if (forced != nullptr && std::strcmp(forced, "sm90") == 0) return FwdKernelChoice::kSm90;
+  return FwdKernelChoice::kAuto;
 }
 
 void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
@@ -126,8 +130,7 @@ void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k
   params.k = strides_of(k, varlen);
   params.v = strides_of(v, varlen);
   params.o = strides_of(out, varlen);
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  params.use_sm90_kernels = props->major == 9 && props->minor == 0 && !sm80_forward_forced();
+  params.fwd_kernel = forward_kernel_choice();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(

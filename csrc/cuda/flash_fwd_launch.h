@@ -61,7 +61,16 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   const bool with_score_extras =
       params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
   if constexpr (has_sm90_forward<kHeadDim>()) {
-    if (params.use_sm90_kernels && !with_score_extras) {
+    // Below 512 keys the Hopper kernel lost to the SM80 one in the H100
+    // microbench (0.72-0.96x at 128-300 keys: one 256-thread block per SM with
+    // 160-192 KB of shared memory, against several SM80 blocks per SM that
+    // hide each other's short pipelines); from 512 keys on it won, but for
+    // 0.94-0.95x at d128 with 17 or 300 query rows and 512-700 keys.
+    constexpr int kSm90MinSeqlenK = 512;
+    const bool sm90 = params.fwd_kernel == FwdKernelChoice::kSm90 ||
+                      (params.fwd_kernel == FwdKernelChoice::kAuto &&
+                       params.seqlen_k >= kSm90MinSeqlenK);
+    if (sm90 && !with_score_extras) {
       launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
       if (params.p_ptr != nullptr) launch_return_probs(params, stream);
       return;

@@ -18,6 +18,13 @@ struct QKVStrides {
   int64_t head_stride;
 };
 
+enum class FwdKernelChoice : uint8_t {
+  kSm80 = 0,  // flash_fwd_kernel.h; the zero value, so a params{} never asks for sm90a code
+  kAuto,      // flash_fwd_sm90_kernel.h where tile_config.h has a Hopper tile and the
+              // call is long enough (flash_fwd_launch.h), else kSm80
+  kSm90,      // flash_fwd_sm90_kernel.h wherever tile_config.h has a Hopper tile
+};
+
 struct FwdParams {
   const void* q_ptr;
   const void* k_ptr;
@@ -57,11 +64,11 @@ struct FwdParams {
 
   bool is_bf16;
 
-  // Set by the API layer on an sm90 GPU: the head dims with a Hopper tile in
-  // tile_config.h run the warpgroup-MMA forward (flash_fwd_sm90_kernel.h)
-  // when the build has sm_90a machine code. FLASH_ATTN_FWD_KERNEL=sm80 in the
-  // environment keeps the SM80 kernel (the tests check both).
-  bool use_sm90_kernels;
+  // Which forward kernel runs the plain score rule (softcap / ALiBi / dropout
+  // always run the SM80-design kernel). Set by the API layer: kSm80 on GPUs
+  // other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL=sm80 / sm90
+  // in the environment forces (the tests run both kernels on every shape).
+  FwdKernelChoice fwd_kernel;
 };
 
 // The backward pass reads everything the forward read (same score rule, same
