@@ -16,6 +16,7 @@
 
 #include "../common/mask_rule.h"
 #include "block_info.h"
+#include "fwd_block_io.h"
 #include "flash_fwd_kernel.h"
 #include "fwd_block_order.h"
 #include "kernel_traits_sm90.h"
@@ -40,46 +41,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
 
   extern __shared__ char smem[];
   const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0);
-  const int m_block = coord.m_block;
-  const int head = coord.head;
-  const int batch = coord.batch;
+  const BlockInfo binfo(params, coord.batch);
+  const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
+  if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
   const int tidx = threadIdx.x;
-
-  const BlockInfo binfo(params, batch);
   const int seqlen_q = binfo.seqlen_q;
   const int seqlen_k = binfo.seqlen_k;
-  const int row_begin = m_block * kBlockM;
-  if (row_begin >= seqlen_q) return;  // varlen: this sequence is shorter than the longest
-  const int rows_left = seqlen_q - row_begin;
-  const int head_kv = head / (params.nheads / params.nheads_k);
-
-  const KeyRange key_range =
-      visible_key_range(row_begin, row_begin + (rows_left < kBlockM ? rows_left : kBlockM),
-                        seqlen_q, seqlen_k, params.window_left, params.window_right);
-  const int n_block_min = key_range.begin / kBlockN;
-  const int n_block_max = (key_range.end + kBlockN - 1) / kBlockN;
-
-  const Element* q_ptr = static_cast<const Element*>(params.q_ptr) +
-                         binfo.q_offset(params.q, batch, head);
-  const Element* k_ptr = static_cast<const Element*>(params.k_ptr) +
-                         binfo.k_offset(params.k, batch, head_kv);
-  const Element* v_ptr = static_cast<const Element*>(params.v_ptr) +
-                         binfo.k_offset(params.v, batch, head_kv);
-  Element* o_ptr = static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o, batch, head);
-  float* lse_rows = params.softmax_lse_ptr + binfo.lse_offset(params, batch, head) + row_begin;
-
-  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, params.head_dim),
-                          make_stride(params.q.row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(seqlen_k, params.head_dim),
-                          make_stride(params.k.row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));
-  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(seqlen_q, params.head_dim),
-                          make_stride(params.o.row_stride, _1{}));
-  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
-  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  const int row_begin = block.row_begin;
+  const int rows_left = block.rows_left;
+  const int n_block_min = block.n_block_min;
+  const int n_block_max = block.n_block_max;
+  float* lse_rows = fwd_lse_rows(params, binfo, block);
+  const auto global_tiles =
+      fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block);
+  Tensor gQ = get<0>(global_tiles);  // (M, D)
+  Tensor gK = get<1>(global_tiles);  // (N, D, n)
+  Tensor gV = get<2>(global_tiles);  // (N, D, n)
+  Tensor gO = get<3>(global_tiles);  // (M, D)
 
   Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -233,40 +211,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
   float lse[kNRows];
   softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
 
-  // Epilogue: O goes registers -> shared (over Q, which no warpgroup reads
-  // any more) -> global, so the global stores are 16-byte and row-contiguous.
-  Tensor rO = convert_type<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-  auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_o);
-  auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
-  Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
-  Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
-  __syncthreads();  // every warpgroup is done with sQ
-  copy(smem_tiled_copy_O, taccOrO, taccOsO);
-
-  // lse: the thread holding column 0 of a row writes it.
-  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor taccOcO = thr_mma_o.partition_C(cO);
-  Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), wgmma_acc_layout_as_rowcol(taccOcO.layout()));
-  if (get<1>(taccOcO_rowcol(0, 0)) == 0) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
-      const int row = get<0>(taccOcO_rowcol(mi, 0));
-      if (row < rows_left) lse_rows[row] = lse[mi];
-    }
-  }
-
-  typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-  auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);
-  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
-  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
-  Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
-  make_col_predicate(tOpO, tOcO, params.head_dim);
-  __syncthreads();
-  Tensor tOrO = make_fragment_like(tOsO);
-  copy(gmem_tiled_copy_O, tOsO, tOrO);
-  store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
+  write_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO, gO,
+                       [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
+                       lse_rows, rows_left, params.head_dim, tidx);
 #endif
 }
 
