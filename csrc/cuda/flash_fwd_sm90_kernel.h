@@ -17,7 +17,6 @@
 #include "../common/mask_rule.h"
 #include "block_info.h"
 #include "fwd_block_io.h"
-#include "flash_fwd_kernel.h"
 #include "fwd_block_order.h"
 #include "kernel_traits_sm90.h"
 #include "params.h"

@@ -2,8 +2,6 @@
 // the views of its accumulator that the softmax and the P V product need.
 #pragma once
 
-#include <type_traits>
-
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -13,8 +11,8 @@ namespace flash {
 using namespace cute;
 
 // Issues acc (= or +=) A * B over all k-slices as wgmmas, without the
-// fences, commit and wait around them (a kernel that overlaps two products
-// places those itself). B always comes from shared memory (descriptors); A
+// fences, commit and wait around them: the kernel overlaps two products and
+// places those itself. B always comes from shared memory (descriptors); A
 // from shared memory too, or from registers (P). kZeroInit makes the first
 // slice overwrite acc, which saves clearing it.
 template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
@@ -26,22 +24,6 @@ __forceinline__ __device__ void wgmma_issue(TiledMma& tiled_mma, const TensorA& 
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
-}
-
-// acc (= or +=) A * B as one wgmma batch, waited for.
-template <bool kZeroInit, typename TiledMma, typename TensorA, typename TensorB, typename TensorAcc>
-__forceinline__ __device__ void wgmma_gemm(TiledMma& tiled_mma, TensorA& tCrA, const TensorB& tCrB,
-                                           TensorAcc& acc) {
-  constexpr bool kAInRegisters =
-      !std::is_same_v<std::decay_t<decltype(tCrA.data())>, GMMA::DescriptorIterator>;
-  if constexpr (kAInRegisters) warpgroup_fence_operand(tCrA);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  wgmma_issue<kZeroInit>(tiled_mma, tCrA, tCrB, acc);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  if constexpr (kAInRegisters) warpgroup_fence_operand(tCrA);
 }
 
 // The wgmma accumulator fragment is ((2 cols, 2 row halves, N/8 col groups),
