@@ -4,8 +4,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
-# The forward calls run once per forward kernel (FLASH_ATTN_FWD_KERNEL; on GPUs
-# other than sm90 both runs take the SM80-design kernel).
+# The forward and backward calls run once per kernel design
+# (FLASH_ATTN_FWD_KERNEL, FLASH_ATTN_BWD_KERNEL; on GPUs other than sm90 both
+# runs take the SM80-design kernels).
 sanitize() {  # name, log suffix, extra environment
   local script=tests/$1.py suffix=$2 tool log rc
   for tool in memcheck racecheck; do
@@ -18,6 +19,7 @@ sanitize() {  # name, log suffix, extra environment
 }
 sanitize sanitize_fwd sanitize_fwd_sm80 FLASH_ATTN_FWD_KERNEL=sm80
 sanitize sanitize_fwd sanitize_fwd_sm90 FLASH_ATTN_FWD_KERNEL=sm90
-sanitize sanitize_bwd sanitize_bwd
+sanitize sanitize_bwd sanitize_bwd_sm80 FLASH_ATTN_BWD_KERNEL=sm80
+sanitize sanitize_bwd sanitize_bwd_sm90 FLASH_ATTN_BWD_KERNEL=sm90
 sanitize sanitize_kvcache sanitize_kvcache
 exit $status

@@ -4,7 +4,9 @@
     compute-sanitizer --tool racecheck python tests/sanitize_bwd.py
 
 Shapes are small and odd so that every partial tile, the padded head dim,
-GQA, varlen, dropout and the deterministic path run at least once.
+GQA, varlen, dropout and the deterministic path run at least once; the
+plain-rule calls run the Hopper backward kernel on an sm90 GPU unless
+FLASH_ATTN_BWD_KERNEL=sm80.
 """
 
 import torch
@@ -52,6 +54,8 @@ def main():
     fixed(1, 129, 131, 2, 2, 128, fp16, window=(20, 5), dropout_p=0.2)
     fixed(1, 65, 200, 2, 1, 128, bf16, causal=True, deterministic=True)
     fixed(1, 70, 65, 2, 2, 256, bf16, causal=True)
+    fixed(1, 200, 260, 2, 2, 128, bf16)
+    fixed(1, 129, 131, 2, 2, 64, fp16, window=(20, 5))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1, deterministic=True)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)

@@ -11,7 +11,7 @@ import torch
 import reference
 from reference import assert_within_criterion, attention_ref, varlen_attention_ref
 
-import flash_attn_cuda  # noqa: F401  (registers the ops)
+import flash_attn_cuda  # registers the ops
 from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
 
 pytestmark = pytest.mark.cuda
@@ -24,6 +24,20 @@ GRAD_FACTOR = 3.0
 # Absolute slack for gradients that are exactly zero in exact arithmetic (a
 # single visible key gives dS = 0), where the same-dtype baseline can be 0 too.
 GRAD_ATOL = 1e-4
+
+
+@pytest.fixture(params=["sm90", "sm80"])
+def bwd_kernel(request, monkeypatch):
+    """Which backward main kernel runs the plain score rule. On an sm90 GPU the
+    head dims up to 128 have two (csrc/cuda/flash_bwd_launch.h), the Hopper one
+    by default; FLASH_ATTN_BWD_KERNEL forces one, so both are checked on every
+    shape. Other GPUs run the SM80-design kernel only."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        if request.param == "sm90":
+            pytest.skip("the Hopper backward kernel runs on sm90 GPUs only")
+        return request.param
+    monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", request.param)
+    return request.param
 
 
 def run_fwd_bwd(q, k, v, dout, *, causal=False, window=(-1, -1), softcap=0.0,
@@ -40,6 +54,34 @@ def run_fwd_bwd(q, k, v, dout, *, causal=False, window=(-1, -1), softcap=0.0,
         dout, q, k, v, out, lse, alibi_slopes, dropout_p, softmax_scale, causal, window[0],
         window[1], softcap, deterministic, rng_state)
     return (dq, dk, dv), (out, lse, rng_state)
+
+
+def backward_kernel_names(q, k, v, dout, **kwargs):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_fwd_bwd(q, k, v, dout, **kwargs)
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events()}
+
+
+@pytest.mark.parametrize("head_dim,has_sm90_kernel",
+                         [(32, True), (64, True), (96, True), (128, True), (160, False),
+                          (256, False)])
+def test_bwd_kernel_choice_on_sm90(head_dim, has_sm90_kernel, monkeypatch):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    uses_sm90 = lambda names: any("flash_bwd_sm90_kernel" in name for name in names)
+    q, k, v = random_qkv(1, 200, 300, 2, 2, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
+    assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True)) == has_sm90_kernel
+    assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True)) == has_sm90_kernel
+    # The score extras, and a scale that is not positive, stay on the SM80 kernel.
+    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
+    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
+    monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", "sm80")
+    assert not uses_sm90(backward_kernel_names(q, k, v, dout))
 
 
 def reference_grads(q, k, v, dout, compute_dtype, ref_fn=attention_ref, **ref_kwargs):
@@ -63,7 +105,7 @@ def check_grads(q, k, v, dout, grads, ref_fn=attention_ref, **ref_kwargs):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal):
+def test_bwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal, bwd_kernel):
     batch = 2 if seqlen_q * seqlen_k < 1 << 18 else 1
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     dout = torch.randn_like(q)
@@ -75,7 +117,7 @@ def test_bwd_shapes(dtype, head_dim, seqlen_q, seqlen_k, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(0, 0), (16, 0), (63, 17), (-1, 40), (100, -1)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 256), (300, 129)])
-def test_bwd_local(dtype, head_dim, window, seqlen_q, seqlen_k):
+def test_bwd_local(dtype, head_dim, window, seqlen_q, seqlen_k, bwd_kernel):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 4, head_dim, dtype)
     dout = torch.randn_like(q)
     grads, _ = run_fwd_bwd(q, k, v, dout, window=window)
@@ -104,7 +146,7 @@ def test_bwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
 @pytest.mark.parametrize("nheads,nheads_k", [(8, 8), (8, 4), (8, 1), (16, 2)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_bwd_gqa(dtype, nheads, nheads_k, causal, deterministic):
+def test_bwd_gqa(dtype, nheads, nheads_k, causal, deterministic, bwd_kernel):
     q, k, v = random_qkv(3, 200, 333, nheads, nheads_k, 128, dtype)
     dout = torch.randn_like(q)
     grads, _ = run_fwd_bwd(q, k, v, dout, causal=causal, deterministic=deterministic)
@@ -113,7 +155,7 @@ def test_bwd_gqa(dtype, nheads, nheads_k, causal, deterministic):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_strided_views_of_packed_qkv(dtype, head_dim):
+def test_bwd_strided_views_of_packed_qkv(dtype, head_dim, bwd_kernel):
     qkv = torch.randn(2, 177, 3, 6, head_dim, device=DEVICE, dtype=dtype)
     q, k, v = qkv.unbind(dim=2)
     assert not q.is_contiguous()
@@ -174,7 +216,7 @@ def run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, *, causal=False,
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("features", ["plain", "softcap_alibi", "dropout", "window"])
-def test_varlen_bwd(dtype, head_dim, causal, features):
+def test_varlen_bwd(dtype, head_dim, causal, features, bwd_kernel):
     batch, nheads, nheads_k = 5, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 150)
     cu_k, max_k = random_cu_seqlens(batch, 300)
@@ -202,7 +244,7 @@ def test_varlen_bwd(dtype, head_dim, causal, features):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_varlen_bwd_rows_outside_sequences_are_zero(dtype):
+def test_varlen_bwd_rows_outside_sequences_are_zero(dtype, bwd_kernel):
     # cu_seqlens that leave rows before the first and after the last sequence.
     cu_q = torch.tensor([3, 40, 40, 90], dtype=torch.int32)
     cu_k = torch.tensor([5, 60, 61, 130], dtype=torch.int32)
@@ -221,7 +263,7 @@ def test_varlen_bwd_rows_outside_sequences_are_zero(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("nheads_k", [4, 2])
-def test_bwd_matches_cpu(dtype, dropout_p, nheads_k):
+def test_bwd_matches_cpu(dtype, dropout_p, nheads_k, bwd_kernel):
     q, k, v = random_qkv(2, 150, 193, 4, nheads_k, 64, dtype)
     dout = torch.randn_like(q)
     slopes = torch.rand(4, device=DEVICE) * 0.2
@@ -249,7 +291,7 @@ def test_bwd_matches_cpu(dtype, dropout_p, nheads_k):
 
 @pytest.mark.parametrize("nheads,nheads_k", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal):
+def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal, bwd_kernel):
     q, k, v = random_qkv(2, 700, 900, nheads, nheads_k, 128, torch.bfloat16)
     dout = torch.randn_like(q)
     first, _ = run_fwd_bwd(q, k, v, dout, causal=causal, deterministic=True)
@@ -264,7 +306,7 @@ def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_varlen_bwd_deterministic_is_bitwise_reproducible():
+def test_varlen_bwd_deterministic_is_bitwise_reproducible(bwd_kernel):
     cu_q, max_q = random_cu_seqlens(4, 500, allow_empty=False)
     cu_k, max_k = random_cu_seqlens(4, 600, allow_empty=False)
     q = torch.randn(int(cu_q[-1]), 8, 64, device=DEVICE, dtype=torch.float16)
@@ -284,7 +326,7 @@ def test_varlen_bwd_deterministic_is_bitwise_reproducible():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministic):
+def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministic, bwd_kernel):
     # The dQ accumulator pads every sequence to whole query blocks of the main
     # kernel (64 or 128 rows; csrc/cuda/bwd_accum_layout.h) and stores a block's
     # values in fragment order. Lengths on both sides of a block, and empty
@@ -306,7 +348,7 @@ def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministi
                 cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=True)
 
 
-def test_bwd_default_path_repeats_within_rounding():
+def test_bwd_default_path_repeats_within_rounding(bwd_kernel):
     q, k, v = random_qkv(2, 1023, 1024, 4, 4, 64, torch.float16)
     dout = torch.randn_like(q)
     first, _ = run_fwd_bwd(q, k, v, dout)
@@ -318,7 +360,7 @@ def test_bwd_default_path_repeats_within_rounding():
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 10), (10, 0), (0, 0)])
-def test_bwd_empty_sequences(seqlen_q, seqlen_k):
+def test_bwd_empty_sequences(seqlen_q, seqlen_k, bwd_kernel):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2, 2, 64, torch.bfloat16)
     dout = torch.randn_like(q)
     (dq, dk, dv), _ = run_fwd_bwd(q, k, v, dout)
@@ -327,7 +369,7 @@ def test_bwd_empty_sequences(seqlen_q, seqlen_k):
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_bwd_rows_that_see_no_key_get_zero_gradient():
+def test_bwd_rows_that_see_no_key_get_zero_gradient(bwd_kernel):
     # Window (0, 0) with seqlen_q > seqlen_k: the first rows sit left of key 0.
     q, k, v = random_qkv(1, 200, 64, 2, 2, 64, torch.bfloat16)
     dout = torch.randn_like(q)
@@ -338,7 +380,7 @@ def test_bwd_rows_that_see_no_key_get_zero_gradient():
     check_grads(q, k, v, dout, (dq, dk, dv), window_size=(0, 0))
 
 
-def test_bwd_batch_heads_over_65535():
+def test_bwd_batch_heads_over_65535(bwd_kernel):
     batch, nheads = 17000, 4
     q, k, v = random_qkv(batch, 3, 5, nheads, nheads, 32, torch.float16)
     dout = torch.randn_like(q)

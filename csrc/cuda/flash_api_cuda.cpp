@@ -105,16 +105,17 @@ std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alib
 }
 
 // Pointers and strides common to the fixed-length and varlen forward.
-// The forward kernel for the plain score rule on this GPU. On sm90,
-// FLASH_ATTN_FWD_KERNEL=sm80 / sm90 forces one of the two kernels (read per
-// call: the tests switch it between calls); anything else picks by shape.
-FwdKernelChoice forward_kernel_choice() {
+// The kernel design for one pass's plain score rule on this GPU. On sm90 the
+// environment variable `forcing_variable` = sm80 / sm90 forces one of the two
+// (read per call: the tests switch it between calls); anything else lets the
+// launcher pick.
+KernelChoice kernel_choice(const char* forcing_variable) {
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  if (props->major != 9 || props->minor != 0) return FwdKernelChoice::kSm80;
-  const char* forced = std::getenv("FLASH_ATTN_FWD_KERNEL");
-  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return FwdKernelChoice::kSm80;
-  if (forced != nullptr && std::strcmp(forced, "sm90") == 0) return FwdKernelChoice::kSm90;
-  return FwdKernelChoice::kAuto;
+  if (props->major != 9 || props->minor != 0) return KernelChoice::kSm80;
+  const char* forced = std::getenv(forcing_variable);
+  if (forced != nullptr && std::strcmp(forced, "sm80") == 0) return KernelChoice::kSm80;
+  if (forced != nullptr && std::strcmp(forced, "sm90") == 0) return KernelChoice::kSm90;
+  return KernelChoice::kAuto;
 }
 
 void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
@@ -130,7 +131,7 @@ void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k
   params.k = strides_of(k, varlen);
   params.v = strides_of(v, varlen);
   params.o = strides_of(out, varlen);
-  params.fwd_kernel = forward_kernel_choice();
+  params.fwd_kernel = kernel_choice("FLASH_ATTN_FWD_KERNEL");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
@@ -374,6 +375,7 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   params.deterministic = deterministic;
   params.smem_per_block_optin =
       int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  params.bwd_kernel = kernel_choice("FLASH_ATTN_BWD_KERNEL");
   params.dk_accum_ptr = nullptr;
   params.dv_accum_ptr = nullptr;
   params.dk_sum_ptr = nullptr;

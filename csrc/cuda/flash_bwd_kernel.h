@@ -13,8 +13,8 @@
 #include "../common/mask_rule.h"
 #include "block_info.h"
 #include "bwd_kernel_traits.h"
-#include "bwd_mask_range.h"
 #include "bwd_accum_layout.h"
+#include "bwd_block_io.h"
 #include "dropout.h"
 #include "flash_bwd_pointwise.h"
 #include "params.h"
@@ -24,36 +24,6 @@
 namespace flash {
 
 using namespace cute;
-
-// Element offset of (batch, head) in a per-query-head fp32 buffer of
-// (batch, nheads, seqlen_k, head dim) rows, or (nheads, total_k, head dim).
-__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
-                                                    const BlockInfo& binfo, int batch, int head,
-                                                    int accum_head_dim) {
-  const int64_t row = binfo.varlen
-                          ? int64_t(head) * params.total_k + binfo.k_row_begin
-                          : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
-  return row * accum_head_dim;
-}
-
-// Adds this thread's fragment of one chunk (dQ) or block (dK / dV sums) into
-// an fp32 accumulator, as reductions without a return value, kAccumVec values
-// each; thread_chunk is the thread's own place in it (bwd_accum_layout.h).
-// Rows past the sequence add zeros into the padding, so no row needs a check.
-template <int kNThreads, typename TensorAcc>
-__forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float* thread_chunk) {
-  static_assert(decltype(size(acc))::value % kAccumVec == 0);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += kAccumVec) {
-    float* dst = thread_chunk + accum_value_offset<kNThreads>(i);
-    if constexpr (kAccumVec == 4) {
-      atomicAdd(reinterpret_cast<float4*>(dst),
-                make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3)));
-    } else {
-      atomicAdd(dst, acc(i));
-    }
-  }
-}
 
 // kWithScoreExtras compiles in softcap, ALiBi and dropout; the plain variant
 // (causal / local / bounds masking only, a positive normal softmax scale)
@@ -73,44 +43,21 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   const int tidx = threadIdx.x;
   const int seqlen_q = binfo.seqlen_q;
   const int seqlen_k = binfo.seqlen_k;
-  const int col_begin = n_block * kBlockN;
-  const int cols_left = seqlen_k - col_begin;
-  const int group = params.nheads / params.nheads_k;
-  const int head_kv = head / group;
-
-  const QueryRange query_range =
-      visible_query_range(col_begin, col_begin + kBlockN, seqlen_q, seqlen_k,
-                          params.window_left, params.window_right);
-  const int m_block_min = query_range.begin / kBlockM;
-  const int m_block_max = (query_range.end + kBlockM - 1) / kBlockM;
-
-  const Element* q_ptr =
-      static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params.q, batch, head);
-  const Element* do_ptr =
-      static_cast<const Element*>(params.do_ptr) + binfo.q_offset(params.dout, batch, head);
-  const Element* k_ptr =
-      static_cast<const Element*>(params.k_ptr) + binfo.k_offset(params.k, batch, head_kv);
-  const Element* v_ptr =
-      static_cast<const Element*>(params.v_ptr) + binfo.k_offset(params.v, batch, head_kv);
-  const int64_t row_stat_offset = binfo.lse_offset(params, batch, head);
-  const float* lse_rows = params.softmax_lse_ptr + row_stat_offset;
-  const float* d_rows = params.softmax_d_ptr + row_stat_offset;
-  float* dq_accum_thread = params.dq_accum_ptr + split * params.dq_accum_split_stride +
-                           dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
-                           accum_thread_offset(tidx);
-
-  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, params.head_dim),
-                          make_stride(params.q.row_stride, _1{}));
-  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(seqlen_q, params.head_dim),
-                           make_stride(params.dout.row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(seqlen_k, params.head_dim),
-                          make_stride(params.k.row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));
-  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M, D, m)
-  Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
-  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  const BwdKeyBlock block = bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, n_block);
+  const int col_begin = block.col_begin;
+  const int cols_left = block.cols_left;
+  const int m_block_min = block.m_block_min;
+  const int m_block_max = block.m_block_max;
+  float* dq_accum_thread = dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, tidx);
+  const auto global_tiles =
+      bwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block);
+  Tensor gQ = get<0>(global_tiles);   // (M, D, m)
+  Tensor gdO = get<1>(global_tiles);  // (M, D, m)
+  Tensor gK = get<2>(global_tiles);   // (N, D)
+  Tensor gV = get<3>(global_tiles);   // (N, D)
+  const int64_t row_stats_offset = bwd_row_stats_offset(params, binfo, block);
+  const float* lse_rows = params.softmax_lse_ptr + row_stats_offset;
+  const float* d_rows = params.softmax_d_ptr + row_stats_offset;
 
   // Shared memory: Q and dO (one or two buffers each), K, V, P, dS.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
@@ -174,21 +121,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
                          rows_left, all_in_bounds);
     copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tQpQ,
                          rows_left, all_in_bounds);
-    // One 4-byte copy per thread (lse rows on the first kBlockM threads, D on
-    // the next): the statistics of a block start at any row, so 16-byte
-    // copies would not be aligned. Rows past the sequence get lse +inf and
-    // D 0, which make their P and dS zero.
-    if (tidx < 2 * kBlockM) {
-      const bool is_d = tidx >= kBlockM;
-      const int row = tidx - (is_d ? kBlockM : 0);
-      float& dst = smem_row_stats[buffer * 2 * kBlockM + tidx];
-      if (row < rows_left) {
-        SM80_CP_ASYNC_CACHEALWAYS<float>::copy(
-            (is_d ? d_rows : lse_rows)[m_block * kBlockM + row], dst);
-      } else {
-        dst = is_d ? 0.f : INFINITY;
-      }
-    }
+    load_row_stats<kBlockM>(lse_rows + m_block * kBlockM, d_rows + m_block * kBlockM, rows_left,
+                            smem_row_stats + buffer * 2 * kBlockM, tidx);
   };
 
   // S = Q K^T and dP = dO V^T.
@@ -313,17 +247,13 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
                      tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
                      smem_thr_copy_QdO, smem_thr_copy_KV);
 
-      // The saved statistics of this thread's rows. A row that saw no key has
-      // lse +inf from our forward; -inf (the other convention for an empty
-      // sum) is taken as +inf too, so that its masked -inf scores give P = 0,
-      // not NaN.
+      // The saved statistics of this thread's rows.
       const float* row_lse = smem_row_stats + buffer * 2 * kBlockM;
       const float* row_d_smem = row_lse + kBlockM;
       float lse_log2[kNRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kNRows; ++mi) {
-        const float lse = row_lse[get<0>(tScS_rowcol(mi, 0))];
-        lse_log2[mi] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+        lse_log2[mi] = lse_to_log2(row_lse[get<0>(tScS_rowcol(mi, 0))]);
       }
 
       // The forward's score rule, applied to the same (row, col) positions.
@@ -412,76 +342,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
     }
   }
 
-  // dS was taken with respect to the scaled score: dK carries the scale once.
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
-
-  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  if (group == 1) {
-    // Registers -> shared (over K and V) -> global, with 16-byte stores.
-    Tensor rdK = convert_type<Element>(acc_dk);
-    Tensor rdV = convert_type<Element>(acc_dv);
-    Tensor sdK = make_tensor(sK.data(), typename Traits::SmemLayoutKV{});
-    Tensor sdV = make_tensor(sV.data(), typename Traits::SmemLayoutKV{});
-    auto smem_tiled_copy_dKV =
-        make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
-    auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
-    __syncthreads();  // every warp is done reading sK (dQ) and sV (dP)
-    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
-    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
-    __syncthreads();
-
-    Element* dk_ptr =
-        static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv);
-    Element* dv_ptr =
-        static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv);
-    Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(seqlen_k, params.head_dim),
-                             make_stride(params.dk.row_stride, _1{}));
-    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(seqlen_k, params.head_dim),
-                             make_stride(params.dv.row_stride, _1{}));
-    Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-    Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
-    auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
-    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);
-    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);
-    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);
-    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);
-    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);
-    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));
-    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
-    Tensor tdKrdK = make_fragment_like(tdKsdK);
-    Tensor tdVrdV = make_fragment_like(tdVsdV);
-    copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
-    copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, cols_left);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV, cols_left);
-  } else if (!params.deterministic) {
-    // GQA/MQA: added into the kv head's fp32 sums, which the conversion
-    // kernel casts once every query head of the group is in.
-    const int64_t sum_offset =
-        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
-        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(n_block, 0) + accum_thread_offset(tidx);
-    atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
-    atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
-  } else {
-    // GQA/MQA, deterministic: this query head's share, in fp32, for the group
-    // reduction in head order.
-    const int64_t accum_offset =
-        dkv_accum_offset(params, binfo, batch, head, kHeadDim) + int64_t(col_begin) * kHeadDim;
-    float* dk_accum = params.dk_accum_ptr + accum_offset;
-    float* dv_accum = params.dv_accum_ptr + accum_offset;
-    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int row = get<0>(tdKVcdKV(i));
-      const int col = get<1>(tdKVcdKV(i));
-      if (row < cols_left) {
-        dk_accum[row * kHeadDim + col] = acc_dk(i);
-        dv_accum[row * kHeadDim + col] = acc_dv(i);
-      }
-    }
-  }
+  store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, raw_pointer_cast(sK.data()),
+                      raw_pointer_cast(sV.data()), params, binfo, block, tidx);
 }
 
 // A tile that needs more shared memory than an sm80 block may have is only

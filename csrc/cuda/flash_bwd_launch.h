@@ -2,7 +2,10 @@
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
 // under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
 // the group reduction of the per-head shares), all on one stream. The caller
-// (flash_api_cuda.cpp) allocates and zeroes the accumulators.
+// (flash_api_cuda.cpp) allocates and zeroes the accumulators. On sm90 the
+// plain score rule runs the Hopper main kernel (flash_bwd_sm90_kernel.h) at
+// the head dims it has; the conversion kernels then read the accumulators in
+// its fragment order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +18,7 @@
 #include "dependent_launch.h"
 #include "flash_bwd_aux_kernels.h"
 #include "flash_bwd_kernel.h"
+#include "flash_bwd_sm90_kernel.h"
 #include "params.h"
 
 namespace flash {
@@ -29,6 +33,51 @@ template <typename Traits, bool kWithScoreExtras>
 void launch_bwd_dq_dk_dv(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   launch_with_dynamic_smem(&flash_bwd_dq_dk_dv_kernel<Traits, kWithScoreExtras>, grid,
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
+}
+
+// The Hopper kernel exists as machine code only when the build has sm_90a
+// (setup.py defines FLASH_ATTN_HAS_SM90A then); it keeps dK and dV of 64 keys
+// per warpgroup in registers, which bounds the head dim at 128.
+template <int kHeadDim>
+constexpr bool has_sm90_backward() {
+#if defined(FLASH_ATTN_HAS_SM90A)
+  return kHeadDim <= 128;
+#else
+  return false;
+#endif
+}
+
+template <typename Element, int kHeadDim>
+using BwdSm90TraitsFor = BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockM,
+                                             BwdTileConfig<kHeadDim>::kBlockN, Element>;
+
+// The steps after the main kernel: dQ from its accumulator and, under GQA,
+// dK / dV from the kv heads' sums or shares. MainTraits is the main kernel's:
+// its MMA partitions are the accumulators' layout (bwd_accum_layout.h).
+template <typename MainTraits>
+void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
+  using Element = typename MainTraits::Element;
+  constexpr int kHeadDim = MainTraits::kHeadDim;
+  const dim3 dq_grid((params.seqlen_q + MainTraits::kBlockM - 1) / MainTraits::kBlockM,
+                     params.nheads, params.batch);
+  flash_bwd_convert_dq_kernel<MainTraits><<<dq_grid, MainTraits::kNThreads, 0, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  // GQA/MQA: the main kernel's epilogue picks the same way (sums, or shares
+  // when deterministic).
+  if (params.nheads != params.nheads_k && !params.deterministic) {
+    const int num_n_blocks = (params.seqlen_k + MainTraits::kBlockN - 1) / MainTraits::kBlockN;
+    const dim3 dkv_grid(num_n_blocks, params.nheads_k, params.batch);
+    flash_bwd_convert_dkv_kernel<MainTraits>
+        <<<dkv_grid, MainTraits::kNThreads, 0, stream>>>(params);
+    FA_CUDA_CHECK(cudaGetLastError());
+  } else if (params.nheads != params.nheads_k) {
+    const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
+                        params.nheads_k, params.batch);
+    flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
+        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
+    FA_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 template <typename Element, int kHeadDim>
@@ -46,7 +95,7 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(params.deterministic ? params.num_splits : num_n_blocks, params.nheads,
                   params.batch);
-  // The plain kernel also assumes a positive, normal softmax scale (its exp
+  // The plain kernels also assume a positive, normal softmax scale (their exp
   // lets a masked -inf score become 0 untested; a scale the device would
   // flush to 0 would make it NaN); any other scale takes the general kernel,
   // which tests.
@@ -54,6 +103,19 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
       params.softmax_scale_log2 >= std::numeric_limits<float>::min();
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr ||
                                  params.dropout_p > 0.f || !scale_is_positive_normal;
+  if constexpr (has_sm90_backward<kHeadDim>()) {
+    if (params.bwd_kernel != KernelChoice::kSm80 && !with_score_extras) {
+      using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
+      static_assert(Sm90Traits::kBlockM == Traits::kBlockM &&
+                        Sm90Traits::kBlockN == Traits::kBlockN,
+                    "the table's block shape sizes the accumulators and the grid");
+      launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits>, grid,
+                               dim3(Sm90Traits::kNThreads), Sm90Traits::kSmemSize, stream,
+                               params);
+      run_flash_bwd_convert<Sm90Traits>(params, stream);
+      return;
+    }
+  }
   if (with_score_extras) {
     launch_bwd_dq_dk_dv<Traits, true>(params, grid, stream);
   } else if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
@@ -73,25 +135,7 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   } else {
     launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
   }
-
-  const dim3 dq_grid((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, params.nheads,
-                     params.batch);
-  flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads, 0, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
-
-  // GQA/MQA: the main kernel's epilogue picks the same way (sums, or shares
-  // when deterministic).
-  if (params.nheads != params.nheads_k && !params.deterministic) {
-    const dim3 dkv_grid(num_n_blocks, params.nheads_k, params.batch);
-    flash_bwd_convert_dkv_kernel<Traits><<<dkv_grid, Traits::kNThreads, 0, stream>>>(params);
-    FA_CUDA_CHECK(cudaGetLastError());
-  } else if (params.nheads != params.nheads_k) {
-    const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
-                        params.nheads_k, params.batch);
-    flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
-        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
-    FA_CUDA_CHECK(cudaGetLastError());
-  }
+  run_flash_bwd_convert<Traits>(params, stream);
 }
 
 }  // namespace flash

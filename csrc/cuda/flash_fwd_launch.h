@@ -67,8 +67,8 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
     // hide each other's short pipelines); from 512 keys on it won, but for
     // 0.94-0.95x at d128 with 17 or 300 query rows and 512-700 keys.
     constexpr int kSm90MinSeqlenK = 512;
-    const bool sm90 = params.fwd_kernel == FwdKernelChoice::kSm90 ||
-                      (params.fwd_kernel == FwdKernelChoice::kAuto &&
+    const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
+                      (params.fwd_kernel == KernelChoice::kAuto &&
                        params.seqlen_k >= kSm90MinSeqlenK);
     if (sm90 && !with_score_extras) {
       launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);

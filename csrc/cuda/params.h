@@ -18,11 +18,17 @@ struct QKVStrides {
   int64_t head_stride;
 };
 
-enum class FwdKernelChoice : uint8_t {
-  kSm80 = 0,  // flash_fwd_kernel.h; the zero value, so a params{} never asks for sm90a code
-  kAuto,      // flash_fwd_sm90_kernel.h where tile_config.h has a Hopper tile and the
+// Which kernel design runs the plain score rule (softcap / ALiBi / dropout
+// always run the SM80-design kernels), per pass. Set by the API layer: kSm80
+// on GPUs other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL /
+// FLASH_ATTN_BWD_KERNEL = sm80 / sm90 in the environment forces (the tests run
+// both kernels on every shape).
+enum class KernelChoice : uint8_t {
+  kSm80 = 0,  // flash_fwd_kernel.h / flash_bwd_kernel.h; the zero value, so a params{}
+              // never asks for sm90a code
+  kAuto,      // the Hopper kernel where its tile table has an entry and (forward) the
               // call is long enough (flash_fwd_launch.h), else kSm80
-  kSm90,      // flash_fwd_sm90_kernel.h wherever tile_config.h has a Hopper tile
+  kSm90,      // the Hopper kernel wherever its tile table has an entry
 };
 
 struct FwdParams {
@@ -64,11 +70,7 @@ struct FwdParams {
 
   bool is_bf16;
 
-  // Which forward kernel runs the plain score rule (softcap / ALiBi / dropout
-  // always run the SM80-design kernel). Set by the API layer: kSm80 on GPUs
-  // other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL=sm80 / sm90
-  // in the environment forces (the tests run both kernels on every shape).
-  FwdKernelChoice fwd_kernel;
+  KernelChoice fwd_kernel;
 };
 
 // The backward pass reads everything the forward read (same score rule, same
@@ -95,6 +97,7 @@ struct BwdParams : FwdParams {
   // Shared memory one block may opt in to on this device: picks the
   // large-shared-memory tile where the table has one (bwd_tile_config.h).
   int smem_per_block_optin;
+  KernelChoice bwd_kernel;
 
   // GQA/MQA, default mode (else null): each kv head's fp32 dK and dV sums,
   // zeroed, nheads_k x dkv_sum_rows_per_head rows (per batch entry unless

@@ -12,6 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "../common/mask_rule.h"
+#include "bwd_mask_range.h"
 
 namespace flash {
 
@@ -64,6 +65,30 @@ __forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord
     for (int ni = 0; ni < size<1>(scores); ++ni) {
       const int col = get<1>(coord(0, ni));
       if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
+    }
+  }
+}
+
+// The same rule on a transposed tile, as the Hopper backward holds S^T: rows
+// are keys (row_base + coord row) and columns query rows (col_base + coord
+// col). A key's visible query rows form one interval too (bwd_mask_range.h),
+// which also hides the query rows past seqlen_q.
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void apply_mask_transposed(TensorS& scores, const TensorC& coord,
+                                                      int key_base, int query_base,
+                                                      int seqlen_q, int seqlen_k,
+                                                      int window_left, int window_right) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(scores); ++mi) {
+    const int key = key_base + get<0>(coord(mi, 0));
+    const QueryRange visible =
+        visible_query_range(key, key + 1, seqlen_q, seqlen_k, window_left, window_right);
+    const int query_lo = visible.begin - query_base;
+    const int query_hi = visible.end - query_base;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const int query = get<1>(coord(0, ni));
+      if (query < query_lo || query >= query_hi) scores(mi, ni) = -INFINITY;
     }
   }
 }

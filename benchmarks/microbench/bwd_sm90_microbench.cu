@@ -1,0 +1,218 @@
+// The Hopper (wgmma) backward main kernel against the SM80 one, without
+// torch: the forward produces O and the lse, then each backward runs as the
+// launcher runs it (D = rowsum(dO * O), dQ accumulator zeroing, main kernel,
+// dQ conversion with the kernel's own fragment order) on the same inputs.
+// dQ, dK and dV are compared element by element (the SM80 kernel is the one
+// the test suite checks against an fp32 reference), then each is timed with
+// events after warm-up, whole and main kernel alone.
+//
+//   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
+//     -gencode arch=compute_90a,code=sm_90a -DHEAD_DIM=128 \
+//     benchmarks/microbench/bwd_sm90_microbench.cu -o bwd_sm90_d128
+//   ./bwd_sm90_d128 [seqlen] [causal 0/1] [window_left]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "cuda/bwd_tile_config.h"
+#include "cuda/cuda_check.h"
+#include "cuda/flash_bwd_aux_kernels.h"
+#include "cuda/flash_bwd_kernel.h"
+#include "cuda/flash_bwd_launch.h"
+#include "cuda/flash_bwd_sm90_kernel.h"
+#include "cuda/flash_fwd_kernel.h"
+#include "cuda/tile_config.h"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+
+using Element = cutlass::bfloat16_t;
+using Config = flash::BwdTileConfig<HEAD_DIM>;
+using RefTraits = flash::BwdTraitsFor<Config, HEAD_DIM, Element>;
+using Traits = flash::BwdSm90KernelTraits<HEAD_DIM, Config::kBlockM, Config::kBlockN, Element>;
+using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
+using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
+                                         FwdConfig::kNWarps, Element>;
+
+__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
+  }
+}
+
+template <typename Launch>
+double median_ms(Launch launch) {
+  for (int i = 0; i < 5; ++i) launch();
+  cudaEvent_t start, stop;
+  FA_CUDA_CHECK(cudaEventCreate(&start));
+  FA_CUDA_CHECK(cudaEventCreate(&stop));
+  constexpr int kIters = 20;
+  std::vector<float> times;
+  for (int i = 0; i < kIters; ++i) {
+    FA_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    FA_CUDA_CHECK(cudaEventRecord(stop));
+    FA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms;
+    FA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  FA_CUDA_CHECK(cudaGetLastError());
+  std::sort(times.begin(), times.end());
+  return times[kIters / 2];
+}
+
+int main(int argc, char** argv) {
+  const int seqlen = argc > 1 ? atoi(argv[1]) : 4096;
+  const bool causal = argc > 2 && atoi(argv[2]) != 0;
+  const int window_left = argc > 3 ? atoi(argv[3]) : -1;
+  const int nheads = 2048 / HEAD_DIM;
+  const int batch = std::max(1, 16384 / seqlen);
+  const int64_t elems = int64_t(batch) * seqlen * nheads * HEAD_DIM;
+  const int64_t rows = int64_t(batch) * nheads * seqlen;
+
+  Element *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+  float *lse, *softmax_d, *dq_accum;
+  for (Element** buffer : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) {
+    FA_CUDA_CHECK(cudaMalloc(buffer, elems * sizeof(Element)));
+  }
+  FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
+  FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
+  const int64_t dq_accum_rows = flash::accum_rows_per_head(false, seqlen, batch, Config::kBlockM);
+  const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * HEAD_DIM;
+  FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
+  fill_random<<<1024, 256>>>(q, elems, 1);
+  fill_random<<<1024, 256>>>(k, elems, 2);
+  fill_random<<<1024, 256>>>(v, elems, 3);
+  fill_random<<<1024, 256>>>(dout, elems, 4);
+
+  flash::BwdParams params{};
+  params.q_ptr = q;
+  params.k_ptr = k;
+  params.v_ptr = v;
+  params.o_ptr = o;
+  params.softmax_lse_ptr = lse;
+  params.do_ptr = dout;
+  params.dq_ptr = dq;
+  params.dk_ptr = dk;
+  params.dv_ptr = dv;
+  params.softmax_d_ptr = softmax_d;
+  params.dq_accum_ptr = dq_accum;
+  params.dq_accum_split_stride = dq_accum_elems;
+  params.dq_accum_rows_per_head = dq_accum_rows;
+  params.num_splits = 1;
+  const flash::QKVStrides strides{int64_t(seqlen) * nheads * HEAD_DIM, nheads * HEAD_DIM,
+                                  HEAD_DIM};
+  params.q = params.k = params.v = params.o = strides;
+  params.dout = params.dq = params.dk = params.dv = strides;
+  params.batch = batch;
+  params.nheads = params.nheads_k = nheads;
+  params.seqlen_q = params.seqlen_k = seqlen;
+  params.head_dim = HEAD_DIM;
+  params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
+  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
+  params.window_left = window_left;
+  params.window_right = causal ? 0 : -1;
+  params.dropout_rescale = 1.f;
+  params.is_bf16 = true;
+
+  const flash::FwdParams& fwd_params = params;
+  auto fwd_kernel = &flash::flash_fwd_kernel<FwdTraits, false>;
+  FA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     FwdTraits::kSmemSize));
+  const dim3 fwd_grid((seqlen + FwdTraits::kBlockM - 1) / FwdTraits::kBlockM, nheads, batch);
+  fwd_kernel<<<fwd_grid, FwdTraits::kNThreads, FwdTraits::kSmemSize>>>(fwd_params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  constexpr int kDotRows = flash::dot_rows_per_block<HEAD_DIM>();
+  const dim3 dot_grid((seqlen + kDotRows - 1) / kDotRows, nheads, batch);
+  const dim3 grid((seqlen + Config::kBlockN - 1) / Config::kBlockN, nheads, batch);
+  const dim3 dq_grid((seqlen + Config::kBlockM - 1) / Config::kBlockM, nheads, batch);
+
+  auto ref_kernel = &flash::flash_bwd_dq_dk_dv_kernel<RefTraits, false>;
+  auto sm90_kernel = &flash::flash_bwd_sm90_kernel<Traits>;
+  FA_CUDA_CHECK(cudaFuncSetAttribute(ref_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     RefTraits::kSmemSize));
+  FA_CUDA_CHECK(cudaFuncSetAttribute(sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Traits::kSmemSize));
+  auto run_ref_main = [&] {
+    ref_kernel<<<grid, RefTraits::kNThreads, RefTraits::kSmemSize>>>(params);
+  };
+  auto run_sm90_main = [&] { sm90_kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params); };
+  auto run_ref = [&] {
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
+    run_ref_main();
+    flash::flash_bwd_convert_dq_kernel<RefTraits><<<dq_grid, RefTraits::kNThreads>>>(params);
+  };
+  auto run_sm90 = [&] {
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
+    run_sm90_main();
+    flash::flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads>>>(params);
+  };
+
+  // Reference outputs, then the Hopper kernel's into poisoned buffers.
+  run_ref();
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<Element> ref[3], got[3];
+  Element* outputs[3] = {dq, dk, dv};
+  for (int t = 0; t < 3; ++t) {
+    ref[t].resize(elems);
+    got[t].resize(elems);
+    FA_CUDA_CHECK(cudaMemcpy(ref[t].data(), outputs[t], elems * sizeof(Element),
+                             cudaMemcpyDeviceToHost));
+    FA_CUDA_CHECK(cudaMemset(outputs[t], 0xff, elems * sizeof(Element)));  // NaN
+  }
+  run_sm90();
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  const char* names[3] = {"dq", "dk", "dv"};
+  double max_diff[3], max_ref[3];
+  bool ok = true;
+  for (int t = 0; t < 3; ++t) {
+    FA_CUDA_CHECK(cudaMemcpy(got[t].data(), outputs[t], elems * sizeof(Element),
+                             cudaMemcpyDeviceToHost));
+    max_diff[t] = 0;
+    max_ref[t] = 0;
+    for (int64_t i = 0; i < elems; ++i) {
+      const float r = float(ref[t][i]);
+      const float g = float(got[t][i]);
+      const double diff = std::isfinite(g) ? std::fabs(double(g) - r) : INFINITY;
+      max_diff[t] = std::max(max_diff[t], diff);
+      max_ref[t] = std::max(max_ref[t], double(std::fabs(r)));
+    }
+    // Both in bf16 from fp32 sums in different orders: a few bf16 ulps of
+    // the largest value.
+    if (!(max_diff[t] <= 0.02 * max_ref[t] + 1e-3)) ok = false;
+  }
+
+  const double ref_ms = median_ms(run_ref);
+  const double sm90_ms = median_ms(run_sm90);
+  const double ref_main_ms = median_ms(run_ref_main);
+  const double sm90_main_ms = median_ms(run_sm90_main);
+  double flops = 2.5 * 4.0 * batch * nheads * double(seqlen) * seqlen * HEAD_DIM;
+  if (causal) flops /= 2;
+  cudaFuncAttributes attributes;
+  FA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, sm90_kernel));
+  printf(
+      "d=%d M=%d N=%d seqlen=%d causal=%d wl=%d: %s | max|diff| dq %.2e dk %.2e dv %.2e (max|ref| "
+      "%.2e %.2e %.2e) | bwd sm80 %.3f ms %.1f TFLOP/s, sm90 %.3f ms %.1f TFLOP/s (%.2fx) | main "
+      "sm80 %.3f sm90 %.3f ms (%.2fx) | sm90 %d regs %d B local %d KiB smem\n",
+      HEAD_DIM, Config::kBlockM, Config::kBlockN, seqlen, causal, window_left,
+      ok ? "match" : "MISMATCH", max_diff[0], max_diff[1], max_diff[2], max_ref[0], max_ref[1],
+      max_ref[2], ref_ms, flops / ref_ms * 1e-9, sm90_ms, flops / sm90_ms * 1e-9,
+      ref_ms / sm90_ms, ref_main_ms, sm90_main_ms, ref_main_ms / sm90_main_ms,
+      attributes.numRegs, int(attributes.localSizeBytes), Traits::kSmemSize / 1024);
+  (void)names;
+  return ok ? 0 : 1;
+}

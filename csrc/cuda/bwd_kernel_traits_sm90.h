@@ -1,0 +1,122 @@
+// Compile-time shape of the Hopper (sm90a) backward kernel for one (head dim,
+// tile, dtype): its three warpgroup MMAs and the canonical GMMA shared-memory
+// layouts with the transposed views the MMAs read.
+//
+// The block's kBlockN = 128 keys are split over two warpgroups of 64 keys
+// each, so every product with the keys as rows (S^T, dP^T, dK, dV) runs
+// one wgmma M=64 tile per warpgroup, and P^T and dS^T, computed as
+// accumulators, feed dV and dK straight from registers. Only dS goes through
+// shared memory, for dQ = dS K, where both warpgroups need every key.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>
+struct BwdSm90KernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarpGroups = 2;
+  static constexpr int kNWarps = 4 * kNWarpGroups;
+  static constexpr int kNThreads = 32 * kNWarps;
+  static_assert(kBlockN == 64 * kNWarpGroups, "one warpgroup per 64 keys");
+  static_assert(kBlockM == 64 || kBlockM == 128, "the dQ MMA tiles 64 or 128 query rows");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128,
+                "dK and dV of 64 keys stay in a warpgroup's registers");
+
+  using KeyWarpGroups = Layout<Shape<Int<kNWarpGroups>, _1, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
+  // (head dim contiguous) from shared memory.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                 Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      KeyWarpGroups{}));
+  // dV += P^T dO and dK += dS^T Q, (keys, head dim): A from registers, B (dO,
+  // Q) read along the head dim (MN-major), so neither is transposed.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
+                                 Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+      KeyWarpGroups{}));
+  // dQ = dS K, (queries, head dim), both operands MN-major. 128 query rows:
+  // a warpgroup per 64 rows; 64 rows: a warpgroup per half of the head dim.
+  static constexpr int kDQWarpGroupsM = kBlockM / 64;
+  static constexpr int kDQWarpGroupsN = kNWarpGroups / kDQWarpGroupsM;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                 Shape<_64, Int<kHeadDim / kDQWarpGroupsN>, Int<kBlockN>>,
+                                 GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kDQWarpGroupsM>, Int<kDQWarpGroupsN>, _1>>{}));
+  // The dQ accumulator's layout (bwd_accum_layout.h) is this MMA's fragment
+  // order, in one chunk of the whole head dim.
+  static constexpr int kDQChunks = 1;
+  static constexpr int kDQChunkCols = kHeadDim;
+
+  // Q, dO, K, V: (rows, head dim) in the widest swizzle whose row the head
+  // dim fills, as the forward's tiles (kernel_traits_sm90.h).
+  using SmemLayoutAtom =
+      std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                         GMMA::Layout_K_SW64_Atom<Element>>;
+  // Q and dO are double-buffered: the next query block's copies are issued
+  // at the top of an iteration and have a whole iteration to land.
+  static constexpr int kQdOBuffers = 2;
+  using SmemLayoutQdO = decltype(tile_to_shape(
+      SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQdOBuffers>>{}));
+  // Q and dO seen as (head dim, query): the B operands of dK and dV.
+  using SmemLayoutQdOt = decltype(composition(
+      SmemLayoutQdO{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kQdOBuffers>>{},
+                                           Step<_2, _1, _3>{})));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // K seen as (head dim, key): the B operand of dQ.
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // dS as (query, key) with the queries contiguous, dQ's A operand read
+  // MN-major; the warpgroups write it as dS^T (key, query), each thread two
+  // neighbouring queries of a key at a time.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+
+  // Registers -> shared for dS and the dK / dV epilogue: a thread holds
+  // pairs of neighbouring columns of an accumulator.
+  using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  // Global <-> shared: 16 bytes per thread per access, a row of the swizzle
+  // atom read by consecutive threads.
+  static constexpr int kBlockKGmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = kBlockKGmem / kGmemElemsPerLoad;
+  static constexpr int kGmemRowsPerPass = kNThreads / kGmemThreadsPerRow;
+  static_assert(kBlockM % kGmemRowsPerPass == 0 && kBlockN % kGmemRowsPerPass == 0);
+  using GmemLayoutAtom = Layout<Shape<Int<kGmemRowsPerPass>, Int<kGmemThreadsPerRow>>,
+                                Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopyLoad = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemTiledCopyStore = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+
+  static constexpr int kSmemSizeQdO = kQdOBuffers * kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizedS = kBlockM * kBlockN * int(sizeof(Element));
+  // The lse and D = rowsum(dO * O) of each buffered query block, fp32.
+  static constexpr int kSmemSizeRowStats = kQdOBuffers * 2 * kBlockM * int(sizeof(float));
+  static_assert(2 * kBlockM <= kNThreads, "one row statistic copied per thread");
+  static constexpr int kSmemSize =
+      2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS + kSmemSizeRowStats;
+};
+
+}  // namespace flash
