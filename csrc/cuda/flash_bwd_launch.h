@@ -36,19 +36,19 @@ void launch_bwd_dq_dk_dv(const BwdParams& params, dim3 grid, cudaStream_t stream
 }
 
 // The Hopper kernel exists as machine code only when the build has sm_90a
-// (setup.py defines FLASH_ATTN_HAS_SM90A then); it keeps dK and dV of 64 keys
-// per warpgroup in registers, which bounds the head dim at 128.
+// (setup.py defines FLASH_ATTN_HAS_SM90A then), at the head dims its tile
+// table column has.
 template <int kHeadDim>
 constexpr bool has_sm90_backward() {
 #if defined(FLASH_ATTN_HAS_SM90A)
-  return kHeadDim <= 128;
+  return BwdTileConfig<kHeadDim>::kBlockMSm90 > 0;
 #else
   return false;
 #endif
 }
 
 template <typename Element, int kHeadDim>
-using BwdSm90TraitsFor = BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockM,
+using BwdSm90TraitsFor = BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
                                              BwdTileConfig<kHeadDim>::kBlockN, Element>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
@@ -106,7 +106,7 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   if constexpr (has_sm90_backward<kHeadDim>()) {
     if (params.bwd_kernel != KernelChoice::kSm80 && !with_score_extras) {
       using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-      static_assert(Sm90Traits::kBlockM == Traits::kBlockM &&
+      static_assert(Traits::kBlockM % Sm90Traits::kBlockM == 0 &&
                         Sm90Traits::kBlockN == Traits::kBlockN,
                     "the table's block shape sizes the accumulators and the grid");
       launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits>, grid,
