@@ -1,12 +1,18 @@
 // Compile-time shape of the Hopper (sm90a) backward kernel for one (head dim,
 // tile, dtype): its three warpgroup MMAs and the canonical GMMA shared-memory
-// layouts with the transposed views the MMAs read.
+// layouts with the transposed views the MMAs read. Two designs, by how the
+// two warpgroups share the block's keys:
 //
-// The block's kBlockN = 128 keys are split over two warpgroups of 64 keys
-// each, so every product with the keys as rows (S^T, dP^T, dK, dV) runs
-// one wgmma M=64 tile per warpgroup, and P^T and dS^T, computed as
-// accumulators, feed dV and dK straight from registers. Only dS goes through
-// shared memory, for dQ = dS K, where both warpgroups need every key.
+//   kBlockN = 128 (head dims up to 128): a warpgroup per 64 keys, so every
+//   product with the keys as rows (S^T, dP^T, dK, dV) runs one wgmma M=64
+//   tile per warpgroup, and P^T and dS^T, computed as accumulators, feed dV
+//   and dK straight from registers. Only dS goes through shared memory, for
+//   dQ = dS K, where both warpgroups need every key.
+//
+//   kBlockN = 64 (head dim 256, whose dK and dV of 64 keys would not fit one
+//   warpgroup's registers): the warpgroups split S^T and dP^T by query
+//   columns and dK, dV by head-dim columns; P^T and dS^T meet in shared
+//   memory, and dV / dK read them from there.
 #pragma once
 
 #include <type_traits>
@@ -30,25 +36,43 @@ struct BwdSm90KernelTraits {
   static constexpr int kNWarpGroups = 2;
   static constexpr int kNWarps = 4 * kNWarpGroups;
   static constexpr int kNThreads = 32 * kNWarps;
-  static_assert(kBlockN == 64 * kNWarpGroups, "one warpgroup per 64 keys");
+  // True: a warpgroup per 64 keys, P^T and dS^T in registers; false: the
+  // warpgroups split queries (S^T, dP^T) and head dim (dK, dV), P^T and dS^T
+  // in shared memory.
+  static constexpr bool kKeysPerWarpGroup = kBlockN == 64 * kNWarpGroups;
+  static_assert(kKeysPerWarpGroup || kBlockN == 64, "64 keys, or 64 per warpgroup");
   static_assert(kBlockM == 64 || kBlockM == 128, "the dQ MMA tiles 64 or 128 query rows");
-  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128,
-                "dK and dV of 64 keys stay in a warpgroup's registers");
+  static_assert(kKeysPerWarpGroup || kBlockM == 64, "the split design tiles 64 query rows");
+  static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim == 256),
+                "dK and dV of a warpgroup's share stay in its registers; halves of the "
+                "head dim must be whole swizzle atoms (128 of 256)");
 
-  using KeyWarpGroups = Layout<Shape<Int<kNWarpGroups>, _1, _1>>;
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
+  using WarpGroupsSdP = Layout<Shape<Int<kKeysPerWarpGroup ? kNWarpGroups : 1>,
+                                     Int<kKeysPerWarpGroup ? 1 : kNWarpGroups>, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-      KeyWarpGroups{}));
-  // dV += P^T dO and dK += dS^T Q, (keys, head dim): A from registers, B (dO,
-  // Q) read along the head dim (MN-major), so neither is transposed.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                                 GMMA::Major::MN>(),
-      KeyWarpGroups{}));
+      SM90::GMMA::ss_op_selector<
+          Element, Element, ElementAccum,
+          Shape<_64, Int<kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups>, Int<kHeadDim>>>(),
+      WarpGroupsSdP{}));
+  // dV += P^T dO and dK += dS^T Q, (keys, head dim): A from registers (or,
+  // split design, from shared memory), B (dO, Q) read along the head dim
+  // (MN-major), so neither is transposed.
+  using WarpGroupsdKV = WarpGroupsSdP;
+  static constexpr int kDKVTileN = kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
+  using TiledMmadKV = std::conditional_t<
+      kKeysPerWarpGroup,
+      decltype(make_tiled_mma(
+          SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
+                                     Shape<_64, Int<kDKVTileN>, Int<kBlockM>>, GMMA::Major::K,
+                                     GMMA::Major::MN>(),
+          WarpGroupsdKV{})),
+      decltype(make_tiled_mma(
+          SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                     Shape<_64, Int<kDKVTileN>, Int<kBlockM>>, GMMA::Major::K,
+                                     GMMA::Major::MN>(),
+          WarpGroupsdKV{}))>;
   // dQ = dS K, (queries, head dim), both operands MN-major. 128 query rows:
   // a warpgroup per 64 rows; 64 rows: a warpgroup per half of the head dim.
   static constexpr int kDQWarpGroupsM = kBlockM / 64;
@@ -83,7 +107,9 @@ struct BwdSm90KernelTraits {
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   // dS as (query, key) with the queries contiguous, dQ's A operand read
   // MN-major; the warpgroups write it as dS^T (key, query), each thread two
-  // neighbouring queries of a key at a time.
+  // neighbouring queries of a key at a time. Seen as (key, query), the same
+  // bytes are the K-major A operand of dK in the split design; P^T, stored
+  // only there, has the same layout.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>>{}));
   using SmemLayoutdSt = decltype(composition(
@@ -112,11 +138,12 @@ struct BwdSm90KernelTraits {
   static constexpr int kSmemSizeQdO = kQdOBuffers * kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizedS = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kSmemSizeP = kKeysPerWarpGroup ? 0 : kSmemSizedS;
   // The lse and D = rowsum(dO * O) of each buffered query block, fp32.
   static constexpr int kSmemSizeRowStats = kQdOBuffers * 2 * kBlockM * int(sizeof(float));
   static_assert(2 * kBlockM <= kNThreads, "one row statistic copied per thread");
   static constexpr int kSmemSize =
-      2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS + kSmemSizeRowStats;
+      2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS + kSmemSizeP + kSmemSizeRowStats;
 };
 
 }  // namespace flash

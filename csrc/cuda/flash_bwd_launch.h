@@ -104,8 +104,9 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr ||
                                  params.dropout_p > 0.f || !scale_is_positive_normal;
   if constexpr (has_sm90_backward<kHeadDim>()) {
-    if (params.bwd_kernel != KernelChoice::kSm80 && !with_score_extras) {
-      using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
+    using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
+    if (params.bwd_kernel != KernelChoice::kSm80 && !with_score_extras &&
+        params.smem_per_block_optin >= Sm90Traits::kSmemSize) {
       static_assert(Traits::kBlockM % Sm90Traits::kBlockM == 0 &&
                         Sm90Traits::kBlockN == Traits::kBlockN,
                     "the table's block shape sizes the accumulators and the grid");

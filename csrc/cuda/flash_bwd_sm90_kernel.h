@@ -71,7 +71,11 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sdS = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutdS{});
   Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutdSt{});
-  float* smem_row_stats = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + size(sdS)));
+  // P^T, in shared memory in the split design only (Traits::kSmemSizeP).
+  Tensor sPt = make_tensor(sdS.data() + size(sdS), typename Traits::SmemLayoutdSt{});
+  float* smem_row_stats = reinterpret_cast<float*>(
+      smem + 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV + Traits::kSmemSizedS +
+      Traits::kSmemSizeP);
 
   typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
@@ -106,8 +110,10 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
                             smem_row_stats + buffer * 2 * kBlockM, tidx);
   };
 
-  // Each warpgroup's slice of the products: its 64 keys of S^T, dP^T, dK,
-  // dV, and its half of dQ. Operands in shared memory are wgmma descriptors.
+  // Each warpgroup's slice of the products: its 64 keys of S^T, dP^T, dK and
+  // dV (split design: its half of the query columns of S^T and dP^T, of the
+  // head-dim columns of dK and dV), and its half of dQ. Operands in shared
+  // memory are wgmma descriptors.
   typename Traits::TiledMmaSdP tiled_mma_sdp;
   auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
   Tensor tSrK = thr_mma_sdp.partition_fragment_A(sK);
@@ -134,10 +140,13 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
   // P^T and dS^T in the register layout of the dV / dK A operand.
   Tensor tdVrPt = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
   Tensor tdKrdSt = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_dp.layout()));
-  // dS^T registers -> sdS, two neighbouring queries (4 bytes) per store.
-  auto smem_tiled_copy_dS = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
-  auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
-  Tensor tdSsdS = smem_thr_copy_dS.partition_D(sdSt);
+  // dS^T (and P^T) registers -> shared, two neighbouring queries (4 bytes)
+  // per store.
+  auto smem_tiled_copy_PdS =
+      make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
+  auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(tidx);
+  Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdSt);
+  Tensor tPsP = smem_thr_copy_PdS.partition_D(sPt);
 
   // (key, query) of each S^T element this thread holds.
   Tensor cSt = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -224,30 +233,47 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
       convert_type_into(acc_s, tdVrPt);
       convert_type_into(acc_dp, tdKrdSt);
       Tensor tdSrdS = make_tensor(tdKrdSt.data(), acc_dp.layout());
-      copy(smem_tiled_copy_dS, smem_thr_copy_dS.retile_S(tdSrdS), tdSsdS);
+      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdS);
 
-      // dV += P^T dO runs while the warpgroups meet on dS; then dQ = dS K,
-      // then dK += dS^T Q, so that dQ lands first and its reductions drain
-      // while dK is on the tensor cores (H100, against dV and dK before the
-      // barrier and dQ last: d128 +8%, d64 +6%).
+      Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(tdVrPt);
       warpgroup_fence_operand(tdKrdSt);
-      warpgroup_arrive();
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
-      warpgroup_commit_batch();
-      cutlass::arch::fence_view_async_shared();  // dS stores -> wgmma
-      __syncthreads();  // both warpgroups' keys of dS are in
-      Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      warpgroup_fence_operand(acc_dq);
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(tdKrdSt);
-      warpgroup_arrive();
-      wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
-      warpgroup_commit_batch();
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
-      warpgroup_commit_batch();
+      if constexpr (Traits::kKeysPerWarpGroup) {
+        // dV += P^T dO runs while the warpgroups meet on dS; then dQ = dS K,
+        // then dK += dS^T Q, so that dQ lands first and its reductions drain
+        // while dK is on the tensor cores (H100, against dV and dK before the
+        // barrier and dQ last: d128 +8%, d64 +6%).
+        warpgroup_arrive();
+        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
+        warpgroup_commit_batch();
+        cutlass::arch::fence_view_async_shared();  // dS stores -> wgmma
+        __syncthreads();  // both warpgroups' keys of dS are in
+        warpgroup_fence_operand(acc_dq);
+        warpgroup_arrive();
+        wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
+        warpgroup_commit_batch();
+        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
+        warpgroup_commit_batch();
+      } else {
+        // Every product needs both warpgroups' halves of P^T or dS^T, read
+        // from shared memory.
+        Tensor tdVsPt = thr_mma_dkv.partition_fragment_A(sPt);
+        Tensor tdKsdSt = thr_mma_dkv.partition_fragment_A(sdSt);
+        Tensor tPrP = make_tensor(tdVrPt.data(), acc_s.layout());
+        copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsP);
+        cutlass::arch::fence_view_async_shared();  // P, dS stores -> wgmma
+        __syncthreads();
+        warpgroup_fence_operand(acc_dq);
+        warpgroup_arrive();
+        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVsPt, tdVrdOt(_, _, _, buffer), acc_dv);
+        warpgroup_commit_batch();
+        wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
+        warpgroup_commit_batch();
+        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKsdSt, tdKrQt(_, _, _, buffer), acc_dk);
+        warpgroup_commit_batch();
+      }
       warpgroup_wait<1>();  // dV, dQ
       warpgroup_fence_operand(acc_dq);
       // Every key block adds into the same dQ rows; in deterministic mode this
