@@ -29,6 +29,7 @@
 #include "cuda/flash_bwd_kernel.h"
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/tile_config.h"
+#include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -69,41 +70,6 @@ using Traits = flash::BwdKernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SD
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
                                          FwdConfig::kNWarps, Element>;
-
-// Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
-// on tensor cores than real data.
-__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
-  }
-}
-
-template <typename Launch>
-double median_ms(Launch launch, int iters) {
-  cudaEvent_t start, stop;
-  FA_CUDA_CHECK(cudaEventCreate(&start));
-  FA_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < iters; ++i) {
-    FA_CUDA_CHECK(cudaEventRecord(start));
-    launch();
-    FA_CUDA_CHECK(cudaEventRecord(stop));
-    FA_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms;
-    FA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  FA_CUDA_CHECK(cudaGetLastError());
-  FA_CUDA_CHECK(cudaEventDestroy(start));
-  FA_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[iters / 2];
-}
 
 int main(int argc, char** argv) {
   const int seqlen = argc > 1 ? atoi(argv[1]) : 4096;

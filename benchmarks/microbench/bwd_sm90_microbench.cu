@@ -26,6 +26,7 @@
 #include "cuda/flash_bwd_sm90_kernel.h"
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/tile_config.h"
+#include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -43,39 +44,6 @@ using Traits = flash::BwdSm90KernelTraits<HEAD_DIM, BLOCK_M_SM90, Config::kBlock
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
                                          FwdConfig::kNWarps, Element>;
-
-__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
-  }
-}
-
-template <typename Launch>
-double median_ms(Launch launch) {
-  for (int i = 0; i < 5; ++i) launch();
-  cudaEvent_t start, stop;
-  FA_CUDA_CHECK(cudaEventCreate(&start));
-  FA_CUDA_CHECK(cudaEventCreate(&stop));
-  constexpr int kIters = 20;
-  std::vector<float> times;
-  for (int i = 0; i < kIters; ++i) {
-    FA_CUDA_CHECK(cudaEventRecord(start));
-    launch();
-    FA_CUDA_CHECK(cudaEventRecord(stop));
-    FA_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms;
-    FA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  FA_CUDA_CHECK(cudaGetLastError());
-  std::sort(times.begin(), times.end());
-  return times[kIters / 2];
-}
 
 int main(int argc, char** argv) {
   const int seqlen = argc > 1 ? atoi(argv[1]) : 4096;
@@ -201,10 +169,10 @@ int main(int argc, char** argv) {
     if (!(max_diff[t] <= 0.02 * max_ref[t] + 1e-3)) ok = false;
   }
 
-  const double ref_ms = median_ms(run_ref);
-  const double sm90_ms = median_ms(run_sm90);
-  const double ref_main_ms = median_ms(run_ref_main);
-  const double sm90_main_ms = median_ms(run_sm90_main);
+  const double ref_ms = median_ms(run_ref, 20, 5);
+  const double sm90_ms = median_ms(run_sm90, 20, 5);
+  const double ref_main_ms = median_ms(run_ref_main, 20, 5);
+  const double sm90_main_ms = median_ms(run_sm90_main, 20, 5);
   double flops = 2.5 * 4.0 * batch * nheads * double(seqlen) * seqlen * HEAD_DIM;
   if (causal) flops /= 2;
   cudaFuncAttributes attributes;

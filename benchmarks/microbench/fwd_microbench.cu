@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/flash_fwd_kernel.h"
+#include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -37,19 +38,6 @@
 
 using Element = cutlass::bfloat16_t;
 using Traits = flash::FwdKernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, Element>;
-
-// Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
-// on tensor cores than real data.
-__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
-  }
-}
 
 int main(int argc, char** argv) {
   const int seqlen = argc > 1 ? atoi(argv[1]) : 4096;

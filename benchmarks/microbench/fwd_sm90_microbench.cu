@@ -19,6 +19,7 @@
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/flash_fwd_sm90_kernel.h"
 #include "cuda/tile_config.h"
+#include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -36,38 +37,9 @@ using RefTraits =
     flash::FwdKernelTraits<HEAD_DIM, Config::kBlockM, Config::kBlockN, Config::kNWarps, Element>;
 using Traits = flash::FwdSm90KernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, Element>;
 
-__global__ void fill_random(Element* data, int64_t n, uint32_t salt) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
-  }
-}
-
 template <typename Kernel>
 double time_ms(Kernel kernel, dim3 grid, int threads, int smem, const flash::FwdParams& params) {
-  for (int i = 0; i < 10; ++i) kernel<<<grid, threads, smem>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  constexpr int kIters = 30;
-  std::vector<float> times;
-  for (int i = 0; i < kIters; ++i) {
-    cudaEventRecord(start);
-    kernel<<<grid, threads, smem>>>(params);
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float ms;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms);
-  }
-  FA_CUDA_CHECK(cudaGetLastError());
-  std::sort(times.begin(), times.end());
-  return times[kIters / 2];
+  return median_ms([&] { kernel<<<grid, threads, smem>>>(params); }, 30, 10);
 }
 
 int main(int argc, char** argv) {
