@@ -2,15 +2,17 @@
 // same FlashAttention-2 schedule as flash_bwd_kernel.h (one thread block per
 // (key block, head, batch), K and V resident in shared memory, dK and dV in
 // registers across the walk over the query blocks that see the keys, dQ added
-// into an fp32 buffer), with the products issued by two warpgroups of 64 keys.
+// into an fp32 buffer), with the products issued by two warpgroups.
 //
 // Per query block the warpgroups compute the transposed scores S^T = K Q^T
 // and dP^T = V dO^T, so that P^T and dS^T come out of the accumulators
 // already in the (key, query) orientation that dV += P^T dO and
-// dK += dS^T Q take as their register A operand; only dS is written to shared
-// memory, for dQ = dS K. It runs the plain score rule (causal / local /
-// bounds masking, a positive normal scale); softcap / ALiBi / dropout stay on
-// flash_bwd_kernel.h.
+// dK += dS^T Q take as their A operand: from registers where each warpgroup
+// owns 64 keys (head dims up to 128), through shared memory where the two
+// split the columns (head dim 256; bwd_kernel_traits_sm90.h). dS always goes
+// to shared memory, for dQ = dS K. It runs the plain score rule (causal /
+// local / bounds masking, a positive normal scale); softcap / ALiBi / dropout
+// stay on flash_bwd_kernel.h.
 #pragma once
 
 #include <cmath>
@@ -229,7 +231,7 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
         for (int mi = 0; mi < kNKeys; ++mi) dp(mi, ni) = scores(mi, ni) * (dp(mi, ni) - d);
       }
       // Converted only now, so that the fp32 P and its bf16 copy are never
-      // live together (d64's 128-query tiles spilled).
+      // live together (with 128-query tiles at d64 they spilled).
       convert_type_into(acc_s, tdVrPt);
       convert_type_into(acc_dp, tdKrdSt);
       Tensor tdSrdS = make_tensor(tdKrdSt.data(), acc_dp.layout());
