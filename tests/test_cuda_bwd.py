@@ -30,7 +30,7 @@ GRAD_ATOL = 1e-4
 def bwd_kernel(request, monkeypatch):
     """Which backward main kernel runs the plain score rule. On an sm90 GPU the
     head dims with a Hopper tile (kBlockMSm90 in csrc/cuda/bwd_tile_config.h:
-    32-128 and 256) have two, the Hopper one by default; FLASH_ATTN_BWD_KERNEL
+    32-128, 192 and 256) have two, the Hopper one by default; FLASH_ATTN_BWD_KERNEL
     forces one, so both are checked on every shape. Other GPUs run the
     SM80-design kernel only."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -66,7 +66,7 @@ def backward_kernel_names(q, k, v, dout, **kwargs):
 
 @pytest.mark.parametrize("head_dim,has_sm90_kernel",
                          [(32, True), (64, True), (96, True), (128, True), (160, False),
-                          (224, False), (256, True)])
+                          (192, True), (224, False), (256, True)])
 def test_bwd_kernel_choice_on_sm90(head_dim, has_sm90_kernel, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on sm90 GPUs only")

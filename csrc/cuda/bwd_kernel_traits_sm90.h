@@ -9,8 +9,8 @@
 //   and dK straight from registers. Only dS goes through shared memory, for
 //   dQ = dS K, where both warpgroups need every key.
 //
-//   kBlockN = 64 (head dim 256, whose dK and dV of 64 keys would not fit one
-//   warpgroup's registers): the warpgroups split S^T and dP^T by query
+//   kBlockN = 64 (head dims over 128, whose dK and dV of 64 keys would not
+//   fit one warpgroup's registers): the warpgroups split S^T and dP^T by query
 //   columns and dK, dV by head-dim columns; P^T and dS^T meet in shared
 //   memory, and dV / dK read them from there.
 #pragma once
@@ -43,9 +43,8 @@ struct BwdSm90KernelTraits {
   static_assert(kKeysPerWarpGroup || kBlockN == 64, "64 keys, or 64 per warpgroup");
   static_assert(kBlockM == 64 || kBlockM == 128, "the dQ MMA tiles 64 or 128 query rows");
   static_assert(kKeysPerWarpGroup || kBlockM == 64, "the split design tiles 64 query rows");
-  static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim == 256),
-                "dK and dV of a warpgroup's share stay in its registers; halves of the "
-                "head dim must be whole swizzle atoms (128 of 256)");
+  static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim > 128),
+                "dK and dV of a warpgroup's share stay in its registers");
 
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
@@ -87,11 +86,19 @@ struct BwdSm90KernelTraits {
   static constexpr int kDQChunks = 1;
   static constexpr int kDQChunkCols = kHeadDim;
 
-  // Q, dO, K, V: (rows, head dim) in the widest swizzle whose row the head
-  // dim fills, as the forward's tiles (kernel_traits_sm90.h).
-  using SmemLayoutAtom =
-      std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                         GMMA::Layout_K_SW64_Atom<Element>>;
+  // Q, dO, K, V: (rows, head dim) in the widest swizzle whose row (64, 32 or
+  // 16 elements) divides the head dim and, in the split design, each
+  // warpgroup's half of it, which dK, dV and dQ read MN-major as whole atoms
+  // (half of 160 or 224 takes the 32-byte swizzle, half of 192 the 64-byte).
+  static constexpr int kHeadDimPerWarpGroup =
+      kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
+  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0   ? 64
+                                     : kHeadDimPerWarpGroup % 32 == 0 ? 32
+                                                                      : 16;
+  using SmemLayoutAtom = std::conditional_t<
+      kSwizzleRow == 64, GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kSwizzleRow == 32, GMMA::Layout_K_SW64_Atom<Element>,
+                         GMMA::Layout_K_SW32_Atom<Element>>>;
   // Q and dO are double-buffered: the next query block's copies are issued
   // at the top of an iteration and have a whole iteration to land.
   static constexpr int kQdOBuffers = 2;

@@ -9,10 +9,10 @@
 // already in the (key, query) orientation that dV += P^T dO and
 // dK += dS^T Q take as their A operand: from registers where each warpgroup
 // owns 64 keys (head dims up to 128), through shared memory where the two
-// split the columns (head dim 256; bwd_kernel_traits_sm90.h). dS always goes
-// to shared memory, for dQ = dS K. It runs the plain score rule (causal /
-// local / bounds masking, a positive normal scale); softcap / ALiBi / dropout
-// stay on flash_bwd_kernel.h.
+// split the columns (head dims 192 and 256; bwd_kernel_traits_sm90.h). dS
+// always goes to shared memory, for dQ = dS K. It runs the plain score rule
+// (causal / local / bounds masking, a positive normal scale); softcap / ALiBi
+// / dropout stay on flash_bwd_kernel.h.
 #pragma once
 
 #include <cmath>
