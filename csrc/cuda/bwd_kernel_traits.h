@@ -8,6 +8,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "gmem_tile_copy.h"
+
 namespace flash {
 
 using namespace cute;
@@ -101,18 +103,11 @@ struct BwdKernelTraits {
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  static constexpr int kGmemRowsPerPass = kNThreads / kGmemThreadsPerRow;
-  static_assert(kBlockM % kGmemRowsPerPass == 0 && kBlockN % kGmemRowsPerPass == 0);
-  using GmemLayoutAtom = Layout<Shape<Int<kGmemRowsPerPass>, Int<kGmemThreadsPerRow>>,
-                                Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopyLoad = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
-  using GmemTiledCopyStore = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
+  static_assert(GmemCopy::kBlockK == kBlockKSmem, "a copied row piece is a row of the smem atom");
+  static_assert(kBlockM % GmemCopy::kRowsPerPass == 0 && kBlockN % GmemCopy::kRowsPerPass == 0);
+  using GmemTiledCopyLoad = typename GmemCopy::Load;
+  using GmemTiledCopyStore = typename GmemCopy::Store;
 
   static constexpr int kSmemSizeQdO = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));

@@ -22,6 +22,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "gmem_tile_copy.h"
+
 namespace flash {
 
 using namespace cute;
@@ -126,21 +128,10 @@ struct BwdSm90KernelTraits {
   // pairs of neighbouring columns of an accumulator.
   using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
-  // Global <-> shared: 16 bytes per thread per access, a row of the swizzle
-  // atom read by consecutive threads.
-  static constexpr int kBlockKGmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKGmem / kGmemElemsPerLoad;
-  static constexpr int kGmemRowsPerPass = kNThreads / kGmemThreadsPerRow;
-  static_assert(kBlockM % kGmemRowsPerPass == 0 && kBlockN % kGmemRowsPerPass == 0);
-  using GmemLayoutAtom = Layout<Shape<Int<kGmemRowsPerPass>, Int<kGmemThreadsPerRow>>,
-                                Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopyLoad = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
-  using GmemTiledCopyStore = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
+  static_assert(kBlockM % GmemCopy::kRowsPerPass == 0 && kBlockN % GmemCopy::kRowsPerPass == 0);
+  using GmemTiledCopyLoad = typename GmemCopy::Load;
+  using GmemTiledCopyStore = typename GmemCopy::Store;
 
   static constexpr int kSmemSizeQdO = kQdOBuffers * kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));

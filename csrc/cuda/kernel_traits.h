@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "gmem_tile_copy.h"
 #include "splitkv_tile_config.h"
 
 namespace flash {
@@ -56,19 +57,11 @@ struct FwdKernelTraits {
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  // Global memory moves 16 bytes per thread per access; a row of the smem atom
-  // is read by kGmemThreadsPerRow consecutive threads, so a warp reads whole
-  // 128-byte lines.
-  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopyQKV = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
-  using GmemTiledCopyO = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
+  static_assert(GmemCopy::kBlockK == kBlockKSmem, "a copied row piece is a row of the smem atom");
+  static constexpr int kGmemThreadsPerRow = GmemCopy::kThreadsPerRow;
+  using GmemTiledCopyQKV = typename GmemCopy::Load;
+  using GmemTiledCopyO = typename GmemCopy::Store;
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));

@@ -11,6 +11,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "gmem_tile_copy.h"
+
 namespace flash {
 
 using namespace cute;
@@ -63,21 +65,11 @@ struct FwdSm90KernelTraits {
                                           Step<_2, _1, _3>{})));
   using SmemLayoutO = SmemLayoutQ;
 
-  // Global <-> shared: 16 bytes per thread per access, a row of the swizzle
-  // atom read by consecutive threads.
-  static constexpr int kBlockKGmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kGmemElemsPerLoad = sizeof(cute::uint128_t) / sizeof(Element);
-  static constexpr int kGmemThreadsPerRow = kBlockKGmem / kGmemElemsPerLoad;
-  using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                Stride<Int<kGmemThreadsPerRow>, _1>>;
-  static_assert(kBlockN % (kNThreads / kGmemThreadsPerRow) == 0,
+  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
+  static_assert(kBlockN % GmemCopy::kRowsPerPass == 0,
                 "a K/V tile is a whole number of passes of the block's copy");
-  using GmemTiledCopyQKV = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
-  using GmemTiledCopyO = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  using GmemTiledCopyQKV = typename GmemCopy::Load;
+  using GmemTiledCopyO = typename GmemCopy::Store;
   // Registers -> shared for O: a thread holds column pairs of the accumulator.
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
