@@ -76,54 +76,12 @@ int main(int argc, char** argv) {
   const bool causal = argc > 2 && atoi(argv[2]) != 0;
   const int nheads = 2048 / HEAD_DIM;
   const int batch = std::max(1, 16384 / seqlen);
+  // dQ accumulator padded to whole query blocks (bwd_accum_layout.h).
+  flash::BwdParams params =
+      make_bwd_problem<Element>(batch, seqlen, nheads, HEAD_DIM, BLOCK_M, causal, -1);
   const int64_t elems = int64_t(batch) * seqlen * nheads * HEAD_DIM;
-  const int64_t rows = int64_t(batch) * nheads * seqlen;
-
-  Element *q, *k, *v, *o, *dout, *dq, *dk, *dv;
-  float *lse, *softmax_d, *dq_accum;
-  for (Element** buffer : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) {
-    FA_CUDA_CHECK(cudaMalloc(buffer, elems * sizeof(Element)));
-  }
-  FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
-  FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
-  // Padded to whole query blocks (bwd_accum_layout.h).
-  const int64_t dq_accum_rows = flash::accum_rows_per_head(false, seqlen, batch, BLOCK_M);
-  const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * HEAD_DIM;
-  FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
-  fill_random<<<1024, 256>>>(q, elems, 1);
-  fill_random<<<1024, 256>>>(k, elems, 2);
-  fill_random<<<1024, 256>>>(v, elems, 3);
-  fill_random<<<1024, 256>>>(dout, elems, 4);
-
-  flash::BwdParams params{};
-  params.q_ptr = q;
-  params.k_ptr = k;
-  params.v_ptr = v;
-  params.o_ptr = o;
-  params.softmax_lse_ptr = lse;
-  params.do_ptr = dout;
-  params.dq_ptr = dq;
-  params.dk_ptr = dk;
-  params.dv_ptr = dv;
-  params.softmax_d_ptr = softmax_d;
-  params.dq_accum_ptr = dq_accum;
-  params.dq_accum_split_stride = dq_accum_elems;
-  params.dq_accum_rows_per_head = dq_accum_rows;
-  params.num_splits = 1;
-  const flash::QKVStrides strides{int64_t(seqlen) * nheads * HEAD_DIM, nheads * HEAD_DIM,
-                                  HEAD_DIM};
-  params.q = params.k = params.v = params.o = strides;
-  params.dout = params.dq = params.dk = params.dv = strides;
-  params.batch = batch;
-  params.nheads = params.nheads_k = nheads;
-  params.seqlen_q = params.seqlen_k = seqlen;
-  params.head_dim = HEAD_DIM;
-  params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
-  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
-  params.window_left = -1;
-  params.window_right = causal ? 0 : -1;
-  params.dropout_rescale = 1.f;
-  params.is_bf16 = true;
+  float* dq_accum = params.dq_accum_ptr;
+  const int64_t dq_accum_elems = params.dq_accum_split_stride;
 
   // O and the lse, from the forward kernel of the shipped table.
   const flash::FwdParams& fwd_params = params;
@@ -158,7 +116,8 @@ int main(int argc, char** argv) {
   // head dim must print the same numbers up to fp32 summation order, and a
   // wrong tile shape shows up here rather than as a fast number.
   double checksums[3];
-  const Element* outputs[3] = {dq, dk, dv};
+  const Element* outputs[3] = {static_cast<Element*>(params.dq_ptr), static_cast<Element*>(params.dk_ptr),
+                         static_cast<Element*>(params.dv_ptr)};
   std::vector<Element> host(std::min<int64_t>(elems, 1 << 20));
   for (int t = 0; t < 3; ++t) {
     FA_CUDA_CHECK(cudaMemcpy(host.data(), outputs[t], host.size() * sizeof(Element),

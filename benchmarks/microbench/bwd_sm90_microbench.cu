@@ -51,53 +51,11 @@ int main(int argc, char** argv) {
   const int window_left = argc > 3 ? atoi(argv[3]) : -1;
   const int nheads = 2048 / HEAD_DIM;
   const int batch = std::max(1, 16384 / seqlen);
+  flash::BwdParams params = make_bwd_problem<Element>(batch, seqlen, nheads, HEAD_DIM,
+                                                     Config::kBlockM, causal, window_left);
   const int64_t elems = int64_t(batch) * seqlen * nheads * HEAD_DIM;
-  const int64_t rows = int64_t(batch) * nheads * seqlen;
-
-  Element *q, *k, *v, *o, *dout, *dq, *dk, *dv;
-  float *lse, *softmax_d, *dq_accum;
-  for (Element** buffer : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) {
-    FA_CUDA_CHECK(cudaMalloc(buffer, elems * sizeof(Element)));
-  }
-  FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
-  FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
-  const int64_t dq_accum_rows = flash::accum_rows_per_head(false, seqlen, batch, Config::kBlockM);
-  const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * HEAD_DIM;
-  FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
-  fill_random<<<1024, 256>>>(q, elems, 1);
-  fill_random<<<1024, 256>>>(k, elems, 2);
-  fill_random<<<1024, 256>>>(v, elems, 3);
-  fill_random<<<1024, 256>>>(dout, elems, 4);
-
-  flash::BwdParams params{};
-  params.q_ptr = q;
-  params.k_ptr = k;
-  params.v_ptr = v;
-  params.o_ptr = o;
-  params.softmax_lse_ptr = lse;
-  params.do_ptr = dout;
-  params.dq_ptr = dq;
-  params.dk_ptr = dk;
-  params.dv_ptr = dv;
-  params.softmax_d_ptr = softmax_d;
-  params.dq_accum_ptr = dq_accum;
-  params.dq_accum_split_stride = dq_accum_elems;
-  params.dq_accum_rows_per_head = dq_accum_rows;
-  params.num_splits = 1;
-  const flash::QKVStrides strides{int64_t(seqlen) * nheads * HEAD_DIM, nheads * HEAD_DIM,
-                                  HEAD_DIM};
-  params.q = params.k = params.v = params.o = strides;
-  params.dout = params.dq = params.dk = params.dv = strides;
-  params.batch = batch;
-  params.nheads = params.nheads_k = nheads;
-  params.seqlen_q = params.seqlen_k = seqlen;
-  params.head_dim = HEAD_DIM;
-  params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
-  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
-  params.window_left = window_left;
-  params.window_right = causal ? 0 : -1;
-  params.dropout_rescale = 1.f;
-  params.is_bf16 = true;
+  float* dq_accum = params.dq_accum_ptr;
+  const int64_t dq_accum_elems = params.dq_accum_split_stride;
 
   const flash::FwdParams& fwd_params = params;
   auto fwd_kernel = &flash::flash_fwd_kernel<FwdTraits, false>;
@@ -140,7 +98,8 @@ int main(int argc, char** argv) {
   run_ref();
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<Element> ref[3], got[3];
-  Element* outputs[3] = {dq, dk, dv};
+  Element* outputs[3] = {static_cast<Element*>(params.dq_ptr), static_cast<Element*>(params.dk_ptr),
+                         static_cast<Element*>(params.dv_ptr)};
   for (int t = 0; t < 3; ++t) {
     ref[t].resize(elems);
     got[t].resize(elems);

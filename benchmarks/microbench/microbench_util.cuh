@@ -1,14 +1,17 @@
-// What the torch-free attention microbenchmarks share: random inputs and
-// event timing.
+// What the torch-free attention microbenchmarks share: random inputs, the
+// backward's buffers and params, and event timing.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include <cuda_runtime.h>
 
+#include "cuda/bwd_accum_layout.h"
 #include "cuda/cuda_check.h"
+#include "cuda/params.h"
 
 // Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
 // on tensor cores than real data.
@@ -46,4 +49,61 @@ double median_ms(Launch launch, int iters, int warmup = 0) {
   FA_CUDA_CHECK(cudaEventDestroy(stop));
   std::sort(times.begin(), times.end());
   return times[iters / 2];
+}
+
+// A self-attention backward over contiguous (batch, seqlen, nheads, head_dim)
+// tensors of Element (bf16): every buffer allocated (never freed: one problem
+// per process), q, k, v, dO random, the dQ accumulator padded to query
+// blocks of block_m rows (bwd_accum_layout.h), the default softmax scale. O
+// and the lse are left for a forward kernel to write.
+template <typename Element>
+flash::BwdParams make_bwd_problem(int batch, int seqlen, int nheads, int head_dim, int block_m,
+                                  bool causal, int window_left) {
+  const int64_t elems = int64_t(batch) * seqlen * nheads * head_dim;
+  const int64_t rows = int64_t(batch) * nheads * seqlen;
+  Element *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+  for (Element** buffer : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) {
+    FA_CUDA_CHECK(cudaMalloc(buffer, elems * sizeof(Element)));
+  }
+  float *lse, *softmax_d, *dq_accum;
+  FA_CUDA_CHECK(cudaMalloc(&lse, rows * sizeof(float)));
+  FA_CUDA_CHECK(cudaMalloc(&softmax_d, rows * sizeof(float)));
+  const int64_t dq_accum_rows = flash::accum_rows_per_head(false, seqlen, batch, block_m);
+  const int64_t dq_accum_elems = int64_t(batch) * nheads * dq_accum_rows * head_dim;
+  FA_CUDA_CHECK(cudaMalloc(&dq_accum, dq_accum_elems * sizeof(float)));
+  fill_random<<<1024, 256>>>(q, elems, 1);
+  fill_random<<<1024, 256>>>(k, elems, 2);
+  fill_random<<<1024, 256>>>(v, elems, 3);
+  fill_random<<<1024, 256>>>(dout, elems, 4);
+
+  flash::BwdParams params{};
+  params.q_ptr = q;
+  params.k_ptr = k;
+  params.v_ptr = v;
+  params.o_ptr = o;
+  params.softmax_lse_ptr = lse;
+  params.do_ptr = dout;
+  params.dq_ptr = dq;
+  params.dk_ptr = dk;
+  params.dv_ptr = dv;
+  params.softmax_d_ptr = softmax_d;
+  params.dq_accum_ptr = dq_accum;
+  params.dq_accum_split_stride = dq_accum_elems;  // one slice: its size
+  params.dq_accum_rows_per_head = dq_accum_rows;
+  params.num_splits = 1;
+  const flash::QKVStrides strides{int64_t(seqlen) * nheads * head_dim, nheads * head_dim,
+                                  head_dim};
+  params.q = params.k = params.v = params.o = strides;
+  params.dout = params.dq = params.dk = params.dv = strides;
+  params.batch = batch;
+  params.nheads = params.nheads_k = nheads;
+  params.seqlen_q = params.seqlen_k = seqlen;
+  params.head_dim = head_dim;
+  params.softmax_scale = 1.f / sqrtf(float(head_dim));
+  params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
+  params.window_left = window_left;
+  params.window_right = causal ? 0 : -1;
+  params.dropout_rescale = 1.f;
+  params.is_bf16 = true;
+  return params;
 }
