@@ -84,14 +84,6 @@ __forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const 
       local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0)));
 }
 
-// The saved lse and D = rowsum(dO * O) of the block's (batch, head): rows
-// of softmax_lse_ptr and softmax_d_ptr, which share one layout.
-__forceinline__ __device__ int64_t bwd_row_stats_offset(const BwdParams& params,
-                                                        const BlockInfo& binfo,
-                                                        const BwdKeyBlock& block) {
-  return binfo.lse_offset(params, block.batch, block.head);
-}
-
 // Copies the lse, then D, of the rows_left rows of a query block (from
 // lse_rows / d_rows, its first row) into stats (2 * kBlockM floats), one
 // 4-byte cp.async per thread on the first 2 * kBlockM threads: the

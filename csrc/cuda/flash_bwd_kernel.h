@@ -55,7 +55,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   Tensor gdO = get<1>(global_tiles);  // (M, D, m)
   Tensor gK = get<2>(global_tiles);   // (N, D)
   Tensor gV = get<3>(global_tiles);   // (N, D)
-  const int64_t row_stats_offset = bwd_row_stats_offset(params, binfo, block);
+  // The saved lse and D = rowsum(dO * O) share softmax_lse's layout.
+  const int64_t row_stats_offset = binfo.lse_offset(params, batch, head);
   const float* lse_rows = params.softmax_lse_ptr + row_stats_offset;
   const float* d_rows = params.softmax_d_ptr + row_stats_offset;
 
