@@ -63,8 +63,11 @@ def main():
     fixed(1, 130, 70, 4, 2, 64, bf16, softcap=5.0, alibi=True)
     fixed(1, 129, 131, 2, 2, 128, fp16, window=(20, 5), dropout_p=0.2, return_softmax=True)
     fixed(1, 70, 65, 2, 2, 256, bf16, causal=True)
-    # The plain score rule at head dims 128-256 runs the Hopper kernel on sm90.
+    # The plain score rule runs the Hopper kernel on sm90 (TMA copies, the
+    # producer and MMA warpgroups' mbarriers, the zeroed tail of a varlen tile).
     fixed(2, 200, 333, 4, 2, 128, bf16)
+    fixed(1, 300, 700, 2, 1, 64, fp16, causal=True)
+    varlen([50, 77, 130], [100, 77, 200], 4, 2, 128, bf16, causal=True)
     fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
     fixed(1, 0, 5, 2, 2, 64, bf16)

@@ -51,25 +51,39 @@ def forward_kernel_names(q, k, v, **kwargs):
     return {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize("head_dim,has_sm90_tile", [(64, False), (128, True), (256, True)])
-def test_fwd_kernel_choice_on_sm90(head_dim, has_sm90_tile, monkeypatch):
+@pytest.mark.parametrize("head_dim,min_keys_sm90", [(64, 512), (128, 256), (256, 0)])
+def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
     if "sm_90a" not in flash_attn_cuda.build_info:
         pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
-    _, k_short, v_short = random_qkv(1, 256, 256, 2, 2, head_dim, torch.bfloat16)
+    _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
     monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
-    # By shape: the Hopper kernel from 512 keys on (flash_fwd_launch.h).
-    assert uses_sm90(forward_kernel_names(q, k, v, causal=True)) == has_sm90_tile
-    assert not uses_sm90(forward_kernel_names(q, k_short, v_short))
+    # By shape: the Hopper kernel from the table's key count on (tile_config.h).
+    assert uses_sm90(forward_kernel_names(q, k, v, causal=True))
+    assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == (128 >= min_keys_sm90)
     # The score extras stay on the SM80 kernel.
     assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
-    assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == has_sm90_tile
+    assert uses_sm90(forward_kernel_names(q, k_short, v_short))
+    # Inputs TMA cannot describe (a head stride of 0) run the SM80 kernel.
+    k_shared = k[:, :, :1].expand(-1, -1, 2, -1)
+    assert not uses_sm90(forward_kernel_names(q, k_shared, v))
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm80")
     assert not uses_sm90(forward_kernel_names(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fwd_broadcast_kv_head(dtype, head_dim, fwd_kernel):
+    """K / V of one kv head broadcast over the kv heads (stride 0), which the
+    Hopper kernel's TMA copies cannot describe."""
+    q, k, v = random_qkv(2, 300, 700, 4, 2, head_dim, dtype)
+    k, v = k[:, :, :1].expand(-1, -1, 2, -1), v[:, :, 1:].expand(-1, -1, 2, -1)
+    out, lse, _, _ = run_fwd(q, k, v, causal=True)
+    check_against_reference(q, k, v, out, lse, causal=True)
 
 
 def check_against_reference(q, k, v, out, lse, **ref_kwargs):
@@ -173,6 +187,37 @@ def test_varlen_fwd(dtype, head_dim, causal, softcap, alibi, fwd_kernel):
         assert torch.equal(torch.isinf(lse_b), ~finite)
         torch.testing.assert_close(lse_b[finite], ref_lse[0][finite].float(), atol=2e-3,
                                    rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_fwd_ignores_rows_outside_sequences(dtype, head_dim, causal, fwd_kernel):
+    """A sequence's last key tile reaches into the next sequence's rows, and
+    the last sequence's into rows past cu_seqlens_k[-1]; rows that are not
+    finite there must not reach the sequence's output."""
+    nheads, nheads_k = 4, 2
+    cu_q = torch.tensor([0, 50, 127, 257], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 177, 377], dtype=torch.int32)
+    total_k = int(cu_k[-1]) + 64  # 64 rows of padding after the last sequence
+    q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    for t in (k, v):
+        t[100:177] = float("nan")  # all of sequence 1
+        t[377:] = float("inf")  # the padding
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, 130, 200, 0.0, head_dim ** -0.5,
+        causal, -1, -1, 0.0, False, 0, 0, None)
+    for b in (0, 2):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
+        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=causal, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, causal=causal, compute_dtype=dtype)
+        assert not out[qs:qe].isnan().any(), f"sequence {b}: NaN from rows outside it"
+        assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
+        torch.testing.assert_close(lse[:, qs:qe], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
 
 
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):

@@ -37,9 +37,39 @@ using RefTraits =
     flash::FwdKernelTraits<HEAD_DIM, Config::kBlockM, Config::kBlockN, Config::kNWarps, Element>;
 using Traits = flash::FwdSm90KernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, Element>;
 
-template <typename Kernel>
-double time_ms(Kernel kernel, dim3 grid, int threads, int smem, const flash::FwdParams& params) {
-  return median_ms([&] { kernel<<<grid, threads, smem>>>(params); }, 30, 10);
+template <typename Kernel, typename... Extra>
+double time_ms(Kernel kernel, dim3 grid, int threads, int smem, const flash::FwdParams& params,
+               const Extra&... extra) {
+  return median_ms([&] { kernel<<<grid, threads, smem>>>(params, extra...); }, 30, 10);
+}
+
+// Largest |difference| of o / lse against the reference, and the NaN count.
+struct Diff {
+  double max_o = 0, max_lse = 0;
+  int64_t bad = 0;
+};
+template <typename Element>
+Diff compare(const Element* o, const Element* o_ref, const float* lse, const float* lse_ref,
+             int64_t q_elems, int64_t lse_elems) {
+  std::vector<Element> h_o(q_elems), h_ref(q_elems);
+  std::vector<float> h_lse(lse_elems), h_lse_ref(lse_elems);
+  FA_CUDA_CHECK(cudaMemcpy(h_o.data(), o, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_ref.data(), o_ref, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(cudaMemcpy(h_lse_ref.data(), lse_ref, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+  Diff diff;
+  for (int64_t i = 0; i < q_elems; ++i) {
+    const double d = std::fabs(double(float(h_o[i])) - double(float(h_ref[i])));
+    if (!(d <= 1e30)) ++diff.bad;  // NaN
+    else diff.max_o = std::max(diff.max_o, d);
+  }
+  for (int64_t i = 0; i < lse_elems; ++i) {
+    if (std::isinf(h_lse_ref[i]) && h_lse[i] == h_lse_ref[i]) continue;
+    const double d = std::fabs(double(h_lse[i]) - double(h_lse_ref[i]));
+    if (!(d <= 1e30)) ++diff.bad;
+    else diff.max_lse = std::max(diff.max_lse, d);
+  }
+  return diff;
 }
 
 int main(int argc, char** argv) {
@@ -96,34 +126,16 @@ int main(int argc, char** argv) {
 
   params.o_ptr = o;
   params.softmax_lse_ptr = lse;
+  const auto tma = flash::FwdSm90Tma<Traits>::make(params);
   auto kernel = &flash::flash_fwd_sm90_kernel<Traits>;
   FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Traits::kSmemSize));
   const dim3 grid((seqlen_q + BLOCK_M - 1) / BLOCK_M, nheads, batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params, tma);
   FA_CUDA_CHECK(cudaDeviceSynchronize());
+  const Diff diff = compare(o, o_ref, lse, lse_ref, q_elems, lse_elems);
+  const double ms = time_ms(kernel, grid, Traits::kNThreads, Traits::kSmemSize, params, tma);
 
-  std::vector<Element> h_o(q_elems), h_ref(q_elems);
-  std::vector<float> h_lse(lse_elems), h_lse_ref(lse_elems);
-  FA_CUDA_CHECK(cudaMemcpy(h_o.data(), o, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
-  FA_CUDA_CHECK(cudaMemcpy(h_ref.data(), o_ref, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
-  FA_CUDA_CHECK(cudaMemcpy(h_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
-  FA_CUDA_CHECK(cudaMemcpy(h_lse_ref.data(), lse_ref, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
-  double max_o = 0, max_lse = 0;
-  int64_t bad = 0;
-  for (int64_t i = 0; i < q_elems; ++i) {
-    const double d = std::fabs(double(float(h_o[i])) - double(float(h_ref[i])));
-    if (!(d <= 1e30)) ++bad;  // NaN
-    else max_o = std::max(max_o, d);
-  }
-  for (int64_t i = 0; i < lse_elems; ++i) {
-    if (std::isinf(h_lse_ref[i]) && h_lse[i] == h_lse_ref[i]) continue;
-    const double d = std::fabs(double(h_lse[i]) - double(h_lse_ref[i]));
-    if (!(d <= 1e30)) ++bad;
-    else max_lse = std::max(max_lse, d);
-  }
-
-  const double ms = time_ms(kernel, grid, Traits::kNThreads, Traits::kSmemSize, params);
   double visible = 0;  // exact count of visible (row, key) pairs, for FLOPs
   for (int r = 0; r < seqlen_q; ++r) {
     const flash::KeyRange kr = flash::visible_key_range(r, r + 1, seqlen_q, seqlen_k, window_left,
@@ -133,7 +145,8 @@ int main(int argc, char** argv) {
   const double flops = 4.0 * batch * nheads * visible * HEAD_DIM;
   printf("d=%d M=%d N=%d sq=%d sk=%d causal=%d wl=%d: max|dO|=%.3g max|dlse|=%.3g nan=%lld | "
          "sm90 %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx\n",
-         HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, max_o, max_lse,
-         (long long)bad, ms, flops / ms * 1e-9, ref_ms, flops / ref_ms * 1e-9, ref_ms / ms);
-  return bad == 0 && max_o < 2e-2 && max_lse < 1e-3 ? 0 : 1;
+         HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, diff.max_o,
+         diff.max_lse, (long long)diff.bad, ms, flops / ms * 1e-9, ref_ms, flops / ref_ms * 1e-9,
+         ref_ms / ms);
+  return diff.bad == 0 && diff.max_o < 2e-2 && diff.max_lse < 1e-3 ? 0 : 1;
 }

@@ -280,6 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.total_q = shape.total_q;
+  params.total_k = static_cast<int>(k.size(0));
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());

@@ -46,13 +46,16 @@ constexpr bool has_sm90_forward() {
 }
 
 template <typename Element, int kHeadDim>
+using FwdSm90Traits =
+    FwdSm90KernelTraits<kHeadDim, 128, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+
+template <typename Element, int kHeadDim>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  using Traits =
-      FwdSm90KernelTraits<kHeadDim, 128, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+  using Traits = FwdSm90Traits<Element, kHeadDim>;
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
   launch_with_dynamic_smem(&flash_fwd_sm90_kernel<Traits>, grid, dim3(Traits::kNThreads),
-                           Traits::kSmemSize, stream, params);
+                           Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
 }
 
 template <typename Element, int kHeadDim>
@@ -61,16 +64,15 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   const bool with_score_extras =
       params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
   if constexpr (has_sm90_forward<kHeadDim>()) {
-    // Below 512 keys the Hopper kernel lost to the SM80 one in the H100
-    // microbench (0.72-0.96x at 128-300 keys: one 256-thread block per SM with
-    // 160-192 KB of shared memory, against several SM80 blocks per SM that
-    // hide each other's short pipelines); from 512 keys on it won, but for
-    // 0.94-0.95x at d128 with 17 or 300 query rows and 512-700 keys.
-    constexpr int kSm90MinSeqlenK = 512;
+    // Short key ranges stay on the SM80 kernel where the table says so
+    // (kMinSeqlenKSm90: several small SM80 blocks per SM hide each other's
+    // short pipelines better than one 384-thread Hopper block). Inputs TMA
+    // cannot describe run the SM80 kernel whatever was asked for.
     const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
                       (params.fwd_kernel == KernelChoice::kAuto &&
-                       params.seqlen_k >= kSm90MinSeqlenK);
-    if (sm90 && !with_score_extras) {
+                       params.seqlen_k >= FwdTileConfig<kHeadDim>::kMinSeqlenKSm90);
+    using Traits = FwdSm90Traits<Element, kHeadDim>;
+    if (sm90 && !with_score_extras && FwdSm90Tma<Traits>::can_load(params)) {
       launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
       if (params.p_ptr != nullptr) launch_return_probs(params, stream);
       return;

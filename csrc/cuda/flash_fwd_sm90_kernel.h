@@ -1,23 +1,39 @@
-// The forward kernel on Hopper's warpgroup MMAs (wgmma, sm90a): the same
-// FlashAttention-2 schedule as flash_fwd_kernel.h (one thread block per query
-// block, K/V tiles streamed by cp.async from the last visible key block down,
-// online softmax with P kept in registers), but each 64-row warpgroup issues
-// Q K^T with both operands read from shared memory and P V with P from its
-// registers, at about twice the tensor-core rate of the SM80 mma.sync path.
-// It runs the plain score rule (causal / local / bounds masking); the
-// softcap / ALiBi / dropout variant stays on flash_fwd_kernel.h.
+// The forward kernel on Hopper's warpgroup MMAs (wgmma, sm90a): the
+// FlashAttention-2 walk of flash_fwd_kernel.h (one thread block per query
+// block, K/V tiles from the last visible key block down, online softmax with
+// P kept in registers), with Q K^T read from shared memory and P V with P
+// from registers at about twice the tensor-core rate of the SM80 mma.sync
+// path. Within a warpgroup, S(i) = Q K(i)^T is issued together with P V of
+// the tile before, and the softmax of S(i) runs while that product is on the
+// tensor cores. The copies and the block-wide barriers stay out of the MMA
+// warpgroups' loop:
+//   - a producer warpgroup, one thread of it, loads Q, K and V by TMA into
+//     two stages per tensor; each landed stage is announced on an mbarrier
+//     ("full"), and each stage comes back once both MMA warpgroups' wgmmas
+//     have read it ("empty");
+//   - the two MMA warpgroups (64 query rows each) take turns issuing their
+//     products (two named barriers), so one warpgroup's softmax runs while
+//     the other's products occupy the tensor cores, instead of both meeting
+//     at a block barrier every tile with the tensor cores idle in between.
+// It runs the plain score rule (causal / local / bounds masking) on
+// TMA-describable inputs (16-byte aligned pointers, strides that are positive
+// multiples of 16 bytes); the launcher sends the softcap / ALiBi / dropout
+// variant and anything else to flash_fwd_kernel.h.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
 #include "../common/mask_rule.h"
 #include "block_info.h"
 #include "fwd_block_io.h"
 #include "fwd_block_order.h"
+#include "fwd_tma_loads.h"
 #include "kernel_traits_sm90.h"
 #include "params.h"
 #include "score_mods.h"
@@ -29,14 +45,42 @@ namespace flash {
 
 using namespace cute;
 
+// The mbarriers of the pipeline, after the tiles in shared memory. A stage's
+// phase flips each time it is filled (full) or handed back (empty).
+template <int kStages>
+struct FwdSm90Barriers {
+  uint64_t q_full;
+  uint64_t k_full[kStages];
+  uint64_t v_full[kStages];
+  uint64_t k_empty[kStages];
+  uint64_t v_empty[kStages];
+};
+
+// Named barriers of the kernel (ids after those CUTLASS reserves): the MMA
+// warpgroups' turns at issuing products, each warpgroup's own epilogue
+// barrier, and the MMA warpgroups' meeting after a varlen tile's tail is
+// zeroed.
+enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 2, kZeroVTail = 4 };
+
+__forceinline__ __device__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  cutlass::arch::NamedBarrier::arrive_and_wait(threads, id);
+}
+__forceinline__ __device__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  cutlass::arch::NamedBarrier::arrive(threads, id);
+}
+
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(const FwdParams params) {
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
+  constexpr int kNMmaThreads = Traits::kNMmaThreads;
 
   extern __shared__ char smem[];
   const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0);
@@ -44,25 +88,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
   const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
   if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
   const int tidx = threadIdx.x;
-  const int seqlen_q = binfo.seqlen_q;
-  const int seqlen_k = binfo.seqlen_k;
   const int row_begin = block.row_begin;
   const int rows_left = block.rows_left;
   const int n_block_min = block.n_block_min;
   const int n_block_max = block.n_block_max;
+  // The MMA warpgroups are threads [128, 384): their index from 0.
+  const int mma_tidx = tidx - 128;
   float* lse_rows = fwd_lse_rows(params, binfo, block);
-  const auto global_tiles =
-      fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block);
-  Tensor gQ = get<0>(global_tiles);  // (M, D)
-  Tensor gK = get<1>(global_tiles);  // (N, D, n)
-  Tensor gV = get<2>(global_tiles);  // (N, D, n)
-  Tensor gO = get<3>(global_tiles);  // (M, D)
-
-  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
 
   if (n_block_max <= n_block_min) {
-    write_empty_rows<Traits>(gO, cQ, lse_rows, rows_left, params.head_dim, tidx);
+    if (mma_tidx >= 0) {
+      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
+    }
     return;
   }
 
@@ -71,37 +110,93 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  auto& barriers = *reinterpret_cast<FwdSm90Barriers<kStages>*>(smem + Traits::kSmemSizeTiles);
+  auto full = [](uint64_t& b) -> TransactionBarrier& {
+    return reinterpret_cast<TransactionBarrier&>(b);
+  };
+  auto empty = [](uint64_t& b) -> Barrier& { return reinterpret_cast<Barrier&>(b); };
 
-  typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
-  auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
-  Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);
-  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
-  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);  // (CPY, CPY_N, CPY_D, n)
-  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
-  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);
-  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
-  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
-  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
-  make_col_predicate(tQpQ, tQcQ, params.head_dim);
-  make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
-  const bool full_head_dim = params.head_dim == kHeadDim;
-  auto kv_tile_in_bounds = [&](int n) { return full_head_dim && (n + 1) * kBlockN <= seqlen_k; };
+  if (tidx == 0) {
+    full(barriers.q_full).init(1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      full(barriers.k_full[s]).init(1);
+      full(barriers.v_full[s]).init(1);
+      // Every MMA thread hands a stage back once its wgmmas have read it.
+      empty(barriers.k_empty[s]).init(kNMmaThreads);
+      empty(barriers.v_empty[s]).init(kNMmaThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
 
-  // Each warpgroup's slice of the two MMAs: its 64 query rows of S and O.
-  // The operands in shared memory are wgmma descriptors, not registers.
+  // Tile i of the walk is key block n_block_max - 1 - i: from the last
+  // visible block down, so a causal diagonal block comes first. It uses
+  // stage i % kStages, in that stage's (i / kStages)-th round.
+  const int n_tiles = n_block_max - n_block_min;
+  auto stage_of = [](int i) { return i % kStages; };
+  auto phase_of = [](int i) { return uint32_t((i / kStages) & 1); };
+
+  if (tidx < 128) {
+    // Producer.
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (tidx != 0) return;
+    Tensor gQ = local_tile(tma.q_of(params, binfo, block.head, block.batch),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
+    Tensor gK = local_tile(tma.kv_of(tma.k, params, binfo, block.head_kv, block.batch),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
+    Tensor gV = local_tile(tma.kv_of(tma.v, params, binfo, block.head_kv, block.batch),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+    auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // Rows and columns past the tensors' ends land as zeros, so a head dim
+    // below kHeadDim and, in a fixed-length batch, the last K / V tile need no
+    // predicates. A varlen tile reads on into the next sequence's rows
+    // (see zero_v_rows_past_end).
+    auto load_k = [&](int i) {
+      const int stage = stage_of(i);
+      empty(barriers.k_empty[stage]).wait(phase_of(i) ^ 1);
+      full(barriers.k_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+      copy(tma.k.with(barriers.k_full[stage]), tKgK(_, n_block_max - 1 - i), tKsK(_, stage));
+    };
+    auto load_v = [&](int i) {
+      const int stage = stage_of(i);
+      empty(barriers.v_empty[stage]).wait(phase_of(i) ^ 1);
+      full(barriers.v_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+      copy(tma.v.with(barriers.v_full[stage]), tVgV(_, n_block_max - 1 - i), tVsV(_, stage));
+    };
+    full(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
+    copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+    // The order the MMA warpgroups consume them: iteration i reads K(i) and
+    // V(i - 1).
+    load_k(0);
+    for (int i = 1; i < n_tiles; ++i) {
+      load_k(i);
+      load_v(i - 1);
+    }
+    load_v(n_tiles - 1);
+    return;
+  }
+
+  // MMA warpgroups.
+  cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
+  const int warp_group = mma_tidx / 128;
+  const uint32_t my_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + warp_group;
+  const uint32_t other_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + (warp_group ^ 1);
+  // Warpgroup 0 issues first.
+  if (warp_group == 1) named_barrier_arrive(other_turn, kNMmaThreads);
+
   typename Traits::TiledMmaS tiled_mma_s;
   typename Traits::TiledMmaO tiled_mma_o;
-  auto thr_mma_s = tiled_mma_s.get_thread_slice(tidx);
-  auto thr_mma_o = tiled_mma_o.get_thread_slice(tidx);
+  auto thr_mma_s = tiled_mma_s.get_thread_slice(mma_tidx);
+  auto thr_mma_o = tiled_mma_o.get_thread_slice(mma_tidx);
   Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_K, stage)
   Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
   Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  // P of the previous tile, in the register layout of P V's A operand.
   Tensor tOrP = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
 
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -110,75 +205,60 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
   Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), wgmma_acc_layout_as_rowcol(acc_o.layout()));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
-
-  auto load_k = [&](int n) {
-    Tensor tKsK_stage = tKsK(_, _, _, n % kStages);
-    copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n), tKsK_stage, tKVcKV, tKVpKV,
-                         seqlen_k - n * kBlockN, kv_tile_in_bounds(n));
-  };
-  auto load_v = [&](int n) {
-    Tensor tVsV_stage = tVsV(_, _, _, n % kStages);
-    copy_tile_predicated(gmem_tiled_copy_QKV, tVgV(_, _, _, n), tVsV_stage, tKVcKV, tKVpKV,
-                         seqlen_k - n * kBlockN, kv_tile_in_bounds(n));
-  };
-  // Every thread's copies have landed, and wgmma (which reads shared memory
-  // through the async proxy, while cp.async writes through the generic one)
-  // sees them; the barrier also means every warpgroup is done with the
-  // buffers the next copies overwrite.
-  auto wait_for_copies = [&]() {
-    cute::cp_async_wait<0>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-  };
-
-  // Prologue: Q and the last visible K block in flight together; key blocks
-  // run from high to low so a causal diagonal block comes first.
-  copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
-                       full_head_dim && rows_left >= kBlockM);
-  load_k(n_block_max - 1);
-  cute::cp_async_fence();
-
   OnlineSoftmax<kNRows> softmax;
 
-  // Iteration n computes S(n) = Q K(n)^T and, on the tensor cores at the same
-  // time, O += P(n+1) V(n+1) of the tile before; the softmax of S(n) runs
-  // while that product is in flight, and acc_o is rescaled once it lands.
-  // K(n-1) and V(n) are copied meanwhile, into the buffers that K(n+1) and
-  // V(n+2) held. The first iteration has no P V yet; it is peeled off at
-  // compile time, since a branch around a wgmma inside a batch makes ptxas
-  // serialize the batch.
-  auto iteration = [&](int n_block, auto has_pending_pv) {
-    constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
-    wait_for_copies();  // K(n) and V(n+1)
-    if (n_block > n_block_min) load_k(n_block - 1);
-    load_v(n_block);
-    cute::cp_async_fence();
+  full(barriers.q_full).wait(0);
 
-    const int stage = n_block % kStages;
-    // Every register a wgmma reads is settled before the arrive: an
-    // instruction defining one inside the batch would serialize the wgmmas.
-    warpgroup_fence_operand(acc_s);
-    if constexpr (kHasPendingPv) {
-      warpgroup_fence_operand(tOrP);
-      warpgroup_fence_operand(acc_o);
+  // The rows of a varlen sequence's last K / V tile past its end are the
+  // next sequence's: their scores are masked, but P = 0 times a V that is not
+  // finite would still reach O, so those V rows are zeroed before P V reads
+  // them. Tile 0 is the only one that can reach past the end. Outside the
+  // turns: both warpgroups meet here.
+  const int v_rows_past_end = binfo.seqlen_k - (n_block_max - 1) * kBlockN;
+  const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
+  auto zero_v_rows_past_end = [&]() {
+    full(barriers.v_full[stage_of(0)]).wait(phase_of(0));
+    Tensor sV_tile = sV(_, _, stage_of(0));
+    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
+      sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
     }
+    cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
+    named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kZeroVTail), kNMmaThreads);
+  };
+
+  // Iteration i: S(i) = Q K(i)^T, and O += P(i-1) V(i-1) behind it on the
+  // tensor cores while the softmax of S(i) runs. The first iteration has no
+  // P V yet; it is peeled off at compile time (a branch around a wgmma
+  // inside a batch makes ptxas serialize the batch).
+  auto iteration = [&](int i, auto has_pending_pv) {
+    constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
+    const int n_block = n_block_max - 1 - i;
+    if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
+    full(barriers.k_full[stage_of(i)]).wait(phase_of(i));
+    named_barrier_sync(my_turn, kNMmaThreads);
+    warpgroup_fence_operand(acc_s);
     warpgroup_arrive();
-    wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+    wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage_of(i)), acc_s);
     warpgroup_commit_batch();
     if constexpr (kHasPendingPv) {
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage ^ 1), acc_o);
+      full(barriers.v_full[stage_of(i - 1)]).wait(phase_of(i - 1));
+      warpgroup_fence_operand(tOrP);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage_of(i - 1)), acc_o);
       warpgroup_commit_batch();
-      warpgroup_wait<1>();  // S(n) has landed; P(n+1) V(n+1) may still run
-    } else {
-      warpgroup_wait<0>();
     }
+    named_barrier_arrive(other_turn, kNMmaThreads);
+    warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
     warpgroup_fence_operand(acc_s);
+    empty(barriers.k_empty[stage_of(i)]).arrive();
 
     const int col_base = n_block * kBlockN;
     if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
-                                seqlen_q, seqlen_k, params.window_left, params.window_right)) {
-      apply_mask(scores, tScS_rowcol, row_begin, col_base, seqlen_q, seqlen_k, params.window_left,
-                 params.window_right);
+                                binfo.seqlen_q, binfo.seqlen_k, params.window_left,
+                                params.window_right)) {
+      apply_mask(scores, tScS_rowcol, row_begin, col_base, binfo.seqlen_q, binfo.seqlen_k,
+                 params.window_left, params.window_right);
     }
     typename OnlineSoftmax<kNRows>::TileCorrection correction;
     softmax.update_scores(scores, params.softmax_scale_log2, correction);
@@ -187,33 +267,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_sm90_kernel(co
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(tOrP);
+      empty(barriers.v_empty[stage_of(i - 1)]).arrive();
     }
     softmax.template rescale_output</*kSkipUnmovedRescale=*/true>(acc_o_rowcol, correction);
     convert_type_into(acc_s, tOrP);
   };
 
-  iteration(n_block_max - 1, cute::false_type{});
-  for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
-    iteration(n_block, cute::true_type{});
-  }
+  iteration(0, cute::false_type{});
+  for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{});
 
-  // The last tile's P V: V(n_block_min) was copied in the last iteration.
-  wait_for_copies();
+  // The last tile's P V. Warpgroup 1 takes the last turn, so it hands none on.
+  const int last = n_tiles - 1;
+  if (last == 0 && zero_v_tail) zero_v_rows_past_end();
+  full(barriers.v_full[stage_of(last)]).wait(phase_of(last));
+  named_barrier_sync(my_turn, kNMmaThreads);
   warpgroup_fence_operand(tOrP);
   warpgroup_fence_operand(acc_o);
   warpgroup_arrive();
-  wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, n_block_min % kStages), acc_o);
+  wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage_of(last)), acc_o);
   warpgroup_commit_batch();
+  if (warp_group == 0) named_barrier_arrive(other_turn, kNMmaThreads);
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc_o);
 
   float lse[kNRows];
   softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
 
+  // Each warpgroup stages its own 64 rows of O over its own rows of Q, which
+  // only its own (finished) wgmmas read, and stores them.
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-  write_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO, gO,
+  stage_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO,
                        [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
-                       lse_rows, rows_left, params.head_dim, tidx);
+                       lse_rows, rows_left, mma_tidx);
+  named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group, 128);
+  auto rows_of_warp_group = [&](auto& tile) {
+    return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
+  };
+  Tensor sO_warp_group = rows_of_warp_group(sO);
+  Tensor gO_warp_group = rows_of_warp_group(gO);
+  store_output<typename Traits::GmemTiledCopyOWarpGroup>(
+      sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
 #endif
 }
 

@@ -103,29 +103,27 @@ __forceinline__ __device__ void write_empty_rows(const TensorGO& gO, const Tenso
   Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
   make_col_predicate(tOpO, tOcO, head_dim);
   store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
-  for (int row = tidx; row < Traits::kBlockM && row < rows_left; row += Traits::kNThreads) {
+  for (int row = tidx; row < Traits::kBlockM && row < rows_left; row += size(gmem_tiled_copy_O)) {
     lse_rows[row] = INFINITY;
   }
 }
 
-// Epilogue: the normalised acc_o goes registers -> shared (sO, over Q, which
-// no warp reads any more) -> global, so the global stores are 16-byte and
-// row-contiguous; the thread holding column 0 of a row writes its lse.
-// as_rowcol views the MMA's accumulator layout as (rows, cols).
+// Epilogue, first half: the normalised acc_o goes registers -> shared (sO,
+// over Q, which its warps no longer read), and the thread holding column 0 of
+// a row writes its lse. as_rowcol views the MMA's accumulator layout as
+// (rows, cols).
 template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
-          typename TensorSO, typename TensorGO, typename AsRowCol, int kNRows>
-__forceinline__ __device__ void write_output(const TensorAcc& acc_o, const TiledMma& tiled_mma,
+          typename TensorSO, typename AsRowCol, int kNRows>
+__forceinline__ __device__ void stage_output(const TensorAcc& acc_o, const TiledMma& tiled_mma,
                                              const ThrMma& thr_mma, TensorSO& sO,
-                                             const TensorGO& gO, AsRowCol as_rowcol,
-                                             const float (&lse)[kNRows], float* lse_rows,
-                                             int rows_left, int head_dim, int tidx) {
+                                             AsRowCol as_rowcol, const float (&lse)[kNRows],
+                                             float* lse_rows, int rows_left, int tidx) {
   using Element = typename Traits::Element;
   Tensor rO = convert_type<Element>(acc_o);
   auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
   Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
   Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
-  __syncthreads();  // every warp is done with sQ
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
   Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
@@ -138,18 +136,39 @@ __forceinline__ __device__ void write_output(const TensorAcc& acc_o, const Tiled
       if (row < rows_left) lse_rows[row] = lse[mi];
     }
   }
+}
 
-  typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+// Epilogue, second half: rows [0, rows_left) of the staged tile sO go
+// shared -> global by the threads of GmemTiledCopyO, as 16-byte,
+// row-contiguous stores.
+template <typename GmemTiledCopyO, typename TensorSO, typename TensorGO>
+__forceinline__ __device__ void store_output(const TensorSO& sO, const TensorGO& gO,
+                                             int rows_left, int head_dim, int tidx) {
+  GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor cO = make_identity_tensor(product_each(shape(sO)));
   Tensor tOsO = gmem_thr_copy_O.partition_S(sO);
   Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
   Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
   Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
   make_col_predicate(tOpO, tOcO, head_dim);
-  __syncthreads();
   Tensor tOrO = make_fragment_like(tOsO);
   copy(gmem_tiled_copy_O, tOsO, tOrO);
   store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
+}
+
+// The whole epilogue for kernels whose every thread computes O.
+template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
+          typename TensorSO, typename TensorGO, typename AsRowCol, int kNRows>
+__forceinline__ __device__ void write_output(const TensorAcc& acc_o, const TiledMma& tiled_mma,
+                                             const ThrMma& thr_mma, TensorSO& sO,
+                                             const TensorGO& gO, AsRowCol as_rowcol,
+                                             const float (&lse)[kNRows], float* lse_rows,
+                                             int rows_left, int head_dim, int tidx) {
+  __syncthreads();  // every warp is done with sQ
+  stage_output<Traits>(acc_o, tiled_mma, thr_mma, sO, as_rowcol, lse, lse_rows, rows_left, tidx);
+  __syncthreads();
+  store_output<typename Traits::GmemTiledCopyO>(sO, gO, rows_left, head_dim, tidx);
 }
 
 }  // namespace flash

@@ -1,7 +1,7 @@
 // Compile-time shape of the Hopper (sm90a) forward kernel: warpgroup MMAs
 // (wgmma) read Q, K and V straight from shared memory, so the tiles are laid
 // out in the canonical GMMA layouts instead of the ldmatrix-friendly ones of
-// kernel_traits.h.
+// kernel_traits.h, and TMA fills them.
 #pragma once
 
 #include <type_traits>
@@ -24,16 +24,22 @@ struct FwdSm90KernelTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  // One warpgroup (4 warps) per 64 query rows: wgmma's M is 64, and a row's
-  // scores stay inside one warp (the quad reductions of softmax.h hold).
-  static constexpr int kNWarpGroups = kBlockM / 64;
-  static constexpr int kNWarps = 4 * kNWarpGroups;
-  static constexpr int kNThreads = 32 * kNWarps;
-  static_assert(kBlockM % 64 == 0, "wgmma tiles the query rows by 64");
+  // One MMA warpgroup (4 warps) per 64 query rows: wgmma's M is 64, and a
+  // row's scores stay inside one warp (the quad reductions of softmax.h
+  // hold). One more warpgroup loads the tiles (flash_fwd_sm90_kernel.h).
+  static constexpr int kNMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNMmaThreads = 128 * kNMmaWarpGroups;
+  static constexpr int kNThreads = kNMmaThreads + 128;
+  static_assert(kNMmaWarpGroups == 2, "one producer and two MMA warpgroups");
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of Q K^T");
+  // Registers move from the producer, which only issues copies, to the MMA
+  // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
+  // file at 384 threads.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kMmaRegisters = 240;
 
-  using WarpGroupLayout = Layout<Shape<Int<kNWarpGroups>, _1, _1>>;
+  using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: both operands from shared memory, K-major (head dim contiguous).
   using TiledMmaS = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
@@ -48,16 +54,18 @@ struct FwdSm90KernelTraits {
       WarpGroupLayout{}));
 
   // The widest swizzle whose row the head dim fills: 128-byte rows (64
-  // elements) spread wgmma's 8-row core matrices over all banks.
+  // elements) spread wgmma's 8-row core matrices over all banks. TMA writes
+  // the tiles in the same swizzle.
   using SmemLayoutAtom =
       std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                          GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  // K and V are double-buffered: the copies of the next tiles are issued at
-  // the top of an iteration and have a whole iteration to land.
+  // Two stages each of K and V: a stage is refilled once both MMA warpgroups'
+  // wgmmas have read it, so the next tile's copy overlaps this tile's math.
   static constexpr int kStages = 2;
   using SmemLayoutKV = decltype(tile_to_shape(
       SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKVStage = decltype(SmemLayoutKV{}(_, _, _0{}));  // what one TMA copy fills
   // V seen as (head dim, key): a K-major atom read transposed is the MN-major
   // atom of the same swizzle, which is what P V's B operand asks for.
   using SmemLayoutVt = decltype(composition(
@@ -65,17 +73,18 @@ struct FwdSm90KernelTraits {
                                           Step<_2, _1, _3>{})));
   using SmemLayoutO = SmemLayoutQ;
 
-  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
-  static_assert(kBlockN % GmemCopy::kRowsPerPass == 0,
-                "a K/V tile is a whole number of passes of the block's copy");
-  using GmemTiledCopyQKV = typename GmemCopy::Load;
-  using GmemTiledCopyO = typename GmemCopy::Store;
+  // O stores: by both MMA warpgroups (a block that sees no key), or by each
+  // warpgroup for its own 64 rows.
+  using GmemTiledCopyO = typename GmemTileCopy<Element, kHeadDim, kNMmaThreads>::Store;
+  using GmemTiledCopyOWarpGroup = typename GmemTileCopy<Element, kHeadDim, 128>::Store;
   // Registers -> shared for O: a thread holds column pairs of the accumulator.
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeKV = 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSize = kSmemSizeQ + kSmemSizeKV;
+  static constexpr int kSmemSizeKVStage = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeTiles = kSmemSizeQ + 2 * kStages * kSmemSizeKVStage;
+  // The pipeline's mbarriers (FwdSm90Barriers), after the tiles.
+  static constexpr int kSmemSize = kSmemSizeTiles + (1 + 4 * kStages) * int(sizeof(uint64_t));
 };
 
 }  // namespace flash

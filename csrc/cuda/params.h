@@ -52,6 +52,7 @@ struct FwdParams {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
+  int total_k;  // varlen: rows of k and v
 
   float softmax_scale;
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernel works in exp2
@@ -112,7 +113,6 @@ struct BwdParams : FwdParams {
   // head dim) for varlen, summed over each kv head's group in a fixed order.
   float* dk_accum_ptr;
   float* dv_accum_ptr;
-  int total_k;  // varlen: rows of k
 };
 
 // fwd_kvcache: attention of q against a per-batch prefix of a (possibly paged)

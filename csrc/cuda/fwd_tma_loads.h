@@ -1,0 +1,106 @@
+// The TMA loads of the Hopper forward (flash_fwd_sm90_kernel.h): how q / k /
+// v are described to TMA, which inputs can be, and the descriptors one launch
+// passes to the kernel.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+
+#include "block_info.h"
+#include "params.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The TMA view of q / k / v: (rows, head dim, heads, batch), head dim
+// contiguous; a varlen tensor is one batch entry of all its rows. Dims of
+// extent 1 get a placeholder stride (TMA wants every stride a multiple of 16
+// bytes, even where it is never used).
+template <typename Element>
+auto tma_gmem_tensor(const void* ptr, int rows, int head_dim, int heads, int batch,
+                     const QKVStrides& strides) {
+  auto usable = [](int64_t extent, int64_t stride) { return extent > 1 ? stride : int64_t(8); };
+  return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                     make_shape(rows, head_dim, heads, batch),
+                     make_stride(usable(rows, strides.row_stride), _1{},
+                                 usable(heads, strides.head_stride),
+                                 usable(batch, strides.batch_stride)));
+}
+
+// Whether q / k / v can be read by TMA as tma_gmem_tensor describes them:
+// cuTensorMapEncodeTiled takes no empty dim, and strides that are positive
+// multiples of 16 bytes below 2^40 bytes. (An encoding that fails would
+// leave a descriptor the kernel cannot use, so the launcher asks first.)
+inline bool tma_can_load(const void* ptr, int rows, int head_dim, int heads, int batch,
+                         const QKVStrides& strides) {
+  auto ok = [](int64_t extent, int64_t stride) {
+    return extent == 1 || (stride > 0 && stride % 8 == 0 && stride < (int64_t(1) << 38));
+  };
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && rows > 0 && head_dim % 8 == 0 &&
+         heads > 0 && batch > 0 && ok(rows, strides.row_stride) &&
+         ok(heads, strides.head_stride) && ok(batch, strides.batch_stride);
+}
+
+// The TMA descriptors of one launch, built on the host. A kernel parameter
+// (__grid_constant__): TMA reads a descriptor from parameter memory.
+template <typename Traits>
+struct FwdSm90Tma {
+  using Element = typename Traits::Element;
+  using GmemTensor = decltype(tma_gmem_tensor<Element>(nullptr, 1, 1, 1, 1, QKVStrides{}));
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using CopyQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                       typename Traits::SmemLayoutQ{}, TileQ{}, _1{}));
+  using CopyKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                        typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{}));
+  CopyQ q;
+  CopyKV k;
+  CopyKV v;
+
+  // (rows, batch entries) of the TMA view of q, and of k / v.
+  __host__ __device__ static int q_rows(const FwdParams& p) {
+    return p.cu_seqlens_q ? p.total_q : p.seqlen_q;
+  }
+  __host__ __device__ static int k_rows(const FwdParams& p) {
+    return p.cu_seqlens_q ? p.total_k : p.seqlen_k;
+  }
+  __host__ __device__ static int batches(const FwdParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
+
+  static bool can_load(const FwdParams& p) {
+    return tma_can_load(p.q_ptr, q_rows(p), p.head_dim, p.nheads, batches(p), p.q) &&
+           tma_can_load(p.k_ptr, k_rows(p), p.head_dim, p.nheads_k, batches(p), p.k) &&
+           tma_can_load(p.v_ptr, k_rows(p), p.head_dim, p.nheads_k, batches(p), p.v);
+  }
+  static FwdSm90Tma make(const FwdParams& p) {
+    auto gmem = [&](const void* ptr, int rows, int heads, const QKVStrides& strides) {
+      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, batches(p), strides);
+    };
+    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q_ptr, q_rows(p), p.nheads, p.q),
+                          typename Traits::SmemLayoutQ{}, TileQ{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k_ptr, k_rows(p), p.nheads_k, p.k),
+                          typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v_ptr, k_rows(p), p.nheads_k, p.v),
+                          typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{})};
+  }
+
+  // This block's (rows, head dim) of q / k / v as TMA coordinates: its
+  // (head, batch) slice, moved to its sequence's first row when varlen.
+  __device__ auto q_of(const FwdParams& p, const BlockInfo& binfo, int head, int batch) const {
+    Tensor m = q.get_tma_tensor(make_shape(q_rows(p), p.head_dim, p.nheads, batches(p)));
+    return domain_offset(make_coord(int(binfo.q_row_begin), _0{}),
+                         m(_, _, head, binfo.varlen ? 0 : batch));
+  }
+  template <typename Copy>
+  __device__ static auto kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo,
+                               int head_kv, int batch) {
+    Tensor m = copy.get_tma_tensor(make_shape(k_rows(p), p.head_dim, p.nheads_k, batches(p)));
+    return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
+                         m(_, _, head_kv, binfo.varlen ? 0 : batch));
+  }
+};
+
+}  // namespace flash
