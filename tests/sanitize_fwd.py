@@ -68,6 +68,10 @@ def main():
     fixed(2, 200, 333, 4, 2, 128, bf16)
     fixed(1, 300, 700, 2, 1, 64, fp16, causal=True)
     varlen([50, 77, 130], [100, 77, 200], 4, 2, 128, bf16, causal=True)
+    # More query blocks than SMs, no causal bound: one block per SM walking
+    # several (the producer running ahead into the next query block).
+    fixed(2, 1100, 300, 8, 2, 64, fp16)
+    varlen([300, 0, 7, 130] * 10, [200, 5, 0, 260] * 10, 4, 2, 128, bf16)
     fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
     fixed(1, 0, 5, 2, 2, 64, bf16)

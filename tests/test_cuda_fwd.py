@@ -220,6 +220,39 @@ def test_varlen_fwd_ignores_rows_outside_sequences(dtype, head_dim, causal, fwd_
         torch.testing.assert_close(lse[:, qs:qe], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 224, 256])
+def test_fwd_more_query_blocks_than_sms(dtype, head_dim, fwd_kernel):
+    """Without a causal or local bound the Hopper kernel runs one block per SM,
+    each walking several query blocks (flash_fwd_launch.h): a grid of more
+    query blocks than any GPU has SMs, fixed-length and varlen (where many
+    blocks of the grid lie past their sequence's end)."""
+    q, k, v = random_qkv(4, 1000, 777, 8, 2, head_dim, dtype)  # 256 query blocks
+    out, lse, _, _ = run_fwd(q, k, v)
+    check_against_reference(q, k, v, out, lse)
+
+    batch, nheads, nheads_k = 40, 4, 2
+    cu_q, max_q = random_cu_seqlens(batch, 300)
+    cu_k, max_k = random_cu_seqlens(batch, 400)
+    q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, max_q, max_k, 0.0,
+        head_dim ** -0.5, False, -1, -1, 0.0, False, 0, 0, None)
+    for b in range(batch):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
+        ref_out, ref_lse = attention_ref(qb, kb, vb, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, compute_dtype=dtype)
+        assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
+        finite = torch.isfinite(ref_lse[0])
+        assert torch.equal(torch.isinf(lse[:, qs:qe]), ~finite)
+        torch.testing.assert_close(lse[:, qs:qe][finite], ref_lse[0][finite].float(), atol=2e-3,
+                                   rtol=1e-3)
+
+
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     """A paged copy of packed varlen keys/values: pages in random order, unused
     table entries -1 (never read), a spare table column."""

@@ -132,6 +132,7 @@ void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k
   params.v = strides_of(v, varlen);
   params.o = strides_of(out, varlen);
   params.fwd_kernel = kernel_choice("FLASH_ATTN_FWD_KERNEL");
+  params.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(

@@ -50,6 +50,7 @@ using namespace cute;
 template <int kStages>
 struct FwdSm90Barriers {
   uint64_t q_full;
+  uint64_t q_empty;
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
   uint64_t k_empty[kStages];
@@ -69,6 +70,13 @@ __forceinline__ __device__ void named_barrier_arrive(uint32_t id, uint32_t threa
   cutlass::arch::NamedBarrier::arrive(threads, id);
 }
 
+// One block per SM or one per query block (the launcher's choice,
+// fwd_sm90_grid_size): either way a block walks tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... of the (query block, head, batch) grid in the
+// order of fwd_block_order.h. A persistent block's producer runs ahead into
+// the next tile (its K / V stages as they come free, its Q once the MMA
+// warpgroups have handed Q back), so a tile's prologue overlaps the last
+// one's tail.
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma) {
@@ -83,33 +91,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
 
   extern __shared__ char smem[];
-  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0);
-  const BlockInfo binfo(params, coord.batch);
-  const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
-  if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
   const int tidx = threadIdx.x;
-  const int row_begin = block.row_begin;
-  const int rows_left = block.rows_left;
-  const int n_block_min = block.n_block_min;
-  const int n_block_max = block.n_block_max;
   // The MMA warpgroups are threads [128, 384): their index from 0.
   const int mma_tidx = tidx - 128;
-  float* lse_rows = fwd_lse_rows(params, binfo, block);
-  Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
-
-  if (n_block_max <= n_block_min) {
-    if (mma_tidx >= 0) {
-      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
-    }
-    return;
-  }
+  const bool causal = params.window_right >= 0;
+  const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t num_tiles = int64_t(num_m_blocks) * params.nheads * params.batch;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sO = make_tensor(Traits::kSeparateO ? sV.data() + size(sV) : sQ.data(),
+                          typename Traits::SmemLayoutO{});
   auto& barriers = *reinterpret_cast<FwdSm90Barriers<kStages>*>(smem + Traits::kSmemSizeTiles);
   auto full = [](uint64_t& b) -> TransactionBarrier& {
     return reinterpret_cast<TransactionBarrier&>(b);
@@ -118,6 +113,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (tidx == 0) {
     full(barriers.q_full).init(1);
+    empty(barriers.q_empty).init(kNMmaThreads);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       full(barriers.k_full[s]).init(1);
@@ -130,52 +126,92 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
-  // Tile i of the walk is key block n_block_max - 1 - i: from the last
-  // visible block down, so a causal diagonal block comes first. It uses
-  // stage i % kStages, in that stage's (i / kStages)-th round.
-  const int n_tiles = n_block_max - n_block_min;
+  // The query block of a tile, its visible key blocks (none: the tile only
+  // writes empty rows) and whether it has rows at all (varlen).
+  struct Tile {
+    BlockInfo binfo;
+    FwdBlock block;
+    int n_key_blocks;
+  };
+  auto tile_at = [&](int64_t tile) {
+    const FwdBlockCoord coord = fwd_tile_coord(causal, tile, num_m_blocks, params.nheads);
+    const BlockInfo binfo(params, coord.batch);
+    const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
+    return Tile{binfo, block, block.n_block_max - block.n_block_min};
+  };
+
+  // A block's tiles, in turn. Without a tile for O a block runs exactly one
+  // (the launcher's grid), in straight-line code: the loop around it cost the
+  // d256 kernel 150 B of spills.
+  auto for_each_tile = [&](auto&& body) {
+    if constexpr (Traits::kPersistent) {
+      for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+        body(tile_at(tile_index));
+      }
+    } else {
+      body(tile_at(blockIdx.x));
+    }
+  };
+
+  // Key tiles are counted across the block's query blocks: the walk's i-th
+  // K / V tile uses stage i % kStages, in that stage's (i / kStages)-th round;
+  // Q's j-th load is round j of its one buffer.
   auto stage_of = [](int i) { return i % kStages; };
   auto phase_of = [](int i) { return uint32_t((i / kStages) & 1); };
 
   if (tidx < 128) {
-    // Producer.
+    // Producer: one thread issues every copy.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (tidx != 0) return;
-    Tensor gQ = local_tile(tma.q_of(params, binfo, block.head, block.batch),
-                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
-    Tensor gK = local_tile(tma.kv_of(tma.k, params, binfo, block.head_kv, block.batch),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
-    Tensor gV = local_tile(tma.kv_of(tma.v, params, binfo, block.head_kv, block.batch),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-    auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // Rows and columns past the tensors' ends land as zeros, so a head dim
-    // below kHeadDim and, in a fixed-length batch, the last K / V tile need no
-    // predicates. A varlen tile reads on into the next sequence's rows
-    // (see zero_v_rows_past_end).
-    auto load_k = [&](int i) {
-      const int stage = stage_of(i);
-      empty(barriers.k_empty[stage]).wait(phase_of(i) ^ 1);
-      full(barriers.k_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
-      copy(tma.k.with(barriers.k_full[stage]), tKgK(_, n_block_max - 1 - i), tKsK(_, stage));
+    int kv_loads = 0;
+    int q_loads = 0;
+    auto load_tile = [&](const Tile& tile) {
+      if (tile.block.rows_left <= 0 || tile.n_key_blocks <= 0) return;
+      const FwdBlock& block = tile.block;
+      Tensor gQ = local_tile(tma.q_of(params, tile.binfo, block.head, block.batch),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
+      Tensor gK = local_tile(tma.kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
+      Tensor gV = local_tile(tma.kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      // Rows and columns past the tensors' ends land as zeros, so a head dim
+      // below kHeadDim and, in a fixed-length batch, the last K / V tile need
+      // no predicates. A varlen tile reads on into the next sequence's rows
+      // (see zero_v_rows_past_end).
+      auto load_k = [&](int i) {
+        const int stage = stage_of(kv_loads + i);
+        empty(barriers.k_empty[stage]).wait(phase_of(kv_loads + i) ^ 1);
+        full(barriers.k_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+        copy(tma.k.with(barriers.k_full[stage]), tKgK(_, block.n_block_max - 1 - i),
+             tKsK(_, stage));
+      };
+      auto load_v = [&](int i) {
+        const int stage = stage_of(kv_loads + i);
+        empty(barriers.v_empty[stage]).wait(phase_of(kv_loads + i) ^ 1);
+        full(barriers.v_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+        copy(tma.v.with(barriers.v_full[stage]), tVgV(_, block.n_block_max - 1 - i),
+             tVsV(_, stage));
+      };
+      // K(0) may go ahead of Q: its stage is free as soon as the last tile's
+      // wgmmas have read it.
+      load_k(0);
+      empty(barriers.q_empty).wait((q_loads & 1) ^ 1);
+      full(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
+      copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+      // The order the MMA warpgroups consume them: iteration i reads K(i) and
+      // V(i - 1).
+      for (int i = 1; i < tile.n_key_blocks; ++i) {
+        load_k(i);
+        load_v(i - 1);
+      }
+      load_v(tile.n_key_blocks - 1);
+      kv_loads += tile.n_key_blocks;
+      ++q_loads;
     };
-    auto load_v = [&](int i) {
-      const int stage = stage_of(i);
-      empty(barriers.v_empty[stage]).wait(phase_of(i) ^ 1);
-      full(barriers.v_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
-      copy(tma.v.with(barriers.v_full[stage]), tVgV(_, n_block_max - 1 - i), tVsV(_, stage));
-    };
-    full(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
-    copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
-    // The order the MMA warpgroups consume them: iteration i reads K(i) and
-    // V(i - 1).
-    load_k(0);
-    for (int i = 1; i < n_tiles; ++i) {
-      load_k(i);
-      load_v(i - 1);
-    }
-    load_v(n_tiles - 1);
+    for_each_tile(load_tile);
     return;
   }
 
@@ -184,8 +220,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp_group = mma_tidx / 128;
   const uint32_t my_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + warp_group;
   const uint32_t other_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + (warp_group ^ 1);
-  // Warpgroup 0 issues first.
-  if (warp_group == 1) named_barrier_arrive(other_turn, kNMmaThreads);
+  const uint32_t my_epilogue = uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group;
 
   typename Traits::TiledMmaS tiled_mma_s;
   typename Traits::TiledMmaO tiled_mma_o;
@@ -194,119 +229,153 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_K, stage)
-  Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  clear(acc_o);
-  Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tOrP = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
-
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_mma_s.partition_C(cS);
   Tensor tScS_rowcol = make_tensor(tScS.data(), wgmma_acc_layout_as_rowcol(tScS.layout()));
-  Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
-  Tensor acc_o_rowcol = make_tensor(acc_o.data(), wgmma_acc_layout_as_rowcol(acc_o.layout()));
-  constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
-  OnlineSoftmax<kNRows> softmax;
-
-  full(barriers.q_full).wait(0);
-
-  // The rows of a varlen sequence's last K / V tile past its end are the
-  // next sequence's: their scores are masked, but P = 0 times a V that is not
-  // finite would still reach O, so those V rows are zeroed before P V reads
-  // them. Tile 0 is the only one that can reach past the end. Outside the
-  // turns: both warpgroups meet here.
-  const int v_rows_past_end = binfo.seqlen_k - (n_block_max - 1) * kBlockN;
-  const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
-  auto zero_v_rows_past_end = [&]() {
-    full(barriers.v_full[stage_of(0)]).wait(phase_of(0));
-    Tensor sV_tile = sV(_, _, stage_of(0));
-    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
-      sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
-    }
-    cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
-    named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kZeroVTail), kNMmaThreads);
-  };
-
-  // Iteration i: S(i) = Q K(i)^T, and O += P(i-1) V(i-1) behind it on the
-  // tensor cores while the softmax of S(i) runs. The first iteration has no
-  // P V yet; it is peeled off at compile time (a branch around a wgmma
-  // inside a batch makes ptxas serialize the batch).
-  auto iteration = [&](int i, auto has_pending_pv) {
-    constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
-    const int n_block = n_block_max - 1 - i;
-    if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
-    full(barriers.k_full[stage_of(i)]).wait(phase_of(i));
-    named_barrier_sync(my_turn, kNMmaThreads);
-    warpgroup_fence_operand(acc_s);
-    warpgroup_arrive();
-    wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage_of(i)), acc_s);
-    warpgroup_commit_batch();
-    if constexpr (kHasPendingPv) {
-      full(barriers.v_full[stage_of(i - 1)]).wait(phase_of(i - 1));
-      warpgroup_fence_operand(tOrP);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage_of(i - 1)), acc_o);
-      warpgroup_commit_batch();
-    }
-    named_barrier_arrive(other_turn, kNMmaThreads);
-    warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
-    warpgroup_fence_operand(acc_s);
-    empty(barriers.k_empty[stage_of(i)]).arrive();
-
-    const int col_base = n_block * kBlockN;
-    if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
-                                binfo.seqlen_q, binfo.seqlen_k, params.window_left,
-                                params.window_right)) {
-      apply_mask(scores, tScS_rowcol, row_begin, col_base, binfo.seqlen_q, binfo.seqlen_k,
-                 params.window_left, params.window_right);
-    }
-    typename OnlineSoftmax<kNRows>::TileCorrection correction;
-    softmax.update_scores(scores, params.softmax_scale_log2, correction);
-
-    if constexpr (kHasPendingPv) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(tOrP);
-      empty(barriers.v_empty[stage_of(i - 1)]).arrive();
-    }
-    softmax.template rescale_output</*kSkipUnmovedRescale=*/true>(acc_o_rowcol, correction);
-    convert_type_into(acc_s, tOrP);
-  };
-
-  iteration(0, cute::false_type{});
-  for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{});
-
-  // The last tile's P V. Warpgroup 1 takes the last turn, so it hands none on.
-  const int last = n_tiles - 1;
-  if (last == 0 && zero_v_tail) zero_v_rows_past_end();
-  full(barriers.v_full[stage_of(last)]).wait(phase_of(last));
-  named_barrier_sync(my_turn, kNMmaThreads);
-  warpgroup_fence_operand(tOrP);
-  warpgroup_fence_operand(acc_o);
-  warpgroup_arrive();
-  wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage_of(last)), acc_o);
-  warpgroup_commit_batch();
-  if (warp_group == 0) named_barrier_arrive(other_turn, kNMmaThreads);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_o);
-
-  float lse[kNRows];
-  softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
-
-  // Each warpgroup stages its own 64 rows of O over its own rows of Q, which
-  // only its own (finished) wgmmas read, and stores them.
-  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-  stage_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO,
-                       [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
-                       lse_rows, rows_left, mma_tidx);
-  named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group, 128);
   auto rows_of_warp_group = [&](auto& tile) {
     return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
   };
-  Tensor sO_warp_group = rows_of_warp_group(sO);
-  Tensor gO_warp_group = rows_of_warp_group(gO);
-  store_output<typename Traits::GmemTiledCopyOWarpGroup>(
-      sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
+
+  int kv_loads = 0;
+  int q_loads = 0;
+  auto compute_tile = [&](const Tile& tile) {
+    const BlockInfo& binfo = tile.binfo;
+    const FwdBlock& block = tile.block;
+    if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
+    const int row_begin = block.row_begin;
+    const int rows_left = block.rows_left;
+    const int n_block_max = block.n_block_max;
+    const int n_tiles = tile.n_key_blocks;
+    float* lse_rows = fwd_lse_rows(params, binfo, block);
+    Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
+    if (n_tiles <= 0) {
+      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
+      return;
+    }
+    // Warpgroup 0 issues first.
+    if (warp_group == 1) named_barrier_arrive(other_turn, kNMmaThreads);
+
+    Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tOrP = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
+    Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
+    Tensor acc_o_rowcol = make_tensor(acc_o.data(), wgmma_acc_layout_as_rowcol(acc_o.layout()));
+    constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
+    OnlineSoftmax<kNRows> softmax;
+    auto stage = [&](int i) { return stage_of(kv_loads + i); };
+    auto phase = [&](int i) { return phase_of(kv_loads + i); };
+
+    full(barriers.q_full).wait(q_loads & 1);
+
+    // The rows of a varlen sequence's last K / V tile past its end are the
+    // next sequence's: their scores are masked, but P = 0 times a V that is
+    // not finite would still reach O, so those V rows are zeroed before P V
+    // reads them. Tile 0 is the only one that can reach past the end. Outside
+    // the turns: both warpgroups meet here.
+    const int v_rows_past_end = binfo.seqlen_k - (n_block_max - 1) * kBlockN;
+    const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
+    auto zero_v_rows_past_end = [&]() {
+      full(barriers.v_full[stage(0)]).wait(phase(0));
+      Tensor sV_tile = sV(_, _, stage(0));
+      for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim;
+           idx += kNMmaThreads) {
+        sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
+      }
+      cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
+      named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kZeroVTail), kNMmaThreads);
+    };
+
+    // Iteration i: S(i) = Q K(i)^T, and O += P(i-1) V(i-1) behind it on the
+    // tensor cores while the softmax of S(i) runs. The first iteration has
+    // no P V yet; it is peeled off at compile time (a branch around a wgmma
+    // inside a batch makes ptxas serialize the batch).
+    auto iteration = [&](int i, auto has_pending_pv) {
+      constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
+      const int n_block = n_block_max - 1 - i;
+      if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
+      full(barriers.k_full[stage(i)]).wait(phase(i));
+      named_barrier_sync(my_turn, kNMmaThreads);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
+      warpgroup_commit_batch();
+      if constexpr (kHasPendingPv) {
+        full(barriers.v_full[stage(i - 1)]).wait(phase(i - 1));
+        warpgroup_fence_operand(tOrP);
+        warpgroup_fence_operand(acc_o);
+        warpgroup_arrive();
+        wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(i - 1)), acc_o);
+        warpgroup_commit_batch();
+      }
+      named_barrier_arrive(other_turn, kNMmaThreads);
+      warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
+      warpgroup_fence_operand(acc_s);
+      empty(barriers.k_empty[stage(i)]).arrive();
+      // With O staged apart, Q is free once the last S has landed.
+      if (Traits::kSeparateO && i == n_tiles - 1) empty(barriers.q_empty).arrive();
+
+      const int col_base = n_block * kBlockN;
+      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
+                                  binfo.seqlen_q, binfo.seqlen_k, params.window_left,
+                                  params.window_right)) {
+        apply_mask(scores, tScS_rowcol, row_begin, col_base, binfo.seqlen_q, binfo.seqlen_k,
+                   params.window_left, params.window_right);
+      }
+      typename OnlineSoftmax<kNRows>::TileCorrection correction;
+      softmax.update_scores(scores, params.softmax_scale_log2, correction);
+
+      if constexpr (kHasPendingPv) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(tOrP);
+        empty(barriers.v_empty[stage(i - 1)]).arrive();
+      }
+      softmax.template rescale_output</*kSkipUnmovedRescale=*/true>(acc_o_rowcol, correction);
+      convert_type_into(acc_s, tOrP);
+    };
+
+    iteration(0, cute::false_type{});
+    for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{});
+
+    // The last tile's P V. Warpgroup 1 takes the last turn, so it hands none
+    // on.
+    const int last = n_tiles - 1;
+    if (last == 0 && zero_v_tail) zero_v_rows_past_end();
+    full(barriers.v_full[stage(last)]).wait(phase(last));
+    named_barrier_sync(my_turn, kNMmaThreads);
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(acc_o);
+    warpgroup_arrive();
+    wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(last)), acc_o);
+    warpgroup_commit_batch();
+    if (warp_group == 0) named_barrier_arrive(other_turn, kNMmaThreads);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    empty(barriers.v_empty[stage(last)]).arrive();
+
+    float lse[kNRows];
+    softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
+
+    // Each warpgroup stages its own 64 rows of O (over its own rows of Q,
+    // which only its own finished wgmmas read, unless O has a tile of its
+    // own) and stores them. The barrier before: every thread of the
+    // warpgroup is done reading the last query block's O.
+    named_barrier_sync(my_epilogue, 128);
+    stage_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO,
+                         [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
+                         lse_rows, rows_left, mma_tidx);
+    named_barrier_sync(my_epilogue, 128);
+    Tensor sO_warp_group = rows_of_warp_group(sO);
+    Tensor gO_warp_group = rows_of_warp_group(gO);
+    store_output<typename Traits::GmemTiledCopyOWarpGroup>(
+        sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
+    if (!Traits::kSeparateO) empty(barriers.q_empty).arrive();
+    kv_loads += n_tiles;
+    ++q_loads;
+  };
+  for_each_tile(compute_tile);
 #endif
 }
 

@@ -27,16 +27,33 @@ struct FwdBlockCoord {
   int batch;
 };
 
+// Block (m, head, batch) of a (num_m_blocks, nheads, batch) grid, in the
+// order above.
+__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, int m, int head, int batch,
+                                                         int num_m_blocks, int nheads) {
+  if (!causal) return {m, head, batch};
+  // 64-bit: num_m_blocks * nheads may pass 2^32 in a varlen batch of many
+  // sequences and one long one (blocks past a short sequence's end exit).
+  const int64_t in_batch = m + int64_t(num_m_blocks) * head;
+  const int64_t step = in_batch / nheads;  // 0 = handed out first in the batch entry
+  return {int(num_m_blocks - 1 - step), int(in_batch - step * nheads), batch};
+}
+
 // The grid is (num_m_blocks, nheads, batch), within CUDA's per-dimension
 // limits for any shape.
 __device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal) {
-  if (!causal) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
-  // 64-bit: num_m_blocks * nheads may pass 2^32 in a varlen batch of many
-  // sequences and one long one (blocks past a short sequence's end exit).
-  const int64_t in_batch = blockIdx.x + int64_t(gridDim.x) * blockIdx.y;
-  const int64_t step = in_batch / gridDim.y;  // 0 = handed out first in the batch entry
-  const int head = int(in_batch - step * gridDim.y);
-  return {int(gridDim.x - 1 - step), head, int(blockIdx.z)};
+  return fwd_block_coord(causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z),
+                         int(gridDim.x), int(gridDim.y));
+}
+
+// A persistent grid walks the same blocks by a linear index: tile t is block
+// (t mod num_m_blocks, (t / num_m_blocks) mod nheads, t / (num_m_blocks * nheads))
+// of that grid.
+__device__ __forceinline__ FwdBlockCoord fwd_tile_coord(bool causal, int64_t tile,
+                                                        int num_m_blocks, int nheads) {
+  const int64_t rest = tile / num_m_blocks;
+  return fwd_block_coord(causal, int(tile - rest * num_m_blocks), int(rest % nheads),
+                         int(rest / nheads), num_m_blocks, nheads);
 }
 
 }  // namespace flash

@@ -82,9 +82,19 @@ struct FwdSm90KernelTraits {
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKVStage = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeTiles = kSmemSizeQ + 2 * kStages * kSmemSizeKVStage;
   // The pipeline's mbarriers (FwdSm90Barriers), after the tiles.
-  static constexpr int kSmemSize = kSmemSizeTiles + (1 + 4 * kStages) * int(sizeof(uint64_t));
+  static constexpr int kSmemSizeBarriers = (2 + 4 * kStages) * int(sizeof(uint64_t));
+  // O is staged in a tile of its own where shared memory allows (227 KB a
+  // block on sm90), so that a persistent block's next Q can land while this
+  // query block's O is written out; else over Q.
+  static constexpr bool kSeparateO =
+      2 * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage + kSmemSizeBarriers <= 227 * 1024;
+  // Only then does a block walk several query blocks (the next one's Q
+  // would otherwise wait for this one's O to leave).
+  static constexpr bool kPersistent = kSeparateO;
+  static constexpr int kSmemSizeTiles =
+      (kSeparateO ? 2 : 1) * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage;
+  static constexpr int kSmemSize = kSmemSizeTiles + kSmemSizeBarriers;
 };
 
 }  // namespace flash

@@ -53,6 +53,7 @@ struct FwdParams {
   const int* cu_seqlens_k;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
   int total_k;  // varlen: rows of k and v
+  int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)
 
   float softmax_scale;
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernel works in exp2
