@@ -181,19 +181,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // below kHeadDim and, in a fixed-length batch, the last K / V tile need
       // no predicates. A varlen tile reads on into the next sequence's rows
       // (see zero_v_rows_past_end).
-      auto load_k = [&](int i) {
+      // Tile i of this query block's K or V into its stage, once the MMA
+      // warpgroups have handed that stage back.
+      auto load_key_tile = [&](const auto& tma_copy, uint64_t* full_stages,
+                               uint64_t* empty_stages, const auto& tXgX, const auto& tXsX,
+                               int i) {
         const int stage = stage_of(kv_loads + i);
-        empty(barriers.k_empty[stage]).wait(phase_of(kv_loads + i) ^ 1);
-        full(barriers.k_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
-        copy(tma.k.with(barriers.k_full[stage]), tKgK(_, block.n_block_max - 1 - i),
-             tKsK(_, stage));
+        empty(empty_stages[stage]).wait(phase_of(kv_loads + i) ^ 1);
+        full(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+        copy(tma_copy.with(full_stages[stage]), tXgX(_, block.n_block_max - 1 - i),
+             tXsX(_, stage));
+      };
+      auto load_k = [&](int i) {
+        load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, i);
       };
       auto load_v = [&](int i) {
-        const int stage = stage_of(kv_loads + i);
-        empty(barriers.v_empty[stage]).wait(phase_of(kv_loads + i) ^ 1);
-        full(barriers.v_full[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
-        copy(tma.v.with(barriers.v_full[stage]), tVgV(_, block.n_block_max - 1 - i),
-             tVsV(_, stage));
+        load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, i);
       };
       // K(0) may go ahead of Q: its stage is free as soon as the last tile's
       // wgmmas have read it.
