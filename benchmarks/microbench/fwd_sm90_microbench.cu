@@ -18,7 +18,6 @@
 #include "cuda/cuda_check.h"
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/flash_fwd_launch.h"
-#include "cuda/flash_fwd_sm90_kernel.h"
 #include "cuda/tile_config.h"
 #include "microbench_util.cuh"
 

@@ -45,30 +45,11 @@ namespace flash {
 
 using namespace cute;
 
-// The mbarriers of the pipeline, after the tiles in shared memory. A stage's
-// phase flips each time it is filled (full) or handed back (empty).
-template <int kStages>
-struct FwdSm90Barriers {
-  uint64_t q_full;
-  uint64_t q_empty;
-  uint64_t k_full[kStages];
-  uint64_t v_full[kStages];
-  uint64_t k_empty[kStages];
-  uint64_t v_empty[kStages];
-};
-
 // Named barriers of the kernel (ids after those CUTLASS reserves): the MMA
 // warpgroups' turns at issuing products, each warpgroup's own epilogue
 // barrier, and the MMA warpgroups' meeting after a varlen tile's tail is
 // zeroed.
 enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 2, kZeroVTail = 4 };
-
-__forceinline__ __device__ void named_barrier_sync(uint32_t id, uint32_t threads) {
-  cutlass::arch::NamedBarrier::arrive_and_wait(threads, id);
-}
-__forceinline__ __device__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  cutlass::arch::NamedBarrier::arrive(threads, id);
-}
 
 // One block per SM or one per query block (the launcher's choice,
 // fwd_sm90_grid_size): either way a block walks tiles blockIdx.x,
@@ -83,6 +64,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
+  using NamedBarrier = cutlass::arch::NamedBarrier;
   using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -105,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
   Tensor sO = make_tensor(Traits::kSeparateO ? sV.data() + size(sV) : sQ.data(),
                           typename Traits::SmemLayoutO{});
-  auto& barriers = *reinterpret_cast<FwdSm90Barriers<kStages>*>(smem + Traits::kSmemSizeTiles);
+  auto& barriers = *reinterpret_cast<typename Traits::Barriers*>(smem + Traits::kSmemSizeTiles);
   auto full = [](uint64_t& b) -> TransactionBarrier& {
     return reinterpret_cast<TransactionBarrier&>(b);
   };
@@ -257,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return;
     }
     // Warpgroup 0 issues first.
-    if (warp_group == 1) named_barrier_arrive(other_turn, kNMmaThreads);
+    if (warp_group == 1) NamedBarrier::arrive(kNMmaThreads, other_turn);
 
     Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
@@ -287,7 +269,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
       }
       cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
-      named_barrier_sync(uint32_t(FwdSm90NamedBarrier::kZeroVTail), kNMmaThreads);
+      NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(FwdSm90NamedBarrier::kZeroVTail));
     };
 
     // Iteration i: S(i) = Q K(i)^T, and O += P(i-1) V(i-1) behind it on the
@@ -299,7 +281,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int n_block = n_block_max - 1 - i;
       if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
       full(barriers.k_full[stage(i)]).wait(phase(i));
-      named_barrier_sync(my_turn, kNMmaThreads);
+      NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
@@ -312,7 +294,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(i - 1)), acc_o);
         warpgroup_commit_batch();
       }
-      named_barrier_arrive(other_turn, kNMmaThreads);
+      NamedBarrier::arrive(kNMmaThreads, other_turn);
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
       empty(barriers.k_empty[stage(i)]).arrive();
@@ -347,13 +329,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int last = n_tiles - 1;
     if (last == 0 && zero_v_tail) zero_v_rows_past_end();
     full(barriers.v_full[stage(last)]).wait(phase(last));
-    named_barrier_sync(my_turn, kNMmaThreads);
+    NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
     warpgroup_fence_operand(tOrP);
     warpgroup_fence_operand(acc_o);
     warpgroup_arrive();
     wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(last)), acc_o);
     warpgroup_commit_batch();
-    if (warp_group == 0) named_barrier_arrive(other_turn, kNMmaThreads);
+    if (warp_group == 0) NamedBarrier::arrive(kNMmaThreads, other_turn);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     empty(barriers.v_empty[stage(last)]).arrive();
@@ -365,11 +347,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // which only its own finished wgmmas read, unless O has a tile of its
     // own) and stores them. The barrier before: every thread of the
     // warpgroup is done reading the last query block's O.
-    named_barrier_sync(my_epilogue, 128);
+    NamedBarrier::arrive_and_wait(128, my_epilogue);
     stage_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO,
                          [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
                          lse_rows, rows_left, mma_tidx);
-    named_barrier_sync(my_epilogue, 128);
+    NamedBarrier::arrive_and_wait(128, my_epilogue);
     Tensor sO_warp_group = rows_of_warp_group(sO);
     Tensor gO_warp_group = rows_of_warp_group(gO);
     store_output<typename Traits::GmemTiledCopyOWarpGroup>(

@@ -4,6 +4,7 @@
 // kernel_traits.h, and TMA fills them.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include <cute/arch/mma_sm90.hpp>
@@ -16,6 +17,19 @@
 namespace flash {
 
 using namespace cute;
+
+// The mbarriers of the Hopper forward's pipeline, after its tiles in shared
+// memory. A stage's phase flips each time it is filled (full) or handed back
+// (empty).
+template <int kStages>
+struct FwdSm90Barriers {
+  uint64_t q_full;
+  uint64_t q_empty;
+  uint64_t k_full[kStages];
+  uint64_t v_full[kStages];
+  uint64_t k_empty[kStages];
+  uint64_t v_empty[kStages];
+};
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>
 struct FwdSm90KernelTraits {
@@ -82,8 +96,8 @@ struct FwdSm90KernelTraits {
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKVStage = kBlockN * kHeadDim * int(sizeof(Element));
-  // The pipeline's mbarriers (FwdSm90Barriers), after the tiles.
-  static constexpr int kSmemSizeBarriers = (2 + 4 * kStages) * int(sizeof(uint64_t));
+  using Barriers = FwdSm90Barriers<kStages>;
+  static constexpr int kSmemSizeBarriers = int(sizeof(Barriers));
   // O is staged in a tile of its own where shared memory allows (227 KB a
   // block on sm90), so that a persistent block's next Q can land while this
   // query block's O is written out; else over Q.
