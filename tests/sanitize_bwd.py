@@ -58,6 +58,10 @@ def main():
     fixed(1, 129, 131, 2, 2, 64, fp16, window=(20, 5))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1, deterministic=True)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)
+    varlen([50, 77, 130], [100, 77, 200], 2, 2, 128, fp16)
+    # Deterministic: a thread block walks several key blocks, most of them
+    # seen by no query (the window), with dK / dV staged in shared memory.
+    fixed(4, 16, 1500, 16, 16, 64, bf16, window=(600, 0), deterministic=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)
     torch.cuda.synchronize()
     print("sanitize_bwd: all calls completed")

@@ -64,25 +64,54 @@ def backward_kernel_names(q, k, v, dout, **kwargs):
     return {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize("head_dim,has_sm90_kernel",
-                         [(32, True), (64, True), (96, True), (128, True), (160, False),
-                          (192, True), (224, False), (256, True)])
-def test_bwd_kernel_choice_on_sm90(head_dim, has_sm90_kernel, monkeypatch):
+# The Hopper main kernel a head dim's design runs (csrc/cuda/bwd_kernel_traits_sm90.h):
+# "ws" flash_bwd_sm90_ws_kernel.h (64 keys per warpgroup, TMA-fed), "split"
+# flash_bwd_sm90_kernel.h, None: the SM80 kernel.
+SM90_BWD_KERNEL_NAMES = {"ws": "flash_bwd_sm90_ws_kernel", "split": "flash_bwd_sm90_kernel"}
+
+
+def sm90_bwd_kernel(names):
+    used = [key for key, kernel in SM90_BWD_KERNEL_NAMES.items()
+            if any(kernel + "<" in name for name in names)]
+    assert len(used) <= 1, f"two Hopper main kernels in one backward: {used}"
+    return used[0] if used else None
+
+
+@pytest.mark.parametrize("head_dim,sm90_kernel",
+                         [(32, "ws"), (64, "ws"), (96, "ws"), (128, "ws"), (160, None),
+                          (192, "split"), (224, None), (256, "split")])
+def test_bwd_kernel_choice_on_sm90(head_dim, sm90_kernel, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on sm90 GPUs only")
     if "sm_90a" not in flash_attn_cuda.build_info:
         pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    uses_sm90 = lambda names: any("flash_bwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 200, 300, 2, 2, head_dim, torch.bfloat16)
     dout = torch.randn_like(q)
+    kernel = lambda *args, **kwargs: sm90_bwd_kernel(backward_kernel_names(*args, **kwargs))
     monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
-    assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True)) == has_sm90_kernel
-    assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True)) == has_sm90_kernel
+    assert kernel(q, k, v, dout, causal=True) == sm90_kernel
+    assert kernel(q, k, v, dout, deterministic=True) == sm90_kernel
     # The score extras, and a scale that is not positive, stay on the SM80 kernel.
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
+    assert kernel(q, k, v, dout, softcap=5.0) is None
+    assert kernel(q, k, v, dout, softmax_scale=-0.1) is None
+    # Inputs TMA cannot describe (a kv head stride of 0) leave the TMA-fed
+    # kernel for the SM80 one.
+    k_shared = k[:, :, :1].expand(-1, -1, 2, -1)
+    assert kernel(q, k_shared, v, dout) == (None if sm90_kernel == "ws" else sm90_kernel)
     monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", "sm80")
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout))
+    assert kernel(q, k, v, dout) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bwd_broadcast_kv_head(dtype, head_dim, bwd_kernel):
+    """K / V of one kv head broadcast over the kv heads (stride 0), which the
+    Hopper kernels' TMA copies cannot describe."""
+    q, k, v = random_qkv(2, 300, 700, 4, 2, head_dim, dtype)
+    k, v = k[:, :, :1].expand(-1, -1, 2, -1), v[:, :, 1:].expand(-1, -1, 2, -1)
+    dout = torch.randn_like(q)
+    grads, _ = run_fwd_bwd(q, k, v, dout, causal=True)
+    check_grads(q, k, v, dout, grads, causal=True)
 
 
 def reference_grads(q, k, v, dout, compute_dtype, ref_fn=attention_ref, **ref_kwargs):
@@ -262,6 +291,33 @@ def test_varlen_bwd_rows_outside_sequences_are_zero(dtype, bwd_kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bwd_ignores_rows_outside_sequences(dtype, head_dim, causal, bwd_kernel):
+    """A sequence's last query and key tiles reach into the next sequence's
+    rows, and the last sequence's into rows past cu_seqlens[-1]; rows that
+    are not finite there must not reach the sequence's gradients."""
+    nheads, nheads_k = 4, 2
+    cu_q = torch.tensor([0, 50, 127, 257], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 177, 377], dtype=torch.int32)
+    total_q, total_k = int(cu_q[-1]) + 40, int(cu_k[-1]) + 64  # padding after the last
+    q = torch.randn(total_q, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    dout = torch.randn_like(q)
+    for t, cu, total in ((q, cu_q, total_q), (dout, cu_q, total_q), (k, cu_k, total_k),
+                         (v, cu_k, total_k)):
+        t[int(cu[1]):int(cu[2])] = float("nan")  # all of sequence 1
+        t[int(cu[-1]):total] = float("inf")  # the padding
+    dq, dk, dv = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, 130, 200, causal=causal)
+    for b in (0, 2):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb, dob = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], dout[None, qs:qe]
+        grads = (dq[None, qs:qe], dk[None, ks:ke], dv[None, ks:ke])
+        check_grads(qb, kb, vb, dob, grads, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("nheads_k", [4, 2])
 def test_bwd_matches_cpu(dtype, dropout_p, nheads_k, bwd_kernel):
@@ -305,6 +361,18 @@ def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal, bwd
     default, _ = run_fwd_bwd(q, k, v, dout, causal=causal)
     for a, b in zip(first, default):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_deterministic_key_blocks_without_queries(head_dim, bwd_kernel):
+    """Deterministic mode gives a thread block several key blocks (one per
+    dQ split, 2 x SM count splits over all heads); with 16 queries and a
+    window most key blocks are seen by none, and empty and busy ones follow
+    each other in a block's walk."""
+    q, k, v = random_qkv(4, 16, 1500, 16, 16, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    grads, _ = run_fwd_bwd(q, k, v, dout, window=(600, 0), deterministic=True)
+    check_grads(q, k, v, dout, grads, window_size=(600, 0))
 
 
 def test_varlen_bwd_deterministic_is_bitwise_reproducible(bwd_kernel):

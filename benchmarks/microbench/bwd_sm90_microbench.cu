@@ -1,13 +1,15 @@
-// The Hopper (wgmma) backward main kernel against the SM80 one, without
-// torch: the forward produces O and the lse, then each backward runs as the
-// launcher runs it (D = rowsum(dO * O), dQ accumulator zeroing, main kernel,
-// dQ conversion with the kernel's own fragment order) on the same inputs.
-// dQ, dK and dV are compared element by element (the SM80 kernel is the one
-// the test suite checks against an fp32 reference), then each is timed with
-// events after warm-up, whole and main kernel alone.
+// The Hopper (wgmma) backward main kernel the launcher picks for a head dim
+// (flash_bwd_sm90_ws_kernel.h up to d128, flash_bwd_sm90_kernel.h above)
+// against the SM80 one, without torch: the forward produces O and the lse,
+// then each backward runs as the launcher runs it (D = rowsum(dO * O), dQ
+// accumulator zeroing, main kernel, dQ conversion with the kernel's own
+// fragment order) on the same inputs. dQ, dK and dV are compared element by
+// element (the SM80 kernel is the one the test suite checks against an fp32
+// reference), then each is timed with events after warm-up, whole and main
+// kernel alone.
 //
 //   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
-//     -gencode arch=compute_90a,code=sm_90a -DHEAD_DIM=128 \
+//     -gencode arch=compute_90a,code=sm_90a -DFLASH_ATTN_HAS_SM90A -DHEAD_DIM=128 \
 //     benchmarks/microbench/bwd_sm90_microbench.cu -o bwd_sm90_d128
 //   ./bwd_sm90_d128 [seqlen] [causal 0/1] [window_left]
 #include <algorithm>
@@ -23,7 +25,6 @@
 #include "cuda/flash_bwd_aux_kernels.h"
 #include "cuda/flash_bwd_kernel.h"
 #include "cuda/flash_bwd_launch.h"
-#include "cuda/flash_bwd_sm90_kernel.h"
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/tile_config.h"
 #include "microbench_util.cuh"
@@ -35,12 +36,8 @@
 using Element = cutlass::bfloat16_t;
 using Config = flash::BwdTileConfig<HEAD_DIM>;
 using RefTraits = flash::BwdTraitsFor<Config, HEAD_DIM, Element>;
-#ifndef BLOCK_M_SM90
-#define BLOCK_M_SM90 Config::kBlockMSm90
-#endif
-// A Hopper tile of fewer query rows than the table's still fits the
-// accumulator, which is padded to the table's (larger) blocks.
-using Traits = flash::BwdSm90KernelTraits<HEAD_DIM, BLOCK_M_SM90, Config::kBlockN, Element>;
+// The Hopper kernels' accumulator order (either design).
+using Traits = flash::BwdSm90TraitsFor<Element, HEAD_DIM>;
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
                                          FwdConfig::kNWarps, Element>;
@@ -72,15 +69,20 @@ int main(int argc, char** argv) {
   const dim3 dq_grid_sm90((seqlen + Traits::kBlockM - 1) / Traits::kBlockM, nheads, batch);
 
   auto ref_kernel = &flash::flash_bwd_dq_dk_dv_kernel<RefTraits, false>;
-  auto sm90_kernel = &flash::flash_bwd_sm90_kernel<Traits>;
   FA_CUDA_CHECK(cudaFuncSetAttribute(ref_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      RefTraits::kSmemSize));
-  FA_CUDA_CHECK(cudaFuncSetAttribute(sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemSize));
+  int smem_optin = 0;
+  FA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  params.smem_per_block_optin = smem_optin;
   auto run_ref_main = [&] {
     ref_kernel<<<grid, RefTraits::kNThreads, RefTraits::kSmemSize>>>(params);
   };
-  auto run_sm90_main = [&] { sm90_kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params); };
+  auto run_sm90_main = [&] {
+    if (!flash::launch_bwd_sm90_main<Element, HEAD_DIM>(params, grid, nullptr)) {
+      printf("no Hopper kernel takes this problem\n");
+      exit(1);
+    }
+  };
   auto run_ref = [&] {
     flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
     cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
@@ -105,28 +107,36 @@ int main(int argc, char** argv) {
     got[t].resize(elems);
     FA_CUDA_CHECK(cudaMemcpy(ref[t].data(), outputs[t], elems * sizeof(Element),
                              cudaMemcpyDeviceToHost));
-    FA_CUDA_CHECK(cudaMemset(outputs[t], 0xff, elems * sizeof(Element)));  // NaN
   }
-  run_sm90();
-  FA_CUDA_CHECK(cudaDeviceSynchronize());
-  double max_diff[3], max_ref[3];
-  bool ok = true;
-  for (int t = 0; t < 3; ++t) {
-    FA_CUDA_CHECK(cudaMemcpy(got[t].data(), outputs[t], elems * sizeof(Element),
-                             cudaMemcpyDeviceToHost));
-    max_diff[t] = 0;
-    max_ref[t] = 0;
-    for (int64_t i = 0; i < elems; ++i) {
-      const float r = float(ref[t][i]);
-      const float g = float(got[t][i]);
-      const double diff = std::isfinite(g) ? std::fabs(double(g) - r) : INFINITY;
-      max_diff[t] = std::max(max_diff[t], diff);
-      max_ref[t] = std::max(max_ref[t], double(std::fabs(r)));
+  // The Hopper kernel's outputs against the reference, from poisoned
+  // buffers.
+  auto check = [&](auto&& run, double* max_diff, double* max_ref) {
+    for (int t = 0; t < 3; ++t) {
+      FA_CUDA_CHECK(cudaMemset(outputs[t], 0xff, elems * sizeof(Element)));  // NaN
     }
-    // Both in bf16 from fp32 sums in different orders: a few bf16 ulps of
-    // the largest value.
-    if (!(max_diff[t] <= 0.02 * max_ref[t] + 1e-3)) ok = false;
-  }
+    run();
+    FA_CUDA_CHECK(cudaDeviceSynchronize());
+    bool ok = true;
+    for (int t = 0; t < 3; ++t) {
+      FA_CUDA_CHECK(cudaMemcpy(got[t].data(), outputs[t], elems * sizeof(Element),
+                               cudaMemcpyDeviceToHost));
+      max_diff[t] = 0;
+      max_ref[t] = 0;
+      for (int64_t i = 0; i < elems; ++i) {
+        const float r = float(ref[t][i]);
+        const float g = float(got[t][i]);
+        const double diff = std::isfinite(g) ? std::fabs(double(g) - r) : INFINITY;
+        max_diff[t] = std::max(max_diff[t], diff);
+        max_ref[t] = std::max(max_ref[t], double(std::fabs(r)));
+      }
+      // Both in bf16 from fp32 sums in different orders: a few bf16 ulps of
+      // the largest value.
+      if (!(max_diff[t] <= 0.02 * max_ref[t] + 1e-3)) ok = false;
+    }
+    return ok;
+  };
+  double max_diff[3], max_ref[3];
+  const bool ok = check(run_sm90, max_diff, max_ref);
 
   const double ref_ms = median_ms(run_ref, 20, 5);
   const double sm90_ms = median_ms(run_sm90, 20, 5);
@@ -134,16 +144,13 @@ int main(int argc, char** argv) {
   const double sm90_main_ms = median_ms(run_sm90_main, 20, 5);
   double flops = 2.5 * 4.0 * batch * nheads * double(seqlen) * seqlen * HEAD_DIM;
   if (causal) flops /= 2;
-  cudaFuncAttributes attributes;
-  FA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, sm90_kernel));
   printf(
       "d=%d M=%d N=%d seqlen=%d causal=%d wl=%d: %s | max|diff| dq %.2e dk %.2e dv %.2e (max|ref| "
       "%.2e %.2e %.2e) | bwd sm80 %.3f ms %.1f TFLOP/s, sm90 %.3f ms %.1f TFLOP/s (%.2fx) | main "
-      "sm80 %.3f sm90 %.3f ms (%.2fx) | sm90 %d regs %d B local %d KiB smem\n",
+      "sm80 %.3f sm90 %.3f ms (%.2fx)\n",
       HEAD_DIM, Traits::kBlockM, Config::kBlockN, seqlen, causal, window_left,
       ok ? "match" : "MISMATCH", max_diff[0], max_diff[1], max_diff[2], max_ref[0], max_ref[1],
       max_ref[2], ref_ms, flops / ref_ms * 1e-9, sm90_ms, flops / sm90_ms * 1e-9,
-      ref_ms / sm90_ms, ref_main_ms, sm90_main_ms, ref_main_ms / sm90_main_ms,
-      attributes.numRegs, int(attributes.localSizeBytes), Traits::kSmemSize / 1024);
+      ref_ms / sm90_ms, ref_main_ms, sm90_main_ms, ref_main_ms / sm90_main_ms);
   return ok ? 0 : 1;
 }

@@ -1,5 +1,6 @@
 // What one backward thread block reads and writes, shared by the SM80-design
-// kernel (flash_bwd_kernel.h) and the Hopper one (flash_bwd_sm90_kernel.h):
+// kernel (flash_bwd_kernel.h) and the Hopper ones (flash_bwd_sm90_kernel.h,
+// flash_bwd_sm90_ws_kernel.h):
 // its key block and the query blocks that see it, the global tiles of its
 // (batch, head), the row statistics that travel with each query block, the
 // fp32 reductions into dQ (and the GQA sums), and the epilogue that writes dK
@@ -163,15 +164,21 @@ __forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float*
 //   GQA/MQA, deterministic: this query head's share, in fp32, for the group
 //        reduction in head order.
 // Traits gives SmemLayoutKV (one (kBlockN, head dim) tile), SmemCopyAtomStore
-// and GmemTiledCopyStore.
-template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma>
+// and GmemTiledCopyStore; Traits::kNThreads threads (tidx from 0) take part,
+// and sync() is their barrier (the whole block's, unless a kernel has threads
+// of other roles).
+struct BlockBarrier {
+  __device__ void operator()() const { __syncthreads(); }
+};
+template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
+          typename Sync = BlockBarrier>
 __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& acc_dv,
                                             const TiledMma& tiled_mma_dkv,
                                             const ThrMma& thr_mma_dkv,
                                             typename Traits::Element* smem_k,
                                             typename Traits::Element* smem_v,
                                             const BwdParams& params, const BlockInfo& binfo,
-                                            const BwdKeyBlock& block, int tidx) {
+                                            const BwdKeyBlock& block, int tidx, Sync sync = {}) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -187,10 +194,10 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     auto smem_tiled_copy_dKV =
         make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
-    __syncthreads();  // every warp is done reading sK (dQ) and sV (dP)
+    sync();  // every warp is done reading sK (dQ) and sV (dP)
     copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
     copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
-    __syncthreads();
+    sync();
 
     Element* dk_ptr = static_cast<Element*>(params.dk_ptr) +
                       binfo.k_offset(params.dk, block.batch, block.head_kv);

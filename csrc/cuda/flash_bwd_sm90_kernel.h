@@ -1,16 +1,17 @@
-// The backward main kernel on Hopper's warpgroup MMAs (wgmma, sm90a): the
-// same FlashAttention-2 schedule as flash_bwd_kernel.h (one thread block per
+// The backward main kernel on Hopper's warpgroup MMAs (wgmma, sm90a) for the
+// head dims over 128 (the split design of bwd_kernel_traits_sm90.h; the
+// head dims up to 128 run flash_bwd_sm90_ws_kernel.h): the same
+// FlashAttention-2 schedule as flash_bwd_kernel.h (one thread block per
 // (key block, head, batch), K and V resident in shared memory, dK and dV in
 // registers across the walk over the query blocks that see the keys, dQ added
 // into an fp32 buffer), with the products issued by two warpgroups.
 //
 // Per query block the warpgroups compute the transposed scores S^T = K Q^T
-// and dP^T = V dO^T, so that P^T and dS^T come out of the accumulators
-// already in the (key, query) orientation that dV += P^T dO and
-// dK += dS^T Q take as their A operand: from registers where each warpgroup
-// owns 64 keys (head dims up to 128), through shared memory where the two
-// split the columns (head dims 192 and 256; bwd_kernel_traits_sm90.h). dS
-// always goes to shared memory, for dQ = dS K. It runs the plain score rule
+// and dP^T = V dO^T, each for half of the query columns, so that P^T and
+// dS^T come out in the (key, query) orientation that dV += P^T dO and
+// dK += dS^T Q take as their A operand; both go through shared memory, where
+// each warpgroup reads the whole of them for its half of the head-dim
+// columns of dK and dV, and dS for dQ = dS K. It runs the plain score rule
 // (causal / local / bounds masking, a positive normal scale); softcap / ALiBi
 // / dropout stay on flash_bwd_kernel.h.
 #pragma once
@@ -39,6 +40,8 @@ template <typename Traits>
 __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
                                                        const BlockInfo& binfo, int batch,
                                                        int head, int n_block, int split) {
+  static_assert(!Traits::kKeysPerWarpGroup,
+                "the keys-per-warpgroup design runs flash_bwd_sm90_ws_kernel.h");
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -62,7 +65,7 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
   const float* lse_rows = params.softmax_lse_ptr + row_stats_offset;
   const float* d_rows = params.softmax_d_ptr + row_stats_offset;
 
-  // Shared memory: Q and dO (two buffers each), K, V, dS, then the row
+  // Shared memory: Q and dO (two buffers each), K, V, dS, P^T, then the row
   // statistics of each buffer.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQdO{});  // (M, D, buffer)
@@ -74,7 +77,6 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sdS = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutdS{});
   Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutdSt{});
-  // P^T, in shared memory in the split design only (Traits::kSmemSizeP).
   Tensor sPt = make_tensor(sdS.data() + size(sdS), typename Traits::SmemLayoutdSt{});
   float* smem_row_stats = reinterpret_cast<float*>(
       smem + 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV + Traits::kSmemSizedS +
@@ -140,7 +142,7 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
 
   Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
   Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-  // P^T and dS^T in the register layout of the dV / dK A operand.
+  // P^T and dS^T converted in registers, on their way to shared memory.
   Tensor tdVrPt = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
   Tensor tdKrdSt = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_dp.layout()));
   // dS^T (and P^T) registers -> shared, two neighbouring queries (4 bytes)
@@ -243,40 +245,22 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
       warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(tdVrPt);
       warpgroup_fence_operand(tdKrdSt);
-      if constexpr (Traits::kKeysPerWarpGroup) {
-        // dV += P^T dO runs while the warpgroups meet on dS; then dQ = dS K,
-        // then dK += dS^T Q, so that dQ lands first and its reductions drain
-        // while dK is on the tensor cores (H100, against dV and dK before the
-        // barrier and dQ last: d128 +8%, d64 +6%).
-        warpgroup_arrive();
-        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, buffer), acc_dv);
-        warpgroup_commit_batch();
-        cutlass::arch::fence_view_async_shared();  // dS stores -> wgmma
-        __syncthreads();  // both warpgroups' keys of dS are in
-        warpgroup_fence_operand(acc_dq);
-        warpgroup_arrive();
-        wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
-        warpgroup_commit_batch();
-        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, buffer), acc_dk);
-        warpgroup_commit_batch();
-      } else {
-        // Every product needs both warpgroups' halves of P^T or dS^T, read
-        // from shared memory.
-        Tensor tdVsPt = thr_mma_dkv.partition_fragment_A(sPt);
-        Tensor tdKsdSt = thr_mma_dkv.partition_fragment_A(sdSt);
-        Tensor tPrP = make_tensor(tdVrPt.data(), acc_s.layout());
-        copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsP);
-        cutlass::arch::fence_view_async_shared();  // P, dS stores -> wgmma
-        __syncthreads();
-        warpgroup_fence_operand(acc_dq);
-        warpgroup_arrive();
-        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVsPt, tdVrdOt(_, _, _, buffer), acc_dv);
-        warpgroup_commit_batch();
-        wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
-        warpgroup_commit_batch();
-        wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKsdSt, tdKrQt(_, _, _, buffer), acc_dk);
-        warpgroup_commit_batch();
-      }
+      // Every product needs both warpgroups' halves of P^T or dS^T, read
+      // from shared memory.
+      Tensor tdVsPt = thr_mma_dkv.partition_fragment_A(sPt);
+      Tensor tdKsdSt = thr_mma_dkv.partition_fragment_A(sdSt);
+      Tensor tPrP = make_tensor(tdVrPt.data(), acc_s.layout());
+      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsP);
+      cutlass::arch::fence_view_async_shared();  // P, dS stores -> wgmma
+      __syncthreads();
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_arrive();
+      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVsPt, tdVrdOt(_, _, _, buffer), acc_dv);
+      warpgroup_commit_batch();
+      wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, acc_dq);
+      warpgroup_commit_batch();
+      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKsdSt, tdKrQt(_, _, _, buffer), acc_dk);
+      warpgroup_commit_batch();
       warpgroup_wait<1>();  // dV, dQ
       warpgroup_fence_operand(acc_dq);
       // Every key block adds into the same dQ rows; in deterministic mode this

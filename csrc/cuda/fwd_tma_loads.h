@@ -1,6 +1,7 @@
-// The TMA loads of the Hopper forward (flash_fwd_sm90_kernel.h): how q / k /
-// v are described to TMA, which inputs can be, and the descriptors one launch
-// passes to the kernel.
+// The TMA loads of the Hopper forward (flash_fwd_sm90_kernel.h) and of the
+// warp-specialized Hopper backward (flash_bwd_sm90_ws_kernel.h): how q / k /
+// v (and dO) are described to TMA, which inputs can be, and the descriptors
+// one launch passes to a kernel.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,36 @@ inline bool tma_can_load(const void* ptr, int rows, int head_dim, int heads, int
          ok(heads, strides.head_stride) && ok(batch, strides.batch_stride);
 }
 
+// (rows, batch entries) of the TMA view of q (and dO, dQ), and of k / v.
+__host__ __device__ inline int tma_q_rows(const FwdParams& p) {
+  return p.cu_seqlens_q ? p.total_q : p.seqlen_q;
+}
+__host__ __device__ inline int tma_k_rows(const FwdParams& p) {
+  return p.cu_seqlens_q ? p.total_k : p.seqlen_k;
+}
+__host__ __device__ inline int tma_batches(const FwdParams& p) {
+  return p.cu_seqlens_q ? 1 : p.batch;
+}
+
+// The (rows, head dim) of one head of one sequence as TMA coordinates: its
+// (head, batch) slice, moved to the sequence's first row when varlen; of a
+// tensor shaped like q (tma_q_of) or like k and v (tma_kv_of).
+template <typename Copy>
+__device__ auto tma_q_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head,
+                         int batch) {
+  Tensor m = copy.get_tma_tensor(make_shape(tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p)));
+  return domain_offset(make_coord(int(binfo.q_row_begin), _0{}),
+                       m(_, _, head, binfo.varlen ? 0 : batch));
+}
+template <typename Copy>
+__device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo,
+                          int head_kv, int batch) {
+  Tensor m =
+      copy.get_tma_tensor(make_shape(tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p)));
+  return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
+                       m(_, _, head_kv, binfo.varlen ? 0 : batch));
+}
+
 // The TMA descriptors of one launch, built on the host. A kernel parameter
 // (__grid_constant__): TMA reads a descriptor from parameter memory.
 template <typename Traits>
@@ -61,45 +92,72 @@ struct FwdSm90Tma {
   CopyKV k;
   CopyKV v;
 
-  // (rows, batch entries) of the TMA view of q, and of k / v.
-  __host__ __device__ static int q_rows(const FwdParams& p) {
-    return p.cu_seqlens_q ? p.total_q : p.seqlen_q;
-  }
-  __host__ __device__ static int k_rows(const FwdParams& p) {
-    return p.cu_seqlens_q ? p.total_k : p.seqlen_k;
-  }
-  __host__ __device__ static int batches(const FwdParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
-
   static bool can_load(const FwdParams& p) {
-    return tma_can_load(p.q_ptr, q_rows(p), p.head_dim, p.nheads, batches(p), p.q) &&
-           tma_can_load(p.k_ptr, k_rows(p), p.head_dim, p.nheads_k, batches(p), p.k) &&
-           tma_can_load(p.v_ptr, k_rows(p), p.head_dim, p.nheads_k, batches(p), p.v);
+    return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
+           tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
+           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
   }
   static FwdSm90Tma make(const FwdParams& p) {
     auto gmem = [&](const void* ptr, int rows, int heads, const QKVStrides& strides) {
-      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, batches(p), strides);
+      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, tma_batches(p), strides);
     };
-    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q_ptr, q_rows(p), p.nheads, p.q),
+    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q_ptr, tma_q_rows(p), p.nheads, p.q),
                           typename Traits::SmemLayoutQ{}, TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k_ptr, k_rows(p), p.nheads_k, p.k),
+            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k_ptr, tma_k_rows(p), p.nheads_k, p.k),
                           typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v_ptr, k_rows(p), p.nheads_k, p.v),
+            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v_ptr, tma_k_rows(p), p.nheads_k, p.v),
                           typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{})};
   }
 
   // This block's (rows, head dim) of q / k / v as TMA coordinates: its
   // (head, batch) slice, moved to its sequence's first row when varlen.
   __device__ auto q_of(const FwdParams& p, const BlockInfo& binfo, int head, int batch) const {
-    Tensor m = q.get_tma_tensor(make_shape(q_rows(p), p.head_dim, p.nheads, batches(p)));
-    return domain_offset(make_coord(int(binfo.q_row_begin), _0{}),
-                         m(_, _, head, binfo.varlen ? 0 : batch));
+    return tma_q_of(q, p, binfo, head, batch);
   }
   template <typename Copy>
   __device__ static auto kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo,
                                int head_kv, int batch) {
-    Tensor m = copy.get_tma_tensor(make_shape(k_rows(p), p.head_dim, p.nheads_k, batches(p)));
-    return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
-                         m(_, _, head_kv, binfo.varlen ? 0 : batch));
+    return tma_kv_of(copy, p, binfo, head_kv, batch);
+  }
+};
+
+// The backward's descriptors: Q and dO tiles of (kBlockM, head dim) into one
+// buffer of their stages, K and V of the block's (kBlockN, head dim).
+template <typename Traits>
+struct BwdSm90Tma {
+  using Element = typename Traits::Element;
+  using GmemTensor = decltype(tma_gmem_tensor<Element>(nullptr, 1, 1, 1, 1, QKVStrides{}));
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using CopyQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                       typename Traits::SmemLayoutQdOBuffer{}, TileQ{}, _1{}));
+  using CopyKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                        typename Traits::SmemLayoutKV{}, TileKV{}, _1{}));
+  CopyQ q;
+  CopyQ dout;
+  CopyKV k;
+  CopyKV v;
+
+  static bool can_load(const BwdParams& p) {
+    return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
+           tma_can_load(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout) &&
+           tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
+           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+  }
+  static BwdSm90Tma make(const BwdParams& p) {
+    auto gmem = [&](const void* ptr, int rows, int heads, const QKVStrides& strides) {
+      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, tma_batches(p), strides);
+    };
+    auto copy_q = [&](const void* ptr, const QKVStrides& strides) {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, tma_q_rows(p), p.nheads, strides),
+                           typename Traits::SmemLayoutQdOBuffer{}, TileQ{}, _1{});
+    };
+    auto copy_kv = [&](const void* ptr, const QKVStrides& strides) {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, tma_k_rows(p), p.nheads_k, strides),
+                           typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
+    };
+    return {copy_q(p.q_ptr, p.q), copy_q(p.do_ptr, p.dout), copy_kv(p.k_ptr, p.k),
+            copy_kv(p.v_ptr, p.v)};
   }
 };
 
