@@ -106,13 +106,6 @@ __forceinline__ __device__ void load_row_stats(const float* lse_rows, const floa
   }
 }
 
-// lse * log2(e) for exp2. A row that saw no key has lse +inf from our forward;
-// -inf (the other convention for an empty sum) is taken as +inf too, so that
-// its masked -inf scores give P = 0, not NaN.
-__forceinline__ __device__ float lse_to_log2(float lse) {
-  return lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-}
-
 // This thread's place in the dQ accumulator slice `split` of (batch, head)
 // (bwd_accum_layout.h).
 template <int kBlockM, int kHeadDim>

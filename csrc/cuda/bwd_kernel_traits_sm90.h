@@ -187,8 +187,9 @@ struct BwdSm90WsKernelTraits
       GMMA::Layout_MN_SW128_Atom<Element>{},
       Shape<Int<Base::kBlockM>, Int<Base::kBlockN>, Int<kDSBuffers>>{}));
   using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_ordered_layout(Shape<Int<Base::kBlockN>, Int<Base::kBlockM>, Int<kDSBuffers>>{},
-                                          Step<_2, _1, _3>{})));
+      SmemLayoutdS{},
+      make_ordered_layout(Shape<Int<Base::kBlockN>, Int<Base::kBlockM>, Int<kDSBuffers>>{},
+                          Step<_2, _1, _3>{})));
   using Barriers = BwdSm90Barriers<kStages>;
   static constexpr int kSmemSizedS = kDSBuffers * Base::kSmemSizedS;
   static constexpr int kSmemSizeTiles = 2 * Base::kSmemSizeQdO + 2 * Base::kSmemSizeKV +

@@ -74,6 +74,47 @@ __forceinline__ __device__ void p_to_ds(const TensorP& p, TensorDP& dp,
   }
 }
 
+// lse * log2(e) for exp2. A row that saw no key has lse +inf from our forward;
+// -inf (the other convention for an empty sum) is taken as +inf too, so that
+// its masked -inf scores give P = 0, not NaN.
+__forceinline__ __device__ float lse_to_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+}
+
+// The plain score rule on a transposed (key, query) fragment, as the Hopper
+// kernels hold S^T and dP^T: the statistics are per column, read from the
+// query block's lse / D in shared memory (block_lse, block_d: one per query
+// row of the block) at each column's query row, which tScS_rowcol gives (the
+// (key, query) coordinates of every element). Only a positive normal scale
+// comes here (the launcher's promise), so, as with kScaleIsPositive above, a
+// masked -inf score reaches exp2 as -inf and gives 0.
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorC& tScS_rowcol,
+                                                       const float* block_lse,
+                                                       float exp_scale_log2) {
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(scores); ++ni) {
+    const float lse_log2 = lse_to_log2(block_lse[get<1>(tScS_rowcol(0, ni))]);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(scores); ++mi) {
+      scores(mi, ni) = exp2f(fmaf(scores(mi, ni), exp_scale_log2, -lse_log2));
+    }
+  }
+}
+
+// dp holds dP^T = V dO^T and becomes dS^T = P^T * (dP^T - D), D per column.
+template <typename TensorP, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& dp,
+                                                   const TensorC& tScS_rowcol,
+                                                   const float* block_d) {
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(dp); ++ni) {
+    const float d = block_d[get<1>(tScS_rowcol(0, ni))];
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(dp); ++mi) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - d);
+  }
+}
+
 // The full score rule, after both GEMMs: scores (rows, cols) holds s with the
 // mask applied (-inf where hidden) and becomes P_out; dp holds dO V^T and
 // becomes dS. lse_log2 / row_d are per row of the fragment (+inf / 0 for rows

@@ -27,6 +27,7 @@
 #include "bwd_accum_layout.h"
 #include "bwd_block_io.h"
 #include "bwd_kernel_traits_sm90.h"
+#include "flash_bwd_pointwise.h"
 #include "params.h"
 #include "score_mods.h"
 #include "tile_ops.h"
@@ -159,8 +160,6 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
   Tensor tScS_rowcol = make_tensor(tScS.data(), wgmma_acc_layout_as_rowcol(tScS.layout()));
   Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
   Tensor dp = make_tensor(acc_dp.data(), wgmma_acc_layout_as_rowcol(acc_dp.layout()));
-  constexpr int kNKeys = decltype(size<0>(scores))::value;
-  constexpr int kNQueries = decltype(size<1>(scores))::value;
 
   // Copies land through the generic proxy, wgmma reads through the async one:
   // every thread's copies have landed and are visible to wgmma, and every
@@ -213,26 +212,11 @@ __forceinline__ __device__ void compute_key_block_sm90(const BwdParams& params,
         apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
                               params.window_left, params.window_right);
       }
-      // P = exp(s * scale - lse), the statistics per column (query row). The
-      // launcher sends only a positive normal scale here, so a masked -inf
-      // score reaches exp2 as -inf and gives 0 (flash_bwd_pointwise.h).
-      CUTE_UNROLL
-      for (int ni = 0; ni < kNQueries; ++ni) {
-        const float lse_log2 = lse_to_log2(row_lse[get<1>(tScS_rowcol(0, ni))]);
-        CUTE_UNROLL
-        for (int mi = 0; mi < kNKeys; ++mi) {
-          scores(mi, ni) = exp2f(fmaf(scores(mi, ni), params.softmax_scale_log2, -lse_log2));
-        }
-      }
+      scores_to_p_transposed(scores, tScS_rowcol, row_lse, params.softmax_scale_log2);
 
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
-      CUTE_UNROLL
-      for (int ni = 0; ni < kNQueries; ++ni) {
-        const float d = row_d[get<1>(tScS_rowcol(0, ni))];
-        CUTE_UNROLL
-        for (int mi = 0; mi < kNKeys; ++mi) dp(mi, ni) = scores(mi, ni) * (dp(mi, ni) - d);
-      }
+      p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
       // Converted only now, so that the fp32 P and its bf16 copy are never
       // live together (with 128-query tiles at d64 they spilled).
       convert_type_into(acc_s, tdVrPt);

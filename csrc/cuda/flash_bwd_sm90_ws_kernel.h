@@ -42,6 +42,7 @@
 #include "bwd_block_io.h"
 #include "bwd_kernel_traits_sm90.h"
 #include "fwd_tma_loads.h"
+#include "flash_bwd_pointwise.h"
 #include "params.h"
 #include "score_mods.h"
 #include "tile_ops.h"
@@ -74,9 +75,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Base = typename Traits::Base;
   using Element = typename Traits::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
   using NamedBarrier = cutlass::arch::NamedBarrier;
-  using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -109,20 +108,16 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   float* smem_row_stats = reinterpret_cast<float*>(smem + 2 * Traits::kSmemSizeQdO +
                                                    2 * Traits::kSmemSizeKV + Traits::kSmemSizedS);
   auto& barriers = *reinterpret_cast<typename Traits::Barriers*>(smem + Traits::kSmemSizeTiles);
-  auto full = [](uint64_t& b) -> TransactionBarrier& {
-    return reinterpret_cast<TransactionBarrier&>(b);
-  };
-  auto empty = [](uint64_t& b) -> Barrier& { return reinterpret_cast<Barrier&>(b); };
 
   if (tidx == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's arrival (with the bytes) and the statistics warp's.
-      full(barriers.q_full[s]).init(1 + 32);
-      empty(barriers.q_empty[s]).init(kNMmaThreads);
+      full_barrier(barriers.q_full[s]).init(1 + 32);
+      empty_barrier(barriers.q_empty[s]).init(kNMmaThreads);
     }
-    full(barriers.kv_full).init(1);
-    empty(barriers.kv_empty).init(kNMmaThreads);
+    full_barrier(barriers.kv_full).init(1);
+    empty_barrier(barriers.kv_empty).init(kNMmaThreads);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -152,9 +147,9 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         // K / V barriers, an empty one too (its epilogue writes zeros through
         // the same tiles), which keeps both sides within one round of each
         // other, where the barriers' parity tells the rounds apart.
-        empty(barriers.kv_empty).wait((key_blocks & 1) ^ 1);
+        empty_barrier(barriers.kv_empty).wait((key_blocks & 1) ^ 1);
         if (!has_queries) {
-          full(barriers.kv_full).arrive();
+          full_barrier(barriers.kv_full).arrive();
           continue;
         }
         // Rows and columns past the tensors' ends land as zeros; a varlen
@@ -166,7 +161,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
         auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
         auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-        full(barriers.kv_full).arrive_and_expect_tx(2 * Traits::kSmemSizeKV);
+        full_barrier(barriers.kv_full).arrive_and_expect_tx(2 * Traits::kSmemSizeKV);
         copy(tma.k.with(barriers.kv_full), tKgK, tKsK);
         copy(tma.v.with(barriers.kv_full), tVgV, tVsV);
 
@@ -180,8 +175,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min;
              --m_block, ++q_loads) {
           const int stage = stage_of(q_loads);
-          empty(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
-          full(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
+          empty_barrier(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
+          full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
           copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
           copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
         }
@@ -192,7 +187,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
              --m_block, ++q_loads) {
           const int stage = stage_of(q_loads);
           const int rows_left = seqlen_q - m_block * kBlockM;
-          empty(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
+          empty_barrier(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
           float* stats = smem_row_stats + stage * 2 * kBlockM;
           CUTE_UNROLL
           for (int row = lane; row < kBlockM; row += 32) {
@@ -200,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
             stats[row] = in_bounds ? lse_rows[m_block * kBlockM + row] : INFINITY;
             stats[kBlockM + row] = in_bounds ? d_rows[m_block * kBlockM + row] : 0.f;
           }
-          full(barriers.q_full[stage]).arrive();
+          full_barrier(barriers.q_full[stage]).arrive();
         }
       }
     }
@@ -259,7 +254,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
     const int m_block_min = block.m_block_min;
     const int m_block_max = block.m_block_max;
-    full(barriers.kv_full).wait(key_blocks & 1);
+    full_barrier(barriers.kv_full).wait(key_blocks & 1);
     if (m_block_max > m_block_min) {
       for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block, ++q_loads) {
         const int row_begin = m_block * kBlockM;
@@ -268,7 +263,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         // only after both have passed the dS barrier of the other buffer,
         // that is, after both are done reading b (see below).
         const int ds_buffer = q_loads & 1;
-        full(barriers.q_full[stage]).wait(phase_of(q_loads));
+        full_barrier(barriers.q_full[stage]).wait(phase_of(q_loads));
 
         // Varlen: the TMA tiles past a sequence's end hold the next
         // sequence's rows (or rows of no sequence, whatever they hold). Their
@@ -298,8 +293,6 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
         Tensor dp = make_tensor(acc_dp.data(), wgmma_acc_layout_as_rowcol(acc_dp.layout()));
-        constexpr int kNKeys = decltype(size<0>(scores))::value;
-        constexpr int kNQueries = decltype(size<1>(scores))::value;
         warpgroup_fence_operand(acc_s);
         warpgroup_fence_operand(acc_dp);
         warpgroup_arrive();
@@ -318,26 +311,11 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
           apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
                                 seqlen_k, params.window_left, params.window_right);
         }
-        // P = exp(s * scale - lse), the statistics per column (query row).
-        // The launcher sends only a positive normal scale here, so a masked
-        // -inf score reaches exp2 as -inf and gives 0 (flash_bwd_pointwise.h).
-        CUTE_UNROLL
-        for (int ni = 0; ni < kNQueries; ++ni) {
-          const float lse_log2 = lse_to_log2(row_lse[get<1>(tScS_rowcol(0, ni))]);
-          CUTE_UNROLL
-          for (int mi = 0; mi < kNKeys; ++mi) {
-            scores(mi, ni) = exp2f(fmaf(scores(mi, ni), params.softmax_scale_log2, -lse_log2));
-          }
-        }
+        scores_to_p_transposed(scores, tScS_rowcol, row_lse, params.softmax_scale_log2);
 
         warpgroup_wait<0>();  // dP^T
         warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int ni = 0; ni < kNQueries; ++ni) {
-          const float d = row_d[get<1>(tScS_rowcol(0, ni))];
-          CUTE_UNROLL
-          for (int mi = 0; mi < kNKeys; ++mi) dp(mi, ni) = scores(mi, ni) * (dp(mi, ni) - d);
-        }
+        p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
         // P^T and dS^T in the register layout of the dV / dK A operand,
         // converted only now, so that the fp32 P and its 16-bit copy are
         // never live together (with 128-query tiles at d64 they spilled).
@@ -382,7 +360,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         warpgroup_fence_operand(tdKrdSt);
         // This thread's wgmmas are done with the stage's Q and dO, and it has
         // read the stage's statistics.
-        empty(barriers.q_empty[stage]).arrive();
+        empty_barrier(barriers.q_empty[stage]).arrive();
       }
     }
 
@@ -392,7 +370,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     // The epilogue's generic-proxy reads and writes of sK / sV come before
     // the next key block's TMA writes.
     cutlass::arch::fence_view_async_shared();
-    empty(barriers.kv_empty).arrive();
+    empty_barrier(barriers.kv_empty).arrive();
   }
 #endif
 }

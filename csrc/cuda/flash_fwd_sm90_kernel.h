@@ -63,9 +63,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
   using NamedBarrier = cutlass::arch::NamedBarrier;
-  using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -88,21 +86,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sO = make_tensor(Traits::kSeparateO ? sV.data() + size(sV) : sQ.data(),
                           typename Traits::SmemLayoutO{});
   auto& barriers = *reinterpret_cast<typename Traits::Barriers*>(smem + Traits::kSmemSizeTiles);
-  auto full = [](uint64_t& b) -> TransactionBarrier& {
-    return reinterpret_cast<TransactionBarrier&>(b);
-  };
-  auto empty = [](uint64_t& b) -> Barrier& { return reinterpret_cast<Barrier&>(b); };
 
   if (tidx == 0) {
-    full(barriers.q_full).init(1);
-    empty(barriers.q_empty).init(kNMmaThreads);
+    full_barrier(barriers.q_full).init(1);
+    empty_barrier(barriers.q_empty).init(kNMmaThreads);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      full(barriers.k_full[s]).init(1);
-      full(barriers.v_full[s]).init(1);
+      full_barrier(barriers.k_full[s]).init(1);
+      full_barrier(barriers.v_full[s]).init(1);
       // Every MMA thread hands a stage back once its wgmmas have read it.
-      empty(barriers.k_empty[s]).init(kNMmaThreads);
-      empty(barriers.v_empty[s]).init(kNMmaThreads);
+      empty_barrier(barriers.k_empty[s]).init(kNMmaThreads);
+      empty_barrier(barriers.v_empty[s]).init(kNMmaThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -169,8 +163,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                uint64_t* empty_stages, const auto& tXgX, const auto& tXsX,
                                int i) {
         const int stage = stage_of(kv_loads + i);
-        empty(empty_stages[stage]).wait(phase_of(kv_loads + i) ^ 1);
-        full(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+        empty_barrier(empty_stages[stage]).wait(phase_of(kv_loads + i) ^ 1);
+        full_barrier(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
         copy(tma_copy.with(full_stages[stage]), tXgX(_, block.n_block_max - 1 - i),
              tXsX(_, stage));
       };
@@ -183,8 +177,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // K(0) may go ahead of Q: its stage is free as soon as the last tile's
       // wgmmas have read it.
       load_k(0);
-      empty(barriers.q_empty).wait((q_loads & 1) ^ 1);
-      full(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
+      empty_barrier(barriers.q_empty).wait((q_loads & 1) ^ 1);
+      full_barrier(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
       copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
       // The order the MMA warpgroups consume them: iteration i reads K(i) and
       // V(i - 1).
@@ -252,7 +246,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto stage = [&](int i) { return stage_of(kv_loads + i); };
     auto phase = [&](int i) { return phase_of(kv_loads + i); };
 
-    full(barriers.q_full).wait(q_loads & 1);
+    full_barrier(barriers.q_full).wait(q_loads & 1);
 
     // The rows of a varlen sequence's last K / V tile past its end are the
     // next sequence's: their scores are masked, but P = 0 times a V that is
@@ -262,7 +256,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int v_rows_past_end = binfo.seqlen_k - (n_block_max - 1) * kBlockN;
     const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
     auto zero_v_rows_past_end = [&]() {
-      full(barriers.v_full[stage(0)]).wait(phase(0));
+      full_barrier(barriers.v_full[stage(0)]).wait(phase(0));
       Tensor sV_tile = sV(_, _, stage(0));
       for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim;
            idx += kNMmaThreads) {
@@ -280,14 +274,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
       const int n_block = n_block_max - 1 - i;
       if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
-      full(barriers.k_full[stage(i)]).wait(phase(i));
+      full_barrier(barriers.k_full[stage(i)]).wait(phase(i));
       NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
       warpgroup_commit_batch();
       if constexpr (kHasPendingPv) {
-        full(barriers.v_full[stage(i - 1)]).wait(phase(i - 1));
+        full_barrier(barriers.v_full[stage(i - 1)]).wait(phase(i - 1));
         warpgroup_fence_operand(tOrP);
         warpgroup_fence_operand(acc_o);
         warpgroup_arrive();
@@ -297,9 +291,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       NamedBarrier::arrive(kNMmaThreads, other_turn);
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
-      empty(barriers.k_empty[stage(i)]).arrive();
+      empty_barrier(barriers.k_empty[stage(i)]).arrive();
       // With O staged apart, Q is free once the last S has landed.
-      if (Traits::kSeparateO && i == n_tiles - 1) empty(barriers.q_empty).arrive();
+      if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();
 
       const int col_base = n_block * kBlockN;
       if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
@@ -315,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
-        empty(barriers.v_empty[stage(i - 1)]).arrive();
+        empty_barrier(barriers.v_empty[stage(i - 1)]).arrive();
       }
       softmax.template rescale_output</*kSkipUnmovedRescale=*/true>(acc_o_rowcol, correction);
       convert_type_into(acc_s, tOrP);
@@ -328,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // on.
     const int last = n_tiles - 1;
     if (last == 0 && zero_v_tail) zero_v_rows_past_end();
-    full(barriers.v_full[stage(last)]).wait(phase(last));
+    full_barrier(barriers.v_full[stage(last)]).wait(phase(last));
     NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
     warpgroup_fence_operand(tOrP);
     warpgroup_fence_operand(acc_o);
@@ -338,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (warp_group == 0) NamedBarrier::arrive(kNMmaThreads, other_turn);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
-    empty(barriers.v_empty[stage(last)]).arrive();
+    empty_barrier(barriers.v_empty[stage(last)]).arrive();
 
     float lse[kNRows];
     softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
@@ -356,7 +350,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor gO_warp_group = rows_of_warp_group(gO);
     store_output<typename Traits::GmemTiledCopyOWarpGroup>(
         sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
-    if (!Traits::kSeparateO) empty(barriers.q_empty).arrive();
+    if (!Traits::kSeparateO) empty_barrier(barriers.q_empty).arrive();
     kv_loads += n_tiles;
     ++q_loads;
   };

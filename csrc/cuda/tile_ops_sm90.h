@@ -1,14 +1,30 @@
-// Warpgroup-MMA (wgmma, sm90a) counterparts of tile_ops.h: the MMA loop and
-// the views of its accumulator that the softmax and the P V product need.
+// Warpgroup-MMA (wgmma, sm90a) counterparts of tile_ops.h: the MMA loop, the
+// views of its accumulator that the softmax and the P V product need, and
+// the mbarrier roles of the warp-specialized kernels.
 #pragma once
+
+#include <cstdint>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 namespace flash {
 
 using namespace cute;
+
+// A warp-specialized kernel keeps its mbarriers as plain 64-bit words in
+// shared memory (a struct in its traits); these are the two roles a word
+// plays. A "full" barrier takes the producer's arrival with the byte count
+// its TMA copies will complete; an "empty" one the consumers' arrivals once
+// they are done with a buffer.
+__forceinline__ __device__ cutlass::arch::ClusterTransactionBarrier& full_barrier(uint64_t& word) {
+  return reinterpret_cast<cutlass::arch::ClusterTransactionBarrier&>(word);
+}
+__forceinline__ __device__ cutlass::arch::ClusterBarrier& empty_barrier(uint64_t& word) {
+  return reinterpret_cast<cutlass::arch::ClusterBarrier&>(word);
+}
 
 // Issues acc (= or +=) A * B over all k-slices as wgmmas, without the
 // fences, commit and wait around them: the kernel overlaps two products and
