@@ -1,6 +1,5 @@
-// The Hopper (wgmma) backward main kernel the launcher picks for a head dim
-// (flash_bwd_sm90_ws_kernel.h up to d128, flash_bwd_sm90_kernel.h above)
-// against the SM80 one, without torch: the forward produces O and the lse,
+// The Hopper (wgmma) backward main kernel (flash_bwd_sm90_kernel.h) against
+// the SM80 one, without torch: the forward produces O and the lse,
 // then each backward runs as the launcher runs it (D = rowsum(dO * O), dQ
 // accumulator zeroing, main kernel, dQ conversion with the kernel's own
 // fragment order) on the same inputs. dQ, dK and dV are compared element by
@@ -36,7 +35,7 @@
 using Element = cutlass::bfloat16_t;
 using Config = flash::BwdTileConfig<HEAD_DIM>;
 using RefTraits = flash::BwdTraitsFor<Config, HEAD_DIM, Element>;
-// The Hopper kernels' accumulator order (either design).
+// The Hopper kernel's accumulator order.
 using Traits = flash::BwdSm90TraitsFor<Element, HEAD_DIM>;
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,

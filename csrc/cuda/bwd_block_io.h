@@ -1,6 +1,5 @@
 // What one backward thread block reads and writes, shared by the SM80-design
-// kernel (flash_bwd_kernel.h) and the Hopper ones (flash_bwd_sm90_kernel.h,
-// flash_bwd_sm90_ws_kernel.h):
+// kernel (flash_bwd_kernel.h) and the Hopper one (flash_bwd_sm90_kernel.h):
 // its key block and the query blocks that see it, the global tiles of its
 // (batch, head), the row statistics that travel with each query block, the
 // fp32 reductions into dQ (and the GQA sums), and the epilogue that writes dK

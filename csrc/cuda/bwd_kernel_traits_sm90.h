@@ -1,19 +1,20 @@
-// Compile-time shape of the Hopper (sm90a) backward kernel for one (head dim,
-// tile, dtype): its three warpgroup MMAs and the canonical GMMA shared-memory
-// layouts with the transposed views the MMAs read. Two designs, by how the
-// two warpgroups share the block's keys:
+// Compile-time shape of the Hopper (sm90a) backward kernel
+// (flash_bwd_sm90_kernel.h) for one (head dim, tile, dtype, Q / dO stages):
+// its three warpgroup MMAs, the canonical GMMA shared-memory layouts with the
+// transposed views the MMAs read, and its pipeline (stages, mbarriers, the
+// producer's and MMA warpgroups' registers). Two designs, by how the two MMA
+// warpgroups share the block's keys:
 //
-//   kBlockN = 128 (head dims up to 128; flash_bwd_sm90_ws_kernel.h): a
-//   warpgroup per 64 keys, so every product with the keys as rows (S^T,
-//   dP^T, dK, dV) runs one wgmma M=64 tile per warpgroup, and P^T and dS^T,
-//   computed as accumulators, feed dV and dK straight from registers. Only dS
-//   goes through shared memory, for dQ = dS K, where both warpgroups need
-//   every key.
+//   kBlockN = 128 (head dims up to 128): a warpgroup per 64 keys, so every
+//   product with the keys as rows (S^T, dP^T, dK, dV) runs one wgmma M=64
+//   tile per warpgroup, and P^T and dS^T, computed as accumulators, feed dV
+//   and dK straight from registers. Only dS goes through shared memory, for
+//   dQ = dS K, where both warpgroups need every key.
 //
 //   kBlockN = 64 (head dims over 128, whose dK and dV of 64 keys would not
-//   fit one warpgroup's registers; flash_bwd_sm90_kernel.h): the warpgroups
-//   split S^T and dP^T by query columns and dK, dV by head-dim columns; P^T
-//   and dS^T meet in shared memory, and dV / dK read them from there.
+//   fit one warpgroup's registers): the warpgroups split S^T and dP^T by query
+//   columns and dK, dV by head-dim columns; P^T and dS^T meet in shared
+//   memory, and dV / dK read them from there.
 #pragma once
 
 #include <type_traits>
@@ -29,16 +30,37 @@ namespace flash {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kQdOBuffers_ = 2>
+// The mbarriers of the kernel: a stage is one buffer of Q, of dO and of their
+// row statistics, filled by the producer (TMA for Q and dO, one warp's loads
+// for the statistics) and handed back by the MMA threads once their wgmmas
+// have read it; K and V are loaded once per key block and handed back after
+// its epilogue, which stages dK / dV over them.
+template <int kStages>
+struct BwdSm90Barriers {
+  uint64_t q_full[kStages];
+  uint64_t q_empty[kStages];
+  uint64_t kv_full;
+  uint64_t kv_empty;
+};
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kStages_>
 struct BwdSm90KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  // The MMA warpgroups: kNThreads is theirs (their partitions are the
+  // accumulators' layout, bwd_accum_layout.h, which the conversion kernels
+  // read with as many threads); the launch adds a producer warpgroup.
   static constexpr int kNWarpGroups = 2;
   static constexpr int kNWarps = 4 * kNWarpGroups;
   static constexpr int kNThreads = 32 * kNWarps;
+  static constexpr int kNLaunchThreads = kNThreads + 128;
+  // As in the forward: 24 + 2 x 240 registers per thread fit the 64 K
+  // register file at 384 threads.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kMmaRegisters = 240;
   // True: a warpgroup per 64 keys, P^T and dS^T in registers; false: the
   // warpgroups split queries (S^T, dP^T) and head dim (dK, dV), P^T and dS^T
   // in shared memory.
@@ -102,20 +124,19 @@ struct BwdSm90KernelTraits {
       kSwizzleRow == 64, GMMA::Layout_K_SW128_Atom<Element>,
       std::conditional_t<kSwizzleRow == 32, GMMA::Layout_K_SW64_Atom<Element>,
                          GMMA::Layout_K_SW32_Atom<Element>>>;
-  // Q and dO are double-buffered: the next query block's copies are issued
-  // at the top of an iteration and have a whole iteration to land (the
-  // warp-specialized kernel below may keep more in flight).
-  static constexpr int kQdOBuffers = kQdOBuffers_;
+  // Q and dO have kStages buffers (stages of the producer's pipeline).
+  static constexpr int kStages = kStages_;
   using SmemLayoutQdO = decltype(tile_to_shape(
-      SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQdOBuffers>>{}));
+      SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   // One buffer of it: what one TMA copy of Q or dO fills.
   using SmemLayoutQdOBuffer =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Q and dO seen as (head dim, query): the B operands of dK and dV.
   using SmemLayoutQdOt = decltype(composition(
-      SmemLayoutQdO{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kQdOBuffers>>{},
+      SmemLayoutQdO{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                            Step<_2, _1, _3>{})));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // K seen as (head dim, key): the B operand of dQ.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
@@ -123,77 +144,35 @@ struct BwdSm90KernelTraits {
   // MN-major; the warpgroups write it as dS^T (key, query), each thread two
   // neighbouring queries of a key at a time. Seen as (key, query), the same
   // bytes are the K-major A operand of dK in the split design; P^T, stored
-  // only there, has the same layout.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // only there, has the same layout. Two buffers, so that a warpgroup may
+  // write the next query block's while the other still reads this one's.
+  static constexpr int kDSBuffers = 2;
+  using SmemLayoutdS =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                             Shape<Int<kBlockM>, Int<kBlockN>, Int<kDSBuffers>>{}));
   using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDSBuffers>>{},
+                                          Step<_2, _1, _3>{})));
 
   // Registers -> shared for dS and the dK / dV epilogue: a thread holds
   // pairs of neighbouring columns of an accumulator.
   using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
+  // The epilogue's dK / dV stores (bwd_block_io.h).
   using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
-  static_assert(kBlockM % GmemCopy::kRowsPerPass == 0 && kBlockN % GmemCopy::kRowsPerPass == 0);
-  using GmemTiledCopyLoad = typename GmemCopy::Load;
+  static_assert(kBlockN % GmemCopy::kRowsPerPass == 0, "the epilogue stores whole passes");
   using GmemTiledCopyStore = typename GmemCopy::Store;
 
   static constexpr int kSmemSizeQdOBuffer = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeQdO = kQdOBuffers * kSmemSizeQdOBuffer;
+  static constexpr int kSmemSizeQdO = kStages * kSmemSizeQdOBuffer;
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizedS = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kSmemSizedS = kDSBuffers * kBlockM * kBlockN * int(sizeof(Element));
   static constexpr int kSmemSizeP = kKeysPerWarpGroup ? 0 : kSmemSizedS;
-  // The lse and D = rowsum(dO * O) of each buffered query block, fp32.
-  static constexpr int kSmemSizeRowStats = kQdOBuffers * 2 * kBlockM * int(sizeof(float));
-  static_assert(2 * kBlockM <= kNThreads, "one row statistic copied per thread");
-  static constexpr int kSmemSize =
+  // The lse and D = rowsum(dO * O) of each stage's query block, fp32.
+  static constexpr int kSmemSizeRowStats = kStages * 2 * kBlockM * int(sizeof(float));
+  static constexpr int kSmemSizeTiles =
       2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS + kSmemSizeP + kSmemSizeRowStats;
-};
-
-// The mbarriers of the warp-specialized kernel: a stage is one buffer of Q,
-// of dO and of their row statistics, filled by the producer (TMA for Q and
-// dO, one warp's loads for the statistics) and handed back by the MMA
-// threads once their wgmmas have read it; K and V are loaded once per key
-// block and handed back after its epilogue, which stages dK / dV over them.
-template <int kStages>
-struct BwdSm90Barriers {
-  uint64_t q_full[kStages];
-  uint64_t q_empty[kStages];
-  uint64_t kv_full;
-  uint64_t kv_empty;
-};
-
-// The warp-specialized Hopper backward (flash_bwd_sm90_ws_kernel.h): the
-// keys-per-warpgroup design above run by two MMA warpgroups (its kNThreads,
-// whose MMA partitions the dQ accumulator and the conversion kernels follow)
-// plus a producer warpgroup; Q / dO in kStages buffers, and dS in two, so
-// that a warpgroup may write the next dS while the other still reads this
-// one for dQ.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kStages_>
-struct BwdSm90WsKernelTraits
-    : BwdSm90KernelTraits<kHeadDim_, kBlockM_, kBlockN_, Element_, kStages_> {
-  using Base = BwdSm90KernelTraits<kHeadDim_, kBlockM_, kBlockN_, Element_, kStages_>;
-  using Element = typename Base::Element;
-  static_assert(Base::kKeysPerWarpGroup, "the warp-specialized kernel has the 64-keys design");
-  static constexpr int kStages = kStages_;
-  static constexpr int kNMmaThreads = Base::kNThreads;
-  static constexpr int kNLaunchThreads = kNMmaThreads + 128;
-  // As in the forward: 24 + 2 x 240 registers per thread fit the 64 K
-  // register file at 384 threads.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kMmaRegisters = 240;
-  static constexpr int kDSBuffers = 2;
-  using SmemLayoutdS = decltype(tile_to_shape(
-      GMMA::Layout_MN_SW128_Atom<Element>{},
-      Shape<Int<Base::kBlockM>, Int<Base::kBlockN>, Int<kDSBuffers>>{}));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{},
-      make_ordered_layout(Shape<Int<Base::kBlockN>, Int<Base::kBlockM>, Int<kDSBuffers>>{},
-                          Step<_2, _1, _3>{})));
   using Barriers = BwdSm90Barriers<kStages>;
-  static constexpr int kSmemSizedS = kDSBuffers * Base::kSmemSizedS;
-  static constexpr int kSmemSizeTiles = 2 * Base::kSmemSizeQdO + 2 * Base::kSmemSizeKV +
-                                        kSmemSizedS + Base::kSmemSizeRowStats;
   static_assert(kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
   static constexpr int kSmemSize = kSmemSizeTiles + int(sizeof(Barriers));
 };

@@ -48,22 +48,22 @@ template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlo
 template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 0; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 
-// kBlockMSm90: the query rows per block of the Hopper kernels
-// (bwd_kernel_traits_sm90.h has their two designs: flash_bwd_sm90_ws_kernel.h
-// up to d128, flash_bwd_sm90_kernel.h above; 0:
+// kBlockMSm90: the query rows per block of the Hopper kernel
+// (flash_bwd_sm90_kernel.h; bwd_kernel_traits_sm90.h has its two designs; 0:
 // the SM80 kernel runs that head dim on sm90 too). A divisor of kBlockM, so
 // that the dQ accumulator, padded to whole kBlockM blocks, fits it too. H100
 // microbench, Hopper against the SM80 kernel at seqlen 777-8192: d192
 // 1.19-1.29x; d160 0.92-0.96x and d224 0.97-1.07x, whose head-dim halves (80,
 // 112) only fit the 32-byte swizzle, so they stay on the SM80 kernel
-// (results/NVIDIA_H100/bwd_sm90_wide_head_dims.txt).
+// (results/NVIDIA_H100/bwd_sm90_wide_head_dims.txt; measured with the
+// Hopper kernel before its warp specialization).
 // Same kBlockN. H100 microbench, d64, against the table's 128 rows: +0.5-1%
 // and no spill (120 bytes at 128 rows).
 //
-// kBwdSm90QdOStages: the Q / dO buffers of the warp-specialized Hopper kernel
-// (flash_bwd_sm90_ws_kernel.h, the head dims of 128 keys per block). H100
-// microbench, d128, main kernel: 2 against 3 stages 0.99-1.02x at seqlen
-// 1000-16384, in 32 KiB less shared memory.
+// kBwdSm90QdOStages: the Q / dO buffers of the Hopper kernel's producer
+// pipeline. H100 microbench, d128, main kernel: 2 against 3 stages
+// 0.99-1.02x at seqlen 1000-16384, in 32 KiB less shared memory (and d256
+// has room for 2 only: 225 KiB).
 constexpr int kBwdSm90QdOStages = 2;
 //
 // Tiles for devices whose blocks may opt in to more shared memory than an

@@ -3,9 +3,9 @@
 // under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
 // the group reduction of the per-head shares), all on one stream. The caller
 // (flash_api_cuda.cpp) allocates and zeroes the accumulators. On sm90 the
-// plain score rule runs a Hopper main kernel (flash_bwd_sm90_ws_kernel.h,
-// flash_bwd_sm90_kernel.h) at the head dims the tile table gives one; the
-// conversion kernels then read the accumulators in its fragment order.
+// plain score rule runs the Hopper main kernel (flash_bwd_sm90_kernel.h) at
+// the head dims the tile table gives it; the conversion kernels then read the
+// accumulators in its fragment order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,7 +19,6 @@
 #include "flash_bwd_aux_kernels.h"
 #include "flash_bwd_kernel.h"
 #include "flash_bwd_sm90_kernel.h"
-#include "flash_bwd_sm90_ws_kernel.h"
 #include "params.h"
 
 namespace flash {
@@ -49,12 +48,9 @@ constexpr bool has_sm90_backward() {
 }
 
 template <typename Element, int kHeadDim>
-using BwdSm90TraitsFor = BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
-                                             BwdTileConfig<kHeadDim>::kBlockN, Element>;
-template <typename Element, int kHeadDim>
-using BwdSm90WsTraitsFor =
-    BwdSm90WsKernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
-                          BwdTileConfig<kHeadDim>::kBlockN, Element, kBwdSm90QdOStages>;
+using BwdSm90TraitsFor =
+    BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
+                        BwdTileConfig<kHeadDim>::kBlockN, Element, kBwdSm90QdOStages>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
 // dK / dV from the kv heads' sums or shares. MainTraits is the main kernel's:
@@ -85,29 +81,19 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   }
 }
 
-// Launches the Hopper main kernel of a head dim's design
-// (bwd_kernel_traits_sm90.h) if it takes this call: the warp-specialized one
-// where each warpgroup owns 64 keys, on inputs TMA can describe (else none:
-// the SM80 kernel runs the call, as in the forward); the split design's
-// otherwise. Returns whether it launched. Either kernel leaves its
-// accumulators in BwdSm90TraitsFor's fragment order.
+// Launches the Hopper main kernel if it takes this call: inputs TMA can
+// describe, on a device with the shared memory for it (else the SM80 kernel
+// runs the call, as in the forward). Returns whether it launched.
 template <typename Element, int kHeadDim>
 bool launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-  if constexpr (Sm90Traits::kKeysPerWarpGroup) {
-    using WsTraits = BwdSm90WsTraitsFor<Element, kHeadDim>;
-    if (params.smem_per_block_optin < WsTraits::kSmemSize ||
-        !BwdSm90Tma<WsTraits>::can_load(params)) {
-      return false;
-    }
-    launch_with_dynamic_smem(&flash_bwd_sm90_ws_kernel<WsTraits>, grid,
-                             dim3(WsTraits::kNLaunchThreads), WsTraits::kSmemSize, stream, params,
-                             BwdSm90Tma<WsTraits>::make(params));
-  } else {
-    if (params.smem_per_block_optin < Sm90Traits::kSmemSize) return false;
-    launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits>, grid,
-                             dim3(Sm90Traits::kNThreads), Sm90Traits::kSmemSize, stream, params);
+  if (params.smem_per_block_optin < Sm90Traits::kSmemSize ||
+      !BwdSm90Tma<Sm90Traits>::can_load(params)) {
+    return false;
   }
+  launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits>, grid,
+                           dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream,
+                           params, BwdSm90Tma<Sm90Traits>::make(params));
   return true;
 }
 

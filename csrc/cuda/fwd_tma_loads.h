@@ -1,7 +1,6 @@
-// The TMA loads of the Hopper forward (flash_fwd_sm90_kernel.h) and of the
-// warp-specialized Hopper backward (flash_bwd_sm90_ws_kernel.h): how q / k /
-// v (and dO) are described to TMA, which inputs can be, and the descriptors
-// one launch passes to a kernel.
+// The TMA loads of the Hopper forward (flash_fwd_sm90_kernel.h) and backward
+// (flash_bwd_sm90_kernel.h): how q / k / v (and dO) are described to TMA,
+// which inputs can be, and the descriptors one launch passes to a kernel.
 #pragma once
 
 #include <cstdint>
