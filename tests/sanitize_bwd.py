@@ -54,6 +54,7 @@ def main():
     fixed(1, 129, 131, 2, 2, 128, fp16, window=(20, 5), dropout_p=0.2)
     fixed(1, 65, 200, 2, 1, 128, bf16, causal=True, deterministic=True)
     fixed(1, 70, 65, 2, 2, 256, bf16, causal=True)
+    fixed(1, 70, 130, 2, 1, 224, bf16, causal=True)
     fixed(1, 200, 260, 2, 2, 128, bf16)
     fixed(1, 129, 131, 2, 2, 64, fp16, window=(20, 5))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1, deterministic=True)

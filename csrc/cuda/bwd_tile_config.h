@@ -43,20 +43,21 @@ template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlo
 template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
-template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 0; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
-template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 0; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 
 // kBlockMSm90: the query rows per block of the Hopper kernel
 // (flash_bwd_sm90_kernel.h; bwd_kernel_traits_sm90.h has its two designs; 0:
 // the SM80 kernel runs that head dim on sm90 too). A divisor of kBlockM, so
 // that the dQ accumulator, padded to whole kBlockM blocks, fits it too. H100
-// microbench, Hopper against the SM80 kernel at seqlen 777-8192: d192
-// 1.19-1.29x; d160 0.92-0.96x and d224 0.97-1.07x, whose head-dim halves (80,
-// 112) only fit the 32-byte swizzle, so they stay on the SM80 kernel
-// (results/NVIDIA_H100/bwd_sm90_wide_head_dims.txt; measured with the
-// Hopper kernel before its warp specialization).
+// microbench, Hopper against the SM80 kernel at seqlen 777-8192, whole
+// backward: d160 1.10-1.31x and d224 1.24-1.42x, whose head-dim halves (80,
+// 112) only fit the 32-byte swizzle
+// (results/NVIDIA_H100/bwd_sm90_ws_d160_d224.txt; before the kernel's warp
+// specialization they measured 0.92-0.96x and 0.97-1.07x and stayed on the
+// SM80 kernel: bwd_sm90_wide_head_dims.txt).
 // Same kBlockN. H100 microbench, d64, against the table's 128 rows: +0.5-1%
 // and no spill (120 bytes at 128 rows).
 //
