@@ -71,8 +71,7 @@ struct BwdSm90EpilogueBarrier {
 // ... (more than one only in deterministic mode).
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
-    flash_bwd_sm90_kernel(const BwdParams params,
-                             const __grid_constant__ BwdSm90Tma<Traits> tma) {
+    flash_bwd_sm90_kernel(const BwdParams params, const __grid_constant__ BwdSm90Tma<Traits> tma) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
   using NamedBarrier = cutlass::arch::NamedBarrier;
@@ -93,8 +92,9 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int split = params.deterministic ? blockIdx.x : 0;
 
-  // Shared memory: Q and dO (kStages buffers each), K, V, dS (two buffers),
-  // the row statistics of each Q / dO stage, then the mbarriers.
+  // Shared memory: Q and dO (kStages buffers each), K, V, dS and (split
+  // design) P^T (two buffers each), the row statistics of each Q / dO stage,
+  // then the mbarriers.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQdO{});  // (M, D, stage)
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQdOt{});
@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     int q_loads = 0;
     int key_blocks = 0;
     for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x, ++key_blocks) {
-      const BwdKeyBlock block = bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, n_block);
+      const BwdKeyBlock block =
+          bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, n_block);
       const bool has_queries = block.m_block_max > block.m_block_min;
       if (warp == 0) {
         if (lane != 0) continue;
@@ -168,8 +169,9 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         copy(tma.k.with(barriers.kv_full), tKgK, tKsK);
         copy(tma.v.with(barriers.kv_full), tVgV, tVsV);
 
+        // (M, D, m): every query block of the sequence.
         Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch),
-                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M, D, m)
+                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
         Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch),
                                 Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
         auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -179,7 +181,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
              --m_block, ++q_loads) {
           const int stage = stage_of(q_loads);
           empty_barrier(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
-          full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
+          full_barrier(barriers.q_full[stage])
+              .arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
           copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
           copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
         }
