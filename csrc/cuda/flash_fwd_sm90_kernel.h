@@ -144,11 +144,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto load_tile = [&](const Tile& tile) {
       if (tile.block.rows_left <= 0 || tile.n_key_blocks <= 0) return;
       const FwdBlock& block = tile.block;
-      Tensor gQ = local_tile(tma.q_of(params, tile.binfo, block.head, block.batch),
+      Tensor gQ = local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
-      Tensor gK = local_tile(tma.kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch),
+      Tensor gK = local_tile(tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
-      Tensor gV = local_tile(tma.kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch),
+      Tensor gV = local_tile(tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
       auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));

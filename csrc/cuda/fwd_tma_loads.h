@@ -107,17 +107,6 @@ struct FwdSm90Tma {
             make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v_ptr, tma_k_rows(p), p.nheads_k, p.v),
                           typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{})};
   }
-
-  // This block's (rows, head dim) of q / k / v as TMA coordinates: its
-  // (head, batch) slice, moved to its sequence's first row when varlen.
-  __device__ auto q_of(const FwdParams& p, const BlockInfo& binfo, int head, int batch) const {
-    return tma_q_of(q, p, binfo, head, batch);
-  }
-  template <typename Copy>
-  __device__ static auto kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo,
-                               int head_kv, int batch) {
-    return tma_kv_of(copy, p, binfo, head_kv, batch);
-  }
 };
 
 // The backward's descriptors: Q and dO tiles of (kBlockM, head dim) into one
