@@ -72,6 +72,11 @@ def main():
     # several (the producer running ahead into the next query block).
     fixed(2, 1100, 300, 8, 2, 64, fp16)
     varlen([300, 0, 7, 130] * 10, [200, 5, 0, 260] * 10, 4, 2, 128, bf16)
+    # The same with a causal or local bound: the blocks take their query
+    # blocks from a counter (an MMA thread publishes each in shared memory).
+    fixed(2, 1100, 1100, 8, 2, 64, bf16, causal=True)
+    fixed(2, 1100, 900, 8, 2, 128, fp16, window=(100, 0))
+    varlen([300, 0, 7, 130] * 10, [200, 5, 0, 260] * 10, 8, 2, 128, bf16, causal=True)
     fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
     fixed(1, 0, 5, 2, 2, 64, bf16)

@@ -253,6 +253,104 @@ def test_fwd_more_query_blocks_than_sms(dtype, head_dim, fwd_kernel):
                                    rtol=1e-3)
 
 
+def counter_kernel_ran(names):
+    """Whether the Hopper forward ran on the persistent grid that takes its
+    tiles from a counter (the kernel's second template argument)."""
+    return any("flash_fwd_sm90_kernel" in name and ", true>" in name for name in names)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 224, 256])
+def test_fwd_tiles_from_counter(dtype, head_dim, fwd_kernel):
+    """With a causal or local bound and more query blocks than SMs, the Hopper
+    kernel's blocks take their query blocks from a counter, one at a time
+    (fwd_tile_schedule.h): causal with more or fewer keys than queries (whole
+    query blocks that see no key), a window, and a varlen batch with empty
+    sequences (tiles past a sequence's end)."""
+    q, k, v = random_qkv(4, 1000, 1500, 8, 2, head_dim, dtype)  # 256 query blocks of 128
+    for kwargs in ({"causal": True}, {"window": (300, 40)}):
+        out, lse, _, _ = run_fwd(q, k, v, **kwargs)
+        check_against_reference(q, k, v, out, lse, **kwargs)
+    q, k, v = random_qkv(4, 1000, 300, 8, 2, head_dim, dtype)
+    out, lse, _, _ = run_fwd(q, k, v, causal=True)
+    check_against_reference(q, k, v, out, lse, causal=True)
+
+    batch, nheads, nheads_k = 40, 8, 2
+    lengths_q, lengths_k = torch.randint(0, 701, (batch,)), torch.randint(0, 901, (batch,))
+    lengths_q[0], lengths_k[0] = 700, 900
+    lengths_q[5] = 0  # no queries
+    lengths_k[7] = 0  # queries that see no key
+    cu_q = torch.zeros(batch + 1, dtype=torch.int32)
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32)
+    cu_q[1:], cu_k[1:] = torch.cumsum(lengths_q, 0), torch.cumsum(lengths_k, 0)
+    max_q, max_k = 700, 900
+    q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, max_q, max_k, 0.0,
+        head_dim ** -0.5, True, -1, -1, 0.0, False, 0, 0, None)
+    for b in range(batch):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
+        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=True, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, causal=True, compute_dtype=dtype)
+        assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
+        finite = torch.isfinite(ref_lse[0])
+        assert torch.equal(torch.isinf(lse[:, qs:qe]), ~finite)
+        torch.testing.assert_close(lse[:, qs:qe][finite], ref_lse[0][finite].float(), atol=2e-3,
+                                   rtol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
+    """The counter grid runs for causal / local shapes of more query blocks
+    than SMs whose query blocks see at most 2048 keys, and not otherwise (nor
+    at d256, whose kernel walks one query block per block)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    batch = sms // 8 + 1  # 16 query blocks x 8 heads x batch > SMs
+    q, k, v = random_qkv(batch, 2048, 2048, 8, 8, head_dim, torch.bfloat16)
+    takes_counter = head_dim != 256
+    assert counter_kernel_ran(forward_kernel_names(q, k, v, causal=True)) == takes_counter
+    assert counter_kernel_ran(forward_kernel_names(q, k, v, window=(500, 0))) == takes_counter
+    assert not counter_kernel_ran(forward_kernel_names(q, k, v))  # fixed shares
+    _, k_long, v_long = random_qkv(batch, 2048, 2049, 8, 8, head_dim, torch.bfloat16)
+    assert not counter_kernel_ran(forward_kernel_names(q, k_long, v_long, causal=True))
+    assert counter_kernel_ran(forward_kernel_names(q, k_long, v_long, window=(1000, 0))) == \
+        takes_counter
+    q_few, k_few, v_few = random_qkv(1, 2048, 2048, 8, 8, head_dim, torch.bfloat16)
+    assert not counter_kernel_ran(forward_kernel_names(q_few, k_few, v_few, causal=True))
+
+
+def test_fwd_counter_grid_cuda_graph_replay():
+    """The counter is zeroed on the stream by each call, so a captured call
+    replays with a fresh count."""
+    q, k, v = random_qkv(4, 1000, 1000, 8, 2, 128, torch.bfloat16)
+    static_q = q.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run_fwd(static_q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, 128 ** -0.5, True, -1,
+                                             -1, 0.0, False, 0, 0, None)[0]
+    for _ in range(3):
+        new_q = torch.randn_like(q)
+        static_q.copy_(new_q)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, run_fwd(new_q, k, v, causal=True)[0])
+
+
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     """A paged copy of packed varlen keys/values: pages in random order, unused
     table entries -1 (never read), a spare table column."""

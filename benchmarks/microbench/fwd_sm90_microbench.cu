@@ -18,6 +18,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/flash_fwd_kernel.h"
 #include "cuda/flash_fwd_launch.h"
+#include "cuda/fwd_tile_schedule.h"
 #include "cuda/tile_config.h"
 #include "microbench_util.cuh"
 
@@ -127,17 +128,55 @@ int main(int argc, char** argv) {
   params.o_ptr = o;
   params.softmax_lse_ptr = lse;
   const auto tma = flash::FwdSm90Tma<Traits>::make(params);
-  auto kernel = &flash::flash_fwd_sm90_kernel<Traits>;
-  FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemSize));
   int num_sms = 0;
   FA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   params.num_sms = num_sms;
-  const dim3 grid(flash::fwd_sm90_grid_size<Traits>(params));
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params, tma);
-  FA_CUDA_CHECK(cudaDeviceSynchronize());
-  const Diff diff = compare(o, o_ref, lse, lse_ref, q_elems, lse_elems);
-  const double ms = time_ms(kernel, grid, Traits::kNThreads, Traits::kSmemSize, params, tma);
+  // The Hopper kernel on the launcher's grid without a tile counter (fixed
+  // shares without a causal / local bound, else one block per query block),
+  // then, for a causal / local bound, on the persistent grid that takes its
+  // tiles from the counter, zeroed before each call as the op does (whatever
+  // the launcher's key-count rule would pick).
+  const int64_t num_tiles = flash::fwd_sm90_num_tiles(params);
+  const bool more_tiles_than_sms = num_tiles > num_sms;
+  const bool differ = flash::fwd_tiles_differ_in_work(params);
+  const dim3 grid(Traits::kPersistent && more_tiles_than_sms && !differ ? num_sms : num_tiles);
+  const bool with_counter = Traits::kPersistent && more_tiles_than_sms && differ;
+  unsigned long long* tile_counter;
+  FA_CUDA_CHECK(cudaMalloc(&tile_counter, sizeof(unsigned long long)));
+  auto launch = [&](bool counter) {
+    if (!counter) {
+      flash::flash_fwd_sm90_kernel<Traits, false>
+          <<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params, tma);
+      return;
+    }
+    if constexpr (Traits::kPersistent) {
+      flash::FwdParams counter_params = params;
+      counter_params.tile_counter = tile_counter;
+      FA_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(unsigned long long)));
+      flash::flash_fwd_sm90_kernel<Traits, true>
+          <<<num_sms, Traits::kNThreads, Traits::kSmemSize>>>(counter_params, tma);
+    }
+  };
+  auto run_sm90 = [&](bool counter) {
+    FA_CUDA_CHECK(cudaMemset(o, 0xff, q_elems * sizeof(Element)));
+    FA_CUDA_CHECK(cudaMemset(lse, 0xff, lse_elems * sizeof(float)));
+    launch(counter);
+    FA_CUDA_CHECK(cudaDeviceSynchronize());
+    return compare(o, o_ref, lse, lse_ref, q_elems, lse_elems);
+  };
+  for (auto kernel : {&flash::flash_fwd_sm90_kernel<Traits, false>,
+                      &flash::flash_fwd_sm90_kernel<Traits, Traits::kPersistent>}) {
+    FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       Traits::kSmemSize));
+  }
+  const Diff diff = run_sm90(false);
+  const double ms = median_ms([&] { launch(false); }, 30, 10);
+  Diff counter_diff;
+  double counter_ms = 0;
+  if (with_counter) {
+    counter_diff = run_sm90(true);
+    counter_ms = median_ms([&] { launch(true); }, 30, 10);
+  }
 
   double visible = 0;  // exact count of visible (row, key) pairs, for FLOPs
   for (int r = 0; r < seqlen_q; ++r) {
@@ -147,9 +186,17 @@ int main(int argc, char** argv) {
   }
   const double flops = 4.0 * batch * nheads * visible * HEAD_DIM;
   printf("d=%d M=%d N=%d sq=%d sk=%d causal=%d wl=%d: max|dO|=%.3g max|dlse|=%.3g nan=%lld | "
-         "sm90 (%d blocks) %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx\n",
+         "sm90 (%d blocks) %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx",
          HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, diff.max_o,
          diff.max_lse, (long long)diff.bad, grid.x, ms, flops / ms * 1e-9, ref_ms,
          flops / ref_ms * 1e-9, ref_ms / ms);
-  return diff.bad == 0 && diff.max_o < 2e-2 && diff.max_lse < 1e-3 ? 0 : 1;
+  if (with_counter) {
+    printf(" | counter (%d blocks): max|dO|=%.3g max|dlse|=%.3g nan=%lld %.3f ms %.1f TFLOP/s, "
+           "%.3fx the grid without",
+           num_sms, counter_diff.max_o, counter_diff.max_lse, (long long)counter_diff.bad,
+           counter_ms, flops / counter_ms * 1e-9, ms / counter_ms);
+  }
+  printf("\n");
+  auto ok = [](const Diff& d) { return d.bad == 0 && d.max_o < 2e-2 && d.max_lse < 1e-3; };
+  return ok(diff) && (!with_counter || ok(counter_diff)) ? 0 : 1;
 }

@@ -24,6 +24,7 @@
 #include "cuda/bwd_tile_config.h"
 #include "cuda/bwd_accum_layout.h"
 #include "cuda/tile_config.h"
+#include "cuda/fwd_tile_schedule.h"
 #include "cuda/kvcache_append_rotary.h"
 #include "cuda/paged_gather.h"
 #include "cuda/splitkv_tile_config.h"
@@ -88,6 +89,16 @@ void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_sca
   params.dropout_rescale = dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
   params.rng_state = rng_state_out.data_ptr<int64_t>();
   params.is_bf16 = q.scalar_type() == at::kBFloat16;
+}
+
+// The tile counter a causal / local forward on the Hopper kernel takes its
+// tiles from (fwd_tile_schedule.h), zeroed on the stream; undefined where the
+// kernel takes none. The caller keeps it alive across the launch.
+at::Tensor tile_counter_for(FwdParams& params, const at::Tensor& q) {
+  if (!fwd_sm90_takes_tiles_from_counter(params)) return at::Tensor();
+  at::Tensor counter = at::zeros({1}, q.options().dtype(at::kLong));
+  params.tile_counter = reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>());
+  return counter;
 }
 
 // The rng_state the forward returns and the kernel reads: on q's device. With
@@ -177,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   params.total_q = 0;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  const at::Tensor tile_counter = tile_counter_for(params, q);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
   return {out, softmax_lse, s_dmask, rng_state_out};
 }
@@ -284,6 +296,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   params.total_k = static_cast<int>(k.size(0));
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  const at::Tensor tile_counter = tile_counter_for(params, q);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
   return {out, softmax_lse, s_dmask, rng_state_out};
 }

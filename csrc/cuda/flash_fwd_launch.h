@@ -9,6 +9,7 @@
 #include "dependent_launch.h"
 #include "flash_fwd_kernel.h"
 #include "flash_fwd_sm90_kernel.h"
+#include "fwd_tile_schedule.h"
 #include "kernel_traits.h"
 #include "kernel_traits_sm90.h"
 #include "params.h"
@@ -47,31 +48,38 @@ constexpr bool has_sm90_forward() {
 
 template <typename Element, int kHeadDim>
 using FwdSm90Traits =
-    FwdSm90KernelTraits<kHeadDim, 128, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+    FwdSm90KernelTraits<kHeadDim, kFwdSm90BlockM, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
 
 // The Hopper kernel's grid: one block per SM when there are more query
-// blocks than SMs and they all do the same work (no causal or local bound),
-// each block walking its share of them in turn (flash_fwd_sm90_kernel.h);
-// else one block per query block, which the hardware hands out as SMs come
-// free. H100 microbench (PERF_LOG): the persistent grid ran non-causal d64 /
-// d128 3-20% faster (most at 512 keys), but causal d128 up to 21% slower
-// than the hardware's order; at d256 (no tile for O) it did not win.
-template <typename Traits>
-int fwd_sm90_grid_size(const FwdParams& params) {
-  const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t num_tiles = int64_t(num_m_blocks) * params.nheads * params.batch;
-  const bool same_work = params.window_left < 0 && params.window_right < 0;
-  const bool persistent =
-      Traits::kPersistent && same_work && params.num_sms > 0 && num_tiles > params.num_sms;
-  return int(persistent ? params.num_sms : num_tiles);
-}
-
+// blocks than SMs, each block walking query blocks in turn
+// (flash_fwd_sm90_kernel.h): a fixed share of them when they all do the same
+// work (no causal or local bound); where they differ and are short, the next
+// one free, from params.tile_counter (fwd_tile_schedule.h); else one block per
+// query block, which the hardware hands out as SMs come free. H100 microbench
+// (PERF_LOG): the fixed shares ran non-causal d64 / d128 3-20% faster (most at
+// 512 keys), but causal d128 up to 21% slower than the hardware's order; at
+// d256 (no tile for O) it did not win.
 template <typename Element, int kHeadDim>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdSm90Traits<Element, kHeadDim>;
-  launch_with_dynamic_smem(&flash_fwd_sm90_kernel<Traits>, dim3(fwd_sm90_grid_size<Traits>(params)),
-                           dim3(Traits::kNThreads), Traits::kSmemSize, stream, params,
-                           FwdSm90Tma<Traits>::make(params));
+  const int64_t num_tiles = fwd_sm90_num_tiles(params);
+  const bool more_tiles_than_sms = params.num_sms > 0 && num_tiles > params.num_sms;
+  const auto launch = [&](auto kernel, int64_t grid_size) {
+    launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads),
+                             Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
+  };
+  if constexpr (Traits::kPersistent) {
+    if (more_tiles_than_sms && !fwd_tiles_differ_in_work(params)) {
+      launch(&flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
+      return;
+    }
+    if (more_tiles_than_sms && params.tile_counter != nullptr &&
+        fwd_sm90_takes_tiles_from_counter(params)) {
+      launch(&flash_fwd_sm90_kernel<Traits, true>, params.num_sms);
+      return;
+    }
+  }
+  launch(&flash_fwd_sm90_kernel<Traits, false>, num_tiles);
 }
 
 template <typename Element, int kHeadDim>

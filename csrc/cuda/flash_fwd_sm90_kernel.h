@@ -52,15 +52,20 @@ using namespace cute;
 enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 2, kZeroVTail = 4 };
 
 // One block per SM or one per query block (the launcher's choice,
-// fwd_sm90_grid_size): either way a block walks tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ... of the (query block, head, batch) grid in the
-// order of fwd_block_order.h. A persistent block's producer runs ahead into
-// the next tile (its K / V stages as they come free, its Q once the MMA
-// warpgroups have handed Q back), so a tile's prologue overlaps the last
-// one's tail.
-template <typename Traits>
+// fwd_sm90_grid_size). A block's first tile of the (query block, head,
+// batch) grid, in the order of fwd_block_order.h, is blockIdx.x. Its next
+// ones are blockIdx.x + gridDim.x, ... when every tile does the same work;
+// with a causal or local bound the tiles' work differs, and a fixed share
+// leaves some SMs with the long tiles at the end, so a block takes its next
+// tile from a counter in global memory as it frees up (longest first, as the
+// hardware hands out an ordinary grid). A persistent block's producer runs
+// ahead into the next tile (its K / V stages as they come free, its Q once
+// the MMA warpgroups have handed Q back), so a tile's prologue overlaps the
+// last one's tail.
+template <typename Traits, bool kTilesFromCounter>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma) {
+  static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
   using NamedBarrier = cutlass::arch::NamedBarrier;
@@ -98,6 +103,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       empty_barrier(barriers.k_empty[s]).init(kNMmaThreads);
       empty_barrier(barriers.v_empty[s]).init(kNMmaThreads);
     }
+    if constexpr (kTilesFromCounter) {
+      empty_barrier(barriers.tile_full).init(1);
+      // Read by every MMA thread and by the thread that issues the copies.
+      empty_barrier(barriers.tile_empty).init(kNMmaThreads + 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -119,10 +129,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // A block's tiles, in turn. Without a tile for O a block runs exactly one
   // (the launcher's grid), in straight-line code: the loop around it cost the
   // d256 kernel 150 B of spills.
+  //
+  // Tiles from the counter: the first wave is blockIdx.x, which needs none.
+  // One MMA thread takes the block's next tile while the first S of the
+  // current one is on the tensor cores (the atomic's latency hides behind
+  // it) and publishes it in a slot of shared memory; the copy-issuing thread
+  // reads it once it has issued the current tile's loads, and runs ahead into
+  // that tile, the MMA warpgroups once done with the current tile. So a block
+  // holds at most one tile it has not started. An index past the grid tells
+  // everyone to stop. (Not a thread of the producer warpgroup: any mbarrier
+  // work of a second producer thread made ptxas spill the copy-issuing
+  // thread's loop at its 24 registers.) A kernel of its own: the code for it
+  // slowed the fixed-share and one-block-per-tile grids by 2-5% (H100).
+  auto next_tile = [&](int round, int64_t tile_index) -> int64_t {
+    if constexpr (kTilesFromCounter) {
+      empty_barrier(barriers.tile_full).wait(round & 1);
+      const int64_t next = barriers.scheduled_tile;
+      empty_barrier(barriers.tile_empty).arrive();
+      return next;
+    } else {
+      return tile_index + gridDim.x;
+    }
+  };
   auto for_each_tile = [&](auto&& body) {
     if constexpr (Traits::kPersistent) {
-      for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+      int64_t tile_index = blockIdx.x;
+      for (int round = 0; tile_index < num_tiles; ++round) {
         body(tile_at(tile_index));
+        tile_index = next_tile(round, tile_index);
       }
     } else {
       body(tile_at(blockIdx.x));
@@ -217,10 +251,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   int kv_loads = 0;
   int q_loads = 0;
+  // The MMA thread that takes the tiles from the counter.
+  const bool takes_tiles = kTilesFromCounter && mma_tidx == 0;
+  int tiles_published = 0;
+  auto take_tile = [&]() {
+    return int64_t(gridDim.x) + int64_t(atomicAdd(params.tile_counter, 1ull));
+  };
+  auto publish_tile = [&](int64_t next) {
+    empty_barrier(barriers.tile_empty).wait((tiles_published & 1) ^ 1);
+    barriers.scheduled_tile = next;
+    empty_barrier(barriers.tile_full).arrive();  // release: the slot is visible
+    ++tiles_published;
+  };
   auto compute_tile = [&](const Tile& tile) {
     const BlockInfo& binfo = tile.binfo;
     const FwdBlock& block = tile.block;
-    if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
+    // varlen: this sequence is shorter than the longest
+    if (block.rows_left <= 0) {
+      if (takes_tiles) publish_tile(take_tile());
+      return;
+    }
     const int row_begin = block.row_begin;
     const int rows_left = block.rows_left;
     const int n_block_max = block.n_block_max;
@@ -228,6 +278,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float* lse_rows = fwd_lse_rows(params, binfo, block);
     Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
     if (n_tiles <= 0) {
+      if (takes_tiles) publish_tile(take_tile());
       Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
       write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
       return;
@@ -280,6 +331,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       warpgroup_arrive();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
       warpgroup_commit_batch();
+      int64_t next_tile = 0;
+      if (!kHasPendingPv && takes_tiles) next_tile = take_tile();
       if constexpr (kHasPendingPv) {
         full_barrier(barriers.v_full[stage(i - 1)]).wait(phase(i - 1));
         warpgroup_fence_operand(tOrP);
@@ -291,6 +344,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       NamedBarrier::arrive(kNMmaThreads, other_turn);
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
+      if (!kHasPendingPv && takes_tiles) publish_tile(next_tile);
       empty_barrier(barriers.k_empty[stage(i)]).arrive();
       // With O staged apart, Q is free once the last S has landed.
       if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();

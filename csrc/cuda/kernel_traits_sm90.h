@@ -29,6 +29,12 @@ struct FwdSm90Barriers {
   uint64_t v_full[kStages];
   uint64_t k_empty[kStages];
   uint64_t v_empty[kStages];
+  // A persistent grid scheduled by a counter (flash_fwd_sm90_kernel.h): the
+  // next tile a block took, published in one slot (full) and handed back once
+  // everyone has read it (empty).
+  uint64_t tile_full;
+  uint64_t tile_empty;
+  int64_t scheduled_tile;
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>

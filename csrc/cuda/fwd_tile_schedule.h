@@ -1,0 +1,56 @@
+// How the Hopper forward's grid walks its tiles, as the host sees it: shared
+// by the launcher, which sizes the grid (flash_fwd_launch.h), and the op,
+// which zeroes a tile counter only for the grids that take tiles from one.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash {
+
+// The Hopper kernel's query block: two MMA warpgroups of 64 rows each.
+constexpr int kFwdSm90BlockM = 128;
+
+// Tiles of the (query block, head, batch) grid; varlen: of the longest
+// sequence's query blocks, in every batch entry.
+inline int64_t fwd_sm90_num_tiles(const FwdParams& params) {
+  const int num_m_blocks = (params.seqlen_q + kFwdSm90BlockM - 1) / kFwdSm90BlockM;
+  return int64_t(num_m_blocks) * params.nheads * params.batch;
+}
+
+// Whether the tiles do different work (a causal or local bound), so that a
+// persistent grid hands them out from a counter instead of in fixed shares.
+inline bool fwd_tiles_differ_in_work(const FwdParams& params) {
+  return params.window_left >= 0 || params.window_right >= 0;
+}
+
+// The most keys one query block sees: with both window sides bounded, the
+// window plus the block's own rows; else up to every key.
+inline int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
+  if (params.window_left >= 0 && params.window_right >= 0) {
+    const int64_t window = int64_t(params.window_left) + params.window_right + kFwdSm90BlockM;
+    return window < params.seqlen_k ? window : params.seqlen_k;
+  }
+  return params.seqlen_k;
+}
+
+// Whether a forward that the Hopper kernel may run takes its tiles past the
+// first wave from params.tile_counter (flash_fwd_sm90_kernel.h): more tiles
+// than SMs, of different work, each short enough that a tile's prologue and
+// epilogue are a large share of it, on the plain score rule (the softcap /
+// ALiBi / dropout variant runs the SM80 kernel). H100 microbench, causal,
+// against one block per tile (PERF_LOG): d64 +25% at 512 keys, +4% at 2048,
+// level at 4096, -1.5% at 8192; d128 +16% / +2-6% / -1% / -2.7%; a 512-key
+// window at 4096 keys +9% / +7%.
+constexpr int64_t kFwdSm90MostKeysPerTileFromCounter = 2048;
+inline bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params) {
+  const bool plain_rule =
+      params.softcap <= 0.f && params.alibi_slopes == nullptr && params.dropout_p <= 0.f;
+  return params.fwd_kernel != KernelChoice::kSm80 && plain_rule &&
+         fwd_tiles_differ_in_work(params) && params.num_sms > 0 &&
+         fwd_sm90_num_tiles(params) > params.num_sms &&
+         fwd_sm90_most_keys_per_tile(params) <= kFwdSm90MostKeysPerTileFromCounter;
+}
+
+}  // namespace flash
