@@ -69,11 +69,12 @@ def main():
     fixed(1, 300, 700, 2, 1, 64, fp16, causal=True)
     varlen([50, 77, 130], [100, 77, 200], 4, 2, 128, bf16, causal=True)
     # More query blocks than SMs, no causal bound: one block per SM walking
-    # several (the producer running ahead into the next query block).
+    # several (the producer running ahead into the next query block), in
+    # fixed shares.
     fixed(2, 1100, 300, 8, 2, 64, fp16)
+    # Varlen, or a causal or local bound: the blocks take their query blocks
+    # from a counter (an MMA thread publishes each in shared memory).
     varlen([300, 0, 7, 130] * 10, [200, 5, 0, 260] * 10, 4, 2, 128, bf16)
-    # The same with a causal or local bound: the blocks take their query
-    # blocks from a counter (an MMA thread publishes each in shared memory).
     fixed(2, 1100, 1100, 8, 2, 64, bf16, causal=True)
     fixed(2, 1100, 900, 8, 2, 128, fp16, window=(100, 0))
     varlen([300, 0, 7, 130] * 10, [200, 5, 0, 260] * 10, 8, 2, 128, bf16, causal=True)

@@ -224,28 +224,35 @@ def test_varlen_fwd_ignores_rows_outside_sequences(dtype, head_dim, causal, fwd_
 @pytest.mark.parametrize("head_dim", [64, 128, 224, 256])
 def test_fwd_more_query_blocks_than_sms(dtype, head_dim, fwd_kernel):
     """Without a causal or local bound the Hopper kernel runs one block per SM,
-    each walking several query blocks (flash_fwd_launch.h): a grid of more
-    query blocks than any GPU has SMs, fixed-length and varlen (where many
-    blocks of the grid lie past their sequence's end)."""
+    each walking several query blocks (flash_fwd_launch.h), in fixed shares
+    at fixed length and taken from a counter in a varlen batch (where many
+    blocks of the grid lie past their sequence's end): a grid of more query
+    blocks than any GPU has SMs."""
     q, k, v = random_qkv(4, 1000, 777, 8, 2, head_dim, dtype)  # 256 query blocks
     out, lse, _, _ = run_fwd(q, k, v)
     check_against_reference(q, k, v, out, lse)
 
-    batch, nheads, nheads_k = 40, 4, 2
-    cu_q, max_q = random_cu_seqlens(batch, 300)
-    cu_k, max_k = random_cu_seqlens(batch, 400)
+    cu_q, max_q = random_cu_seqlens(40, 300)
+    cu_k, max_k = random_cu_seqlens(40, 400)
+    check_varlen_against_reference(cu_q, cu_k, max_q, max_k, 4, 2, head_dim, dtype)
+
+
+def check_varlen_against_reference(cu_q, cu_k, max_q, max_k, nheads, nheads_k, head_dim, dtype,
+                                   causal=False):
+    """The varlen forward on random inputs of these sequence lengths, each
+    sequence against the reference on its own rows."""
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
         q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, max_q, max_k, 0.0,
-        head_dim ** -0.5, False, -1, -1, 0.0, False, 0, 0, None)
-    for b in range(batch):
+        head_dim ** -0.5, causal, -1, -1, 0.0, False, 0, 0, None)
+    for b in range(len(cu_q) - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
-        ref_out, ref_lse = attention_ref(qb, kb, vb, compute_dtype=torch.float32)
-        same_out, _ = attention_ref(qb, kb, vb, compute_dtype=dtype)
+        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=causal, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, causal=causal, compute_dtype=dtype)
         assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
         finite = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isinf(lse[:, qs:qe]), ~finite)
@@ -276,7 +283,7 @@ def test_fwd_tiles_from_counter(dtype, head_dim, fwd_kernel):
     out, lse, _, _ = run_fwd(q, k, v, causal=True)
     check_against_reference(q, k, v, out, lse, causal=True)
 
-    batch, nheads, nheads_k = 40, 8, 2
+    batch = 40
     lengths_q, lengths_k = torch.randint(0, 701, (batch,)), torch.randint(0, 901, (batch,))
     lengths_q[0], lengths_k[0] = 700, 900
     lengths_q[5] = 0  # no queries
@@ -284,31 +291,14 @@ def test_fwd_tiles_from_counter(dtype, head_dim, fwd_kernel):
     cu_q = torch.zeros(batch + 1, dtype=torch.int32)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32)
     cu_q[1:], cu_k[1:] = torch.cumsum(lengths_q, 0), torch.cumsum(lengths_k, 0)
-    max_q, max_k = 700, 900
-    q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
-    v = torch.randn_like(k)
-    poison_allocator()
-    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, max_q, max_k, 0.0,
-        head_dim ** -0.5, True, -1, -1, 0.0, False, 0, 0, None)
-    for b in range(batch):
-        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
-        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=True, compute_dtype=torch.float32)
-        same_out, _ = attention_ref(qb, kb, vb, causal=True, compute_dtype=dtype)
-        assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
-        finite = torch.isfinite(ref_lse[0])
-        assert torch.equal(torch.isinf(lse[:, qs:qe]), ~finite)
-        torch.testing.assert_close(lse[:, qs:qe][finite], ref_lse[0][finite].float(), atol=2e-3,
-                                   rtol=1e-3)
+    check_varlen_against_reference(cu_q, cu_k, 700, 900, 8, 2, head_dim, dtype, causal=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
-    """The counter grid runs for causal / local shapes of more query blocks
-    than SMs whose query blocks see at most 2048 keys, and not otherwise (nor
-    at d256, whose kernel walks one query block per block)."""
+    """The counter grid runs for causal / local / varlen shapes of more query
+    blocks than SMs whose query blocks see at most 2048 keys, and not
+    otherwise (nor at d256, whose kernel walks one query block per block)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
     if "sm_90a" not in flash_attn_cuda.build_info:
@@ -327,29 +317,14 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
         takes_counter
     q_few, k_few, v_few = random_qkv(1, 2048, 2048, 8, 8, head_dim, torch.bfloat16)
     assert not counter_kernel_ran(forward_kernel_names(q_few, k_few, v_few, causal=True))
-
-
-def test_fwd_counter_grid_cuda_graph_replay():
-    """The counter is zeroed on the stream by each call, so a captured call
-    replays with a fresh count."""
-    q, k, v = random_qkv(4, 1000, 1000, 8, 2, 128, torch.bfloat16)
-    static_q = q.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run_fwd(static_q, k, v, causal=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, 128 ** -0.5, True, -1,
-                                             -1, 0.0, False, 0, 0, None)[0]
-    for _ in range(3):
-        new_q = torch.randn_like(q)
-        static_q.copy_(new_q)
-        graph.replay()
+    # A varlen batch's sequences differ in length: the counter, non-causal too.
+    cu = torch.arange(0, (batch + 1) * 2048, 2048, dtype=torch.int32, device=DEVICE)
+    packed = [t.reshape(-1, 8, head_dim) for t in (q, k, v)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.flash_attn.varlen_fwd(*packed, cu, cu, None, None, 2048, 2048, 0.0,
+                                        head_dim ** -0.5, False, -1, -1, 0.0, False, 0, 0, None)
         torch.cuda.synchronize()
-        assert torch.equal(graph_out, run_fwd(new_q, k, v, causal=True)[0])
+    assert counter_kernel_ran({event.name for event in prof.events()}) == takes_counter
 
 
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
@@ -492,8 +467,13 @@ def test_fwd_deterministic_and_matches_cpu(dtype):
     assert (first[0].float() - ref_out).abs().max() < 5e-2
 
 
-def test_fwd_cuda_graph_replay():
-    q, k, v = random_qkv(2, 256, 256, 4, 4, 64, torch.bfloat16)
+@pytest.mark.parametrize("batch,seqlen,nheads,nheads_k,head_dim",
+                         [(2, 256, 4, 4, 64), (4, 1000, 8, 2, 128)])
+def test_fwd_cuda_graph_replay(batch, seqlen, nheads, nheads_k, head_dim):
+    """A captured causal forward replays on new inputs. The second shape runs
+    on sm90 the grid that takes its query blocks from a counter, which each
+    call zeroes on the stream, so every replay starts a fresh count."""
+    q, k, v = random_qkv(batch, seqlen, seqlen, nheads, nheads_k, head_dim, torch.bfloat16)
     static_q = q.clone()
     eager_out = run_fwd(q, k, v, causal=True)[0]
     stream = torch.cuda.Stream()
@@ -504,16 +484,17 @@ def test_fwd_cuda_graph_replay():
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0,
-                                             False, 0, 0, None)[0]
+        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, head_dim ** -0.5, True,
+                                             -1, -1, 0.0, False, 0, 0, None)[0]
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, eager_out)
-    new_q = torch.randn_like(q)
-    static_q.copy_(new_q)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graph_out, run_fwd(new_q, k, v, causal=True)[0])
+    for _ in range(2):
+        new_q = torch.randn_like(q)
+        static_q.copy_(new_q)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, run_fwd(new_q, k, v, causal=True)[0])
 
 
 def test_fwd_torch_compile_matches_eager():

@@ -53,9 +53,10 @@ using FwdSm90Traits =
 // The Hopper kernel's grid: one block per SM when there are more query
 // blocks than SMs, each block walking query blocks in turn
 // (flash_fwd_sm90_kernel.h): a fixed share of them when they all do the same
-// work (no causal or local bound); where they differ and are short, the next
-// one free, from params.tile_counter (fwd_tile_schedule.h); else one block per
-// query block, which the hardware hands out as SMs come free. H100 microbench
+// work (fixed length, no causal or local bound); where they differ and are
+// short, the next one free, from params.tile_counter (fwd_tile_schedule.h);
+// else one block per query block, which the hardware hands out as SMs come
+// free. H100 microbench
 // (PERF_LOG): the fixed shares ran non-causal d64 / d128 3-20% faster (most at
 // 512 keys), but causal d128 up to 21% slower than the hardware's order; at
 // d256 (no tile for O) it did not win.
