@@ -327,6 +327,49 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
     assert counter_kernel_ran({event.name for event in prof.events()}) == takes_counter
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_fwd_more_tiles_than_grid_x(head_dim, monkeypatch):
+    """A varlen batch of very many (here empty) sequences and one long one:
+    the grid counts the longest sequence's query blocks in every sequence,
+    2^31 + 512 tiles, more than a grid's x dimension holds, so the Hopper
+    kernel walks them on its persistent grid (flash_fwd_launch.h)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    batch, nheads, seqlen_q, seqlen_k = (1 << 22) + 1, 32, 2048, 4096  # 16 query blocks
+    cu_q = torch.full((batch + 1,), seqlen_q, dtype=torch.int32, device=DEVICE)
+    cu_k = torch.full((batch + 1,), seqlen_k, dtype=torch.int32, device=DEVICE)
+    cu_q[0] = cu_k[0] = 0
+    q = torch.randn(seqlen_q, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(seqlen_k, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q, cu_k, None, None, seqlen_q, seqlen_k, 0.0, head_dim ** -0.5, False, -1,
+        -1, 0.0, False, 0, 0, None)
+    heads = slice(0, 4)  # the reference's scores of all 32 heads would take 1 GB
+    qb, kb, vb = (t[None, :, heads] for t in (q, k, v))
+    ref_out, ref_lse = attention_ref(qb, kb, vb, compute_dtype=torch.float32)
+    same_out, _ = attention_ref(qb, kb, vb, compute_dtype=torch.bfloat16)
+    assert_within_criterion(out[None, :, heads], ref_out, same_out, name="out")
+    torch.testing.assert_close(lse[heads], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
+
+
+def test_varlen_fwd_sm80_grid_limit_is_a_clear_error():
+    """The SM80-design kernel (here through softcap) puts the sequences on
+    grid z: more than 65535 of them is refused with the reason, not a CUDA
+    launch error."""
+    batch = 65536
+    cu = torch.full((batch + 1,), 8, dtype=torch.int32, device=DEVICE)
+    cu[0] = 0
+    q = torch.randn(8, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 65535 sequences"):
+        torch.ops.flash_attn.varlen_fwd(q, q, q, cu, cu, None, None, 8, 8, 0.0, 0.125, False, -1,
+                                        -1, 5.0, False, 0, 0, None)
+
+
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     """A paged copy of packed varlen keys/values: pages in random order, unused
     table entries -1 (never read), a spare table column."""

@@ -3,6 +3,9 @@
 // and the choice between the SM80 kernel and the Hopper one.
 #pragma once
 
+#include <stdexcept>
+#include <string>
+
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
@@ -30,6 +33,12 @@ void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // Query blocks on x (no 65535 limit); heads and batch on y and z. The
   // kernel takes its block in the order of fwd_block_order.h.
+  if (params.batch > 65535 || params.nheads > 65535) {
+    throw std::runtime_error(
+        "flash_attn_cuda: this forward kernel (the softcap / ALiBi / dropout variant, or any "
+        "kernel off sm90) takes at most 65535 sequences and 65535 heads; got batch = " +
+        std::to_string(params.batch) + ", nheads = " + std::to_string(params.nheads));
+  }
   const dim3 grid(num_m_blocks, params.nheads, params.batch);
   launch_with_dynamic_smem(&flash_fwd_kernel<Traits, kWithScoreExtras>, grid,
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
@@ -70,13 +79,17 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
                              Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
   };
   if constexpr (Traits::kPersistent) {
-    if (more_tiles_than_sms && !fwd_tiles_differ_in_work(params)) {
-      launch(&flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
-      return;
-    }
     if (more_tiles_than_sms && params.tile_counter != nullptr &&
         fwd_sm90_takes_tiles_from_counter(params)) {
       launch(&flash_fwd_sm90_kernel<Traits, true>, params.num_sms);
+      return;
+    }
+    // Fixed shares also where one block per tile would not fit grid x (a
+    // varlen batch of very many sequences: the grid counts the longest one's
+    // query blocks in each).
+    if (more_tiles_than_sms &&
+        (!fwd_tiles_differ_in_work(params) || num_tiles > kFwdSm90MaxGridTiles)) {
+      launch(&flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
       return;
     }
   }
@@ -97,7 +110,11 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
                       (params.fwd_kernel == KernelChoice::kAuto &&
                        params.seqlen_k >= FwdTileConfig<kHeadDim>::kMinSeqlenKSm90);
     using Traits = FwdSm90Traits<Element, kHeadDim>;
-    if (sm90 && !with_score_extras && FwdSm90Tma<Traits>::can_load(params)) {
+    // A grid of one block per tile beyond grid x's limit runs the SM80
+    // kernel's 3-D grid instead (only the persistent grids walk that many).
+    const bool grid_fits =
+        Traits::kPersistent || fwd_sm90_num_tiles(params) <= kFwdSm90MaxGridTiles;
+    if (sm90 && grid_fits && !with_score_extras && FwdSm90Tma<Traits>::can_load(params)) {
       launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
       if (params.p_ptr != nullptr) launch_return_probs(params, stream);
       return;

@@ -12,6 +12,9 @@ namespace flash {
 // The Hopper kernel's query block: two MMA warpgroups of 64 rows each.
 constexpr int kFwdSm90BlockM = 128;
 
+// The most blocks a one-dimensional grid can have (grid x).
+constexpr int64_t kFwdSm90MaxGridTiles = 2147483647;
+
 // Tiles of the (query block, head, batch) grid; varlen: of the longest
 // sequence's query blocks, in every batch entry.
 inline int64_t fwd_sm90_num_tiles(const FwdParams& params) {
