@@ -52,13 +52,14 @@ using namespace cute;
 enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 2, kZeroVTail = 4 };
 
 // One block per SM or one per query block (the launcher's choice,
-// fwd_sm90_grid_size). A block's first tile of the (query block, head,
+// launch_flash_fwd_sm90). A block's first tile of the (query block, head,
 // batch) grid, in the order of fwd_block_order.h, is blockIdx.x. Its next
 // ones are blockIdx.x + gridDim.x, ... when every tile does the same work;
-// with a causal or local bound the tiles' work differs, and a fixed share
-// leaves some SMs with the long tiles at the end, so a block takes its next
-// tile from a counter in global memory as it frees up (longest first, as the
-// hardware hands out an ordinary grid). A persistent block's producer runs
+// with a causal or local bound, or in a varlen batch, the tiles' work
+// differs, and fixed shares leave some SMs with the long tiles at the end,
+// so a block takes its next tile from a counter in global memory as it
+// frees up (kTilesFromCounter; longest first, as the hardware hands out an
+// ordinary grid). A persistent block's producer runs
 // ahead into the next tile (its K / V stages as they come free, its Q once
 // the MMA warpgroups have handed Q back), so a tile's prologue overlaps the
 // last one's tail.
@@ -331,8 +332,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       warpgroup_arrive();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
       warpgroup_commit_batch();
-      int64_t next_tile = 0;
-      if (!kHasPendingPv && takes_tiles) next_tile = take_tile();
+      int64_t taken_tile = 0;
+      if (!kHasPendingPv && takes_tiles) taken_tile = take_tile();
       if constexpr (kHasPendingPv) {
         full_barrier(barriers.v_full[stage(i - 1)]).wait(phase(i - 1));
         warpgroup_fence_operand(tOrP);
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       NamedBarrier::arrive(kNMmaThreads, other_turn);
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
-      if (!kHasPendingPv && takes_tiles) publish_tile(next_tile);
+      if (!kHasPendingPv && takes_tiles) publish_tile(taken_tile);
       empty_barrier(barriers.k_empty[stage(i)]).arrive();
       // With O staged apart, Q is free once the last S has landed.
       if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();
