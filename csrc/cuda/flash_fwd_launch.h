@@ -65,10 +65,9 @@ using FwdSm90Traits =
 // work (fixed length, no causal or local bound); where they differ and are
 // short, the next one free, from params.tile_counter (fwd_tile_schedule.h);
 // else one block per query block, which the hardware hands out as SMs come
-// free. H100 microbench
-// (PERF_LOG): the fixed shares ran non-causal d64 / d128 3-20% faster (most at
-// 512 keys), but causal d128 up to 21% slower than the hardware's order; at
-// d256 (no tile for O) it did not win.
+// free. H100 microbench (PERF_LOG): the fixed shares ran non-causal d64 /
+// d128 3-20% faster (most at 512 keys), but causal d128 up to 21% slower than
+// the hardware's order; at d256 (no tile for O) it did not win.
 template <typename Element, int kHeadDim>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdSm90Traits<Element, kHeadDim>;
@@ -79,8 +78,9 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
                              Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
   };
   if constexpr (Traits::kPersistent) {
-    if (more_tiles_than_sms && params.tile_counter != nullptr &&
-        fwd_sm90_takes_tiles_from_counter(params)) {
+    // (The rule asks for more tiles than SMs itself: the op sizes the
+    // counter by it.)
+    if (params.tile_counter != nullptr && fwd_sm90_takes_tiles_from_counter(params)) {
       launch(&flash_fwd_sm90_kernel<Traits, true>, params.num_sms);
       return;
     }
