@@ -590,6 +590,126 @@ def test_inputs_written_by_the_kernel_just_before(last_writer):
 
 
 # ----------------------------------------------------------------------------
+# the split-KV kernel over every kv head of a key range (head dim 128, nheads_k
+# a multiple of 8, contiguous cache, at most 16 query rows per kv head). The op
+# takes it by itself for long caches only; FLASH_ATTN_DECODE_KERNEL=heads
+# forces it wherever it can run, so that short caches test it.
+
+HEADS_KERNEL = "flash_fwd_splitkv_heads_kernel"
+
+
+def kvcache_kernel_names(args, **overrides):
+    call = to_device(dict(args, **overrides))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fwd_kvcache(**call)
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events()}
+
+
+@pytest.fixture
+def heads_kernel(monkeypatch):
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+    if optin < 224 * 1024:
+        pytest.skip(f"the kernel over every kv head needs 224 KB of shared memory per block; "
+                    f"this GPU has {optin} bytes")
+    monkeypatch.setenv("FLASH_ATTN_DECODE_KERNEL", "heads")
+
+
+HEADS_CASES = {  # nheads, nheads_k, seqlen_q: GQA group x seqlen_q <= 16 rows
+    "mha_sq1": (8, 8, 1),
+    "mha_sq16": (8, 8, 16),
+    "gqa4_sq1": (32, 8, 1),
+    "gqa4_sq4": (32, 8, 4),
+    "gqa16_sq1": (128, 8, 1),
+    "gqa3_sq5_two_groups": (48, 16, 5),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(HEADS_CASES))
+def test_heads_kernel_matches_reference(dtype, causal, mode, case, heads_kernel):
+    nheads, nheads_k, seqlen_q = HEADS_CASES[case]
+    seqlen_new, rotary = MODES[mode]
+    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=301, nheads=nheads,
+                       nheads_k=nheads_k, head_dim=128, dtype=dtype, seqlen_new=seqlen_new,
+                       rotary=rotary, causal=causal)
+    if not seqlen_new:
+        args["cache_seqlens"][0] = 0  # a sequence without keys: output 0, lse +inf
+    for num_splits in (1, 0, 3):
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
+                  seqlen_new, rotary)
+
+
+@pytest.mark.parametrize("capacity", [16, 1000])
+def test_heads_kernel_num_splits_agree(capacity, heads_kernel):
+    args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
+                       head_dim=128, dtype=torch.bfloat16)
+    args["cache_seqlens"] = torch.tensor([capacity, capacity // 2 + 1], dtype=torch.int32)
+    results = {n: run_cuda(args, num_splits=n) for n in (1, 0, 2, 3, 8, 128)}
+    for n, got in results.items():
+        torch.testing.assert_close(got[0], results[1][0], atol=2e-2, rtol=2e-2,
+                                   msg=f"num_splits={n}")
+        torch.testing.assert_close(got[1], results[1][1], atol=1e-3, rtol=1e-3,
+                                   msg=f"num_splits={n}")
+        check_against_reference(dict(args, num_splits=n), got[0], got[1])
+
+
+@pytest.mark.parametrize("window", ["causal", "local_40_0", "local_2_3", "left_only_70"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_heads_kernel_leftpad_batch_idx_windows(window, num_splits, heads_kernel):
+    # head_dim 120 runs the d128 kernel with its last columns zero-filled.
+    causal, (left, right) = WINDOWS[window]
+    args = make_inputs(batch=3, seqlen_q=2, capacity=400, batch_cache=5, nheads=16, nheads_k=8,
+                       head_dim=120, dtype=torch.bfloat16, leftpad=True,
+                       cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32),
+                       causal=causal, window=(left, right))
+    got = run_cuda(args, num_splits=num_splits)
+    check_all(dict(args, num_splits=num_splits), got, 0, None)
+
+
+def test_heads_kernel_choice(monkeypatch):
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+    if optin < 224 * 1024:
+        pytest.skip(f"the kernel over every kv head needs 224 KB of shared memory per block; "
+                    f"this GPU has {optin} bytes")
+    monkeypatch.delenv("FLASH_ATTN_DECODE_KERNEL", raising=False)
+    # On a GPU of at least 4 TB/s peak memory bandwidth, seqlen_q 1 with
+    # splits of at least 16384 keys of the capacity takes it (num_splits=1
+    # here; the default splits one sequence finely, into short splits);
+    # elsewhere nothing does.
+    props = torch.cuda.get_device_properties(0)
+    fast_memory = props.memory_clock_rate * 1e3 * 2 * props.memory_bus_width / 8 >= 4e12
+    long = make_inputs(batch=1, seqlen_q=1, capacity=32768, nheads=32, nheads_k=8,
+                       head_dim=128, dtype=torch.bfloat16)
+    short = make_inputs(batch=1, seqlen_q=1, capacity=8192, nheads=32, nheads_k=8,
+                        head_dim=128, dtype=torch.bfloat16)
+    uses_heads = lambda args, **overrides: any(HEADS_KERNEL in name for name in
+                                               kvcache_kernel_names(args, **overrides))
+    assert uses_heads(long, num_splits=1) == fast_memory
+    assert uses_heads(long, num_splits=2) == fast_memory
+    assert not uses_heads(long, num_splits=0)
+    assert not uses_heads(long, num_splits=3)
+    assert not uses_heads(short, num_splits=1)
+    assert not uses_heads(long, num_splits=1, softcap=5.0)
+    assert not uses_heads(make_inputs(batch=1, seqlen_q=2, capacity=32768, nheads=32,
+                                      nheads_k=8, head_dim=128, dtype=torch.bfloat16),
+                          num_splits=1)
+    new_token = make_inputs(batch=1, seqlen_q=1, capacity=32768, nheads=32, nheads_k=8,
+                            head_dim=128, dtype=torch.bfloat16, seqlen_new=1)
+    assert not uses_heads(new_token, num_splits=1)  # the one-kv-head kernel appends itself
+    monkeypatch.setenv("FLASH_ATTN_DECODE_KERNEL", "heads")
+    assert uses_heads(short) and uses_heads(new_token, num_splits=1)
+    assert not uses_heads(make_inputs(batch=1, seqlen_q=1, capacity=4096, nheads=32, nheads_k=4,
+                                      head_dim=128, dtype=torch.bfloat16))
+    assert not uses_heads(make_inputs(batch=1, seqlen_q=1, capacity=4096, nheads=32, nheads_k=8,
+                                      head_dim=128, dtype=torch.bfloat16, page_size=16))
+    monkeypatch.setenv("FLASH_ATTN_DECODE_KERNEL", "one_head")
+    assert not uses_heads(long, num_splits=1)
+
+
+# ----------------------------------------------------------------------------
 # CUDA graphs and the Python API
 
 
