@@ -7,11 +7,8 @@ Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
 packing, left padding, cache_batch_idx, split counts from one to many (the
 combine kernel's thread groups differ per head dim: 64, 96, 128, 256), a
 long cache launched for one block per SM, the persistent grid, and a grid of
-several waves that appends and rotates in the attention kernel; then the
-kernel over every kv head of a key range, forced onto short caches.
+several waves that appends and rotates in the attention kernel.
 """
-
-import os
 
 import torch
 
@@ -53,21 +50,6 @@ def call(batch, seqlen_q, capacity, nheads, nheads_k, head_dim, dtype, *, seqlen
         num_splits)
 
 
-def heads_kernel_calls():
-    """The split-KV kernel over every kv head of a key range, forced (it takes
-    only long caches by itself): splits, one split, left padding with
-    cache_batch_idx and two head groups, an append by the pre-kernel."""
-    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 224 * 1024:
-        return
-    bf16, fp16 = torch.bfloat16, torch.float16
-    os.environ["FLASH_ATTN_DECODE_KERNEL"] = "heads"
-    call(2, 1, 301, 32, 8, 128, bf16)
-    call(2, 1, 301, 32, 8, 128, fp16, num_splits=1)
-    call(3, 2, 77, 32, 16, 128, bf16, batch_idx=True, leftpad=True, causal=True, num_splits=3)
-    call(2, 1, 203, 32, 8, 128, bf16, seqlen_new=1, rotary=True)
-    del os.environ["FLASH_ATTN_DECODE_KERNEL"]
-
-
 def main():
     torch.manual_seed(0)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -92,7 +74,6 @@ def main():
     # Items of 66 key tiles, a block each, one per SM in several waves, that
     # append and rotate in the attention kernel.
     call(sms // 4 + 1, 1, 4200, 32, 8, 128, bf16, seqlen_new=1, rotary=True, num_splits=1)
-    heads_kernel_calls()
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 

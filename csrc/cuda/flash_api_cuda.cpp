@@ -724,59 +724,6 @@ int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persist
              : 1;
 }
 
-// The split-KV kernel over every kv head of a key range
-// (flash_fwd_splitkv_heads_kernel.h) reads flash-attn's (b, s, hk, d) cache in
-// whole spans of all kv heads per key. It runs on a contiguous cache without
-// softcap / ALiBi, with at most 16 query rows per kv head (the decode
-// variant's rows), where its shared memory fits a block. Against the
-// one-kv-head kernel, alternating in one process (GQA 32:8 d128 bf16, two
-// H200s): at seqlen_q 1, splits of 16k keys 0.2-1% faster at b16 x 128k and
-// 1-3% at b32 x 64k, b64 x 32k 1% faster on one machine and 0.3-0.8% slower
-// on the other; splits of 8k keys level on one, 1-4% slower on the other
-// (b16 x 64k); 4k and fewer 1-8% slower (its 16-key tiles and items of 8
-// heads start slower); at seqlen_q 4, level to 1.2% slower. So it takes
-// seqlen_q 1 with splits of at least kHeadsKernelMinKeysPerSplit keys of the
-// cache capacity, and no appending / rotating call: the one-kv-head kernel
-// does those itself, which saves more (PERF_LOG).
-// On the H100 it was 0.5-1.2% slower than the one-kv-head kernel at every
-// such length (and the pure stream of a head-major cache 0-1% slower than
-// flash-attn's layout there), so it runs only on GPUs whose peak memory
-// bandwidth reaches kHeadsKernelMinPeakGbps (the H200's HBM3e: ~4.9 TB/s;
-// the H100's HBM3: ~3.35). Why the memory favours one read pattern or the
-// other, we have not pinned down.
-constexpr int kHeadsKernelMinKeysPerSplit = 16384;
-constexpr double kHeadsKernelMinPeakGbps = 4000.0;
-
-double peak_memory_gbps() {
-  int device = 0, clock_khz = 0, bus_bits = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
-  return double(clock_khz) * 1e3 * 2.0 * (bus_bits / 8.0) / 1e9;  // double data rate
-}
-
-// kv heads per block of the kernel over every kv head if it can run this call
-// (0 otherwise), and whether FLASH_ATTN_DECODE_KERNEL (read per call, for
-// the tests) forces it: = heads takes it wherever it can run, whatever the
-// length or append; = one_head never takes it.
-struct HeadsKernelChoice {
-  int heads_per_block;
-  bool forced;
-};
-HeadsKernelChoice splitkv_heads_kernel_choice(int compiled_head_dim, int nheads_k,
-                                              int64_t rows_per_kv_head, bool paged,
-                                              bool score_extras) {
-  const int heads = splitkv_heads_per_block(compiled_head_dim);
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const bool can_run = heads > 1 && nheads_k % heads == 0 && rows_per_kv_head <= 16 && !paged &&
-                       !score_extras &&
-                       splitkv_heads_smem_bytes(compiled_head_dim) <=
-                           int(props->sharedMemPerBlockOptin);
-  const char* forced = std::getenv("FLASH_ATTN_DECODE_KERNEL");
-  if (!can_run || (forced != nullptr && std::strcmp(forced, "one_head") == 0)) return {0, false};
-  return {heads, forced != nullptr && std::strcmp(forced, "heads") == 0};
-}
-
 // Whether the split-KV kernel does a call's append / rotary itself
 // (params.append_in_attention) instead of a kernel before it. Each of its
 // blocks copies its query rows, new keys / values and rotary table rows into
@@ -976,55 +923,30 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   }
 
   params.splitkv_warps_n = warps_n;
-  const bool score_extras = splitkv_has_score_extras(params);
-  auto splits_for = [&](int64_t blocks_without_split) {
-    return choose_kv_splits(num_splits, blocks_without_split, shape.cache_capacity, compiled,
-                            warps_n, block_table.has_value());
-  };
-  const HeadsKernelChoice heads_choice = splitkv_heads_kernel_choice(
-      compiled, shape.nheads_k, rows_per_kv_head, block_table.has_value(), score_extras);
-  int heads_per_block = heads_choice.heads_per_block;
-  int64_t blocks_without_split =
-      int64_t(shape.batch) * (shape.nheads_k / std::max(heads_per_block, 1));
-  params.num_splits = splits_for(blocks_without_split);
-  if (heads_per_block > 1 && !heads_choice.forced &&
-      (appending || rotating || shape.seqlen_q != 1 ||
-       shape.cache_capacity / params.num_splits < kHeadsKernelMinKeysPerSplit ||
-       peak_memory_gbps() < kHeadsKernelMinPeakGbps)) {
-    heads_per_block = 0;
-  }
-  if (heads_per_block == 0) {
-    blocks_without_split = int64_t(shape.batch) * shape.nheads_k * num_m_blocks;
-    params.num_splits = splits_for(blocks_without_split);
-  }
-  params.splitkv_heads_per_block = heads_per_block;
+  const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * num_m_blocks;
+  params.num_splits = choose_kv_splits(num_splits, blocks_without_split, shape.cache_capacity,
+                                       compiled, warps_n, block_table.has_value());
   const int64_t num_items = blocks_without_split * params.num_splits;
   TORCH_CHECK(num_items <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", num_items,
               " exceeds 2^31 - 1 thread blocks");
-  if (heads_per_block > 1) {
-    params.splitkv_launch_smem = splitkv_heads_smem_bytes(compiled);
-    params.splitkv_grid_blocks = static_cast<int>(num_items);
-    params.splitkv_cluster_x = 1;
-    params.append_in_attention = false;
-  } else {
-    params.splitkv_launch_smem =
-        splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(),
-                                  shape.cache_capacity, params.num_splits, num_items);
-    const int64_t grid_blocks =
-        splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
-                            shape.cache_capacity, params.num_splits, num_items);
-    params.splitkv_grid_blocks = static_cast<int>(grid_blocks);
-    params.splitkv_cluster_x = splitkv_cluster_x(warps_n, block_table.has_value(),
-                                                 int64_t(shape.batch) * shape.nheads_k,
-                                                 grid_blocks < num_items);
-    // The append and the rotation in the attention kernel itself where that
-    // pays (append_in_attention_fits); otherwise the pre-kernel writes the
-    // cache and a rotated copy of q first.
-    params.append_in_attention =
-        (appending || rotating) && append_in_attention_fits(params, score_extras, num_m_blocks,
-                                                            num_items, grid_blocks, compiled);
-  }
+  params.splitkv_launch_smem =
+      splitkv_launch_smem_bytes(compiled, warps_n, block_table.has_value(), shape.cache_capacity,
+                                params.num_splits, num_items);
+  const bool score_extras = splitkv_has_score_extras(params);
+  const int64_t grid_blocks =
+      splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
+                          shape.cache_capacity, params.num_splits, num_items);
+  params.splitkv_grid_blocks = static_cast<int>(grid_blocks);
+  params.splitkv_cluster_x = splitkv_cluster_x(warps_n, block_table.has_value(),
+                                               int64_t(shape.batch) * shape.nheads_k,
+                                               grid_blocks < num_items);
+  // The append and the rotation in the attention kernel itself where that
+  // pays (append_in_attention_fits); otherwise the pre-kernel writes the
+  // cache and a rotated copy of q first.
+  params.append_in_attention =
+      (appending || rotating) && append_in_attention_fits(params, score_extras, num_m_blocks,
+                                                          num_items, grid_blocks, compiled);
   at::Tensor q_rotated;
   if (!params.append_in_attention) {
     if (rotating) {

@@ -11,7 +11,6 @@
 
 #include "cuda_check.h"
 #include "dependent_launch.h"
-#include "flash_fwd_splitkv_heads_kernel.h"
 #include "flash_fwd_splitkv_kernel.h"
 #include "kernel_traits.h"
 #include "params.h"
@@ -91,45 +90,12 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);
 }
 
-// The kernel over every kv head of a key range: one block per work item,
-// one block per SM (its shared memory), no cluster.
-template <typename Element, int kHeadDim>
-void launch_flash_fwd_splitkv_heads(const KvcacheParams& params, cudaStream_t stream) {
-  constexpr int kHeads = splitkv_heads_per_block(kHeadDim);
-  if constexpr (kHeads == 0) {
-    throw std::runtime_error("flash_attn_cuda: fwd_kvcache: head dim " + std::to_string(kHeadDim) +
-                             " has no split-KV kernel over several kv heads");
-  } else {
-    using Traits = SplitKvHeadsKernelTraits<kHeadDim, kHeads, Element>;
-    if (params.nheads_k % kHeads != 0 || params.seqlen_q * (params.nheads / params.nheads_k) > 16 ||
-        params.block_table != nullptr || splitkv_has_score_extras(params) ||
-        params.append_in_attention) {
-      throw std::runtime_error(
-          "flash_attn_cuda: fwd_kvcache: the split-KV kernel over several kv heads takes "
-          "nheads_k a multiple of " + std::to_string(kHeads) +
-          ", at most 16 query rows per kv head, a contiguous cache, no softcap / ALiBi, no "
-          "append of its own");
-    }
-    const int64_t num_items =
-        int64_t(params.batch) * (params.nheads_k / kHeads) * params.num_splits;
-    if (num_items == 0) return;
-    const auto kernel = &flash_fwd_splitkv_heads_kernel<Traits>;
-    constexpr int kSmemSize = splitkv_heads_smem_bytes(kHeadDim);
-    LaunchOptions options;
-    options.programmatic = params.programmatic_launch;
-    launch_ex(kernel, dim3(static_cast<unsigned>(num_items)),
-              dim3(Traits::kNThreads), kSmemSize, stream, options, params);
-  }
-}
-
 // The host picked the variant (params.splitkv_warps_n, splitkv_warps_n_for)
 // and sized the split count for it.
 template <typename Element, int kHeadDim>
 void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
   constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
-  if (params.splitkv_heads_per_block > 1) {
-    launch_flash_fwd_splitkv_heads<Element, kHeadDim>(params, stream);
-  } else if (params.splitkv_warps_n == kDecodeWarpsN) {
+  if (params.splitkv_warps_n == kDecodeWarpsN) {
     launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, stream);
   } else if (params.splitkv_warps_n == 1) {
     launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, stream);

@@ -123,42 +123,4 @@ struct SplitKvKernelTraits {
   static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
 };
 
-// The split-KV kernel over every kv head of a key range
-// (flash_fwd_splitkv_heads_kernel.h): warp w owns kv head w of the block's
-// group, with its 16 packed query rows and a kSlabKeys-key slab of each K/V
-// tile. A K/V tile and the Q tile hold the kHeads slabs one after the other,
-// each one contiguous swizzled (16, head dim) tile that its warp addresses
-// on its own, as in SplitKvKernelTraits.
-template <int kHeadDim_, int kHeads_, typename Element_>
-struct SplitKvHeadsKernelTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kHeads = kHeads_;
-  static constexpr int kSlabKeys = kSplitKvHeadsSlabKeys;
-  static constexpr int kTileRows = kHeads * kSlabKeys;
-  static constexpr int kNThreads = kHeads * 32;
-  static constexpr int kStages = kSplitKvHeadsStages;
-  static_assert(kSlabKeys == 16, "a slab is one 16-row MMA tile of Q rows and one k16 step of P V");
-
-  using FwdTraits = FwdKernelTraits<kHeadDim, kTileRows, kTileRows, kHeads, Element>;
-  using MmaAtom = typename FwdTraits::MmaAtom;
-  using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
-  using SmemLayoutAtom = typename FwdTraits::SmemLayoutAtom;
-  using SmemCopyAtom = typename FwdTraits::SmemCopyAtom;
-  using SmemCopyAtomTransposed = typename FwdTraits::SmemCopyAtomTransposed;
-  using GmemTiledCopyQKV = typename FwdTraits::GmemTiledCopyQKV;
-
-  using SmemLayoutSlab = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
-  using SmemLayoutTile =
-      decltype(tile_to_shape(SmemLayoutSlab{}, Shape<Int<kTileRows>, Int<kHeadDim>>{}));
-  using SmemLayoutVtSlab = decltype(composition(
-      SmemLayoutSlab{}, make_layout(Shape<Int<kHeadDim>, _16>{}, GenRowMajor{})));
-  using SmemLayoutVtSlabNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVtSlab{}));
-  static constexpr int kSlabElems = 16 * kHeadDim;
-  static constexpr int kTileElems = kTileRows * kHeadDim;
-  static_assert(kSlabElems % 512 == 0 && cosize_v<SmemLayoutTile> == kTileElems);
-  static_assert((2 * kStages + 1) * kTileElems * int(sizeof(Element)) ==
-                splitkv_heads_smem_bytes(kHeadDim));
-};
-
 }  // namespace flash

@@ -138,9 +138,6 @@ struct KvcacheParams : FwdParams {
   // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
   int num_splits;
   int splitkv_warps_n;  // kernel variant: warps side by side along a K/V tile's keys
-  // > 1: the kernel over every kv head of a key range instead
-  // (flash_fwd_splitkv_heads_kernel.h), with this many kv heads per block.
-  int splitkv_heads_per_block;
   // Dynamic shared memory to launch the split-KV kernel with: at least what
   // its tiles need, more to keep a second block off the SM.
   int splitkv_launch_smem;

@@ -94,24 +94,6 @@ constexpr int splitkv_append_smem_bytes(int compiled_head_dim, int warps_n) {
 static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
               "the 64-row variant fits sm86/sm89 (99 KB per block)");
 
-// The kernel over every kv head of a key range
-// (flash_fwd_splitkv_heads_kernel.h): one warp per kv head, each with 16
-// packed query rows and a 16-key slab of every K/V tile, so that a tile of
-// flash-attn's (batch, seqlen, kv head, head dim) cache is one contiguous
-// span (32 KB of K at 8 heads x d128). Only d128 has it: that is where it was
-// measured against the one-kv-head kernel. 0: no such kernel.
-constexpr int kSplitKvHeadsSlabKeys = 16;
-constexpr int kSplitKvHeadsStages = 3;
-constexpr int splitkv_heads_per_block(int compiled_head_dim) {
-  return compiled_head_dim == 128 ? 8 : 0;
-}
-// kSplitKvHeadsStages (K tile, V tile) stages and the Q tile, all of
-// heads x 16 rows.
-constexpr int splitkv_heads_smem_bytes(int compiled_head_dim) {
-  return 2 * compiled_head_dim * splitkv_heads_per_block(compiled_head_dim) * 16 *
-         (2 * kSplitKvHeadsStages + 1);
-}
-
 // The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
 // a device with max_smem_per_block bytes of shared memory per block: the
 // decode variant when the rows fit one block and its stages fit the device.

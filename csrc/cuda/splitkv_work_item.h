@@ -104,8 +104,9 @@ __forceinline__ __device__ int splitkv_item_batch(const KvcacheParams& params, i
 
 // The loads only: the values are first used when the item starts, so that
 // the loads stay in flight until then.
-__forceinline__ __device__ SplitKvItemInputs splitkv_batch_inputs(const KvcacheParams& params,
-                                                                  int batch) {
+__forceinline__ __device__ SplitKvItemInputs splitkv_item_inputs(const KvcacheParams& params,
+                                                                 int item) {
+  const int batch = splitkv_item_batch(params, item);
   SplitKvItemInputs inputs{0, 0, batch};
   if (params.cache_seqlens) inputs.cache_seqlen = params.cache_seqlens[batch];
   if (params.cache_leftpad) inputs.leftpad = params.cache_leftpad[batch];
@@ -113,42 +114,8 @@ __forceinline__ __device__ SplitKvItemInputs splitkv_batch_inputs(const KvcacheP
   return inputs;
 }
 
-__forceinline__ __device__ SplitKvItemInputs splitkv_item_inputs(const KvcacheParams& params,
-                                                                 int item) {
-  return splitkv_batch_inputs(params, splitkv_item_batch(params, item));
-}
-
-// The keys of an item whose batch, split and query rows are set: the batch
-// entry's key count and cache rows, the split's share of the key blocks of
-// kBlockN keys cut to those the rows can see, and (first_query_block, when
-// the kernel appends) the new rows it writes.
 // Split s gets key blocks [s * n / splits, (s + 1) * n / splits): shares
 // differ by at most one block, and any split count is honoured as given.
-template <int kBlockN>
-__forceinline__ __device__ void splitkv_item_keys(const KvcacheParams& params,
-                                                  const SplitKvItemInputs& inputs,
-                                                  bool first_query_block, SplitKvItem& it) {
-  const int cache_end = params.cache_seqlens ? inputs.cache_seqlen + params.seqlen_new
-                                             : params.seqlen_k;
-  it.seqlen_k = cache_end - inputs.leftpad;
-  it.cache = {params.block_table ? params.block_table + it.batch * params.block_table_batch_stride
-                                 : nullptr,
-              inputs.entry, inputs.leftpad, params.page_size};
-
-  const KeyRange key_range = visible_key_range(it.query_first, it.query_last + 1,
-                                               params.seqlen_q, it.seqlen_k,
-                                               params.window_left, params.window_right);
-  const int num_n_blocks = (it.seqlen_k + kBlockN - 1) / kBlockN;
-  const int split_begin = int(int64_t(it.split) * num_n_blocks / params.num_splits);
-  const int split_end = int(int64_t(it.split + 1) * num_n_blocks / params.num_splits);
-  it.n_block_min = max(key_range.begin / kBlockN, split_begin);
-  it.n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
-  const bool writes_new_rows = params.append_in_attention && first_query_block;
-  it.append_key_begin =
-      writes_new_rows ? max(it.seqlen_k - params.seqlen_new, split_begin * kBlockN) : 0;
-  it.append_key_end = writes_new_rows ? min(it.seqlen_k, split_end * kBlockN) : 0;
-}
-
 template <int kBlockM, int kBlockN>
 __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params, int item,
                                                     int num_m_blocks,
@@ -169,7 +136,26 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   const int row_end = it.row_begin + (it.rows_left < kBlockM ? it.rows_left : kBlockM);
   it.query_first = it.row_begin / group;
   it.query_last = (row_end - 1) / group;
-  splitkv_item_keys<kBlockN>(params, inputs, m_block == 0, it);
+
+  const int cache_end = params.cache_seqlens ? inputs.cache_seqlen + params.seqlen_new
+                                             : params.seqlen_k;
+  it.seqlen_k = cache_end - inputs.leftpad;
+  it.cache = {params.block_table ? params.block_table + it.batch * params.block_table_batch_stride
+                                 : nullptr,
+              inputs.entry, inputs.leftpad, params.page_size};
+
+  const KeyRange key_range = visible_key_range(it.query_first, it.query_last + 1,
+                                               params.seqlen_q, it.seqlen_k,
+                                               params.window_left, params.window_right);
+  const int num_n_blocks = (it.seqlen_k + kBlockN - 1) / kBlockN;
+  const int split_begin = int(int64_t(it.split) * num_n_blocks / params.num_splits);
+  const int split_end = int(int64_t(it.split + 1) * num_n_blocks / params.num_splits);
+  it.n_block_min = max(key_range.begin / kBlockN, split_begin);
+  it.n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
+  const bool writes_new_rows = params.append_in_attention && m_block == 0;
+  it.append_key_begin =
+      writes_new_rows ? max(it.seqlen_k - params.seqlen_new, split_begin * kBlockN) : 0;
+  it.append_key_end = writes_new_rows ? min(it.seqlen_k, split_end * kBlockN) : 0;
   return it;
 }
 
