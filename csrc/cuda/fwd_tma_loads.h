@@ -75,21 +75,34 @@ __device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo&
                        m(_, _, head_kv, binfo.varlen ? 0 : batch));
 }
 
+// One input's TMA load: (kRows, head dim) tiles of the TMA view of a tensor
+// (tma_gmem_tensor) into SmemLayout. Copy is the descriptor's type; make()
+// builds it on the host.
+template <typename Element, typename SmemLayout, int kRows, int kHeadDim>
+struct TmaTileLoad {
+  using GmemTensor = decltype(tma_gmem_tensor<Element>(nullptr, 1, 1, 1, 1, QKVStrides{}));
+  using Tile = Shape<Int<kRows>, Int<kHeadDim>>;
+  using Copy = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(), SmemLayout{},
+                                      Tile{}, _1{}));
+  static Copy make(const void* ptr, int rows, int head_dim, int heads, int batches,
+                   const QKVStrides& strides) {
+    return make_tma_copy(SM90_TMA_LOAD{},
+                         tma_gmem_tensor<Element>(ptr, rows, head_dim, heads, batches, strides),
+                         SmemLayout{}, Tile{}, _1{});
+  }
+};
+
 // The TMA descriptors of one launch, built on the host. A kernel parameter
 // (__grid_constant__): TMA reads a descriptor from parameter memory.
 template <typename Traits>
 struct FwdSm90Tma {
-  using Element = typename Traits::Element;
-  using GmemTensor = decltype(tma_gmem_tensor<Element>(nullptr, 1, 1, 1, 1, QKVStrides{}));
-  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
-  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
-  using CopyQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
-                                       typename Traits::SmemLayoutQ{}, TileQ{}, _1{}));
-  using CopyKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
-                                        typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{}));
-  CopyQ q;
-  CopyKV k;
-  CopyKV v;
+  using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQ,
+                            Traits::kBlockM, Traits::kHeadDim>;
+  using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKVStage,
+                             Traits::kBlockN, Traits::kHeadDim>;
+  typename LoadQ::Copy q;
+  typename LoadKV::Copy k;
+  typename LoadKV::Copy v;
 
   static bool can_load(const FwdParams& p) {
     return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
@@ -97,15 +110,9 @@ struct FwdSm90Tma {
            tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
   }
   static FwdSm90Tma make(const FwdParams& p) {
-    auto gmem = [&](const void* ptr, int rows, int heads, const QKVStrides& strides) {
-      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, tma_batches(p), strides);
-    };
-    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q_ptr, tma_q_rows(p), p.nheads, p.q),
-                          typename Traits::SmemLayoutQ{}, TileQ{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k_ptr, tma_k_rows(p), p.nheads_k, p.k),
-                          typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v_ptr, tma_k_rows(p), p.nheads_k, p.v),
-                          typename Traits::SmemLayoutKVStage{}, TileKV{}, _1{})};
+    return {LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
+            LoadKV::make(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k),
+            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v)};
   }
 };
 
@@ -113,18 +120,14 @@ struct FwdSm90Tma {
 // buffer of their stages, K and V of the block's (kBlockN, head dim).
 template <typename Traits>
 struct BwdSm90Tma {
-  using Element = typename Traits::Element;
-  using GmemTensor = decltype(tma_gmem_tensor<Element>(nullptr, 1, 1, 1, 1, QKVStrides{}));
-  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
-  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
-  using CopyQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
-                                       typename Traits::SmemLayoutQdOBuffer{}, TileQ{}, _1{}));
-  using CopyKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
-                                        typename Traits::SmemLayoutKV{}, TileKV{}, _1{}));
-  CopyQ q;
-  CopyQ dout;
-  CopyKV k;
-  CopyKV v;
+  using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQdOBuffer,
+                            Traits::kBlockM, Traits::kHeadDim>;
+  using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKV,
+                             Traits::kBlockN, Traits::kHeadDim>;
+  typename LoadQ::Copy q;
+  typename LoadQ::Copy dout;
+  typename LoadKV::Copy k;
+  typename LoadKV::Copy v;
 
   static bool can_load(const BwdParams& p) {
     return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
@@ -133,19 +136,10 @@ struct BwdSm90Tma {
            tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
   }
   static BwdSm90Tma make(const BwdParams& p) {
-    auto gmem = [&](const void* ptr, int rows, int heads, const QKVStrides& strides) {
-      return tma_gmem_tensor<Element>(ptr, rows, p.head_dim, heads, tma_batches(p), strides);
-    };
-    auto copy_q = [&](const void* ptr, const QKVStrides& strides) {
-      return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, tma_q_rows(p), p.nheads, strides),
-                           typename Traits::SmemLayoutQdOBuffer{}, TileQ{}, _1{});
-    };
-    auto copy_kv = [&](const void* ptr, const QKVStrides& strides) {
-      return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, tma_k_rows(p), p.nheads_k, strides),
-                           typename Traits::SmemLayoutKV{}, TileKV{}, _1{});
-    };
-    return {copy_q(p.q_ptr, p.q), copy_q(p.do_ptr, p.dout), copy_kv(p.k_ptr, p.k),
-            copy_kv(p.v_ptr, p.v)};
+    return {LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
+            LoadQ::make(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout),
+            LoadKV::make(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k),
+            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v)};
   }
 };
 
