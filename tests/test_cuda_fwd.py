@@ -3,6 +3,8 @@
 Every test here needs a GPU and is skipped with a reason without one.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -326,6 +328,45 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
                                         head_dim ** -0.5, False, -1, -1, 0.0, False, 0, 0, None)
         torch.cuda.synchronize()
     assert counter_kernel_ran({event.name for event in prof.events()}) == takes_counter
+
+
+def sm90_block_rows(names):
+    """The query rows of the Hopper forward kernels that ran (the second
+    argument of their traits)."""
+    found = set()
+    for name in names:
+        match = re.search(r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<(\d+), (\d+),", name)
+        if match:
+            found.add(int(match.group(2)))
+    return found
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fwd_block_rows_on_sm90(head_dim, monkeypatch):
+    """The tile table's query block (192 rows, three MMA warpgroups, at head
+    dim 64) runs every Hopper grid but the counter's, which keeps 128 rows:
+    one block per query block, fixed shares of a persistent grid (checked
+    against the reference too) and the counter grid."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    table_rows = 192 if head_dim == 64 else 128
+    q, k, v = random_qkv(2, 700, 900, 4, 2, head_dim, torch.bfloat16)
+    assert sm90_block_rows(forward_kernel_names(q, k, v)) == {table_rows}
+    assert sm90_block_rows(forward_kernel_names(q, k, v, causal=True)) == {table_rows}
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    batch = sms // 8 + 1  # more query blocks than SMs at 8 heads and 2048 rows
+    q, k, v = random_qkv(batch, 2048, 2048, 8, 2, head_dim, torch.bfloat16)
+    assert sm90_block_rows(forward_kernel_names(q, k, v)) == {table_rows}
+    out, lse, _, _ = run_fwd(q, k, v)
+    check_against_reference(q, k, v, out, lse)
+    assert sm90_block_rows(forward_kernel_names(q, k, v, causal=True)) == {128}
+    _, k_long, v_long = random_qkv(batch, 2048, 2049, 8, 2, head_dim, torch.bfloat16)
+    assert sm90_block_rows(forward_kernel_names(q, k_long, v_long, causal=True)) == {table_rows}
+    out, lse, _, _ = run_fwd(q, k_long, v_long, causal=True)
+    check_against_reference(q, k_long, v_long, out, lse, causal=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -55,9 +55,16 @@ constexpr bool has_sm90_forward() {
 #endif
 }
 
+// The Hopper kernel of 128-row query blocks, which the grid that takes its
+// tiles from a counter runs (the op sizes the counter by its tiles), and the
+// one of the table's query block (kBlockMSm90), which every other grid runs.
 template <typename Element, int kHeadDim>
 using FwdSm90Traits =
     FwdSm90KernelTraits<kHeadDim, kFwdSm90BlockM, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+template <typename Element, int kHeadDim>
+using FwdSm90GridTraits =
+    FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>::kBlockMSm90,
+                        FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
 
 // The Hopper kernel's grid: one block per SM when there are more query
 // blocks than SMs, each block walking query blocks in turn
@@ -70,30 +77,34 @@ using FwdSm90Traits =
 // the hardware's order; at d256 (no tile for O) it did not win.
 template <typename Element, int kHeadDim>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  using Traits = FwdSm90Traits<Element, kHeadDim>;
-  const int64_t num_tiles = fwd_sm90_num_tiles(params);
-  const bool more_tiles_than_sms = params.num_sms > 0 && num_tiles > params.num_sms;
-  const auto launch = [&](auto kernel, int64_t grid_size) {
+  const auto launch = [&](auto traits, auto kernel, int64_t grid_size) {
+    using Traits = decltype(traits);
     launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads),
                              Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
   };
-  if constexpr (Traits::kPersistent) {
+  using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
+  if constexpr (CounterTraits::kPersistent) {
     // (The rule asks for more tiles than SMs itself: the op sizes the
     // counter by it.)
     if (params.tile_counter != nullptr && fwd_sm90_takes_tiles_from_counter(params)) {
-      launch(&flash_fwd_sm90_kernel<Traits, true>, params.num_sms);
+      launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>, params.num_sms);
       return;
     }
+  }
+  using Traits = FwdSm90GridTraits<Element, kHeadDim>;
+  const int64_t num_tiles = fwd_sm90_num_tiles(params, Traits::kBlockM);
+  const bool more_tiles_than_sms = params.num_sms > 0 && num_tiles > params.num_sms;
+  if constexpr (Traits::kPersistent) {
     // Fixed shares also where one block per tile would not fit grid x (a
     // varlen batch of very many sequences: the grid counts the longest one's
     // query blocks in each).
     if (more_tiles_than_sms &&
         (!fwd_tiles_differ_in_work(params) || num_tiles > kFwdSm90MaxGridTiles)) {
-      launch(&flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
       return;
     }
   }
-  launch(&flash_fwd_sm90_kernel<Traits, false>, num_tiles);
+  launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false>, num_tiles);
 }
 
 template <typename Element, int kHeadDim>
@@ -109,11 +120,11 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
     const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
                       (params.fwd_kernel == KernelChoice::kAuto &&
                        params.seqlen_k >= FwdTileConfig<kHeadDim>::kMinSeqlenKSm90);
-    using Traits = FwdSm90Traits<Element, kHeadDim>;
+    using Traits = FwdSm90GridTraits<Element, kHeadDim>;
     // A grid of one block per tile beyond grid x's limit runs the SM80
     // kernel's 3-D grid instead (only the persistent grids walk that many).
-    const bool grid_fits =
-        Traits::kPersistent || fwd_sm90_num_tiles(params) <= kFwdSm90MaxGridTiles;
+    const bool grid_fits = Traits::kPersistent ||
+                           fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
     if (sm90 && grid_fits && !with_score_extras && FwdSm90Tma<Traits>::can_load(params)) {
       launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
       if (params.p_ptr != nullptr) launch_return_probs(params, stream);

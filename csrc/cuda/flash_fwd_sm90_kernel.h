@@ -9,12 +9,13 @@
 // warpgroups' loop:
 //   - a producer warpgroup, one thread of it, loads Q, K and V by TMA into
 //     two stages per tensor; each landed stage is announced on an mbarrier
-//     ("full"), and each stage comes back once both MMA warpgroups' wgmmas
+//     ("full"), and each stage comes back once every MMA warpgroup's wgmmas
 //     have read it ("empty");
-//   - the two MMA warpgroups (64 query rows each) take turns issuing their
-//     products (two named barriers), so one warpgroup's softmax runs while
-//     the other's products occupy the tensor cores, instead of both meeting
-//     at a block barrier every tile with the tensor cores idle in between.
+//   - the two or three MMA warpgroups (64 query rows each; the tile table
+//     says how many) take turns issuing their products (a named barrier per
+//     turn), so one warpgroup's softmax runs while another's products occupy
+//     the tensor cores, instead of all meeting at a block barrier every tile
+//     with the tensor cores idle in between.
 // It runs the plain score rule (causal / local / bounds masking) on
 // TMA-describable inputs (16-byte aligned pointers, strides that are positive
 // multiples of 16 bytes); the launcher sends the softcap / ALiBi / dropout
@@ -46,10 +47,10 @@ namespace flash {
 using namespace cute;
 
 // Named barriers of the kernel (ids after those CUTLASS reserves): the MMA
-// warpgroups' turns at issuing products, each warpgroup's own epilogue
-// barrier, and the MMA warpgroups' meeting after a varlen tile's tail is
-// zeroed.
-enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 2, kZeroVTail = 4 };
+// warpgroups' turns at issuing products (one per warpgroup, at most three),
+// each warpgroup's own epilogue barrier, and the MMA warpgroups' meeting
+// after a varlen tile's tail is zeroed.
+enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 3, kZeroVTail = 6 };
 
 // One block per SM or one per query block (the launcher's choice,
 // launch_flash_fwd_sm90). A block's first tile of the (query block, head,
@@ -231,9 +232,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // MMA warpgroups.
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
+  constexpr int kNMmaWarpGroups = Traits::kNMmaWarpGroups;
   const int warp_group = mma_tidx / 128;
+  // The warpgroups issue their products in a cycle, 0, 1, (2,) 0, ...: each
+  // waits on its own turn, which the one before it hands on right after
+  // issuing, so 2 x 128 threads meet at each turn.
+  constexpr uint32_t kTurnThreads = 2 * 128;
   const uint32_t my_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + warp_group;
-  const uint32_t other_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + (warp_group ^ 1);
+  const uint32_t next_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) +
+                             (warp_group + 1) % kNMmaWarpGroups;
+  const bool last_warp_group = warp_group == kNMmaWarpGroups - 1;
   const uint32_t my_epilogue = uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group;
 
   typename Traits::TiledMmaS tiled_mma_s;
@@ -285,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return;
     }
     // Warpgroup 0 issues first.
-    if (warp_group == 1) NamedBarrier::arrive(kNMmaThreads, other_turn);
+    if (last_warp_group) NamedBarrier::arrive(kTurnThreads, next_turn);
 
     Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
@@ -304,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // next sequence's: their scores are masked, but P = 0 times a V that is
     // not finite would still reach O, so those V rows are zeroed before P V
     // reads them. Tile 0 is the only one that can reach past the end. Outside
-    // the turns: both warpgroups meet here.
+    // the turns: all MMA warpgroups meet here.
     const int v_rows_past_end = binfo.seqlen_k - (n_block_max - 1) * kBlockN;
     const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
     auto zero_v_rows_past_end = [&]() {
@@ -327,7 +335,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int n_block = n_block_max - 1 - i;
       if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end();
       full_barrier(barriers.k_full[stage(i)]).wait(phase(i));
-      NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
+      NamedBarrier::arrive_and_wait(kTurnThreads, my_turn);
       warpgroup_fence_operand(acc_s);
       warpgroup_arrive();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_s, tSrQ, tSrK(_, _, _, stage(i)), acc_s);
@@ -342,7 +350,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(i - 1)), acc_o);
         warpgroup_commit_batch();
       }
-      NamedBarrier::arrive(kNMmaThreads, other_turn);
+      NamedBarrier::arrive(kTurnThreads, next_turn);
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
       if (!kHasPendingPv && takes_tiles) publish_tile(taken_tile);
@@ -373,18 +381,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     iteration(0, cute::false_type{});
     for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{});
 
-    // The last tile's P V. Warpgroup 1 takes the last turn, so it hands none
-    // on.
+    // The last tile's P V. The last warpgroup takes the last turn, so it
+    // hands none on.
     const int last = n_tiles - 1;
     if (last == 0 && zero_v_tail) zero_v_rows_past_end();
     full_barrier(barriers.v_full[stage(last)]).wait(phase(last));
-    NamedBarrier::arrive_and_wait(kNMmaThreads, my_turn);
+    NamedBarrier::arrive_and_wait(kTurnThreads, my_turn);
     warpgroup_fence_operand(tOrP);
     warpgroup_fence_operand(acc_o);
     warpgroup_arrive();
     wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(last)), acc_o);
     warpgroup_commit_batch();
-    if (warp_group == 0) NamedBarrier::arrive(kNMmaThreads, other_turn);
+    if (!last_warp_group) NamedBarrier::arrive(kTurnThreads, next_turn);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     empty_barrier(barriers.v_empty[stage(last)]).arrive();

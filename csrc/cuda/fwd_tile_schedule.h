@@ -9,7 +9,9 @@
 
 namespace flash {
 
-// The Hopper kernel's query block: two MMA warpgroups of 64 rows each.
+// The Hopper kernel's query block on the grid that takes its tiles from a
+// counter: two MMA warpgroups of 64 rows each. (Other grids run the tile
+// table's kBlockMSm90.)
 constexpr int kFwdSm90BlockM = 128;
 
 // The most blocks a one-dimensional grid can have (grid x).
@@ -17,8 +19,8 @@ constexpr int64_t kFwdSm90MaxGridTiles = 2147483647;
 
 // Tiles of the (query block, head, batch) grid; varlen: of the longest
 // sequence's query blocks, in every batch entry.
-inline int64_t fwd_sm90_num_tiles(const FwdParams& params) {
-  const int num_m_blocks = (params.seqlen_q + kFwdSm90BlockM - 1) / kFwdSm90BlockM;
+inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm90BlockM) {
+  const int num_m_blocks = (params.seqlen_q + block_m - 1) / block_m;
   return int64_t(num_m_blocks) * params.nheads * params.batch;
 }
 

@@ -50,14 +50,15 @@ struct FwdSm90KernelTraits {
   static constexpr int kNMmaWarpGroups = kBlockM / 64;
   static constexpr int kNMmaThreads = 128 * kNMmaWarpGroups;
   static constexpr int kNThreads = kNMmaThreads + 128;
-  static_assert(kNMmaWarpGroups == 2, "one producer and two MMA warpgroups");
+  static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3,
+                "one producer and two or three MMA warpgroups");
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of Q K^T");
   // Registers move from the producer, which only issues copies, to the MMA
   // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
-  // file at 384 threads.
+  // file at 384 threads, 24 + 3 x 160 at 512.
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kMmaRegisters = 240;
+  static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
 
   using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: both operands from shared memory, K-major (head dim contiguous).
@@ -80,7 +81,7 @@ struct FwdSm90KernelTraits {
       std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                          GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  // Two stages each of K and V: a stage is refilled once both MMA warpgroups'
+  // Two stages each of K and V: a stage is refilled once every MMA warpgroup's
   // wgmmas have read it, so the next tile's copy overlaps this tile's math.
   static constexpr int kStages = 2;
   using SmemLayoutKV = decltype(tile_to_shape(
@@ -93,7 +94,7 @@ struct FwdSm90KernelTraits {
                                           Step<_2, _1, _3>{})));
   using SmemLayoutO = SmemLayoutQ;
 
-  // O stores: by both MMA warpgroups (a block that sees no key), or by each
+  // O stores: by all MMA warpgroups (a block that sees no key), or by each
   // warpgroup for its own 64 rows.
   using GmemTiledCopyO = typename GmemTileCopy<Element, kHeadDim, kNMmaThreads>::Store;
   using GmemTiledCopyOWarpGroup = typename GmemTileCopy<Element, kHeadDim, 128>::Store;

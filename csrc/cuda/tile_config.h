@@ -10,10 +10,19 @@ template <int kHeadDim>
 struct FwdTileConfig;
 
 // Three tiles per head dim: the plain kernel's, the one of the variant that
-// carries softcap / ALiBi / dropout, and the key block of the Hopper kernel
-// (flash_fwd_sm90_kernel.h: 128 query rows, two MMA warpgroups and a TMA
-// producer; 0 = the head dim stays on the SM80 kernel on sm90 too), with the
-// fewest keys (max seqlen_k) from which the Hopper kernel runs by default.
+// carries softcap / ALiBi / dropout, and the Hopper kernel's
+// (flash_fwd_sm90_kernel.h: one MMA warpgroup per 64 query rows and a TMA
+// producer; block N 0 = the head dim stays on the SM80 kernel on sm90 too),
+// with the fewest keys (max seqlen_k) from which the Hopper kernel runs by
+// default. The Hopper kernel's grid that takes its tiles from a counter
+// (short causal / local / varlen calls, fwd_tile_schedule.h) runs 128 query
+// rows whatever block M says. d64 takes 192 rows (three MMA warpgroups)
+// elsewhere: its softmax is as long as its products, and with two warpgroups
+// each warp's instruction stream stalls on its own latencies (about 5
+// cycles per issue); a third warpgroup gives the schedulers another warp.
+// H100 microbench (PERF_LOG): non-causal +4-5% at 512-1024 keys, +14% at
+// 2048-4096, causal +7-11% at 2048-4096 keys on one block per tile; on the
+// counter grid 192 rows lost 17-18% at 512-1024 keys.
 // The extras' extra registers make some tiles that win on the plain path
 // spill heavily (d32 128 x 128: 120 B plain, 496 B with the extras, 231 vs
 // 205 TFLOP/s plain but 62 vs 81 with extras). Hopper kernel against the
@@ -24,15 +33,15 @@ struct FwdTileConfig;
 // d160-256 won everywhere measured. d32 stays on SM80 (H200 microbench:
 // 1.01-1.12x at 4096-8192 keys, 0.66-0.86x at 1000 keys and fewer). d64 / d96 measured faster with
 // 128-key than 64-key tiles.
-//                         head dim       block M  block N  warps     extras: block N  warps     sm90: block N  from keys
-template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockNSm90 = 128, kMinSeqlenKSm90 = 256; };
-template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
+//                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys
+template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 256; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
