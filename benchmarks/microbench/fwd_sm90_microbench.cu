@@ -136,8 +136,7 @@ int main(int argc, char** argv) {
   // then, for a causal / local bound, on the persistent grid that takes its
   // tiles from the counter, zeroed before each call as the op does (whatever
   // the launcher's key-count rule would pick).
-  const int64_t num_tiles =
-      int64_t((seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM) * nheads * batch;
+  const int64_t num_tiles = flash::fwd_sm90_num_tiles(params, Traits::kBlockM);
   const bool more_tiles_than_sms = num_tiles > num_sms;
   const bool differ = flash::fwd_tiles_differ_in_work(params);
   const dim3 grid(Traits::kPersistent && more_tiles_than_sms && !differ ? num_sms : num_tiles);
