@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
   params.o_ptr = o;
   params.softmax_lse_ptr = lse;
   const auto tma = flash::FwdSm90Tma<Traits>::make(params);
+  const auto tile_divisors = flash::fwd_sm90_tile_divisors(params, Traits::kBlockM);
   int num_sms = 0;
   FA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   params.num_sms = num_sms;
@@ -146,7 +147,7 @@ int main(int argc, char** argv) {
   auto launch = [&](bool counter) {
     if (!counter) {
       flash::flash_fwd_sm90_kernel<Traits, false>
-          <<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params, tma);
+          <<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params, tma, tile_divisors);
       return;
     }
     if constexpr (Traits::kPersistent) {
@@ -154,7 +155,7 @@ int main(int argc, char** argv) {
       counter_params.tile_counter = tile_counter;
       FA_CUDA_CHECK(cudaMemsetAsync(tile_counter, 0, sizeof(unsigned long long)));
       flash::flash_fwd_sm90_kernel<Traits, true>
-          <<<num_sms, Traits::kNThreads, Traits::kSmemSize>>>(counter_params, tma);
+          <<<num_sms, Traits::kNThreads, Traits::kSmemSize>>>(counter_params, tma, tile_divisors);
     }
   };
   auto run_sm90 = [&](bool counter) {

@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   constexpr int kHeadDim = Traits::kHeadDim;
 
   extern __shared__ char smem[];
-  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0);
+  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0,
+                                              params.nheads / params.nheads_k);
   const BlockInfo binfo(params, coord.batch);
   const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
   if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest

@@ -80,7 +80,8 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const auto launch = [&](auto traits, auto kernel, int64_t grid_size) {
     using Traits = decltype(traits);
     launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads),
-                             Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params));
+                             Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params),
+                             fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
   if constexpr (CounterTraits::kPersistent) {

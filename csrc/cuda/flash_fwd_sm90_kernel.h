@@ -66,7 +66,8 @@ enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 
 // last one's tail.
 template <typename Traits, bool kTilesFromCounter>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma) {
+    flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,
+                          const FwdTileDivisors tile_divisors) {
   static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int n_key_blocks;
   };
   auto tile_at = [&](int64_t tile) {
-    const FwdBlockCoord coord = fwd_tile_coord(causal, tile, num_m_blocks, params.nheads);
+    const FwdBlockCoord coord = fwd_tile_coord(causal, tile, tile_divisors);
     const BlockInfo binfo(params, coord.batch);
     const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
     return Tile{binfo, block, block.n_block_max - block.n_block_min};

@@ -40,7 +40,7 @@ __forceinline__ __device__ FwdBlock fwd_block(const FwdParams& params, const Fwd
   block.m_block = coord.m_block;
   block.head = coord.head;
   block.batch = coord.batch;
-  block.head_kv = coord.head / (params.nheads / params.nheads_k);
+  block.head_kv = coord.head_kv;
   block.row_begin = coord.m_block * kBlockM;
   block.rows_left = binfo.seqlen_q - block.row_begin;
   const int row_end = block.row_begin + (block.rows_left < kBlockM ? block.rows_left : kBlockM);

@@ -19,41 +19,78 @@
 
 #include <cstdint>
 
+#include "fwd_tile_schedule.h"
+#include "int_divisor.h"
+
 namespace flash {
 
 struct FwdBlockCoord {
   int m_block;
   int head;
   int batch;
+  int head_kv;
 };
 
 // Block (m, head, batch) of a (num_m_blocks, nheads, batch) grid, in the
-// order above.
-__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, int m, int head, int batch,
-                                                         int num_m_blocks, int nheads) {
-  if (!causal) return {m, head, batch};
-  // 64-bit: num_m_blocks * nheads may pass 2^32 in a varlen batch of many
-  // sequences and one long one (blocks past a short sequence's end exit).
-  const int64_t in_batch = m + int64_t(num_m_blocks) * head;
-  const int64_t step = in_batch / nheads;  // 0 = handed out first in the batch entry
-  return {int(num_m_blocks - 1 - step), int(in_batch - step * nheads), batch};
+// order above; divmod_heads(n) gives n / nheads and n % nheads.
+template <typename Index, typename DivModHeads>
+__device__ __forceinline__ FwdBlockCoord fwd_block_in_order(bool causal, int m, int head,
+                                                            int batch, int num_m_blocks,
+                                                            const DivModHeads& divmod_heads) {
+  if (!causal) return {m, head, batch, 0};
+  const Index in_batch = m + Index(num_m_blocks) * head;
+  Index step, head_of_step;  // step 0 = handed out first in the batch entry
+  divmod_heads(in_batch, step, head_of_step);
+  return {int(num_m_blocks - 1 - step), int(head_of_step), batch, 0};
 }
 
 // The grid is (num_m_blocks, nheads, batch), within CUDA's per-dimension
 // limits for any shape.
-__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal) {
-  return fwd_block_coord(causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z),
-                         int(gridDim.x), int(gridDim.y));
+__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, int heads_per_kv_head) {
+  const int nheads = int(gridDim.y);
+  // 64-bit: num_m_blocks * nheads may pass 2^31 in a varlen batch of many
+  // sequences and one long one (blocks past a short sequence's end exit).
+  FwdBlockCoord coord = fwd_block_in_order<int64_t>(
+      causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x),
+      [&](int64_t n, int64_t& quot, int64_t& rem) {
+        quot = n / nheads;
+        rem = n - quot * nheads;
+      });
+  coord.head_kv = coord.head / heads_per_kv_head;
+  return coord;
 }
 
 // A persistent grid walks the same blocks by a linear index: tile t is block
 // (t mod num_m_blocks, (t / num_m_blocks) mod nheads, t / (num_m_blocks * nheads))
-// of that grid.
+// of that grid, found with the launcher's divisors (fwd_tile_schedule.h).
 __device__ __forceinline__ FwdBlockCoord fwd_tile_coord(bool causal, int64_t tile,
-                                                        int num_m_blocks, int nheads) {
-  const int64_t rest = tile / num_m_blocks;
-  return fwd_block_coord(causal, int(tile - rest * num_m_blocks), int(rest % nheads),
-                         int(rest / nheads), num_m_blocks, nheads);
+                                                        const FwdTileDivisors& divisors) {
+  FwdBlockCoord coord;
+  const int num_m_blocks = divisors.m_blocks.divisor;
+  // IntDivisor is exact below 2^31; every dividend below is at most the
+  // tile's index. Past that (varlen batches of very many sequences), 64-bit
+  // division.
+  if (tile < 2147483647) {
+    int rest, m, batch, head;
+    divisors.m_blocks.divmod(int(tile), rest, m);
+    divisors.heads.divmod(rest, batch, head);
+    coord = fwd_block_in_order<int>(causal, m, head, batch, num_m_blocks,
+                                    [&](int n, int& quot, int& rem) {
+                                      divisors.heads.divmod(n, quot, rem);
+                                    });
+  } else {
+    const int64_t nheads = divisors.heads.divisor;
+    const int64_t rest = tile / num_m_blocks;
+    const int64_t batch = rest / nheads;
+    coord = fwd_block_in_order<int64_t>(causal, int(tile - rest * num_m_blocks),
+                                        int(rest - batch * nheads), int(batch), num_m_blocks,
+                                        [&](int64_t n, int64_t& quot, int64_t& rem) {
+                                          quot = n / nheads;
+                                          rem = n - quot * nheads;
+                                        });
+  }
+  coord.head_kv = divisors.heads_per_kv_head.quotient(coord.head);
+  return coord;
 }
 
 }  // namespace flash

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "int_divisor.h"
 #include "params.h"
 
 namespace flash {
@@ -22,6 +23,26 @@ constexpr int64_t kFwdSm90MaxGridTiles = 2147483647;
 inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm90BlockM) {
   const int num_m_blocks = (params.seqlen_q + block_m - 1) / block_m;
   return int64_t(num_m_blocks) * params.nheads * params.batch;
+}
+
+// What the Hopper kernel divides a tile's index by to find its block
+// (fwd_tile_coord in fwd_block_order.h), as multiply-highs: a persistent
+// block finds its next tile between two query blocks, with every MMA warp
+// waiting, and as 64-bit divisions that step took 250-360 cycles longer
+// (H100 trace, PERF_LOG), 2-4% of a forward at 512 keys.
+struct FwdTileDivisors {
+  IntDivisor m_blocks;  // query blocks per (head, batch)
+  IntDivisor heads;
+  IntDivisor heads_per_kv_head;
+
+  FwdTileDivisors() = default;
+  FwdTileDivisors(int num_m_blocks, int nheads, int nheads_k)
+      : m_blocks(num_m_blocks), heads(nheads), heads_per_kv_head(nheads / nheads_k) {}
+};
+
+inline FwdTileDivisors fwd_sm90_tile_divisors(const FwdParams& params, int block_m) {
+  return FwdTileDivisors((params.seqlen_q + block_m - 1) / block_m, params.nheads,
+                         params.nheads_k);
 }
 
 // Whether the tiles do different work (a causal or local bound, or the
