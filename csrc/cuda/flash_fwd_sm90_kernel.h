@@ -138,31 +138,63 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // current one is on the tensor cores (the atomic's latency hides behind
   // it) and publishes it in a slot of shared memory; the copy-issuing thread
   // reads it once it has issued the current tile's loads, and runs ahead into
-  // that tile, the MMA warpgroups once done with the current tile. So a block
+  // that tile; the MMA warpgroups read it under their last P V (up to d128,
+  // below) or once done with the current tile. So a block
   // holds at most one tile it has not started. An index past the grid tells
   // everyone to stop. (Not a thread of the producer warpgroup: any mbarrier
   // work of a second producer thread made ptxas spill the copy-issuing
   // thread's loop at its 24 registers.) A kernel of its own: the code for it
   // slowed the fixed-share and one-block-per-tile grids by 2-5% (H100).
-  auto next_tile = [&](int round, int64_t tile_index) -> int64_t {
-    if constexpr (kTilesFromCounter) {
-      empty_barrier(barriers.tile_full).wait(round & 1);
-      const int64_t next = barriers.scheduled_tile;
-      empty_barrier(barriers.tile_empty).arrive();
-      return next;
-    } else {
-      return tile_index + gridDim.x;
-    }
+  auto next_tile = [&](int round) -> int64_t {
+    empty_barrier(barriers.tile_full).wait(round & 1);
+    const int64_t next = barriers.scheduled_tile;
+    empty_barrier(barriers.tile_empty).arrive();
+    return next;
   };
+  // body(tile, look_ahead) calls look_ahead() once. On the counter's grid up
+  // to d128 it takes the next tile and works out its block, a chain of
+  // dependent integer work and parameter loads (varlen: of cu_seqlens), and
+  // the MMA warpgroups call it under their last P V: the counter's query
+  // blocks are short, and the chain had every MMA warp waiting on it between
+  // two of them; there it saved 1-3% at 512-2048 causal keys (H100
+  // microbench; on the fixed-share grid it cost up to 1%, and at d224 the
+  // registers it holds cost 120 B more spills and 2-4%, PERF_LOG). Its
+  // results are pinned by an empty asm, without which ptxas sinks the chain
+  // below the wait for that P V.
+  constexpr bool kLookAhead = kTilesFromCounter && kHeadDim <= 128;
   auto for_each_tile = [&](auto&& body) {
-    if constexpr (Traits::kPersistent) {
+    if constexpr (kLookAhead) {
+      int64_t tile_index = blockIdx.x;
+      if (tile_index >= num_tiles) return;
+      Tile tile = tile_at(tile_index);
+      for (int round = 0;; ++round) {
+        int64_t next_index = num_tiles;
+        Tile next = tile;
+        body(tile, [&] {
+          next_index = next_tile(round);
+          if (next_index < num_tiles) next = tile_at(next_index);
+          const FwdBlock& b = next.block;
+          asm volatile("" ::"r"(b.m_block), "r"(b.head), "r"(b.batch), "r"(b.head_kv),
+                       "r"(b.row_begin), "r"(b.rows_left), "r"(b.n_block_min), "r"(b.n_block_max),
+                       "r"(next.n_key_blocks), "r"(next.binfo.seqlen_q), "r"(next.binfo.seqlen_k),
+                       "l"(next.binfo.q_row_begin), "l"(next.binfo.k_row_begin), "l"(next_index));
+        });
+        if (next_index >= num_tiles) break;
+        tile_index = next_index;
+        tile = next;
+      }
+    } else if constexpr (kTilesFromCounter) {
       int64_t tile_index = blockIdx.x;
       for (int round = 0; tile_index < num_tiles; ++round) {
-        body(tile_at(tile_index));
-        tile_index = next_tile(round, tile_index);
+        body(tile_at(tile_index), [] {});
+        tile_index = next_tile(round);
+      }
+    } else if constexpr (Traits::kPersistent) {
+      for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+        body(tile_at(tile_index), [] {});
       }
     } else {
-      body(tile_at(blockIdx.x));
+      body(tile_at(blockIdx.x), [] {});
     }
   };
 
@@ -178,8 +210,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (tidx != 0) return;
     int kv_loads = 0;
     int q_loads = 0;
-    auto load_tile = [&](const Tile& tile) {
-      if (tile.block.rows_left <= 0 || tile.n_key_blocks <= 0) return;
+    auto load_tile = [&](const Tile& tile, auto&& look_ahead) {
+      if (tile.block.rows_left <= 0 || tile.n_key_blocks <= 0) {
+        look_ahead();
+        return;
+      }
       const FwdBlock& block = tile.block;
       Tensor gQ = local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
@@ -226,6 +261,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       load_v(tile.n_key_blocks - 1);
       kv_loads += tile.n_key_blocks;
       ++q_loads;
+      look_ahead();
     };
     for_each_tile(load_tile);
     return;
@@ -273,12 +309,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     empty_barrier(barriers.tile_full).arrive();  // release: the slot is visible
     ++tiles_published;
   };
-  auto compute_tile = [&](const Tile& tile) {
+  auto compute_tile = [&](const Tile& tile, auto&& look_ahead) {
     const BlockInfo& binfo = tile.binfo;
     const FwdBlock& block = tile.block;
     // varlen: this sequence is shorter than the longest
     if (block.rows_left <= 0) {
       if (takes_tiles) publish_tile(take_tile());
+      look_ahead();
       return;
     }
     const int row_begin = block.row_begin;
@@ -289,6 +326,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
     if (n_tiles <= 0) {
       if (takes_tiles) publish_tile(take_tile());
+      look_ahead();
       Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
       write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
       return;
@@ -394,6 +432,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_issue</*kZeroInit=*/false>(tiled_mma_o, tOrP, tOrVt(_, _, _, stage(last)), acc_o);
     warpgroup_commit_batch();
     if (!last_warp_group) NamedBarrier::arrive(kTurnThreads, next_turn);
+    look_ahead();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     empty_barrier(barriers.v_empty[stage(last)]).arrive();
