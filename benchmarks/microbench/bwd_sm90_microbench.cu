@@ -8,7 +8,8 @@
 // kernel alone.
 //
 //   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
-//     -gencode arch=compute_90a,code=sm_90a -DFLASH_ATTN_HAS_SM90A -DHEAD_DIM=128 \
+//     -gencode arch=compute_90a,code=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED \
+//     -DFLASH_ATTN_HAS_SM90A -DHEAD_DIM=128 \
 //     benchmarks/microbench/bwd_sm90_microbench.cu -o bwd_sm90_d128
 //   ./bwd_sm90_d128 [seqlen] [causal 0/1] [window_left]
 #include <algorithm>

@@ -4,7 +4,8 @@
 // reference), then each is timed with events after warm-up.
 //
 //   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
-//     -gencode arch=compute_90a,code=sm_90a -DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=128 \
+//     -gencode arch=compute_90a,code=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED \
+//     -DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=128 \
 //     benchmarks/microbench/fwd_sm90_microbench.cu -o fwd_sm90_d128
 //   ./fwd_sm90_d128 [seqlen_q] [causal 0/1] [seqlen_k] [window_left]
 #include <algorithm>

@@ -71,6 +71,16 @@ struct BwdSm90KernelTraits {
   static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim > 128),
                 "dK and dV of a warpgroup's share stay in its registers");
 
+  // Q, dO, K, V: (rows, head dim) are laid out in the widest swizzle whose row (64, 32 or
+  // 16 elements) divides the head dim and, in the split design, each
+  // warpgroup's half of it, which dK, dV and dQ read MN-major as whole atoms
+  // (half of 160 or 224 takes the 32-byte swizzle, half of 192 the 64-byte).
+  static constexpr int kHeadDimPerWarpGroup =
+      kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
+  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0   ? 64
+                                     : kHeadDimPerWarpGroup % 32 == 0 ? 32
+                                                                      : 16;
+
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
   using WarpGroupsSdP = Layout<Shape<Int<kKeysPerWarpGroup ? kNWarpGroups : 1>,
@@ -101,25 +111,30 @@ struct BwdSm90KernelTraits {
   // a warpgroup per 64 rows; 64 rows: a warpgroup per half of the head dim.
   static constexpr int kDQWarpGroupsM = kBlockM / 64;
   static constexpr int kDQWarpGroupsN = kNWarpGroups / kDQWarpGroupsM;
+  static constexpr int kDQTileN = kHeadDim / kDQWarpGroupsN;
+  // An MN-major operand's instruction spans whole swizzle atoms of K: d96's
+  // halves of 48 columns do not (32-column atoms) and take N = 16 instructions.
+  static constexpr int kDQInstructionN = kDQTileN % kSwizzleRow == 0 ? kDQTileN : 16;
   using TiledMmadQ = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kHeadDim / kDQWarpGroupsN>, Int<kBlockN>>,
+                                 Shape<_64, Int<kDQInstructionN>, Int<kBlockN>>,
                                  GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDQWarpGroupsM>, Int<kDQWarpGroupsN>, _1>>{}));
+  // One wgmma instruction per tile width, as in the forward
+  // (kernel_traits_sm90.h): the split design's head-dim halves of 80 and 112
+  // are CuTe's extended shapes; tiled from N = 16 instructions they cost the
+  // d160 / d224 backward 16-27% (PERF_LOG).
+  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) ==
+                        (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
+                    size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&
+                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQInstructionN,
+                "wgmma narrower than the tile: build with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
   // The dQ accumulator's layout (bwd_accum_layout.h) is this MMA's fragment
   // order, in one chunk of the whole head dim.
   static constexpr int kDQChunks = 1;
   static constexpr int kDQChunkCols = kHeadDim;
 
-  // Q, dO, K, V: (rows, head dim) in the widest swizzle whose row (64, 32 or
-  // 16 elements) divides the head dim and, in the split design, each
-  // warpgroup's half of it, which dK, dV and dQ read MN-major as whole atoms
-  // (half of 160 or 224 takes the 32-byte swizzle, half of 192 the 64-byte).
-  static constexpr int kHeadDimPerWarpGroup =
-      kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
-  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0   ? 64
-                                     : kHeadDimPerWarpGroup % 32 == 0 ? 32
-                                                                      : 16;
+  // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
   using SmemLayoutAtom = std::conditional_t<
       kSwizzleRow == 64, GMMA::Layout_K_SW128_Atom<Element>,
       std::conditional_t<kSwizzleRow == 32, GMMA::Layout_K_SW64_Atom<Element>,

@@ -33,15 +33,23 @@ struct FwdTileConfig;
 // d160-256 won everywhere measured. d32 stays on SM80 (H200 microbench:
 // 1.01-1.12x at 4096-8192 keys, 0.66-0.86x at 1000 keys and fewer). d64 / d96 measured faster with
 // 128-key than 64-key tiles.
+// Hopper key tiles at d160-256 (H100 microbench, 1024-8192 keys, PERF_LOG):
+// the S = Q K^T wgmma of a 64-key tile reads as many shared-memory bytes per
+// cycle as the SM gives, so wider tiles win as far as shared memory holds
+// two stages of K and V: d160 96 keys (+4-13% over 64), d192 96 (+4-6% from
+// 4096 keys, level at 1024; 80 keys: +1-2%), d224 80 (+7-11%; 96 spills),
+// d256 80 (+4-10%, level causal at 1024 keys). d192-256 lose the persistent
+// grid with them (no room for a separate O tile) and still win. d128 keeps
+// 128 keys (144-192: -1 to -10%).
 //                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys
 template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0; };
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
 template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
 template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 256; };
-template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 64,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0; };
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
