@@ -426,10 +426,6 @@ def _extension(config):
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
             "-lineinfo",
-            # CuTe's op selector offers the wgmma widths that are not multiples
-            # of 32 or 64 (80, 112, 160, 224: the Hopper kernels' tiles at head
-            # dims 160-256) only with this; without it, the traits fail to compile.
-            "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         ]
         # Machine code only, no PTX: a GPU whose arch was not built gets a clear
         # "no kernel image" error instead of a JIT build of older-arch PTX. That

@@ -128,7 +128,7 @@ struct BwdSm90KernelTraits {
                         (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQInstructionN,
-                "wgmma narrower than the tile: build with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
+                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
   // The dQ accumulator's layout (bwd_accum_layout.h) is this MMA's fragment
   // order, in one chunk of the whole head dim.
   static constexpr int kDQChunks = 1;

@@ -75,12 +75,13 @@ struct FwdSm90KernelTraits {
       WarpGroupLayout{}));
   // One wgmma instruction as wide as the tile: many of these widths (80, 96,
   // 160, 224) are among CuTe's "extended" shapes, which its op selector only
-  // offers when the build defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-  // (setup.py); without it, it quietly tiles N = 16 or 32 instructions, and
-  // a 128 x 80 tile at d256 ran 25% slower than with one N = 80 (PERF_LOG).
+  // offers when the file defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first
+  // (the instantiation files that need it do: generate_instantiations.py);
+  // without it, it quietly tiles N = 16 or 32 instructions, and a 128 x 80
+  // tile at d256 ran 25% slower than with one N = 80 (PERF_LOG).
   static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN &&
                     size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDim,
-                "wgmma narrower than the tile: build with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
+                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
 
   // The widest swizzle whose row the head dim fills: 128-byte rows (64
   // elements) spread wgmma's 8-row core matrices over all banks. TMA writes
