@@ -64,8 +64,7 @@ const SplitKvLauncherRegistration kRegistration({head_dim}, /*is_bf16=*/{is_bf16
 """
 
 
-def main() -> None:
-    out_dir = Path(__file__).parent / "instantiations"
+def write_instantiations(out_dir: Path) -> None:
     out_dir.mkdir(exist_ok=True)
     for pattern in ("flash_fwd_hdim*.cu", "flash_bwd_hdim*.cu", "flash_fwd_splitkv_hdim*.cu"):
         for stale in out_dir.glob(pattern):
@@ -82,6 +81,10 @@ def main() -> None:
             path.write_text(
                 SPLITKV_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
             )
+
+
+def main() -> None:
+    write_instantiations(Path(__file__).parent / "instantiations")
 
 
 if __name__ == "__main__":
