@@ -71,10 +71,11 @@ struct BwdSm90KernelTraits {
   static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim > 128),
                 "dK and dV of a warpgroup's share stay in its registers");
 
-  // Q, dO, K, V: (rows, head dim) are laid out in the widest swizzle whose row (64, 32 or
-  // 16 elements) divides the head dim and, in the split design, each
-  // warpgroup's half of it, which dK, dV and dQ read MN-major as whole atoms
-  // (half of 160 or 224 takes the 32-byte swizzle, half of 192 the 64-byte).
+  // Q, dO, K, V, (rows, head dim), are laid out in the widest swizzle whose
+  // row (64, 32 or 16 elements) divides the head dim and, in the split
+  // design, each warpgroup's half of it, which dK, dV and dQ read MN-major as
+  // whole atoms (half of 160 or 224 takes the 32-byte swizzle, half of 192
+  // the 64-byte).
   static constexpr int kHeadDimPerWarpGroup =
       kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
   static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0   ? 64
