@@ -2,7 +2,8 @@
 
 One kernel per file lets ninja compile them in parallel and lets a build pick
 a subset (setup.py filters on the hdimNNN and dtype parts of the file name).
-Run after changing the head-dim or dtype lists; the output is committed.
+Run after changing the lists below; the output is committed (tests/test_instantiations.py
+checks that it is current).
 """
 
 from pathlib import Path
