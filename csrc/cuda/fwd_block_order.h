@@ -31,31 +31,37 @@ struct FwdBlockCoord {
   int head_kv;
 };
 
+// The 64-bit division the block walk falls back on where a dividend may pass
+// 2^31 (IntDivisor is exact below it), with IntDivisor's divmod.
+struct Int64Divisor {
+  int64_t divisor;
+  __device__ __forceinline__ void divmod(int64_t n, int64_t& quot, int64_t& rem) const {
+    quot = n / divisor;
+    rem = n - quot * divisor;
+  }
+};
+
 // Block (m, head, batch) of a (num_m_blocks, nheads, batch) grid, in the
-// order above; divmod_heads(n) gives n / nheads and n % nheads.
-template <typename Index, typename DivModHeads>
+// order above; heads divides by nheads (IntDivisor or Int64Divisor, as Index).
+template <typename Index, typename HeadsDivisor>
 __device__ __forceinline__ FwdBlockCoord fwd_block_in_order(bool causal, int m, int head,
                                                             int batch, int num_m_blocks,
-                                                            const DivModHeads& divmod_heads) {
+                                                            const HeadsDivisor& heads) {
   if (!causal) return {m, head, batch, 0};
   const Index in_batch = m + Index(num_m_blocks) * head;
   Index step, head_of_step;  // step 0 = handed out first in the batch entry
-  divmod_heads(in_batch, step, head_of_step);
+  heads.divmod(in_batch, step, head_of_step);
   return {int(num_m_blocks - 1 - step), int(head_of_step), batch, 0};
 }
 
 // The grid is (num_m_blocks, nheads, batch), within CUDA's per-dimension
 // limits for any shape.
 __device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, int heads_per_kv_head) {
-  const int nheads = int(gridDim.y);
   // 64-bit: num_m_blocks * nheads may pass 2^31 in a varlen batch of many
   // sequences and one long one (blocks past a short sequence's end exit).
-  FwdBlockCoord coord = fwd_block_in_order<int64_t>(
-      causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x),
-      [&](int64_t n, int64_t& quot, int64_t& rem) {
-        quot = n / nheads;
-        rem = n - quot * nheads;
-      });
+  FwdBlockCoord coord =
+      fwd_block_in_order<int64_t>(causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z),
+                                  int(gridDim.x), Int64Divisor{int64_t(gridDim.y)});
   coord.head_kv = coord.head / heads_per_kv_head;
   return coord;
 }
@@ -67,27 +73,20 @@ __device__ __forceinline__ FwdBlockCoord fwd_tile_coord(bool causal, int64_t til
                                                         const FwdTileDivisors& divisors) {
   FwdBlockCoord coord;
   const int num_m_blocks = divisors.m_blocks.divisor;
-  // IntDivisor is exact below 2^31; every dividend below is at most the
-  // tile's index. Past that (varlen batches of very many sequences), 64-bit
-  // division.
+  // Every dividend below is at most the tile's index; past 2^31 (varlen
+  // batches of very many sequences), 64-bit division.
   if (tile < 2147483647) {
     int rest, m, batch, head;
     divisors.m_blocks.divmod(int(tile), rest, m);
     divisors.heads.divmod(rest, batch, head);
-    coord = fwd_block_in_order<int>(causal, m, head, batch, num_m_blocks,
-                                    [&](int n, int& quot, int& rem) {
-                                      divisors.heads.divmod(n, quot, rem);
-                                    });
+    coord = fwd_block_in_order<int>(causal, m, head, batch, num_m_blocks, divisors.heads);
   } else {
-    const int64_t nheads = divisors.heads.divisor;
-    const int64_t rest = tile / num_m_blocks;
-    const int64_t batch = rest / nheads;
-    coord = fwd_block_in_order<int64_t>(causal, int(tile - rest * num_m_blocks),
-                                        int(rest - batch * nheads), int(batch), num_m_blocks,
-                                        [&](int64_t n, int64_t& quot, int64_t& rem) {
-                                          quot = n / nheads;
-                                          rem = n - quot * nheads;
-                                        });
+    const Int64Divisor heads{divisors.heads.divisor};
+    int64_t rest, m, batch, head;
+    Int64Divisor{num_m_blocks}.divmod(tile, rest, m);
+    heads.divmod(rest, batch, head);
+    coord = fwd_block_in_order<int64_t>(causal, int(m), int(head), int(batch), num_m_blocks,
+                                        heads);
   }
   coord.head_kv = divisors.heads_per_kv_head.quotient(coord.head);
   return coord;
