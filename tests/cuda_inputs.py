@@ -28,3 +28,24 @@ def random_cu_seqlens(batch, max_len, allow_empty=True):
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     return cu, int(lengths.max())
+
+
+def many_short_sequences(batch, nheads, nheads_k, head_dim, dtype, max_len=8):
+    """Packed varlen inputs of `batch` sequences, sequence b of (b mod max_len)
+    + 1 query rows and as many keys: with batch past 65535, more sequences than
+    CUDA's grid y or z holds. Returns cu_seqlens (on the CPU), q, k, v."""
+    lengths = torch.arange(batch) % max_len + 1
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    q = torch.randn(total, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    return cu, q, k, v
+
+
+def rows_of_sequences_of_length(cu, length, max_len=8):
+    """The packed rows (n, length) of the sequences of many_short_sequences
+    that have `length` rows, for a batched reference over all of them."""
+    starts = cu[length - 1:-1:max_len].long()
+    return (starts[:, None] + torch.arange(length)).to(DEVICE)

@@ -12,7 +12,8 @@ import reference
 from reference import assert_within_criterion, attention_ref, varlen_attention_ref
 
 import flash_attn_cuda  # registers the ops
-from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
+from cuda_inputs import (DEVICE, DTYPES, HEAD_DIMS, many_short_sequences, poison_allocator,
+                         random_cu_seqlens, random_qkv, rows_of_sequences_of_length)
 
 pytestmark = pytest.mark.cuda
 
@@ -441,6 +442,28 @@ def test_bwd_batch_heads_over_65535(bwd_kernel):
     for b in (0, batch // 2, batch - 1):
         sl = slice(b, b + 1)
         check_grads(q[sl], k[sl], v[sl], dout[sl], tuple(g[sl] for g in grads))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("features", ["plain", "softcap", "deterministic"])
+def test_varlen_bwd_more_sequences_than_grid_yz(causal, features, bwd_kernel):
+    """70000 sequences of 1 to 8 rows, two query heads on one kv head: 140000
+    (head, sequence) pairs, more than CUDA's grid y or z holds (65535). Every
+    backward kernel (D, the main kernel of either design, the dQ conversion,
+    the kv heads' sums or, deterministic, their reduction) carries the pairs
+    on y and z together (csrc/cuda/grid_heads_batch.h). Every sequence is
+    checked."""
+    batch, nheads, nheads_k, head_dim, max_len = 70000, 2, 1, 64, 8
+    cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, torch.bfloat16,
+                                       max_len)
+    dout = torch.randn_like(q)
+    softcap = 5.0 if features == "softcap" else 0.0
+    grads = run_varlen_fwd_bwd(q, k, v, dout, cu, cu, max_len, max_len, causal=causal,
+                               softcap=softcap, deterministic=features == "deterministic")
+    for length in range(1, max_len + 1):
+        rows = rows_of_sequences_of_length(cu, length, max_len)
+        check_grads(q[rows], k[rows], v[rows], dout[rows], tuple(g[rows] for g in grads),
+                    causal=causal, softcap=softcap)
 
 
 def test_bwd_tensor_over_2_pow_31_elements():

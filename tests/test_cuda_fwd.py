@@ -13,7 +13,8 @@ from reference import assert_within_criterion, attention_ref
 
 import flash_attn_cuda  # registers the ops
 from conftest import left_out_reason
-from cuda_inputs import DEVICE, DTYPES, HEAD_DIMS, poison_allocator, random_cu_seqlens, random_qkv
+from cuda_inputs import (DEVICE, DTYPES, HEAD_DIMS, many_short_sequences, poison_allocator,
+                         random_cu_seqlens, random_qkv, rows_of_sequences_of_length)
 
 pytestmark = pytest.mark.cuda
 
@@ -330,6 +331,37 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
     assert counter_kernel_ran({event.name for event in prof.events()}) == takes_counter
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_fwd_zeroes_a_tile_counter_only_for_the_counter_grid(head_dim, monkeypatch):
+    """Causal calls of more query blocks than SMs and at most 2048 keys may
+    take their tiles from a counter. The launcher zeroes it only when the grid
+    it picks does: one memset beside the counter kernel, and none at d32 /
+    d256 (no counter grid) or for d64 at 256 keys (the SM80 kernel's)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    batch = sms // 8 + 1  # at least 2 query blocks x 8 heads x batch > SMs
+    for seqlen in (256, 2048):
+        q, k, v = random_qkv(batch, seqlen, seqlen, 8, 8, head_dim, torch.bfloat16)
+        torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1, 0.0, False,
+                                 0, 0, None)  # warm-up: first-call allocations stay out
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1, 0.0,
+                                     False, 0, 0, None)
+            torch.cuda.synchronize()
+        on_gpu = [event.name for event in prof.events()
+                  if event.device_type == torch.autograd.DeviceType.CUDA]
+        counter_ran = counter_kernel_ran(on_gpu)
+        counter_grid_lengths = {64: (2048,), 128: (256, 2048)}.get(head_dim, ())
+        assert counter_ran == (seqlen in counter_grid_lengths), on_gpu
+        memsets = [name for name in on_gpu if "memset" in name.lower()]
+        assert len(memsets) == int(counter_ran), on_gpu
+
+
 def sm90_block_rows(names):
     """The query rows of the Hopper forward kernels that ran (the second
     argument of their traits)."""
@@ -399,22 +431,51 @@ def test_varlen_fwd_more_tiles_than_grid_x(head_dim, monkeypatch):
     torch.testing.assert_close(lse[heads], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
 
 
-def test_varlen_fwd_sm80_grid_limit_is_a_clear_error():
-    """The SM80-design kernel (here through softcap) puts the sequences on
-    grid z: more than 65535 of them is refused with the reason, not a CUDA
-    launch error."""
-    batch = 65536
-    cu = torch.full((batch + 1,), 8, dtype=torch.int32, device=DEVICE)
-    cu[0] = 0
-    q = torch.randn(8, 2, 64, device=DEVICE, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError) as refusal:
-        torch.ops.flash_attn.varlen_fwd(q, q, q, cu, cu, None, None, 8, 8, 0.0, 0.125, False, -1,
-                                        -1, 5.0, False, 0, 0, None)
-    # A reduced build without head dim 64 refuses the call before the grid check.
-    left_out = left_out_reason(refusal.value, flash_attn_cuda.build_info)
-    if left_out:
-        pytest.skip(left_out)
-    assert "at most 65535 sequences" in str(refusal.value)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("features", ["plain", "softcap", "paged", "return_softmax"])
+def test_varlen_fwd_more_sequences_than_grid_yz(causal, features, fwd_kernel):
+    """70000 sequences of 1 to 8 rows and two heads: 140000 (head, sequence)
+    pairs, more than CUDA's grid y or z holds (65535), as a packed batch of
+    short sequences has. The kernels whose grids give each pair its blocks
+    (the SM80 forward, which softcap and short keys take; the paged gather;
+    the returned probabilities) carry the pairs on y and z together
+    (csrc/cuda/grid_heads_batch.h). Every sequence is checked."""
+    batch, nheads, nheads_k, head_dim, max_len = 70000, 2, 1, 64, 8
+    dtype = torch.bfloat16
+    cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, dtype, max_len)
+    softcap = 5.0 if features == "softcap" else 0.0
+    k_in, v_in, table = k, v, None
+    if features == "paged":
+        # One 16-row page per sequence, pages in random order.
+        num_pages = batch + 3
+        pages = torch.randperm(num_pages, device=DEVICE)[:batch]
+        lengths = (cu[1:] - cu[:-1]).to(DEVICE)
+        seq_of_row = torch.repeat_interleave(torch.arange(batch, device=DEVICE), lengths)
+        row_in_seq = torch.arange(len(q), device=DEVICE) - cu.to(DEVICE).long()[seq_of_row]
+        k_in = torch.randn(num_pages, 16, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+        v_in = torch.randn_like(k_in)
+        k_in[pages[seq_of_row], row_in_seq] = k
+        v_in[pages[seq_of_row], row_in_seq] = v
+        table = torch.full((batch, 2), -1, dtype=torch.int32, device=DEVICE)
+        table[:, 0] = pages.int()
+    poison_allocator()
+    out, lse, probs, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k_in, v_in, cu.to(DEVICE), cu.to(DEVICE), table, None, max_len, max_len, 0.0,
+        head_dim ** -0.5, causal, -1, -1, softcap, features == "return_softmax", 0, 0, None)
+    for length in range(1, max_len + 1):
+        rows = rows_of_sequences_of_length(cu, length, max_len)
+        qb, kb, vb = q[rows], k[rows], v[rows]
+        check_against_reference(qb, kb, vb, out[rows], lse[:, rows].permute(1, 0, 2),
+                                causal=causal, softcap=softcap)
+        if features == "return_softmax":
+            scores = torch.einsum("bqhd,bkhd->bhqk", qb.float(),
+                                  kb.float().repeat_interleave(nheads // nheads_k, dim=2))
+            visible = reference.visible_mask(length, length, -1, 0 if causal else -1, DEVICE)
+            ref_probs = torch.softmax(
+                (scores * head_dim ** -0.5).masked_fill(~visible, float("-inf")), dim=-1)
+            seqs = torch.arange(length - 1, batch, max_len, device=DEVICE)
+            torch.testing.assert_close(probs[seqs, :, :length, :length].float(), ref_probs,
+                                       atol=1e-2, rtol=1e-2)
 
 
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):

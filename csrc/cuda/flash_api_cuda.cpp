@@ -91,12 +91,15 @@ void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_sca
   params.is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
-// The tile counter a causal / local forward on the Hopper kernel takes its
-// tiles from (fwd_tile_schedule.h), zeroed on the stream; undefined where the
-// kernel takes none. The caller keeps it alive across the launch.
+// Room for the tile counter a causal / local forward on the Hopper kernel may
+// take its tiles from (fwd_tile_schedule.h); undefined where no grid could.
+// The launcher zeroes it on the stream only if the grid it picks takes tiles
+// from it (flash_fwd_launch.h: not every head dim has that grid, and short
+// keys run the SM80 kernel). The caller keeps it alive across the launch.
 at::Tensor tile_counter_for(FwdParams& params, const at::Tensor& q) {
+  params.tile_counter = nullptr;
   if (!fwd_sm90_takes_tiles_from_counter(params)) return at::Tensor();
-  at::Tensor counter = at::zeros({1}, q.options().dtype(at::kLong));
+  at::Tensor counter = at::empty({1}, q.options().dtype(at::kLong));
   params.tile_counter = reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>());
   return counter;
 }

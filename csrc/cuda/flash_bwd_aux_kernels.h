@@ -14,6 +14,7 @@
 
 #include "block_info.h"
 #include "bwd_accum_layout.h"
+#include "grid_heads_batch.h"
 #include "params.h"
 
 namespace flash {
@@ -39,12 +40,15 @@ constexpr int dot_rows_per_block() {
   return kBwdAuxThreads / dot_lanes_per_row<kHeadDim>();
 }
 
-// Grid: (ceil(seqlen_q / dot_rows_per_block), nheads, batch).
+// Grid: (ceil(seqlen_q / dot_rows_per_block), (head, batch) pairs); the
+// pairs of grid_heads_batch.h, here and in the kernels below.
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(const BwdParams params) {
   constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const int row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
   const int lane = threadIdx.x % kLanesPerRow;
@@ -148,7 +152,7 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   __syncthreads();  // the tile may be written again by the next call
 }
 
-// Grid: (query blocks of the main kernel's kBlockM rows, nheads, batch), with
+// Grid: (query blocks of the main kernel's kBlockM rows, (head, batch)), with
 // the main kernel's thread count: dQ = scale * (sum of the accumulator's
 // slices), from its dQ partition.
 template <typename Traits>
@@ -158,8 +162,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
   const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const int row_begin = m_block * kBlockM;
   if (row_begin >= binfo.seqlen_q) return;
@@ -174,7 +180,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       params.dq.row_stride, min(kBlockM, binfo.seqlen_q - row_begin), params.head_dim);
 }
 
-// Grid: (key blocks of the main kernel's kBlockN rows, nheads_k, batch), with
+// Grid: (key blocks of the main kernel's kBlockN rows, (kv head, batch)), with
 // the main kernel's thread count: GQA/MQA dK and dV from the kv heads' fp32
 // sums (non-deterministic mode), from the main kernel's dK / dV partition.
 template <typename Traits>
@@ -184,8 +190,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   const int n_block = blockIdx.x;
-  const int head_kv = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
+  const int head_kv = pair.head;
+  const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const int row_begin = n_block * kBlockN;
   if (row_begin >= binfo.seqlen_k) return;
@@ -205,13 +213,15 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim);
 }
 
-// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), nheads_k, batch). GQA/MQA in
+// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
 // deterministic mode: dK and dV of a kv head sum its query heads' shares in
 // head order.
 template <typename Element, int kAccumHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_reduce_dkv_kernel(const BwdParams params) {
-  const int head_kv = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
+  const int head_kv = pair.head;
+  const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const int row_begin = blockIdx.x * kConvertRowsPerBlock;
   if (row_begin >= binfo.seqlen_k) return;

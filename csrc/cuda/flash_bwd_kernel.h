@@ -17,6 +17,7 @@
 #include "bwd_block_io.h"
 #include "dropout.h"
 #include "flash_bwd_pointwise.h"
+#include "grid_heads_batch.h"
 #include "params.h"
 #include "score_mods.h"
 #include "tile_ops.h"
@@ -359,14 +360,17 @@ constexpr bool bwd_tile_fits_this_arch() {
 #endif
 }
 
-// Grid: (key blocks, or dQ splits when deterministic; heads; batch). A split
+// Grid: (key blocks, or dQ splits when deterministic; (head, batch) pairs of
+// grid_heads_batch.h). A split
 // block walks key blocks split, split + gridDim.x, ... in order.
 template <typename Traits, bool kWithScoreExtras>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_dq_dk_dv_kernel(const BwdParams params) {
   if constexpr (bwd_tile_fits_this_arch<Traits>()) {
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
+    HeadBatch pair;
+    if (!block_head_batch(params.nheads, params.batch, pair)) return;
+    const int head = pair.head;
+    const int batch = pair.batch;
     const BlockInfo binfo(params, batch);
     const int num_n_blocks = (binfo.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     const int split = params.deterministic ? blockIdx.x : 0;

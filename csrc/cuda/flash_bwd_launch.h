@@ -19,6 +19,7 @@
 #include "flash_bwd_aux_kernels.h"
 #include "flash_bwd_kernel.h"
 #include "flash_bwd_sm90_kernel.h"
+#include "grid_heads_batch.h"
 #include "params.h"
 
 namespace flash {
@@ -59,8 +60,9 @@ template <typename MainTraits>
 void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   using Element = typename MainTraits::Element;
   constexpr int kHeadDim = MainTraits::kHeadDim;
-  const dim3 dq_grid((params.seqlen_q + MainTraits::kBlockM - 1) / MainTraits::kBlockM,
-                     params.nheads, params.batch);
+  const dim3 dq_grid = grid_over_heads_batch(
+      (params.seqlen_q + MainTraits::kBlockM - 1) / MainTraits::kBlockM, params.nheads,
+      params.batch);
   flash_bwd_convert_dq_kernel<MainTraits><<<dq_grid, MainTraits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
@@ -68,13 +70,14 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   // when deterministic).
   if (params.nheads != params.nheads_k && !params.deterministic) {
     const int num_n_blocks = (params.seqlen_k + MainTraits::kBlockN - 1) / MainTraits::kBlockN;
-    const dim3 dkv_grid(num_n_blocks, params.nheads_k, params.batch);
+    const dim3 dkv_grid = grid_over_heads_batch(num_n_blocks, params.nheads_k, params.batch);
     flash_bwd_convert_dkv_kernel<MainTraits>
         <<<dkv_grid, MainTraits::kNThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   } else if (params.nheads != params.nheads_k) {
-    const dim3 dkv_grid((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
-                        params.nheads_k, params.batch);
+    const dim3 dkv_grid = grid_over_heads_batch(
+        (params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock, params.nheads_k,
+        params.batch);
     flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
         <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
@@ -105,13 +108,14 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   }
 
   constexpr int kDotRows = dot_rows_per_block<kHeadDim>();
-  const dim3 dot_grid((params.seqlen_q + kDotRows - 1) / kDotRows, params.nheads, params.batch);
+  const dim3 dot_grid = grid_over_heads_batch((params.seqlen_q + kDotRows - 1) / kDotRows,
+                                              params.nheads, params.batch);
   flash_bwd_dot_do_o_kernel<Element, kHeadDim><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(params.deterministic ? params.num_splits : num_n_blocks, params.nheads,
-                  params.batch);
+  const dim3 grid = grid_over_heads_batch(
+      params.deterministic ? params.num_splits : num_n_blocks, params.nheads, params.batch);
   // The plain kernels also assume a positive, normal softmax scale (their exp
   // lets a masked -inf score become 0 untested; a scale the device would
   // flush to 0 would make it NaN); any other scale takes the general kernel,

@@ -42,8 +42,9 @@
 #include "bwd_accum_layout.h"
 #include "bwd_block_io.h"
 #include "bwd_kernel_traits_sm90.h"
-#include "fwd_tma_loads.h"
 #include "flash_bwd_pointwise.h"
+#include "fwd_tma_loads.h"
+#include "grid_heads_batch.h"
 #include "params.h"
 #include "score_mods.h"
 #include "tile_ops.h"
@@ -66,9 +67,10 @@ struct BwdSm90EpilogueBarrier {
   }
 };
 
-// Grid: (key blocks, or dQ splits when deterministic; heads; batch), as the
-// SM80 kernel's; a block walks key blocks blockIdx.x, blockIdx.x + gridDim.x,
-// ... (more than one only in deterministic mode).
+// Grid: (key blocks, or dQ splits when deterministic; (head, batch) pairs of
+// grid_heads_batch.h), as the SM80 kernel's; a block walks key blocks
+// blockIdx.x, blockIdx.x + gridDim.x, ... (more than one only in
+// deterministic mode).
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     flash_bwd_sm90_kernel(const BwdParams params, const __grid_constant__ BwdSm90Tma<Traits> tma) {
@@ -84,8 +86,10 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
   extern __shared__ char smem[];
   const int tidx = threadIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const int seqlen_q = binfo.seqlen_q;
   const int seqlen_k = binfo.seqlen_k;

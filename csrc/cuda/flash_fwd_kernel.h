@@ -14,6 +14,7 @@
 #include "fwd_block_io.h"
 #include "dropout.h"
 #include "fwd_block_order.h"
+#include "grid_heads_batch.h"
 #include "kernel_traits.h"
 #include "params.h"
 #include "score_mods.h"
@@ -41,8 +42,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   constexpr int kHeadDim = Traits::kHeadDim;
 
   extern __shared__ char smem[];
-  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0,
-                                              params.nheads / params.nheads_k);
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0, pair,
+                                              params.nheads, params.nheads / params.nheads_k);
   const BlockInfo binfo(params, coord.batch);
   const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
   if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest

@@ -3,9 +3,6 @@
 // and the choice between the SM80 kernel and the Hopper one.
 #pragma once
 
-#include <stdexcept>
-#include <string>
-
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
@@ -13,6 +10,7 @@
 #include "flash_fwd_kernel.h"
 #include "flash_fwd_sm90_kernel.h"
 #include "fwd_tile_schedule.h"
+#include "grid_heads_batch.h"
 #include "kernel_traits.h"
 #include "kernel_traits_sm90.h"
 #include "params.h"
@@ -31,15 +29,9 @@ void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
                                  kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps,
                                  Element>;
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  // Query blocks on x (no 65535 limit); heads and batch on y and z. The
+  // Query blocks on x (no 65535 limit), (head, batch) pairs on y and z. The
   // kernel takes its block in the order of fwd_block_order.h.
-  if (params.batch > 65535 || params.nheads > 65535) {
-    throw std::runtime_error(
-        "flash_attn_cuda: this forward kernel (the softcap / ALiBi / dropout variant, or any "
-        "kernel off sm90) takes at most 65535 sequences and 65535 heads; got batch = " +
-        std::to_string(params.batch) + ", nheads = " + std::to_string(params.nheads));
-  }
-  const dim3 grid(num_m_blocks, params.nheads, params.batch);
+  const dim3 grid = grid_over_heads_batch(num_m_blocks, params.nheads, params.batch);
   launch_with_dynamic_smem(&flash_fwd_kernel<Traits, kWithScoreExtras>, grid,
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
 }
@@ -85,9 +77,12 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
   if constexpr (CounterTraits::kPersistent) {
-    // (The rule asks for more tiles than SMs itself: the op sizes the
-    // counter by it.)
+    // (The rule asks for more tiles than SMs itself, counted in this grid's
+    // 128-row tiles.)
     if (params.tile_counter != nullptr && fwd_sm90_takes_tiles_from_counter(params)) {
+      // Zeroed here, where the grid is chosen, and not by the op, which
+      // would zero it for calls that run another grid too.
+      FA_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
       launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>, params.num_sms);
       return;
     }

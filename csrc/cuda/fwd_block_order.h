@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "fwd_tile_schedule.h"
+#include "grid_heads_batch.h"
 #include "int_divisor.h"
 
 namespace flash {
@@ -54,14 +55,14 @@ __device__ __forceinline__ FwdBlockCoord fwd_block_in_order(bool causal, int m, 
   return {int(num_m_blocks - 1 - step), int(head_of_step), batch, 0};
 }
 
-// The grid is (num_m_blocks, nheads, batch), within CUDA's per-dimension
-// limits for any shape.
-__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, int heads_per_kv_head) {
+// Block (blockIdx.x, head, batch) of the SM80 kernel's grid
+// (num_m_blocks, pairs of grid_heads_batch.h), with the pair already found.
+__device__ __forceinline__ FwdBlockCoord fwd_block_coord(bool causal, HeadBatch pair, int nheads,
+                                                         int heads_per_kv_head) {
   // 64-bit: num_m_blocks * nheads may pass 2^31 in a varlen batch of many
   // sequences and one long one (blocks past a short sequence's end exit).
-  FwdBlockCoord coord =
-      fwd_block_in_order<int64_t>(causal, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z),
-                                  int(gridDim.x), Int64Divisor{int64_t(gridDim.y)});
+  FwdBlockCoord coord = fwd_block_in_order<int64_t>(causal, int(blockIdx.x), pair.head, pair.batch,
+                                                    int(gridDim.x), Int64Divisor{nheads});
   coord.head_kv = coord.head / heads_per_kv_head;
   return coord;
 }

@@ -1,6 +1,7 @@
 // How the Hopper forward's grid walks its tiles, as the host sees it: shared
 // by the launcher, which sizes the grid (flash_fwd_launch.h), and the op,
-// which zeroes a tile counter only for the grids that take tiles from one.
+// which provides a tile counter only for calls whose grid may take tiles from
+// one (the launcher zeroes it if its grid does).
 #pragma once
 
 #include <cstdint>

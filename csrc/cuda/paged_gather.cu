@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "cuda_check.h"
+#include "grid_heads_batch.h"
 
 namespace flash {
 namespace {
@@ -14,7 +15,9 @@ constexpr int kThreads = 128;
 // the nheads_k x head_dim elements of each row (2-byte copies: head dims need
 // not be multiples of 8, and this path is not the one decode takes).
 __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
-  const int batch = blockIdx.y;
+  HeadBatch pair;  // one "head" per sequence: the grid's y and z are the sequences
+  if (!block_head_batch(1, params.batch, pair)) return;
+  const int batch = pair.batch;
   const int row_begin = params.cu_seqlens_packed[batch];
   const int seqlen = params.cu_seqlens_packed[batch + 1] - row_begin;
   const int* table = params.block_table + batch * params.block_table_batch_stride;
@@ -46,7 +49,8 @@ __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
 
 void launch_gather_paged_rows(const PagedGatherParams& params, cudaStream_t stream) {
   if (params.batch == 0 || params.max_seqlen_k == 0) return;
-  const dim3 grid((params.max_seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, params.batch);
+  const dim3 grid = grid_over_heads_batch(
+      (params.max_seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, 1, params.batch);
   gather_paged_rows_kernel<<<grid, kThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 }

@@ -54,8 +54,9 @@ struct FwdParams {
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
   int total_k;  // varlen: rows of k and v
   int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)
-  // Zeroed before the launch, or null: a causal / local persistent grid of the
-  // Hopper forward takes its tiles past the first wave from this counter.
+  // Room for one counter, or null: a causal / local persistent grid of the
+  // Hopper forward takes its tiles past the first wave from it, and its
+  // launcher zeroes it first.
   unsigned long long* tile_counter;
 
   float softmax_scale;

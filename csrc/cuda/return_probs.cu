@@ -9,6 +9,7 @@
 #include "../common/philox.h"
 #include "block_info.h"
 #include "cuda_check.h"
+#include "grid_heads_batch.h"
 
 namespace flash {
 namespace {
@@ -21,11 +22,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
-// One thread per (row, col) of one (batch, head); grid (row*col chunks, head, batch).
+// One thread per (row, col) of one (batch, head); grid (row*col chunks,
+// (head, batch) pairs of grid_heads_batch.h).
 template <typename Element>
 __global__ void return_probs_kernel(const FwdParams params) {
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int row = static_cast<int>(idx / params.seqlen_k);
   const int col = static_cast<int>(idx % params.seqlen_k);
@@ -69,8 +73,8 @@ void launch_return_probs(const FwdParams& params, cudaStream_t stream) {
   const int64_t elems = int64_t(params.seqlen_q) * params.seqlen_k;
   if (elems == 0 || params.batch == 0 || params.nheads == 0) return;
   constexpr int kThreads = 256;
-  const dim3 grid(static_cast<unsigned>((elems + kThreads - 1) / kThreads), params.nheads,
-                  params.batch);
+  const dim3 grid =
+      grid_over_heads_batch((elems + kThreads - 1) / kThreads, params.nheads, params.batch);
   if (params.is_bf16) {
     return_probs_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params);
   } else {
