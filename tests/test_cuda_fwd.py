@@ -402,33 +402,42 @@ def test_fwd_block_rows_on_sm90(head_dim, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_varlen_fwd_more_tiles_than_grid_x(head_dim, monkeypatch):
-    """A varlen batch of very many (here empty) sequences and one long one:
-    the grid counts the longest sequence's query blocks in every sequence,
-    2^31 + 512 tiles, more than a grid's x dimension holds, so the Hopper
-    kernel walks them on its persistent grid (flash_fwd_launch.h)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, monkeypatch):
+    """A varlen batch of 2^22 + 1 sequences, all empty but the first (long)
+    and the last: the grid counts the longest sequence's 16 query blocks (of
+    the tile table's 192 rows at d64, 128 at d128) in every sequence and 32
+    heads, 2^31 + 512 tiles, more than a grid's x dimension holds, so the
+    Hopper kernel walks them in fixed shares of its persistent grid
+    (flash_fwd_launch.h). The last sequence's tiles are the ones past 2^31,
+    found by the 64-bit fallback of fwd_tile_coord (fwd_block_order.h)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
     if "sm_90a" not in flash_attn_cuda.build_info:
         pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
     monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
-    batch, nheads, seqlen_q, seqlen_k = (1 << 22) + 1, 32, 2048, 4096  # 16 query blocks
+    batch, nheads, seqlen_k = (1 << 22) + 1, 32, 4096
+    seqlen_q = 16 * (192 if head_dim == 64 else 128)
+    last_q, last_k = 300, 500
     cu_q = torch.full((batch + 1,), seqlen_q, dtype=torch.int32, device=DEVICE)
     cu_k = torch.full((batch + 1,), seqlen_k, dtype=torch.int32, device=DEVICE)
     cu_q[0] = cu_k[0] = 0
-    q = torch.randn(seqlen_q, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(seqlen_k, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    cu_q[-1], cu_k[-1] = seqlen_q + last_q, seqlen_k + last_k
+    q = torch.randn(seqlen_q + last_q, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(seqlen_k + last_k, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q, cu_k, None, None, seqlen_q, seqlen_k, 0.0, head_dim ** -0.5, False, -1,
+        q, k, v, cu_q, cu_k, None, None, seqlen_q, seqlen_k, 0.0, head_dim ** -0.5, causal, -1,
         -1, 0.0, False, 0, 0, None)
-    heads = slice(0, 4)  # the reference's scores of all 32 heads would take 1 GB
-    qb, kb, vb = (t[None, :, heads] for t in (q, k, v))
-    ref_out, ref_lse = attention_ref(qb, kb, vb, compute_dtype=torch.float32)
-    same_out, _ = attention_ref(qb, kb, vb, compute_dtype=torch.bfloat16)
-    assert_within_criterion(out[None, :, heads], ref_out, same_out, name="out")
-    torch.testing.assert_close(lse[heads], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
+    first = (slice(0, seqlen_q), slice(0, seqlen_k), slice(0, 4))  # all 32 heads: 1 GB of scores
+    last = (slice(seqlen_q, None), slice(seqlen_k, None), slice(None))
+    for rows, keys, heads in (first, last):
+        qb, kb, vb = q[None, rows, heads], k[None, keys, heads], v[None, keys, heads]
+        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=causal, compute_dtype=torch.float32)
+        same_out, _ = attention_ref(qb, kb, vb, causal=causal, compute_dtype=torch.bfloat16)
+        assert_within_criterion(out[None, rows, heads], ref_out, same_out, name="out")
+        torch.testing.assert_close(lse[heads, rows], ref_lse[0].float(), atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("causal", [False, True])
