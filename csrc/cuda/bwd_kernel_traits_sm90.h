@@ -71,16 +71,28 @@ struct BwdSm90KernelTraits {
   static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim > 128),
                 "dK and dV of a warpgroup's share stay in its registers");
 
+  // dQ = dS K, (queries, head dim): 128 query rows take a warpgroup per 64
+  // rows; 64 rows a warpgroup per half of the head dim.
+  static constexpr int kDQWarpGroupsM = kBlockM / 64;
+  static constexpr int kDQWarpGroupsN = kNWarpGroups / kDQWarpGroupsM;
+  static constexpr int kDQTileN = kHeadDim / kDQWarpGroupsN;
+
   // Q, dO, K, V, (rows, head dim), are laid out in the widest swizzle whose
-  // row (64, 32 or 16 elements) divides the head dim and, in the split
-  // design, each warpgroup's half of it, which dK, dV and dQ read MN-major as
-  // whole atoms (half of 160 or 224 takes the 32-byte swizzle, half of 192
-  // the 64-byte).
+  // row (64, 32 or 16 elements) divides each warpgroup's share of the head
+  // dim in dK / dV (all of it, or in the split design half) and in dQ: those
+  // products read Q, dO and K MN-major, and an MN-major instruction spans
+  // whole atoms. Half of 160 or 224 takes the 32-byte swizzle, half of 192
+  // the 64-byte. dQ's halves at d64 (32 columns) and d96 (48) take the 64-
+  // and 32-byte swizzles, one N = 32 or N = 48 instruction each, where the
+  // wider swizzle of their dK / dV alone left strings of N = 16: the whole
+  // backward ran 2-13% faster at d64 and 1-12% at d96, level at d32 (H100
+  // microbench, PERF_LOG).
   static constexpr int kHeadDimPerWarpGroup =
       kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
-  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0   ? 64
-                                     : kHeadDimPerWarpGroup % 32 == 0 ? 32
-                                                                      : 16;
+  static constexpr int kSwizzleRow =
+      kHeadDimPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0   ? 64
+      : kHeadDimPerWarpGroup % 32 == 0 && kDQTileN % 32 == 0 ? 32
+                                                             : 16;
 
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
@@ -108,27 +120,21 @@ struct BwdSm90KernelTraits {
                                      Shape<_64, Int<kDKVTileN>, Int<kBlockM>>, GMMA::Major::K,
                                      GMMA::Major::MN>(),
           WarpGroupsdKV{}))>;
-  // dQ = dS K, (queries, head dim), both operands MN-major. 128 query rows:
-  // a warpgroup per 64 rows; 64 rows: a warpgroup per half of the head dim.
-  static constexpr int kDQWarpGroupsM = kBlockM / 64;
-  static constexpr int kDQWarpGroupsN = kNWarpGroups / kDQWarpGroupsM;
-  static constexpr int kDQTileN = kHeadDim / kDQWarpGroupsN;
-  // An MN-major operand's instruction spans whole swizzle atoms of K: d96's
-  // halves of 48 columns do not (32-column atoms) and take N = 16 instructions.
-  static constexpr int kDQInstructionN = kDQTileN % kSwizzleRow == 0 ? kDQTileN : 16;
+  // dQ = dS K, (queries, head dim), both operands MN-major, warpgroups as
+  // above.
   using TiledMmadQ = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kDQInstructionN>, Int<kBlockN>>,
+                                 Shape<_64, Int<kDQTileN>, Int<kBlockN>>,
                                  GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDQWarpGroupsM>, Int<kDQWarpGroupsN>, _1>>{}));
   // One wgmma instruction per tile width, as in the forward
   // (kernel_traits_sm90.h): the split design's head-dim halves of 80 and 112
-  // are CuTe's extended shapes; tiled from N = 16 instructions they cost the
-  // d160 / d224 backward 16-27% (PERF_LOG).
+  // and d96's dQ halves of 48 are CuTe's extended shapes; tiled from N = 16
+  // instructions they cost the d160 / d224 backward 16-27% (PERF_LOG).
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) ==
                         (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&
-                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQInstructionN,
+                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQTileN,
                 "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
   // The dQ accumulator's layout (bwd_accum_layout.h) is this MMA's fragment
   // order, in one chunk of the whole head dim.

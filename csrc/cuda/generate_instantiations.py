@@ -12,12 +12,12 @@ HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 DTYPES = {"fp16": ("cutlass::half_t", "false"), "bf16": ("cutlass::bfloat16_t", "true")}
 
 # Head dims whose Hopper kernels use wgmma widths that CuTe's op selector only
-# offers with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (80, 112, 160, 224: the
+# offers with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (48, 80, 112, 160, 224: the
 # forward's key tiles at 224 / 256 and its P V at 160 / 224, the backward's
-# head-dim halves at 160 / 224). The switch pulls in 76k more lines of CuTe
+# head-dim halves at 160 / 224 and its dQ halves at 96). The switch pulls in 76k more lines of CuTe
 # headers, about 25 s more per file, so only these files define it; the kernel
 # traits fail to compile where it is missing and needed.
-EXTENDED_WGMMA_HEAD_DIMS = {"fwd": {160, 224, 256}, "bwd": {160, 224}}
+EXTENDED_WGMMA_HEAD_DIMS = {"fwd": {160, 224, 256}, "bwd": {96, 160, 224}}
 EXTENDED_WGMMA_DEFINE = """\
 // The Hopper kernels of this head dim use wgmma widths that CuTe's op selector
 // offers only with this switch (kernel_traits_sm90.h); before any CuTe header.
