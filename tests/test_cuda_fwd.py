@@ -65,11 +65,19 @@ def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, monkeypatch):
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
     _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
     monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
-    # By shape: the Hopper kernel from the table's key count on (tile_config.h).
+    # By shape: the Hopper kernel from the table's key count on (tile_config.h)
+    # for a call of few query blocks.
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True))
     assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == (128 >= min_keys_sm90)
+    # Below it, calls of many query blocks (fwd_sm90_by_shape in
+    # fwd_tile_schedule.h: 8 per SM; here 12) take the Hopper kernel too.
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    q_many, k_many, v_many = random_qkv(3 * sms, 256, 128, 2, 2, head_dim, torch.bfloat16)
+    assert uses_sm90(forward_kernel_names(q_many, k_many, v_many))
+    assert uses_sm90(forward_kernel_names(q_many, k_many, v_many, causal=True))
     # The score extras stay on the SM80 kernel.
     assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
+    assert not uses_sm90(forward_kernel_names(q_many, k_many, v_many, softcap=5.0))
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
     assert uses_sm90(forward_kernel_names(q, k_short, v_short))
     # Inputs TMA cannot describe (a head stride of 0) run the SM80 kernel.

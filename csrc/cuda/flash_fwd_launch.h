@@ -109,13 +109,11 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   const bool with_score_extras =
       params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
   if constexpr (has_sm90_forward<kHeadDim>()) {
-    // Short key ranges stay on the SM80 kernel where the table says so
-    // (kMinSeqlenKSm90: several small SM80 blocks per SM hide each other's
-    // short pipelines better than one 384-thread Hopper block). Inputs TMA
-    // cannot describe run the SM80 kernel whatever was asked for.
+    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe run the SM80
+    // kernel whatever was asked for.
     const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
                       (params.fwd_kernel == KernelChoice::kAuto &&
-                       params.seqlen_k >= FwdTileConfig<kHeadDim>::kMinSeqlenKSm90);
+                       fwd_sm90_by_shape(params, FwdTileConfig<kHeadDim>::kMinSeqlenKSm90));
     using Traits = FwdSm90GridTraits<Element, kHeadDim>;
     // A grid of one block per tile beyond grid x's limit runs the SM80
     // kernel's 3-D grid instead (only the persistent grids walk that many).

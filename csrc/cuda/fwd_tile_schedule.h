@@ -26,6 +26,24 @@ inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm9
   return int64_t(num_m_blocks) * params.nheads * params.batch;
 }
 
+// Whether a call the Hopper kernel can take runs it rather than the SM80
+// kernel: from the tile table's key count on (kMinSeqlenKSm90), and below it
+// when there are many query blocks to spread, at least
+// kFwdSm90ShortKeysMinTilesPerSm of 128 rows per SM. H100, bf16, 17-512
+// query rows and 128-384 keys below the key threshold, SM80 time / Hopper
+// time (PERF_LOG): with 16k tokens (16-30 query blocks per SM) 1.05-1.60x at
+// d64 / d96 / d128 (level to 0.96x at d64 with 17 rows and 128 keys); by
+// query blocks per SM, d96 / d128 won from 3-4 (1.01-1.18x at 4), d64 lost
+// up to 4 (0.79-0.90x with 17-128 rows) and was level to ahead from 8
+// (1.00-1.16x); a few blocks per SM (calls of ~30 us) ran 2-14% faster on
+// the SM80 kernel.
+constexpr int kFwdSm90ShortKeysMinTilesPerSm = 8;
+inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k) {
+  return params.seqlen_k >= min_seqlen_k ||
+         (params.num_sms > 0 &&
+          fwd_sm90_num_tiles(params) >= int64_t(kFwdSm90ShortKeysMinTilesPerSm) * params.num_sms);
+}
+
 // What the Hopper kernel divides a tile's index by to find its block
 // (fwd_tile_coord in fwd_block_order.h), as multiply-highs: a persistent
 // block finds its next tile between two query blocks, with every MMA warp

@@ -29,7 +29,9 @@ struct FwdTileConfig;
 // SM80 one at 4096-8192 keys (H100 microbench, PERF_LOG): d64 1.29-1.40x,
 // d96 1.48-1.60x, d128 1.76-1.95x, d160 1.78-1.81x, d192-256 1.99-2.16x.
 // Below the key threshold it lost at short calls (d64 / d96 with 17 query
-// rows and 128-300 keys 0.75-0.95x, d128 with 17 rows and 128 keys 0.89x);
+// rows and 128-300 keys 0.75-0.95x, d128 with 17 rows and 128 keys 0.89x;
+// since then calls of many query blocks run it below the threshold too:
+// fwd_sm90_by_shape in fwd_tile_schedule.h);
 // d160-256 won everywhere measured. d32 stays on SM80 (H200 microbench:
 // 1.01-1.12x at 4096-8192 keys, 0.66-0.86x at 1000 keys and fewer). d64 / d96 measured faster with
 // 128-key than 64-key tiles.
