@@ -38,6 +38,18 @@ def fwd_kernel(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def sm90_auto_choice(monkeypatch):
+    """For the tests of which Hopper forward grid the launcher picks by shape:
+    an sm90 GPU, a build with sm_90a machine code, and no
+    FLASH_ATTN_FWD_KERNEL forcing a kernel."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+
+
 def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
             dropout_p=0.0, softmax_scale=None, return_softmax=False, seed=0, offset=0):
     if softmax_scale is None:
@@ -56,15 +68,10 @@ def forward_kernel_names(q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("head_dim,min_keys_sm90", [(64, 512), (128, 256), (256, 0)])
-def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, monkeypatch):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
-    if "sm_90a" not in flash_attn_cuda.build_info:
-        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, sm90_auto_choice, monkeypatch):
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
     _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
-    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     # By shape: the Hopper kernel from the table's key count on (tile_config.h)
     # for a call of few query blocks.
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True))
@@ -307,15 +314,10 @@ def test_fwd_tiles_from_counter(dtype, head_dim, fwd_kernel):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
+def test_fwd_counter_grid_choice_on_sm90(head_dim, sm90_auto_choice):
     """The counter grid runs for causal / local / varlen shapes of more query
     blocks than SMs whose query blocks see at most 2048 keys, and not
     otherwise (nor at d256, whose kernel walks one query block per block)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
-    if "sm_90a" not in flash_attn_cuda.build_info:
-        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     batch = sms // 8 + 1  # 16 query blocks x 8 heads x batch > SMs
     q, k, v = random_qkv(batch, 2048, 2048, 8, 8, head_dim, torch.bfloat16)
@@ -340,16 +342,11 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_fwd_zeroes_a_tile_counter_only_for_the_counter_grid(head_dim, monkeypatch):
+def test_fwd_zeroes_a_tile_counter_only_for_the_counter_grid(head_dim, sm90_auto_choice):
     """Causal calls of more query blocks than SMs and at most 2048 keys may
     take their tiles from a counter. The launcher zeroes it only when the grid
     it picks does: one memset beside the counter kernel, and none at d32 /
     d256 (no counter grid) or for d64 at 256 keys (the SM80 kernel's)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
-    if "sm_90a" not in flash_attn_cuda.build_info:
-        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     batch = sms // 8 + 1  # at least 2 query blocks x 8 heads x batch > SMs
     for seqlen in (256, 2048):
@@ -382,16 +379,11 @@ def sm90_block_rows(names):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fwd_block_rows_on_sm90(head_dim, monkeypatch):
+def test_fwd_block_rows_on_sm90(head_dim, sm90_auto_choice):
     """The tile table's query block (192 rows, three MMA warpgroups, at head
     dim 64) runs every Hopper grid but the counter's, which keeps 128 rows:
     one block per query block, fixed shares of a persistent grid (checked
     against the reference too) and the counter grid."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
-    if "sm_90a" not in flash_attn_cuda.build_info:
-        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     table_rows = 192 if head_dim == 64 else 128
     q, k, v = random_qkv(2, 700, 900, 4, 2, head_dim, torch.bfloat16)
     assert sm90_block_rows(forward_kernel_names(q, k, v)) == {table_rows}
@@ -411,7 +403,7 @@ def test_fwd_block_rows_on_sm90(head_dim, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, monkeypatch):
+def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, sm90_auto_choice):
     """A varlen batch of 2^22 + 1 sequences, all empty but the first (long)
     and the last: the grid counts the longest sequence's 16 query blocks (of
     the tile table's 192 rows at d64, 128 at d128) in every sequence and 32
@@ -419,11 +411,6 @@ def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, monkeypatch):
     Hopper kernel walks them in fixed shares of its persistent grid
     (flash_fwd_launch.h). The last sequence's tiles are the ones past 2^31,
     found by the 64-bit fallback of fwd_tile_coord (fwd_block_order.h)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
-    if "sm_90a" not in flash_attn_cuda.build_info:
-        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
-    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     batch, nheads, seqlen_k = (1 << 22) + 1, 32, 4096
     seqlen_q = 16 * (192 if head_dim == 64 else 128)
     last_q, last_k = 300, 500
