@@ -30,13 +30,12 @@ inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm9
 // kernel: from the tile table's key count on (kMinSeqlenKSm90), and below it
 // when there are many query blocks to spread, at least
 // kFwdSm90ShortKeysMinTilesPerSm of 128 rows per SM. H100, bf16, 17-512
-// query rows and 128-384 keys below the key threshold, SM80 time / Hopper
-// time (PERF_LOG): with 16k tokens (16-30 query blocks per SM) 1.05-1.60x at
-// d64 / d96 / d128 (level to 0.96x at d64 with 17 rows and 128 keys); by
-// query blocks per SM, d96 / d128 won from 3-4 (1.01-1.18x at 4), d64 lost
-// up to 4 (0.79-0.90x with 17-128 rows) and was level to ahead from 8
-// (1.00-1.16x); a few blocks per SM (calls of ~30 us) ran 2-14% faster on
-// the SM80 kernel.
+// query rows and 128-512 keys, SM80 time / Hopper time (PERF_LOG): with 16k
+// tokens (5-31 query blocks per SM) 1.02-1.69x at d64 / d96 / d128 (level to
+// 0.96x at d64 with 17 rows and 128 keys); by query blocks per SM, d96 /
+// d128 won from 3-4 (1.01-1.18x at 4), d64 lost at 4 with 17-128 rows
+// (0.79-0.90x) and was level to ahead from 8 (1.00-1.16x); with 2 sequences
+// (0.5-2 blocks per SM, calls of ~30 us) 0.81-0.98x.
 constexpr int kFwdSm90ShortKeysMinTilesPerSm = 8;
 inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k) {
   return params.seqlen_k >= min_seqlen_k ||
