@@ -77,8 +77,12 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True))
-    # The score extras, and a scale that is not positive, stay on the SM80 kernel.
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
+    # Softcap and ALiBi run the Hopper kernel too; dropout, and a scale that is
+    # not positive, stay on the SM80 kernel.
+    slopes = torch.rand(2, device=DEVICE) * 0.3
+    assert uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
+    assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True, alibi_slopes=slopes))
+    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0, dropout_p=0.1))
     assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
     # So do inputs TMA cannot describe (a kv head stride of 0).
     k_shared = k[:, :, :1].expand(-1, -1, 2, -1)
@@ -144,7 +148,7 @@ def test_bwd_local(dtype, head_dim, window, seqlen_q, seqlen_k, bwd_kernel):
 @pytest.mark.parametrize("softcap", [0.0, 5.0, 30.0])
 @pytest.mark.parametrize("alibi", [None, "heads", "batch_heads"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
+def test_bwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal, bwd_kernel):
     batch, nheads = 2, 4
     q, k, v = random_qkv(batch, 129, 257, nheads, 2, head_dim, dtype)
     dout = torch.randn_like(q)
@@ -155,6 +159,22 @@ def test_bwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
         slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
     grads, _ = run_fwd_bwd(q, k, v, dout, causal=causal, softcap=softcap, alibi_slopes=slopes)
     check_grads(q, k, v, dout, grads, causal=causal, softcap=softcap, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (70, 20)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_softcap_alibi_other_head_dims(head_dim, window, deterministic, bwd_kernel):
+    """Softcap and ALiBi together at the remaining head dims (each has its own
+    Hopper tile), under causal and local masks, over several key and query
+    blocks, in both backward modes."""
+    batch, nheads = 2, 4
+    q, k, v = random_qkv(batch, 300, 421, nheads, 2, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
+    kwargs = dict(window=window, softcap=15.0, alibi_slopes=slopes)
+    grads, _ = run_fwd_bwd(q, k, v, dout, deterministic=deterministic, **kwargs)
+    check_grads(q, k, v, dout, grads, window_size=window, softcap=15.0, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -67,8 +67,10 @@ def forward_kernel_names(q, k, v, **kwargs):
     return {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize("head_dim,min_keys_sm90", [(64, 512), (128, 256), (256, 0)])
-def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, sm90_auto_choice, monkeypatch):
+@pytest.mark.parametrize("head_dim,min_keys_sm90,min_blocks_per_sm",
+                         [(64, 512, 8), (96, 512, 4), (128, 256, 4), (256, 0, 0)])
+def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, min_blocks_per_sm, sm90_auto_choice,
+                                   monkeypatch):
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
     _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
@@ -76,15 +78,25 @@ def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, sm90_auto_choice, mo
     # for a call of few query blocks.
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True))
     assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == (128 >= min_keys_sm90)
-    # Below it, calls of many query blocks (fwd_sm90_by_shape in
-    # fwd_tile_schedule.h: 8 per SM; here 12) take the Hopper kernel too.
+    # Below it, calls of many query blocks of 128 rows (the table's
+    # kMinBlocksPerSmSm90 per SM; fwd_sm90_by_shape in fwd_tile_schedule.h)
+    # take the Hopper kernel too: here 12 and 4 per SM.
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     q_many, k_many, v_many = random_qkv(3 * sms, 256, 128, 2, 2, head_dim, torch.bfloat16)
     assert uses_sm90(forward_kernel_names(q_many, k_many, v_many))
     assert uses_sm90(forward_kernel_names(q_many, k_many, v_many, causal=True))
-    # The score extras stay on the SM80 kernel.
-    assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
-    assert not uses_sm90(forward_kernel_names(q_many, k_many, v_many, softcap=5.0))
+    q_four, k_four, v_four = random_qkv(sms, 256, 128, 2, 2, head_dim, torch.bfloat16)
+    assert uses_sm90(forward_kernel_names(q_four, k_four, v_four)) == (
+        128 >= min_keys_sm90 or min_blocks_per_sm <= 4)
+    # Softcap and ALiBi take the Hopper kernel by the same rule; dropout stays
+    # on the SM80 kernel.
+    slopes = torch.rand(2, device=DEVICE) * 0.3
+    assert uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
+    assert uses_sm90(forward_kernel_names(q, k, v, causal=True, alibi_slopes=slopes))
+    assert uses_sm90(forward_kernel_names(q_many, k_many, v_many, softcap=5.0))
+    assert uses_sm90(forward_kernel_names(q, k_short, v_short, softcap=5.0)) == (
+        128 >= min_keys_sm90)
+    assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0, dropout_p=0.1))
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
     assert uses_sm90(forward_kernel_names(q, k_short, v_short))
     # Inputs TMA cannot describe (a head stride of 0) run the SM80 kernel.
@@ -141,7 +153,7 @@ def test_fwd_local(dtype, head_dim, window, seqlen_q, seqlen_k, fwd_kernel):
 @pytest.mark.parametrize("softcap", [0.0, 5.0, 30.0])
 @pytest.mark.parametrize("alibi", [None, "heads", "batch_heads"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
+def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal, fwd_kernel):
     batch, nheads = 2, 4
     q, k, v = random_qkv(batch, 129, 257, nheads, 2, head_dim, dtype)
     slopes = None
@@ -151,6 +163,24 @@ def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal):
         slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
     out, lse, _, _ = run_fwd(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
     check_against_reference(q, k, v, out, lse, causal=causal, softcap=softcap,
+                            alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (70, 20)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 421), (1100, 700)])
+def test_fwd_softcap_alibi_other_head_dims(head_dim, window, seqlen_q, seqlen_k, fwd_kernel):
+    """Softcap and ALiBi together at the remaining head dims (each has its own
+    Hopper tile), under causal and local masks, over several query and key
+    blocks; the longer call has more query blocks than an H100 has SMs, so
+    the Hopper kernel's persistent grid runs it where the head dim has one."""
+    batch, nheads = 2, 4
+    if seqlen_q > 1000:
+        batch, nheads = 4, 8
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, 2, head_dim, torch.bfloat16)
+    slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
+    out, lse, _, _ = run_fwd(q, k, v, window=window, softcap=15.0, alibi_slopes=slopes)
+    check_against_reference(q, k, v, out, lse, window_size=window, softcap=15.0,
                             alibi_slopes=slopes)
 
 
@@ -281,8 +311,11 @@ def check_varlen_against_reference(cu_q, cu_k, max_q, max_k, nheads, nheads_k, h
 
 def counter_kernel_ran(names):
     """Whether the Hopper forward ran on the persistent grid that takes its
-    tiles from a counter (the kernel's second template argument)."""
-    return any("flash_fwd_sm90_kernel" in name and ", true>" in name for name in names)
+    tiles from a counter (the kernel's second template argument; the third
+    says whether it has the score mods)."""
+    grids = (re.search(r"flash_fwd_sm90_kernel<.*>, (true|false), (?:true|false)>", name)
+             for name in names)
+    return any(grid is not None and grid.group(1) == "true" for grid in grids)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,8 +3,8 @@
 // under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
 // the group reduction of the per-head shares), all on one stream. The caller
 // (flash_api_cuda.cpp) allocates and zeroes the accumulators. On sm90 the
-// plain score rule runs the Hopper main kernel (flash_bwd_sm90_kernel.h) at
-// the head dims the tile table gives it; the conversion kernels then read the
+// score rule without dropout runs the Hopper main kernel
+// (flash_bwd_sm90_kernel.h) at the head dims the tile table gives it; the conversion kernels then read the
 // accumulators in its fragment order.
 #pragma once
 
@@ -87,14 +87,14 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
 // Launches the Hopper main kernel if it takes this call: inputs TMA can
 // describe, on a device with the shared memory for it (else the SM80 kernel
 // runs the call, as in the forward). Returns whether it launched.
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kWithScoreMods>
 bool launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
   if (params.smem_per_block_optin < Sm90Traits::kSmemSize ||
       !BwdSm90Tma<Sm90Traits>::can_load(params)) {
     return false;
   }
-  launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits>, grid,
+  launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits, kWithScoreMods>, grid,
                            dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream,
                            params, BwdSm90Tma<Sm90Traits>::make(params));
   return true;
@@ -122,15 +122,19 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   // which tests.
   const bool scale_is_positive_normal =
       params.softmax_scale_log2 >= std::numeric_limits<float>::min();
-  const bool with_score_extras = params.softcap > 0.f || params.alibi_slopes != nullptr ||
-                                 params.dropout_p > 0.f || !scale_is_positive_normal;
+  const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool with_dropout = params.dropout_p > 0.f;
+  const bool with_score_extras = with_score_mods || with_dropout || !scale_is_positive_normal;
   if constexpr (has_sm90_backward<kHeadDim>()) {
     using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
     static_assert(Traits::kBlockM % Sm90Traits::kBlockM == 0 &&
                       Sm90Traits::kBlockN == Traits::kBlockN,
                   "the table's block shape sizes the accumulators and the grid");
-    if (params.bwd_kernel != KernelChoice::kSm80 && !with_score_extras &&
-        launch_bwd_sm90_main<Element, kHeadDim>(params, grid, stream)) {
+    // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
+    // (only the SM80 kernels draw its keep mask) and other scales do not.
+    if (params.bwd_kernel != KernelChoice::kSm80 && !with_dropout && scale_is_positive_normal &&
+        (with_score_mods ? launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream)
+                         : launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream))) {
       run_flash_bwd_convert<Sm90Traits>(params, stream);
       return;
     }

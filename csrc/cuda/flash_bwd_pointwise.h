@@ -115,6 +115,43 @@ __forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& d
   }
 }
 
+// The softcap / ALiBi rule on a transposed (key, query) fragment, after both
+// products have landed, as the Hopper backward's kWithScoreMods variant runs
+// it: scores holds s^T after scale, softcap, ALiBi and mask (-inf where
+// hidden) and becomes P^T; dp holds dP^T and becomes dS^T, with the softcap's
+// 1 - tanh^2 recovered from s as in scores_to_p_and_ds below. The statistics
+// are per column, as in scores_to_p_transposed; the scores are in natural
+// units, so args.exp_scale_log2 is log2(e).
+template <typename TensorS, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void scores_to_p_and_ds_transposed(
+    TensorS& scores, TensorDP& dp, const TensorC& tScS_rowcol, int key_base, int query_base,
+    const float* block_lse, const float* block_d, const BwdPointwiseArgs& args) {
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(scores); ++ni) {
+    const int query_in_block = get<1>(tScS_rowcol(0, ni));
+    const float lse_log2 = lse_to_log2(block_lse[query_in_block]);
+    const float d = block_d[query_in_block];
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(scores); ++mi) {
+      const float s = scores(mi, ni);
+      const float p = exp2f(fmaf(s, args.exp_scale_log2, -lse_log2));
+      float ds = p * (dp(mi, ni) - d);
+      if (args.softcap > 0.f && p > 0.f) {
+        float capped = s;
+        if (args.has_alibi) {
+          capped -= alibi_bias(args.alibi_slope, query_base + query_in_block,
+                               key_base + get<0>(tScS_rowcol(mi, 0)), args.seqlen_q,
+                               args.seqlen_k);
+        }
+        const float tanh_value = capped * args.inv_softcap;
+        ds *= 1.f - tanh_value * tanh_value;
+      }
+      scores(mi, ni) = p;
+      dp(mi, ni) = ds;
+    }
+  }
+}
+
 // The full score rule, after both GEMMs: scores (rows, cols) holds s with the
 // mask applied (-inf where hidden) and becomes P_out; dp holds dO V^T and
 // becomes dS. lse_log2 / row_d are per row of the fragment (+inf / 0 for rows

@@ -24,9 +24,10 @@
 // the whole block meet at the top of every query block: H100, main kernel,
 // +5-11% at d128, +10-18% at d64, +10-21% at d192 / d256 over it.)
 //
-// It runs the plain score rule (causal / local / bounds masking, a positive
-// normal scale) on inputs TMA can describe; the launcher sends the softcap /
-// ALiBi / dropout variant and anything else to flash_bwd_kernel.h.
+// It runs the causal / local / bounds mask with a positive normal scale and,
+// in its kWithScoreMods variant, softcap and ALiBi before the mask, on
+// inputs TMA can describe; the launcher sends dropout and anything else to
+// flash_bwd_kernel.h.
 #pragma once
 
 #include <cmath>
@@ -71,7 +72,13 @@ struct BwdSm90EpilogueBarrier {
 // grid_heads_batch.h), as the SM80 kernel's; a block walks key blocks
 // blockIdx.x, blockIdx.x + gridDim.x, ... (more than one only in
 // deterministic mode).
-template <typename Traits>
+//
+// kWithScoreMods: S^T goes through the scale, softcap and ALiBi in natural
+// units before the mask, and P^T and dS^T are made in one pass once dP^T
+// has landed too (scores_to_p_and_ds_transposed: the softcap's derivative
+// comes from s, which P overwrites), so the exponentials no longer run
+// under the dP^T product; the plain variant keeps that overlap.
+template <typename Traits, bool kWithScoreMods = false>
 __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     flash_bwd_sm90_kernel(const BwdParams params, const __grid_constant__ BwdSm90Tma<Traits> tma) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
@@ -254,6 +261,20 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   Tensor tScS = thr_mma_sdp.partition_C(cSt);
   Tensor tScS_rowcol = make_tensor(tScS.data(), wgmma_acc_layout_as_rowcol(tScS.layout()));
 
+  BwdPointwiseArgs score_mods{};
+  if constexpr (kWithScoreMods) {
+    score_mods.exp_scale_log2 = float(M_LOG2E);
+    score_mods.softcap = params.softcap;
+    score_mods.inv_softcap = params.softcap > 0.f ? 1.f / params.softcap : 0.f;
+    score_mods.has_alibi = params.alibi_slopes != nullptr;
+    score_mods.alibi_slope =
+        score_mods.has_alibi
+            ? params.alibi_slopes[batch * params.alibi_batch_stride + head]
+            : 0.f;
+    score_mods.seqlen_q = seqlen_q;
+    score_mods.seqlen_k = seqlen_k;
+  }
+
   // Zeroes rows [first_row, kRows) of a (kRows, head dim) shared tile.
   auto zero_rows_from = [&](auto&& tile, int first_row) {
     constexpr int kRows = decltype(size<0>(tile))::value;
@@ -326,17 +347,30 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
         const float* row_lse = smem_row_stats + stage * 2 * kBlockM;
         const float* row_d = row_lse + kBlockM;
+        if constexpr (kWithScoreMods) {
+          apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+          if (score_mods.has_alibi) {
+            apply_alibi_transposed(scores, tScS_rowcol, block.col_begin, row_begin,
+                                   score_mods.alibi_slope, seqlen_q, seqlen_k);
+          }
+        }
         if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, block.col_begin,
                                     block.col_begin + kBlockN, seqlen_q, seqlen_k,
                                     params.window_left, params.window_right)) {
           apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
                                 seqlen_k, params.window_left, params.window_right);
         }
-        scores_to_p_transposed(scores, tScS_rowcol, row_lse, params.softmax_scale_log2);
-
-        warpgroup_wait<0>();  // dP^T
-        warpgroup_fence_operand(acc_dp);
-        p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
+        if constexpr (kWithScoreMods) {
+          warpgroup_wait<0>();  // dP^T
+          warpgroup_fence_operand(acc_dp);
+          scores_to_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin,
+                                        row_lse, row_d, score_mods);
+        } else {
+          scores_to_p_transposed(scores, tScS_rowcol, row_lse, params.softmax_scale_log2);
+          warpgroup_wait<0>();  // dP^T
+          warpgroup_fence_operand(acc_dp);
+          p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
+        }
         // P^T and dS^T in the register layout of the dV / dK A operand,
         // converted only now, so that the fp32 P and its 16-bit copy are
         // never live together (with 128-query tiles at d64 they spilled).

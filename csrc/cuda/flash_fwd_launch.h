@@ -67,7 +67,10 @@ using FwdSm90GridTraits =
 // free. H100 microbench (PERF_LOG): the fixed shares ran non-causal d64 /
 // d128 3-20% faster (most at 512 keys), but causal d128 up to 21% slower than
 // the hardware's order; at d256 (no tile for O) it did not win.
-template <typename Element, int kHeadDim>
+// kWithScoreMods (softcap or ALiBi) runs the kernel's variant with them on
+// the fixed-share or one-per-tile grid; the counter grid's short causal
+// tiles keep the plain rule only, one instantiation fewer per head dim.
+template <typename Element, int kHeadDim, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const auto launch = [&](auto traits, auto kernel, int64_t grid_size) {
     using Traits = decltype(traits);
@@ -76,7 +79,7 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
-  if constexpr (CounterTraits::kPersistent) {
+  if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {
     // (The rule asks for more tiles than SMs itself, counted in this grid's
     // 128-row tiles.)
     if (params.tile_counter != nullptr && fwd_sm90_takes_tiles_from_counter(params)) {
@@ -96,31 +99,38 @@ void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
     // query blocks in each).
     if (more_tiles_than_sms &&
         (!fwd_tiles_differ_in_work(params) || num_tiles > kFwdSm90MaxGridTiles)) {
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false>, params.num_sms);
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>, params.num_sms);
       return;
     }
   }
-  launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false>, num_tiles);
+  launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>, num_tiles);
 }
 
 template <typename Element, int kHeadDim>
 void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
-  const bool with_score_extras =
-      params.softcap > 0.f || params.alibi_slopes != nullptr || params.dropout_p > 0.f;
+  const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool with_dropout = params.dropout_p > 0.f;
+  const bool with_score_extras = with_score_mods || with_dropout;
   if constexpr (has_sm90_forward<kHeadDim>()) {
-    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe run the SM80
-    // kernel whatever was asked for.
+    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe, and dropout
+    // (only the SM80 kernels draw its keep mask), run the SM80 kernel
+    // whatever was asked for.
     const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
                       (params.fwd_kernel == KernelChoice::kAuto &&
-                       fwd_sm90_by_shape(params, FwdTileConfig<kHeadDim>::kMinSeqlenKSm90));
+                       fwd_sm90_by_shape(params, FwdTileConfig<kHeadDim>::kMinSeqlenKSm90,
+                                         FwdTileConfig<kHeadDim>::kMinBlocksPerSmSm90));
     using Traits = FwdSm90GridTraits<Element, kHeadDim>;
     // A grid of one block per tile beyond grid x's limit runs the SM80
     // kernel's 3-D grid instead (only the persistent grids walk that many).
     const bool grid_fits = Traits::kPersistent ||
                            fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
-    if (sm90 && grid_fits && !with_score_extras && FwdSm90Tma<Traits>::can_load(params)) {
-      launch_flash_fwd_sm90<Element, kHeadDim>(params, stream);
+    if (sm90 && grid_fits && !with_dropout && FwdSm90Tma<Traits>::can_load(params)) {
+      if (with_score_mods) {
+        launch_flash_fwd_sm90<Element, kHeadDim, true>(params, stream);
+      } else {
+        launch_flash_fwd_sm90<Element, kHeadDim, false>(params, stream);
+      }
       if (params.p_ptr != nullptr) launch_return_probs(params, stream);
       return;
     }

@@ -16,10 +16,11 @@
 //     turn), so one warpgroup's softmax runs while another's products occupy
 //     the tensor cores, instead of all meeting at a block barrier every tile
 //     with the tensor cores idle in between.
-// It runs the plain score rule (causal / local / bounds masking) on
-// TMA-describable inputs (16-byte aligned pointers, strides that are positive
-// multiples of 16 bytes); the launcher sends the softcap / ALiBi / dropout
-// variant and anything else to flash_fwd_kernel.h.
+// It runs the causal / local / bounds mask and, in its kWithScoreMods
+// variant, softcap and ALiBi before it (score_mods.h, in the contract's
+// order), on TMA-describable inputs (16-byte aligned pointers, strides that
+// are positive multiples of 16 bytes); the launcher sends dropout and
+// anything else to flash_fwd_kernel.h.
 #pragma once
 
 #include <cmath>
@@ -64,11 +65,18 @@ enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 
 // ahead into the next tile (its K / V stages as they come free, its Q once
 // the MMA warpgroups have handed Q back), so a tile's prologue overlaps the
 // last one's tail.
-template <typename Traits, bool kTilesFromCounter>
+//
+// kWithScoreMods: the scores go through the softmax scale, softcap and ALiBi
+// in natural units before the mask (as in flash_fwd_kernel.h); the plain
+// variant folds the scale into the exp2 multiplier instead. Its own
+// instantiation, so that the plain rule's loop carries none of it.
+template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,
                           const FwdTileDivisors tile_divisors) {
   static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
+  static_assert(!(kTilesFromCounter && kWithScoreMods),
+                "the counter grid runs the plain score rule (fwd_sm90_takes_tiles_from_counter)");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Element = typename Traits::Element;
   using NamedBarrier = cutlass::arch::NamedBarrier;
@@ -295,6 +303,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
   };
 
+  // In natural units after the score mods: lse and the exp2 multiplier
+  // leave the scale out.
+  const float exp_scale_log2 = kWithScoreMods ? float(M_LOG2E) : params.softmax_scale_log2;
+  const float lse_scale = kWithScoreMods ? 1.f : params.softmax_scale;
+  const bool has_alibi = kWithScoreMods && params.alibi_slopes != nullptr;
+
   int kv_loads = 0;
   int q_loads = 0;
   // The MMA thread that takes the tiles from the counter.
@@ -323,6 +337,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int n_block_max = block.n_block_max;
     const int n_tiles = tile.n_key_blocks;
     float* lse_rows = fwd_lse_rows(params, binfo, block);
+    const float alibi_slope =
+        has_alibi ? params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head]
+                  : 0.f;
     Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
     if (n_tiles <= 0) {
       if (takes_tiles) publish_tile(take_tile());
@@ -398,6 +415,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();
 
       const int col_base = n_block * kBlockN;
+      if constexpr (kWithScoreMods) {
+        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+        if (has_alibi) {
+          apply_alibi(scores, tScS_rowcol, row_begin, col_base, alibi_slope, binfo.seqlen_q,
+                      binfo.seqlen_k);
+        }
+      }
       if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
                                   binfo.seqlen_q, binfo.seqlen_k, params.window_left,
                                   params.window_right)) {
@@ -405,7 +429,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                    params.window_left, params.window_right);
       }
       typename OnlineSoftmax<kNRows>::TileCorrection correction;
-      softmax.update_scores(scores, params.softmax_scale_log2, correction);
+      softmax.update_scores(scores, exp_scale_log2, correction);
 
       if constexpr (kHasPendingPv) {
         warpgroup_wait<0>();
@@ -438,7 +462,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     empty_barrier(barriers.v_empty[stage(last)]).arrive();
 
     float lse[kNRows];
-    softmax.finalize(acc_o_rowcol, params.softmax_scale, 1.f, lse);
+    softmax.finalize(acc_o_rowcol, lse_scale, 1.f, lse);
 
     // Each warpgroup stages its own 64 rows of O (over its own rows of Q,
     // which only its own finished wgmmas read, unless O has a tile of its

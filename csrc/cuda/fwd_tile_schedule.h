@@ -28,19 +28,18 @@ inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm9
 
 // Whether a call the Hopper kernel can take runs it rather than the SM80
 // kernel: from the tile table's key count on (kMinSeqlenKSm90), and below it
-// when there are many query blocks to spread, at least
-// kFwdSm90ShortKeysMinTilesPerSm of 128 rows per SM. H100, bf16, 17-512
-// query rows and 128-512 keys, SM80 time / Hopper time (PERF_LOG): with 16k
-// tokens (5-31 query blocks per SM) 1.02-1.69x at d64 / d96 / d128 (level to
-// 0.96x at d64 with 17 rows and 128 keys); by query blocks per SM, d96 /
-// d128 won from 3-4 (1.01-1.18x at 4), d64 lost at 4 with 17-128 rows
-// (0.79-0.90x) and was level to ahead from 8 (1.00-1.16x); with 2 sequences
-// (0.5-2 blocks per SM, calls of ~30 us) 0.81-0.98x.
-constexpr int kFwdSm90ShortKeysMinTilesPerSm = 8;
-inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k) {
+// when there are many query blocks to spread, at least the table's
+// kMinBlocksPerSmSm90 of 128 rows per SM (the measurements beside the
+// table). H100, bf16, 17-512 query rows and 128-512 keys, SM80 time /
+// Hopper time (PERF_LOG): with 16k tokens (5-31 query blocks per SM)
+// 1.02-1.69x at d64 / d96 / d128 (level to 0.96x at d64 with 17 rows and
+// 128 keys); with 2 sequences (0.5-2 blocks per SM, calls of ~30 us)
+// 0.81-0.98x.
+inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k,
+                              int min_blocks_per_sm) {
   return params.seqlen_k >= min_seqlen_k ||
          (params.num_sms > 0 &&
-          fwd_sm90_num_tiles(params) >= int64_t(kFwdSm90ShortKeysMinTilesPerSm) * params.num_sms);
+          fwd_sm90_num_tiles(params) >= int64_t(min_blocks_per_sm) * params.num_sms);
 }
 
 // What the Hopper kernel divides a tile's index by to find its block
@@ -86,8 +85,9 @@ inline int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
 // Whether a forward that the Hopper kernel may run takes its tiles past the
 // first wave from params.tile_counter (flash_fwd_sm90_kernel.h): more tiles
 // than SMs, of different work, each short enough that a tile's prologue and
-// epilogue are a large share of it, on the plain score rule (the softcap /
-// ALiBi / dropout variant runs the SM80 kernel). H100 microbench, causal,
+// epilogue are a large share of it, on the plain score rule (softcap and
+// ALiBi run the Hopper kernel's other grids, dropout the SM80 kernel; one
+// kernel instantiation fewer per head dim). H100 microbench, causal,
 // against one block per tile (PERF_LOG): d64 +22% at 512 keys, +5% at 2048,
 // level at 4096, -1% to -5% at 8192; d128 +11% / +2-3% / -1% / -2%; a
 // 512-key window at 4096 keys +10% / +5-7%. Varlen, non-causal, past 2048

@@ -48,6 +48,23 @@ __forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coor
   }
 }
 
+// The same bias on a transposed tile, as the Hopper backward holds S^T:
+// rows are keys, columns query rows.
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void apply_alibi_transposed(TensorS& scores, const TensorC& coord,
+                                                       int key_base, int query_base, float slope,
+                                                       int seqlen_q, int seqlen_k) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(scores); ++mi) {
+    const int key = key_base + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const int query = query_base + get<1>(coord(0, ni));
+      scores(mi, ni) += alibi_bias(slope, query, key, seqlen_q, seqlen_k);
+    }
+  }
+}
+
 // Each row's visible keys form one interval (the window rule), so the bounds
 // are computed once per row and each element costs two compares.
 template <typename TensorS, typename TensorC>

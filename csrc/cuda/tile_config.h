@@ -10,7 +10,8 @@ template <int kHeadDim>
 struct FwdTileConfig;
 
 // Three tiles per head dim: the plain kernel's, the one of the variant that
-// carries softcap / ALiBi / dropout, and the Hopper kernel's
+// carries softcap / ALiBi / dropout (on sm90, of these, only dropout), and
+// the Hopper kernel's (plain, or with softcap / ALiBi)
 // (flash_fwd_sm90_kernel.h: one MMA warpgroup per 64 query rows and a TMA
 // producer; block N 0 = the head dim stays on the SM80 kernel on sm90 too),
 // with the fewest keys (max seqlen_k) from which the Hopper kernel runs by
@@ -43,15 +44,21 @@ struct FwdTileConfig;
 // d256 80 (+4-10%, level causal at 1024 keys). d192-256 lose the persistent
 // grid with them (no room for a separate O tile) and still win. d128 keeps
 // 128 keys (144-192: -1 to -10%).
-//                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys
-template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
-template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 256; };
-template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0; };
+// Below its key count the Hopper kernel runs calls of at least "blocks / SM"
+// query blocks of 128 rows per SM (fwd_sm90_by_shape). H100, bf16, 17-128
+// query rows, 128-256 keys, SM80 time / Hopper time by blocks per SM
+// (PERF_LOG): d96 0.97-1.07x at 2, 1.06-1.11x at 3, 1.13-1.15x at 4; d128
+// 0.83-1.07x at 2, 0.91-0.99x at 3, 1.01-1.08x at 4; d64 0.79-0.90x at 4
+// with 17-128 rows, 0.95-1.05x at 6, 1.00-1.16x at 8.
+//                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys  or blocks / SM
+template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512, kMinBlocksPerSmSm90 = 8; };
+template <> struct FwdTileConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512, kMinBlocksPerSmSm90 = 4; };
+template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 128, kMinSeqlenKSm90 = 256, kMinBlocksPerSmSm90 = 4; };
+template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
