@@ -20,8 +20,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-import flash_attn_cuda  # noqa: F401  (registers torch.ops.flash_attn)
-
 
 def time_us(fn, iters):
     start = torch.cuda.Event(enable_timing=True)
@@ -45,6 +43,41 @@ def alibi_bias(slopes, seqlen_q, seqlen_k, causal, dtype):
     return bias[None].to(dtype)
 
 
+def plot(result, path):
+    """One panel per (mode, causal): TFLOP/s of each variant per (head dim,
+    seqlen, mods) case."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    variants = [("sm80", "SM80 kernel"), ("sm90", "Hopper kernel"),
+                ("sm90_plain", "Hopper, no softcap / ALiBi"), ("sdpa", "SDPA, ALiBi as mask")]
+    fig, axes = plt.subplots(4, 1, figsize=(16, 18))
+    panels = [(mode, causal) for mode in ("fwd", "bwd") for causal in (False, True)]
+    for ax, (mode, causal) in zip(axes, panels):
+        cases = [r for r in rows if r["mode"] == mode and r["causal"] == causal]
+        width = 0.2
+        for i, (key, label) in enumerate(variants):
+            xs, ys = [], []
+            for j, r in enumerate(cases):
+                if key in r["us"]:
+                    flops = 4 * r["batch"] * r["nheads"] * r["seqlen"] ** 2 * r["head_dim"]
+                    flops *= (0.5 if causal else 1.0) * (2.5 if mode == "bwd" else 1.0)
+                    xs.append(j + (i - 1.5) * width)
+                    ys.append(flops / r["us"][key] / 1e6)
+            ax.bar(xs, ys, width, label=label)
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([f"d{r['head_dim']} s{r['seqlen']}\n{r['mods']}" for r in cases],
+                           fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{mode}, {'causal' if causal else 'non-causal'}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"softcap / ALiBi, bf16, 16k tokens, hidden 2048: {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--headdims", default="64,128,256")
@@ -52,7 +85,16 @@ def main():
     parser.add_argument("--sdpa-max-seqlen", type=int, default=4096,
                         help="longest seqlen given to SDPA with an ALiBi mask (the mask is s^2)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot-from", default=None,
+                        help="only plot an earlier --out JSON into --plot")
+    parser.add_argument("--plot", default=None, help="PNG path")
     args = parser.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f), args.plot)
+        return
+    import flash_attn_cuda  # noqa: F401  (registers torch.ops.flash_attn)
+
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     print(device, "| torch", torch.__version__, "| CUDA", torch.version.cuda)
@@ -138,10 +180,12 @@ def main():
                               f"{sdpa} | {med['sm80'] / med['sm90']:.2f} | "
                               f"{row['tflops_sm90']:.1f}", flush=True)
             del q, k, v, dout
+    result = dict(device=device, torch=torch.__version__, cuda=torch.version.cuda, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=device, torch=torch.__version__, cuda=torch.version.cuda,
-                           rows=rows), f, indent=1)
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
     sm80_over_sm90 = [r["us"]["sm80"] / r["us"]["sm90"] for r in rows]
     geo = math.exp(sum(map(math.log, sm80_over_sm90)) / len(sm80_over_sm90))
     print(f"sm80 / sm90 time: geomean {geo:.2f}, min {min(sm80_over_sm90):.2f}, "

@@ -17,6 +17,7 @@
 #include "../common/mask_rule.h"
 #include "../common/philox.h"
 #include "dropout.h"
+#include "score_mods.h"
 
 namespace flash {
 
@@ -115,17 +116,29 @@ __forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& d
   }
 }
 
-// The softcap / ALiBi rule on a transposed (key, query) fragment, after both
-// products have landed, as the Hopper backward's kWithScoreMods variant runs
-// it: scores holds s^T after scale, softcap, ALiBi and mask (-inf where
-// hidden) and becomes P^T; dp holds dP^T and becomes dS^T, with the softcap's
-// 1 - tanh^2 recovered from s as in scores_to_p_and_ds below. The statistics
-// are per column, as in scores_to_p_transposed; the scores are in natural
-// units, so args.exp_scale_log2 is log2(e).
+// Softcap (with or without ALiBi) on a transposed (key, query) fragment,
+// as the Hopper backward's kWithScoreMods variant runs it, once both
+// products have landed: scores holds the kept scores of ScoreModsInUnits
+// (score_mods.h; tanh + bias / softcap, -inf where masked) and becomes P^T;
+// dp holds dP^T and becomes dS^T = P^T * (dP^T - D) * (1 - tanh^2), the tanh
+// being the kept score less the bias (apply_alibi_transposed's arithmetic).
+// The statistics are per column, as in scores_to_p_transposed.
 template <typename TensorS, typename TensorDP, typename TensorC>
-__forceinline__ __device__ void scores_to_p_and_ds_transposed(
+__forceinline__ __device__ void softcapped_p_and_ds_transposed(
     TensorS& scores, TensorDP& dp, const TensorC& tScS_rowcol, int key_base, int query_base,
-    const float* block_lse, const float* block_d, const BwdPointwiseArgs& args) {
+    int seqlen_q, int seqlen_k, const float* block_lse, const float* block_d,
+    const ScoreModsInUnits& score_mods) {
+  const float exp_scale_log2 = score_mods.exp_scale_log2();
+  // As in apply_alibi_transposed: each key's distance to the thread's first
+  // query, less each query's (constant) offset from it.
+  const int query0 = get<1>(tScS_rowcol(0, 0));
+  constexpr int kNKeys = decltype(size<0>(scores))::value;
+  float key_distance[kNKeys];
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNKeys; ++mi) {
+    key_distance[mi] = static_cast<float>(key_diagonal(query_base + query0, seqlen_q, seqlen_k) -
+                                          (key_base + get<0>(tScS_rowcol(mi, 0))));
+  }
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
     const int query_in_block = get<1>(tScS_rowcol(0, ni));
@@ -133,21 +146,18 @@ __forceinline__ __device__ void scores_to_p_and_ds_transposed(
     const float d = block_d[query_in_block];
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {
-      const float s = scores(mi, ni);
-      const float p = exp2f(fmaf(s, args.exp_scale_log2, -lse_log2));
-      float ds = p * (dp(mi, ni) - d);
-      if (args.softcap > 0.f && p > 0.f) {
-        float capped = s;
-        if (args.has_alibi) {
-          capped -= alibi_bias(args.alibi_slope, query_base + query_in_block,
-                               key_base + get<0>(tScS_rowcol(mi, 0)), args.seqlen_q,
-                               args.seqlen_k);
-        }
-        const float tanh_value = capped * args.inv_softcap;
-        ds *= 1.f - tanh_value * tanh_value;
+      const float kept = scores(mi, ni);
+      const float p = exp2f(fmaf(kept, exp_scale_log2, -lse_log2));
+      float tanh_value = kept;
+      if (score_mods.has_alibi) {
+        tanh_value = fmaf(score_mods.alibi_slope,
+                          fabsf(key_distance[mi] + static_cast<float>(query_in_block - query0)),
+                          kept);
       }
+      // A masked score (-inf) has p = 0 and no tanh: its dS is 0, not NaN.
+      const float dtanh = p > 0.f ? fmaf(-tanh_value, tanh_value, 1.f) : 0.f;
       scores(mi, ni) = p;
-      dp(mi, ni) = ds;
+      dp(mi, ni) = p * (dp(mi, ni) - d) * dtanh;
     }
   }
 }

@@ -73,11 +73,12 @@ struct BwdSm90EpilogueBarrier {
 // blockIdx.x, blockIdx.x + gridDim.x, ... (more than one only in
 // deterministic mode).
 //
-// kWithScoreMods: S^T goes through the scale, softcap and ALiBi in natural
-// units before the mask, and P^T and dS^T are made in one pass once dP^T
-// has landed too (scores_to_p_and_ds_transposed: the softcap's derivative
-// comes from s, which P overwrites), so the exponentials no longer run
-// under the dP^T product; the plain variant keeps that overlap.
+// kWithScoreMods: S^T goes through softcap and ALiBi before the mask, kept
+// in the units of ScoreModsInUnits (score_mods.h). Under softcap, P^T and
+// dS^T are made in one pass once dP^T has landed too
+// (softcapped_p_and_ds_transposed: the softcap's derivative comes from the
+// kept score, which P overwrites), so its exponentials no longer run under
+// the dP^T product; ALiBi alone keeps that overlap, as the plain rule.
 template <typename Traits, bool kWithScoreMods = false>
 __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     flash_bwd_sm90_kernel(const BwdParams params, const __grid_constant__ BwdSm90Tma<Traits> tma) {
@@ -261,19 +262,12 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   Tensor tScS = thr_mma_sdp.partition_C(cSt);
   Tensor tScS_rowcol = make_tensor(tScS.data(), wgmma_acc_layout_as_rowcol(tScS.layout()));
 
-  BwdPointwiseArgs score_mods{};
-  if constexpr (kWithScoreMods) {
-    score_mods.exp_scale_log2 = float(M_LOG2E);
-    score_mods.softcap = params.softcap;
-    score_mods.inv_softcap = params.softcap > 0.f ? 1.f / params.softcap : 0.f;
-    score_mods.has_alibi = params.alibi_slopes != nullptr;
-    score_mods.alibi_slope =
-        score_mods.has_alibi
-            ? params.alibi_slopes[batch * params.alibi_batch_stride + head]
-            : 0.f;
-    score_mods.seqlen_q = seqlen_q;
-    score_mods.seqlen_k = seqlen_k;
-  }
+  const bool has_alibi = kWithScoreMods && params.alibi_slopes != nullptr;
+  const ScoreModsInUnits score_mods(
+      params.softmax_scale, kWithScoreMods ? params.softcap : 0.f, has_alibi,
+      has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f);
+  const float exp_scale_log2 =
+      kWithScoreMods ? score_mods.exp_scale_log2() : params.softmax_scale_log2;
 
   // Zeroes rows [first_row, kRows) of a (kRows, head dim) shared tile.
   auto zero_rows_from = [&](auto&& tile, int first_row) {
@@ -348,8 +342,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         const float* row_lse = smem_row_stats + stage * 2 * kBlockM;
         const float* row_d = row_lse + kBlockM;
         if constexpr (kWithScoreMods) {
-          apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
-          if (score_mods.has_alibi) {
+          score_mods.apply_softcap(scores);
+          if (has_alibi) {
             apply_alibi_transposed(scores, tScS_rowcol, block.col_begin, row_begin,
                                    score_mods.alibi_slope, seqlen_q, seqlen_k);
           }
@@ -360,13 +354,13 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
           apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
                                 seqlen_k, params.window_left, params.window_right);
         }
-        if constexpr (kWithScoreMods) {
+        if (kWithScoreMods && score_mods.has_softcap) {
           warpgroup_wait<0>();  // dP^T
           warpgroup_fence_operand(acc_dp);
-          scores_to_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin,
-                                        row_lse, row_d, score_mods);
+          softcapped_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin,
+                                         seqlen_q, seqlen_k, row_lse, row_d, score_mods);
         } else {
-          scores_to_p_transposed(scores, tScS_rowcol, row_lse, params.softmax_scale_log2);
+          scores_to_p_transposed(scores, tScS_rowcol, row_lse, exp_scale_log2);
           warpgroup_wait<0>();  // dP^T
           warpgroup_fence_operand(acc_dp);
           p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);

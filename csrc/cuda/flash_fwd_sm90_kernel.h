@@ -66,10 +66,10 @@ enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 
 // the MMA warpgroups have handed Q back), so a tile's prologue overlaps the
 // last one's tail.
 //
-// kWithScoreMods: the scores go through the softmax scale, softcap and ALiBi
-// in natural units before the mask (as in flash_fwd_kernel.h); the plain
-// variant folds the scale into the exp2 multiplier instead. Its own
-// instantiation, so that the plain rule's loop carries none of it.
+// kWithScoreMods: the scores go through softcap and ALiBi before the mask,
+// kept in the units of ScoreModsInUnits (score_mods.h), which leave the
+// scale or the softcap to the exp2 multiplier. Its own instantiation, so
+// that the plain rule's loop carries none of it.
 template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,
@@ -303,10 +303,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
   };
 
-  // In natural units after the score mods: lse and the exp2 multiplier
-  // leave the scale out.
-  const float exp_scale_log2 = kWithScoreMods ? float(M_LOG2E) : params.softmax_scale_log2;
-  const float lse_scale = kWithScoreMods ? 1.f : params.softmax_scale;
   const bool has_alibi = kWithScoreMods && params.alibi_slopes != nullptr;
 
   int kv_loads = 0;
@@ -337,9 +333,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int n_block_max = block.n_block_max;
     const int n_tiles = tile.n_key_blocks;
     float* lse_rows = fwd_lse_rows(params, binfo, block);
-    const float alibi_slope =
+    const ScoreModsInUnits score_mods(
+        params.softmax_scale, kWithScoreMods ? params.softcap : 0.f, has_alibi,
         has_alibi ? params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head]
-                  : 0.f;
+                  : 0.f);
+    const float exp_scale_log2 =
+        kWithScoreMods ? score_mods.exp_scale_log2() : params.softmax_scale_log2;
     Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
     if (n_tiles <= 0) {
       if (takes_tiles) publish_tile(take_tile());
@@ -416,10 +415,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       const int col_base = n_block * kBlockN;
       if constexpr (kWithScoreMods) {
-        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+        score_mods.apply_softcap(scores);
         if (has_alibi) {
-          apply_alibi(scores, tScS_rowcol, row_begin, col_base, alibi_slope, binfo.seqlen_q,
-                      binfo.seqlen_k);
+          apply_alibi(scores, tScS_rowcol, row_begin, col_base, score_mods.alibi_slope,
+                      binfo.seqlen_q, binfo.seqlen_k);
         }
       }
       if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
@@ -462,7 +461,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     empty_barrier(barriers.v_empty[stage(last)]).arrive();
 
     float lse[kNRows];
-    softmax.finalize(acc_o_rowcol, lse_scale, 1.f, lse);
+    softmax.finalize(acc_o_rowcol, kWithScoreMods ? score_mods.unit : params.softmax_scale, 1.f,
+                     lse);
 
     // Each warpgroup stages its own 64 rows of O (over its own rows of Q,
     // which only its own finished wgmmas read, unless O has a tile of its

@@ -33,37 +33,85 @@ __forceinline__ __device__ void apply_scale_and_softcap(TensorS& scores, float s
   }
 }
 
+// alibi_bias over a fragment, as two float operations per element: each
+// row's distance to the thread's first column (integer, then float) less
+// each column's offset from it, and one FFMA with |.| and the slope. The
+// offsets are compile-time constants (the partition's layout is static;
+// only its origin depends on the thread), so no float per column stays live
+// across tiles. The same values as alibi_bias while distances stay below
+// 2^24 keys (exact floats), rounded the same way past that.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coord, int row_base,
                                             int col_base, float slope, int seqlen_q,
                                             int seqlen_k) {
+  const int col0 = get<1>(coord(0, 0));
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
     const int row = row_base + get<0>(coord(mi, 0));
+    const float row_distance =
+        static_cast<float>(key_diagonal(row, seqlen_q, seqlen_k) - (col_base + col0));
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int col = col_base + get<1>(coord(0, ni));
-      scores(mi, ni) += alibi_bias(slope, row, col, seqlen_q, seqlen_k);
+      const float col_offset = static_cast<float>(get<1>(coord(0, ni)) - col0);
+      scores(mi, ni) = fmaf(-slope, fabsf(row_distance - col_offset), scores(mi, ni));
     }
   }
 }
 
 // The same bias on a transposed tile, as the Hopper backward holds S^T:
-// rows are keys, columns query rows.
+// rows are keys, columns query rows (offsets from the thread's first one).
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_alibi_transposed(TensorS& scores, const TensorC& coord,
                                                        int key_base, int query_base, float slope,
                                                        int seqlen_q, int seqlen_k) {
+  const int query0 = get<1>(coord(0, 0));
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
     const int key = key_base + get<0>(coord(mi, 0));
+    const float key_distance =
+        static_cast<float>(key_diagonal(query_base + query0, seqlen_q, seqlen_k) - key);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int query = query_base + get<1>(coord(0, ni));
-      scores(mi, ni) += alibi_bias(slope, query, key, seqlen_q, seqlen_k);
+      const float query_offset = static_cast<float>(get<1>(coord(0, ni)) - query0);
+      scores(mi, ni) = fmaf(-slope, fabsf(key_distance + query_offset), scores(mi, ni));
     }
   }
 }
+
+// The Hopper kernels keep a score in units of `unit` (natural score = unit x
+// kept score): the softcap when it is on, else the softmax scale. So neither
+// costs a multiply per element: the scale or the softcap goes into the exp2
+// multiplier (unit x log2 e) and the lse (x unit), and ALiBi adds its bias
+// divided by the unit (alibi_bias is linear in the slope). Under softcap the
+// kept score is tanh(raw x scale / softcap) + bias / softcap, so the tanh
+// that the softcap's derivative needs is the kept score less the bias.
+struct ScoreModsInUnits {
+  float unit;
+  float tanh_prescale;  // scale / softcap; 0: no softcap
+  float alibi_slope;    // slope / unit; 0: no ALiBi
+  bool has_softcap;
+  bool has_alibi;
+
+  // alibi_slope: the call's slope for this (batch, head), when it has ALiBi.
+  __forceinline__ __device__ ScoreModsInUnits(float softmax_scale, float softcap, bool alibi,
+                                              float slope)
+      : unit(softcap > 0.f ? softcap : softmax_scale),
+        tanh_prescale(softcap > 0.f ? softmax_scale / softcap : 0.f),
+        alibi_slope(alibi ? slope / unit : 0.f),
+        has_softcap(softcap > 0.f),
+        has_alibi(alibi) {}
+
+  __forceinline__ __device__ float exp_scale_log2() const { return unit * float(M_LOG2E); }
+
+  // Raw Q K^T -> kept score, before the mask.
+  template <typename TensorS>
+  __forceinline__ __device__ void apply_softcap(TensorS& scores) const {
+    if (has_softcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(scores); ++i) scores(i) = tanhf(scores(i) * tanh_prescale);
+    }
+  }
+};
 
 // Each row's visible keys form one interval (the window rule), so the bounds
 // are computed once per row and each element costs two compares.
