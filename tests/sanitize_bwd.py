@@ -4,9 +4,9 @@
     compute-sanitizer --tool racecheck python tests/sanitize_bwd.py
 
 Shapes are small and odd so that every partial tile, the padded head dim,
-GQA, varlen, dropout and the deterministic path run at least once; the
-plain-rule calls run the Hopper backward kernel on an sm90 GPU unless
-FLASH_ATTN_BWD_KERNEL=sm80.
+GQA, varlen, softcap, ALiBi, dropout and the deterministic path run at
+least once; the calls without dropout run the Hopper backward kernel on an
+sm90 GPU unless FLASH_ATTN_BWD_KERNEL=sm80.
 """
 
 import torch
@@ -29,7 +29,7 @@ def fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, causa
 
 
 def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
-           deterministic=False):
+           softcap=0.0, alibi=False, deterministic=False):
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
@@ -38,11 +38,13 @@ def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=Fa
     dout = torch.randn_like(q)
     scale = head_dim ** -0.5
     mq, mk = max(lengths_q), max(lengths_k)
-    out, lse, _, rng = torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, None, None, mq, mk,
-                                                       0.0, scale, causal, -1, -1, 0.0, False,
-                                                       0, 0, None)
-    return torch.ops.flash_attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, None, mq, mk, 0.0,
-                                           scale, causal, -1, -1, 0.0, deterministic, rng)
+    slopes = torch.rand(len(lengths_q), nheads, device="cuda") * 0.3 if alibi else None
+    out, lse, _, rng = torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, None, slopes, mq, mk,
+                                                       0.0, scale, causal, -1, -1, softcap,
+                                                       False, 0, 0, None)
+    return torch.ops.flash_attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, slopes, mq, mk,
+                                           0.0, scale, causal, -1, -1, softcap, deterministic,
+                                           rng)
 
 
 def main():
@@ -64,6 +66,11 @@ def main():
     # seen by no query (the window), with dK / dV staged in shared memory.
     fixed(4, 16, 1500, 16, 16, 64, bf16, window=(600, 0), deterministic=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)
+    # Softcap and ALiBi: the Hopper kernel's other variant on sm90.
+    fixed(2, 300, 421, 4, 2, 64, bf16, causal=True, softcap=10.0, alibi=True)
+    fixed(1, 200, 260, 2, 1, 128, fp16, window=(70, 20), alibi=True, deterministic=True)
+    fixed(1, 130, 200, 2, 2, 256, bf16, softcap=10.0)
+    varlen([50, 7, 130], [100, 77, 201], 4, 2, 96, bf16, causal=True, softcap=5.0, alibi=True)
     torch.cuda.synchronize()
     print("sanitize_bwd: all calls completed")
 
