@@ -49,7 +49,11 @@ struct FwdTileConfig;
 // query rows, 128-256 keys, SM80 time / Hopper time by blocks per SM
 // (PERF_LOG): d96 0.97-1.07x at 2, 1.06-1.11x at 3, 1.13-1.15x at 4; d128
 // 0.83-1.07x at 2, 0.91-0.99x at 3, 1.01-1.08x at 4; d64 0.79-0.90x at 4
-// with 17-128 rows, 0.95-1.05x at 6, 1.00-1.16x at 8.
+// with 17-128 rows, 0.95-1.05x at 6, 1.00-1.16x at 8. H200, 17-128 rows and
+// 128-256 keys at 4 per SM: d96 0.85-1.37x (geomean 1.06; below 1.0 causal
+// with 17 rows x 128 keys, 0.85x, and at 128 x 128, 0.95-0.99x), d128
+// 0.88-1.27x (geomean 1.11; 0.88x causal 17 x 128); at 6 d96 0.92-1.35x,
+// d128 1.12-1.42x (fwd_short_keys_blocks_per_sm.txt).
 //                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys  or blocks / SM
 template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512, kMinBlocksPerSmSm90 = 8; };
