@@ -518,6 +518,20 @@ def test_softcap_and_alibi(softcap, alibi, causal):
                   2, None)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+def test_negative_softmax_scale(softcap):
+    """A negative scale (legal, if odd) flips which score is a row's max; the
+    kernels that fold the scale into exp2 would track the wrong one, so such a
+    call takes the variant that scales each score first."""
+    args = make_inputs(batch=2, seqlen_q=3, capacity=300, nheads=8, nheads_k=2, head_dim=128,
+                       dtype=torch.bfloat16, seqlen_new=2, causal=False)
+    args["softcap"] = softcap
+    args["softmax_scale"] = -0.3
+    for num_splits in (1, 4):
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
+                  2, None)
+
+
 def test_strided_views_append_into_shared_storage():
     batch, capacity, nheads, nheads_k, head_dim, seqlen_new = 2, 224, 8, 2, 64, 3
     qkv = torch.randn(batch, seqlen_new, nheads + 2 * nheads_k, head_dim, dtype=torch.bfloat16,

@@ -116,15 +116,13 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid = grid_over_heads_batch(
       params.deterministic ? params.num_splits : num_n_blocks, params.nheads, params.batch);
-  // The plain kernels also assume a positive, normal softmax scale (their exp
-  // lets a masked -inf score become 0 untested; a scale the device would
-  // flush to 0 would make it NaN); any other scale takes the general kernel,
-  // which tests.
-  const bool scale_is_positive_normal =
-      params.softmax_scale_log2 >= std::numeric_limits<float>::min();
+  // The plain kernels also assume a positive, normal softmax scale
+  // (scale_is_positive_normal); any other scale takes the general kernel,
+  // which tests for a masked score.
+  const bool scale_positive_normal = scale_is_positive_normal(params.softmax_scale_log2);
   const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
   const bool with_dropout = params.dropout_p > 0.f;
-  const bool with_score_extras = with_score_mods || with_dropout || !scale_is_positive_normal;
+  const bool with_score_extras = with_score_mods || with_dropout || !scale_positive_normal;
   if constexpr (has_sm90_backward<kHeadDim>()) {
     using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
     static_assert(Traits::kBlockM % Sm90Traits::kBlockM == 0 &&
@@ -132,7 +130,7 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
                   "the table's block shape sizes the accumulators and the grid");
     // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
     // (only the SM80 kernels draw its keep mask) and other scales do not.
-    if (params.bwd_kernel != KernelChoice::kSm80 && !with_dropout && scale_is_positive_normal &&
+    if (params.bwd_kernel != KernelChoice::kSm80 && !with_dropout && scale_positive_normal &&
         (with_score_mods ? launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream)
                          : launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream))) {
       run_flash_bwd_convert<Sm90Traits>(params, stream);

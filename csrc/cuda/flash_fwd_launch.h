@@ -111,11 +111,13 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
   const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
   const bool with_dropout = params.dropout_p > 0.f;
-  const bool with_score_extras = with_score_mods || with_dropout;
+  const bool scale_positive_normal = scale_is_positive_normal(params.softmax_scale_log2);
+  const bool with_score_extras = with_score_mods || with_dropout || !scale_positive_normal;
   if constexpr (has_sm90_forward<kHeadDim>()) {
-    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe, and dropout
-    // (only the SM80 kernels draw its keep mask), run the SM80 kernel
-    // whatever was asked for.
+    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe, dropout
+    // (only the SM80 kernels draw its keep mask) and a scale that is not
+    // positive (scale_is_positive_normal) run the SM80 kernel whatever was
+    // asked for.
     const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
                       (params.fwd_kernel == KernelChoice::kAuto &&
                        fwd_sm90_by_shape(params, FwdTileConfig<kHeadDim>::kMinSeqlenKSm90,
@@ -125,7 +127,8 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
     // kernel's 3-D grid instead (only the persistent grids walk that many).
     const bool grid_fits = Traits::kPersistent ||
                            fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
-    if (sm90 && grid_fits && !with_dropout && FwdSm90Tma<Traits>::can_load(params)) {
+    if (sm90 && grid_fits && !with_dropout && scale_positive_normal &&
+        FwdSm90Tma<Traits>::can_load(params)) {
       if (with_score_mods) {
         launch_flash_fwd_sm90<Element, kHeadDim, true>(params, stream);
       } else {

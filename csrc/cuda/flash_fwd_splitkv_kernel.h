@@ -558,7 +558,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
 
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
-  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
+  const bool prescale_scores =
+      kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
+                           !scale_is_positive_normal(params.softmax_scale_log2));
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   // A row that saw no key in this block's range gets output 0 and lse +inf

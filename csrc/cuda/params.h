@@ -3,8 +3,10 @@
 // headers (they would cost minutes of compile time each).
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
+#include "../common/host_device.h"
 #include "int_divisor.h"
 
 namespace flash {
@@ -182,11 +184,24 @@ struct KvcacheParams : FwdParams {
   bool append_in_attention;
 };
 
+// Whether the plain score rule may fold the softmax scale into the exp2
+// multiplier: it tracks each row's max of the raw scores, which is the max
+// of the scaled ones only for a positive scale, and its exp2 lets a masked
+// -inf become 0 untested, which a scale the device flushes to 0 would make
+// NaN. Any other scale (a negative one is legal) takes the kernels'
+// variants that scale each score first (the score-extras variants), which
+// the launchers pick by this.
+FA_HOST_DEVICE bool scale_is_positive_normal(float softmax_scale_log2) {
+  return softmax_scale_log2 >= FLT_MIN;
+}
+
 // Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
-// ALiBi. The launcher picks the kernel by it, and the host reads it before
-// sizing the grid: the persistent grid exists for the plain variant only.
+// ALiBi (or a scale that scale_is_positive_normal turns away). The launcher
+// picks the kernel by it, and the host reads it before sizing the grid: the
+// persistent grid exists for the plain variant only.
 inline bool splitkv_has_score_extras(const KvcacheParams& params) {
-  return params.softcap > 0.f || params.alibi_slopes != nullptr;
+  return params.softcap > 0.f || params.alibi_slopes != nullptr ||
+         !scale_is_positive_normal(params.softmax_scale_log2);
 }
 
 }  // namespace flash
