@@ -129,15 +129,13 @@ __forceinline__ __device__ void softcapped_p_and_ds_transposed(
     int seqlen_q, int seqlen_k, const float* block_lse, const float* block_d,
     const ScoreModsInUnits& score_mods) {
   const float exp_scale_log2 = score_mods.exp_scale_log2();
-  // As in apply_alibi_transposed: each key's distance to the thread's first
-  // query, less each query's (constant) offset from it.
-  const int query0 = get<1>(tScS_rowcol(0, 0));
+  // The ALiBi distances as apply_alibi_transposed makes them.
   constexpr int kNKeys = decltype(size<0>(scores))::value;
   float key_distance[kNKeys];
   CUTE_UNROLL
   for (int mi = 0; mi < kNKeys; ++mi) {
-    key_distance[mi] = static_cast<float>(key_diagonal(query_base + query0, seqlen_q, seqlen_k) -
-                                          (key_base + get<0>(tScS_rowcol(mi, 0))));
+    key_distance[mi] =
+        alibi_key_distance(tScS_rowcol, mi, key_base, query_base, seqlen_q, seqlen_k);
   }
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
@@ -151,8 +149,7 @@ __forceinline__ __device__ void softcapped_p_and_ds_transposed(
       float tanh_value = kept;
       if (score_mods.has_alibi) {
         tanh_value = fmaf(score_mods.alibi_slope,
-                          fabsf(key_distance[mi] + static_cast<float>(query_in_block - query0)),
-                          kept);
+                          fabsf(key_distance[mi] + alibi_query_offset(tScS_rowcol, ni)), kept);
       }
       // A masked score (-inf) has p = 0 and no tanh: its dS is 0, not NaN.
       const float dtanh = p > 0.f ? fmaf(-tanh_value, tanh_value, 1.f) : 0.f;

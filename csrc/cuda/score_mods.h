@@ -59,21 +59,34 @@ __forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coor
 }
 
 // The same bias on a transposed tile, as the Hopper backward holds S^T:
-// rows are keys, columns query rows (offsets from the thread's first one).
+// rows are keys, columns query rows. The ALiBi distance of element (mi, ni)
+// is |alibi_key_distance(mi) + alibi_query_offset(ni)|: a key row's distance
+// to the thread's first query row, plus each query's constant offset from
+// it (softcapped_p_and_ds_transposed recomputes the bias the same way).
+template <typename TensorC>
+__forceinline__ __device__ float alibi_key_distance(const TensorC& coord, int mi, int key_base,
+                                                    int query_base, int seqlen_q, int seqlen_k) {
+  return static_cast<float>(key_diagonal(query_base + get<1>(coord(0, 0)), seqlen_q, seqlen_k) -
+                            (key_base + get<0>(coord(mi, 0))));
+}
+
+template <typename TensorC>
+__forceinline__ __device__ float alibi_query_offset(const TensorC& coord, int ni) {
+  return static_cast<float>(get<1>(coord(0, ni)) - get<1>(coord(0, 0)));
+}
+
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_alibi_transposed(TensorS& scores, const TensorC& coord,
                                                        int key_base, int query_base, float slope,
                                                        int seqlen_q, int seqlen_k) {
-  const int query0 = get<1>(coord(0, 0));
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
-    const int key = key_base + get<0>(coord(mi, 0));
     const float key_distance =
-        static_cast<float>(key_diagonal(query_base + query0, seqlen_q, seqlen_k) - key);
+        alibi_key_distance(coord, mi, key_base, query_base, seqlen_q, seqlen_k);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const float query_offset = static_cast<float>(get<1>(coord(0, ni)) - query0);
-      scores(mi, ni) = fmaf(-slope, fabsf(key_distance + query_offset), scores(mi, ni));
+      scores(mi, ni) =
+          fmaf(-slope, fabsf(key_distance + alibi_query_offset(coord, ni)), scores(mi, ni));
     }
   }
 }
