@@ -187,7 +187,8 @@ def test_fwd_softcap_alibi_other_head_dims(head_dim, window, seqlen_q, seqlen_k,
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("features", ["plain", "softcap", "alibi"])
 @pytest.mark.parametrize("spread", [1.0, 10.0])
-def test_fwd_negative_softmax_scale(head_dim, features, spread, fwd_kernel):
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (70, 20)])
+def test_fwd_negative_softmax_scale(head_dim, features, spread, window, fwd_kernel):
     """A negative scale (legal, if odd) flips which raw score is a row's max:
     the kernels that fold the scale into exp2 track the max of the raw scores,
     so such a call runs the SM80 variant that scales each score first (it
@@ -196,9 +197,10 @@ def test_fwd_negative_softmax_scale(head_dim, features, spread, fwd_kernel):
     q, k = (q.float() * spread).bfloat16(), (k.float() * spread).bfloat16()
     softcap = 30.0 if features == "softcap" else 0.0
     slopes = torch.rand(4, device=DEVICE) * 0.3 if features == "alibi" else None
-    out, lse, _, _ = run_fwd(q, k, v, softcap=softcap, alibi_slopes=slopes, softmax_scale=-0.1)
-    check_against_reference(q, k, v, out, lse, softmax_scale=-0.1, softcap=softcap,
-                            alibi_slopes=slopes)
+    out, lse, _, _ = run_fwd(q, k, v, window=window, softcap=softcap, alibi_slopes=slopes,
+                             softmax_scale=-0.1)
+    check_against_reference(q, k, v, out, lse, softmax_scale=-0.1, window_size=window,
+                            softcap=softcap, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -519,12 +519,13 @@ def test_softcap_and_alibi(softcap, alibi, causal):
 
 
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
-def test_negative_softmax_scale(softcap):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_negative_softmax_scale(softcap, causal):
     """A negative scale (legal, if odd) flips which score is a row's max; the
     kernels that fold the scale into exp2 would track the wrong one, so such a
     call takes the variant that scales each score first."""
     args = make_inputs(batch=2, seqlen_q=3, capacity=300, nheads=8, nheads_k=2, head_dim=128,
-                       dtype=torch.bfloat16, seqlen_new=2, causal=False)
+                       dtype=torch.bfloat16, seqlen_new=2, causal=causal)
     args["softcap"] = softcap
     args["softmax_scale"] = -0.3
     for num_splits in (1, 4):
