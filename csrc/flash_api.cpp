@@ -46,4 +46,9 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits) -> (Tensor out, Tensor softmax_lse)");
+  // The CUDA path's index checks (docs/memory_safety.md): raise what a kernel
+  // recorded on `device`, after waiting for it; switch each call to waiting
+  // for its own check (returns the previous setting).
+  m.def("check_index_errors(int device) -> ()");
+  m.def("set_sync_index_checks(bool enabled) -> bool");
 }

@@ -22,7 +22,9 @@ except ImportError as exc:  # pragma: no cover - depends on the build
     ) from exc
 
 from . import ops as _ops  # noqa: E402,F401  (registers the fake kernels)
+from .index_checks import check_index_errors, set_sync_index_checks  # noqa: E402
 from .interface import (  # noqa: E402
+    _get_block_size_n,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -39,7 +41,9 @@ build_info = getattr(_C, "build_info", None)
 
 __all__ = [
     "__version__",
+    "_get_block_size_n",
     "build_info",
+    "check_index_errors",
     "cuda_built",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -48,4 +52,5 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "set_sync_index_checks",
 ]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "_get_block_size_n",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -36,6 +37,28 @@ _MAX_HEAD_DIM = 256
 # Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
 # int64 on every backend.
 _SEED_BOUND = 2**62
+
+
+# Key-block width of S_dmask (see return_attn_probs). The CPU and CUDA kernels
+# write numerators against the running max over blocks of this many keys
+# (kProbsBlockN in csrc/cpu/attention_cpu.h, kReturnProbsBlockN in
+# csrc/cuda/return_probs.h), whatever the device, head dim, dropout or mask.
+_S_DMASK_BLOCK_N = 64
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block width of S_dmask, with flash-attn 2.x's signature.
+
+    flash-attn's tests pass it to their ``normalize_flash_attn_S`` helper to
+    turn the numerators of S_dmask (returned with ``return_attn_probs=True``)
+    back into probabilities. Here one width serves every device, head dim,
+    dropout and causal setting; the arguments are accepted for compatibility
+    (head_dim is checked against the supported range).
+    """
+    del device, is_dropout, is_causal  # the width depends on none of them
+    if not 0 < head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    return _S_DMASK_BLOCK_N
 
 
 def _last_dim_contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -397,10 +420,22 @@ _RETURNS_DOC = """
         softmax_lse: fp32 {lse_layout}, the natural-log log-sum-exp of each row
             of scaled (and softcapped, ALiBi-biased, masked) scores; +inf for a
             query row that sees no key.
-        S_dmask: meant for tests only. When dropout_p > 0, the normalised
-            attention probabilities {probs_layout} in q's dtype, with every
-            dropped entry negated (negative = dropped). When dropout_p == 0 it
-            is an empty tensor, as in flash-attn.
+        S_dmask: meant for tests only, in flash-attn 2.x's convention. When
+            dropout_p > 0, {probs_layout} in q's dtype holding softmax
+            numerators before dropout, not probabilities: each row's keys
+            are cut into blocks of _get_block_size_n(...) keys from key 0,
+            visited from the last block to the first, and entry (i, j) holds
+            exp(s_ij - m) for the final score s_ij (scaled, softcapped,
+            ALiBi-biased, as for softmax_lse) and m the max of row i's
+            scores over j's block and every block after it (the running max
+            over the blocks processed so far). Entries that dropout dropped
+            are negated (sign bit set: -0.0 where the numerator rounds to 0).
+            Masked entries hold 0: outside the causal / local window, rows
+            that see no key and, for varlen, positions past a sequence's
+            lengths. P_ij = |S_ij| * exp(m - softmax_lse_i) recovers the
+            probabilities, as flash-attn's test helper
+            normalize_flash_attn_S computes them. When dropout_p == 0 it is
+            an empty tensor, as in flash-attn.
 """
 
 _COMMON_ARGS_DOC = """

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+import s_dmask as s_dmask_reading
+
 import flash_attn_cuda
 from flash_attn_cuda import (
     flash_attn_func,
@@ -327,9 +329,14 @@ def test_dropout(device, causal):
     assert s_dmask.shape == (2, 4, 64, 48) and s_dmask.dtype == q.dtype
     keep = keep_mask_from_s_dmask(s_dmask)
 
-    # The probabilities are reported before dropout, signs aside.
+    # S_dmask holds undropped softmax numerators in flash-attn's convention
+    # (tests/s_dmask.py): the probabilities recovered from it, signs aside,
+    # are the reference ones.
     _, ref_lse, ref_probs = attention_ref(q, k, v, causal=causal)
-    torch.testing.assert_close(s_dmask.abs().double(), ref_probs, atol=1e-2, rtol=0)
+    scores = s_dmask_reading.final_scores(q.cpu(), k.cpu(), window=(-1, 0 if causal else -1))
+    width = flash_attn_cuda._get_block_size_n(q.device, q.shape[-1], True, causal)
+    recovered = s_dmask_reading.probs_from_numerators(s_dmask.cpu(), scores, width)
+    torch.testing.assert_close(recovered, ref_probs.cpu(), atol=1e-2, rtol=0)
     torch.testing.assert_close(softmax_lse.double(), ref_lse, atol=1e-2, rtol=0)
 
     # About dropout_p of the visible entries are dropped.

@@ -16,8 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference as ref  # noqa: E402
+import s_dmask  # noqa: E402
 
-import flash_attn_cuda  # noqa: E402,F401  (registers torch.ops.flash_attn)
+import flash_attn_cuda  # noqa: E402  (registers torch.ops.flash_attn)
 
 ops = torch.ops.flash_attn
 
@@ -457,11 +458,12 @@ def test_dropout_mask_output_and_backward(dropout_p, causal):
         q, k, v, dout, causal=causal, dropout_p=dropout_p, keep_mask=keep)
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
-    # |S_dmask| holds the normalised, undropped probabilities; 0 where masked.
-    probs_ref = torch.exp(torch.einsum(
-        "bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(nheads // nheads_k, dim=2))
-        / math.sqrt(head_dim) - lse_ref[..., None]) * visible
-    assert_close64(probs.abs(), probs_ref, FP32_TOL, "S_dmask")
+    # |S_dmask| holds the undropped softmax numerators of flash-attn's
+    # convention (tests/s_dmask.py), from which P is recovered; 0 where masked.
+    scores = s_dmask.final_scores(q, k, window=(-1, 0 if causal else -1))
+    width = flash_attn_cuda._get_block_size_n(q.device, head_dim, True, causal)
+    for b in range(batch):
+        s_dmask.check_entry(probs[b], scores[b], width, keep[b])
 
     grads = call_bwd(dout, q, k, v, out, lse, dropout_p=dropout_p, causal=causal,
                      rng_state=rng_state)
@@ -510,12 +512,20 @@ def test_dropout_seed_offset_and_rng_state():
 
 
 def test_return_softmax_without_dropout():
-    q, k, v = make_qkv(2, 20, 30, 2, 1, 16)
+    q, k, v = make_qkv(2, 20, 130, 2, 1, 16)
     out, lse, probs, _ = call_fwd(q, k, v, causal=True, return_softmax=True)
-    assert torch.all(probs >= 0)
-    visible = ref.visible_mask(20, 30, -1, 0)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 2, 20), atol=1e-5, rtol=0)
+    assert not torch.any(torch.signbit(probs))
+    visible = ref.visible_mask(20, 130, -1, 0)
     assert torch.all(probs[..., ~visible] == 0)
+    # Numerators (flash-attn's convention), not probabilities: the recovered
+    # probabilities sum to 1 per row.
+    scores = s_dmask.final_scores(q, k, window=(-1, 0))
+    width = flash_attn_cuda._get_block_size_n(q.device, 16, False, True)
+    recovered = s_dmask.probs_from_numerators(probs, scores, width)
+    torch.testing.assert_close(recovered.sum(-1), torch.ones(2, 2, 20, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    for b in range(2):
+        s_dmask.check_entry(probs[b], scores[b], width)
 
 
 def test_varlen_dropout():

@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "index_error_message.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -319,22 +321,26 @@ VarlenShape check_varlen_bwd_args(const at::Tensor& dout, const at::Tensor& q,
 }
 
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows,
-                           int64_t max_seqlen, const char* name) {
+                           int64_t max_seqlen, IndexArg arg) {
+  const char* name = arg == IndexArg::kCuSeqlensQ ? "cu_seqlens_q" : "cu_seqlens_k";
   TORCH_CHECK(cu_seqlens.device().is_cpu(), "flash_attn: ", name,
               " must be on the CPU for a host-side check");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t batch = cu_seqlens.numel() - 1;
-  TORCH_CHECK(cu[0] >= 0, "flash_attn: ", name, "[0] must be >= 0, got ", cu[0]);
+  const IndexOp op = IndexOp::kVarlen;
+  if (cu[0] < 0) raise_index_error(index_error(IndexRule::kNegativeOffset, arg, op, 0, 0, cu[0], 0));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t seqlen = static_cast<int64_t>(cu[b + 1]) - cu[b];
-    TORCH_CHECK(seqlen >= 0, "flash_attn: ", name, " must be non-decreasing, got ", name, "[",
-                b, "] = ", cu[b], " > ", name, "[", b + 1, "] = ", cu[b + 1]);
-    TORCH_CHECK(seqlen <= max_seqlen, "flash_attn: sequence ", b, " has length ", seqlen,
-                " according to ", name, ", more than the max_seqlen given for it (", max_seqlen,
-                ")");
+    if (seqlen < 0) {
+      raise_index_error(index_error(IndexRule::kDecreasing, arg, op, b, 0, cu[b], cu[b + 1]));
+    }
+    if (seqlen > max_seqlen) {
+      raise_index_error(index_error(IndexRule::kLongerThanMax, arg, op, b, 0, seqlen, max_seqlen));
+    }
   }
-  TORCH_CHECK(total_rows < 0 || cu[batch] <= total_rows, "flash_attn: ", name, "[", batch,
-              "] = ", cu[batch], " exceeds the number of rows of its tensor (", total_rows, ")");
+  if (total_rows >= 0 && cu[batch] > total_rows) {
+    raise_index_error(index_error(IndexRule::kPastRows, arg, op, batch, 0, cu[batch], total_rows));
+  }
 }
 
 void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k,
@@ -345,16 +351,20 @@ void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t batch = block_table.size(0), max_blocks = block_table.size(1);
   const int64_t row_stride = block_table.stride(0);
+  const IndexOp op = IndexOp::kVarlen;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t seqlen_k = static_cast<int64_t>(cu[b + 1]) - cu[b];
     const int64_t blocks_needed = (seqlen_k + page_size - 1) / page_size;
-    TORCH_CHECK(blocks_needed <= max_blocks, "flash_attn: sequence ", b, " has ", seqlen_k,
-                " keys, which need ", blocks_needed, " blocks of page_size ", page_size,
-                ", but block_table has only ", max_blocks, " columns");
+    if (blocks_needed > max_blocks) {
+      raise_index_error(index_error(IndexRule::kPagesPastTable, IndexArg::kBlockTable, op, b, 0,
+                                    seqlen_k, max_blocks, page_size));
+    }
     for (int64_t i = 0; i < blocks_needed; ++i) {
       const int32_t block = table[b * row_stride + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "flash_attn: block_table[", b, ", ", i,
-                  "] = ", block, " is not a valid block index in [0, ", num_blocks, ")");
+      if (block < 0 || block >= num_blocks) {
+        raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, b, i,
+                                      block, num_blocks));
+      }
     }
   }
 }

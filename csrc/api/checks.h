@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "../common/index_error.h"
+
 namespace flash {
 
 // Shapes of a fixed-length problem: q (batch, seqlen_q, nheads, head_dim),
@@ -94,10 +96,10 @@ VarlenShape check_varlen_bwd_args(const at::Tensor& dout, const at::Tensor& q,
 // Host-side content checks of a CPU cu_seqlens tensor (already shape-checked):
 // first entry >= 0, non-decreasing, last entry <= total_rows (skipped when
 // total_rows < 0, e.g. for paged keys), and every sequence no longer than
-// max_seqlen. A device path cannot afford the
-// sync these need; the CPU path must not read out of bounds.
+// max_seqlen. The messages are index_error_message's, which the CUDA path
+// raises from what its kernels record (docs/memory_safety.md).
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows,
-                           int64_t max_seqlen, const char* name);
+                           int64_t max_seqlen, IndexArg arg);
 
 // Host-side content check of a CPU block_table: every entry a key of batch b
 // can reach (the first ceil(seqlen_k[b] / page_size) of its row) is in

@@ -1,5 +1,7 @@
 #include "kvcache_checks.h"
 
+#include "index_error_message.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -237,40 +239,51 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
   const at::Tensor leftpad = host_ints(cache_leftpad);
   const at::Tensor table = host_ints(block_table);
 
+  const IndexOp op = IndexOp::kKvcache;
+  const int64_t paged = shape.paged ? 1 : 0;
   for (int b = 0; b < shape.batch; ++b) {
     const int64_t end = seqlens.defined() ? seqlens.data_ptr<int32_t>()[b] : shape.cache_capacity;
-    TORCH_CHECK(end >= 0 && end <= shape.cache_capacity, "fwd_kvcache: cache_seqlens[", b,
-                "] = ", end, " must be in [0, ", shape.cache_capacity, "] (the cache length)");
-    TORCH_CHECK(end + shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: cache_seqlens[", b,
-                "] + seqlen_new = ", end, " + ", shape.seqlen_new,
-                " must fit in the cache length (", shape.cache_capacity, ")");
+    if (end < 0 || end > shape.cache_capacity) {
+      raise_index_error(index_error(IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, b,
+                                    paged, end, shape.cache_capacity));
+    }
+    if (end + shape.seqlen_new > shape.cache_capacity) {
+      raise_index_error(index_error(IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, b,
+                                    paged, end, shape.cache_capacity, shape.seqlen_new));
+    }
     if (leftpad.defined()) {
       const int64_t pad = leftpad.data_ptr<int32_t>()[b];
-      TORCH_CHECK(pad >= 0 && pad <= end, "fwd_kvcache: cache_leftpad[", b, "] = ", pad,
-                  " must be in [0, cache_seqlens[", b, "] = ", end, "]");
+      if (pad < 0 || pad > end) {
+        raise_index_error(
+            index_error(IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, b, 0, pad, end));
+      }
     }
     if (batch_idx.defined()) {
       const int64_t row = batch_idx.data_ptr<int32_t>()[b];
-      TORCH_CHECK(row >= 0 && row < shape.batch_cache, "fwd_kvcache: cache_batch_idx[", b,
-                  "] = ", row, " must be in [0, ", shape.batch_cache,
-                  ") (the batch size of k_cache)");
+      if (row < 0 || row >= shape.batch_cache) {
+        raise_index_error(index_error(IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, b,
+                                      0, row, shape.batch_cache));
+      }
     }
     if (table.defined()) {
       const int64_t used_rows = end + shape.seqlen_new;
       const int64_t used_pages = (used_rows + shape.page_size - 1) / shape.page_size;
       const int32_t* pages = table.data_ptr<int32_t>() + int64_t(b) * shape.max_blocks_per_seq;
       for (int64_t p = 0; p < used_pages; ++p) {
-        TORCH_CHECK(pages[p] >= 0 && pages[p] < shape.num_blocks, "fwd_kvcache: block_table[",
-                    b, ", ", p, "] = ", pages[p], " must be in [0, ", shape.num_blocks,
-                    ") (the number of pages of k_cache)");
+        if (pages[p] < 0 || pages[p] >= shape.num_blocks) {
+          raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, b,
+                                        p, pages[p], shape.num_blocks));
+        }
       }
     }
     if (shape.rotary_dim > 0) {
       const int64_t last_key = end + shape.seqlen_new - 1;
       const int64_t last_query = rotary_q_per_row ? end + shape.seqlen_q - 1 : end;
       const int64_t last_position = std::max(last_key, last_query);
-      TORCH_CHECK(last_position < shape.seqlen_rotary, "fwd_kvcache: rotary_cos / rotary_sin have ",
-                  shape.seqlen_rotary, " rows, but batch ", b, " needs position ", last_position);
+      if (last_position >= shape.seqlen_rotary) {
+        raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b,
+                                      0, last_position, shape.seqlen_rotary));
+      }
     }
   }
 }

@@ -73,15 +73,25 @@ struct AttentionProblem {
   uint64_t philox_offset;
 };
 
+// Key-block width of the returned S_dmask (return_softmax): the numerators of
+// key block j = col / kProbsBlockN are relative to the row's max over blocks
+// j, j + 1, ... (flash-attn 2.x's convention). It must equal
+// flash_attn_cuda._get_block_size_n(...) and the CUDA kernel's
+// kReturnProbsBlockN (csrc/cuda/return_probs.h), whatever the device or head dim.
+constexpr int kProbsBlockN = 64;
+
 struct ForwardOutputs {
   void* out;  // dtype; every query row is written (rows that see no key: 0)
   RowStrides out_strides;
   float* lse;  // natural log; rows that see no key: +inf
   RowStrides lse_strides;  // batch / row / head, see SequenceSpan
-  // Optional (null to skip): normalised probabilities of batch b, head h, at
+  // Optional (null to skip): S_dmask of batch b, head h, at
   // b * probs_batch_stride + h * probs_head_stride + i * probs_row_stride + j,
-  // in dtype, dropped entries negated. Only entries with i < seqlen_q and
-  // j < seqlen_k of that batch are written: the caller zero-fills the rest.
+  // in dtype: for a visible (i, j), exp(s_ij - m) with m the max of row i's
+  // scores over key blocks (of kProbsBlockN keys, from key 0) j / kProbsBlockN
+  // and after, negated where dropout dropped it. Only visible entries with
+  // i < seqlen_q and j < seqlen_k of that batch are written: the caller
+  // zero-fills the rest.
   void* probs;
   int64_t probs_batch_stride;
   int64_t probs_head_stride;

@@ -71,31 +71,48 @@ struct ForwardScratch {
         row_sum(kBlockM) {}
 };
 
-// Writes the normalised probabilities of rows [m0, m0 + rows) once their lse
-// is final: a second pass over the visible keys (only when requested).
+// Writes S_dmask for rows [m0, m0 + rows) (only when requested), in the
+// convention of flash-attn 2.x: key blocks of kProbsBlockN columns, aligned to
+// key 0, are visited from the last one to the first, and each visible entry
+// holds the softmax numerator exp(s - m) with m the row's running max over the
+// blocks visited so far (this block and every block to its right), negated
+// (sign bit set) where dropout dropped it. Masked entries are not written (the
+// caller zero-fills them). A second pass over the visible keys, after the
+// forward's own: the q rows are still in the scratch.
 template <typename T>
 void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int b, int h,
-                         int m0, int rows, const float* row_lse, ForwardScratch& sc) {
+                         int m0, int rows, ForwardScratch& sc) {
+  static_assert(kProbsBlockN <= kBlockN, "one S_dmask key block must fit one score tile");
   const SequenceSpan& span = p.sequences[b];
   const int d = p.head_dim;
   const int kv_head = h / (p.nheads / p.nheads_k);
   const ScoreRule rule(p, span, b, h);
   const KeyRange range = flash::visible_key_range(m0, m0 + rows, span.seqlen_q, span.seqlen_k,
                                                   p.window_left, p.window_right);
+  if (range.end <= range.begin) return;
   T* probs = static_cast<T*>(o.probs) + b * o.probs_batch_stride + h * o.probs_head_stride;
-  for (int n0 = range.begin; n0 < range.end; n0 += kBlockN) {
-    const int cols = std::min(kBlockN, range.end - n0);
+  float running_max[kBlockM];
+  std::fill(running_max, running_max + rows, kNegInf);
+  const int first_block = range.begin / kProbsBlockN;
+  for (int block = (range.end - 1) / kProbsBlockN; block >= first_block; --block) {
+    const int n0 = std::max(block * kProbsBlockN, range.begin);
+    const int cols = std::min((block + 1) * kProbsBlockN, range.end) - n0;
     load_kv_tile<T>(p, p.k, p.k_strides, span, n0, cols, kv_head, sc.kt.data(), nullptr);
     matmul_a_bt(sc.q.data(), d, sc.kt.data(), kBlockN, sc.s.data(), kBlockN, rows, cols, d);
     rule.apply(sc.s.data(), kBlockN, m0, rows, n0, cols);
     for (int r = 0; r < rows; ++r) {
       const float* sr = sc.s.data() + r * kBlockN;
+      float m = running_max[r];
+      for (int c = 0; c < cols; ++c) m = std::max(m, sr[c]);
+      running_max[r] = m;
+      if (m == kNegInf) continue;  // nothing visible to this row up to here
       T* out_row = probs + (m0 + r) * o.probs_row_stride + n0;
       DropoutRow dropout(p, b, h, m0 + r);
       for (int c = 0; c < cols; ++c) {
-        float prob = std::exp(sr[c] - row_lse[r]);
-        if (p.dropout_p > 0.f && !dropout.keep(n0 + c)) prob = -prob;
-        out_row[c] = static_cast<T>(prob);
+        if (sr[c] == kNegInf) continue;  // masked: stays 0
+        float numerator = std::exp(sr[c] - m);
+        if (p.dropout_p > 0.f && !dropout.keep(n0 + c)) numerator = -numerator;
+        out_row[c] = static_cast<T>(numerator);
       }
     }
   }
@@ -163,21 +180,19 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
   }
 
   const float rescale = dropout_rescale(p);
-  float row_lse[kBlockM];
   for (int r = 0; r < rows; ++r) {
     T* out_row = q_row_mut<T>(o.out, o.out_strides, span, m0 + r, h);
     float& lse = o.lse[lse_offset(o.lse_strides, span, m0 + r, h)];
     if (sc.row_sum[r] == 0.f) {
       // A row that sees no key: output 0, lse +inf (so that P = exp(s - lse) = 0).
       for (int dd = 0; dd < d; ++dd) out_row[dd] = static_cast<T>(0.f);
-      row_lse[r] = kPosInf;
+      lse = kPosInf;
     } else {
       store_row(sc.acc.data() + r * d, out_row, d, rescale / sc.row_sum[r]);
-      row_lse[r] = sc.row_max[r] + std::log(sc.row_sum[r]);
+      lse = sc.row_max[r] + std::log(sc.row_sum[r]);
     }
-    lse = row_lse[r];
   }
-  if (o.probs != nullptr) write_probabilities<T>(p, o, b, h, m0, rows, row_lse, sc);
+  if (o.probs != nullptr) write_probabilities<T>(p, o, b, h, m0, rows, sc);
 }
 
 template <typename T>

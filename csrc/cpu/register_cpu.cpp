@@ -159,9 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
       max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
       rng_state, kCpuDtypes);
-  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, "cu_seqlens_q");
+  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.paged ? -1 : shape.total_k, shape.max_seqlen_k,
-                        "cu_seqlens_k");
+                        IndexArg::kCuSeqlensK);
   if (shape.paged) {
     check_block_table_host(*block_table, cu_seqlens_k, shape.num_blocks, shape.page_size);
   }
@@ -209,8 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
       dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
       max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
       rng_state, kCpuDtypes);
-  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, "cu_seqlens_q");
-  check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, "cu_seqlens_k");
+  check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
+  check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, IndexArg::kCuSeqlensK);
   const Window window = normalize_window(causal, window_size_left, window_size_right,
                                          shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);

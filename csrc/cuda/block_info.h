@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "index_guards.h"
 #include "params.h"
 
 namespace flash {
@@ -19,10 +20,18 @@ struct BlockInfo {
   __device__ BlockInfo(const FwdParams& params, int batch) {
     varlen = params.cu_seqlens_q != nullptr;
     if (varlen) {
-      q_row_begin = params.cu_seqlens_q[batch];
-      k_row_begin = params.cu_seqlens_k[batch];
-      seqlen_q = params.cu_seqlens_q[batch + 1] - static_cast<int>(q_row_begin);
-      seqlen_k = params.cu_seqlens_k[batch + 1] - static_cast<int>(k_row_begin);
+      // Guarded: a bad cu_seqlens value is clamped into the packed tensors
+      // and recorded, never followed outside them.
+      const SequenceRows q_rows =
+          guarded_sequence_rows(params.cu_seqlens_q, batch, params.total_q, params.seqlen_q,
+                                IndexArg::kCuSeqlensQ, params.index_errors);
+      const SequenceRows k_rows =
+          guarded_sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k,
+                                IndexArg::kCuSeqlensK, params.index_errors);
+      q_row_begin = q_rows.begin;
+      k_row_begin = k_rows.begin;
+      seqlen_q = q_rows.length;
+      seqlen_k = k_rows.length;
     } else {
       q_row_begin = 0;
       k_row_begin = 0;

@@ -25,6 +25,7 @@
 #include "cuda/bwd_accum_layout.h"
 #include "cuda/tile_config.h"
 #include "cuda/fwd_tile_schedule.h"
+#include "cuda/index_error_state.h"
 #include "cuda/kvcache_append_rotary.h"
 #include "cuda/paged_gather.h"
 #include "cuda/splitkv_tile_config.h"
@@ -38,6 +39,20 @@ void check_device_supported(const at::Tensor& q) {
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
   TORCH_CHECK(props->major >= 8, "flash_attn_cuda needs an sm80 or newer GPU; ", props->name,
               " is sm", props->major, props->minor);
+}
+
+// Every op starts here, after its device guard: raises what a kernel of an
+// earlier call on this device recorded (index_error_state.h) and returns the
+// sink this call's kernels record into.
+IndexErrorSink begin_index_checks(const at::Tensor& q) {
+  const int device = q.get_device();
+  raise_recorded_index_error(device, at::cuda::getCurrentCUDAStream().stream());
+  return index_error_sink(device);
+}
+
+// The end of a call that read index tensors (sync checks only).
+void end_index_checks(const at::Tensor& q) {
+  finish_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
 }
 
 // cp.async moves 16-byte chunks: every row of a (.., seqlen, heads, dim) view
@@ -160,6 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
                      window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
@@ -191,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   params.total_q = 0;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  params.index_errors = index_errors;
   const at::Tensor tile_counter = tile_counter_for(params, q);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
   return {out, softmax_lse, s_dmask, rng_state_out};
@@ -205,7 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor&
                                                                const at::Tensor& v_cache,
                                                                const at::Tensor& cu_seqlens_k,
                                                                const at::Tensor& block_table_in,
-                                                               const VarlenShape& shape) {
+                                                               const VarlenShape& shape,
+                                                               IndexErrorSink index_errors) {
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor block_table = block_table_in.contiguous();
   // No sequence is longer than max_seqlen_k or than its block-table row can
@@ -243,6 +261,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor&
   params.num_blocks = shape.num_blocks;
   params.nheads_k = shape.nheads_k;
   params.head_dim = shape.head_dim;
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.max_seqlen_k_given = shape.max_seqlen_k;
+  params.max_blocks_per_seq = shape.max_blocks_per_seq;
+  params.index_errors = index_errors;
   launch_gather_paged_rows(params, at::cuda::getCurrentCUDAStream().stream());
   return {k_packed, v_packed, cu_packed};
 }
@@ -261,12 +283,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
       rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   at::Tensor k, v, cu_k;
   if (shape.paged) {
-    std::tie(k, v, cu_k) = gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape);
+    std::tie(k, v, cu_k) = gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape,
+                                             index_errors);
   } else {
     k = aligned_for_16b_loads(k_in);
     v = aligned_for_16b_loads(v_in);
@@ -299,8 +323,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   params.total_k = static_cast<int>(k.size(0));
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  params.index_errors = index_errors;
   const at::Tensor tile_counter = tile_counter_for(params, q);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
+  end_index_checks(q);
   return {out, softmax_lse, s_dmask, rng_state_out};
 }
 
@@ -432,6 +458,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                         kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
   const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
 
   at::Tensor dq = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
@@ -471,6 +498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   params.total_q = 0;
   params.total_k = 0;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+  params.index_errors = index_errors;
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const int num_splits =
@@ -497,6 +525,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
       window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
   const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
 
   // Zero-filled: rows outside every sequence get no gradient from the kernels.
@@ -534,6 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   params.total_q = shape.total_q;
   params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+  params.index_errors = index_errors;
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const int num_splits = deterministic ? deterministic_dq_splits(shape.batch, shape.nheads,
@@ -543,6 +573,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
       make_bwd_workspace(params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled,
                          num_splits, deterministic);
   launcher(params, at::cuda::getCurrentCUDAStream().stream());
+  end_index_checks(q);
   return {dq, dk, dv};
 }
 
@@ -817,6 +848,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
               "multiple of 16, got ", shape.page_size);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
   const int compiled = round_up_head_dim(shape.head_dim);
   const bool is_bf16 = q_in.scalar_type() == at::kBFloat16;
   const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16);
@@ -903,6 +935,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.block_table = data_or_null<int>(block_table);
   params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
   params.page_size = IntDivisor(shape.paged ? shape.page_size : 1);
+  params.batch_cache = shape.batch_cache;
+  params.num_pages = shape.paged ? shape.num_blocks : 0;
+  params.seqlen_rotary = shape.seqlen_rotary;
+  params.index_errors = index_errors;
   params.seqlen_new = appending ? shape.seqlen_new : 0;
   params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
   params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;
@@ -922,6 +958,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   params.programmatic_launch = at::cuda::getCurrentDeviceProperties()->major >= 9;
   if (shape.seqlen_q == 0) {
     launch_kvcache_append_rotary(params, stream);  // the append alone (no q to rotate)
+    end_index_checks(q);
     return {out, softmax_lse};
   }
 
@@ -974,6 +1011,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
   }
   launcher(params, stream);
+  end_index_checks(q);
   return {out, softmax_lse};
 }
 
@@ -986,4 +1024,13 @@ TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
   m.impl("bwd", &flash::bwd_cuda);
   m.impl("varlen_bwd", &flash::varlen_bwd_cuda);
   m.impl("fwd_kvcache", &flash::fwd_kvcache_cuda);
+}
+
+// The index checks' controls (index_error_state.h); the CPU path raises at
+// once and needs neither.
+TORCH_LIBRARY_IMPL(flash_attn, CompositeImplicitAutograd, m) {
+  m.impl("check_index_errors",
+         [](int64_t device) { flash::check_index_errors_now(static_cast<int>(device)); });
+  m.impl("set_sync_index_checks",
+         [](bool enabled) { return flash::set_sync_index_checks(enabled); });
 }

@@ -27,3 +27,9 @@ TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
     m.impl(op_name, torch::CppFunction::makeFromBoxedFunction<&raise_built_without_cuda>());
   }
 }
+
+// The index checks' controls have nothing to check without CUDA kernels.
+TORCH_LIBRARY_IMPL(flash_attn, CompositeImplicitAutograd, m) {
+  m.impl("check_index_errors", [](int64_t /*device*/) {});
+  m.impl("set_sync_index_checks", [](bool /*enabled*/) { return false; });
+}

@@ -242,7 +242,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] = key < it.seqlen_k ? it.cache.block_table_row[page_index] : 0;
+        row_page[m] = key < it.seqlen_k
+                          ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch,
+                                         page_index, it.cache.block_table_row[page_index],
+                                         params.num_pages)
+                          : 0;
       }
       previous_index = page_index;
     }
@@ -430,7 +434,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (col >= params.head_dim) continue;
       const int stage = stage_of_key(it, key);
       const int tile_row = key % kBlockN;
-      const CacheRowAt at = cache_row_at(it.cache, it.cache.leftpad + key);
+      const CacheRowAt at = cache_row_at(params, it.batch, it.cache, it.cache.leftpad + key);
       *reinterpret_cast<uint4*>(k_cache + cache_offset(at, it.head_kv, params.k) + col) =
           *reinterpret_cast<const uint4*>(&stage_k(stage)(tile_row, col));
       *reinterpret_cast<uint4*>(v_cache + cache_offset(at, it.head_kv, params.v) + col) =

@@ -25,8 +25,14 @@ __device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& ro
       rotary_chunk(src, d0, rotary.cos_row, rotary.sin_row, rotary_dim, interleaved);
 }
 
-__device__ int cache_end(const KvcacheParams& p, int b) {
-  return p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k;
+// Batch entry b's cache length, left padding and cache entry, guarded
+// (index_guards.h): the positions written and read below stay in the cache
+// and the rotary tables.
+__device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
+  return guarded_kvcache_entry(p, b,
+                               {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k,
+                                p.cache_leftpad ? p.cache_leftpad[b] : 0,
+                                p.cache_batch_idx ? p.cache_batch_idx[b] : b});
 }
 
 // Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
@@ -37,11 +43,12 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const int h = static_cast<int>((index / chunks) % p.nheads_k);
   const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads_k)) % p.seqlen_new);
   const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads_k * p.seqlen_new));
-  const int pos = cache_end(p, b) + i;
+  const KvcacheEntryIndices entry = entry_of(p, b);
+  const int pos = entry.cache_seqlen + i;
 
   const CacheRows cache{p.block_table ? p.block_table + b * p.block_table_batch_stride : nullptr,
-                        p.cache_batch_idx ? p.cache_batch_idx[b] : b, 0, p.page_size};
-  const CacheRowAt at = cache_row_at(cache, pos);
+                        entry.entry, 0, p.page_size};
+  const CacheRowAt at = cache_row_at(p, b, cache, pos);
   const int64_t k_dst = cache_offset(at, h, p.k);
   const int64_t v_dst = cache_offset(at, h, p.v);
   const T* k_src = static_cast<const T*>(p.new_k_ptr) + b * p.new_k.batch_stride +
@@ -65,7 +72,7 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
   const int h = static_cast<int>((index / chunks) % p.nheads);
   const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
   const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads * p.seqlen_q));
-  const int pos = cache_end(p, b) + (p.rotary_q_per_row ? i : 0);
+  const int pos = entry_of(p, b).cache_seqlen + (p.rotary_q_per_row ? i : 0);
   const T* src = static_cast<const T*>(p.q_unrotated_ptr) + b * p.q_unrotated.batch_stride +
                  int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
   T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +

@@ -1,15 +1,33 @@
 #include "paged_gather.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "cuda_check.h"
 #include "grid_heads_batch.h"
+#include "index_guards.h"
 
 namespace flash {
 namespace {
 
 constexpr int kRowsPerBlock = 8;
 constexpr int kThreads = 128;
+
+// The caller's offsets and table width for sequence `batch` (the packed
+// offsets the copies use are already cut to what the table addresses).
+__device__ void check_sequence(const PagedGatherParams& params, int batch) {
+  const SequenceRows rows =
+      guarded_sequence_rows(params.cu_seqlens_k, batch, INT_MAX, params.max_seqlen_k_given,
+                            IndexArg::kCuSeqlensK, params.index_errors);
+  const int64_t pages_needed = (int64_t(rows.length) + params.page_size.divisor - 1) /
+                               params.page_size.divisor;
+  if (pages_needed > params.max_blocks_per_seq) {
+    report_index_error(params.index_errors, IndexRule::kPagesPastTable, IndexArg::kBlockTable,
+                       IndexOp::kVarlen, batch, 0, rows.length, params.max_blocks_per_seq,
+                       params.page_size.divisor);
+  }
+}
 
 // One thread block per kRowsPerBlock keys of one sequence; its threads walk
 // the nheads_k x head_dim elements of each row (2-byte copies: head dims need
@@ -18,6 +36,7 @@ __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
   HeadBatch pair;  // one "head" per sequence: the grid's y and z are the sequences
   if (!block_head_batch(1, params.batch, pair)) return;
   const int batch = pair.batch;
+  if (blockIdx.x == 0 && threadIdx.x == 0) check_sequence(params, batch);
   const int row_begin = params.cu_seqlens_packed[batch];
   const int seqlen = params.cu_seqlens_packed[batch + 1] - row_begin;
   const int* table = params.block_table + batch * params.block_table_batch_stride;
@@ -31,8 +50,8 @@ __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
     if (key >= seqlen) return;
     int page_index, in_page;
     params.page_size.divmod(key, page_index, in_page);
-    int page = table[page_index];
-    page = page < 0 ? 0 : (page >= params.num_blocks ? params.num_blocks - 1 : page);
+    const int page = guarded_page(params.index_errors, IndexOp::kVarlen, batch, page_index,
+                                  table[page_index], params.num_blocks);
     const int64_t k_row = page * params.k_block_stride + in_page * params.k_row_stride;
     const int64_t v_row = page * params.v_block_stride + in_page * params.v_row_stride;
     const int64_t dst_row = int64_t(row_begin + key) * elems_per_row;
@@ -48,9 +67,10 @@ __global__ void gather_paged_rows_kernel(const PagedGatherParams params) {
 }  // namespace
 
 void launch_gather_paged_rows(const PagedGatherParams& params, cudaStream_t stream) {
-  if (params.batch == 0 || params.max_seqlen_k == 0) return;
+  if (params.batch == 0) return;
+  // At least one block per sequence: its first thread checks the offsets.
   const dim3 grid = grid_over_heads_batch(
-      (params.max_seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, 1, params.batch);
+      std::max((params.max_seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, 1), 1, params.batch);
   gather_paged_rows_kernel<<<grid, kThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 }

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "../common/index_error.h"
 #include "int_divisor.h"
 
 namespace flash {
@@ -28,11 +29,18 @@ struct PagedGatherParams {
   int64_t block_table_batch_stride;
   IntDivisor page_size;
   int batch, max_seqlen_k, num_blocks, nheads_k, head_dim;
+  // The caller's cu_seqlens_k, max_seqlen_k and block-table width, checked
+  // here (check_cu_seqlens_host's and check_block_table_host's rules) since
+  // the forward kernel only sees the packed offsets.
+  const int* cu_seqlens_k;
+  int max_seqlen_k_given;
+  int max_blocks_per_seq;
+  IndexErrorSink index_errors;
 };
 
-// Launch-only: no host synchronisation. Table entries outside [0, num_blocks)
-// are clamped into it (the caller's error gives a wrong answer, never an
-// out-of-bounds read).
+// Launch-only: no host synchronisation. A bad cu_seqlens_k value or table
+// entry is recorded in index_errors and clamped (index_guards.h): a wrong
+// answer for that sequence and a reported error, never an out-of-bounds read.
 void launch_gather_paged_rows(const PagedGatherParams& params, cudaStream_t stream);
 
 }  // namespace flash

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/host_device.h"
+#include "../common/index_error.h"
 #include "int_divisor.h"
 
 namespace flash {
@@ -79,6 +80,10 @@ struct FwdParams {
   bool is_bf16;
 
   KernelChoice fwd_kernel;
+
+  // Where a kernel records a bad value of cu_seqlens / cache_seqlens /
+  // block_table / ... that it clamped (index_guards.h); null: clamp only.
+  IndexErrorSink index_errors;
 };
 
 // The backward pass reads everything the forward read (same score rule, same
@@ -134,6 +139,11 @@ struct KvcacheParams : FwdParams {
   const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
   int64_t block_table_batch_stride;
   IntDivisor page_size;        // paged only: rows per page (a multiple of 16)
+  // Extents the guards hold the index values to (index_guards.h): entries of
+  // a contiguous cache, pages of a paged one, rows of the rotary tables.
+  int batch_cache;
+  int num_pages;
+  int seqlen_rotary;
   int seqlen_new;              // rows appended by this call (already in the cache)
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/mask_rule.h"
+#include "index_guards.h"
 #include "int_divisor.h"
 #include "params.h"
 
@@ -44,11 +45,16 @@ struct CacheRowAt {
   int64_t row;
 };
 
-__forceinline__ __device__ CacheRowAt cache_row_at(const CacheRows& cache, int position) {
+// `position` must be below the cache length (guarded_kvcache_entry keeps every
+// position a call derives there); the page read is guarded.
+__forceinline__ __device__ CacheRowAt cache_row_at(const KvcacheParams& params, int batch,
+                                                   const CacheRows& cache, int position) {
   if (cache.block_table_row == nullptr) return {cache.entry, position};
   int page_index, in_page;
   cache.page_size.divmod(position, page_index, in_page);
-  return {cache.block_table_row[page_index], in_page};
+  return {guarded_page(params.index_errors, IndexOp::kKvcache, batch, page_index,
+                       cache.block_table_row[page_index], params.num_pages),
+          in_page};
 }
 
 __forceinline__ __device__ int64_t cache_offset(const CacheRowAt& at, int head,
@@ -137,12 +143,15 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   it.query_first = it.row_begin / group;
   it.query_last = (row_end - 1) / group;
 
-  const int cache_end = params.cache_seqlens ? inputs.cache_seqlen + params.seqlen_new
-                                             : params.seqlen_k;
-  it.seqlen_k = cache_end - inputs.leftpad;
+  // Guarded (index_guards.h): every row, page and rotary position below
+  // stays inside its tensor whatever the index tensors hold.
+  const KvcacheEntryIndices entry = guarded_kvcache_entry(
+      params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry});
+  const int cache_end = entry.cache_seqlen + params.seqlen_new;
+  it.seqlen_k = cache_end - entry.leftpad;
   it.cache = {params.block_table ? params.block_table + it.batch * params.block_table_batch_stride
                                  : nullptr,
-              inputs.entry, inputs.leftpad, params.page_size};
+              entry.entry, entry.leftpad, params.page_size};
 
   const KeyRange key_range = visible_key_range(it.query_first, it.query_last + 1,
                                                params.seqlen_q, it.seqlen_k,

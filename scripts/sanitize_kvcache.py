@@ -1,7 +1,7 @@
 """A few small fwd_kvcache calls for compute-sanitizer (not a pytest module).
 
-    compute-sanitizer --tool memcheck  python tests/sanitize_kvcache.py
-    compute-sanitizer --tool racecheck python tests/sanitize_kvcache.py
+    compute-sanitizer --tool memcheck  python scripts/sanitize_kvcache.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_kvcache.py
 
 Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
 packing, left padding, cache_batch_idx, split counts from one to many (the

@@ -1,7 +1,7 @@
 """A few small backward calls for compute-sanitizer (not a pytest module).
 
-    compute-sanitizer --tool memcheck  python tests/sanitize_bwd.py
-    compute-sanitizer --tool racecheck python tests/sanitize_bwd.py
+    compute-sanitizer --tool memcheck  python scripts/sanitize_bwd.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_bwd.py
 
 Shapes are small and odd so that every partial tile, the padded head dim,
 GQA, varlen, softcap, ALiBi, dropout and the deterministic path run at

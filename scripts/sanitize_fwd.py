@@ -1,7 +1,7 @@
 """A few small forward calls for compute-sanitizer (not a pytest module).
 
-    compute-sanitizer --tool memcheck  python tests/sanitize_fwd.py
-    compute-sanitizer --tool racecheck python tests/sanitize_fwd.py
+    compute-sanitizer --tool memcheck  python scripts/sanitize_fwd.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_fwd.py
 
 Shapes are small and odd so that partial query and key tiles, the padded head
 dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,

@@ -1,0 +1,94 @@
+"""Same-run A/B of two builds of flash_attn_cuda on one GPU.
+
+Each build is a source tree built in place (``python3 setup.py build_ext
+--inplace``). The benchmark (benchmark_attention.py, our provider only) runs
+under each build in turn, A B A B ..., in separate processes on the same
+machine; every case's time is the median over its rounds, and the report gives
+B / A per case (time ratio: above 1 means B is slower) and the geometric mean
+per regime and mode.
+
+    python3 benchmarks/ab_builds.py --a /path/to/base --b /path/to/new \
+        --rounds 3 --out ab.json -- --regimes train --dtypes bf16 --headdims 64,128
+
+Arguments after ``--`` go to benchmark_attention.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KEY_FIELDS = ("regime", "mode", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k", "batch",
+              "nheads", "nheads_k", "note")
+
+
+def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, str(HERE / "benchmark_attention.py"), "--providers", "flash_attn_cuda",
+           "--no-plots", "--out", str(out_dir), *bench_args]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    rows = json.loads((out_dir / "results.json").read_text())["rows"]
+    return [r for r in rows if r.get("provider") == "flash_attn_cuda" and r.get("ms")]
+
+
+def key_of(row: dict) -> tuple:
+    return tuple(row.get(f) for f in KEY_FIELDS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a", type=Path, required=True, help="tree of build A (baseline)")
+    parser.add_argument("--b", type=Path, required=True, help="tree of build B (candidate)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True, help="JSON report")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    bench_args = [a for a in args.bench_args if a != "--"]
+
+    times: dict[str, dict[tuple, list[float]]] = {"a": defaultdict(list), "b": defaultdict(list)}
+    with tempfile.TemporaryDirectory() as scratch:
+        for r in range(args.rounds):
+            for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                out_dir = Path(scratch) / f"{side}{r}"
+                for row in run_once(getattr(args, side), bench_args, out_dir):
+                    times[side][key_of(row)].append(row["ms"])
+
+    cases = []
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for key in sorted(set(times["a"]) & set(times["b"]), key=str):
+        a_ms = statistics.median(times["a"][key])
+        b_ms = statistics.median(times["b"][key])
+        case = dict(zip(KEY_FIELDS, key))
+        case.update(a_ms=a_ms, b_ms=b_ms, b_over_a=b_ms / a_ms,
+                    a_rounds=times["a"][key], b_rounds=times["b"][key])
+        cases.append(case)
+        groups[(case["regime"], case["mode"])].append(b_ms / a_ms)
+    summary = {
+        f"{regime}/{mode}": {
+            "cases": len(ratios),
+            "geomean_b_over_a": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+            "max_b_over_a": max(ratios),
+            "min_b_over_a": min(ratios),
+        }
+        for (regime, mode), ratios in sorted(groups.items())
+    }
+    report = {"a": str(args.a), "b": str(args.b), "rounds": args.rounds,
+              "bench_args": bench_args, "summary": summary, "cases": cases}
+    args.out.write_text(json.dumps(report, indent=1))
+    for name, s in summary.items():
+        print(f"{name}: {s['cases']} cases, B/A geomean {s['geomean_b_over_a']:.4f}, "
+              f"range {s['min_b_over_a']:.4f}-{s['max_b_over_a']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Calls with bad index values for compute-sanitizer memcheck (not a pytest module).
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_index.py
+
+Runs every case of tests/test_cuda_index_safety.py once (the kernels clamp the
+bad value and record it; memcheck shows that no access leaves the tensors) and
+checks that each one is reported. Exits non-zero if a case is not reported.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import test_cuda_index_safety as cases  # noqa: E402
+
+from flash_attn_cuda import check_index_errors  # noqa: E402
+
+
+def expect_reported(name, fn, kwargs, pattern):
+    fn(**kwargs)
+    try:
+        check_index_errors()
+    except RuntimeError as error:
+        if pattern not in str(error):
+            sys.exit(f"sanitize_index: {name}: reported {str(error).splitlines()[0]!r}, "
+                     f"expected {pattern!r}")
+        return
+    sys.exit(f"sanitize_index: {name}: not reported")
+
+
+def main():
+    torch.manual_seed(0)
+    for name, (spec, pattern) in sorted(cases.VARLEN_CASES.items()):
+        for causal in (False, True):
+            q, k, v = cases._packed(256)
+            kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cases._int32(spec["cu_q"]),
+                          cu_seqlens_k=cases._int32(spec["cu_k"]), max_seqlen_q=spec["max_q"],
+                          max_seqlen_k=spec["max_k"], causal=causal)
+            expect_reported(f"varlen {name}", cases._varlen_call, kwargs, pattern)
+            # The backward over the same offsets.
+            out = torch.randn_like(q)
+            lse = torch.randn(q.shape[1], q.shape[0], device="cuda")
+            torch.ops.flash_attn.varlen_bwd(
+                torch.randn_like(q), q, k, v, out, lse, kwargs["cu_seqlens_q"],
+                kwargs["cu_seqlens_k"], None, spec["max_q"], spec["max_k"], 0.0, 0.125, causal,
+                -1, -1, 0.0, False, None)
+            try:
+                check_index_errors()
+            except RuntimeError:
+                pass
+            else:
+                sys.exit(f"sanitize_index: varlen_bwd {name}: not reported")
+    paged = {
+        "entry_past_pool": (cases._paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32),
+                            "is not a valid block index"),
+        "table_too_narrow": (cases._paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48),
+                             "but block_table has only 2"),
+    }
+    for name, (kwargs, pattern) in paged.items():
+        expect_reported(f"paged varlen {name}", cases._varlen_call, kwargs, pattern)
+    for name in cases.KVCACHE_CASES:
+        for num_splits in (0, 1, 3):
+            kwargs, _, pattern = cases._kvcache_case(name)
+            kwargs["num_splits"] = num_splits
+            expect_reported(f"kvcache {name} splits={num_splits}", cases._kvcache_call, kwargs,
+                            pattern)
+    torch.cuda.synchronize()
+    print("sanitize_index: every bad value was reported")
+
+
+if __name__ == "__main__":
+    main()
