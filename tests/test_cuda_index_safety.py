@@ -26,7 +26,7 @@ from flash_attn_cuda import check_index_errors, set_sync_index_checks
 pytestmark = pytest.mark.cuda
 
 DTYPE = torch.bfloat16
-HEAD_DIM = 64
+HEAD_DIM = 128
 
 
 @pytest.fixture(autouse=True)

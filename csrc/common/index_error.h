@@ -49,7 +49,8 @@ enum class IndexOp : int32_t {
   kKvcache = 1,
 };
 
-// `rule` is written last: a reader that sees it non-zero sees the rest.
+// `rule` is written last; a reader that sees it non-zero waits for the device
+// before it reads the rest.
 struct IndexErrorRecord {
   int32_t rule;  // IndexRule
   int32_t arg;   // IndexArg
@@ -71,12 +72,16 @@ struct IndexErrorSink {
 };
 
 #if defined(__CUDACC__)
-// The cold path of every guard: out of line, so that the kernels that call it
-// keep their registers for the common case.
-__device__ __forceinline__ void report_index_error(const IndexErrorSink& sink,
-                                                       IndexRule rule, IndexArg arg, IndexOp op,
-                                                       int seq, int64_t col, int64_t value,
-                                                       int64_t bound, int64_t extra) {
+// The cold path of every guard. No memory fence here: a system-scope fence
+// anywhere in a kernel makes ptxas turn its fire-and-forget reductions
+// (the backward's dQ red.global.add) into returning atomics, which cost the
+// backward 10-36% (PERF_LOG, 2026-11-26). The host reads the record only
+// after waiting for the device (index_error_state.cpp), when every field has
+// landed.
+__device__ __forceinline__ void report_index_error(const IndexErrorSink& sink, IndexRule rule,
+                                                   IndexArg arg, IndexOp op, int seq,
+                                                   int64_t col, int64_t value, int64_t bound,
+                                                   int64_t extra) {
   if (sink.claim == nullptr || atomicCAS(sink.claim, 0u, 1u) != 0u) return;
   volatile IndexErrorRecord* record = sink.record;
   record->arg = static_cast<int32_t>(arg);
@@ -86,9 +91,7 @@ __device__ __forceinline__ void report_index_error(const IndexErrorSink& sink,
   record->value = value;
   record->bound = bound;
   record->extra = extra;
-  __threadfence_system();
   record->rule = static_cast<int32_t>(rule);
-  __threadfence_system();
 }
 #endif
 

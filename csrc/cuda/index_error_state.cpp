@@ -68,6 +68,14 @@ void create_record(int device, DeviceRecord& entry) {
   entry.sink = {claim, static_cast<IndexErrorRecord*>(mapped)};
 }
 
+void wait_for_device(int device) {
+  int previous = 0;
+  FA_CUDA_CHECK(cudaGetDevice(&previous));
+  FA_CUDA_CHECK(cudaSetDevice(device));
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  FA_CUDA_CHECK(cudaSetDevice(previous));
+}
+
 // Takes the record (clearing it) if a kernel wrote one; caller holds the mutex.
 bool take_record(DeviceRecord& entry, cudaStream_t stream, IndexErrorRecord& out) {
   if (entry.host_record == nullptr) return false;
@@ -115,6 +123,10 @@ void raise_recorded_index_error(int device, cudaStream_t stream) {
       create_record(device, entry);
       return;
     }
+    // The kernels write the record with no fence (index_error.h): wait for
+    // the device, so that every field has landed. Only a call after a bad
+    // value pays this.
+    wait_for_device(device);
     if (!take_record(entry, stream, record)) return;
   }
   TORCH_CHECK(false, index_error_message(record), "\n(flash_attn_cuda: found by a kernel of an ",
@@ -126,10 +138,16 @@ void raise_recorded_index_error(int device, cudaStream_t stream) {
 void finish_index_checks(int device, cudaStream_t stream) {
   if (!sync_flag().load(std::memory_order_relaxed) || is_capturing(stream)) return;
   FA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  DeviceRecord& entry = record_of(device);
+  if (entry.host_record == nullptr ||
+      static_cast<volatile IndexErrorRecord*>(entry.host_record)->rule == 0) {
+    return;
+  }
   IndexErrorRecord record{};
   {
     std::lock_guard<std::mutex> lock(state_mutex());
-    if (!take_record(record_of(device), stream, record)) return;
+    wait_for_device(device);  // a kernel of another stream may still be writing it
+    if (!take_record(entry, stream, record)) return;
   }
   raise_index_error(record);
 }
@@ -137,17 +155,14 @@ void finish_index_checks(int device, cudaStream_t stream) {
 void check_index_errors_now(int device) {
   DeviceRecord& entry = record_of(device);
   if (entry.host_record == nullptr) return;  // no call has run on this device
-  int previous = 0;
-  FA_CUDA_CHECK(cudaGetDevice(&previous));
-  FA_CUDA_CHECK(cudaSetDevice(device));
-  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  wait_for_device(device);
   IndexErrorRecord record{};
   bool found = false;
   {
     std::lock_guard<std::mutex> lock(state_mutex());
     found = take_record(entry, nullptr, record);
   }
-  FA_CUDA_CHECK(cudaSetDevice(previous));
+  wait_for_device(device);  // the claim's reset lands before the next kernel
   if (found) raise_index_error(record);
 }
 
