@@ -16,10 +16,14 @@ Environment switches (see README.md and MAX_JOBS.md):
   FLASH_ATTN_CXX_STD=c++17         C++ standard of the files with torch headers
                                    (default: the one torch's headers demand).
   MAX_JOBS=N                       parallel compile jobs (default: what RAM allows).
-  CUDA_HOME, CUTLASS_DIR           where the toolkit / CUTLASS checkout live.
+  CUDA_HOME                        where the CUDA toolkit lives.
+  CUTLASS_DIR                      a CUTLASS checkout to build against instead of
+                                   third_party/cutlass or the pinned nvidia-cutlass
+                                   wheel (third_party/README.md).
 """
 
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -27,11 +31,17 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
 
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
+# The one pin of the CUTLASS version, and where a CUTLASS checkout may be placed (third_party/README.md).
+CUTLASS_REQUIREMENT_FILE = ROOT / "third_party" / "cutlass_requirement.txt"
+CUTLASS_CHECKOUT = ROOT / "third_party" / "cutlass"
 PACKAGE = "flash_attn_cuda"
 VERSION = "0.1.0"
 
@@ -50,15 +60,15 @@ GIB_PER_CUDA_JOB = 5.5
 GIB_PER_CXX_JOB = 1.5
 
 
-def _fail(message):
+def _fail(message: str) -> NoReturn:
     sys.exit(f"error: {message}")
 
 
-def _env_flag(name):
+def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _split_list(value):
+def _split_list(value: str) -> list[str]:
     return [item.strip() for item in re.split(r"[;,\s]+", value) if item.strip()]
 
 
@@ -67,7 +77,7 @@ def _split_list(value):
 # ---------------------------------------------------------------------------
 
 
-def _parse_archs():
+def _parse_archs() -> list[str]:
     """FLASH_ATTN_CUDA_ARCHS -> list like ["80", "90a"]."""
     archs = []
     for item in _split_list(os.environ.get("FLASH_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)):
@@ -81,7 +91,7 @@ def _parse_archs():
     return archs
 
 
-def _parse_hdims():
+def _parse_hdims() -> list[int]:
     value = os.environ.get("FLASH_ATTN_CUDA_HDIMS", "all").strip()
     if value.lower() in ("", "all"):
         return list(ALL_HDIMS)
@@ -94,7 +104,7 @@ def _parse_hdims():
     return sorted(hdims)
 
 
-def _parse_dtypes():
+def _parse_dtypes() -> list[str]:
     value = os.environ.get("FLASH_ATTN_CUDA_DTYPES", "all").strip().lower()
     if value in ("", "all"):
         return list(ALL_DTYPES)
@@ -113,7 +123,7 @@ def _parse_dtypes():
 # ---------------------------------------------------------------------------
 
 
-def _is_toolkit(path):
+def _is_toolkit(path: str | Path | None) -> bool:
     """A CUDA toolkit root: bin/nvcc, the runtime headers and the runtime library."""
     if not path:
         return False
@@ -122,7 +132,7 @@ def _is_toolkit(path):
     return (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file() and has_lib
 
 
-def _toolkit_reported_by(nvcc):
+def _toolkit_reported_by(nvcc: str) -> str | None:
     """Ask nvcc where it lives: a dry run prints the directory of the real binary.
 
     This sees through wrapper scripts and symlinks placed outside the toolkit
@@ -145,7 +155,7 @@ def _toolkit_reported_by(nvcc):
     return None
 
 
-def _nvcc_version(cuda_home):
+def _nvcc_version(cuda_home: str) -> str | None:
     try:
         text = subprocess.run(
             [os.path.join(cuda_home, "bin", "nvcc"), "--version"],
@@ -157,7 +167,7 @@ def _nvcc_version(cuda_home):
     return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
-def _find_cuda_home(torch_cuda_version):
+def _find_cuda_home(torch_cuda_version: str | None) -> tuple[str | None, str | None]:
     """Returns (cuda_home or None, reason when None)."""
     for variable in ("CUDA_HOME", "CUDA_PATH"):
         configured = os.environ.get(variable)
@@ -193,7 +203,7 @@ def _find_cuda_home(torch_cuda_version):
     return None, "no nvcc found (put it on PATH or set CUDA_HOME)"
 
 
-def _torch_bundled_cuda_includes(cuda_home, torch_cuda_version):
+def _torch_bundled_cuda_includes(cuda_home: str, torch_cuda_version: str | None) -> list[str]:
     """Headers of the CUDA math libraries (cusparse.h, cublas_v2.h, ...) when the toolkit lacks them.
 
     ATen/cuda/CUDAContext.h includes them. A minimal toolkit (nvcc and the runtime only)
@@ -215,31 +225,83 @@ def _torch_bundled_cuda_includes(cuda_home, torch_cuda_version):
     return found[:1]
 
 
-def _find_cutlass_include():
-    configured = os.environ.get("CUTLASS_DIR")
-    if configured:
-        for candidate in (Path(configured) / "include", Path(configured)):
-            if (candidate / "cute").is_dir() and (candidate / "cutlass").is_dir():
-                return str(candidate.resolve())
-        _fail(f"CUTLASS_DIR={configured} has no include/cute and include/cutlass; point it at a CUTLASS checkout")
-    checkout = ROOT / "third_party" / "cutlass" / "include"
-    if (checkout / "cute").is_dir():
-        return str(checkout)
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            wheel_include = Path(location) / "source" / "include"
-            if (wheel_include / "cute").is_dir():
-                return str(wheel_include)
+def _cutlass_requirement() -> str | None:
+    """The pinned nvidia-cutlass requirement ("nvidia-cutlass==X"), from the one file that pins it."""
+    try:
+        lines = CUTLASS_REQUIREMENT_FILE.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            return line
     return None
 
 
-def _nvcc_threads():
+def _pinned_cutlass_version() -> str | None:
+    """The CUTLASS release of the pinned wheel: "4.2.0" for nvidia-cutlass==4.2.0.0."""
+    match = re.fullmatch(r"nvidia-cutlass\s*==\s*(\d+)\.(\d+)\.(\d+)(?:\.\d+)*", _cutlass_requirement() or "")
+    return ".".join(match.groups()) if match else None
+
+
+def _is_cutlass_include(include: Path) -> bool:
+    """A CUTLASS include tree: the CuTe and CUTLASS headers the kernels include, and the version header."""
+    return all((include / header).is_file()
+               for header in ("cute/tensor.hpp", "cutlass/cutlass.h", "cutlass/version.h"))
+
+
+def _cutlass_version(include: Path) -> str | None:
+    """CUTLASS_MAJOR.MINOR.PATCH from the tree's cutlass/version.h."""
+    try:
+        text = (include / "cutlass" / "version.h").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"#define\s+CUTLASS_{name}\s+(\d+)", text) for name in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(part.group(1) for part in parts) if all(parts) else None
+
+
+def _find_cutlass() -> tuple[str, str] | None:
+    """(include directory, where it came from) of the CUTLASS headers, or None when there are none.
+
+    In order: CUTLASS_DIR, a checkout in third_party/cutlass, the pinned
+    nvidia-cutlass wheel (third_party/README.md). A CUTLASS_DIR or a non-empty
+    third_party/cutlass that is not a CUTLASS tree stops the build: it was put
+    there to be used, so falling back silently would build against other headers.
+    """
+    configured = os.environ.get("CUTLASS_DIR")
+    if configured:
+        for candidate in (Path(configured) / "include", Path(configured)):
+            if _is_cutlass_include(candidate):
+                return str(candidate.resolve()), "CUTLASS_DIR"
+        _fail(f"CUTLASS_DIR={configured} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
+              "include/cutlass/cutlass.h and include/cutlass/version.h; point it at the root of one")
+    if CUTLASS_CHECKOUT.is_dir() and any(CUTLASS_CHECKOUT.iterdir()):
+        include = CUTLASS_CHECKOUT / "include"
+        if _is_cutlass_include(include):
+            return str(include), "third_party/cutlass"
+        _fail(f"{CUTLASS_CHECKOUT} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
+              "include/cutlass/cutlass.h and include/cutlass/version.h. Put a CUTLASS checkout "
+              "there (third_party/README.md says which tag), or remove the folder to build with "
+              "the pinned nvidia-cutlass wheel")
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            include = Path(location) / "source" / "include"
+            if _is_cutlass_include(include):
+                try:
+                    source = f"nvidia-cutlass {importlib.metadata.version('nvidia-cutlass')} wheel"
+                except importlib.metadata.PackageNotFoundError:
+                    source = "nvidia-cutlass wheel"
+                return str(include), source
+    return None
+
+
+def _nvcc_threads() -> int:
     value = os.environ.get("FLASH_ATTN_NVCC_THREADS", "").strip()
     return int(value) if value.isdigit() and int(value) > 1 else 1
 
 
-def _default_max_jobs(building_cuda):
+def _default_max_jobs(building_cuda: bool) -> int | None:
     """Parallel compile jobs that fit in the available memory (MAX_JOBS overrides)."""
     # nvcc --threads N runs N device compilers of one file at once.
     gib_per_job = GIB_PER_CUDA_JOB * _nvcc_threads() if building_cuda else GIB_PER_CXX_JOB
@@ -257,11 +319,11 @@ def _default_max_jobs(building_cuda):
 # ---------------------------------------------------------------------------
 
 
-def _sources(pattern):
+def _sources(pattern: str) -> list[str]:
     return sorted(glob.glob(pattern, root_dir=ROOT))
 
 
-def _instantiation_selected(path, hdims, dtypes):
+def _instantiation_selected(path: str, hdims: Sequence[int], dtypes: Sequence[str]) -> bool:
     name = Path(path).stem
     hdim = re.search(r"hdim(\d+)", name)
     if hdim and int(hdim.group(1)) not in hdims:
@@ -272,14 +334,14 @@ def _instantiation_selected(path, hdims, dtypes):
     return True
 
 
-def _write_if_changed(path, text):
+def _write_if_changed(path: Path, text: str) -> None:
     # Rewriting an unchanged header would make ninja rebuild module.cpp every time.
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
 
-def _c_string(text):
+def _c_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -288,7 +350,7 @@ def _c_string(text):
 # ---------------------------------------------------------------------------
 
 
-def _configure():
+def _configure() -> dict[str, Any]:
     import torch
 
     archs, hdims, dtypes = _parse_archs(), _parse_hdims(), _parse_dtypes()
@@ -301,14 +363,24 @@ def _configure():
     else:
         cuda_home, cpu_only_reason = _find_cuda_home(torch.version.cuda)
 
-    cutlass_include = None
+    cutlass_include, cutlass_source, cutlass_version = None, None, None
     if cuda_home:
-        cutlass_include = _find_cutlass_include()
-        if cutlass_include is None:
+        found = _find_cutlass()
+        if found is None:
+            requirement = _cutlass_requirement() or "nvidia-cutlass"
             _fail(
-                "CUTLASS headers not found: run `pip install nvidia-cutlass==4.2.0.0`, or set CUTLASS_DIR "
-                "to a CUTLASS checkout, or set FLASH_ATTN_SKIP_CUDA_BUILD=1 for a CPU-only build."
+                f"CUTLASS headers not found: run `pip install -r third_party/cutlass_requirement.txt` "
+                f"(it pins {requirement}), or place a CUTLASS checkout in third_party/cutlass or set "
+                f"CUTLASS_DIR to one (third_party/README.md), or set FLASH_ATTN_SKIP_CUDA_BUILD=1 for "
+                f"a CPU-only build."
             )
+        cutlass_include, cutlass_source = found
+        cutlass_version = _cutlass_version(Path(cutlass_include))
+        pinned = _pinned_cutlass_version()
+        if pinned and cutlass_version != pinned:
+            print(f"flash_attn_cuda: WARNING: building against CUTLASS {cutlass_version or '(unknown version)'} "
+                  f"from {cutlass_source} ({cutlass_include}), but third_party/cutlass_requirement.txt pins "
+                  f"CUTLASS {pinned}, the version this project is tested with.", file=sys.stderr)
     elif _env_flag("FLASH_ATTN_FORCE_CUDA_BUILD") and not _env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
         _fail(f"FLASH_ATTN_FORCE_CUDA_BUILD=1 but the CUDA kernels cannot be built: {cpu_only_reason}")
 
@@ -331,6 +403,8 @@ def _configure():
         "cuda_version": _nvcc_version(cuda_home) if cuda_home else None,
         "cpu_only_reason": cpu_only_reason,
         "cutlass_include": cutlass_include,
+        "cutlass_source": cutlass_source,
+        "cutlass_version": cutlass_version,
         "extra_cuda_includes": _torch_bundled_cuda_includes(cuda_home, torch.version.cuda) if cuda_home else [],
         "archs": archs,
         "hdims": hdims,
@@ -338,7 +412,7 @@ def _configure():
     }
 
 
-def _host_cxx_standard():
+def _host_cxx_standard() -> str:
     """The C++ standard of the translation units that include torch headers.
 
     It must be the one torch itself was built with: inline torch classes can
@@ -366,7 +440,7 @@ def _host_cxx_standard():
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
 
-def _warn_if_static_cxx_runtime():
+def _warn_if_static_cxx_runtime() -> None:
     """Warns when the C++ compiler would link a static libstdc++ into the extension.
 
     A compiler that finds no shared libstdc++ (`-print-file-name=libstdc++.so`
@@ -392,7 +466,7 @@ def _warn_if_static_cxx_runtime():
               "shared libstdc++, for example CXX=/usr/bin/g++.", file=sys.stderr)
 
 
-def _extension(config):
+def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
     cpp_extension = config["cpp_extension"]
     building_cuda = config["cuda_home"] is not None
 
@@ -446,7 +520,8 @@ def _extension(config):
             f"archs {','.join('sm_' + a for a in config['archs'])}; "
             f"hdims {','.join(map(str, config['hdims']))}; "
             f"dtypes {','.join(config['dtypes'])}; "
-            f"torch {config['torch'].__version__}"
+            f"torch {config['torch'].__version__}; "
+            f"cutlass {config['cutlass_version'] or 'unknown'} ({config['cutlass_source']})"
         )
         # The test suite reads this mark: on such a build, a call that needs a
         # left-out head dim or dtype is refused by design, and its test is skipped.
@@ -490,11 +565,11 @@ def _extension(config):
     return extension, summary, building_cuda
 
 
-def _build_ext_class(cpp_extension):
+def _build_ext_class(cpp_extension: ModuleType) -> type:
     base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
     class BuildExtension(base):
-        def finalize_options(self):
+        def finalize_options(self) -> None:
             super().finalize_options()
             # One stable object directory for regular and editable installs, so that
             # ninja rebuilds only what changed (editable builds otherwise use a fresh
@@ -505,7 +580,7 @@ def _build_ext_class(cpp_extension):
     return BuildExtension
 
 
-def main():
+def main() -> None:
     config = _configure()
     _warn_if_static_cxx_runtime()
     extension, summary, building_cuda = _extension(config)

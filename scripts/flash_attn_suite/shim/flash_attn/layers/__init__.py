@@ -1,0 +1,1 @@
+"""flash_attn.layers for the test shim: only the rotary helper the tests use."""
