@@ -227,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor&
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor block_table = block_table_in.contiguous();
   // No sequence is longer than max_seqlen_k or than its block-table row can
-  // address (longer ones are the caller's error; the CPU path reports them).
+  // address (the gather kernel reports longer ones, paged_gather.h).
   const int64_t max_rows_per_seq =
       shape.num_blocks == 0
           ? 0
@@ -821,9 +821,9 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
 // Append (+ rotary), in a kernel of its own or in the split-KV attention
 // kernel over the cache (params.append_in_attention), then the attention. The
 // contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
-// are not validated here: reading them would synchronise with the device (and
-// break CUDA graph capture); out-of-range values are the caller's error, as in
-// flash-attn.
+// are not read here (that would synchronise with the device and break CUDA
+// graph capture): the kernels guard every index derived from them and record
+// a bad value, which index_error_state.h raises (docs/memory_safety.md).
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,

@@ -21,8 +21,9 @@ struct QKVStrides {
   int64_t head_stride;
 };
 
-// Which kernel design runs the plain score rule (softcap / ALiBi / dropout
-// always run the SM80-design kernels), per pass. Set by the API layer: kSm80
+// Which kernel design runs a call, per pass (dropout and a scale that
+// scale_is_positive_normal turns away always run the SM80-design kernels;
+// softcap and ALiBi run on both). Set by the API layer: kSm80
 // on GPUs other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL /
 // FLASH_ATTN_BWD_KERNEL = sm80 / sm90 in the environment forces (the tests run
 // both kernels on every shape).
