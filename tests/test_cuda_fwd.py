@@ -13,7 +13,6 @@ import s_dmask
 from reference import assert_within_criterion, attention_ref
 
 import flash_attn_cuda  # registers the ops
-from conftest import left_out_reason
 from cuda_inputs import (DEVICE, DTYPES, HEAD_DIMS, many_short_sequences, poison_allocator,
                          random_cu_seqlens, random_qkv, rows_of_sequences_of_length)
 
@@ -599,7 +598,7 @@ def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal,
 def test_varlen_fwd_paged_cuda_graph_replay():
     """The paged varlen forward reads the table and lengths on the device: a
     captured call replays with new table contents."""
-    batch, nheads, head_dim, page_size = 2, 4, 64, 16
+    nheads, head_dim, page_size = 4, 64, 16  # two sequences
     cu_q = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 40, 64], dtype=torch.int32, device=DEVICE)
     q = torch.randn(7, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
