@@ -1281,7 +1281,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
     p.add_argument("--out", default=None,
-                   help="output folder for results.json and PNGs (default benchmarks/results/<device>/)")
+                   help="output folder for results.json and PNGs (default benchmarks/out/<device>/, "
+                        "ignored by git: a run becomes a kept result only when it is copied to "
+                        "benchmarks/results/<device>/current/ on purpose)")
     p.add_argument("--regimes", default=None, help=f"comma list of {REGIMES}")
     p.add_argument("--providers", default=None,
                    help=f"comma list; GPU: {GPU_PROVIDERS} (default), also {GPU_OPTIONAL_PROVIDERS}; CPU: {CPU_PROVIDERS}")
@@ -1371,7 +1373,8 @@ def select(args) -> tuple:
             name = sanitize(torch.cuda.get_device_name(device))
         else:
             name = "cpu-standin" if args.cpu_standin else "cpu"
-        args.out = os.path.join(BENCH_DIR, "results", name)
+        # Not the tracked results folder: a run lands there only on purpose.
+        args.out = os.path.join(BENCH_DIR, "out", name)
     return device, grid, providers
 
 
