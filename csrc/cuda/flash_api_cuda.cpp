@@ -45,9 +45,7 @@ void check_device_supported(const at::Tensor& q) {
 // earlier call on this device recorded (index_error_state.h) and returns the
 // sink this call's kernels record into.
 IndexErrorSink begin_index_checks(const at::Tensor& q) {
-  const int device = q.get_device();
-  raise_recorded_index_error(device, at::cuda::getCurrentCUDAStream().stream());
-  return index_error_sink(device);
+  return flash::begin_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
 }
 
 // The end of a call that read index tensors (sync checks only).

@@ -18,8 +18,11 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 struct DeviceRecord {
-  IndexErrorSink sink{};                    // device pointers the kernels write
-  IndexErrorRecord* host_record = nullptr;  // the same record, as the host reads it
+  IndexErrorSink sink{};  // device pointers the kernels write
+  // The same record, as the host reads it; null until create_record, which
+  // publishes it (release) after `sink`, so that a reader without the lock
+  // that sees it (acquire) sees the sink too.
+  std::atomic<IndexErrorRecord*> host_record{nullptr};
 };
 
 std::mutex& state_mutex() {
@@ -64,8 +67,14 @@ void create_record(int device, DeviceRecord& entry) {
   FA_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
   FA_CUDA_CHECK(cudaDeviceSynchronize());  // the claim's zero lands before any kernel reads it
   FA_CUDA_CHECK(cudaSetDevice(previous));
-  entry.host_record = static_cast<IndexErrorRecord*>(host);
   entry.sink = {claim, static_cast<IndexErrorRecord*>(mapped)};
+  entry.host_record.store(static_cast<IndexErrorRecord*>(host), std::memory_order_release);
+}
+
+// Whether a kernel has written the device's record (one word of host memory).
+bool has_record(const DeviceRecord& entry) {
+  const IndexErrorRecord* host = entry.host_record.load(std::memory_order_acquire);
+  return host != nullptr && static_cast<const volatile IndexErrorRecord*>(host)->rule != 0;
 }
 
 void wait_for_device(int device) {
@@ -78,9 +87,8 @@ void wait_for_device(int device) {
 
 // Takes the record (clearing it) if a kernel wrote one; caller holds the mutex.
 bool take_record(DeviceRecord& entry, cudaStream_t stream, IndexErrorRecord& out) {
-  if (entry.host_record == nullptr) return false;
-  volatile IndexErrorRecord* record = entry.host_record;
-  if (record->rule == 0) return false;
+  if (!has_record(entry)) return false;
+  volatile IndexErrorRecord* record = entry.host_record.load(std::memory_order_acquire);
   out.rule = record->rule;
   out.arg = record->arg;
   out.op = record->op;
@@ -103,31 +111,25 @@ DeviceRecord& record_of(int device) {
 
 }  // namespace
 
-IndexErrorSink index_error_sink(int device) {
-  std::lock_guard<std::mutex> lock(state_mutex());
-  return record_of(device).sink;
-}
-
-void raise_recorded_index_error(int device, cudaStream_t stream) {
+IndexErrorSink begin_index_checks(int device, cudaStream_t stream) {
   DeviceRecord& entry = record_of(device);
-  // The common case reads one word of host memory and takes no lock.
-  if (entry.host_record != nullptr &&
-      static_cast<volatile IndexErrorRecord*>(entry.host_record)->rule == 0) {
-    return;
+  // The common case: the record exists and is empty; no lock, no wait.
+  if (entry.host_record.load(std::memory_order_acquire) != nullptr && !has_record(entry)) {
+    return entry.sink;
   }
-  if (is_capturing(stream)) return;
+  if (is_capturing(stream)) return entry.sink;  // null before the record exists: clamp only
   IndexErrorRecord record{};
   {
     std::lock_guard<std::mutex> lock(state_mutex());
-    if (entry.host_record == nullptr) {
+    if (entry.host_record.load(std::memory_order_acquire) == nullptr) {
       create_record(device, entry);
-      return;
+      return entry.sink;
     }
     // The kernels write the record with no fence (index_error.h): wait for
     // the device, so that every field has landed. Only a call after a bad
     // value pays this.
     wait_for_device(device);
-    if (!take_record(entry, stream, record)) return;
+    if (!take_record(entry, stream, record)) return entry.sink;
   }
   TORCH_CHECK(false, index_error_message(record), "\n(flash_attn_cuda: found by a kernel of an ",
               "earlier call on cuda:", device, " and reported at this call; that call's result ",
@@ -139,10 +141,7 @@ void finish_index_checks(int device, cudaStream_t stream) {
   if (!sync_flag().load(std::memory_order_relaxed) || is_capturing(stream)) return;
   FA_CUDA_CHECK(cudaStreamSynchronize(stream));
   DeviceRecord& entry = record_of(device);
-  if (entry.host_record == nullptr ||
-      static_cast<volatile IndexErrorRecord*>(entry.host_record)->rule == 0) {
-    return;
-  }
+  if (!has_record(entry)) return;
   IndexErrorRecord record{};
   {
     std::lock_guard<std::mutex> lock(state_mutex());
@@ -154,7 +153,7 @@ void finish_index_checks(int device, cudaStream_t stream) {
 
 void check_index_errors_now(int device) {
   DeviceRecord& entry = record_of(device);
-  if (entry.host_record == nullptr) return;  // no call has run on this device
+  if (entry.host_record.load(std::memory_order_acquire) == nullptr) return;  // no call ran here
   wait_for_device(device);
   IndexErrorRecord record{};
   bool found = false;

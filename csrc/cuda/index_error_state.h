@@ -17,14 +17,12 @@
 
 namespace flash {
 
-// The sink the kernels of the current call record into: null (clamp only)
-// until the device's record exists, which the first call outside graph
-// capture creates.
-IndexErrorSink index_error_sink(int device);
-
 // At the start of every CUDA op: raises a record left by an earlier call on
-// `device` (and clears it). Does nothing while `stream` is capturing.
-void raise_recorded_index_error(int device, cudaStream_t stream);
+// `device` (and clears it), and returns the sink this call's kernels record
+// into. While `stream` is capturing it raises nothing; the sink is null
+// (clamp only) until the device's record exists, which the first call
+// outside graph capture creates.
+IndexErrorSink begin_index_checks(int device, cudaStream_t stream);
 
 // At the end of a call that read index tensors: with sync checks on (and
 // outside capture) waits for `stream` and raises what the call recorded.
