@@ -1084,12 +1084,18 @@ def _fixed_refs(c, inputs, device):
                              window_size=(c["window_left"], c["window_right"]), keep_mask=keep,
                              compute_dtype=compute_dtype, **_score_kwargs(c, alibi))
 
+    return _attention_refs(c, fn, (q, k, v), inputs, device)
+
+
+def _attention_refs(c, fn, qkv, inputs, device):
+    """out / lse at every compute precision, and the gradient references when
+    the case runs the backward, from one reference function `fn`."""
     refs = {}
     for which in COMPUTE:
-        out, lse = fn(q, k, v, _compute_dtype(c, which))
+        out, lse = fn(*qkv, _compute_dtype(c, which))
         refs[f"out_{which}"], refs[f"lse_{which}"] = _host(out), _host(lse)
     if c["bwd"]:
-        refs.update(_grad_refs(c, fn, (q, k, v), inputs["dout"].to(device)))
+        refs.update(_grad_refs(c, fn, qkv, inputs["dout"].to(device)))
     return refs
 
 
@@ -1111,13 +1117,7 @@ def _varlen_refs(c, inputs, device):
                                     keep_masks=keep, compute_dtype=compute_dtype,
                                     **_score_kwargs(c, alibi))
 
-    refs = {}
-    for which in COMPUTE:
-        out, lse = fn(q, k, v, _compute_dtype(c, which))
-        refs[f"out_{which}"], refs[f"lse_{which}"] = _host(out), _host(lse)
-    if c["bwd"]:
-        refs.update(_grad_refs(c, fn, (q, k, v), inputs["dout"].to(device)))
-    return refs
+    return _attention_refs(c, fn, (q, k, v), inputs, device)
 
 
 def _kvcache_refs(c, inputs, device):
