@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent
 CUTLASS_REQUIREMENT_FILE = ROOT / "third_party" / "cutlass_requirement.txt"
 CUTLASS_CHECKOUT = ROOT / "third_party" / "cutlass"
 PACKAGE = "flash_attn_cuda"
+# The CUDA op entry points of a build without CUDA: a stub that raises.
+CUDA_STUB_SOURCE = "csrc/cuda/ops/flash_api_nocuda.cpp"
 VERSION = "0.1.0"
 
 ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -320,7 +322,7 @@ def _default_max_jobs(building_cuda: bool) -> int | None:
 
 
 def _sources(pattern: str) -> list[str]:
-    return sorted(glob.glob(pattern, root_dir=ROOT))
+    return sorted(glob.glob(pattern, root_dir=ROOT, recursive=True))
 
 
 def _instantiation_selected(path: str, hdims: Sequence[int], dtypes: Sequence[str]) -> bool:
@@ -483,9 +485,12 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
         link_flags.append("-fopenmp")
 
     if building_cuda:
-        stub = "csrc/cuda/flash_api_nocuda.cpp"
-        sources += [s for s in _sources("csrc/cuda/*.cpp") if s != stub]
-        sources += _sources("csrc/cuda/*.cu")
+        # Every .cpp / .cu under csrc/cuda/ except the CPU-only stub; the
+        # instantiations only for the selected head dims and dtypes.
+        stub = CUDA_STUB_SOURCE
+        sources += [s for s in _sources("csrc/cuda/**/*.cpp") if s != stub]
+        sources += [s for s in _sources("csrc/cuda/**/*.cu")
+                    if not s.startswith("csrc/cuda/instantiations/")]
         instantiations = _sources("csrc/cuda/instantiations/*.cu")
         sources += [s for s in instantiations
                     if _instantiation_selected(s, config["hdims"], config["dtypes"])]
@@ -528,7 +533,7 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
         if set(config["hdims"]) != set(ALL_HDIMS) or set(config["dtypes"]) != set(ALL_DTYPES):
             build_info += f"; {REDUCED_KERNEL_SET_MARK}"
     else:
-        sources.append("csrc/cuda/flash_api_nocuda.cpp")
+        sources.append(CUDA_STUB_SOURCE)
         build_info = f"cpu-only ({config['cpu_only_reason']}); torch {config['torch'].__version__}"
 
     # The build description reaches module.cpp alone through a generated header: a -D

@@ -42,7 +42,7 @@ _SEED_BOUND = 2**62
 # Key-block width of S_dmask (see return_attn_probs). The CPU and CUDA kernels
 # write numerators against the running max over blocks of this many keys
 # (kProbsBlockN in csrc/cpu/attention_cpu.h, kReturnProbsBlockN in
-# csrc/cuda/return_probs.h), whatever the device, head dim, dropout or mask.
+# csrc/cuda/fwd/return_probs.h), whatever the device, head dim, dropout or mask.
 _S_DMASK_BLOCK_N = 64
 
 

@@ -30,7 +30,7 @@ GRAD_ATOL = 1e-4
 @pytest.fixture(params=["sm90", "sm80"])
 def bwd_kernel(request, monkeypatch):
     """Which backward main kernel runs the plain score rule. On an sm90 GPU the
-    head dims with a Hopper tile (kBlockMSm90 in csrc/cuda/bwd_tile_config.h:
+    head dims with a Hopper tile (kBlockMSm90 in csrc/cuda/bwd/bwd_tile_config.h:
     all of them) have two, the Hopper one by default; FLASH_ATTN_BWD_KERNEL
     forces one, so both are checked on every shape. Other GPUs run the
     SM80-design kernel only."""
@@ -420,7 +420,7 @@ def test_varlen_bwd_deterministic_is_bitwise_reproducible(bwd_kernel):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministic, bwd_kernel):
     # The dQ accumulator pads every sequence to whole query blocks of the main
-    # kernel (64 or 128 rows; csrc/cuda/bwd_accum_layout.h) and stores a block's
+    # kernel (64 or 128 rows; csrc/cuda/bwd/bwd_accum_layout.h) and stores a block's
     # values in fragment order. Lengths on both sides of a block, and empty
     # ones, side by side: a block's values landing in a neighbour's stretch, or
     # read back at the wrong row, would show here.
@@ -489,7 +489,7 @@ def test_varlen_bwd_more_sequences_than_grid_yz(causal, features, bwd_kernel):
     (head, sequence) pairs, more than CUDA's grid y or z holds (65535). Every
     backward kernel (D, the main kernel of either design, the dQ conversion,
     the kv heads' sums or, deterministic, their reduction) carries the pairs
-    on y and z together (csrc/cuda/grid_heads_batch.h). Every sequence is
+    on y and z together (csrc/cuda/core/grid_heads_batch.h). Every sequence is
     checked."""
     batch, nheads, nheads_k, head_dim, max_len = 70000, 2, 1, 64, 8
     cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, torch.bfloat16,

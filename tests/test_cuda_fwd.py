@@ -27,7 +27,7 @@ SEQLEN_PAIRS = [
 @pytest.fixture(params=["sm90", "sm80"])
 def fwd_kernel(request, monkeypatch):
     """Which forward kernel runs the plain score rule. On an sm90 GPU the head
-    dims with a Hopper tile (csrc/cuda/tile_config.h) have two kernels, picked
+    dims with a Hopper tile (csrc/cuda/fwd/fwd_tile_config.h) have two kernels, picked
     by shape; FLASH_ATTN_FWD_KERNEL forces one, so both are checked on every
     shape. Other GPUs run the SM80-design kernel only."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -74,7 +74,7 @@ def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, min_blocks_per_sm, s
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
     _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
-    # By shape: the Hopper kernel from the table's key count on (tile_config.h)
+    # By shape: the Hopper kernel from the table's key count on (fwd_tile_config.h)
     # for a call of few query blocks.
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True))
     assert uses_sm90(forward_kernel_names(q, k_short, v_short)) == (128 >= min_keys_sm90)
@@ -292,7 +292,7 @@ def test_varlen_fwd_ignores_rows_outside_sequences(dtype, head_dim, causal, fwd_
 @pytest.mark.parametrize("head_dim", [64, 128, 224, 256])
 def test_fwd_more_query_blocks_than_sms(dtype, head_dim, fwd_kernel):
     """Without a causal or local bound the Hopper kernel runs one block per SM,
-    each walking several query blocks (flash_fwd_launch.h), in fixed shares
+    each walking several query blocks (fwd_launch.h), in fixed shares
     at fixed length and taken from a counter in a varlen batch (where many
     blocks of the grid lie past their sequence's end): a grid of more query
     blocks than any GPU has SMs."""
@@ -461,7 +461,7 @@ def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, sm90_auto_choice):
     the tile table's 192 rows at d64, 128 at d128) in every sequence and 32
     heads, 2^31 + 512 tiles, more than a grid's x dimension holds, so the
     Hopper kernel walks them in fixed shares of its persistent grid
-    (flash_fwd_launch.h). The last sequence's tiles are the ones past 2^31,
+    (fwd_launch.h). The last sequence's tiles are the ones past 2^31,
     found by the 64-bit fallback of fwd_tile_coord (fwd_block_order.h)."""
     batch, nheads, seqlen_k = (1 << 22) + 1, 32, 4096
     seqlen_q = 16 * (192 if head_dim == 64 else 128)
@@ -495,7 +495,7 @@ def test_varlen_fwd_more_sequences_than_grid_yz(causal, features, fwd_kernel):
     short sequences has. The kernels whose grids give each pair its blocks
     (the SM80 forward, which softcap and short keys take; the paged gather;
     the returned probabilities) carry the pairs on y and z together
-    (csrc/cuda/grid_heads_batch.h). Every sequence is checked."""
+    (csrc/cuda/core/grid_heads_batch.h). Every sequence is checked."""
     batch, nheads, nheads_k, head_dim, max_len = 70000, 2, 1, 64, 8
     dtype = torch.bfloat16
     cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, dtype, max_len)

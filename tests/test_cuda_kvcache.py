@@ -191,7 +191,7 @@ def test_persistent_grid(case, num_splits):
     # two blocks per SM hold, each of 16-63 key tiles of the capacity: one
     # block per SM runs every SM-count-th item (splitkv_grid_blocks), the
     # copies of an item's first tiles in flight while the previous item is
-    # finished (flash_fwd_splitkv_kernel.h). The lengths mix items without keys, items
+    # finished (splitkv_kernel.h). The lengths mix items without keys, items
     # of one tile (fewer than the stages in flight, so the copy stream runs
     # several items ahead) and items of many tiles; with a window or several
     # splits, items without keys also sit between items with keys.

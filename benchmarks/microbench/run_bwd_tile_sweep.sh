@@ -4,7 +4,7 @@
 # 16384) at each seqlen, causal and not.
 #   benchmarks/microbench/run_bwd_tile_sweep.sh OUT_DIR "CONFIG CONFIG ..." ["SEQLENS"]
 # A CONFIG is D:M:N:WARPS:ATOM_SDP:ATOM_DKV:ATOM_DQ:DOUBLE_BUFFER[:DQ_BEFORE_DK],
-# the fields of a csrc/cuda/bwd_tile_config.h entry (the last one defaults to
+# the fields of a csrc/cuda/bwd/bwd_tile_config.h entry (the last one defaults to
 # the table's). EXTRAS=1 times the
 # softcap/ALiBi/dropout variant of the main kernel instead of the plain one.
 # SWEEP_STEP=compile or run splits the two halves (compile while the GPU does

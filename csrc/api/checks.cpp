@@ -1,6 +1,6 @@
-#include "checks.h"
+#include "api/checks.h"
 
-#include "index_error_message.h"
+#include "api/index_error_message.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

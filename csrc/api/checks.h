@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "../common/index_error.h"
+#include "common/index_error.h"
 
 namespace flash {
 

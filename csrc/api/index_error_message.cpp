@@ -1,4 +1,4 @@
-#include "index_error_message.h"
+#include "api/index_error_message.h"
 
 #include <c10/util/Exception.h>
 

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "../common/index_error.h"
+#include "common/index_error.h"
 
 namespace flash {
 

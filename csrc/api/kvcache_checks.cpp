@@ -1,6 +1,6 @@
-#include "kvcache_checks.h"
+#include "api/kvcache_checks.h"
 
-#include "index_error_message.h"
+#include "api/index_error_message.h"
 
 #include <c10/util/Exception.h>
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "host_device.h"
+#include "common/host_device.h"
 
 namespace flash {
 

@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "../common/mask_rule.h"
-#include "../common/philox.h"
-#include "attention_cpu.h"
+#include "common/mask_rule.h"
+#include "common/philox.h"
+#include "cpu/attention_cpu.h"
 
 namespace flash::cpu {
 

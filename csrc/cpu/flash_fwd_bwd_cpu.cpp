@@ -7,8 +7,8 @@
 #include <cmath>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "attention_tiles.h"
+#include "cpu/attention_cpu.h"
+#include "cpu/attention_tiles.h"
 
 namespace flash::cpu {
 namespace {

@@ -11,9 +11,9 @@
 #include <tuple>
 #include <vector>
 
-#include "../api/checks.h"
-#include "../api/kvcache_checks.h"
-#include "attention_cpu.h"
+#include "api/checks.h"
+#include "api/kvcache_checks.h"
+#include "cpu/attention_cpu.h"
 
 namespace flash::cpu {
 namespace {

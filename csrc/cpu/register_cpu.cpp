@@ -8,8 +8,8 @@
 #include <optional>
 #include <tuple>
 
-#include "../api/checks.h"
-#include "attention_cpu.h"
+#include "api/checks.h"
+#include "cpu/attention_cpu.h"
 
 namespace flash::cpu {
 namespace {

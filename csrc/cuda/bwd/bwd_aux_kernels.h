@@ -1,0 +1,257 @@
+// The small memory-bound kernels around the backward main kernel:
+//   before: D = rowsum(dO * O) in fp32, per query row;
+//   after:  dQ = scale * (sum of the dQ accumulator slices), cast to the input
+//           dtype; under GQA, dK and dV of a kv head cast from its fp32 sums
+//           (both templated on the main kernel's traits, whose partitions are
+//           the accumulators' layout), or in deterministic mode the sum of its
+//           query heads' fp32 shares, in head order.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/core/block_info.h"
+#include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/params.h"
+
+namespace flash {
+
+using namespace cute;
+
+constexpr int kBwdAuxThreads = 256;
+constexpr int kConvertRowsPerBlock = 16;
+
+// D = rowsum(dO * O): a row is split over kDotLanesPerRow lanes of 16-byte
+// pieces, the largest power of two the compiled head dim fills, so that a warp
+// reads several short rows at once (with one row per warp, half the lanes of
+// a d128 warp and three quarters of a d64 one sat idle: 65% of the copy
+// bandwidth on an H100).
+template <int kHeadDim>
+constexpr int dot_lanes_per_row() {
+  int lanes = 1;
+  while (lanes * 2 <= 32 && lanes * 2 * 8 <= kHeadDim) lanes *= 2;
+  return lanes;
+}
+template <int kHeadDim>
+constexpr int dot_rows_per_block() {
+  return kBwdAuxThreads / dot_lanes_per_row<kHeadDim>();
+}
+
+// Grid: (ceil(seqlen_q / dot_rows_per_block), (head, batch) pairs); the
+// pairs of grid_heads_batch.h, here and in the kernels below.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(const BwdParams params) {
+  constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
+  const BlockInfo binfo(params, batch);
+  const int row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
+  const int lane = threadIdx.x % kLanesPerRow;
+  // No early return: every lane of a row group takes part in the shuffles.
+  const bool row_in_bounds = row < binfo.seqlen_q;
+  const Element* o = static_cast<const Element*>(params.o_ptr) +
+                     binfo.q_offset(params.o, batch, head) + int64_t(row) * params.o.row_stride;
+  const Element* dout = static_cast<const Element*>(params.do_ptr) +
+                        binfo.q_offset(params.dout, batch, head) +
+                        int64_t(row) * params.dout.row_stride;
+  // 8 elements (16 bytes) per lane per step; rows start 16-byte aligned and
+  // the head dim is a multiple of 8.
+  constexpr int kVec = 8;
+  float dot = 0.f;
+  if (row_in_bounds) {
+    for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
+      const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
+      const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
+      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
+      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        dot += static_cast<float>(o_vals[i]) * static_cast<float>(do_vals[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
+    dot += __shfl_xor_sync(0xffffffff, dot, mask);
+  }
+  if (row_in_bounds && lane == 0) {
+    params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+  }
+}
+
+// One block of a fragment-ordered fp32 accumulator (bwd_accum_layout.h) to the
+// output dtype: thread t of the block reads back the values that thread t of
+// the main kernel's TiledMma added, whole reductions' worth at a time (every
+// warp load contiguous), sums num_slices slices slice_stride apart, scales,
+// and the rows go through shared memory to leave as 16-byte row pieces (rows
+// below `rows`, columns below head_dim). accum_thread is the block's start
+// plus accum_thread_offset(tidx).
+template <typename TiledMma, int kRows, int kHeadDim, int kChunkCols, typename Element>
+__forceinline__ __device__ void store_accum_block(const float* accum_thread, int num_slices,
+                                                  int64_t slice_stride, float scale,
+                                                  Element* out, int64_t out_row_stride, int rows,
+                                                  int head_dim) {
+  constexpr int kNThreads = decltype(size(TiledMma{}))::value;
+  const int tidx = threadIdx.x;
+  // Rows of the block, padded by 16 bytes so that the fragment writes (eight
+  // rows by four column pairs per warp) and the 16-byte row reads both hit
+  // every bank once.
+  constexpr int kRowPitch = kHeadDim + 16 / int(sizeof(Element));
+  __shared__ alignas(16) char smem[kRows * kRowPitch * sizeof(Element)];
+  Element* tile = reinterpret_cast<Element*>(smem);
+
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kChunkCols>>{}));
+  constexpr int kValues = decltype(size(tCcC))::value;
+  static_assert(kValues % kAccumVec == 0);
+  CUTE_UNROLL
+  for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
+    const float* chunk_accum = accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; i += kAccumVec) {
+      float sum[kAccumVec] = {};
+      const float* group = chunk_accum + accum_value_offset<kNThreads>(i);
+      for (int slice = 0; slice < num_slices; ++slice) {
+        const float* values = group + slice * slice_stride;
+        if constexpr (kAccumVec == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(values);
+          sum[0] += v.x;
+          sum[1] += v.y;
+          sum[2] += v.z;
+          sum[3] += v.w;
+        } else {
+          sum[0] += *values;
+        }
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kAccumVec; ++j) {
+        const int row = get<0>(tCcC(i + j));
+        const int col = chunk * kChunkCols + get<1>(tCcC(i + j));
+        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * scale);
+      }
+    }
+  }
+  __syncthreads();
+
+  constexpr int kVec = 16 / int(sizeof(Element));
+  constexpr int kPiecesPerRow = kHeadDim / kVec;
+  for (int piece = tidx; piece < kRows * kPiecesPerRow; piece += kNThreads) {
+    const int row = piece / kPiecesPerRow;
+    const int col = (piece % kPiecesPerRow) * kVec;
+    if (row < rows && col < head_dim) {
+      *reinterpret_cast<uint4*>(out + row * out_row_stride + col) =
+          *reinterpret_cast<const uint4*>(tile + row * kRowPitch + col);
+    }
+  }
+  __syncthreads();  // the tile may be written again by the next call
+}
+
+// Grid: (query blocks of the main kernel's kBlockM rows, (head, batch)), with
+// the main kernel's thread count: dQ = scale * (sum of the accumulator's
+// slices), from its dQ partition.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_convert_dq_kernel(const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int m_block = blockIdx.x;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const int head = pair.head;
+  const int batch = pair.batch;
+  const BlockInfo binfo(params, batch);
+  const int row_begin = m_block * kBlockM;
+  if (row_begin >= binfo.seqlen_q) return;
+  const float* accum_thread = params.dq_accum_ptr +
+                              dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
+                              accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0) +
+                              accum_thread_offset(threadIdx.x);
+  Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
+                int64_t(row_begin) * params.dq.row_stride;
+  store_accum_block<typename Traits::TiledMmadQ, kBlockM, kHeadDim, Traits::kDQChunkCols>(
+      accum_thread, params.num_splits, params.dq_accum_split_stride, params.softmax_scale, dq,
+      params.dq.row_stride, min(kBlockM, binfo.seqlen_q - row_begin), params.head_dim);
+}
+
+// Grid: (key blocks of the main kernel's kBlockN rows, (kv head, batch)), with
+// the main kernel's thread count: GQA/MQA dK and dV from the kv heads' fp32
+// sums (non-deterministic mode), from the main kernel's dK / dV partition.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_convert_dkv_kernel(const BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int n_block = blockIdx.x;
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
+  const int head_kv = pair.head;
+  const int batch = pair.batch;
+  const BlockInfo binfo(params, batch);
+  const int row_begin = n_block * kBlockN;
+  if (row_begin >= binfo.seqlen_k) return;
+  const int64_t sum_offset = dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
+                             accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(n_block, 0) +
+                             accum_thread_offset(threadIdx.x);
+  const int rows = min(kBlockN, binfo.seqlen_k - row_begin);
+  Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
+                int64_t(row_begin) * params.dk.row_stride;
+  Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
+                int64_t(row_begin) * params.dv.row_stride;
+  using TiledMma = typename Traits::TiledMmadKV;
+  // dK carries the softmax scale already (the main kernel applies it).
+  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
+      params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
+  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
+      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim);
+}
+
+// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
+// deterministic mode: dK and dV of a kv head sum its query heads' shares in
+// head order.
+template <typename Element, int kAccumHeadDim>
+__global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_reduce_dkv_kernel(const BwdParams params) {
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
+  const int head_kv = pair.head;
+  const int batch = pair.batch;
+  const BlockInfo binfo(params, batch);
+  const int row_begin = blockIdx.x * kConvertRowsPerBlock;
+  if (row_begin >= binfo.seqlen_k) return;
+  const int group = params.nheads / params.nheads_k;
+  const int64_t head_stride =
+      int64_t(binfo.varlen ? params.total_k : params.seqlen_k) * kAccumHeadDim;
+  const int64_t first_head = binfo.varlen
+                                 ? int64_t(head_kv) * group * params.total_k + binfo.k_row_begin
+                                 : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) *
+                                       params.seqlen_k;
+  const int64_t accum_offset = (first_head + row_begin) * kAccumHeadDim;
+  const float* dk_accum = params.dk_accum_ptr + accum_offset;
+  const float* dv_accum = params.dv_accum_ptr + accum_offset;
+  Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
+                row_begin * params.dk.row_stride;
+  Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
+                row_begin * params.dv.row_stride;
+  const int rows = min(kConvertRowsPerBlock, binfo.seqlen_k - row_begin);
+  for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
+    const int r = idx / params.head_dim;
+    const int c = idx - r * params.head_dim;
+    const int64_t element = int64_t(r) * kAccumHeadDim + c;
+    float dk_sum = 0.f, dv_sum = 0.f;
+    for (int g = 0; g < group; ++g) {
+      dk_sum += dk_accum[g * head_stride + element];
+      dv_sum += dv_accum[g * head_stride + element];
+    }
+    dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
+    dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,249 @@
+// What one backward thread block reads and writes, shared by the SM80-design
+// kernel (bwd_kernel_sm80.h) and the Hopper one (bwd_kernel_sm90.h):
+// its key block and the query blocks that see it, the global tiles of its
+// (batch, head), the row statistics that travel with each query block, the
+// fp32 reductions into dQ (and the GQA sums), and the epilogue that writes dK
+// and dV.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/core/block_info.h"
+#include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/core/query_range.h"
+#include "cuda/core/params.h"
+#include "cuda/core/tile_ops.h"
+
+namespace flash {
+
+using namespace cute;
+
+// Key block n_block of (batch, head): keys [col_begin, col_begin + kBlockN)
+// of its sequence, of which cols_left remain, and the query blocks
+// [m_block_min, m_block_max) whose rows see some of them.
+struct BwdKeyBlock {
+  int n_block;
+  int head;
+  int batch;
+  int head_kv;
+  int group;  // query heads per kv head
+  int col_begin;
+  int cols_left;
+  int m_block_min;
+  int m_block_max;
+};
+
+template <int kBlockM, int kBlockN>
+__forceinline__ __device__ BwdKeyBlock bwd_key_block(const BwdParams& params,
+                                                     const BlockInfo& binfo, int batch, int head,
+                                                     int n_block) {
+  BwdKeyBlock block;
+  block.n_block = n_block;
+  block.head = head;
+  block.batch = batch;
+  block.group = params.nheads / params.nheads_k;
+  block.head_kv = head / block.group;
+  block.col_begin = n_block * kBlockN;
+  block.cols_left = binfo.seqlen_k - block.col_begin;
+  const QueryRange query_range =
+      visible_query_range(block.col_begin, block.col_begin + kBlockN, binfo.seqlen_q,
+                          binfo.seqlen_k, params.window_left, params.window_right);
+  block.m_block_min = query_range.begin / kBlockM;
+  block.m_block_max = (query_range.end + kBlockM - 1) / kBlockM;
+  return block;
+}
+
+// Global views of the block's (batch, head): gQ and gdO (kBlockM, D, m) over
+// all query blocks, gK and gV (kBlockN, D) at the block's keys.
+template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
+__forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const BlockInfo& binfo,
+                                                 const BwdKeyBlock& block) {
+  const Element* q_ptr = static_cast<const Element*>(params.q_ptr) +
+                         binfo.q_offset(params.q, block.batch, block.head);
+  const Element* do_ptr = static_cast<const Element*>(params.do_ptr) +
+                          binfo.q_offset(params.dout, block.batch, block.head);
+  const Element* k_ptr = static_cast<const Element*>(params.k_ptr) +
+                         binfo.k_offset(params.k, block.batch, block.head_kv);
+  const Element* v_ptr = static_cast<const Element*>(params.v_ptr) +
+                         binfo.k_offset(params.v, block.batch, block.head_kv);
+  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(binfo.seqlen_q, params.head_dim),
+                          make_stride(params.q.row_stride, _1{}));
+  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(binfo.seqlen_q, params.head_dim),
+                           make_stride(params.dout.row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                          make_stride(params.k.row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                          make_stride(params.v.row_stride, _1{}));
+  return make_tuple(
+      local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
+      local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
+      local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0)),
+      local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0)));
+}
+
+// Copies the lse, then D, of the rows_left rows of a query block (from
+// lse_rows / d_rows, its first row) into stats (2 * kBlockM floats), one
+// 4-byte cp.async per thread on the first 2 * kBlockM threads: the
+// statistics of a block start at any row, so 16-byte copies would not be
+// aligned. Rows past the sequence get lse +inf and D 0, which make their P
+// and dS zero.
+template <int kBlockM>
+__forceinline__ __device__ void load_row_stats(const float* lse_rows, const float* d_rows,
+                                               int rows_left, float* stats, int tidx) {
+  if (tidx < 2 * kBlockM) {
+    const bool is_d = tidx >= kBlockM;
+    const int row = tidx - (is_d ? kBlockM : 0);
+    float& dst = stats[tidx];
+    if (row < rows_left) {
+      SM80_CP_ASYNC_CACHEALWAYS<float>::copy((is_d ? d_rows : lse_rows)[row], dst);
+    } else {
+      dst = is_d ? 0.f : INFINITY;
+    }
+  }
+}
+
+// This thread's place in the dQ accumulator slice `split` of (batch, head)
+// (bwd_accum_layout.h).
+template <int kBlockM, int kHeadDim>
+__forceinline__ __device__ float* dq_accum_thread_ptr(const BwdParams& params,
+                                                      const BlockInfo& binfo,
+                                                      const BwdKeyBlock& block, int split,
+                                                      int tidx) {
+  return params.dq_accum_ptr + split * params.dq_accum_split_stride +
+         dq_accum_offset<kBlockM, kHeadDim>(params, binfo, block.batch, block.head) +
+         accum_thread_offset(tidx);
+}
+
+// Element offset of (batch, head) in a per-query-head fp32 buffer of
+// (batch, nheads, seqlen_k, head dim) rows, or (nheads, total_k, head dim).
+__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
+                                                    const BlockInfo& binfo, int batch, int head,
+                                                    int accum_head_dim) {
+  const int64_t row = binfo.varlen
+                          ? int64_t(head) * params.total_k + binfo.k_row_begin
+                          : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
+  return row * accum_head_dim;
+}
+
+// Adds this thread's fragment of one chunk (dQ) or block (dK / dV sums) into
+// an fp32 accumulator, as reductions without a return value, kAccumVec values
+// each; thread_chunk is the thread's own place in it (bwd_accum_layout.h).
+// Rows past the sequence add zeros into the padding, so no row needs a check.
+template <int kNThreads, typename TensorAcc>
+__forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float* thread_chunk) {
+  static_assert(decltype(size(acc))::value % kAccumVec == 0);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += kAccumVec) {
+    float* dst = thread_chunk + accum_value_offset<kNThreads>(i);
+    if constexpr (kAccumVec == 4) {
+      atomicAdd(reinterpret_cast<float4*>(dst),
+                make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3)));
+    } else {
+      atomicAdd(dst, acc(i));
+    }
+  }
+}
+
+// Epilogue: dK (scaled here: dS was taken with respect to the scaled score)
+// and dV of the key block, from the dK / dV MMA's accumulators.
+//   MHA: registers -> shared (over sK and sV, which the caller has finished
+//        reading) -> global, with 16-byte stores;
+//   GQA/MQA: added into the kv head's fp32 sums, which the conversion kernel
+//        casts once every query head of the group is in;
+//   GQA/MQA, deterministic: this query head's share, in fp32, for the group
+//        reduction in head order.
+// Traits gives SmemLayoutKV (one (kBlockN, head dim) tile), SmemCopyAtomStore
+// and GmemTiledCopyStore; Traits::kNThreads threads (tidx from 0) take part,
+// and sync() is their barrier (the whole block's, unless a kernel has threads
+// of other roles).
+struct BlockBarrier {
+  __device__ void operator()() const { __syncthreads(); }
+};
+template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
+          typename Sync = BlockBarrier>
+__forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& acc_dv,
+                                            const TiledMma& tiled_mma_dkv,
+                                            const ThrMma& thr_mma_dkv,
+                                            typename Traits::Element* smem_k,
+                                            typename Traits::Element* smem_v,
+                                            const BwdParams& params, const BlockInfo& binfo,
+                                            const BwdKeyBlock& block, int tidx, Sync sync = {}) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  if (block.group == 1) {
+    Tensor rdK = convert_type<Element>(acc_dk);
+    Tensor rdV = convert_type<Element>(acc_dv);
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+    auto smem_tiled_copy_dKV =
+        make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
+    auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
+    sync();  // every warp is done reading sK (dQ) and sV (dP)
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
+    sync();
+
+    Element* dk_ptr = static_cast<Element*>(params.dk_ptr) +
+                      binfo.k_offset(params.dk, block.batch, block.head_kv);
+    Element* dv_ptr = static_cast<Element*>(params.dv_ptr) +
+                      binfo.k_offset(params.dv, block.batch, block.head_kv);
+    Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                             make_stride(params.dk.row_stride, _1{}));
+    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                             make_stride(params.dv.row_stride, _1{}));
+    Tensor gdK =
+        local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    Tensor gdV =
+        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
+    auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
+    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);
+    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);
+    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);
+    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);
+    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);
+    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));
+    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
+    Tensor tdKrdK = make_fragment_like(tdKsdK);
+    Tensor tdVrdV = make_fragment_like(tdVsdV);
+    copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
+    copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV,
+                          block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV,
+                          block.cols_left);
+  } else if (!params.deterministic) {
+    const int64_t sum_offset =
+        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
+        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
+        accum_thread_offset(tidx);
+    atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
+    atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
+  } else {
+    const int64_t accum_offset =
+        dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
+        int64_t(block.col_begin) * kHeadDim;
+    float* dk_accum = params.dk_accum_ptr + accum_offset;
+    float* dv_accum = params.dv_accum_ptr + accum_offset;
+    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = get<0>(tdKVcdKV(i));
+      const int col = get<1>(tdKVcdKV(i));
+      if (row < block.cols_left) {
+        dk_accum[row * kHeadDim + col] = acc_dk(i);
+        dv_accum[row * kHeadDim + col] = acc_dv(i);
+      }
+    }
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,224 @@
+// The pointwise middle of the backward pass, on one thread's fragment of the
+// (query, key) tile: recompute P from the saved lse and turn dP into dS.
+//
+//   P     = exp(s - lse)                       (s after scale, softcap, ALiBi, mask)
+//   P_out = P * keep / (1 - p_drop)            (what O was built from: feeds dV)
+//   dP'   = dP * keep / (1 - p_drop)           (gradient w.r.t. the undropped P)
+//   dS    = P * (dP' - D) * (1 - tanh^2)       (tanh term only under softcap)
+//
+// with D = rowsum(dO * O). dS is the gradient with respect to the raw score
+// q.k divided by softmax_scale; the scale is applied once to dQ and dK.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "common/mask_rule.h"
+#include "common/philox.h"
+#include "cuda/core/dropout.h"
+#include "cuda/core/score_mods.h"
+
+namespace flash {
+
+using namespace cute;
+
+struct BwdPointwiseArgs {
+  float exp_scale_log2;  // multiplies s before exp2: log2(e), or softmax_scale*log2(e)
+  float softcap;         // 0 when off
+  float inv_softcap;
+  bool has_alibi;
+  float alibi_slope;
+  int seqlen_q;
+  int seqlen_k;
+  bool has_dropout;
+  float dropout_rescale;
+};
+
+// The plain score rule (no softcap, no dropout), in two steps.
+//
+// scores (rows, cols) holds s with the mask applied (-inf where hidden) and
+// becomes P; lse_log2 is per row of the fragment (+inf for rows past the
+// sequence and for rows that saw no key, so their P is 0).
+//
+// kScaleIsPositive (exp_scale_log2 positive and normal, so that flushing
+// denormals cannot make it 0: the caller's runtime promise) lets a
+// masked -inf flow through exp2 to 0 (-inf * scale - lse is -inf, lse being
+// finite or +inf) instead of being tested per element; the test plus the
+// predicated exp cost ~2 extra instructions per element in the hot loop.
+// Otherwise the test stays: a negative scale would turn -inf into +inf, and
+// a zero scale into NaN.
+template <bool kScaleIsPositive = false, int kNRows, typename TensorS>
+__forceinline__ __device__ void scores_to_p(TensorS& scores, const float (&lse_log2)[kNRows],
+                                            float exp_scale_log2) {
+  static_assert(decltype(size<0>(scores))::value == kNRows);
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(scores); ++ni) {
+      const float s = scores(mi, ni);
+      const float p = exp2f(fmaf(s, exp_scale_log2, -lse_log2[mi]));
+      scores(mi, ni) = kScaleIsPositive || s != -INFINITY ? p : 0.f;
+    }
+  }
+}
+
+// dp holds dO V^T and becomes dS = P * (dP - D).
+template <int kNRows, typename TensorP, typename TensorDP>
+__forceinline__ __device__ void p_to_ds(const TensorP& p, TensorDP& dp,
+                                        const float (&row_d)[kNRows]) {
+  static_assert(decltype(size<0>(dp))::value == kNRows);
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - row_d[mi]);
+  }
+}
+
+// lse * log2(e) for exp2. A row that saw no key has lse +inf from our forward;
+// -inf (the other convention for an empty sum) is taken as +inf too, so that
+// its masked -inf scores give P = 0, not NaN.
+__forceinline__ __device__ float lse_to_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+}
+
+// The plain score rule on a transposed (key, query) fragment, as the Hopper
+// kernels hold S^T and dP^T: the statistics are per column, read from the
+// query block's lse / D in shared memory (block_lse, block_d: one per query
+// row of the block) at each column's query row, which tScS_rowcol gives (the
+// (key, query) coordinates of every element). Only a positive normal scale
+// comes here (the launcher's promise), so, as with kScaleIsPositive above, a
+// masked -inf score reaches exp2 as -inf and gives 0.
+template <typename TensorS, typename TensorC>
+__forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorC& tScS_rowcol,
+                                                       const float* block_lse,
+                                                       float exp_scale_log2) {
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(scores); ++ni) {
+    const float lse_log2 = lse_to_log2(block_lse[get<1>(tScS_rowcol(0, ni))]);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(scores); ++mi) {
+      scores(mi, ni) = exp2f(fmaf(scores(mi, ni), exp_scale_log2, -lse_log2));
+    }
+  }
+}
+
+// dp holds dP^T = V dO^T and becomes dS^T = P^T * (dP^T - D), D per column.
+template <typename TensorP, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& dp,
+                                                   const TensorC& tScS_rowcol,
+                                                   const float* block_d) {
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(dp); ++ni) {
+    const float d = block_d[get<1>(tScS_rowcol(0, ni))];
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(dp); ++mi) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - d);
+  }
+}
+
+// Softcap (with or without ALiBi) on a transposed (key, query) fragment,
+// as the Hopper backward's kWithScoreMods variant runs it, once both
+// products have landed: scores holds the kept scores of ScoreModsInUnits
+// (score_mods.h; tanh + bias / softcap, -inf where masked) and becomes P^T;
+// dp holds dP^T and becomes dS^T = P^T * (dP^T - D) * (1 - tanh^2), the tanh
+// being the kept score less the bias (apply_alibi_transposed's arithmetic).
+// The statistics are per column, as in scores_to_p_transposed.
+template <typename TensorS, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void softcapped_p_and_ds_transposed(
+    TensorS& scores, TensorDP& dp, const TensorC& tScS_rowcol, int key_base, int query_base,
+    int seqlen_q, int seqlen_k, const float* block_lse, const float* block_d,
+    const ScoreModsInUnits& score_mods) {
+  const float exp_scale_log2 = score_mods.exp_scale_log2();
+  // The ALiBi distances as apply_alibi_transposed makes them.
+  constexpr int kNKeys = decltype(size<0>(scores))::value;
+  float key_distance[kNKeys];
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNKeys; ++mi) {
+    key_distance[mi] =
+        alibi_key_distance(tScS_rowcol, mi, key_base, query_base, seqlen_q, seqlen_k);
+  }
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(scores); ++ni) {
+    const int query_in_block = get<1>(tScS_rowcol(0, ni));
+    const float lse_log2 = lse_to_log2(block_lse[query_in_block]);
+    const float d = block_d[query_in_block];
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(scores); ++mi) {
+      const float kept = scores(mi, ni);
+      const float p = exp2f(fmaf(kept, exp_scale_log2, -lse_log2));
+      float tanh_value = kept;
+      if (score_mods.has_alibi) {
+        tanh_value = fmaf(score_mods.alibi_slope,
+                          fabsf(key_distance[mi] + alibi_query_offset(tScS_rowcol, ni)), kept);
+      }
+      // A masked score (-inf) has p = 0 and no tanh: its dS is 0, not NaN.
+      const float dtanh = p > 0.f ? fmaf(-tanh_value, tanh_value, 1.f) : 0.f;
+      scores(mi, ni) = p;
+      dp(mi, ni) = p * (dp(mi, ni) - d) * dtanh;
+    }
+  }
+}
+
+// The full score rule, after both GEMMs: scores (rows, cols) holds s with the
+// mask applied (-inf where hidden) and becomes P_out; dp holds dO V^T and
+// becomes dS. lse_log2 / row_d are per row of the fragment (+inf / 0 for rows
+// past the sequence, so their P is 0).
+template <int kNRows, typename TensorS, typename TensorDP, typename TensorC>
+__forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp,
+                                                   const TensorC& coord, int row_base,
+                                                   int col_base, const float (&lse_log2)[kNRows],
+                                                   const float (&row_d)[kNRows],
+                                                   const BwdPointwiseArgs& args,
+                                                   const DropoutState& dropout) {
+  static_assert(decltype(size<0>(scores))::value == kNRows);
+  static_assert(decltype(size<1, 0>(scores))::value == 2);
+  if (!args.has_dropout && args.softcap == 0.f) {
+    scores_to_p(scores, lse_log2, args.exp_scale_log2);
+    p_to_ds(scores, dp, row_d);
+    return;
+  }
+  CUTE_UNROLL
+  for (int mi = 0; mi < kNRows; ++mi) {
+    const int row = row_base + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int nj = 0; nj < size<1, 1>(scores); ++nj) {
+      const int col0 = col_base + get<1>(coord(0, make_coord(0, nj)));
+      // One Philox draw covers this thread's column pair (col0 is even), the
+      // same draw the forward made for these elements.
+      PhiloxOut bits{};
+      if (args.has_dropout) {
+        bits = dropout_random_bits(dropout.seed, dropout.offset, dropout.batch, dropout.head,
+                                   dropout.nheads, row, col0);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const int col = col0 + j;
+        const float s = scores(mi, make_coord(j, nj));
+        const float p =
+            s == -INFINITY ? 0.f : exp2f(fmaf(s, args.exp_scale_log2, -lse_log2[mi]));
+        float p_out = p;
+        float dp_kept = dp(mi, make_coord(j, nj));
+        if (args.has_dropout) {
+          const bool keep = dropout_keep(bits, col, dropout.threshold);
+          p_out = keep ? p * args.dropout_rescale : 0.f;
+          dp_kept = keep ? dp_kept * args.dropout_rescale : 0.f;
+        }
+        float ds = p * (dp_kept - row_d[mi]);
+        if (args.softcap > 0.f && p > 0.f) {
+          // s = softcap * tanh(.) + alibi: recover tanh from s rather than
+          // keeping a second score tile in registers.
+          float capped = s;
+          if (args.has_alibi) {
+            capped -= alibi_bias(args.alibi_slope, row, col, args.seqlen_q, args.seqlen_k);
+          }
+          const float tanh_value = capped * args.inv_softcap;
+          ds *= 1.f - tanh_value * tanh_value;
+        }
+        scores(mi, make_coord(j, nj)) = p_out;
+        dp(mi, make_coord(j, nj)) = ds;
+      }
+    }
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,58 @@
+// Where one (batch, head) lives: sequence lengths and the element offsets of
+// its first row in q/k/v/o and the lse, for fixed-length and varlen batches.
+// 64-bit offsets throughout: a tensor may exceed 2^31 elements.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/core/index_guards.h"
+#include "cuda/core/params.h"
+
+namespace flash {
+
+struct BlockInfo {
+  int seqlen_q;
+  int seqlen_k;
+  int64_t q_row_begin;  // first row of this batch in the (total, ...) view
+  int64_t k_row_begin;
+  bool varlen;
+
+  __device__ BlockInfo(const FwdParams& params, int batch) {
+    varlen = params.cu_seqlens_q != nullptr;
+    if (varlen) {
+      // Guarded: a bad cu_seqlens value is clamped into the packed tensors
+      // and recorded, never followed outside them.
+      const SequenceRows q_rows =
+          guarded_sequence_rows(params.cu_seqlens_q, batch, params.total_q, params.seqlen_q,
+                                IndexArg::kCuSeqlensQ, params.index_errors);
+      const SequenceRows k_rows =
+          guarded_sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k,
+                                IndexArg::kCuSeqlensK, params.index_errors);
+      q_row_begin = q_rows.begin;
+      k_row_begin = k_rows.begin;
+      seqlen_q = q_rows.length;
+      seqlen_k = k_rows.length;
+    } else {
+      q_row_begin = 0;
+      k_row_begin = 0;
+      seqlen_q = params.seqlen_q;
+      seqlen_k = params.seqlen_k;
+    }
+  }
+
+  __device__ int64_t q_offset(const QKVStrides& s, int batch, int head) const {
+    return (varlen ? q_row_begin * s.row_stride : int64_t(batch) * s.batch_stride) +
+           int64_t(head) * s.head_stride;
+  }
+  __device__ int64_t k_offset(const QKVStrides& s, int batch, int head) const {
+    return (varlen ? k_row_begin * s.row_stride : int64_t(batch) * s.batch_stride) +
+           int64_t(head) * s.head_stride;
+  }
+  // softmax_lse is (batch, nheads, seqlen_q), or (nheads, total_q) for varlen.
+  __device__ int64_t lse_offset(const FwdParams& params, int batch, int head) const {
+    return varlen ? int64_t(head) * params.total_q + q_row_begin
+                  : (int64_t(batch) * params.nheads + head) * params.seqlen_q;
+  }
+};
+
+}  // namespace flash

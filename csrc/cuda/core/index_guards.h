@@ -1,0 +1,146 @@
+// The guards on every index a kernel derives from a value inside an index
+// tensor (cu_seqlens, cache_seqlens, cache_leftpad, cache_batch_idx,
+// block_table). Each one checks the value against an extent the host knows
+// (rows of the packed tensors, the cache length, the batch of the cache, the
+// pages in the pool, the rows of the rotary tables), and where the value is
+// bad records it (csrc/common/index_error.h) and clamps it into that extent:
+// a bad value gives an undefined result for its own sequence and a reported
+// error, never an access outside the tensors. The rules and their order are
+// those of the CPU checks (csrc/api/checks.cpp, kvcache_checks.cpp).
+// docs/memory_safety.md states the contract.
+//
+// The common case costs a few integer compares per sequence (per page for the
+// block table); the reporting and clamping are out of line.
+#pragma once
+
+#include <cstdint>
+
+#include "common/index_error.h"
+#include "cuda/core/params.h"
+
+namespace flash {
+
+// Rows [begin, begin + length) of one sequence in a packed (rows, ...) tensor.
+struct SequenceRows {
+  int begin;
+  int length;
+};
+
+__device__ __forceinline__ SequenceRows report_and_clamp_sequence(
+    const IndexErrorSink& sink, IndexArg arg, int seq, int begin, int end, int rows,
+    int max_seqlen) {
+  // The CPU check's order: the first offset's sign, then each sequence's
+  // order and length, then the last offset against the rows.
+  const IndexOp op = IndexOp::kVarlen;
+  if (begin < 0) {
+    report_index_error(sink, IndexRule::kNegativeOffset, arg, op, seq, 0, begin, 0, 0);
+  } else if (end < begin) {
+    report_index_error(sink, IndexRule::kDecreasing, arg, op, seq, 0, begin, end, 0);
+  } else if (end - begin > max_seqlen) {
+    report_index_error(sink, IndexRule::kLongerThanMax, arg, op, seq, 0, end - begin, max_seqlen,
+                       0);
+  } else {
+    report_index_error(sink, IndexRule::kPastRows, arg, op, seq + 1, 0, end, rows, 0);
+  }
+  const int first = min(max(begin, 0), rows);
+  const int last = min(max(end, first), first + min(rows - first, max_seqlen));
+  return {first, last - first};
+}
+
+// Sequence `seq` of a varlen batch from its cu_seqlens: within the packed
+// tensor's rows and no longer than max_seqlen (the grid covers that many).
+__forceinline__ __device__ SequenceRows guarded_sequence_rows(const int* cu_seqlens, int seq,
+                                                              int rows, int max_seqlen,
+                                                              IndexArg arg,
+                                                              const IndexErrorSink& sink) {
+  const int begin = cu_seqlens[seq];
+  const int end = cu_seqlens[seq + 1];
+  // Short-circuit order keeps end - begin from overflowing.
+  if (begin >= 0 && end >= begin && end - begin <= max_seqlen && end <= rows) {
+    return {begin, end - begin};
+  }
+  return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen);
+}
+
+// One batch entry's values of a fwd_kvcache call: the cache length before
+// the append, the left padding and the cache entry (contiguous cache).
+struct KvcacheEntryIndices {
+  int cache_seqlen;
+  int leftpad;
+  int entry;
+};
+
+// The largest cache_seqlens value whose rows, appended keys and rotary
+// positions all fit (check_kvcache_contents_host's rules).
+__forceinline__ __device__ int kvcache_max_cache_seqlen(const KvcacheParams& params) {
+  int max_end = params.seqlen_k - params.seqlen_new;
+  if (params.rotary_dim > 0) {
+    const int query_rows = params.rotary_q_per_row ? params.seqlen_q : 1;
+    max_end = min(max_end, params.seqlen_rotary -
+                               (params.seqlen_new > query_rows ? params.seqlen_new : query_rows));
+  }
+  return max(max_end, 0);
+}
+
+__device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(
+    const KvcacheParams& params, int seq, KvcacheEntryIndices raw) {
+  const IndexErrorSink& sink = params.index_errors;
+  const IndexOp op = IndexOp::kKvcache;
+  const int64_t paged = params.block_table != nullptr ? 1 : 0;
+  const int capacity = params.seqlen_k;
+  const int64_t end = raw.cache_seqlen;
+  if (end < 0 || end > capacity) {
+    report_index_error(sink, IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, seq, paged,
+                       end, capacity, 0);
+  } else if (end + params.seqlen_new > capacity) {
+    report_index_error(sink, IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, seq,
+                       paged, end, capacity, params.seqlen_new);
+  } else if (raw.leftpad < 0 || raw.leftpad > end) {
+    report_index_error(sink, IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, seq, 0,
+                       raw.leftpad, end, 0);
+  } else if (raw.entry < 0 || raw.entry >= params.batch_cache) {
+    report_index_error(sink, IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, seq, 0,
+                       raw.entry, params.batch_cache, 0);
+  } else {
+    const int64_t last_key = end + params.seqlen_new - 1;
+    const int64_t last_query = params.rotary_q_per_row ? end + params.seqlen_q - 1 : end;
+    report_index_error(sink, IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, seq, 0,
+                       last_key > last_query ? last_key : last_query, params.seqlen_rotary, 0);
+  }
+  KvcacheEntryIndices fixed;
+  fixed.cache_seqlen = min(max(raw.cache_seqlen, 0), kvcache_max_cache_seqlen(params));
+  fixed.leftpad = min(max(raw.leftpad, 0), fixed.cache_seqlen);
+  fixed.entry = min(max(raw.entry, 0), params.batch_cache - 1);
+  return fixed;
+}
+
+// Batch entry `seq`'s values as read from the index tensors (absent ones as
+// splitkv_item_inputs fills them: cache_seqlen unused without cache_seqlens,
+// leftpad 0, entry seq), guarded.
+__forceinline__ __device__ KvcacheEntryIndices guarded_kvcache_entry(const KvcacheParams& params,
+                                                                     int seq,
+                                                                     KvcacheEntryIndices raw) {
+  if (params.cache_seqlens == nullptr) raw.cache_seqlen = params.seqlen_k;
+  const bool ok = raw.cache_seqlen >= 0 && raw.cache_seqlen <= kvcache_max_cache_seqlen(params) &&
+                  raw.leftpad >= 0 && raw.leftpad <= raw.cache_seqlen && raw.entry >= 0 &&
+                  raw.entry < params.batch_cache;
+  if (ok) return raw;
+  return report_and_clamp_kvcache(params, seq, raw);
+}
+
+__device__ __forceinline__ int report_and_clamp_page(const IndexErrorSink& sink,
+                                                         IndexOp op, int seq, int page_index,
+                                                         int page, int num_pages) {
+  report_index_error(sink, IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, seq, page_index,
+                     page, num_pages, 0);
+  return page < 0 ? 0 : num_pages - 1;
+}
+
+// A block_table entry: a page of the pool.
+__forceinline__ __device__ int guarded_page(const IndexErrorSink& sink, IndexOp op, int seq,
+                                            int page_index, int page, int num_pages) {
+  if (static_cast<unsigned>(page) < static_cast<unsigned>(num_pages)) return page;
+  return report_and_clamp_page(sink, op, seq, page_index, page, num_pages);
+}
+
+}  // namespace flash

@@ -1,0 +1,218 @@
+// Plain parameter structs handed from the API layer to the CUDA launchers.
+// No torch types here: the kernel translation units never include torch
+// headers (they would cost minutes of compile time each).
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "common/host_device.h"
+#include "common/index_error.h"
+#include "cuda/core/int_divisor.h"
+
+namespace flash {
+
+// Strides are in elements. Fixed-length tensors are (batch, seqlen, heads, dim);
+// varlen tensors are (total, heads, dim) with batch_stride unused and the
+// sequence of batch b starting at row cu_seqlens[b].
+struct QKVStrides {
+  int64_t batch_stride;
+  int64_t row_stride;
+  int64_t head_stride;
+};
+
+// Which kernel design runs a call, per pass (dropout and a scale that
+// scale_is_positive_normal turns away always run the SM80-design kernels;
+// softcap and ALiBi run on both). Set by the API layer: kSm80
+// on GPUs other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL /
+// FLASH_ATTN_BWD_KERNEL = sm80 / sm90 in the environment forces (the tests run
+// both kernels on every shape).
+enum class KernelChoice : uint8_t {
+  kSm80 = 0,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h; the zero value, so a params{}
+              // never asks for sm90a code
+  kAuto,      // the Hopper kernel where its tile table has an entry and (forward) the
+              // call is long enough (fwd_launch.h), else kSm80
+  kSm90,      // the Hopper kernel wherever its tile table has an entry
+};
+
+struct FwdParams {
+  const void* q_ptr;
+  const void* k_ptr;
+  const void* v_ptr;
+  void* o_ptr;
+  float* softmax_lse_ptr;  // (batch, nheads, seqlen_q), or (nheads, total_q) for varlen
+  void* p_ptr;  // optional, q's dtype: (batch, nheads, seqlen_q, seqlen_k) probabilities
+
+  QKVStrides q, k, v, o;
+
+  int batch;
+  int nheads;
+  int nheads_k;
+  int seqlen_q;  // max over the batch for varlen
+  int seqlen_k;
+  int head_dim;  // actual; the kernel's compiled head dim is >= this
+
+  // Varlen: int32 prefix sums of length batch + 1; null for fixed length.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
+  int total_k;  // varlen: rows of k and v
+  int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)
+  // Room for one counter, or null: a causal / local persistent grid of the
+  // Hopper forward takes its tiles past the first wave from it, and its
+  // launcher zeroes it first.
+  unsigned long long* tile_counter;
+
+  float softmax_scale;
+  float softmax_scale_log2;  // softmax_scale * log2(e): the kernel works in exp2
+  float softcap;             // 0 disables; else s = softcap * tanh(s / softcap)
+
+  const float* alibi_slopes;  // null, or (nheads) / (batch, nheads) fp32
+  int64_t alibi_batch_stride;
+
+  int window_left;   // < 0: unbounded
+  int window_right;  // < 0: unbounded
+
+  float dropout_p;
+  uint32_t dropout_threshold;
+  float dropout_rescale;      // 1 / (1 - dropout_p)
+  const int64_t* rng_state;   // device pointer to [seed, offset]
+
+  bool is_bf16;
+
+  KernelChoice fwd_kernel;
+
+  // Where a kernel records a bad value of cu_seqlens / cache_seqlens /
+  // block_table / ... that it clamped (index_guards.h); null: clamp only.
+  IndexErrorSink index_errors;
+};
+
+// The backward pass reads everything the forward read (same score rule, same
+// dropout seed) plus dO, O, and writes dQ, dK, dV through fp32 accumulators.
+struct BwdParams : FwdParams {
+  const void* do_ptr;
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+  QKVStrides dout, dq, dk, dv;
+
+  // rowsum(dO * O) per query row, in the layout of softmax_lse.
+  float* softmax_d_ptr;
+
+  // fp32 dQ accumulator, zeroed before the main kernel: num_splits slices
+  // (one unless deterministic) of nheads x dq_accum_rows_per_head rows (per
+  // batch entry unless varlen) of the compiled head dim, in the order
+  // bwd_accum_layout.h describes.
+  float* dq_accum_ptr;
+  int64_t dq_accum_split_stride;
+  int64_t dq_accum_rows_per_head;
+  int num_splits;
+  bool deterministic;
+  // Shared memory one block may opt in to on this device: picks the
+  // large-shared-memory tile where the table has one (bwd_tile_config.h).
+  int smem_per_block_optin;
+  KernelChoice bwd_kernel;
+
+  // GQA/MQA, default mode (else null): each kv head's fp32 dK and dV sums,
+  // zeroed, nheads_k x dkv_sum_rows_per_head rows (per batch entry unless
+  // varlen) of the compiled head dim, in the order bwd_accum_layout.h
+  // describes; every query head's blocks add into them.
+  float* dk_sum_ptr;
+  float* dv_sum_ptr;
+  int64_t dkv_sum_rows_per_head;
+
+  // GQA/MQA, deterministic mode (else null): per-query-head fp32 dK and dV,
+  // (batch, nheads, seqlen_k, compiled head dim) or (nheads, total_k, compiled
+  // head dim) for varlen, summed over each kv head's group in a fixed order.
+  float* dk_accum_ptr;
+  float* dv_accum_ptr;
+};
+
+// fwd_kvcache: attention of q against a per-batch prefix of a (possibly paged)
+// cache, after the new keys / values were appended. The FwdParams k / v
+// pointers and strides describe the cache; seqlen_k is the cache capacity (one
+// sequence's rows). Key j of batch b is cache position cache_leftpad[b] + j,
+// for j < cache_seqlens[b] + seqlen_new - cache_leftpad[b].
+struct KvcacheParams : FwdParams {
+  const int* cache_seqlens;    // null: every sequence fills the cache
+  const int* cache_leftpad;    // null: no left padding
+  const int* cache_batch_idx;  // null: batch entry b uses cache entry b
+  const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
+  int64_t block_table_batch_stride;
+  IntDivisor page_size;        // paged only: rows per page (a multiple of 16)
+  // Extents the guards hold the index values to (index_guards.h): entries of
+  // a contiguous cache, pages of a paged one, rows of the rotary tables.
+  int batch_cache;
+  int num_pages;
+  int seqlen_rotary;
+  int seqlen_new;              // rows appended by this call (already in the cache)
+
+  // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
+  // (num_splits, batch, nheads, seqlen_q, compiled head dim) and
+  // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
+  int num_splits;
+  int splitkv_warps_n;  // kernel variant: warps side by side along a K/V tile's keys
+  // Dynamic shared memory to launch the split-KV kernel with: at least what
+  // its tiles need, more to keep a second block off the SM.
+  int splitkv_launch_smem;
+  // Thread blocks of the split-KV grid: one per work item (batch x kv head x
+  // query block x split), or fewer, each running several items in turn.
+  int splitkv_grid_blocks;
+  // sm90+: thread blocks per cluster along grid x (neighbouring kv heads of a
+  // batch entry, which share each key's span of the cache); 1: no cluster.
+  int splitkv_cluster_x;
+  float* out_accum_ptr;
+  float* lse_accum_ptr;
+  // sm90+: each kernel of the call is launched as a programmatic dependent of
+  // the kernel before it in the stream (dependent_launch.h): the append /
+  // rotary kernel, the split-KV kernel and the combine.
+  bool programmatic_launch;
+
+  // Append + rotary (run before the attention kernel, or by it:
+  // append_in_attention). new_k / new_v are
+  // (batch, seqlen_new, nheads_k, head_dim); rotary tables (seqlen_ro,
+  // rotary_dim / 2), contiguous, q's dtype. q_rotated (contiguous, q's shape)
+  // receives q rotated; the attention then reads q_ptr = q_rotated.
+  const void* new_k_ptr;
+  const void* new_v_ptr;
+  QKVStrides new_k, new_v;
+  const void* rotary_cos_ptr;
+  const void* rotary_sin_ptr;
+  int rotary_dim;  // 0: no rotation
+  bool rotary_interleaved;
+  bool rotary_q_per_row;  // causal / local: query row i at position end + i
+  const void* q_unrotated_ptr;
+  QKVStrides q_unrotated;
+  // The split-KV kernel does the append and the rotation itself (no
+  // pre-kernel; q_ptr is then q as given, unrotated): each block copies its
+  // query rows and the new keys / values of its tiles (from new_k / new_v)
+  // into shared memory with its first tile, rotates them there, and the
+  // first query block of each split writes the new rows of its key blocks
+  // into the cache. The host sets it for the decode variant's plain kernel
+  // with one block per work item and one query block, and
+  // seqlen_new <= kAppendInAttentionMaxRows (append_in_attention_fits,
+  // flash_api_cuda.cpp).
+  bool append_in_attention;
+};
+
+// Whether the plain score rule may fold the softmax scale into the exp2
+// multiplier: it tracks each row's max of the raw scores, which is the max
+// of the scaled ones only for a positive scale, and its exp2 lets a masked
+// -inf become 0 untested, which a scale the device flushes to 0 would make
+// NaN. Any other scale (a negative one is legal) takes the kernels'
+// variants that scale each score first (the score-extras variants), which
+// the launchers pick by this.
+FA_HOST_DEVICE bool scale_is_positive_normal(float softmax_scale_log2) {
+  return softmax_scale_log2 >= FLT_MIN;
+}
+
+// Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
+// ALiBi (or a scale that scale_is_positive_normal turns away). The launcher
+// picks the kernel by it, and the host reads it before sizing the grid: the
+// persistent grid exists for the plain variant only.
+inline bool splitkv_has_score_extras(const KvcacheParams& params) {
+  return params.softcap > 0.f || params.alibi_slopes != nullptr ||
+         !scale_is_positive_normal(params.softmax_scale_log2);
+}
+
+}  // namespace flash

@@ -1,0 +1,136 @@
+#include "cuda/decode/kvcache_append_rotary.h"
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/core/cuda_check.h"
+#include "cuda/launch/dependent_launch.h"
+#include "cuda/decode/rotary.h"
+#include "cuda/decode/splitkv_work_item.h"
+
+namespace flash {
+namespace {
+
+constexpr int kElemsPerThread = kRotaryChunkElems;
+constexpr int kThreads = 256;
+
+// Copies (rotating when rotary_dim > 0) 8 consecutive elements of one head
+// vector.
+template <typename T>
+__device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& rotary,
+                           int rotary_dim, bool interleaved) {
+  *reinterpret_cast<uint4*>(dst + d0) =
+      rotary_chunk(src, d0, rotary.cos_row, rotary.sin_row, rotary_dim, interleaved);
+}
+
+// Batch entry b's cache length, left padding and cache entry, guarded
+// (index_guards.h): the positions written and read below stay in the cache
+// and the rotary tables.
+__device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
+  return guarded_kvcache_entry(p, b,
+                               {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k,
+                                p.cache_leftpad ? p.cache_leftpad[b] : 0,
+                                p.cache_batch_idx ? p.cache_batch_idx[b] : b});
+}
+
+// Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
+template <typename T>
+__device__ void append_chunk(const KvcacheParams& p, int64_t index) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  const int chunk = static_cast<int>(index % chunks);
+  const int h = static_cast<int>((index / chunks) % p.nheads_k);
+  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads_k)) % p.seqlen_new);
+  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads_k * p.seqlen_new));
+  const KvcacheEntryIndices entry = entry_of(p, b);
+  const int pos = entry.cache_seqlen + i;
+
+  const CacheRows cache{p.block_table ? p.block_table + b * p.block_table_batch_stride : nullptr,
+                        entry.entry, 0, p.page_size};
+  const CacheRowAt at = cache_row_at(p, b, cache, pos);
+  const int64_t k_dst = cache_offset(at, h, p.k);
+  const int64_t v_dst = cache_offset(at, h, p.v);
+  const T* k_src = static_cast<const T*>(p.new_k_ptr) + b * p.new_k.batch_stride +
+                   int64_t(i) * p.new_k.row_stride + h * p.new_k.head_stride;
+  const T* v_src = static_cast<const T*>(p.new_v_ptr) + b * p.new_v.batch_stride +
+                   int64_t(i) * p.new_v.row_stride + h * p.new_v.head_stride;
+  T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
+  T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
+  const RotaryRows<T> rotary =
+      rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos);
+  const int d0 = chunk * kElemsPerThread;
+  copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
+  copy_chunk(v_src, v_cache, d0, rotary, 0, false);
+}
+
+// Chunk `index` of the (batch, query row, head) vectors of q.
+template <typename T>
+__device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  const int chunk = static_cast<int>(index % chunks);
+  const int h = static_cast<int>((index / chunks) % p.nheads);
+  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
+  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads * p.seqlen_q));
+  const int pos = entry_of(p, b).cache_seqlen + (p.rotary_q_per_row ? i : 0);
+  const T* src = static_cast<const T*>(p.q_unrotated_ptr) + b * p.q_unrotated.batch_stride +
+                 int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
+  T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +
+           int64_t(i) * p.q.row_stride + h * p.q.head_stride;
+  copy_chunk(src, dst, chunk * kElemsPerThread,
+             rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos),
+             p.rotary_dim, p.rotary_interleaved);
+}
+
+// One thread per 8-element chunk: the appended k / v chunks first, then the
+// chunks of q to rotate. Both jobs share one launch because in a decode step
+// each kernel costs a few microseconds of launch and dependent loads, more
+// than its copies (H200, batch 1 x 4k keys: 15 us for the attention alone,
+// 18 with an append kernel before it, 23.4 with a rotate-q kernel as well;
+// benchmarks/results/NVIDIA_H200/decode_append_step_ab.txt).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    append_rotary_kernel(const KvcacheParams p, int64_t append_chunks, int64_t all_chunks) {
+  // Launched as a dependent grid (params.programmatic_launch): q and the new
+  // k / v may come from the kernel just before this one. The attention kernel
+  // after it is a dependent grid too, scheduled when this grid's blocks exit.
+  // Letting it in earlier (griddepcontrol.launch_dependents at the start
+  // here) made some steps slower, for reasons not pinned down (H200, an
+  // append at batch 16 x 4k keys: 79 -> 88 us; batch 8 x 4k: 51 -> 55 us).
+  wait_for_preceding_grid();
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index < append_chunks) {
+    append_chunk<T>(p, index);
+  } else if (index < all_chunks) {
+    rotate_q_chunk<T>(p, index - append_chunks);
+  }
+}
+
+template <typename T>
+void launch(const KvcacheParams& p, cudaStream_t stream) {
+  const int chunks = p.head_dim / kElemsPerThread;
+  const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
+  const bool rotating_q = p.rotary_dim > 0 && p.seqlen_q > 0;
+  const int64_t append_chunks =
+      appending ? int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks : 0;
+  const int64_t q_chunks = rotating_q ? int64_t(p.batch) * p.seqlen_q * p.nheads * chunks : 0;
+  const int64_t all_chunks = append_chunks + q_chunks;
+  if (all_chunks == 0) return;
+  LaunchOptions options;
+  options.programmatic = p.programmatic_launch;
+  const dim3 grid(static_cast<unsigned>((all_chunks + kThreads - 1) / kThreads));
+  launch_ex(&append_rotary_kernel<T>, grid, dim3(kThreads), 0, stream, options, p, append_chunks,
+            all_chunks);
+}
+
+}  // namespace
+
+void launch_kvcache_append_rotary(const KvcacheParams& params, cudaStream_t stream) {
+  if (params.is_bf16) {
+    launch<__nv_bfloat16>(params, stream);
+  } else {
+    launch<__half>(params, stream);
+  }
+}
+
+}  // namespace flash

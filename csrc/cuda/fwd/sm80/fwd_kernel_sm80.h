@@ -1,0 +1,218 @@
+// The FlashAttention-2 forward kernel: one thread block per (query block,
+// head, batch). The Q tile stays in shared memory; K and V tiles stream
+// through it; S = Q K^T and O += P V run on SM80 tensor-core MMAs; the online
+// softmax keeps P in registers.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "common/mask_rule.h"
+#include "cuda/core/block_info.h"
+#include "cuda/fwd/fwd_block_io.h"
+#include "cuda/core/dropout.h"
+#include "cuda/fwd/fwd_block_order.h"
+#include "cuda/core/grid_heads_batch.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
+#include "cuda/core/params.h"
+#include "cuda/core/score_mods.h"
+#include "cuda/core/softmax.h"
+#include "cuda/core/tile_ops.h"
+
+#ifndef FA_FWD_MIN_BLOCKS
+#define FA_FWD_MIN_BLOCKS 1
+#endif
+
+namespace flash {
+
+using namespace cute;
+
+// kWithScoreExtras compiles in softcap, ALiBi and dropout. The plain variant
+// (causal / local / bounds masking only) is the one training and serving hit
+// most; keeping the extras out of it keeps its register allocation free of
+// their live ranges.
+template <typename Traits, bool kWithScoreExtras>
+__global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
+    flash_fwd_kernel(const FwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ char smem[];
+  HeadBatch pair;
+  if (!block_head_batch(params.nheads, params.batch, pair)) return;
+  const FwdBlockCoord coord = fwd_block_coord(/*causal=*/params.window_right >= 0, pair,
+                                              params.nheads, params.nheads / params.nheads_k);
+  const BlockInfo binfo(params, coord.batch);
+  const FwdBlock block = fwd_block<kBlockM, kBlockN>(params, coord, binfo);
+  if (block.rows_left <= 0) return;  // varlen: this sequence is shorter than the longest
+  const int tidx = threadIdx.x;
+  const int seqlen_q = binfo.seqlen_q;
+  const int seqlen_k = binfo.seqlen_k;
+  const int row_begin = block.row_begin;
+  const int rows_left = block.rows_left;
+  const int n_block_min = block.n_block_min;
+  const int n_block_max = block.n_block_max;
+  float* lse_rows = fwd_lse_rows(params, binfo, block);
+  const auto global_tiles =
+      fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block);
+  Tensor gQ = get<0>(global_tiles);  // (M, D)
+  Tensor gK = get<1>(global_tiles);  // (N, D, n)
+  Tensor gV = get<2>(global_tiles);  // (N, D, n)
+  Tensor gO = get<3>(global_tiles);  // (M, D)
+
+  // Identity tensors give each element's (row, col) inside a tile, for bounds.
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+
+  if (n_block_max <= n_block_min) {
+    write_empty_rows<Traits>(gO, cQ, lse_rows, rows_left, params.head_dim, tidx);
+    return;
+  }
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
+                          typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+  // Global -> shared copies (cp.async, 16 bytes per thread per access).
+  typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
+  auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);
+  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
+  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);  // (CPY, CPY_N, CPY_D, n)
+  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
+  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);
+  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
+  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
+  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+  make_col_predicate(tQpQ, tQcQ, params.head_dim);
+  make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
+  const bool full_head_dim = params.head_dim == kHeadDim;
+  // Whole K/V tiles need no predication: every key block but a ragged last one.
+  auto kv_tile_in_bounds = [&](int n) { return full_head_dim && (n + 1) * kBlockN <= seqlen_k; };
+
+  // MMA partitions: S = Q K^T is (M, N); O = P V is (M, D).
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+
+  // Shared -> register copies (ldmatrix; transposed for V).
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+  // (row, col) of each score element this thread holds, as a (rows, cols) view.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_mma.partition_C(cS);
+  Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
+  Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
+
+  // Scores go through scale/softcap/ALiBi in natural units when any of those
+  // is on; otherwise the scale is folded into the exp2 multiplier for free.
+  const float alibi_slope =
+      !kWithScoreExtras || params.alibi_slopes == nullptr
+          ? 0.f
+          : params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head];
+  const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
+  const bool prescale_scores =
+      kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
+                           !scale_is_positive_normal(params.softmax_scale_log2));
+  const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
+  const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
+  const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
+  DropoutState dropout{};
+  if (has_dropout) {
+    dropout = {static_cast<uint64_t>(params.rng_state[0]),
+               static_cast<uint64_t>(params.rng_state[1]),
+               params.dropout_threshold,
+               block.batch,
+               block.head,
+               params.nheads};
+  }
+
+  // Prologue: Q and the last visible K block in flight together. Key blocks
+  // run from high to low so that a causal mask's diagonal block, the one that
+  // needs per-element masking, comes first.
+  int n_block = n_block_max - 1;
+  copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
+                       full_head_dim && rows_left >= kBlockM);
+  copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block), tKsK, tKVcKV, tKVpKV,
+                       seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
+  cute::cp_async_fence();
+
+  OnlineSoftmax<kNRows> softmax;
+
+  for (; n_block >= n_block_min; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    // K(n) has landed, and every warp is done reading V(n+1): V(n) may overwrite it.
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    copy_tile_predicated(gmem_tiled_copy_QKV, tVgV(_, _, _, n_block), tVsV, tKVcKV, tKVpKV,
+                         seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
+    cute::cp_async_fence();
+
+    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+                   smem_thr_copy_Q, smem_thr_copy_K);
+
+    Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
+    const int col_base = n_block * kBlockN;
+    if (prescale_scores) {
+      apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+      if (has_alibi) {
+        apply_alibi(scores, tScS_rowcol, row_begin, col_base, alibi_slope, seqlen_q, seqlen_k);
+      }
+    }
+    if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
+                                seqlen_q, seqlen_k, params.window_left, params.window_right)) {
+      apply_mask(scores, tScS_rowcol, row_begin, col_base, seqlen_q, seqlen_k, params.window_left,
+                 params.window_right);
+    }
+
+    // V(n) has landed and every warp is done reading K(n): prefetch K(n-1)
+    // so it loads during the softmax and P V.
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    if (n_block > n_block_min) {
+      copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, tKVpKV,
+                           seqlen_k - (n_block - 1) * kBlockN, kv_tile_in_bounds(n_block - 1));
+      cute::cp_async_fence();
+    }
+
+    softmax.template update</*kSkipUnmovedRescale=*/true>(scores, acc_o_rowcol, exp_scale_log2);
+    if (has_dropout) apply_dropout(scores, tScS_rowcol, row_begin, col_base, dropout);
+
+    Tensor rP = convert_type<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
+    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+  }
+
+  float lse[kNRows];
+  softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse);
+
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
+  write_output<Traits>(acc_o, tiled_mma, thr_mma, sO, gO,
+                       [](auto layout) { return acc_layout_as_rowcol(layout); }, lse, lse_rows,
+                       rows_left, params.head_dim, tidx);
+}
+
+}  // namespace flash

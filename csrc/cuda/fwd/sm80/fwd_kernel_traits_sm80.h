@@ -1,0 +1,126 @@
+// Compile-time shape of the forward kernel for one (head dim, tile, dtype):
+// shared-memory layouts, the tiled MMA, and the copy atoms that move tiles
+// between global memory, shared memory and registers.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/core/gmem_tile_copy.h"
+#include "cuda/decode/splitkv_tile_config.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
+  static_assert(kBlockM % (16 * kNWarps) == 0,
+                "each warp owns whole 16-row MMA slabs of the query tile");
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // Warps tile the M (query row) dimension only, so every score row lives in
+  // one warp and the softmax reductions never leave it.
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
+                            Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  // Shared-memory rows are read by ldmatrix 8 rows x 16 bytes at a time. A
+  // swizzle over 8-row atoms of 64 (or 32) elements spreads those 8 rows over
+  // all 32 banks, for both the row-major reads of Q/K and the transposed reads
+  // of V.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzleBits, 3, 3>{},
+      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V seen as (head dim, key): the B operand of P V without moving data.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  using SmemLayoutO = SmemLayoutQ;
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
+  static_assert(GmemCopy::kBlockK == kBlockKSmem, "a copied row piece is a row of the smem atom");
+  static constexpr int kGmemThreadsPerRow = GmemCopy::kThreadsPerRow;
+  using GmemTiledCopyQKV = typename GmemCopy::Load;
+  using GmemTiledCopyO = typename GmemCopy::Store;
+
+  static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSize = kSmemSizeQ + kSmemSizeKV;
+};
+
+// The split-KV (decode) kernel: kWarpsN warps side by side along the keys of a
+// K/V tile, 4 / kWarpsN along the query rows (see splitkv_tile_config.h). Each
+// warp runs its own 16 x kSlabN MMAs on its slab of keys with its own online
+// softmax; the warps' partial rows are merged once, at the end. So the tiles
+// are laid out slab by slab: slab w of a K/V tile (keys w * kSlabN ...) and
+// row slab w of the Q tile are each one contiguous swizzled tile, which a warp
+// addresses on its own.
+template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_>
+struct SplitKvKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kWarpsM = kNWarps / kWarpsN;
+  static constexpr int kBlockM = 16 * kWarpsM;
+  static constexpr int kSlabN = kBlockN / kWarpsN;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = splitkv_stages(kWarpsN);
+  static_assert(kNWarps % kWarpsN == 0 && kBlockN % (16 * kWarpsN) == 0,
+                "whole warps per key slab, at least one k16 step of P V per slab");
+
+  // MMA atom, swizzle atom and copies as in the forward kernel's traits (of
+  // a 64-row tile, which no part used here depends on).
+  using FwdTraits = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, Element>;
+  using MmaAtom = typename FwdTraits::MmaAtom;
+  // One warp's MMA: 16 rows x 16 (k16 steps of P V read 16 keys).
+  using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+  using SmemLayoutAtom = typename FwdTraits::SmemLayoutAtom;
+  using SmemCopyAtom = typename FwdTraits::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename FwdTraits::SmemCopyAtomTransposed;
+  using GmemTiledCopyQKV = typename FwdTraits::GmemTiledCopyQKV;
+  static_assert(kBlockM % (kNThreads / FwdTraits::kGmemThreadsPerRow) == 0,
+                "the Q tile is a whole number of global-copy passes");
+
+  // A slab starts at a multiple of 512 elements, above the swizzle's bits, so
+  // the slab-by-slab tile and one slab seen alone swizzle alike.
+  using SmemLayoutQSlab = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutQSlab{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKVSlab =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutKVSlab{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V slab seen as (head dim, key): the B operand of P V without moving data.
+  using SmemLayoutVtSlab = decltype(composition(
+      SmemLayoutKVSlab{}, make_layout(Shape<Int<kHeadDim>, Int<kSlabN>>{}, GenRowMajor{})));
+  using SmemLayoutVtSlabNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVtSlab{}));
+  static constexpr int kQSlabElems = 16 * kHeadDim;
+  static constexpr int kKVSlabElems = kSlabN * kHeadDim;
+  static_assert(kQSlabElems % 512 == 0 && kKVSlabElems % 512 == 0);
+
+  static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+};
+
+}  // namespace flash

@@ -1,0 +1,130 @@
+// Compile-time shape of the Hopper (sm90a) forward kernel: warpgroup MMAs
+// (wgmma) read Q, K and V straight from shared memory, so the tiles are laid
+// out in the canonical GMMA layouts instead of the ldmatrix-friendly ones of
+// fwd_kernel_traits_sm80.h, and TMA fills them.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/core/gmem_tile_copy.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The mbarriers of the Hopper forward's pipeline, after its tiles in shared
+// memory. A stage's phase flips each time it is filled (full) or handed back
+// (empty).
+template <int kStages>
+struct FwdSm90Barriers {
+  uint64_t q_full;
+  uint64_t q_empty;
+  uint64_t k_full[kStages];
+  uint64_t v_full[kStages];
+  uint64_t k_empty[kStages];
+  uint64_t v_empty[kStages];
+  // A persistent grid scheduled by a counter (fwd_kernel_sm90.h): the
+  // next tile a block took, published in one slot (full) and handed back once
+  // everyone has read it (empty).
+  uint64_t tile_full;
+  uint64_t tile_empty;
+  int64_t scheduled_tile;
+};
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>
+struct FwdSm90KernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  // One MMA warpgroup (4 warps) per 64 query rows: wgmma's M is 64, and a
+  // row's scores stay inside one warp (the quad reductions of softmax.h
+  // hold). One more warpgroup loads the tiles (fwd_kernel_sm90.h).
+  static constexpr int kNMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNMmaThreads = 128 * kNMmaWarpGroups;
+  static constexpr int kNThreads = kNMmaThreads + 128;
+  static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3,
+                "one producer and two or three MMA warpgroups");
+  static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of Q K^T");
+  // Registers move from the producer, which only issues copies, to the MMA
+  // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
+  // file at 384 threads, 24 + 3 x 160 at 512.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
+
+  using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
+  // S = Q K^T: both operands from shared memory, K-major (head dim contiguous).
+  using TiledMmaS = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                 Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      WarpGroupLayout{}));
+  // O += P V: P from registers (the S accumulator converted in place), V from
+  // shared memory read along the head dim (MN-major), so V is never transposed.
+  using TiledMmaO = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
+                                 Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+      WarpGroupLayout{}));
+  // One wgmma instruction as wide as the tile: many of these widths (80, 96,
+  // 160, 224) are among CuTe's "extended" shapes, which its op selector only
+  // offers when the file defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first
+  // (the instantiation files that need it do: generate_instantiations.py);
+  // without it, it quietly tiles N = 16 or 32 instructions, and a 128 x 80
+  // tile at d256 ran 25% slower than with one N = 80 (PERF_LOG).
+  static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN &&
+                    size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDim,
+                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
+
+  // The widest swizzle whose row the head dim fills: 128-byte rows (64
+  // elements) spread wgmma's 8-row core matrices over all banks. TMA writes
+  // the tiles in the same swizzle.
+  using SmemLayoutAtom =
+      std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                         GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // Two stages each of K and V: a stage is refilled once every MMA warpgroup's
+  // wgmmas have read it, so the next tile's copy overlaps this tile's math.
+  static constexpr int kStages = 2;
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKVStage = decltype(SmemLayoutKV{}(_, _, _0{}));  // what one TMA copy fills
+  // V seen as (head dim, key): a K-major atom read transposed is the MN-major
+  // atom of the same swizzle, which is what P V's B operand asks for.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+  using SmemLayoutO = SmemLayoutQ;
+
+  // O stores: by all MMA warpgroups (a block that sees no key), or by each
+  // warpgroup for its own 64 rows.
+  using GmemTiledCopyO = typename GmemTileCopy<Element, kHeadDim, kNMmaThreads>::Store;
+  using GmemTiledCopyOWarpGroup = typename GmemTileCopy<Element, kHeadDim, 128>::Store;
+  // Registers -> shared for O: a thread holds column pairs of the accumulator.
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKVStage = kBlockN * kHeadDim * int(sizeof(Element));
+  using Barriers = FwdSm90Barriers<kStages>;
+  static constexpr int kSmemSizeBarriers = int(sizeof(Barriers));
+  // O is staged in a tile of its own where shared memory allows (227 KB a
+  // block on sm90), so that a persistent block's next Q can land while this
+  // query block's O is written out; else over Q.
+  static constexpr bool kSeparateO =
+      2 * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage + kSmemSizeBarriers <= 227 * 1024;
+  // Only then does a block walk several query blocks (the next one's Q
+  // would otherwise wait for this one's O to leave).
+  static constexpr bool kPersistent = kSeparateO;
+  static constexpr int kSmemSizeTiles =
+      (kSeparateO ? 2 : 1) * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage;
+  static constexpr int kSmemSize = kSmemSizeTiles + kSmemSizeBarriers;
+};
+
+}  // namespace flash
