@@ -38,8 +38,8 @@ void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name,
-              " must be on the same device as q (", q.device(), "), got ", t.device());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " must be on the same device as q (",
+              q.device(), "), got ", t.device());
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
@@ -84,8 +84,8 @@ void check_window_arg(int64_t window, const char* name) {
               " is out of range");
 }
 
-void check_alibi(const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
-                 int64_t batch, int64_t nheads) {
+void check_alibi(const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, int64_t batch,
+                 int64_t nheads) {
   if (!alibi_slopes.has_value()) return;
   const at::Tensor& slopes = *alibi_slopes;
   TORCH_CHECK(slopes.scalar_type() == at::kFloat,
@@ -110,8 +110,8 @@ void check_rng_state(const std::optional<at::Tensor>& rng_state) {
 }
 
 void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(cu.scalar_type() == at::kInt, "flash_attn: ", name,
-              " must have dtype int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "flash_attn: ", name, " must have dtype int32, got ",
+              cu.scalar_type());
   check_same_device(cu, name, q);
   TORCH_CHECK(cu.dim() == 1, "flash_attn: ", name, " must be 1-D (batch + 1), got shape ",
               cu.sizes());
@@ -144,8 +144,8 @@ void check_grad_io(const at::Tensor& dout, const at::Tensor& out, const at::Tens
   check_same_dtype(out, "out", q);
   check_same_device(dout, "dout", q);
   check_same_device(out, "out", q);
-  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q (",
-              q.sizes(), "), got ", dout.sizes());
+  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q (", q.sizes(),
+              "), got ", dout.sizes());
   TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have the shape of q (", q.sizes(),
               "), got ", out.sizes());
   check_last_dim_contiguous(dout, "dout");
@@ -171,9 +171,8 @@ void check_backward_dropout(double dropout_p, const std::optional<at::Tensor>& r
 
 FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                        double softmax_scale, int64_t window_size_left,
-                        int64_t window_size_right, double softcap,
-                        const std::optional<at::Tensor>& rng_state,
+                        double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+                        double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   (void)softmax_scale;  // any value is meaningful, including negative ones
   constexpr const char* kLayout = "(batch, seqlen, nheads, head_dim)";
@@ -182,8 +181,7 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_dim(v, "v", 4, kLayout);
   check_qkv_common(q, k, v, allowed_dtypes);
 
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2),
-                head_dim = q.size(3);
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), nheads_k = k.size(2);
   check_head_dim(head_dim);
   TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim,
@@ -198,18 +196,16 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_alibi(alibi_slopes, q, batch, nheads);
   check_rng_state(rng_state);
 
-  return {checked_int(batch, "batch"), checked_int(seqlen_q, "seqlen_q"),
+  return {checked_int(batch, "batch"),       checked_int(seqlen_q, "seqlen_q"),
           checked_int(seqlen_k, "seqlen_k"), checked_int(nheads, "nheads"),
           checked_int(nheads_k, "nheads_k"), static_cast<int>(head_dim)};
 }
 
 FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& out,
-                        const at::Tensor& softmax_lse,
+                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                         const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                        double softmax_scale, int64_t window_size_left,
-                        int64_t window_size_right, double softcap,
-                        const std::optional<at::Tensor>& rng_state,
+                        double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+                        double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
@@ -221,15 +217,14 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
   return shape;
 }
 
-VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k,
-                                  const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k,
+VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   const std::optional<at::Tensor>& block_table,
                                   const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  double dropout_p, double softmax_scale,
-                                  int64_t window_size_left, int64_t window_size_right,
-                                  double softcap, const std::optional<at::Tensor>& rng_state,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                                  double softmax_scale, int64_t window_size_left,
+                                  int64_t window_size_right, double softcap,
+                                  const std::optional<at::Tensor>& rng_state,
                                   c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   (void)softmax_scale;
   const bool paged = block_table.has_value();
@@ -299,36 +294,33 @@ VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k,
   return shape;
 }
 
-VarlenShape check_varlen_bwd_args(const at::Tensor& dout, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& out, const at::Tensor& softmax_lse,
-                                  const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  double dropout_p, double softmax_scale,
-                                  int64_t window_size_left, int64_t window_size_right,
-                                  double softcap, const std::optional<at::Tensor>& rng_state,
-                                  c10::ArrayRef<at::ScalarType> allowed_dtypes) {
-  const VarlenShape shape = check_varlen_fwd_args(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-      rng_state, allowed_dtypes);
+VarlenShape check_varlen_bwd_args(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+  const VarlenShape shape =
+      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, alibi_slopes,
+                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+                            window_size_right, softcap, rng_state, allowed_dtypes);
   check_grad_io(dout, out, q);
   check_lse(softmax_lse, q, {shape.nheads, shape.total_q}, "(nheads, total_q)");
   check_backward_dropout(dropout_p, rng_state);
   return shape;
 }
 
-void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows,
-                           int64_t max_seqlen, IndexArg arg) {
+void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
+                           IndexArg arg) {
   const char* name = arg == IndexArg::kCuSeqlensQ ? "cu_seqlens_q" : "cu_seqlens_k";
   TORCH_CHECK(cu_seqlens.device().is_cpu(), "flash_attn: ", name,
               " must be on the CPU for a host-side check");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t batch = cu_seqlens.numel() - 1;
   const IndexOp op = IndexOp::kVarlen;
-  if (cu[0] < 0) raise_index_error(index_error(IndexRule::kNegativeOffset, arg, op, 0, 0, cu[0], 0));
+  if (cu[0] < 0)
+    raise_index_error(index_error(IndexRule::kNegativeOffset, arg, op, 0, 0, cu[0], 0));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t seqlen = static_cast<int64_t>(cu[b + 1]) - cu[b];
     if (seqlen < 0) {
@@ -400,9 +392,8 @@ at::Tensor make_rng_state(const PhiloxSeed& seed, c10::Device device) {
 at::Tensor output_rng_state(int64_t philox_seed, int64_t philox_offset,
                             const std::optional<at::Tensor>& rng_state, c10::Device device) {
   if (!rng_state.has_value()) {
-    return make_rng_state({static_cast<uint64_t>(philox_seed),
-                           static_cast<uint64_t>(philox_offset)},
-                          device);
+    return make_rng_state(
+        {static_cast<uint64_t>(philox_seed), static_cast<uint64_t>(philox_offset)}, device);
   }
   check_rng_state(rng_state);
   return rng_state->reshape({2}).to(device, /*non_blocking=*/false, /*copy=*/true);

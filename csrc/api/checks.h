@@ -49,57 +49,49 @@ struct VarlenShape {
 // (fp16/bf16 on CUDA; fp32/fp16/bf16 on CPU).
 FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                        double softmax_scale, int64_t window_size_left,
-                        int64_t window_size_right, double softcap,
-                        const std::optional<at::Tensor>& rng_state,
+                        double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+                        double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Fixed-length backward: the forward's checks plus dout / out (same shape and
 // dtype as q) and softmax_lse (fp32, (batch, nheads, seqlen_q)). rng_state is
 // required when dropout_p > 0 (the backward has no seed arguments).
 FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& out,
-                        const at::Tensor& softmax_lse,
+                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                         const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                        double softmax_scale, int64_t window_size_left,
-                        int64_t window_size_right, double softcap,
-                        const std::optional<at::Tensor>& rng_state,
+                        double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+                        double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Varlen forward; block_table selects paged K/V. Only shapes, dtypes and
 // devices are checked here: the contents of cu_seqlens / block_table live on
 // the device (see check_cu_seqlens_host / check_block_table_host for host data).
-VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k,
-                                  const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k,
+VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   const std::optional<at::Tensor>& block_table,
                                   const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  double dropout_p, double softmax_scale,
-                                  int64_t window_size_left, int64_t window_size_right,
-                                  double softcap, const std::optional<at::Tensor>& rng_state,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                                  double softmax_scale, int64_t window_size_left,
+                                  int64_t window_size_right, double softcap,
+                                  const std::optional<at::Tensor>& rng_state,
                                   c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Varlen backward (never paged): softmax_lse is fp32 (nheads, total_q).
-VarlenShape check_varlen_bwd_args(const at::Tensor& dout, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& out, const at::Tensor& softmax_lse,
-                                  const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  double dropout_p, double softmax_scale,
-                                  int64_t window_size_left, int64_t window_size_right,
-                                  double softcap, const std::optional<at::Tensor>& rng_state,
-                                  c10::ArrayRef<at::ScalarType> allowed_dtypes);
+VarlenShape check_varlen_bwd_args(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Host-side content checks of a CPU cu_seqlens tensor (already shape-checked):
 // first entry >= 0, non-decreasing, last entry <= total_rows (skipped when
 // total_rows < 0, e.g. for paged keys), and every sequence no longer than
 // max_seqlen. The messages are index_error_message's, which the CUDA path
 // raises from what its kernels record (docs/memory_safety.md).
-void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows,
-                           int64_t max_seqlen, IndexArg arg);
+void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
+                           IndexArg arg);
 
 // Host-side content check of a CPU block_table: every entry a key of batch b
 // can reach (the first ceil(seqlen_k[b] / page_size) of its row) is in

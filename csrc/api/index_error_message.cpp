@@ -31,8 +31,8 @@ const char* cache_length_words(int64_t paged) {
 
 }  // namespace
 
-IndexErrorRecord index_error(IndexRule rule, IndexArg arg, IndexOp op, int64_t seq,
-                             int64_t col, int64_t value, int64_t bound, int64_t extra) {
+IndexErrorRecord index_error(IndexRule rule, IndexArg arg, IndexOp op, int64_t seq, int64_t col,
+                             int64_t value, int64_t bound, int64_t extra) {
   IndexErrorRecord record{};
   record.rule = static_cast<int32_t>(rule);
   record.arg = static_cast<int32_t>(arg);
@@ -76,8 +76,8 @@ std::string index_error_message(const IndexErrorRecord& r) {
          << ") (the number of pages of k_cache)";
       break;
     case IndexRule::kCacheSeqlen:
-      os << "cache_seqlens[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound
-         << "] (" << cache_length_words(r.col) << ")";
+      os << "cache_seqlens[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound << "] ("
+         << cache_length_words(r.col) << ")";
       break;
     case IndexRule::kAppendPastCache:
       os << "cache_seqlens[" << r.seq << "] + seqlen_new = " << r.value << " + " << r.extra
@@ -95,9 +95,7 @@ std::string index_error_message(const IndexErrorRecord& r) {
       os << "rotary_cos / rotary_sin have " << r.bound << " rows, but batch " << r.seq
          << " needs position " << r.value;
       break;
-    case IndexRule::kNone:
-      os << "no index error";
-      break;
+    case IndexRule::kNone: os << "no index error"; break;
   }
   return os.str();
 }

@@ -17,7 +17,7 @@ std::string index_error_message(const IndexErrorRecord& record);
 [[noreturn]] void raise_index_error(const IndexErrorRecord& record);
 
 // Shorthand for the record of one rule.
-IndexErrorRecord index_error(IndexRule rule, IndexArg arg, IndexOp op, int64_t seq,
-                             int64_t col, int64_t value, int64_t bound, int64_t extra = 0);
+IndexErrorRecord index_error(IndexRule rule, IndexArg arg, IndexOp op, int64_t seq, int64_t col,
+                             int64_t value, int64_t bound, int64_t extra = 0);
 
 }  // namespace flash

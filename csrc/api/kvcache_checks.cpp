@@ -20,8 +20,8 @@ std::string dtype_list(c10::ArrayRef<at::ScalarType> dtypes) {
 }
 
 void check_on_device_of_q(const at::Tensor& t, const at::Tensor& q, const char* name) {
-  TORCH_CHECK(t.device() == q.device(), "fwd_kvcache: ", name,
-              " must be on the same device as q (", q.device(), "), got ", t.device());
+  TORCH_CHECK(t.device() == q.device(), "fwd_kvcache: ", name, " must be on the same device as q (",
+              q.device(), "), got ", t.device());
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
@@ -51,21 +51,19 @@ void check_batch_vector(const std::optional<at::Tensor>& t, const at::Tensor& q,
 KvcacheShape check_fwd_kvcache_args(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-    const std::optional<at::Tensor>& cache_seqlens,
-    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
-    const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad,
-    const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
     c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   KvcacheShape shape{};
 
   // dtypes
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(std::find(allowed_dtypes.begin(), allowed_dtypes.end(), dtype) !=
-                  allowed_dtypes.end(),
-              "fwd_kvcache: q must have dtype one of ", dtype_list(allowed_dtypes), " on ",
-              q.device().type(), ", got ", dtype);
+  TORCH_CHECK(
+      std::find(allowed_dtypes.begin(), allowed_dtypes.end(), dtype) != allowed_dtypes.end(),
+      "fwd_kvcache: q must have dtype one of ", dtype_list(allowed_dtypes), " on ",
+      q.device().type(), ", got ", dtype);
   TORCH_CHECK(k_cache.scalar_type() == dtype, "fwd_kvcache: k_cache must have the dtype of q (",
               dtype, "), got ", k_cache.scalar_type());
   TORCH_CHECK(v_cache.scalar_type() == dtype, "fwd_kvcache: v_cache must have the dtype of q (",
@@ -84,7 +82,8 @@ KvcacheShape check_fwd_kvcache_args(
   TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= 256,
               "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most "
-              "256, got ", shape.head_dim);
+              "256, got ",
+              shape.head_dim);
   check_last_dim_contiguous(q, "q");
 
   // cache, contiguous or paged
@@ -106,15 +105,17 @@ KvcacheShape check_fwd_kvcache_args(
                 "fwd_kvcache: block_table must have dtype torch.int32, got ",
                 block_table->scalar_type());
     check_on_device_of_q(*block_table, q, "block_table");
-    TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == shape.batch,
-                "fwd_kvcache: block_table must have shape (batch, max_blocks_per_seq) with batch = ",
-                shape.batch, ", got ", block_table->sizes());
+    TORCH_CHECK(
+        block_table->dim() == 2 && block_table->size(0) == shape.batch,
+        "fwd_kvcache: block_table must have shape (batch, max_blocks_per_seq) with batch = ",
+        shape.batch, ", got ", block_table->sizes());
     shape.num_blocks = static_cast<int>(k_cache.size(0));
     shape.page_size = static_cast<int>(k_cache.size(1));
     shape.max_blocks_per_seq = static_cast<int>(block_table->size(1));
     TORCH_CHECK(shape.page_size > 0,
                 "fwd_kvcache: with block_table, k_cache must be paged (num_blocks, page_size, "
-                "nheads_k, head_dim) with page_size >= 1, got ", k_cache.sizes());
+                "nheads_k, head_dim) with page_size >= 1, got ",
+                k_cache.sizes());
     TORCH_CHECK(shape.num_blocks > 0,
                 "fwd_kvcache: with block_table, k_cache must hold at least one page, got ",
                 k_cache.sizes());
@@ -130,8 +131,10 @@ KvcacheShape check_fwd_kvcache_args(
                 "k_cache", "(batch_cache, seqlen_cache, nheads_k, head_dim of q)");
     check_shape(v_cache, k_cache.sizes(), "v_cache", "(the shape of k_cache)");
     if (!cache_batch_idx.has_value()) {
-      TORCH_CHECK(shape.batch_cache >= shape.batch, "fwd_kvcache: k_cache must hold at least "
-                  "batch = ", shape.batch, " sequences when cache_batch_idx is not given, got ",
+      TORCH_CHECK(shape.batch_cache >= shape.batch,
+                  "fwd_kvcache: k_cache must hold at least "
+                  "batch = ",
+                  shape.batch, " sequences when cache_batch_idx is not given, got ",
                   shape.batch_cache);
     }
   }
@@ -157,20 +160,20 @@ KvcacheShape check_fwd_kvcache_args(
                 "), got ", v->scalar_type());
     check_on_device_of_q(*k, q, "k");
     check_on_device_of_q(*v, q, "v");
-    TORCH_CHECK(k->dim() == 4, "fwd_kvcache: k must be 4-D (batch, seqlen_new, nheads_k, "
-                "head_dim), got shape ", k->sizes());
+    TORCH_CHECK(k->dim() == 4,
+                "fwd_kvcache: k must be 4-D (batch, seqlen_new, nheads_k, "
+                "head_dim), got shape ",
+                k->sizes());
     shape.seqlen_new = static_cast<int>(k->size(1));
     check_shape(*k, {shape.batch, shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
                 "(batch, seqlen_new, nheads_k, head_dim)");
     check_shape(*v, k->sizes(), "v", "(the shape of k)");
     check_last_dim_contiguous(*k, "k");
     check_last_dim_contiguous(*v, "v");
-    TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity,
-                "fwd_kvcache: with k / v, seqlen_q (", shape.seqlen_q,
-                ") must be at most the cache length (", shape.cache_capacity, ")");
-    TORCH_CHECK(shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: k has ",
-                shape.seqlen_new, " new tokens, more than the cache holds (",
-                shape.cache_capacity, ")");
+    TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity, "fwd_kvcache: with k / v, seqlen_q (",
+                shape.seqlen_q, ") must be at most the cache length (", shape.cache_capacity, ")");
+    TORCH_CHECK(shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: k has ", shape.seqlen_new,
+                " new tokens, more than the cache holds (", shape.cache_capacity, ")");
   }
 
   // rotary embedding of the new keys and of q
@@ -179,12 +182,15 @@ KvcacheShape check_fwd_kvcache_args(
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "fwd_kvcache: rotary_cos and rotary_sin must be given together");
   if (rotary_cos.has_value()) {
-    TORCH_CHECK(k.has_value(), "fwd_kvcache: rotary_cos / rotary_sin need k / v (the rotary "
+    TORCH_CHECK(k.has_value(),
+                "fwd_kvcache: rotary_cos / rotary_sin need k / v (the rotary "
                 "embedding is applied to the appended keys and to q)");
     const at::Tensor& cos = *rotary_cos;
     const at::Tensor& sin = *rotary_sin;
-    TORCH_CHECK(cos.dim() == 2, "fwd_kvcache: rotary_cos must be 2-D (seqlen_ro, rotary_dim / 2), "
-                "got shape ", cos.sizes());
+    TORCH_CHECK(cos.dim() == 2,
+                "fwd_kvcache: rotary_cos must be 2-D (seqlen_ro, rotary_dim / 2), "
+                "got shape ",
+                cos.sizes());
     check_shape(sin, cos.sizes(), "rotary_sin", "(the shape of rotary_cos)");
     TORCH_CHECK(cos.scalar_type() == dtype, "fwd_kvcache: rotary_cos must have the dtype of q (",
                 dtype, "), got ", cos.scalar_type());
@@ -199,7 +205,8 @@ KvcacheShape check_fwd_kvcache_args(
                 ") must be in [2, head_dim = ", shape.head_dim, "]");
     TORCH_CHECK(shape.seqlen_rotary >= shape.cache_capacity,
                 "fwd_kvcache: rotary_cos / rotary_sin must have at least as many rows as the cache "
-                "length (", shape.cache_capacity, "), got ", shape.seqlen_rotary);
+                "length (",
+                shape.cache_capacity, "), got ", shape.seqlen_rotary);
   }
 
   // ALiBi
@@ -212,9 +219,10 @@ KvcacheShape check_fwd_kvcache_args(
     const bool per_head = slopes.dim() == 1 && slopes.size(0) == shape.nheads;
     const bool per_batch_head =
         slopes.dim() == 2 && slopes.size(0) == shape.batch && slopes.size(1) == shape.nheads;
-    TORCH_CHECK(per_head || per_batch_head, "fwd_kvcache: alibi_slopes must have shape (nheads,) = (",
-                shape.nheads, ",) or (batch, nheads) = (", shape.batch, ", ", shape.nheads,
-                "), got ", slopes.sizes());
+    TORCH_CHECK(per_head || per_batch_head,
+                "fwd_kvcache: alibi_slopes must have shape (nheads,) = (", shape.nheads,
+                ",) or (batch, nheads) = (", shape.batch, ", ", shape.nheads, "), got ",
+                slopes.sizes());
     check_last_dim_contiguous(slopes, "alibi_slopes");
   }
 
@@ -244,8 +252,8 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
   for (int b = 0; b < shape.batch; ++b) {
     const int64_t end = seqlens.defined() ? seqlens.data_ptr<int32_t>()[b] : shape.cache_capacity;
     if (end < 0 || end > shape.cache_capacity) {
-      raise_index_error(index_error(IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, b,
-                                    paged, end, shape.cache_capacity));
+      raise_index_error(index_error(IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, b, paged,
+                                    end, shape.cache_capacity));
     }
     if (end + shape.seqlen_new > shape.cache_capacity) {
       raise_index_error(index_error(IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, b,
@@ -261,8 +269,8 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
     if (batch_idx.defined()) {
       const int64_t row = batch_idx.data_ptr<int32_t>()[b];
       if (row < 0 || row >= shape.batch_cache) {
-        raise_index_error(index_error(IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, b,
-                                      0, row, shape.batch_cache));
+        raise_index_error(index_error(IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, b, 0,
+                                      row, shape.batch_cache));
       }
     }
     if (table.defined()) {
@@ -271,8 +279,8 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
       const int32_t* pages = table.data_ptr<int32_t>() + int64_t(b) * shape.max_blocks_per_seq;
       for (int64_t p = 0; p < used_pages; ++p) {
         if (pages[p] < 0 || pages[p] >= shape.num_blocks) {
-          raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, b,
-                                        p, pages[p], shape.num_blocks));
+          raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, b, p,
+                                        pages[p], shape.num_blocks));
         }
       }
     }
@@ -281,8 +289,8 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
       const int64_t last_query = rotary_q_per_row ? end + shape.seqlen_q - 1 : end;
       const int64_t last_position = std::max(last_key, last_query);
       if (last_position >= shape.seqlen_rotary) {
-        raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b,
-                                      0, last_position, shape.seqlen_rotary));
+        raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b, 0,
+                                      last_position, shape.seqlen_rotary));
       }
     }
   }

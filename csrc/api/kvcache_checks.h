@@ -49,11 +49,9 @@ struct KvcacheShape {
 KvcacheShape check_fwd_kvcache_args(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-    const std::optional<at::Tensor>& cache_seqlens,
-    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
-    const std::optional<at::Tensor>& cache_batch_idx,
-    const std::optional<at::Tensor>& cache_leftpad,
-    const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
     c10::ArrayRef<at::ScalarType> allowed_dtypes);
 

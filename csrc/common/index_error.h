@@ -17,17 +17,17 @@ namespace flash {
 // beside it; `seq` is the batch entry (sequence) and `col` a second index.
 enum class IndexRule : int32_t {
   kNone = 0,
-  kNegativeOffset,    // name[seq] = value < 0                       (cu_seqlens)
-  kDecreasing,        // name[seq] = value > name[seq + 1] = bound   (cu_seqlens)
-  kLongerThanMax,     // sequence seq has value rows > bound = max_seqlen
-  kPastRows,          // name[seq] = value > bound = rows of the packed tensor
-  kPagesPastTable,    // sequence seq: value keys need more than bound pages of extra rows each
-  kPageOutOfPool,     // block_table[seq, col] = value outside [0, bound = pages in the pool)
-  kCacheSeqlen,       // cache_seqlens[seq] = value outside [0, bound = cache length]
-  kAppendPastCache,   // cache_seqlens[seq] + extra (new keys) = value + extra > bound
-  kLeftpad,           // cache_leftpad[seq] = value outside [0, bound = cache_seqlens[seq]]
-  kCacheBatchIdx,     // cache_batch_idx[seq] = value outside [0, bound = batch of the cache)
-  kRotaryPosition,    // sequence seq needs rotary position value >= bound = rows of the tables
+  kNegativeOffset,   // name[seq] = value < 0                       (cu_seqlens)
+  kDecreasing,       // name[seq] = value > name[seq + 1] = bound   (cu_seqlens)
+  kLongerThanMax,    // sequence seq has value rows > bound = max_seqlen
+  kPastRows,         // name[seq] = value > bound = rows of the packed tensor
+  kPagesPastTable,   // sequence seq: value keys need more than bound pages of extra rows each
+  kPageOutOfPool,    // block_table[seq, col] = value outside [0, bound = pages in the pool)
+  kCacheSeqlen,      // cache_seqlens[seq] = value outside [0, bound = cache length]
+  kAppendPastCache,  // cache_seqlens[seq] + extra (new keys) = value + extra > bound
+  kLeftpad,          // cache_leftpad[seq] = value outside [0, bound = cache_seqlens[seq]]
+  kCacheBatchIdx,    // cache_batch_idx[seq] = value outside [0, bound = batch of the cache)
+  kRotaryPosition,   // sequence seq needs rotary position value >= bound = rows of the tables
 };
 
 // Which argument held the value (the message names it).
@@ -79,9 +79,8 @@ struct IndexErrorSink {
 // after waiting for the device (index_error_state.cpp), when every field has
 // landed.
 __device__ __forceinline__ void report_index_error(const IndexErrorSink& sink, IndexRule rule,
-                                                   IndexArg arg, IndexOp op, int seq,
-                                                   int64_t col, int64_t value, int64_t bound,
-                                                   int64_t extra) {
+                                                   IndexArg arg, IndexOp op, int seq, int64_t col,
+                                                   int64_t value, int64_t bound, int64_t extra) {
   if (sink.claim == nullptr || atomicCAS(sink.claim, 0u, 1u) != 0u) return;
   volatile IndexErrorRecord* record = sink.record;
   record->arg = static_cast<int32_t>(arg);

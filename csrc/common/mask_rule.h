@@ -17,11 +17,10 @@ FA_HOST_DEVICE int key_diagonal(int row, int seqlen_q, int seqlen_k) {
   return row + seqlen_k - seqlen_q;
 }
 
-FA_HOST_DEVICE bool key_visible(int row, int col, int seqlen_q, int seqlen_k,
-                                int window_left, int window_right) {
+FA_HOST_DEVICE bool key_visible(int row, int col, int seqlen_q, int seqlen_k, int window_left,
+                                int window_right) {
   const int diag = key_diagonal(row, seqlen_q, seqlen_k);
-  return col >= 0 && col < seqlen_k &&
-         (window_left < 0 || col >= diag - window_left) &&
+  return col >= 0 && col < seqlen_k && (window_left < 0 || col >= diag - window_left) &&
          (window_right < 0 || col <= diag + window_right);
 }
 
@@ -32,9 +31,8 @@ struct KeyRange {
   int end;
 };
 
-FA_HOST_DEVICE KeyRange visible_key_range(int row_begin, int row_end, int seqlen_q,
-                                          int seqlen_k, int window_left,
-                                          int window_right) {
+FA_HOST_DEVICE KeyRange visible_key_range(int row_begin, int row_end, int seqlen_q, int seqlen_k,
+                                          int window_left, int window_right) {
   int begin = 0;
   int end = seqlen_k;
   if (window_left >= 0) {
@@ -52,16 +50,15 @@ FA_HOST_DEVICE KeyRange visible_key_range(int row_begin, int row_end, int seqlen
 // True when every (row, col) of the tile [row_begin, row_end) x [col_begin, col_end)
 // is visible, so the tile can skip the per-element mask. Tiles on a window edge
 // or past seqlen_k return false.
-FA_HOST_DEVICE bool key_tile_fully_visible(int row_begin, int row_end, int col_begin,
-                                           int col_end, int seqlen_q, int seqlen_k,
-                                           int window_left, int window_right) {
+FA_HOST_DEVICE bool key_tile_fully_visible(int row_begin, int row_end, int col_begin, int col_end,
+                                           int seqlen_q, int seqlen_k, int window_left,
+                                           int window_right) {
   if (col_end > seqlen_k) return false;
   if (window_right >= 0 &&
       col_end - 1 > key_diagonal(row_begin, seqlen_q, seqlen_k) + window_right) {
     return false;
   }
-  if (window_left >= 0 &&
-      col_begin < key_diagonal(row_end - 1, seqlen_q, seqlen_k) - window_left) {
+  if (window_left >= 0 && col_begin < key_diagonal(row_end - 1, seqlen_q, seqlen_k) - window_left) {
     return false;
   }
   return true;

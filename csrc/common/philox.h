@@ -23,10 +23,10 @@ FA_HOST_DEVICE uint32_t mulhi_u32(uint32_t a, uint32_t b) {
 }
 
 FA_HOST_DEVICE PhiloxOut philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                      uint32_t k0, uint32_t k1) {
+                                       uint32_t k0, uint32_t k1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-FA_UNROLL
+  FA_UNROLL
   for (int round = 0; round < 10; ++round) {
     const uint32_t hi0 = mulhi_u32(kMul0, c0), lo0 = kMul0 * c0;
     const uint32_t hi1 = mulhi_u32(kMul1, c2), lo1 = kMul1 * c2;
@@ -45,10 +45,10 @@ FA_UNROLL
 // one query row of one (batch, head).
 //   key     = (seed low 32 bits, seed high 32 bits)
 //   counter = (col / 4, row, batch * nheads + head, offset low 32 bits)
-FA_HOST_DEVICE PhiloxOut dropout_random_bits(uint64_t seed, uint64_t offset, int batch,
-                                             int head, int nheads, int row, int col) {
-  const uint32_t bh = static_cast<uint32_t>(batch) * static_cast<uint32_t>(nheads) +
-                      static_cast<uint32_t>(head);
+FA_HOST_DEVICE PhiloxOut dropout_random_bits(uint64_t seed, uint64_t offset, int batch, int head,
+                                             int nheads, int row, int col) {
+  const uint32_t bh =
+      static_cast<uint32_t>(batch) * static_cast<uint32_t>(nheads) + static_cast<uint32_t>(head);
   return philox4x32_10(static_cast<uint32_t>(col) >> 2, static_cast<uint32_t>(row), bh,
                        static_cast<uint32_t>(offset), static_cast<uint32_t>(seed),
                        static_cast<uint32_t>(seed >> 32));

@@ -62,7 +62,7 @@ struct AttentionProblem {
   int page_size;  // > 0 when any SequenceSpan has a block_table_row
 
   float softmax_scale;
-  float softcap;  // 0 disables; else s = softcap * tanh(s / softcap), after scaling
+  float softcap;               // 0 disables; else s = softcap * tanh(s / softcap), after scaling
   const float* alibi_slopes;   // null, or slope of (b, h) at b * alibi_batch_stride + h
   int64_t alibi_batch_stride;  // 0 for slopes of shape (nheads)
   int window_left;             // already normalised (checks.h normalize_window); < 0: unbounded
@@ -83,7 +83,7 @@ constexpr int kProbsBlockN = 64;
 struct ForwardOutputs {
   void* out;  // dtype; every query row is written (rows that see no key: 0)
   RowStrides out_strides;
-  float* lse;  // natural log; rows that see no key: +inf
+  float* lse;              // natural log; rows that see no key: +inf
   RowStrides lse_strides;  // batch / row / head, see SequenceSpan
   // Optional (null to skip): S_dmask of batch b, head h, at
   // b * probs_batch_stride + h * probs_head_stride + i * probs_row_stride + j,
@@ -127,8 +127,7 @@ std::vector<SequenceSpan> fixed_length_sequences(int batch, int seqlen_q, int se
 // cu_seqlens_q / cu_seqlens_k: host int32 arrays of batch + 1 entries.
 // block_table: null, or host int32 (batch, block_table_batch_stride) rows.
 std::vector<SequenceSpan> varlen_sequences(int batch, const int32_t* cu_seqlens_q,
-                                           const int32_t* cu_seqlens_k,
-                                           const int32_t* block_table,
+                                           const int32_t* cu_seqlens_k, const int32_t* block_table,
                                            int64_t block_table_batch_stride);
 
 }  // namespace flash::cpu

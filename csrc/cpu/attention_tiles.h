@@ -29,20 +29,19 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 template <typename T>
 inline const T* q_row(const void* base, const RowStrides& st, const SequenceSpan& span, int row,
                       int head) {
-  return static_cast<const T*>(base) + span.q_batch * st.batch +
-         (span.q_first_row + row) * st.row + static_cast<int64_t>(head) * st.head;
+  return static_cast<const T*>(base) + span.q_batch * st.batch + (span.q_first_row + row) * st.row +
+         static_cast<int64_t>(head) * st.head;
 }
 
 template <typename T>
-inline T* q_row_mut(void* base, const RowStrides& st, const SequenceSpan& span, int row,
-                    int head) {
+inline T* q_row_mut(void* base, const RowStrides& st, const SequenceSpan& span, int row, int head) {
   return static_cast<T*>(base) + span.q_batch * st.batch + (span.q_first_row + row) * st.row +
          static_cast<int64_t>(head) * st.head;
 }
 
 // Element offset of key `key` of this sequence in a K/V-shaped tensor.
-inline int64_t kv_offset(const AttentionProblem& p, const RowStrides& st,
-                         const SequenceSpan& span, int key, int kv_head) {
+inline int64_t kv_offset(const AttentionProblem& p, const RowStrides& st, const SequenceSpan& span,
+                         int key, int kv_head) {
   const int64_t pos = span.kv_first_row + key;
   int64_t block = span.kv_batch, row = pos;
   if (span.block_table_row != nullptr) {
@@ -162,8 +161,8 @@ inline void matmul_acc_pt_a(const float* p, int ldp, const float* a, int lda, fl
   for (int j = 0; j < n; j += 2) {
     const bool pair = j + 1 < n;
     float* c0 = c + static_cast<int64_t>(j) * ldc;
-    accumulate_rows(p + j, pair ? p + j + 1 : p + j, ldp, a, lda, m, c0,
-                    pair ? c0 + ldc : nullptr, k);
+    accumulate_rows(p + j, pair ? p + j + 1 : p + j, ldp, a, lda, m, c0, pair ? c0 + ldc : nullptr,
+                    k);
   }
 }
 
@@ -187,9 +186,8 @@ struct ScoreRule {
         softmax_scale(p.softmax_scale),
         softcap(p.softcap),
         has_alibi(p.alibi_slopes != nullptr),
-        alibi_slope(p.alibi_slopes != nullptr
-                        ? p.alibi_slopes[batch * p.alibi_batch_stride + head]
-                        : 0.f) {}
+        alibi_slope(p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head]
+                                              : 0.f) {}
 
   // s[rows x cols] (leading dim lds) holds dot products of rows [row0, ..)
   // with keys [col0, ..); replaced by final scores, -inf where masked. When

@@ -80,8 +80,8 @@ struct ForwardScratch {
 // caller zero-fills them). A second pass over the visible keys, after the
 // forward's own: the q rows are still in the scratch.
 template <typename T>
-void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int b, int h,
-                         int m0, int rows, ForwardScratch& sc) {
+void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int b, int h, int m0,
+                         int rows, ForwardScratch& sc) {
   static_assert(kProbsBlockN <= kBlockN, "one S_dmask key block must fit one score tile");
   const SequenceSpan& span = p.sequences[b];
   const int d = p.head_dim;
@@ -344,9 +344,8 @@ void dkdv_block(const AttentionProblem& p, const BackwardTensors& t, const Delta
     const ScoreRule rule(p, span, b, h);
     for (int m0 = 0; m0 < span.seqlen_q; m0 += kBlockM) {
       const int rows = std::min(kBlockM, span.seqlen_q - m0);
-      const KeyRange range = flash::visible_key_range(m0, m0 + rows, span.seqlen_q,
-                                                      span.seqlen_k, p.window_left,
-                                                      p.window_right);
+      const KeyRange range = flash::visible_key_range(m0, m0 + rows, span.seqlen_q, span.seqlen_k,
+                                                      p.window_left, p.window_right);
       if (range.end <= n0 || range.begin >= n0 + cols) continue;
       load_query_block<T>(p, t, delta, b, h, m0, rows, sc);
       probabilities_and_dscores(p, rule, b, h, m0, rows, n0, cols, sc);
@@ -355,10 +354,11 @@ void dkdv_block(const AttentionProblem& p, const BackwardTensors& t, const Delta
     }
   }
   for (int c = 0; c < cols; ++c) {
-    store_row(dk_acc + c * d, static_cast<T*>(t.dk) + kv_offset(p, t.dk_strides, span, n0 + c, kv_head), d,
+    store_row(dk_acc + c * d,
+              static_cast<T*>(t.dk) + kv_offset(p, t.dk_strides, span, n0 + c, kv_head), d,
               p.softmax_scale);
-    store_row(dv_acc + c * d, static_cast<T*>(t.dv) + kv_offset(p, t.dv_strides, span, n0 + c, kv_head), d,
-              1.f);
+    store_row(dv_acc + c * d,
+              static_cast<T*>(t.dv) + kv_offset(p, t.dv_strides, span, n0 + c, kv_head), d, 1.f);
   }
 }
 
@@ -419,12 +419,9 @@ void check_head_dim(const AttentionProblem& problem) {
 void attention_forward(const AttentionProblem& problem, const ForwardOutputs& outputs) {
   check_head_dim(problem);
   switch (problem.dtype) {
-    case c10::ScalarType::Float:
-      return forward_impl<float>(problem, outputs);
-    case c10::ScalarType::Half:
-      return forward_impl<c10::Half>(problem, outputs);
-    case c10::ScalarType::BFloat16:
-      return forward_impl<c10::BFloat16>(problem, outputs);
+    case c10::ScalarType::Float: return forward_impl<float>(problem, outputs);
+    case c10::ScalarType::Half: return forward_impl<c10::Half>(problem, outputs);
+    case c10::ScalarType::BFloat16: return forward_impl<c10::BFloat16>(problem, outputs);
     default:
       TORCH_CHECK(false, "flash_attn (CPU): unsupported dtype ", problem.dtype,
                   "; expected float32, float16 or bfloat16");
@@ -433,14 +430,12 @@ void attention_forward(const AttentionProblem& problem, const ForwardOutputs& ou
 
 void attention_backward(const AttentionProblem& problem, const BackwardTensors& tensors) {
   check_head_dim(problem);
-  TORCH_CHECK(problem.page_size == 0, "flash_attn (CPU): the backward pass does not support paged K/V");
+  TORCH_CHECK(problem.page_size == 0,
+              "flash_attn (CPU): the backward pass does not support paged K/V");
   switch (problem.dtype) {
-    case c10::ScalarType::Float:
-      return backward_impl<float>(problem, tensors);
-    case c10::ScalarType::Half:
-      return backward_impl<c10::Half>(problem, tensors);
-    case c10::ScalarType::BFloat16:
-      return backward_impl<c10::BFloat16>(problem, tensors);
+    case c10::ScalarType::Float: return backward_impl<float>(problem, tensors);
+    case c10::ScalarType::Half: return backward_impl<c10::Half>(problem, tensors);
+    case c10::ScalarType::BFloat16: return backward_impl<c10::BFloat16>(problem, tensors);
     default:
       TORCH_CHECK(false, "flash_attn (CPU): unsupported dtype ", problem.dtype,
                   "; expected float32, float16 or bfloat16");
@@ -454,8 +449,7 @@ std::vector<SequenceSpan> fixed_length_sequences(int batch, int seqlen_q, int se
 }
 
 std::vector<SequenceSpan> varlen_sequences(int batch, const int32_t* cu_seqlens_q,
-                                           const int32_t* cu_seqlens_k,
-                                           const int32_t* block_table,
+                                           const int32_t* cu_seqlens_k, const int32_t* block_table,
                                            int64_t block_table_batch_stride) {
   std::vector<SequenceSpan> sequences(batch);
   for (int b = 0; b < batch; ++b) {

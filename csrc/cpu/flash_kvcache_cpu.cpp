@@ -44,16 +44,14 @@ struct CacheLayout {
   }
 };
 
-RowStrides strides_of(const at::Tensor& t) {
-  return {t.stride(0), t.stride(1), t.stride(2)};
-}
+RowStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // Rotates the first rotary_dim entries of one head vector: pairs (2m, 2m+1)
 // when interleaved (GPT-J), else (m, m + rotary_dim / 2) (GPT-NeoX). The math
 // runs in fp32 and rounds once to T, as the GPU kernels do.
 template <typename T>
-void copy_rotated(const T* src, T* dst, int head_dim, const T* cos, const T* sin,
-                  int rotary_dim, bool interleaved) {
+void copy_rotated(const T* src, T* dst, int head_dim, const T* cos, const T* sin, int rotary_dim,
+                  bool interleaved) {
   const int half = rotary_dim / 2;
   for (int m = 0; m < half; ++m) {
     const int first = interleaved ? 2 * m : m;
@@ -76,9 +74,8 @@ struct Rotary {
 };
 
 template <typename T>
-void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new,
-                       const at::Tensor& v_new, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, const Rotary& rotary) {
+void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const Rotary& rotary) {
   const KvcacheShape& shape = layout.shape;
   const RowStrides k_new_strides = strides_of(k_new);
   const RowStrides v_new_strides = strides_of(v_new);
@@ -99,8 +96,10 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new,
       const int64_t i = (index / shape.nheads_k) % shape.seqlen_new;
       const int b = static_cast<int>(index / (int64_t(shape.nheads_k) * shape.seqlen_new));
       const int64_t pos = layout.end(b) + i;
-      const T* k_row = k_src + b * k_new_strides.batch + i * k_new_strides.row + h * k_new_strides.head;
-      const T* v_row = v_src + b * v_new_strides.batch + i * v_new_strides.row + h * v_new_strides.head;
+      const T* k_row =
+          k_src + b * k_new_strides.batch + i * k_new_strides.row + h * k_new_strides.head;
+      const T* v_row =
+          v_src + b * v_new_strides.batch + i * v_new_strides.row + h * v_new_strides.head;
       T* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
       T* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
       if (rotary.rotary_dim > 0) {
@@ -169,13 +168,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool rotary_interleaved, int64_t num_splits) {
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
-  const KvcacheShape shape = check_fwd_kvcache_args(
-      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-      cache_leftpad, block_table, alibi_slopes, softmax_scale, softcap,
-      {at::kFloat, at::kHalf, at::kBFloat16});
+  const KvcacheShape shape =
+      check_fwd_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
+                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                             softmax_scale, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
 
   // The window rule uses the cache capacity, as flash-attn does: a side that
@@ -191,13 +190,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
   check_kvcache_contents_host(shape, seqlens_host, batch_idx_host, leftpad_host, table_host,
                               rotary_q_per_row);
 
-  const CacheLayout layout{
-      shape,
-      seqlens_host ? seqlens_host->const_data_ptr<int32_t>() : nullptr,
-      leftpad_host ? leftpad_host->const_data_ptr<int32_t>() : nullptr,
-      batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
-      table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
-      table_host ? table_host->stride(0) : 0};
+  const CacheLayout layout{shape,
+                           seqlens_host ? seqlens_host->const_data_ptr<int32_t>() : nullptr,
+                           leftpad_host ? leftpad_host->const_data_ptr<int32_t>() : nullptr,
+                           batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
+                           table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
+                           table_host ? table_host->stride(0) : 0};
 
   const std::optional<at::Tensor> cos_host = contiguous_or_none(rotary_cos);
   const std::optional<at::Tensor> sin_host = contiguous_or_none(rotary_sin);
@@ -216,10 +214,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     }
   });
 
-  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
-                             q.options());
-  at::Tensor softmax_lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
-                                     q.options().dtype(at::kFloat));
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor softmax_lse =
+      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   if (shape.seqlen_q == 0) return {out, softmax_lse};
 
   const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
@@ -272,6 +270,4 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
 }  // namespace
 }  // namespace flash::cpu
 
-TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
-  m.impl("fwd_kvcache", &flash::cpu::fwd_kvcache_cpu);
-}
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) { m.impl("fwd_kvcache", &flash::cpu::fwd_kvcache_cpu); }

@@ -22,9 +22,9 @@ RowStrides varlen_strides(const at::Tensor& t) { return {0, t.stride(0), t.strid
 
 AttentionProblem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               bool varlen_kv, int nheads, int nheads_k, int head_dim,
-                              const std::optional<at::Tensor>& alibi_slopes,
-                              double softmax_scale, const Window& window, double softcap,
-                              double dropout_p, const PhiloxSeed& philox) {
+                              const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
+                              const Window& window, double softcap, double dropout_p,
+                              const PhiloxSeed& philox) {
   AttentionProblem p;
   p.dtype = q.scalar_type();
   p.nheads = nheads;
@@ -53,8 +53,8 @@ AttentionProblem make_problem(const at::Tensor& q, const at::Tensor& k, const at
   return p;
 }
 
-at::Tensor make_probs(bool return_softmax, const at::Tensor& q, int batch, int nheads,
-                      int seqlen_q, int seqlen_k) {
+at::Tensor make_probs(bool return_softmax, const at::Tensor& q, int batch, int nheads, int seqlen_q,
+                      int seqlen_k) {
   if (!return_softmax) return at::empty({0}, q.options());
   // Entries a row does not see stay 0.
   return at::zeros({batch, nheads, seqlen_q, seqlen_k}, q.options());
@@ -83,14 +83,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCpuDtypes);
-  const Window window = normalize_window(causal, window_size_left, window_size_right,
-                                         shape.seqlen_k);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
-                             q.options());
-  at::Tensor lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
-                             q.options().dtype(at::kFloat));
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor lse =
+      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor probs =
       make_probs(return_softmax, q, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k);
 
@@ -118,8 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   const FwdShape shape =
       check_bwd_args(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale,
                      window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
-  const Window window = normalize_window(causal, window_size_left, window_size_right,
-                                         shape.seqlen_k);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
 
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -148,25 +148,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state) {
-  const VarlenShape shape = check_varlen_fwd_args(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-      rng_state, kCpuDtypes);
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state) {
+  const VarlenShape shape =
+      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+                            window_size_right, softcap, rng_state, kCpuDtypes);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.paged ? -1 : shape.total_k, shape.max_seqlen_k,
                         IndexArg::kCuSeqlensK);
   if (shape.paged) {
     check_block_table_host(*block_table, cu_seqlens_k, shape.num_blocks, shape.page_size);
   }
-  const Window window = normalize_window(causal, window_size_left, window_size_right,
-                                         shape.max_seqlen_k);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
   at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
@@ -180,12 +179,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
 
   AttentionProblem problem =
       make_problem(q, k, v, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k,
-                   shape.head_dim, alibi_slopes, softmax_scale, window, softcap, dropout_p,
-                   philox);
-  problem.sequences = varlen_sequences(
-      shape.batch, cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
-      shape.paged ? block_table->data_ptr<int32_t>() : nullptr,
-      shape.paged ? block_table->stride(0) : 0);
+                   shape.head_dim, alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+  problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
+                                       cu_seqlens_k.data_ptr<int32_t>(),
+                                       shape.paged ? block_table->data_ptr<int32_t>() : nullptr,
+                                       shape.paged ? block_table->stride(0) : 0);
   if (shape.paged) problem.page_size = shape.page_size;
   ForwardOutputs outputs;
   outputs.out = out.data_ptr();
@@ -201,18 +199,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
+    const std::optional<at::Tensor>& rng_state) {
   (void)deterministic;  // the CPU backward is always deterministic
-  const VarlenShape shape = check_varlen_bwd_args(
-      dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-      rng_state, kCpuDtypes);
+  const VarlenShape shape =
+      check_varlen_bwd_args(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+                            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, IndexArg::kCuSeqlensK);
-  const Window window = normalize_window(causal, window_size_left, window_size_right,
-                                         shape.max_seqlen_k);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
 
   at::Tensor dq = at::empty(q.sizes(), q.options());

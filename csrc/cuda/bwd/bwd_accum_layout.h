@@ -56,26 +56,25 @@ inline int64_t accum_rows_per_head(bool varlen, int64_t seqlen_or_total, int bat
 // Element offset of the first row of (batch, head) in an accumulator of
 // `heads` heads.
 template <int kBlockRows, int kHeadDim>
-__forceinline__ __device__ int64_t accum_head_offset(int64_t rows_per_head, int heads,
-                                                     bool varlen, int64_t varlen_row_begin,
-                                                     int batch, int head) {
-  const int64_t row = varlen ? int64_t(head) * rows_per_head + varlen_row_begin +
-                                   int64_t(batch) * kBlockRows
-                             : (int64_t(batch) * heads + head) * rows_per_head;
+__forceinline__ __device__ int64_t accum_head_offset(int64_t rows_per_head, int heads, bool varlen,
+                                                     int64_t varlen_row_begin, int batch,
+                                                     int head) {
+  const int64_t row =
+      varlen ? int64_t(head) * rows_per_head + varlen_row_begin + int64_t(batch) * kBlockRows
+             : (int64_t(batch) * heads + head) * rows_per_head;
   return row * kHeadDim;
 }
 
 template <int kBlockM, int kHeadDim>
-__forceinline__ __device__ int64_t dq_accum_offset(const BwdParams& params,
-                                                   const BlockInfo& binfo, int batch, int head) {
+__forceinline__ __device__ int64_t dq_accum_offset(const BwdParams& params, const BlockInfo& binfo,
+                                                   int batch, int head) {
   return accum_head_offset<kBlockM, kHeadDim>(params.dq_accum_rows_per_head, params.nheads,
                                               binfo.varlen, binfo.q_row_begin, batch, head);
 }
 
 template <int kBlockN, int kHeadDim>
-__forceinline__ __device__ int64_t dkv_sum_offset(const BwdParams& params,
-                                                  const BlockInfo& binfo, int batch,
-                                                  int head_kv) {
+__forceinline__ __device__ int64_t dkv_sum_offset(const BwdParams& params, const BlockInfo& binfo,
+                                                  int batch, int head_kv) {
   return accum_head_offset<kBlockN, kHeadDim>(params.dkv_sum_rows_per_head, params.nheads_k,
                                               binfo.varlen, binfo.k_row_begin, batch, head_kv);
 }

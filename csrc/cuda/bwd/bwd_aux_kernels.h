@@ -12,8 +12,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "cuda/core/block_info.h"
 #include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/core/block_info.h"
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
 
@@ -43,7 +43,8 @@ constexpr int dot_rows_per_block() {
 // Grid: (ceil(seqlen_q / dot_rows_per_block), (head, batch) pairs); the
 // pairs of grid_heads_batch.h, here and in the kernels below.
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(kBwdAuxThreads)
+    flash_bwd_dot_do_o_kernel(const BwdParams params) {
   constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
   HeadBatch pair;
   if (!block_head_batch(params.nheads, params.batch, pair)) return;
@@ -93,9 +94,8 @@ __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_dot_do_o_kernel(cons
 // plus accum_thread_offset(tidx).
 template <typename TiledMma, int kRows, int kHeadDim, int kChunkCols, typename Element>
 __forceinline__ __device__ void store_accum_block(const float* accum_thread, int num_slices,
-                                                  int64_t slice_stride, float scale,
-                                                  Element* out, int64_t out_row_stride, int rows,
-                                                  int head_dim) {
+                                                  int64_t slice_stride, float scale, Element* out,
+                                                  int64_t out_row_stride, int rows, int head_dim) {
   constexpr int kNThreads = decltype(size(TiledMma{}))::value;
   const int tidx = threadIdx.x;
   // Rows of the block, padded by 16 bytes so that the fragment writes (eight
@@ -112,7 +112,8 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   static_assert(kValues % kAccumVec == 0);
   CUTE_UNROLL
   for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
-    const float* chunk_accum = accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
+    const float* chunk_accum =
+        accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
     CUTE_UNROLL
     for (int i = 0; i < kValues; i += kAccumVec) {
       float sum[kAccumVec] = {};
@@ -169,10 +170,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const BlockInfo binfo(params, batch);
   const int row_begin = m_block * kBlockM;
   if (row_begin >= binfo.seqlen_q) return;
-  const float* accum_thread = params.dq_accum_ptr +
-                              dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
-                              accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0) +
-                              accum_thread_offset(threadIdx.x);
+  const float* accum_thread =
+      params.dq_accum_ptr + dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head) +
+      accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0) + accum_thread_offset(threadIdx.x);
   Element* dq = static_cast<Element*>(params.dq_ptr) + binfo.q_offset(params.dq, batch, head) +
                 int64_t(row_begin) * params.dq.row_stride;
   store_accum_block<typename Traits::TiledMmadQ, kBlockM, kHeadDim, Traits::kDQChunkCols>(
@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // deterministic mode: dK and dV of a kv head sum its query heads' shares in
 // head order.
 template <typename Element, int kAccumHeadDim>
-__global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_reduce_dkv_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(kBwdAuxThreads)
+    flash_bwd_reduce_dkv_kernel(const BwdParams params) {
   HeadBatch pair;
   if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
   const int head_kv = pair.head;
@@ -228,10 +229,9 @@ __global__ void __launch_bounds__(kBwdAuxThreads) flash_bwd_reduce_dkv_kernel(co
   const int group = params.nheads / params.nheads_k;
   const int64_t head_stride =
       int64_t(binfo.varlen ? params.total_k : params.seqlen_k) * kAccumHeadDim;
-  const int64_t first_head = binfo.varlen
-                                 ? int64_t(head_kv) * group * params.total_k + binfo.k_row_begin
-                                 : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) *
-                                       params.seqlen_k;
+  const int64_t first_head =
+      binfo.varlen ? int64_t(head_kv) * group * params.total_k + binfo.k_row_begin
+                   : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) * params.seqlen_k;
   const int64_t accum_offset = (first_head + row_begin) * kAccumHeadDim;
   const float* dk_accum = params.dk_accum_ptr + accum_offset;
   const float* dv_accum = params.dv_accum_ptr + accum_offset;

@@ -11,10 +11,10 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/core/block_info.h"
 #include "cuda/bwd/bwd_accum_layout.h"
-#include "cuda/core/query_range.h"
+#include "cuda/core/block_info.h"
 #include "cuda/core/params.h"
+#include "cuda/core/query_range.h"
 #include "cuda/core/tile_ops.h"
 
 namespace flash {
@@ -61,8 +61,8 @@ __forceinline__ __device__ BwdKeyBlock bwd_key_block(const BwdParams& params,
 template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
 __forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const BlockInfo& binfo,
                                                  const BwdKeyBlock& block) {
-  const Element* q_ptr = static_cast<const Element*>(params.q_ptr) +
-                         binfo.q_offset(params.q, block.batch, block.head);
+  const Element* q_ptr =
+      static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params.q, block.batch, block.head);
   const Element* do_ptr = static_cast<const Element*>(params.do_ptr) +
                           binfo.q_offset(params.dout, block.batch, block.head);
   const Element* k_ptr = static_cast<const Element*>(params.k_ptr) +
@@ -119,12 +119,10 @@ __forceinline__ __device__ float* dq_accum_thread_ptr(const BwdParams& params,
 
 // Element offset of (batch, head) in a per-query-head fp32 buffer of
 // (batch, nheads, seqlen_k, head dim) rows, or (nheads, total_k, head dim).
-__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params,
-                                                    const BlockInfo& binfo, int batch, int head,
-                                                    int accum_head_dim) {
-  const int64_t row = binfo.varlen
-                          ? int64_t(head) * params.total_k + binfo.k_row_begin
-                          : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
+__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params, const BlockInfo& binfo,
+                                                    int batch, int head, int accum_head_dim) {
+  const int64_t row = binfo.varlen ? int64_t(head) * params.total_k + binfo.k_row_begin
+                                   : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
   return row * accum_head_dim;
 }
 
@@ -216,10 +214,8 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     Tensor tdVrdV = make_fragment_like(tdVsdV);
     copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV,
-                          block.cols_left);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV,
-                          block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV, block.cols_left);
   } else if (!params.deterministic) {
     const int64_t sum_offset =
         dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +

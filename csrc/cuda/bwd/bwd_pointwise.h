@@ -165,8 +165,8 @@ __forceinline__ __device__ void softcapped_p_and_ds_transposed(
 // past the sequence, so their P is 0).
 template <int kNRows, typename TensorS, typename TensorDP, typename TensorC>
 __forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp,
-                                                   const TensorC& coord, int row_base,
-                                                   int col_base, const float (&lse_log2)[kNRows],
+                                                   const TensorC& coord, int row_base, int col_base,
+                                                   const float (&lse_log2)[kNRows],
                                                    const float (&row_d)[kNRows],
                                                    const BwdPointwiseArgs& args,
                                                    const DropoutState& dropout) {
@@ -194,8 +194,7 @@ __forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp
       for (int j = 0; j < 2; ++j) {
         const int col = col0 + j;
         const float s = scores(mi, make_coord(j, nj));
-        const float p =
-            s == -INFINITY ? 0.f : exp2f(fmaf(s, args.exp_scale_log2, -lse_log2[mi]));
+        const float p = s == -INFINITY ? 0.f : exp2f(fmaf(s, args.exp_scale_log2, -lse_log2[mi]));
         float p_out = p;
         float dp_kept = dp(mi, make_coord(j, nj));
         if (args.has_dropout) {

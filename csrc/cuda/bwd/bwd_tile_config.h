@@ -38,6 +38,7 @@ namespace flash {
 template <int kHeadDim>
 struct BwdTileConfig;
 
+// clang-format off
 //                         head dim      block M  block N  warps  SdP  dKV  dQ   Hopper block M;  double buffer, dQ before dK
 template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
@@ -47,6 +48,7 @@ template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlo
 template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
+// clang-format on
 
 // kBlockMSm90: the query rows per block of the Hopper kernel
 // (bwd_kernel_sm90.h; bwd_kernel_traits_sm90.h has its two designs; 0:
@@ -81,7 +83,10 @@ template <int kHeadDim>
 struct BwdTileConfigLargeSmem {
   static constexpr bool kExists = false;
 };
-template <> struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> { static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <>
+struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> {
+  static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true;
+};
 
 // The block shape of a compiled head dim, for the host code that sizes the dQ
 // accumulator (padded to whole query blocks) and the deterministic dQ splits

@@ -19,9 +19,9 @@ struct GmemTileCopy {
   using LayoutAtom =
       Layout<Shape<Int<kRowsPerPass>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
   // Global -> shared by cp.async, bypassing L1.
-  using Load = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, LayoutAtom{},
-      Layout<Shape<_1, Int<kElemsPerLoad>>>{}));
+  using Load =
+      decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
+                               LayoutAtom{}, Layout<Shape<_1, Int<kElemsPerLoad>>>{}));
   // Registers -> global.
   using Store = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
                                          LayoutAtom{}, Layout<Shape<_1, Int<kElemsPerLoad>>>{}));

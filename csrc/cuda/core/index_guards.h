@@ -26,9 +26,10 @@ struct SequenceRows {
   int length;
 };
 
-__device__ __forceinline__ SequenceRows report_and_clamp_sequence(
-    const IndexErrorSink& sink, IndexArg arg, int seq, int begin, int end, int rows,
-    int max_seqlen) {
+__device__ __forceinline__ SequenceRows report_and_clamp_sequence(const IndexErrorSink& sink,
+                                                                  IndexArg arg, int seq, int begin,
+                                                                  int end, int rows,
+                                                                  int max_seqlen) {
   // The CPU check's order: the first offset's sign, then each sequence's
   // order and length, then the last offset against the rows.
   const IndexOp op = IndexOp::kVarlen;
@@ -82,22 +83,23 @@ __forceinline__ __device__ int kvcache_max_cache_seqlen(const KvcacheParams& par
   return max(max_end, 0);
 }
 
-__device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(
-    const KvcacheParams& params, int seq, KvcacheEntryIndices raw) {
+__device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const KvcacheParams& params,
+                                                                        int seq,
+                                                                        KvcacheEntryIndices raw) {
   const IndexErrorSink& sink = params.index_errors;
   const IndexOp op = IndexOp::kKvcache;
   const int64_t paged = params.block_table != nullptr ? 1 : 0;
   const int capacity = params.seqlen_k;
   const int64_t end = raw.cache_seqlen;
   if (end < 0 || end > capacity) {
-    report_index_error(sink, IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, seq, paged,
-                       end, capacity, 0);
+    report_index_error(sink, IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, seq, paged, end,
+                       capacity, 0);
   } else if (end + params.seqlen_new > capacity) {
-    report_index_error(sink, IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, seq,
-                       paged, end, capacity, params.seqlen_new);
+    report_index_error(sink, IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, seq, paged,
+                       end, capacity, params.seqlen_new);
   } else if (raw.leftpad < 0 || raw.leftpad > end) {
-    report_index_error(sink, IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, seq, 0,
-                       raw.leftpad, end, 0);
+    report_index_error(sink, IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, seq, 0, raw.leftpad,
+                       end, 0);
   } else if (raw.entry < 0 || raw.entry >= params.batch_cache) {
     report_index_error(sink, IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, seq, 0,
                        raw.entry, params.batch_cache, 0);
@@ -128,9 +130,9 @@ __forceinline__ __device__ KvcacheEntryIndices guarded_kvcache_entry(const Kvcac
   return report_and_clamp_kvcache(params, seq, raw);
 }
 
-__device__ __forceinline__ int report_and_clamp_page(const IndexErrorSink& sink,
-                                                         IndexOp op, int seq, int page_index,
-                                                         int page, int num_pages) {
+__device__ __forceinline__ int report_and_clamp_page(const IndexErrorSink& sink, IndexOp op,
+                                                     int seq, int page_index, int page,
+                                                     int num_pages) {
   report_index_error(sink, IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, seq, page_index,
                      page, num_pages, 0);
   return page < 0 ? 0 : num_pages - 1;

@@ -28,7 +28,8 @@ struct IntDivisor {
 
 #if defined(__CUDACC__)
   __forceinline__ __device__ int quotient(int n) const {
-    return divisor == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+    return divisor == 1 ? n
+                        : static_cast<int>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
   }
 
   __forceinline__ __device__ void divmod(int n, int& quot, int& rem) const {

@@ -41,7 +41,7 @@ struct FwdParams {
   const void* v_ptr;
   void* o_ptr;
   float* softmax_lse_ptr;  // (batch, nheads, seqlen_q), or (nheads, total_q) for varlen
-  void* p_ptr;  // optional, q's dtype: (batch, nheads, seqlen_q, seqlen_k) probabilities
+  void* p_ptr;             // optional, q's dtype: (batch, nheads, seqlen_q, seqlen_k) probabilities
 
   QKVStrides q, k, v, o;
 
@@ -75,8 +75,8 @@ struct FwdParams {
 
   float dropout_p;
   uint32_t dropout_threshold;
-  float dropout_rescale;      // 1 / (1 - dropout_p)
-  const int64_t* rng_state;   // device pointer to [seed, offset]
+  float dropout_rescale;     // 1 / (1 - dropout_p)
+  const int64_t* rng_state;  // device pointer to [seed, offset]
 
   bool is_bf16;
 
@@ -139,13 +139,13 @@ struct KvcacheParams : FwdParams {
   const int* cache_batch_idx;  // null: batch entry b uses cache entry b
   const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
   int64_t block_table_batch_stride;
-  IntDivisor page_size;        // paged only: rows per page (a multiple of 16)
+  IntDivisor page_size;  // paged only: rows per page (a multiple of 16)
   // Extents the guards hold the index values to (index_guards.h): entries of
   // a contiguous cache, pages of a paged one, rows of the rotary tables.
   int batch_cache;
   int num_pages;
   int seqlen_rotary;
-  int seqlen_new;              // rows appended by this call (already in the cache)
+  int seqlen_new;  // rows appended by this call (already in the cache)
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and

@@ -20,8 +20,7 @@ struct QueryRange {
 // [col_begin, col_end) (clipped to [0, seqlen_k)), clipped to [0, seqlen_q).
 // Query blocks outside it contribute nothing to this key block.
 FA_HOST_DEVICE QueryRange visible_query_range(int col_begin, int col_end, int seqlen_q,
-                                              int seqlen_k, int window_left,
-                                              int window_right) {
+                                              int seqlen_k, int window_left, int window_right) {
   if (col_end > seqlen_k) col_end = seqlen_k;
   if (col_begin < 0) col_begin = 0;
   if (col_end <= col_begin || seqlen_q <= 0) return {0, 0};

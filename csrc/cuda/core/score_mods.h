@@ -42,8 +42,7 @@ __forceinline__ __device__ void apply_scale_and_softcap(TensorS& scores, float s
 // 2^24 keys (exact floats), rounded the same way past that.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_alibi(TensorS& scores, const TensorC& coord, int row_base,
-                                            int col_base, float slope, int seqlen_q,
-                                            int seqlen_k) {
+                                            int col_base, float slope, int seqlen_q, int seqlen_k) {
   const int col0 = get<1>(coord(0, 0));
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
@@ -153,9 +152,9 @@ __forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord
 // which also hides the query rows past seqlen_q.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void apply_mask_transposed(TensorS& scores, const TensorC& coord,
-                                                      int key_base, int query_base,
-                                                      int seqlen_q, int seqlen_k,
-                                                      int window_left, int window_right) {
+                                                      int key_base, int query_base, int seqlen_q,
+                                                      int seqlen_k, int window_left,
+                                                      int window_right) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(scores); ++mi) {
     const int key = key_base + get<0>(coord(mi, 0));

@@ -63,9 +63,8 @@ __forceinline__ __device__ auto wgmma_acc_layout_as_operand_a(AccLayout acc_layo
   static_assert(decltype(rank<0>(acc_layout))::value == 3);
   static_assert(decltype(size<0, 2>(acc_layout))::value % 2 == 0);
   auto col_groups = logical_divide(get<0, 2>(acc_layout), Layout<_2>{});  // (2, N/16)
-  return make_layout(
-      make_layout(get<0, 0>(acc_layout), get<0, 1>(acc_layout), get<0>(col_groups)),
-      get<1>(acc_layout), make_layout(get<1>(col_groups), get<2>(acc_layout)));
+  return make_layout(make_layout(get<0, 0>(acc_layout), get<0, 1>(acc_layout), get<0>(col_groups)),
+                     get<1>(acc_layout), make_layout(get<1>(col_groups), get<2>(acc_layout)));
 }
 
 }  // namespace flash

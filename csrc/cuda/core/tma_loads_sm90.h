@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <utility>
 
-#include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/tensor.hpp>
 
 #include "cuda/core/block_info.h"
 #include "cuda/core/params.h"
@@ -24,11 +24,10 @@ template <typename Element>
 auto tma_gmem_tensor(const void* ptr, int rows, int head_dim, int heads, int batch,
                      const QKVStrides& strides) {
   auto usable = [](int64_t extent, int64_t stride) { return extent > 1 ? stride : int64_t(8); };
-  return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                     make_shape(rows, head_dim, heads, batch),
-                     make_stride(usable(rows, strides.row_stride), _1{},
-                                 usable(heads, strides.head_stride),
-                                 usable(batch, strides.batch_stride)));
+  return make_tensor(
+      make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(rows, head_dim, heads, batch),
+      make_stride(usable(rows, strides.row_stride), _1{}, usable(heads, strides.head_stride),
+                  usable(batch, strides.batch_stride)));
 }
 
 // Whether q / k / v can be read by TMA as tma_gmem_tensor describes them:
@@ -40,9 +39,9 @@ inline bool tma_can_load(const void* ptr, int rows, int head_dim, int heads, int
   auto ok = [](int64_t extent, int64_t stride) {
     return extent == 1 || (stride > 0 && stride % 8 == 0 && stride < (int64_t(1) << 38));
   };
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && rows > 0 && head_dim % 8 == 0 &&
-         heads > 0 && batch > 0 && ok(rows, strides.row_stride) &&
-         ok(heads, strides.head_stride) && ok(batch, strides.batch_stride);
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && rows > 0 && head_dim % 8 == 0 && heads > 0 &&
+         batch > 0 && ok(rows, strides.row_stride) && ok(heads, strides.head_stride) &&
+         ok(batch, strides.batch_stride);
 }
 
 // (rows, batch entries) of the TMA view of q (and dO, dQ), and of k / v.
@@ -67,10 +66,9 @@ __device__ auto tma_q_of(const Copy& copy, const FwdParams& p, const BlockInfo& 
                        m(_, _, head, binfo.varlen ? 0 : batch));
 }
 template <typename Copy>
-__device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo,
-                          int head_kv, int batch) {
-  Tensor m =
-      copy.get_tma_tensor(make_shape(tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p)));
+__device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head_kv,
+                          int batch) {
+  Tensor m = copy.get_tma_tensor(make_shape(tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p)));
   return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
                        m(_, _, head_kv, binfo.varlen ? 0 : batch));
 }
@@ -96,8 +94,8 @@ struct TmaTileLoad {
 // (__grid_constant__): TMA reads a descriptor from parameter memory.
 template <typename Traits>
 struct FwdSm90Tma {
-  using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQ,
-                            Traits::kBlockM, Traits::kHeadDim>;
+  using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQ, Traits::kBlockM,
+                            Traits::kHeadDim>;
   using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKVStage,
                              Traits::kBlockN, Traits::kHeadDim>;
   typename LoadQ::Copy q;

@@ -6,9 +6,9 @@
 #include <cuda_fp16.h>
 
 #include "cuda/core/cuda_check.h"
-#include "cuda/launch/dependent_launch.h"
 #include "cuda/decode/rotary.h"
 #include "cuda/decode/splitkv_work_item.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 namespace {
@@ -29,10 +29,10 @@ __device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& ro
 // (index_guards.h): the positions written and read below stay in the cache
 // and the rotary tables.
 __device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
-  return guarded_kvcache_entry(p, b,
-                               {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k,
-                                p.cache_leftpad ? p.cache_leftpad[b] : 0,
-                                p.cache_batch_idx ? p.cache_batch_idx[b] : b});
+  return guarded_kvcache_entry(
+      p, b,
+      {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k, p.cache_leftpad ? p.cache_leftpad[b] : 0,
+       p.cache_batch_idx ? p.cache_batch_idx[b] : b});
 }
 
 // Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
@@ -78,8 +78,8 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
   T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +
            int64_t(i) * p.q.row_stride + h * p.q.head_stride;
   copy_chunk(src, dst, chunk * kElemsPerThread,
-             rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos),
-             p.rotary_dim, p.rotary_interleaved);
+             rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos), p.rotary_dim,
+             p.rotary_interleaved);
 }
 
 // One thread per 8-element chunk: the appended k / v chunks first, then the

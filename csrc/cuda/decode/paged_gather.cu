@@ -20,8 +20,8 @@ __device__ void check_sequence(const PagedGatherParams& params, int batch) {
   const SequenceRows rows =
       guarded_sequence_rows(params.cu_seqlens_k, batch, INT_MAX, params.max_seqlen_k_given,
                             IndexArg::kCuSeqlensK, params.index_errors);
-  const int64_t pages_needed = (int64_t(rows.length) + params.page_size.divisor - 1) /
-                               params.page_size.divisor;
+  const int64_t pages_needed =
+      (int64_t(rows.length) + params.page_size.divisor - 1) / params.page_size.divisor;
   if (pages_needed > params.max_blocks_per_seq) {
     report_index_error(params.index_errors, IndexRule::kPagesPastTable, IndexArg::kBlockTable,
                        IndexOp::kVarlen, batch, 0, rows.length, params.max_blocks_per_seq,

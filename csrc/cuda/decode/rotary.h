@@ -20,7 +20,9 @@ constexpr int kRotaryChunkElems = 8;  // one 16-byte chunk of 16-bit elements
 template <typename T>
 __device__ float rotary_to_float(T x);
 template <>
-__forceinline__ __device__ float rotary_to_float<__half>(__half x) { return __half2float(x); }
+__forceinline__ __device__ float rotary_to_float<__half>(__half x) {
+  return __half2float(x);
+}
 template <>
 __forceinline__ __device__ float rotary_to_float<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
@@ -29,7 +31,9 @@ __forceinline__ __device__ float rotary_to_float<__nv_bfloat16>(__nv_bfloat16 x)
 template <typename T>
 __device__ T rotary_from_float(float x);
 template <>
-__forceinline__ __device__ __half rotary_from_float<__half>(float x) { return __float2half_rn(x); }
+__forceinline__ __device__ __half rotary_from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
 __forceinline__ __device__ __nv_bfloat16 rotary_from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
@@ -78,7 +82,7 @@ __device__ T rotated_element(const T* src, int d, const T* cos_row, const T* sin
 // branches and loads, and the pre-kernel calls it for keys and for q.
 template <typename T>
 __device__ __noinline__ uint4 rotary_chunk(const T* src, int d0, const T* cos_row, const T* sin_row,
-                              int rotary_dim, bool interleaved) {
+                                           int rotary_dim, bool interleaved) {
   if (d0 >= rotary_dim) return *reinterpret_cast<const uint4*>(src + d0);
   alignas(16) T values[kRotaryChunkElems];
 #pragma unroll

@@ -18,9 +18,9 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include "cuda/launch/dependent_launch.h"
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 

@@ -31,15 +31,15 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/mask_rule.h"
-#include "cuda/launch/dependent_launch.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/core/params.h"
-#include "cuda/decode/rotary.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
+#include "cuda/core/tile_ops.h"
+#include "cuda/decode/rotary.h"
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/decode/splitkv_work_item.h"
-#include "cuda/core/tile_ops.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 
@@ -147,12 +147,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the persistent grid, whose blocks would wait once per item, and the
   // other cases of append_in_attention_fits (flash_api_cuda.cpp) to the
   // pre-kernel.
-  static_assert(!(kAppends && kSeveralItems), "the persistent grid leaves the append to a pre-kernel");
+  static_assert(!(kAppends && kSeveralItems),
+                "the persistent grid leaves the append to a pre-kernel");
   const bool append_here = kAppends && params.append_in_attention;
   const bool appending = append_here && params.seqlen_new > 0;
   const bool rotating = append_here && params.rotary_dim > 0;
-  using RotaryElement = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
-                                           __nv_bfloat16, __half>;
+  using RotaryElement =
+      std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>, __nv_bfloat16, __half>;
   static_assert(sizeof(RotaryElement) == sizeof(Element));
 
   // Shared memory: Traits::kStages (K tile, V tile) stages, so that the
@@ -182,19 +183,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // This warp's slab of a stage's K tile (keys) and V tile (seen transposed),
   // and its 16 rows of a Q slot.
   auto slab_k = [&](int stage) {
-    return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems +
-                                     warp_n * Traits::kKVSlabElems),
-                       typename Traits::SmemLayoutKVSlab{});
+    return make_tensor(
+        make_smem_ptr(kv_smem + (2 * stage) * kTileElems + warp_n * Traits::kKVSlabElems),
+        typename Traits::SmemLayoutKVSlab{});
   };
   auto slab_vt = [&](int stage) {
-    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems +
-                                     warp_n * Traits::kKVSlabElems),
-                       typename Traits::SmemLayoutVtSlab{});
+    return make_tensor(
+        make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems + warp_n * Traits::kKVSlabElems),
+        typename Traits::SmemLayoutVtSlab{});
   };
   auto slab_q = [&](int slot) {
-    return make_tensor(
-        make_smem_ptr(q_smem + slot * kQElems + warp_m * Traits::kQSlabElems),
-        typename Traits::SmemLayoutQSlab{});
+    return make_tensor(make_smem_ptr(q_smem + slot * kQElems + warp_m * Traits::kQSlabElems),
+                       typename Traits::SmemLayoutQSlab{});
   };
 
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
@@ -242,11 +242,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] = key < it.seqlen_k
-                          ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch,
-                                         page_index, it.cache.block_table_row[page_index],
-                                         params.num_pages)
-                          : 0;
+        row_page[m] =
+            key < it.seqlen_k
+                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch, page_index,
+                               it.cache.block_table_row[page_index], params.num_pages)
+                : 0;
       }
       previous_index = page_index;
     }
@@ -355,20 +355,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int stage = stage_of_key(it, key);
         const int tile_row = key % kBlockN;
         const bool ok = col < params.head_dim;
-        cp_async_16_or_zero(&stage_k(stage)(tile_row, col),
-                            new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key) + col,
-                            ok);
-        cp_async_16_or_zero(&stage_v(stage)(tile_row, col),
-                            new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key) + col,
-                            ok);
+        cp_async_16_or_zero(
+            &stage_k(stage)(tile_row, col),
+            new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key) + col, ok);
+        cp_async_16_or_zero(
+            &stage_v(stage)(tile_row, col),
+            new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key) + col, ok);
       }
     }
     if (rotating) {
       const int last_query = unpack_row(it.row_begin + it.rows_left - 1, group).query;
       const int table_rows = max(params.rotary_q_per_row ? last_query + 1 : 1, params.seqlen_new);
       const int chunks_per_table = params.rotary_dim / 2 / kRotaryChunkElems;
-      const int64_t first_entry = int64_t(it.cache.leftpad + first_new_key) * (params.rotary_dim / 2);
-      for (int index = tidx; index < table_rows * 2 * chunks_per_table; index += Traits::kNThreads) {
+      const int64_t first_entry =
+          int64_t(it.cache.leftpad + first_new_key) * (params.rotary_dim / 2);
+      for (int index = tidx; index < table_rows * 2 * chunks_per_table;
+           index += Traits::kNThreads) {
         const int row = index / (2 * chunks_per_table);
         const bool sines = index / chunks_per_table % 2 == 1;
         const int entry = index % chunks_per_table * kRotaryChunkElems;
@@ -514,8 +516,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto thr_mma = warp_mma.get_thread_slice(lane);
   Tensor tSrQ = thr_mma.partition_fragment_A(slab_q(0));
   Tensor tSrK = thr_mma.partition_fragment_B(slab_k(0));
-  Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(
-      make_smem_ptr(kv_smem), typename Traits::SmemLayoutVtSlabNoSwizzle{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(
+      make_tensor(make_smem_ptr(kv_smem), typename Traits::SmemLayoutVtSlabNoSwizzle{}));
   Tensor acc_o = partition_fragment_C(warp_mma, Shape<_16, Int<kHeadDim>>{});
 
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma);
@@ -555,16 +557,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   static_assert(splitkv_merge_bytes(kHeadDim, kWarpsN) <=
                     Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
                 "a block of one item merges in its tiles' shared memory");
-  float* const o_parts = reinterpret_cast<float*>(
-      kSeveralItems ? smem + splitkv_smem_bytes(kHeadDim, kWarpsN, true) -
-                          splitkv_merge_bytes(kHeadDim, kWarpsN)
-                    : smem);
+  float* const o_parts =
+      reinterpret_cast<float*>(kSeveralItems ? smem + splitkv_smem_bytes(kHeadDim, kWarpsN, true) -
+                                                   splitkv_merge_bytes(kHeadDim, kWarpsN)
+                                             : smem);
   float2* const row_stats = reinterpret_cast<float2*>(o_parts + kWarpsN * kBlockM * kPartStride);
 
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
   const bool prescale_scores =
-      kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
-                           !scale_is_positive_normal(params.softmax_scale_log2));
+      kWithScoreExtras &&
+      (params.softcap > 0.f || has_alibi || !scale_is_positive_normal(params.softmax_scale_log2));
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   // A row that saw no key in this block's range gets output 0 and lse +inf
@@ -621,10 +623,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int64_t lse_index =
           (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
       if (final_output) {
-        Element* out_row = static_cast<Element*>(params.o_ptr) +
-                           target.batch * params.o.batch_stride +
-                           int64_t(packed.query) * params.o.row_stride +
-                           int64_t(head) * params.o.head_stride;
+        Element* out_row =
+            static_cast<Element*>(params.o_ptr) + target.batch * params.o.batch_stride +
+            int64_t(packed.query) * params.o.row_stride + int64_t(head) * params.o.head_stride;
         cutlass::Array<Element, 4> quad;
         quad[0] = static_cast<Element>(sum.x);
         quad[1] = static_cast<Element>(sum.y);
@@ -709,20 +710,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               CUTE_UNROLL
               for (int ni = 0; ni < size<1>(scores); ++ni) {
                 const int col = col_base + get<1>(tScS_rowcol(0, ni));
-                scores(mi, ni) +=
-                    alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
+                scores(mi, ni) += alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
               }
             }
           }
         }
         if (!key_tile_fully_visible(it.query_first, it.query_last + 1, n_block * kBlockN,
-                                    (n_block + 1) * kBlockN, seqlen_q, seqlen_k,
-                                    params.window_left, params.window_right)) {
+                                    (n_block + 1) * kBlockN, seqlen_q, seqlen_k, params.window_left,
+                                    params.window_right)) {
           CUTE_UNROLL
           for (int mi = 0; mi < kNRows; ++mi) {
-            const KeyRange visible = visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q,
-                                                       seqlen_k, params.window_left,
-                                                       params.window_right);
+            const KeyRange visible =
+                visible_key_range(row_query[mi], row_query[mi] + 1, seqlen_q, seqlen_k,
+                                  params.window_left, params.window_right);
             const int col_lo = visible.begin - col_base;
             const int col_hi = visible.end - col_base;
             CUTE_UNROLL

@@ -81,7 +81,7 @@ constexpr int kAppendInAttentionMaxRows = 16;
 // position per query under a causal / local mask) and the new keys.
 constexpr int splitkv_rotary_table_rows(int warps_n) {
   return splitkv_block_m(warps_n) > kAppendInAttentionMaxRows ? splitkv_block_m(warps_n)
-                                                               : kAppendInAttentionMaxRows;
+                                                              : kAppendInAttentionMaxRows;
 }
 
 // Dynamic shared memory of the appending kernel: the tiles, then per table

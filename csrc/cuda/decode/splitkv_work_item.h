@@ -96,7 +96,7 @@ struct SplitKvItem {
 struct SplitKvItemInputs {
   int cache_seqlen;  // cache_seqlens[batch] (0 without cache_seqlens)
   int leftpad;
-  int entry;         // the batch entry's cache entry (contiguous cache)
+  int entry;  // the batch entry's cache entry (contiguous cache)
 };
 
 // Items are numbered (batch, kv head) fastest, then the query block, then the
@@ -145,17 +145,17 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
 
   // Guarded (index_guards.h): every row, page and rotary position below
   // stays inside its tensor whatever the index tensors hold.
-  const KvcacheEntryIndices entry = guarded_kvcache_entry(
-      params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry});
+  const KvcacheEntryIndices entry =
+      guarded_kvcache_entry(params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry});
   const int cache_end = entry.cache_seqlen + params.seqlen_new;
   it.seqlen_k = cache_end - entry.leftpad;
   it.cache = {params.block_table ? params.block_table + it.batch * params.block_table_batch_stride
                                  : nullptr,
               entry.entry, entry.leftpad, params.page_size};
 
-  const KeyRange key_range = visible_key_range(it.query_first, it.query_last + 1,
-                                               params.seqlen_q, it.seqlen_k,
-                                               params.window_left, params.window_right);
+  const KeyRange key_range =
+      visible_key_range(it.query_first, it.query_last + 1, params.seqlen_q, it.seqlen_k,
+                        params.window_left, params.window_right);
   const int num_n_blocks = (it.seqlen_k + kBlockN - 1) / kBlockN;
   const int split_begin = int(int64_t(it.split) * num_n_blocks / params.num_splits);
   const int split_end = int(int64_t(it.split + 1) * num_n_blocks / params.num_splits);

@@ -10,9 +10,9 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
-#include "cuda/fwd/fwd_block_order.h"
 #include "cuda/core/params.h"
 #include "cuda/core/tile_ops.h"
+#include "cuda/fwd/fwd_block_order.h"
 
 namespace flash {
 
@@ -44,9 +44,9 @@ __forceinline__ __device__ FwdBlock fwd_block(const FwdParams& params, const Fwd
   block.row_begin = coord.m_block * kBlockM;
   block.rows_left = binfo.seqlen_q - block.row_begin;
   const int row_end = block.row_begin + (block.rows_left < kBlockM ? block.rows_left : kBlockM);
-  const KeyRange key_range = visible_key_range(block.row_begin, row_end, binfo.seqlen_q,
-                                               binfo.seqlen_k, params.window_left,
-                                               params.window_right);
+  const KeyRange key_range =
+      visible_key_range(block.row_begin, row_end, binfo.seqlen_q, binfo.seqlen_k,
+                        params.window_left, params.window_right);
   block.n_block_min = key_range.begin / kBlockN;
   block.n_block_max = (key_range.end + kBlockN - 1) / kBlockN;
   return block;
@@ -57,8 +57,8 @@ __forceinline__ __device__ FwdBlock fwd_block(const FwdParams& params, const Fwd
 template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
 __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const BlockInfo& binfo,
                                                  const FwdBlock& block) {
-  const Element* q_ptr = static_cast<const Element*>(params.q_ptr) +
-                         binfo.q_offset(params.q, block.batch, block.head);
+  const Element* q_ptr =
+      static_cast<const Element*>(params.q_ptr) + binfo.q_offset(params.q, block.batch, block.head);
   const Element* k_ptr = static_cast<const Element*>(params.k_ptr) +
                          binfo.k_offset(params.k, block.batch, block.head_kv);
   const Element* v_ptr = static_cast<const Element*>(params.v_ptr) +
@@ -142,8 +142,8 @@ __forceinline__ __device__ void stage_output(const TensorAcc& acc_o, const Tiled
 // shared -> global by the threads of GmemTiledCopyO, as 16-byte,
 // row-contiguous stores.
 template <typename GmemTiledCopyO, typename TensorSO, typename TensorGO>
-__forceinline__ __device__ void store_output(const TensorSO& sO, const TensorGO& gO,
-                                             int rows_left, int head_dim, int tidx) {
+__forceinline__ __device__ void store_output(const TensorSO& sO, const TensorGO& gO, int rows_left,
+                                             int head_dim, int tidx) {
   GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
   Tensor cO = make_identity_tensor(product_each(shape(sO)));

@@ -19,9 +19,9 @@
 
 #include <cstdint>
 
-#include "cuda/fwd/fwd_tile_schedule.h"
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/int_divisor.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
 
 namespace flash {
 
@@ -45,8 +45,8 @@ struct Int64Divisor {
 // Block (m, head, batch) of a (num_m_blocks, nheads, batch) grid, in the
 // order above; heads divides by nheads (IntDivisor or Int64Divisor, as Index).
 template <typename Index, typename HeadsDivisor>
-__device__ __forceinline__ FwdBlockCoord fwd_block_in_order(bool causal, int m, int head,
-                                                            int batch, int num_m_blocks,
+__device__ __forceinline__ FwdBlockCoord fwd_block_in_order(bool causal, int m, int head, int batch,
+                                                            int num_m_blocks,
                                                             const HeadsDivisor& heads) {
   if (!causal) return {m, head, batch, 0};
   const Index in_batch = m + Index(num_m_blocks) * head;
@@ -86,8 +86,7 @@ __device__ __forceinline__ FwdBlockCoord fwd_tile_coord(bool causal, int64_t til
     int64_t rest, m, batch, head;
     Int64Divisor{num_m_blocks}.divmod(tile, rest, m);
     heads.divmod(rest, batch, head);
-    coord = fwd_block_in_order<int64_t>(causal, int(m), int(head), int(batch), num_m_blocks,
-                                        heads);
+    coord = fwd_block_in_order<int64_t>(causal, int(m), int(head), int(batch), num_m_blocks, heads);
   }
   coord.head_kv = divisors.heads_per_kv_head.quotient(coord.head);
   return coord;

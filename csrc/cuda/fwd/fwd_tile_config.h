@@ -54,6 +54,7 @@ struct FwdTileConfig;
 // with 17 rows x 128 keys, 0.85x, and at 128 x 128, 0.95-0.99x), d128
 // 0.88-1.27x (geomean 1.11; 0.88x causal 17 x 128); at 6 d96 0.92-1.35x,
 // d128 1.12-1.42x (fwd_short_keys_blocks_per_sm.txt).
+// clang-format off
 //                         head dim       block M  block N  warps     extras: block N  warps     sm90: block M  block N  from keys  or blocks / SM
 template <> struct FwdTileConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 128, kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4, kBlockNExtras = 64, kNWarpsExtras = 4, kBlockMSm90 = 192, kBlockNSm90 = 128, kMinSeqlenKSm90 = 512, kMinBlocksPerSmSm90 = 8; };
@@ -63,6 +64,7 @@ template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+// clang-format on
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 

@@ -35,8 +35,7 @@ inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm9
 // 1.02-1.69x at d64 / d96 / d128 (level to 0.96x at d64 with 17 rows and
 // 128 keys); with 2 sequences (0.5-2 blocks per SM, calls of ~30 us)
 // 0.81-0.98x.
-inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k,
-                              int min_blocks_per_sm) {
+inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k, int min_blocks_per_sm) {
   return params.seqlen_k >= min_seqlen_k ||
          (params.num_sms > 0 &&
           fwd_sm90_num_tiles(params) >= int64_t(min_blocks_per_sm) * params.num_sms);
@@ -58,8 +57,7 @@ struct FwdTileDivisors {
 };
 
 inline FwdTileDivisors fwd_sm90_tile_divisors(const FwdParams& params, int block_m) {
-  return FwdTileDivisors((params.seqlen_q + block_m - 1) / block_m, params.nheads,
-                         params.nheads_k);
+  return FwdTileDivisors((params.seqlen_q + block_m - 1) / block_m, params.nheads, params.nheads_k);
 }
 
 // Whether the tiles do different work (a causal or local bound, or the

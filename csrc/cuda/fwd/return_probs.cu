@@ -26,9 +26,14 @@ static_assert(4 % kColsPerLane == 0, "a lane's columns must share one Philox cal
 
 __device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
@@ -85,17 +90,17 @@ __global__ void __launch_bounds__(kThreads) return_probs_kernel(const FwdParams 
   for (int d = lane; d < params.head_dim; d += 32) q_row[d] = to_float(q[d]);
   __syncwarp();
 
-  const Element* k_head = static_cast<const Element*>(params.k_ptr) +
-                          binfo.k_offset(params.k, batch, head_kv);
+  const Element* k_head =
+      static_cast<const Element*>(params.k_ptr) + binfo.k_offset(params.k, batch, head_kv);
   const bool has_alibi = params.alibi_slopes != nullptr;
   const float slope =
       has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f;
   const bool has_dropout = params.dropout_p > 0.f;
   const uint64_t seed = has_dropout ? static_cast<uint64_t>(params.rng_state[0]) : 0;
   const uint64_t offset = has_dropout ? static_cast<uint64_t>(params.rng_state[1]) : 0;
-  Element* out_row = static_cast<Element*>(params.p_ptr) +
-                     ((int64_t(batch) * params.nheads + head) * params.seqlen_q + row) *
-                         int64_t(params.seqlen_k);
+  Element* out_row =
+      static_cast<Element*>(params.p_ptr) +
+      ((int64_t(batch) * params.nheads + head) * params.seqlen_q + row) * int64_t(params.seqlen_k);
 
   float running_max = -INFINITY;
   const int first_block = range.begin / kReturnProbsBlockN;
@@ -141,13 +146,13 @@ __global__ void __launch_bounds__(kThreads) return_probs_kernel(const FwdParams 
 }  // namespace
 
 void launch_return_probs(const FwdParams& params, cudaStream_t stream) {
-  if (params.seqlen_q == 0 || params.seqlen_k == 0 || params.batch == 0 ||
-      params.nheads == 0) {
+  if (params.seqlen_q == 0 || params.seqlen_k == 0 || params.batch == 0 || params.nheads == 0) {
     return;
   }
   if (params.head_dim > kMaxHeadDim || params.head_dim % 8 != 0) {
-    throw std::runtime_error("flash_attn_cuda: return_softmax needs a head dim that is a "
-                             "multiple of 8 and at most 256");
+    throw std::runtime_error(
+        "flash_attn_cuda: return_softmax needs a head dim that is a "
+        "multiple of 8 and at most 256");
   }
   const int64_t row_groups = (int64_t(params.seqlen_q) + kWarps - 1) / kWarps;
   const dim3 grid = grid_over_heads_batch(row_groups, params.nheads, params.batch);

@@ -4,23 +4,23 @@
 // the group reduction of the per-head shares), all on one stream. The caller
 // (flash_api_cuda.cpp) allocates and zeroes the accumulators. On sm90 the
 // score rule without dropout runs the Hopper main kernel
-// (bwd_kernel_sm90.h) at the head dims the tile table gives it; the conversion kernels then read the
-// accumulators in its fragment order.
+// (bwd_kernel_sm90.h) at the head dims the tile table gives it; the conversion kernels then read
+// the accumulators in its fragment order.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <limits>
 
-#include "cuda/bwd/sm80/bwd_kernel_traits_sm80.h"
-#include "cuda/bwd/bwd_tile_config.h"
-#include "cuda/core/cuda_check.h"
-#include "cuda/launch/dependent_launch.h"
 #include "cuda/bwd/bwd_aux_kernels.h"
+#include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/bwd/sm80/bwd_kernel_sm80.h"
+#include "cuda/bwd/sm80/bwd_kernel_traits_sm80.h"
 #include "cuda/bwd/sm90/bwd_kernel_sm90.h"
+#include "cuda/core/cuda_check.h"
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 
@@ -60,9 +60,9 @@ template <typename MainTraits>
 void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   using Element = typename MainTraits::Element;
   constexpr int kHeadDim = MainTraits::kHeadDim;
-  const dim3 dq_grid = grid_over_heads_batch(
-      (params.seqlen_q + MainTraits::kBlockM - 1) / MainTraits::kBlockM, params.nheads,
-      params.batch);
+  const dim3 dq_grid =
+      grid_over_heads_batch((params.seqlen_q + MainTraits::kBlockM - 1) / MainTraits::kBlockM,
+                            params.nheads, params.batch);
   flash_bwd_convert_dq_kernel<MainTraits><<<dq_grid, MainTraits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
@@ -75,11 +75,10 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
         <<<dkv_grid, MainTraits::kNThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   } else if (params.nheads != params.nheads_k) {
-    const dim3 dkv_grid = grid_over_heads_batch(
-        (params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock, params.nheads_k,
-        params.batch);
-    flash_bwd_reduce_dkv_kernel<Element, kHeadDim>
-        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
+    const dim3 dkv_grid =
+        grid_over_heads_batch((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
+                              params.nheads_k, params.batch);
+    flash_bwd_reduce_dkv_kernel<Element, kHeadDim><<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -95,8 +94,8 @@ bool launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t strea
     return false;
   }
   launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits, kWithScoreMods>, grid,
-                           dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream,
-                           params, BwdSm90Tma<Sm90Traits>::make(params));
+                           dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream, params,
+                           BwdSm90Tma<Sm90Traits>::make(params));
   return true;
 }
 
@@ -114,8 +113,8 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   FA_CUDA_CHECK(cudaGetLastError());
 
   const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid = grid_over_heads_batch(
-      params.deterministic ? params.num_splits : num_n_blocks, params.nheads, params.batch);
+  const dim3 grid = grid_over_heads_batch(params.deterministic ? params.num_splits : num_n_blocks,
+                                          params.nheads, params.batch);
   // The plain kernels also assume a positive, normal softmax scale
   // (scale_is_positive_normal); any other scale takes the general kernel,
   // which tests for a masked score.
@@ -125,9 +124,9 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   const bool with_score_extras = with_score_mods || with_dropout || !scale_positive_normal;
   if constexpr (has_sm90_backward<kHeadDim>()) {
     using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-    static_assert(Traits::kBlockM % Sm90Traits::kBlockM == 0 &&
-                      Sm90Traits::kBlockN == Traits::kBlockN,
-                  "the table's block shape sizes the accumulators and the grid");
+    static_assert(
+        Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
+        "the table's block shape sizes the accumulators and the grid");
     // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
     // (only the SM80 kernels draw its keep mask) and other scales do not.
     if (params.bwd_kernel != KernelChoice::kSm80 && !with_dropout && scale_positive_normal &&

@@ -49,8 +49,8 @@ void allow_dynamic_smem(void (*kernel)(KernelArgs...), int smem_bytes) {
 
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...).
 template <typename... KernelArgs, typename... Args>
-void launch_with_dynamic_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
-                              int smem_bytes, cudaStream_t stream, Args&&... args) {
+void launch_with_dynamic_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes,
+                              cudaStream_t stream, Args&&... args) {
   allow_dynamic_smem(kernel, smem_bytes);
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   FA_CUDA_CHECK(cudaGetLastError());

@@ -6,16 +6,16 @@
 #include <cuda_runtime.h>
 
 #include "cuda/core/cuda_check.h"
-#include "cuda/launch/dependent_launch.h"
-#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
-#include "cuda/fwd/sm90/fwd_kernel_sm90.h"
-#include "cuda/fwd/fwd_tile_schedule.h"
 #include "cuda/core/grid_heads_batch.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
-#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
 #include "cuda/core/params.h"
-#include "cuda/fwd/return_probs.h"
 #include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
+#include "cuda/fwd/return_probs.h"
+#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
+#include "cuda/fwd/sm90/fwd_kernel_sm90.h"
+#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 
@@ -24,10 +24,10 @@ namespace flash {
 template <typename Element, int kHeadDim, bool kWithScoreExtras>
 void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
   using Config = FwdTileConfig<kHeadDim>;
-  using Traits = FwdKernelTraits<kHeadDim, Config::kBlockM,
-                                 kWithScoreExtras ? Config::kBlockNExtras : Config::kBlockN,
-                                 kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps,
-                                 Element>;
+  using Traits =
+      FwdKernelTraits<kHeadDim, Config::kBlockM,
+                      kWithScoreExtras ? Config::kBlockNExtras : Config::kBlockN,
+                      kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps, Element>;
   const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // Query blocks on x (no 65535 limit), (head, batch) pairs on y and z. The
   // kernel takes its block in the order of fwd_block_order.h.
@@ -54,9 +54,8 @@ template <typename Element, int kHeadDim>
 using FwdSm90Traits =
     FwdSm90KernelTraits<kHeadDim, kFwdSm90BlockM, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
 template <typename Element, int kHeadDim>
-using FwdSm90GridTraits =
-    FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>::kBlockMSm90,
-                        FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>::kBlockMSm90,
+                                              FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
 
 // The Hopper kernel's grid: one block per SM when there are more query
 // blocks than SMs, each block walking query blocks in turn
@@ -74,8 +73,8 @@ template <typename Element, int kHeadDim, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const auto launch = [&](auto traits, auto kernel, int64_t grid_size) {
     using Traits = decltype(traits);
-    launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads),
-                             Traits::kSmemSize, stream, params, FwdSm90Tma<Traits>::make(params),
+    launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads), Traits::kSmemSize,
+                             stream, params, FwdSm90Tma<Traits>::make(params),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
@@ -125,8 +124,8 @@ void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
     using Traits = FwdSm90GridTraits<Element, kHeadDim>;
     // A grid of one block per tile beyond grid x's limit runs the SM80
     // kernel's 3-D grid instead (only the persistent grids walk that many).
-    const bool grid_fits = Traits::kPersistent ||
-                           fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
+    const bool grid_fits =
+        Traits::kPersistent || fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
     if (sm90 && grid_fits && !with_dropout && scale_positive_normal &&
         FwdSm90Tma<Traits>::can_load(params)) {
       if (with_score_mods) {

@@ -59,5 +59,4 @@ SplitKvLauncherRegistration::SplitKvLauncherRegistration(int compiled_head_dim, 
   splitkv_table()[{compiled_head_dim, is_bf16}] = launcher;
 }
 
-
 }  // namespace flash

@@ -10,19 +10,19 @@
 #include <cuda_runtime.h>
 
 #include "cuda/core/cuda_check.h"
-#include "cuda/launch/dependent_launch.h"
-#include "cuda/decode/splitkv_kernel.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_combine.h"
+#include "cuda/decode/splitkv_kernel.h"
 #include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 
 template <typename Element, int kHeadDim, int kWarpsN>
 void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
-  using Traits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps,
-                                     Element>;
+  using Traits =
+      SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps, Element>;
   const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
   const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
@@ -77,13 +77,12 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
-  const int kernel_smem = params.append_in_attention
-                              ? splitkv_append_smem_bytes(kHeadDim, kWarpsN)
-                              : kSmemSize;
+  const int kernel_smem =
+      params.append_in_attention ? splitkv_append_smem_bytes(kHeadDim, kWarpsN) : kSmemSize;
   const int smem_bytes =
-      several_items ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
-                    : (params.splitkv_launch_smem > kernel_smem ? params.splitkv_launch_smem
-                                                                : kernel_smem);
+      several_items
+          ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
+          : (params.splitkv_launch_smem > kernel_smem ? params.splitkv_launch_smem : kernel_smem);
   LaunchOptions options;
   options.programmatic = params.programmatic_launch;
   options.cluster_x = params.splitkv_cluster_x;

@@ -19,16 +19,16 @@
 #include "api/checks.h"
 #include "api/kvcache_checks.h"
 #include "common/philox.h"
-#include "cuda/launch/launcher_registry.h"
-#include "cuda/core/params.h"
-#include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/bwd/bwd_accum_layout.h"
-#include "cuda/fwd/fwd_tile_config.h"
-#include "cuda/fwd/fwd_tile_schedule.h"
-#include "cuda/ops/index_error_state.h"
+#include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/core/params.h"
 #include "cuda/decode/kvcache_append_rotary.h"
 #include "cuda/decode/paged_gather.h"
 #include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
+#include "cuda/launch/launcher_registry.h"
+#include "cuda/ops/index_error_state.h"
 
 namespace flash {
 namespace {
@@ -82,10 +82,9 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
-void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale,
-                      double softcap, const Window& window,
-                      const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-                      const at::Tensor& rng_state_out) {
+void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale, double softcap,
+                      const Window& window, const std::optional<at::Tensor>& alibi_slopes,
+                      double dropout_p, const at::Tensor& rng_state_out) {
   params.softmax_scale = static_cast<float>(softmax_scale);
   params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   params.softcap = static_cast<float>(softcap);
@@ -169,8 +168,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state) {
   const FwdShape shape =
-      check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale,
-                     window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
+      check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
+                     window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -182,8 +181,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
 
-  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
-                             q.options());
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
@@ -216,12 +215,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
 // sequence lengths stay on the device (no synchronisation): they are cut to
 // max_rows_per_seq, so the packed tensors (batch x max_rows_per_seq rows) hold
 // every row the forward kernel reads whatever cu_seqlens_k holds.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor& k_cache,
-                                                               const at::Tensor& v_cache,
-                                                               const at::Tensor& cu_seqlens_k,
-                                                               const at::Tensor& block_table_in,
-                                                               const VarlenShape& shape,
-                                                               IndexErrorSink index_errors) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& block_table_in, const VarlenShape& shape, IndexErrorSink index_errors) {
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor block_table = block_table_in.contiguous();
   // No sequence is longer than max_seqlen_k or than its block-table row can
@@ -270,15 +266,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes_in,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
     int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state) {
-  const VarlenShape shape = check_varlen_fwd_args(
-      q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes_in, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-      rng_state, kCudaDtypes);
+  const VarlenShape shape =
+      check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table,
+                            alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -287,8 +282,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   at::Tensor k, v, cu_k;
   if (shape.paged) {
-    std::tie(k, v, cu_k) = gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape,
-                                             index_errors);
+    std::tie(k, v, cu_k) =
+        gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape, index_errors);
   } else {
     k = aligned_for_16b_loads(k_in);
     v = aligned_for_16b_loads(v_in);
@@ -299,12 +294,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
 
   at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
-  at::Tensor softmax_lse =
-      at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
-  at::Tensor s_dmask = return_softmax ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q,
-                                                   shape.max_seqlen_k},
-                                                  q.options())
-                                      : at::empty({0}, q.options());
+  at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
+  at::Tensor s_dmask =
+      return_softmax
+          ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q, shape.max_seqlen_k},
+                      q.options())
+          : at::empty({0}, q.options());
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
@@ -404,9 +399,9 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   // dQ accumulator: every sequence padded to whole query blocks
   // (bwd_accum_layout.h).
   const bool varlen = params.cu_seqlens_q != nullptr;
-  params.dq_accum_rows_per_head = accum_rows_per_head(
-      varlen, varlen ? params.total_q : params.seqlen_q, params.batch,
-      bwd_block_shape(compiled_head_dim).block_m);
+  params.dq_accum_rows_per_head =
+      accum_rows_per_head(varlen, varlen ? params.total_q : params.seqlen_q, params.batch,
+                          bwd_block_shape(compiled_head_dim).block_m);
   const int64_t heads_total = varlen ? params.nheads : int64_t(params.batch) * params.nheads;
   ws.dq_accum =
       at::zeros({num_splits, heads_total, params.dq_accum_rows_per_head, compiled_head_dim}, f32);
@@ -415,8 +410,7 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   params.dq_accum_split_stride = ws.dq_accum.stride(0);
   params.num_splits = num_splits;
   params.deterministic = deterministic;
-  params.smem_per_block_optin =
-      int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  params.smem_per_block_optin = int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
   params.bwd_kernel = kernel_choice("FLASH_ATTN_BWD_KERNEL");
   params.dk_accum_ptr = nullptr;
   params.dv_accum_ptr = nullptr;
@@ -430,13 +424,12 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
     params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
   } else if (params.nheads != params.nheads_k) {
     // The kv heads' sums, padded to whole key blocks (bwd_accum_layout.h).
-    params.dkv_sum_rows_per_head = accum_rows_per_head(
-        varlen, varlen ? params.total_k : params.seqlen_k, params.batch,
-        bwd_block_shape(compiled_head_dim).block_n);
+    params.dkv_sum_rows_per_head =
+        accum_rows_per_head(varlen, varlen ? params.total_k : params.seqlen_k, params.batch,
+                            bwd_block_shape(compiled_head_dim).block_n);
     const int64_t kv_heads_total =
         varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
-    ws.dk_accum =
-        at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
+    ws.dk_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
     ws.dv_accum = at::zeros_like(ws.dk_accum);
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
@@ -451,18 +444,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool deterministic, const std::optional<at::Tensor>& rng_state) {
   const FwdShape shape = check_bwd_args(dout_in, q_in, k_in, v_in, out_in, softmax_lse_in,
-                                        alibi_slopes_in, dropout_p, softmax_scale,
-                                        window_size_left, window_size_right, softcap, rng_state,
-                                        kCudaDtypes);
+                                        alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
+                                        window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
 
-  at::Tensor dq = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
-                            q_in.options());
-  at::Tensor dk = at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim},
-                            q_in.options());
+  at::Tensor dq =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q_in.options());
+  at::Tensor dk =
+      at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim}, q_in.options());
   at::Tensor dv = at::empty_like(dk);
   if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
     // No query sees a key: every gradient is zero.
@@ -513,9 +505,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-    int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
+    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool deterministic,
     const std::optional<at::Tensor>& rng_state) {
   const VarlenShape shape = check_varlen_bwd_args(
       dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k,
@@ -584,7 +576,8 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
   }
   TORCH_CHECK(aligned, "fwd_kvcache (CUDA): ", name,
               " must start on a 16-byte boundary and have strides that are multiples of 8 "
-              "elements on every dim but the last, got strides ", cache.strides());
+              "elements on every dim but the last, got strides ",
+              cache.strides());
 }
 
 // Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
@@ -621,9 +614,8 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   // hides (H200, GQA 32:8 d128, 16-row pages: 1.22-1.45x the contiguous time
   // with one block per SM, 1.04-1.07x with two).
   const int64_t blocks_per_sm =
-      warps_n > 1 && !paged
-          ? 1
-          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n));
+      warps_n > 1 && !paged ? 1
+                            : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n));
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * props->multiProcessorCount);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -678,9 +670,10 @@ int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, in
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const bool one_wave_of_two = grid_blocks <= 2 * int64_t(props->multiProcessorCount);
   if (!long_runs && (one_wave_of_two || short_runs)) return tiles_smem;
-  const int one_per_sm = int(props->sharedMemPerMultiprocessor) / 2 -
-                         int(props->reservedSharedMemPerBlock) + 16;
-  return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
+  const int one_per_sm =
+      int(props->sharedMemPerMultiprocessor) / 2 - int(props->reservedSharedMemPerBlock) + 16;
+  return std::clamp(one_per_sm, tiles_smem,
+                    std::max(tiles_smem, int(props->sharedMemPerBlockOptin)));
 }
 
 // Thread blocks to launch the split-KV kernel with. The decode variant over a
@@ -793,8 +786,8 @@ bool append_in_attention_fits(const KvcacheParams& params, bool score_extras, in
     return false;
   }
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int launch_smem = std::max(params.splitkv_launch_smem,
-                                   splitkv_append_smem_bytes(compiled_head_dim, warps_n));
+  const int launch_smem =
+      std::max(params.splitkv_launch_smem, splitkv_append_smem_bytes(compiled_head_dim, warps_n));
   const int64_t blocks_per_sm = splitkv_blocks_per_sm(params.splitkv_launch_smem);
   return launch_smem <= int(props->sharedMemPerBlockOptin) &&
          splitkv_blocks_per_sm(launch_smem) == blocks_per_sm &&
@@ -826,24 +819,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
     const std::optional<at::Tensor>& cache_seqlens_in,
-    const std::optional<at::Tensor>& rotary_cos_in,
-    const std::optional<at::Tensor>& rotary_sin_in,
+    const std::optional<at::Tensor>& rotary_cos_in, const std::optional<at::Tensor>& rotary_sin_in,
     const std::optional<at::Tensor>& cache_batch_idx_in,
     const std::optional<at::Tensor>& cache_leftpad_in,
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool rotary_interleaved, int64_t num_splits) {
-  const KvcacheShape shape = check_fwd_kvcache_args(
-      q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in, rotary_sin_in,
-      cache_batch_idx_in, cache_leftpad_in, block_table_in, alibi_slopes_in, softmax_scale,
-      softcap, kCudaDtypes);
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits) {
+  const KvcacheShape shape =
+      check_fwd_kvcache_args(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in,
+                             rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
+                             alibi_slopes_in, softmax_scale, softcap, kCudaDtypes);
   TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
   TORCH_CHECK(!shape.paged || shape.page_size % 16 == 0,
               "fwd_kvcache (CUDA): a paged cache needs page_size (k_cache.size(1)) to be a "
-              "multiple of 16, got ", shape.page_size);
+              "multiple of 16, got ",
+              shape.page_size);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -858,14 +851,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   check_cache_aligned(v_cache, "v_cache");
   const int group = shape.nheads / shape.nheads_k;
   const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
-  const int warps_n = splitkv_warps_n_for(
-      compiled, rows_per_kv_head,
-      int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin));
+  const int warps_n =
+      splitkv_warps_n_for(compiled, rows_per_kv_head,
+                          int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin));
   const int block_m = splitkv_block_m(warps_n);
   const int64_t num_m_blocks = (rows_per_kv_head + block_m - 1) / block_m;
-  TORCH_CHECK(num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
-              rows_per_kv_head, " is more than the kernel's grid holds (",
-              65535 * block_m, ")");
+  TORCH_CHECK(num_m_blocks <= 65535,
+              "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ", rows_per_kv_head,
+              " is more than the kernel's grid holds (", 65535 * block_m, ")");
   TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k is too large");
 
@@ -888,8 +881,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const bool rotating = shape.rotary_dim > 0;
 
-  at::Tensor out = at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim},
-                             q.options());
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
 
@@ -976,9 +969,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
       splitkv_grid_blocks(compiled, warps_n, block_table.has_value(), score_extras,
                           shape.cache_capacity, params.num_splits, num_items);
   params.splitkv_grid_blocks = static_cast<int>(grid_blocks);
-  params.splitkv_cluster_x = splitkv_cluster_x(warps_n, block_table.has_value(),
-                                               int64_t(shape.batch) * shape.nheads_k,
-                                               grid_blocks < num_items);
+  params.splitkv_cluster_x =
+      splitkv_cluster_x(warps_n, block_table.has_value(), int64_t(shape.batch) * shape.nheads_k,
+                        grid_blocks < num_items);
   // The append and the rotation in the attention kernel itself where that
   // pays (append_in_attention_fits); otherwise the pre-kernel writes the
   // cache and a rotated copy of q first.

@@ -12,7 +12,8 @@
 
 namespace {
 
-[[noreturn]] void raise_built_without_cuda(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+[[noreturn]] void raise_built_without_cuda(const c10::OperatorHandle& op,
+                                           torch::jit::Stack* /*stack*/) {
   TORCH_CHECK(false, op.schema().name(),
               ": flash_attn_cuda was built without CUDA kernels (no nvcc found at build time, or "
               "FLASH_ATTN_SKIP_CUDA_BUILD=1); reinstall with a CUDA toolkit. "

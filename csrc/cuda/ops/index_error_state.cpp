@@ -61,8 +61,8 @@ void create_record(int device, DeviceRecord& entry) {
   void* mapped = nullptr;
   FA_CUDA_CHECK(cudaMalloc(&claim, sizeof(unsigned int)));
   FA_CUDA_CHECK(cudaMemset(claim, 0, sizeof(unsigned int)));
-  FA_CUDA_CHECK(cudaHostAlloc(&host, sizeof(IndexErrorRecord),
-                              cudaHostAllocMapped | cudaHostAllocPortable));
+  FA_CUDA_CHECK(
+      cudaHostAlloc(&host, sizeof(IndexErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(host, 0, sizeof(IndexErrorRecord));
   FA_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, host, 0));
   FA_CUDA_CHECK(cudaDeviceSynchronize());  // the claim's zero lands before any kernel reads it

@@ -11,12 +11,12 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/mask_rule.h"
-#include "cuda/core/block_info.h"
-#include "cuda/bwd/sm80/bwd_kernel_traits_sm80.h"
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/bwd/bwd_block_io.h"
-#include "cuda/core/dropout.h"
 #include "cuda/bwd/bwd_pointwise.h"
+#include "cuda/bwd/sm80/bwd_kernel_traits_sm80.h"
+#include "cuda/core/block_info.h"
+#include "cuda/core/dropout.h"
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -31,9 +31,8 @@ using namespace cute;
 // leaves their live ranges out of the register allocation, which is what
 // keeps it free of spills.
 template <typename Traits, bool kWithScoreExtras>
-__forceinline__ __device__ void compute_key_block(const BwdParams& params,
-                                                  const BlockInfo& binfo, int batch, int head,
-                                                  int n_block, int split) {
+__forceinline__ __device__ void compute_key_block(const BwdParams& params, const BlockInfo& binfo,
+                                                  int batch, int head, int n_block, int split) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -49,7 +48,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   const int cols_left = block.cols_left;
   const int m_block_min = block.m_block_min;
   const int m_block_max = block.m_block_max;
-  float* dq_accum_thread = dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, tidx);
+  float* dq_accum_thread =
+      dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, tidx);
   const auto global_tiles =
       bwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block);
   Tensor gQ = get<0>(global_tiles);   // (M, D, m)
@@ -65,12 +65,10 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
                           typename Traits::SmemLayoutQdO{});
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQdOt{});
-  Tensor sQtNoSwizzle =
-      make_tensor(sQ.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
   Tensor sdO = make_tensor(sQ.data() + kQdOBuffers * size(sQ), typename Traits::SmemLayoutQdO{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQdOt{});
-  Tensor sdOtNoSwizzle =
-      make_tensor(sdO.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
   Tensor sK = make_tensor(sdO.data() + kQdOBuffers * size(sdO), typename Traits::SmemLayoutKV{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
   Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{});
@@ -80,8 +78,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
   Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
   Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
-  Tensor sdStNoSwizzle =
-      make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  Tensor sdStNoSwizzle = make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
   // Offset of the second Q / dO buffer; a whole number of swizzle periods, so
   // a partition of buffer 0 moved by it is a partition of buffer 1.
   constexpr int kQdOBufferElems = kBlockM * kHeadDim;
@@ -119,8 +116,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
     Tensor tdOsdO_buf = make_tensor(tdOsdO.data() + buffer * kQdOBufferElems, tdOsdO.layout());
     const int rows_left = seqlen_q - m_block * kBlockM;
     const bool all_in_bounds = head_dim_is_full && rows_left >= kBlockM;
-    copy_tile_predicated(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_buf, tQcQ, tQpQ,
-                         rows_left, all_in_bounds);
+    copy_tile_predicated(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_buf, tQcQ, tQpQ, rows_left,
+                         all_in_bounds);
     copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tQpQ,
                          rows_left, all_in_bounds);
     load_row_stats<kBlockM>(lse_rows + m_block * kBlockM, d_rows + m_block * kBlockM, rows_left,
@@ -144,8 +141,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);
 
   // P and dS: accumulator registers -> shared memory.
-  auto smem_tiled_copy_PdS =
-      make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
+  auto smem_tiled_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
   auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(tidx);
   Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);
   Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);
@@ -180,8 +176,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
   constexpr int kDQChunks = Traits::kDQChunks;
   constexpr int kDQChunkCols = Traits::kDQChunkCols;
   using DQChunkShapeKt = Shape<Int<kDQChunkCols>, Int<kBlockN>>;
-  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
-      local_tile(sKtNoSwizzle, DQChunkShapeKt{}, make_coord(0, 0)));
+  Tensor tdQrKt =
+      thr_mma_dq.partition_fragment_B(local_tile(sKtNoSwizzle, DQChunkShapeKt{}, make_coord(0, 0)));
   auto smem_tiled_copy_dS = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
   auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
   Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);
@@ -263,13 +259,12 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       if (prescale_scores) {
         apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
         if (has_alibi) {
-          apply_alibi(scores, tScS_rowcol, row_begin, col_begin, pointwise.alibi_slope,
-                      seqlen_q, seqlen_k);
+          apply_alibi(scores, tScS_rowcol, row_begin, col_begin, pointwise.alibi_slope, seqlen_q,
+                      seqlen_k);
         }
       }
-      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_begin,
-                                  col_begin + kBlockN, seqlen_q, seqlen_k, params.window_left,
-                                  params.window_right)) {
+      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_begin, col_begin + kBlockN,
+                                  seqlen_q, seqlen_k, params.window_left, params.window_right)) {
         apply_mask(scores, tScS_rowcol, row_begin, col_begin, seqlen_q, seqlen_k,
                    params.window_left, params.window_right);
       }
@@ -302,9 +297,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       __syncthreads();  // P and dS visible to every warp
 
       gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt,
-                     make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()),
-                     tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
-                     smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+                     make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()), tiled_mma_dkv,
+                     smem_tiled_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_PdSt,
+                     smem_thr_copy_QdOt);
 
       // dK += dS^T Q; before or after the dQ GEMM and its atomics, as the
       // tile table says (bwd_tile_config.h). The extras variant keeps dK
@@ -312,9 +307,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
       constexpr bool kDQFirst = Traits::kDQBeforeDK && !kWithScoreExtras;
       auto accumulate_dk = [&] {
         gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
-                       make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()),
-                       tiled_mma_dkv, smem_tiled_copy_PdSt, smem_tiled_copy_QdOt,
-                       smem_thr_copy_PdSt, smem_thr_copy_QdOt);
+                       make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()), tiled_mma_dkv,
+                       smem_tiled_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_PdSt,
+                       smem_thr_copy_QdOt);
       };
       if constexpr (!kDQFirst) accumulate_dk();
 
@@ -326,11 +321,10 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params,
             partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
         clear(acc_dq);
         gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
-                       smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
-                       smem_thr_copy_Kt);
+                       smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS, smem_thr_copy_Kt);
         atomic_add_fragment<Traits::kNThreads>(
-            acc_dq, dq_accum_thread +
-                        accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
+            acc_dq,
+            dq_accum_thread + accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
       }
 
       if constexpr (kDQFirst) accumulate_dk();

@@ -63,16 +63,15 @@ struct BwdKernelTraits {
   static constexpr int kDQAccumPerThread = kBlockM * kHeadDim / kNThreads;
   static constexpr int kDQChunks = kDQAccumPerThread > 32 ? kDQAccumPerThread / 32 : 1;
   static constexpr int kDQChunkCols = kHeadDim / kDQChunks;
-  static_assert(kHeadDim % kDQChunks == 0 &&
-                kDQChunkCols % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
+  static_assert(kHeadDim % kDQChunks == 0 && kDQChunkCols % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
 
   // Q, dO, K, V tiles: rows of head dim, swizzled over 8-row atoms so that
   // ldmatrix reads (plain and transposed) hit all 32 banks.
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzleBits, 3, 3>{},
-      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutAtom =
+      decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
+                           Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
   using SmemLayoutQdO =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Q and dO seen as (head dim, query): the B operands of dK = dS^T Q and dV = P^T dO.

@@ -39,17 +39,17 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/mask_rule.h"
-#include "cuda/core/block_info.h"
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/bwd/bwd_block_io.h"
-#include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/bwd_pointwise.h"
-#include "cuda/core/tma_loads_sm90.h"
+#include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
+#include "cuda/core/block_info.h"
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/core/tile_ops_sm90.h"
+#include "cuda/core/tma_loads_sm90.h"
 
 namespace flash {
 
@@ -63,8 +63,7 @@ enum class BwdSm90NamedBarrier : uint32_t { kDSWritten = 0, kEpilogue = 1, kZero
 // The epilogue's barrier (store_dk_dv): the 256 MMA threads only.
 struct BwdSm90EpilogueBarrier {
   __device__ void operator()() const {
-    cutlass::arch::NamedBarrier::arrive_and_wait(
-        256, uint32_t(BwdSm90NamedBarrier::kEpilogue));
+    cutlass::arch::NamedBarrier::arrive_and_wait(256, uint32_t(BwdSm90NamedBarrier::kEpilogue));
   }
 };
 
@@ -193,8 +192,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
              --m_block, ++q_loads) {
           const int stage = stage_of(q_loads);
           empty_barrier(barriers.q_empty[stage]).wait(phase_of(q_loads) ^ 1);
-          full_barrier(barriers.q_full[stage])
-              .arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
+          full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
           copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
           copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
         }
@@ -248,8 +246,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
   // dS^T (and, split design, P^T) registers -> shared, two neighbouring
   // queries (4 bytes) per store.
-  auto smem_tiled_copy_PdS =
-      make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
+  auto smem_tiled_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
   auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(mma_tidx);
   Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, buf)
   Tensor tPsP = smem_thr_copy_PdS.partition_D(sPt);
@@ -320,8 +317,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
               zero_rows_from(sdO(_, _, stage), seqlen_q - row_begin);
             }
             cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
-            NamedBarrier::arrive_and_wait(kNMmaThreads,
-                                          uint32_t(BwdSm90NamedBarrier::kZeroTails));
+            NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(BwdSm90NamedBarrier::kZeroTails));
           }
         }
 
@@ -351,8 +347,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
         if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, block.col_begin,
                                     block.col_begin + kBlockN, seqlen_q, seqlen_k,
                                     params.window_left, params.window_right)) {
-          apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
-                                seqlen_k, params.window_left, params.window_right);
+          apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
+                                params.window_left, params.window_right);
         }
         if (kWithScoreMods && score_mods.has_softcap) {
           warpgroup_wait<0>();  // dP^T
@@ -387,19 +383,15 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
           // against dV and dK before the barrier and dQ last: d128 +8%, d64
           // +6%).
           warpgroup_arrive();
-          wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage),
-                                           acc_dv);
+          wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
           warpgroup_commit_batch();
           cutlass::arch::fence_view_async_shared();  // dS stores -> wgmma
-          NamedBarrier::arrive_and_wait(kNMmaThreads,
-                                        uint32_t(BwdSm90NamedBarrier::kDSWritten));
+          NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(BwdSm90NamedBarrier::kDSWritten));
           warpgroup_fence_operand(acc_dq);
           warpgroup_arrive();
-          wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt,
-                                          acc_dq);
+          wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
           warpgroup_commit_batch();
-          wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage),
-                                           acc_dk);
+          wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
           warpgroup_commit_batch();
         } else {
           // Every product needs both warpgroups' halves of P^T or dS^T, read
@@ -407,15 +399,13 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
           Tensor tPrP = make_tensor(tdVrPt.data(), acc_s.layout());
           copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tPrP), tPsP(_, _, _, ds_buffer));
           cutlass::arch::fence_view_async_shared();  // P, dS stores -> wgmma
-          NamedBarrier::arrive_and_wait(kNMmaThreads,
-                                        uint32_t(BwdSm90NamedBarrier::kDSWritten));
+          NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(BwdSm90NamedBarrier::kDSWritten));
           warpgroup_fence_operand(acc_dq);
           warpgroup_arrive();
           wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVsPt(_, _, _, ds_buffer),
                                            tdVrdOt(_, _, _, stage), acc_dv);
           warpgroup_commit_batch();
-          wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt,
-                                          acc_dq);
+          wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);
           warpgroup_commit_batch();
           wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdKsdSt(_, _, _, ds_buffer),
                                            tdKrQt(_, _, _, stage), acc_dk);
@@ -440,8 +430,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     }
 
     store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, raw_pointer_cast(sK.data()),
-                      raw_pointer_cast(sV.data()), params, binfo, block, mma_tidx,
-                      BwdSm90EpilogueBarrier{});
+                        raw_pointer_cast(sV.data()), params, binfo, block, mma_tidx,
+                        BwdSm90EpilogueBarrier{});
     // The epilogue's generic-proxy reads and writes of sK / sV come before
     // the next key block's TMA writes.
     cutlass::arch::fence_view_async_shared();

@@ -89,10 +89,9 @@ struct BwdSm90KernelTraits {
   // microbench, PERF_LOG).
   static constexpr int kHeadDimPerWarpGroup =
       kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
-  static constexpr int kSwizzleRow =
-      kHeadDimPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0   ? 64
-      : kHeadDimPerWarpGroup % 32 == 0 && kDQTileN % 32 == 0 ? 32
-                                                             : 16;
+  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0   ? 64
+                                     : kHeadDimPerWarpGroup % 32 == 0 && kDQTileN % 32 == 0 ? 32
+                                                                                            : 16;
 
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
@@ -110,23 +109,21 @@ struct BwdSm90KernelTraits {
   static constexpr int kDKVTileN = kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
   using TiledMmadKV = std::conditional_t<
       kKeysPerWarpGroup,
-      decltype(make_tiled_mma(
-          SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
-                                     Shape<_64, Int<kDKVTileN>, Int<kBlockM>>, GMMA::Major::K,
-                                     GMMA::Major::MN>(),
-          WarpGroupsdKV{})),
-      decltype(make_tiled_mma(
-          SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                     Shape<_64, Int<kDKVTileN>, Int<kBlockM>>, GMMA::Major::K,
-                                     GMMA::Major::MN>(),
-          WarpGroupsdKV{}))>;
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
+                                                         Shape<_64, Int<kDKVTileN>, Int<kBlockM>>,
+                                                         GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpGroupsdKV{})),
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                                         Shape<_64, Int<kDKVTileN>, Int<kBlockM>>,
+                                                         GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpGroupsdKV{}))>;
   // dQ = dS K, (queries, head dim), both operands MN-major, warpgroups as
   // above.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kDQTileN>, Int<kBlockN>>,
-                                 GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<Int<kDQWarpGroupsM>, Int<kDQWarpGroupsN>, _1>>{}));
+  using TiledMmadQ =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                                         Shape<_64, Int<kDQTileN>, Int<kBlockN>>,
+                                                         GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kDQWarpGroupsM>, Int<kDQWarpGroupsN>, _1>>{}));
   // One wgmma instruction per tile width, as in the forward
   // (fwd_kernel_traits_sm90.h): the split design's head-dim halves of 80 and 112
   // and d96's dQ halves of 48 are CuTe's extended shapes; tiled from N = 16
@@ -135,28 +132,29 @@ struct BwdSm90KernelTraits {
                         (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQTileN,
-                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
+                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before "
+                "any CuTe header in this file (generate_instantiations.py)");
   // The dQ accumulator's layout (bwd_accum_layout.h) is this MMA's fragment
   // order, in one chunk of the whole head dim.
   static constexpr int kDQChunks = 1;
   static constexpr int kDQChunkCols = kHeadDim;
 
   // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
-  using SmemLayoutAtom = std::conditional_t<
-      kSwizzleRow == 64, GMMA::Layout_K_SW128_Atom<Element>,
-      std::conditional_t<kSwizzleRow == 32, GMMA::Layout_K_SW64_Atom<Element>,
-                         GMMA::Layout_K_SW32_Atom<Element>>>;
+  using SmemLayoutAtom =
+      std::conditional_t<kSwizzleRow == 64, GMMA::Layout_K_SW128_Atom<Element>,
+                         std::conditional_t<kSwizzleRow == 32, GMMA::Layout_K_SW64_Atom<Element>,
+                                            GMMA::Layout_K_SW32_Atom<Element>>>;
   // Q and dO have kStages buffers (stages of the producer's pipeline).
   static constexpr int kStages = kStages_;
-  using SmemLayoutQdO = decltype(tile_to_shape(
-      SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQdO =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   // One buffer of it: what one TMA copy of Q or dO fills.
   using SmemLayoutQdOBuffer =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Q and dO seen as (head dim, query): the B operands of dK and dV.
   using SmemLayoutQdOt = decltype(composition(
-      SmemLayoutQdO{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                           Step<_2, _1, _3>{})));
+      SmemLayoutQdO{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // K seen as (head dim, key): the B operand of dQ.
@@ -169,9 +167,8 @@ struct BwdSm90KernelTraits {
   // only there, has the same layout. Two buffers, so that a warpgroup may
   // write the next query block's while the other still reads this one's.
   static constexpr int kDSBuffers = 2;
-  using SmemLayoutdS =
-      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                             Shape<Int<kBlockM>, Int<kBlockN>, Int<kDSBuffers>>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(
+      GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kDSBuffers>>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDSBuffers>>{},
                                           Step<_2, _1, _3>{})));

@@ -11,15 +11,15 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
-#include "cuda/fwd/fwd_block_io.h"
 #include "cuda/core/dropout.h"
-#include "cuda/fwd/fwd_block_order.h"
 #include "cuda/core/grid_heads_batch.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
 #include "cuda/core/tile_ops.h"
+#include "cuda/fwd/fwd_block_io.h"
+#include "cuda/fwd/fwd_block_order.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 
 #ifndef FA_FWD_MIN_BLOCKS
 #define FA_FWD_MIN_BLOCKS 1
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     return;
   }
 
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
-                          typename Traits::SmemLayoutQ{});
+  Tensor sQ =
+      make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
           : params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head];
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
   const bool prescale_scores =
-      kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
-                           !scale_is_positive_normal(params.softmax_scale_log2));
+      kWithScoreExtras &&
+      (params.softcap > 0.f || has_alibi || !scale_is_positive_normal(params.softmax_scale_log2));
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
@@ -210,9 +210,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse);
 
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-  write_output<Traits>(acc_o, tiled_mma, thr_mma, sO, gO,
-                       [](auto layout) { return acc_layout_as_rowcol(layout); }, lse, lse_rows,
-                       rows_left, params.head_dim, tidx);
+  write_output<Traits>(
+      acc_o, tiled_mma, thr_mma, sO, gO, [](auto layout) { return acc_layout_as_rowcol(layout); },
+      lse, lse_rows, rows_left, params.head_dim, tidx);
 }
 
 }  // namespace flash

@@ -33,8 +33,8 @@ struct FwdKernelTraits {
                                      MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
   // Warps tile the M (query row) dimension only, so every score row lives in
   // one warp and the softmax reductions never leave it.
-  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
-                            Tile<Int<16 * kNWarps>, _16, _16>>;
+  using TiledMma =
+      TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
 
   // Shared-memory rows are read by ldmatrix 8 rows x 16 bytes at a time. A
   // swizzle over 8-row atoms of 64 (or 32) elements spreads those 8 rows over
@@ -42,11 +42,13 @@ struct FwdKernelTraits {
   // of V.
   static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzleBits, 3, 3>{},
-      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutAtom =
+      decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
+                           Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // V seen as (head dim, key): the B operand of P V without moving data.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
@@ -106,7 +108,8 @@ struct SplitKvKernelTraits {
   // A slab starts at a multiple of 512 elements, above the swizzle's bits, so
   // the slab-by-slab tile and one slab seen alone swizzle alike.
   using SmemLayoutQSlab = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutQSlab{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutQSlab{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKVSlab =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
   using SmemLayoutKV =

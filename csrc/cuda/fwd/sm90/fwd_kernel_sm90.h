@@ -33,15 +33,15 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
-#include "cuda/fwd/fwd_block_io.h"
-#include "cuda/fwd/fwd_block_order.h"
-#include "cuda/core/tma_loads_sm90.h"
-#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/core/tile_ops_sm90.h"
+#include "cuda/core/tma_loads_sm90.h"
+#include "cuda/fwd/fwd_block_io.h"
+#include "cuda/fwd/fwd_block_order.h"
+#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
 
 namespace flash {
 
@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t num_tiles = int64_t(num_m_blocks) * params.nheads * params.batch;
 
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
-                          typename Traits::SmemLayoutQ{});
+  Tensor sQ =
+      make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
@@ -239,14 +239,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // (see zero_v_rows_past_end).
       // Tile i of this query block's K or V into its stage, once the MMA
       // warpgroups have handed that stage back.
-      auto load_key_tile = [&](const auto& tma_copy, uint64_t* full_stages,
-                               uint64_t* empty_stages, const auto& tXgX, const auto& tXsX,
-                               int i) {
+      auto load_key_tile = [&](const auto& tma_copy, uint64_t* full_stages, uint64_t* empty_stages,
+                               const auto& tXgX, const auto& tXsX, int i) {
         const int stage = stage_of(kv_loads + i);
         empty_barrier(empty_stages[stage]).wait(phase_of(kv_loads + i) ^ 1);
         full_barrier(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
-        copy(tma_copy.with(full_stages[stage]), tXgX(_, block.n_block_max - 1 - i),
-             tXsX(_, stage));
+        copy(tma_copy.with(full_stages[stage]), tXgX(_, block.n_block_max - 1 - i), tXsX(_, stage));
       };
       auto load_k = [&](int i) {
         load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, i);
@@ -284,8 +282,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // issuing, so 2 x 128 threads meet at each turn.
   constexpr uint32_t kTurnThreads = 2 * 128;
   const uint32_t my_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + warp_group;
-  const uint32_t next_turn = uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) +
-                             (warp_group + 1) % kNMmaWarpGroups;
+  const uint32_t next_turn =
+      uint32_t(FwdSm90NamedBarrier::kTurnOfWarpGroup0) + (warp_group + 1) % kNMmaWarpGroups;
   const bool last_warp_group = warp_group == kNMmaWarpGroups - 1;
   const uint32_t my_epilogue = uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group;
 
@@ -373,8 +371,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto zero_v_rows_past_end = [&]() {
       full_barrier(barriers.v_full[stage(0)]).wait(phase(0));
       Tensor sV_tile = sV(_, _, stage(0));
-      for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim;
-           idx += kNMmaThreads) {
+      for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
         sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
       }
       cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
@@ -469,9 +466,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // own) and stores them. The barrier before: every thread of the
     // warpgroup is done reading the last query block's O.
     NamedBarrier::arrive_and_wait(128, my_epilogue);
-    stage_output<Traits>(acc_o, tiled_mma_o, thr_mma_o, sO,
-                         [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse,
-                         lse_rows, rows_left, mma_tidx);
+    stage_output<Traits>(
+        acc_o, tiled_mma_o, thr_mma_o, sO,
+        [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse, lse_rows, rows_left,
+        mma_tidx);
     NamedBarrier::arrive_and_wait(128, my_epilogue);
     Tensor sO_warp_group = rows_of_warp_group(sO);
     Tensor gO_warp_group = rows_of_warp_group(gO);

@@ -62,17 +62,17 @@ struct FwdSm90KernelTraits {
 
   using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: both operands from shared memory, K-major (head dim contiguous).
-  using TiledMmaS = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      WarpGroupLayout{}));
+  using TiledMmaS =
+      decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                                         Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+                              WarpGroupLayout{}));
   // O += P V: P from registers (the S accumulator converted in place), V from
   // shared memory read along the head dim (MN-major), so V is never transposed.
-  using TiledMmaO = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
-                                 Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                                 GMMA::Major::MN>(),
-      WarpGroupLayout{}));
+  using TiledMmaO =
+      decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
+                                                         Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                                         GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpGroupLayout{}));
   // One wgmma instruction as wide as the tile: many of these widths (80, 96,
   // 160, 224) are among CuTe's "extended" shapes, which its op selector only
   // offers when the file defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first
@@ -81,26 +81,27 @@ struct FwdSm90KernelTraits {
   // tile at d256 ran 25% slower than with one N = 80 (PERF_LOG).
   static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN &&
                     size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDim,
-                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CuTe header in this file (generate_instantiations.py)");
+                "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before "
+                "any CuTe header in this file (generate_instantiations.py)");
 
   // The widest swizzle whose row the head dim fills: 128-byte rows (64
   // elements) spread wgmma's 8-row core matrices over all banks. TMA writes
   // the tiles in the same swizzle.
-  using SmemLayoutAtom =
-      std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                         GMMA::Layout_K_SW64_Atom<Element>>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                            GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Two stages each of K and V: a stage is refilled once every MMA warpgroup's
   // wgmmas have read it, so the next tile's copy overlaps this tile's math.
   static constexpr int kStages = 2;
-  using SmemLayoutKV = decltype(tile_to_shape(
-      SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutKVStage = decltype(SmemLayoutKV{}(_, _, _0{}));  // what one TMA copy fills
   // V seen as (head dim, key): a K-major atom read transposed is the MN-major
   // atom of the same swizzle, which is what P V's B operand asks for.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
-                                          Step<_2, _1, _3>{})));
+      SmemLayoutKV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutO = SmemLayoutQ;
 
   // O stores: by all MMA warpgroups (a block that sees no key), or by each
