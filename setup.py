@@ -45,7 +45,18 @@ CUTLASS_CHECKOUT = ROOT / "third_party" / "cutlass"
 PACKAGE = "flash_attn_cuda"
 # The CUDA op entry points of a build without CUDA: a stub that raises.
 CUDA_STUB_SOURCE = "csrc/cuda/ops/flash_api_nocuda.cpp"
-VERSION = "0.1.0"
+
+
+def _package_version() -> str:
+    """The version, from its one definition: __version__ in the package's __init__.py."""
+    text = (ROOT / PACKAGE / "__init__.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{PACKAGE}/__init__.py defines no __version__ = \"...\" line")
+    return match.group(1)
+
+
+VERSION = _package_version()
 
 ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 ALL_DTYPES = ("fp16", "bf16")
