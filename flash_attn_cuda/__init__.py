@@ -21,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "version that is installed now."
     ) from exc
 
+from . import integrations  # noqa: E402
 from . import ops as _ops  # noqa: E402,F401  (registers the fake kernels)
 from .index_checks import check_index_errors, set_sync_index_checks  # noqa: E402
 from .interface import (  # noqa: E402
@@ -33,6 +34,11 @@ from .interface import (  # noqa: E402
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+
+# Makes "FLASH_ATTN_CUDA" known to torch.nn.attention's flash-attention registry
+# (torch >= 2.10); it stays inactive until the user calls
+# torch.nn.attention.activate_flash_attention_impl("FLASH_ATTN_CUDA").
+integrations.register_provider()
 
 # True when the CUDA kernels were compiled into this build.
 cuda_built = bool(getattr(_C, "cuda_built", False))
@@ -52,5 +58,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "integrations",
     "set_sync_index_checks",
 ]
