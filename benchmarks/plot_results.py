@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draw the benchmark plots from a results.json written by benchmark_attention.py.
 
-    python benchmarks/plot_results.py benchmarks/results/<device>/results.json [--out DIR]
+    python3 benchmarks/plot_results.py benchmarks/results/<gpu>/current/results.json [--out DIR]
 
 Writes PNGs next to the JSON (or into --out):
   headline.png                           bf16 (or the first dtype), head dim 128 (or nearest):

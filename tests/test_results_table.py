@@ -1,0 +1,156 @@
+"""The README's performance table and the committed benchmark results (CPU, no GPU needed).
+
+README.md's table is what benchmarks/results_table.py generates from the current run, so
+the two cannot drift; benchmarks/results/ holds one current run per GPU, each with the
+command and the commit it measured.
+"""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def _results_table():
+    spec = importlib.util.spec_from_file_location(
+        "results_table", ROOT / "benchmarks" / "results_table.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpu_folders():
+    return sorted(p for p in RESULTS.iterdir() if p.is_dir())
+
+
+def test_readme_table_is_generated_from_the_current_run():
+    rt = _results_table()
+    assert rt.README_RUN.is_file(), f"{rt.README_RUN} is missing"
+    assert rt.README_RUN.parent.name == "current"
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(rt.BEGIN) == 1 and readme.count(rt.END) == 1, (
+        "README.md needs one pair of table markers"
+    )
+    assert rt.readme_section(readme) == rt.readme_block(), (
+        "README.md's results table differs from the current run: "
+        "run `python3 benchmarks/results_table.py --update-readme`"
+    )
+
+
+def test_readme_table_names_gpu_commit_and_date():
+    rt = _results_table()
+    meta, _ = rt.load(rt.README_RUN)
+    section = rt.readme_section((ROOT / "README.md").read_text())
+    assert meta["gpu"] in section
+    assert COMMIT.search(section), "the table must name the commit it measured"
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", section), "the table must name the date of the run"
+
+
+def test_update_readme_rewrites_only_between_the_markers(tmp_path):
+    rt = _results_table()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n\n{rt.BEGIN}\nstale\n{rt.END}\n\nafter\n")
+    assert rt.update_readme(readme, rt.README_RUN, check=True) is False
+    assert "stale" in readme.read_text(), "--check-readme must not write"
+    assert rt.update_readme(readme, rt.README_RUN) is False
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert rt.readme_section(text) == rt.readme_block()
+    assert rt.update_readme(readme, rt.README_RUN) is True
+
+
+def test_summary_of_a_small_run(tmp_path):
+    rt = _results_table()
+    rows = []
+    for provider, ms in (("flash_attn_cuda", 1.0), ("sdpa_flash", 2.0), ("sdpa_cudnn", 0.5)):
+        for causal in (False, True):
+            rows.append(
+                dict(
+                    regime="train",
+                    mode="fwd",
+                    headdim=128,
+                    causal=causal,
+                    dtype="bf16",
+                    seqlen_q=4096,
+                    provider=provider,
+                    tflops=100.0 / ms,
+                    ms=ms,
+                )
+            )
+    for provider, ms, page in (
+        ("flash_attn_cuda", 0.010, None),
+        ("flash_attn_cuda", 0.011, 16),
+        ("sdpa_cudnn", 0.012, None),
+    ):
+        rows.append(
+            dict(
+                regime="decode",
+                mode="fwd",
+                headdim=128,
+                causal=False,
+                dtype="bf16",
+                seqlen_q=1,
+                seqlen_k=4096,
+                batch=1,
+                nheads=32,
+                nheads_k=8,
+                provider=provider,
+                ms=ms,
+                page_size=page,
+            )
+        )
+    meta = {
+        "gpu": "Test GPU",
+        "torch": "x",
+        "cuda": "y",
+        "commit": "abc1234",
+        "started": "2026-01-02 03:04:05",
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    text = rt.summary(*rt.load(path), "results.json")
+    assert "Test GPU" in text and "commit abc1234, 2026-01-02" in text
+    assert "| forward | 128 | 100 / 100 | 2.00x (2.00-2.00) | 0.50x (0.50-0.50) |" in text
+    assert "| 1 | 1 | 10.0 / 10.0 | 1.200-1.200x | 1.100-1.100x |" in text
+
+
+@pytest.mark.parametrize("gpu", _gpu_folders(), ids=lambda p: p.name)
+def test_each_gpu_has_exactly_one_current_run(gpu):
+    entries = sorted(p.name for p in gpu.iterdir())
+    assert entries == ["current"], (
+        f"{gpu.relative_to(ROOT)} holds {entries}: older runs leave the tree"
+    )
+    current = gpu / "current"
+    names = {p.name for p in current.iterdir() if p.is_file()}
+    has_run = "results.json" in names or any(
+        n.startswith("ab_") and n.endswith(".json") for n in names
+    )
+    assert has_run, (
+        f"{current.relative_to(ROOT)} has neither a results.json nor an A/B report (ab_*.json)"
+    )
+    assert "README.md" in names, (
+        f"{current.relative_to(ROOT)} has no README.md naming its command and commit"
+    )
+    readme = (current / "README.md").read_text()
+    assert COMMIT.search(readme), f"{current.relative_to(ROOT)}/README.md names no commit"
+    assert "benchmarks/" in readme or "python3" in readme, (
+        f"{current.relative_to(ROOT)}/README.md gives no command"
+    )
+    if "results.json" in names:
+        meta = json.loads((current / "results.json").read_text())["meta"]
+        assert meta.get("gpu", "").replace(" ", "_").startswith(gpu.name), (
+            f"{gpu.name}: a run of {meta.get('gpu')}"
+        )
+
+
+def test_results_hold_one_folder_per_gpu():
+    assert _gpu_folders(), "benchmarks/results has no GPU folder"
+    strays = [p.name for p in RESULTS.iterdir() if not p.is_dir()]
+    assert not strays, f"files directly under benchmarks/results: {strays}"
