@@ -75,9 +75,9 @@ struct IndexErrorSink {
 // The cold path of every guard. No memory fence here: a system-scope fence
 // anywhere in a kernel makes ptxas turn its fire-and-forget reductions
 // (the backward's dQ red.global.add) into returning atomics, which cost the
-// backward 10-36% (PERF_LOG, 2026-11-26). The host reads the record only
-// after waiting for the device (index_error_state.cpp), when every field has
-// landed.
+// backward dearly (PERF_LOG 2026-11-26 be63e09). The host reads the record
+// only after waiting for the device (index_error_state.cpp), when every field
+// has landed.
 __device__ __forceinline__ void report_index_error(const IndexErrorSink& sink, IndexRule rule,
                                                    IndexArg arg, IndexOp op, int seq, int64_t col,
                                                    int64_t value, int64_t bound, int64_t extra) {

@@ -167,7 +167,8 @@ inline void matmul_acc_pt_a(const float* p, int ldp, const float* a, int lda, fl
 }
 
 // The score rule of one (batch, query head), applied to a tile of raw dot
-// products q·k: scale, softcap, ALiBi, then the mask (DESIGN.md, op contract).
+// products q·k: scale, softcap, ALiBi, then the mask (docs/architecture.md,
+// "The op contract and where each rule lives").
 struct ScoreRule {
   int seqlen_q;
   int seqlen_k;

@@ -12,10 +12,10 @@
 // Why: in the row-major order an MMA accumulator fragment covers eight rows
 // per warp instruction, so every reduction reached the L2 as eight 32-byte
 // pieces; here a warp instruction covers one contiguous span (32 x 16 bytes
-// with sm90's 4-wide reduction). ncu, d256 bwd on an H100: the row-major order
-// sent 4x the L2 reduction requests of SDPA's FlashAttention-2 kernel, and its
-// warps spent 10% of their stall samples waiting for the load/store queue
-// (lg_throttle), against 0.04%.
+// with sm90's 4-wide reduction). The row-major order sent several times the L2
+// reduction requests of SDPA's FlashAttention-2 kernel, and its warps stalled
+// on the load/store queue (lg_throttle) where that kernel's did not (PERF_LOG
+// 2026-11-24 dd8d476).
 //
 // The conversion kernels run the same tiled-MMA partition to learn the (row,
 // column) of each value. Sequences are padded to whole blocks, so that the

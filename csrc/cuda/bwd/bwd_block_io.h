@@ -70,13 +70,13 @@ __forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const 
   const Element* v_ptr = static_cast<const Element*>(params.v_ptr) +
                          binfo.k_offset(params.v, block.batch, block.head_kv);
   Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                          make_stride(params.q.row_stride, _1{}));
+                          make_stride(params.q.row_stride, _1{}));  // (seqlen_q, head_dim)
   Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                           make_stride(params.dout.row_stride, _1{}));
+                           make_stride(params.dout.row_stride, _1{}));  // (seqlen_q, head_dim)
   Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.k.row_stride, _1{}));
+                          make_stride(params.k.row_stride, _1{}));  // (seqlen_k, head_dim)
   Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));
+                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim)
   return make_tuple(
       local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
       local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
@@ -175,12 +175,12 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
 
-  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
   if (block.group == 1) {
-    Tensor rdK = convert_type<Element>(acc_dk);
-    Tensor rdV = convert_type<Element>(acc_dv);
-    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
-    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+    Tensor rdK = convert_type<Element>(acc_dk);  // (MMA, MMA_N, MMA_D)
+    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_D)
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});  // (N, D)
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});  // (N, D)
     auto smem_tiled_copy_dKV =
         make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
@@ -194,24 +194,26 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     Element* dv_ptr = static_cast<Element*>(params.dv_ptr) +
                       binfo.k_offset(params.dv, block.batch, block.head_kv);
     Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                             make_stride(params.dk.row_stride, _1{}));
+                             make_stride(params.dk.row_stride, _1{}));  // (seqlen_k, head_dim)
     Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                             make_stride(params.dv.row_stride, _1{}));
+                             make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim)
+    // (N, D)
     Tensor gdK =
         local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    // (N, D)
     Tensor gdV =
         local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
     typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
-    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);
-    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);
-    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);
-    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);
-    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);
-    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));
+    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);                // (CPY, CPY_N, CPY_D)
+    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);                // (CPY, CPY_N, CPY_D)
+    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);                // (CPY, CPY_N, CPY_D)
+    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);                // (CPY, CPY_N, CPY_D)
+    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);             // (CPY, CPY_N, CPY_D)
+    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
     make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
-    Tensor tdKrdK = make_fragment_like(tdKsdK);
-    Tensor tdVrdV = make_fragment_like(tdVsdV);
+    Tensor tdKrdK = make_fragment_like(tdKsdK);  // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);  // (CPY, CPY_N, CPY_D)
     copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
@@ -229,7 +231,7 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
         int64_t(block.col_begin) * kHeadDim;
     float* dk_accum = params.dk_accum_ptr + accum_offset;
     float* dv_accum = params.dv_accum_ptr + accum_offset;
-    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);
+    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) {
       const int row = get<0>(tdKVcdKV(i));

@@ -14,23 +14,15 @@
 // iteration with every warp waiting on the memory pipe (plain variant only;
 // the softcap/ALiBi/dropout variant keeps dK first).
 //
-// From benchmarks/microbench/run_bwd_tile_sweep.sh on an H200 (bf16, whole
-// backward, seqlen 16384, non-causal / causal TFLOP/s):
-//   64:  128x128 w8 2,4,4 double 243.6 / 239.7 (132 B spill); same run:
-//        4,4,4 single 232.0 / 218.9, 2,4,4 single 231.1 / 225.6, 4,4,2 single
-//        238.1 / 233.0, 4,2,4 single 226.4 / 220.2, 64x128 2,4,4 double
-//        224.7 / 223.6. (An earlier sweep, before the dQ-atomics change, had
-//        found the double-buffered 128x128 no faster.) 160 KiB of smem: fits
-//        an sm80 block (163 KiB).
-//   128: 64x128 w8 2,4,2 double 208 / 207 (single: 193 / 194; 128x64 and
-//        64x64 tiles: 131-157).
-//   256: 64x64 w8 4,2,2 single 142 / 144 (204.9 / 210.2 after the
-//        dQ-atomics change; 2,4,4: 191.7 / 196.1); double buffering gave
-//        147 / 149 but needs 208 KiB, more than an sm80 block may have.
-// dQ before dK, H100, seqlen 16384, same tiles (lse and D read from shared
-// memory in both): d64 254.6 -> 274.3 / 249.0 -> 270.0, d128 296.3 -> 298.8 /
-// 296.0 -> 297.6, d256 209.2 -> 203.6 / 210.3 -> 209.0. Head dims 32 and 96
-// follow 64 and 128, 160-224 follow 256 (not measured).
+// The d64, d128 and d256 rows come from benchmarks/microbench/run_bwd_tile_sweep.sh
+// (PERF_LOG 2026-11-22 78fc583, 2026-11-22 fe18f62): d64 128 x 128 with SdP
+// atoms 2 and Q / dO double-buffered, which fits an sm80 block; d128 64 x 128
+// double-buffered, well ahead of the 128 x 64 and 64 x 64 tiles; d256 64 x 64
+// single-buffered, since double buffering needs more shared memory than an
+// sm80 block may have (BwdTileConfigLargeSmem below takes it where it fits).
+// dQ before dK won at d64, was level at d128 and lost at d256 (PERF_LOG
+// 2026-11-22 80906c6). Head dims 32 and 96 follow 64 and 128, 160-224 follow
+// 256 (not measured).
 #pragma once
 
 namespace flash {
@@ -53,20 +45,18 @@ template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlo
 // kBlockMSm90: the query rows per block of the Hopper kernel
 // (bwd_kernel_sm90.h; bwd_kernel_traits_sm90.h has its two designs; 0:
 // the SM80 kernel runs that head dim on sm90 too). A divisor of kBlockM, so
-// that the dQ accumulator, padded to whole kBlockM blocks, fits it too. H100
-// microbench, Hopper against the SM80 kernel at seqlen 777-8192, whole
-// backward: d160 1.10-1.31x and d224 1.24-1.42x, whose head-dim halves (80,
-// 112) only fit the 32-byte swizzle
-// (results/NVIDIA_H100/bwd_sm90_ws_d160_d224.txt; before the kernel's warp
-// specialization they measured 0.92-0.96x and 0.97-1.07x and stayed on the
-// SM80 kernel: bwd_sm90_wide_head_dims.txt).
-// Same kBlockN. H100 microbench, d64, against the table's 128 rows: +0.5-1%
-// and no spill (120 bytes at 128 rows).
+// that the dQ accumulator, padded to whole kBlockM blocks, fits it too. d160
+// and d224, whose head-dim halves (80, 112) only fit the 32-byte swizzle, run
+// the Hopper kernel since its warp specialization made it faster than the
+// SM80 one there (PERF_LOG 2026-11-24 81742f7; before, it was not: PERF_LOG
+// 2026-11-24 e4bfd00).
+// Same kBlockN. d64 takes 64 rows, not the table's 128: as fast or faster,
+// and 128 rows spill (PERF_LOG 2026-11-24 ee3e75a).
 //
 // kBwdSm90QdOStages: the Q / dO buffers of the Hopper kernel's producer
-// pipeline. H100 microbench, d128, main kernel: 2 against 3 stages
-// 0.99-1.02x at seqlen 1000-16384, in 32 KiB less shared memory (and d256
-// has room for 2 only: 225 KiB).
+// pipeline. 3 stages were no faster than 2 (PERF_LOG 2026-11-24 29b2865),
+// which take 32 KiB less shared memory (and d256 has room for 2 only:
+// 225 KiB).
 constexpr int kBwdSm90QdOStages = 2;
 //
 // Tiles for devices whose blocks may opt in to more shared memory than an
@@ -74,11 +64,9 @@ constexpr int kBwdSm90QdOStages = 2;
 // launcher takes one when the device has room for it, for the plain kernel
 // variant (the softcap/ALiBi/dropout variant keeps the table's tile). Same
 // kBlockN as the table's, which the grid and the deterministic dQ splits use.
-//   256: Q and dO double-buffered (209 KiB) and dQ before dK: microbench,
-//        H200, bf16, seqlen 4096 / 16384, non-causal and causal: 6.708 /
-//        3.537 / 25.896 / 12.623 ms -> 6.328 / 3.448 / 24.537 / 12.103 ms
-//        (results/NVIDIA_H200/bwd_d256_sweep.txt); whole backward against
-//        SDPA FLASH at seqlen >= 2048: 0.81-0.93x -> 0.86-0.96x.
+//   256: Q and dO double-buffered (209 KiB) and dQ before dK, faster in the
+//        microbench and in the whole backward (PERF_LOG 2026-11-22
+//        (microbench), 2026-11-22 31bd5d4).
 template <int kHeadDim>
 struct BwdTileConfigLargeSmem {
   static constexpr bool kExists = false;

@@ -24,8 +24,8 @@ __forceinline__ __device__ void gemm_smem_smem(TensorAcc& acc, TensorA& tCrA, Te
                                                const TiledCopyB& smem_tiled_copy_B,
                                                const ThrCopyA& smem_thr_copy_A,
                                                const ThrCopyB& smem_thr_copy_B) {
-  Tensor tCrA_copy_view = smem_thr_copy_A.retile_D(tCrA);
-  Tensor tCrB_copy_view = smem_thr_copy_B.retile_D(tCrB);
+  Tensor tCrA_copy_view = smem_thr_copy_A.retile_D(tCrA);  // (CPY, CPY_M, CPY_K)
+  Tensor tCrB_copy_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY, CPY_N, CPY_K)
   copy(smem_tiled_copy_A, tCsA(_, _, _0{}), tCrA_copy_view(_, _, _0{}));
   copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_copy_view(_, _, _0{}));
   CUTE_UNROLL
@@ -46,7 +46,7 @@ __forceinline__ __device__ void gemm_reg_smem(TensorAcc& acc, const TensorA& tCr
                                               const TensorSmemB& tCsB, const TiledMma& tiled_mma,
                                               const TiledCopyB& smem_tiled_copy_B,
                                               const ThrCopyB& smem_thr_copy_B) {
-  Tensor tCrB_copy_view = smem_thr_copy_B.retile_D(tCrB);
+  Tensor tCrB_copy_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY, CPY_N, CPY_K)
   copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_copy_view(_, _, _0{}));
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {

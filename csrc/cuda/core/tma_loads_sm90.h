@@ -61,6 +61,7 @@ __host__ __device__ inline int tma_batches(const FwdParams& p) {
 template <typename Copy>
 __device__ auto tma_q_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head,
                          int batch) {
+  // (rows, head_dim, head, batch)
   Tensor m = copy.get_tma_tensor(make_shape(tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p)));
   return domain_offset(make_coord(int(binfo.q_row_begin), _0{}),
                        m(_, _, head, binfo.varlen ? 0 : batch));
@@ -68,6 +69,7 @@ __device__ auto tma_q_of(const Copy& copy, const FwdParams& p, const BlockInfo& 
 template <typename Copy>
 __device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head_kv,
                           int batch) {
+  // (rows, head_dim, head, batch)
   Tensor m = copy.get_tma_tensor(make_shape(tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p)));
   return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
                        m(_, _, head_kv, binfo.varlen ? 0 : batch));

@@ -85,9 +85,7 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
 // One thread per 8-element chunk: the appended k / v chunks first, then the
 // chunks of q to rotate. Both jobs share one launch because in a decode step
 // each kernel costs a few microseconds of launch and dependent loads, more
-// than its copies (H200, batch 1 x 4k keys: 15 us for the attention alone,
-// 18 with an append kernel before it, 23.4 with a rotate-q kernel as well;
-// benchmarks/results/NVIDIA_H200/decode_append_step_ab.txt).
+// than its copies (PERF_LOG 2026-11-23 ae57aaa).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     append_rotary_kernel(const KvcacheParams p, int64_t append_chunks, int64_t all_chunks) {
@@ -95,8 +93,8 @@ __global__ void __launch_bounds__(kThreads)
   // k / v may come from the kernel just before this one. The attention kernel
   // after it is a dependent grid too, scheduled when this grid's blocks exit.
   // Letting it in earlier (griddepcontrol.launch_dependents at the start
-  // here) made some steps slower, for reasons not pinned down (H200, an
-  // append at batch 16 x 4k keys: 79 -> 88 us; batch 8 x 4k: 51 -> 55 us).
+  // here) made some steps slower, for reasons not pinned down (PERF_LOG
+  // 2026-11-23 ae57aaa).
   wait_for_preceding_grid();
   const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index < append_chunks) {

@@ -36,9 +36,9 @@ constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_
 
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
-// block per SM: on the H200 (bf16, d128, GQA 32:8) 128 blocks of three stages
-// streamed the cache 3-4% faster than 256 blocks of two or three stages, or
-// than 128-key tiles (PERF_LOG). The 64-row variant keeps two, so that it
+// block per SM: 128 blocks of three stages streamed the cache faster than 256
+// blocks of two or three stages, or than 128-key tiles (PERF_LOG 2026-11-22
+// 0296a76). The 64-row variant keeps two, so that it
 // fits the 99 KB per block of sm86/sm89 at every head dim.
 constexpr int splitkv_stages(int warps_n) { return warps_n > 1 ? 3 : 2; }
 

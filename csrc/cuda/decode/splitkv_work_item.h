@@ -91,8 +91,8 @@ struct SplitKvItem {
 // entry's key count, left padding and cache entry. A block that runs several
 // items loads these one item ahead (splitkv_kernel.h): read when
 // the item starts, they would stall the block's stream of copies once per
-// item for a load's latency, which under a full memory system is long (H200,
-// 1024 items of 1k keys: 5% of the time).
+// item for a load's latency, which under a full memory system is long
+// (PERF_LOG 2026-11-23 f3875b4).
 struct SplitKvItemInputs {
   int cache_seqlen;  // cache_seqlens[batch] (0 without cache_seqlens)
   int leftpad;

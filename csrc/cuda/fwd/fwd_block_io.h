@@ -66,13 +66,13 @@ __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const 
   Element* o_ptr =
       static_cast<Element*>(params.o_ptr) + binfo.q_offset(params.o, block.batch, block.head);
   Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                          make_stride(params.q.row_stride, _1{}));
+                          make_stride(params.q.row_stride, _1{}));  // (seqlen_q, head_dim)
   Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.k.row_stride, _1{}));
+                          make_stride(params.k.row_stride, _1{}));  // (seqlen_k, head_dim)
   Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));
+                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim)
   Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                          make_stride(params.o.row_stride, _1{}));
+                          make_stride(params.o.row_stride, _1{}));  // (seqlen_q, head_dim)
   return make_tuple(
       local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0)),
       local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
@@ -96,11 +96,11 @@ __forceinline__ __device__ void write_empty_rows(const TensorGO& gO, const Tenso
   using Element = typename Traits::Element;
   typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
-  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
-  Tensor tOrO = make_fragment_like<Element>(tOgO);
+  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);    // (CPY, CPY_M, CPY_D)
+  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);    // (CPY, CPY_M, CPY_D)
+  Tensor tOrO = make_fragment_like<Element>(tOgO);  // (CPY, CPY_M, CPY_D)
   clear(tOrO);
-  Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+  Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));  // (CPY_D)
   make_col_predicate(tOpO, tOcO, head_dim);
   store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
   for (int row = tidx; row < Traits::kBlockM && row < rows_left; row += size(gmem_tiled_copy_O)) {
@@ -119,16 +119,17 @@ __forceinline__ __device__ void stage_output(const TensorAcc& acc_o, const Tiled
                                              AsRowCol as_rowcol, const float (&lse)[kNRows],
                                              float* lse_rows, int rows_left, int tidx) {
   using Element = typename Traits::Element;
-  Tensor rO = convert_type<Element>(acc_o);
+  Tensor rO = convert_type<Element>(acc_o);  // (MMA, MMA_M, MMA_D)
   auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
-  Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
-  Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
+  Tensor taccOrO = smem_thr_copy_O.retile_S(rO);     // (CPY, CPY_M, CPY_D)
+  Tensor taccOsO = smem_thr_copy_O.partition_D(sO);  // (CPY, CPY_M, CPY_D)
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
+  // (M, D) -> (row, col)
   Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
-  Tensor taccOcO = thr_mma.partition_C(cO);
-  Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), as_rowcol(taccOcO.layout()));
+  Tensor taccOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_D)
+  Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), as_rowcol(taccOcO.layout()));  // (rows, cols)
   if (get<1>(taccOcO_rowcol(0, 0)) == 0) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
@@ -146,13 +147,13 @@ __forceinline__ __device__ void store_output(const TensorSO& sO, const TensorGO&
                                              int head_dim, int tidx) {
   GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-  Tensor cO = make_identity_tensor(product_each(shape(sO)));
-  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);
-  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
-  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
-  Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+  Tensor cO = make_identity_tensor(product_each(shape(sO)));   // (M, D) -> (row, col)
+  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);               // (CPY, CPY_M, CPY_D)
+  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);               // (CPY, CPY_M, CPY_D)
+  Tensor tOcO = gmem_thr_copy_O.partition_D(cO);               // (CPY, CPY_M, CPY_D)
+  Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));  // (CPY_D)
   make_col_predicate(tOpO, tOcO, head_dim);
-  Tensor tOrO = make_fragment_like(tOsO);
+  Tensor tOrO = make_fragment_like(tOsO);  // (CPY, CPY_M, CPY_D)
   copy(gmem_tiled_copy_O, tOsO, tOrO);
   store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
 }

@@ -9,12 +9,11 @@
 // With a causal bound the work grows along the sequence: query block m sees
 // about m + 1 key blocks. Handed out head by head, the last head's longest
 // blocks start when little else is left, and the grid ends with a few SMs
-// still busy (on an H100 this order made a causal forward with 16 heads 4-16%
-// faster). So the query blocks of all heads of a batch entry are handed out
-// together, the longest first. One batch entry and not more: in the sweep
-// recorded in benchmarks/PERF_LOG.md, every head of every entry at once was
-// 10% slower at head dim 64 (each head's K/V leaves L2 before its next block
-// reads it), and sections of 25 (head, batch) pairs, straddling entries, 7%.
+// still busy. So the query blocks of all heads of a batch entry are handed
+// out together, the longest first. One batch entry and not more: every head
+// of every entry at once was slower at head dim 64 (each head's K/V leaves L2
+// before its next block reads it), and so were sections of (head, batch)
+// pairs straddling entries (PERF_LOG 2026-11-24 7d8fe0d).
 #pragma once
 
 #include <cstdint>

@@ -29,12 +29,9 @@ inline int64_t fwd_sm90_num_tiles(const FwdParams& params, int block_m = kFwdSm9
 // Whether a call the Hopper kernel can take runs it rather than the SM80
 // kernel: from the tile table's key count on (kMinSeqlenKSm90), and below it
 // when there are many query blocks to spread, at least the table's
-// kMinBlocksPerSmSm90 of 128 rows per SM (the measurements beside the
-// table). H100, bf16, 17-512 query rows and 128-512 keys, SM80 time /
-// Hopper time (PERF_LOG): with 16k tokens (5-31 query blocks per SM)
-// 1.02-1.69x at d64 / d96 / d128 (level to 0.96x at d64 with 17 rows and
-// 128 keys); with 2 sequences (0.5-2 blocks per SM, calls of ~30 us)
-// 0.81-0.98x.
+// kMinBlocksPerSmSm90 of 128 rows per SM (the reasons beside the table).
+// Short calls of many query blocks ran faster on the Hopper kernel, short
+// calls of few slower (PERF_LOG 2026-11-25 76288cf).
 inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k, int min_blocks_per_sm) {
   return params.seqlen_k >= min_seqlen_k ||
          (params.num_sms > 0 &&
@@ -44,8 +41,8 @@ inline bool fwd_sm90_by_shape(const FwdParams& params, int min_seqlen_k, int min
 // What the Hopper kernel divides a tile's index by to find its block
 // (fwd_tile_coord in fwd_block_order.h), as multiply-highs: a persistent
 // block finds its next tile between two query blocks, with every MMA warp
-// waiting, and as 64-bit divisions that step took 250-360 cycles longer
-// (H100 trace, PERF_LOG), 2-4% of a forward at 512 keys.
+// waiting, and as 64-bit divisions that step took long enough to slow down
+// forwards of short key counts (PERF_LOG 2026-11-24 e4d08b2).
 struct FwdTileDivisors {
   IntDivisor m_blocks;  // query blocks per (head, batch)
   IntDivisor heads;
@@ -63,9 +60,9 @@ inline FwdTileDivisors fwd_sm90_tile_divisors(const FwdParams& params, int block
 // Whether the tiles do different work (a causal or local bound, or the
 // sequences of a varlen batch, whose lengths differ and whose longest sets
 // the grid), so that a persistent grid hands them out from a counter instead
-// of in fixed shares. H100, varlen bf16 forward of 7-121 random-length
-// sequences (32k tokens), non-causal: fixed shares were 5-31% slower at d128
-// than the counter (up to 2048 keys) or one block per query block (PERF_LOG).
+// of in fixed shares. On varlen batches fixed shares were slower than the
+// counter (up to 2048 keys) or one block per query block (PERF_LOG
+// 2026-11-24 9f57c38).
 inline bool fwd_tiles_differ_in_work(const FwdParams& params) {
   return params.window_left >= 0 || params.window_right >= 0 || params.cu_seqlens_q != nullptr;
 }
@@ -85,11 +82,11 @@ inline int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
 // than SMs, of different work, each short enough that a tile's prologue and
 // epilogue are a large share of it, on the plain score rule (softcap and
 // ALiBi run the Hopper kernel's other grids, dropout the SM80 kernel; one
-// kernel instantiation fewer per head dim). H100 microbench, causal,
-// against one block per tile (PERF_LOG): d64 +22% at 512 keys, +5% at 2048,
-// level at 4096, -1% to -5% at 8192; d128 +11% / +2-3% / -1% / -2%; a
-// 512-key window at 4096 keys +10% / +5-7%. Varlen, non-causal, past 2048
-// keys: one block per query block 2-5% faster than the counter.
+// kernel instantiation fewer per head dim). Against one block per tile the
+// counter wins at short key counts and fades by 4096 keys, hence the cap of
+// 2048 keys per tile (PERF_LOG 2026-11-24 30a90ef); past it, on varlen
+// batches too, one block per query block is faster (PERF_LOG 2026-11-24
+// 9f57c38).
 constexpr int64_t kFwdSm90MostKeysPerTileFromCounter = 2048;
 inline bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params) {
   const bool plain_rule =

@@ -63,21 +63,28 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
 
   // Shared memory: Q and dO (one or two buffers each), K, V, P, dS.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)),
-                          typename Traits::SmemLayoutQdO{});
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQdOt{});
+                          typename Traits::SmemLayoutQdO{});               // (M, D)
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQdOt{});  // (D, M)
+  // (D, M)
   Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  // (M, D)
   Tensor sdO = make_tensor(sQ.data() + kQdOBuffers * size(sQ), typename Traits::SmemLayoutQdO{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQdOt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQdOt{});  // (D, M)
+  // (D, M)
   Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Traits::SmemLayoutQdOtNoSwizzle{});
+  // (N, D)
   Tensor sK = make_tensor(sdO.data() + kQdOBuffers * size(sdO), typename Traits::SmemLayoutKV{});
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});  // (D, N)
+  // (D, N)
   Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
-  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
-  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});   // (N, D)
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});  // (M, N)
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});           // (N, M)
+  // (N, M)
   Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
-  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
-  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});  // (M, N)
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});          // (N, M)
+  // (N, M)
   Tensor sdStNoSwizzle = make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
   // Offset of the second Q / dO buffer; a whole number of swizzle periods, so
   // a partition of buffer 0 moved by it is a partition of buffer 1.
@@ -85,26 +92,26 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   // Per Q / dO buffer, the saved lse (kBlockM floats) then D of its rows.
   // They travel with Q and dO; lse is read after the S GEMM, D after the dP
   // GEMM. Loaded into registers at the top of the loop they lived across both
-  // GEMMs, and at head dim 64 were spilled (about 13% of the stall samples).
+  // GEMMs, and at head dim 64 were spilled (PERF_LOG 2026-11-22 80906c6).
   float* smem_row_stats = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + size(sdS)));
 
   // Global -> shared copies.
   typename Traits::GmemTiledCopyLoad gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
-  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_D, m)
-  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
-  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);
-  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
-  Tensor tKgK = gmem_thr_copy.partition_S(gK);
-  Tensor tKsK = gmem_thr_copy.partition_D(sK);
-  Tensor tVgV = gmem_thr_copy.partition_S(gV);
-  Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor tQcQ = gmem_thr_copy.partition_S(cQ);
-  Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);
-  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);                             // (CPY, CPY_M, CPY_D, m)
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);                             // (CPY, CPY_M, CPY_D)
+  Tensor tdOgdO = gmem_thr_copy.partition_S(gdO);                          // (CPY, CPY_M, CPY_D, m)
+  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);                          // (CPY, CPY_M, CPY_D)
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);                             // (CPY, CPY_N, CPY_D)
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);                             // (CPY, CPY_N, CPY_D)
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);                             // (CPY, CPY_N, CPY_D)
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);                             // (CPY, CPY_N, CPY_D)
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (M, D) -> (row, col)
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
+  Tensor tQcQ = gmem_thr_copy.partition_S(cQ);                              // (CPY, CPY_M, CPY_D)
+  Tensor tKVcKV = gmem_thr_copy.partition_S(cKV);                           // (CPY, CPY_N, CPY_D)
+  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));               // (CPY_D)
+  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));             // (CPY_D)
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
   // Whole tiles inside the tensors (all but the last block of a sequence whose
@@ -112,7 +119,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   const bool head_dim_is_full = params.head_dim == kHeadDim;
 
   auto load_q_do = [&](int m_block, int buffer) {
+    // (CPY, CPY_M, CPY_D)
     Tensor tQsQ_buf = make_tensor(tQsQ.data() + buffer * kQdOBufferElems, tQsQ.layout());
+    // (CPY, CPY_M, CPY_D)
     Tensor tdOsdO_buf = make_tensor(tdOsdO.data() + buffer * kQdOBufferElems, tdOsdO.layout());
     const int rows_left = seqlen_q - m_block * kBlockM;
     const bool all_in_bounds = head_dim_is_full && rows_left >= kBlockM;
@@ -127,43 +136,45 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   // S = Q K^T and dP = dO V^T.
   typename Traits::TiledMmaSdP tiled_mma_sdp;
   auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_D)
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_D)
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_D)
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_D)
   auto smem_tiled_copy_QdO = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
   auto smem_thr_copy_QdO = smem_tiled_copy_QdO.get_thread_slice(tidx);
-  Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);
-  Tensor tdPsdO = smem_thr_copy_QdO.partition_S(sdO);
+  Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);     // (CPY, CPY_M, CPY_D)
+  Tensor tdPsdO = smem_thr_copy_QdO.partition_S(sdO);  // (CPY, CPY_M, CPY_D)
   auto smem_tiled_copy_KV = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
   auto smem_thr_copy_KV = smem_tiled_copy_KV.get_thread_slice(tidx);
-  Tensor tSsK = smem_thr_copy_KV.partition_S(sK);
-  Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);
+  Tensor tSsK = smem_thr_copy_KV.partition_S(sK);   // (CPY, CPY_N, CPY_D)
+  Tensor tdPsV = smem_thr_copy_KV.partition_S(sV);  // (CPY, CPY_N, CPY_D)
 
   // P and dS: accumulator registers -> shared memory.
   auto smem_tiled_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp);
   auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(tidx);
-  Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);
-  Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);
+  Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);     // (CPY, CPY_M, CPY_N)
+  Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);  // (CPY, CPY_M, CPY_N)
 
   // dV += P^T dO and dK += dS^T Q, both operands read transposed.
   typename Traits::TiledMmadKV tiled_mma_dkv;
   auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
-  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);
-  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);
-  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);
-  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);    // (MMA, MMA_N, MMA_M)
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);  // (MMA, MMA_D, MMA_M)
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);  // (MMA, MMA_N, MMA_M)
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);    // (MMA, MMA_D, MMA_M)
   auto smem_tiled_copy_PdSt =
       make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
   auto smem_thr_copy_PdSt = smem_tiled_copy_PdSt.get_thread_slice(tidx);
-  Tensor tdVsPt = smem_thr_copy_PdSt.partition_S(sPt);
-  Tensor tdKsdSt = smem_thr_copy_PdSt.partition_S(sdSt);
+  Tensor tdVsPt = smem_thr_copy_PdSt.partition_S(sPt);    // (CPY, CPY_N, CPY_M)
+  Tensor tdKsdSt = smem_thr_copy_PdSt.partition_S(sdSt);  // (CPY, CPY_N, CPY_M)
   auto smem_tiled_copy_QdOt =
       make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
   auto smem_thr_copy_QdOt = smem_tiled_copy_QdOt.get_thread_slice(tidx);
-  Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(sdOt);
-  Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(sQt);
+  Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(sdOt);  // (CPY, CPY_D, CPY_M)
+  Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(sQt);    // (CPY, CPY_D, CPY_M)
+  // (MMA, MMA_N, MMA_D)
   Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  // (MMA, MMA_N, MMA_D)
   Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
@@ -171,24 +182,26 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   // dQ = dS K.
   typename Traits::TiledMmadQ tiled_mma_dq;
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
-  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N)
   // K^T in kDQChunks row slices of kDQChunkCols head-dim rows each.
   constexpr int kDQChunks = Traits::kDQChunks;
   constexpr int kDQChunkCols = Traits::kDQChunkCols;
   using DQChunkShapeKt = Shape<Int<kDQChunkCols>, Int<kBlockN>>;
+  // (MMA, MMA_D, MMA_N), D: one chunk's kDQChunkCols
   Tensor tdQrKt =
       thr_mma_dq.partition_fragment_B(local_tile(sKtNoSwizzle, DQChunkShapeKt{}, make_coord(0, 0)));
   auto smem_tiled_copy_dS = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
   auto smem_thr_copy_dS = smem_tiled_copy_dS.get_thread_slice(tidx);
-  Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);
+  Tensor tdQsdS = smem_thr_copy_dS.partition_S(sdS);  // (CPY, CPY_M, CPY_N)
   auto smem_tiled_copy_Kt =
       make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
   auto smem_thr_copy_Kt = smem_tiled_copy_Kt.get_thread_slice(tidx);
   Tensor tdQsKt = smem_thr_copy_Kt.partition_S(
-      local_tile(sKt, DQChunkShapeKt{}, make_coord(_, 0)));  // (CPY, N, K, chunk)
+      local_tile(sKt, DQChunkShapeKt{}, make_coord(_, 0)));  // (CPY, CPY_D, CPY_N, chunk)
   // (row, col) of each S element this thread holds.
-  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tScS = thr_mma_sdp.partition_C(cS);
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (M, N) -> (row, col)
+  Tensor tScS = thr_mma_sdp.partition_C(cS);                              // (MMA, MMA_M, MMA_N)
+  // ((2, MMA_M), (2, MMA_N))
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
   constexpr int kNRows = decltype(size<0>(tScS_rowcol))::value;
 
@@ -239,6 +252,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
       }
       const int buffer_offset = buffer * kQdOBufferElems;
 
+      // (MMA, MMA_M, MMA_N)
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_smem_smem(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + buffer_offset, tSsQ.layout()),
@@ -255,6 +269,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
       }
 
       // The forward's score rule, applied to the same (row, col) positions.
+      // ((2, MMA_M), (2, MMA_N))
       Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
       if (prescale_scores) {
         apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
@@ -269,6 +284,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
                    params.window_left, params.window_right);
       }
 
+      // (MMA, MMA_M, MMA_N)
       Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
@@ -279,6 +295,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
       float row_d[kNRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kNRows; ++mi) row_d[mi] = row_d_smem[get<0>(tScS_rowcol(mi, 0))];
+      // ((2, MMA_M), (2, MMA_N))
       Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
       if constexpr (kWithScoreExtras) {
         scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
@@ -286,12 +303,13 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
       } else {
         // The launcher sends any scale that is not positive and normal to the
         // extras variant. (P computed and stored before the dP GEMM, to
-        // overlap its stores with that GEMM, measured 1-4% slower.)
+        // overlap its stores with that GEMM, measured slower: PERF_LOG
+        // 2026-11-22 80906c6.)
         scores_to_p</*kScaleIsPositive=*/true>(scores, lse_log2, params.softmax_scale_log2);
         p_to_ds(scores, dp, row_d);
       }
-      Tensor rP = convert_type<Element>(acc_s);
-      Tensor rdS = convert_type<Element>(acc_dp);
+      Tensor rP = convert_type<Element>(acc_s);    // (MMA, MMA_M, MMA_N)
+      Tensor rdS = convert_type<Element>(acc_dp);  // (MMA, MMA_M, MMA_N)
       copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP);
       copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS);
       __syncthreads();  // P and dS visible to every warp
@@ -303,7 +321,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
 
       // dK += dS^T Q; before or after the dQ GEMM and its atomics, as the
       // tile table says (bwd_tile_config.h). The extras variant keeps dK
-      // first: dQ first measured 3% slower there at d128 (H200), no faster at d64.
+      // first: dQ first measured slower there at d128, no faster at d64
+      // (PERF_LOG 2026-11-22 5987c63).
       constexpr bool kDQFirst = Traits::kDQBeforeDK && !kWithScoreExtras;
       auto accumulate_dk = [&] {
         gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
@@ -317,6 +336,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
       // block is the only writer of its split slice, so the order is fixed.
       CUTE_UNROLL
       for (int chunk = 0; chunk < kDQChunks; ++chunk) {
+        // (MMA, MMA_M, MMA_D), D: one chunk's kDQChunkCols
         Tensor acc_dq =
             partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
         clear(acc_dq);

@@ -65,34 +65,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor gO = get<3>(global_tiles);  // (M, D)
 
   // Identity tensors give each element's (row, col) inside a tile, for bounds.
-  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (M, D) -> (row, col)
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
 
   if (n_block_max <= n_block_min) {
     write_empty_rows<Traits>(gO, cQ, lse_rows, rows_left, params.head_dim, tidx);
     return;
   }
 
+  // (M, D)
   Tensor sQ =
       make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});  // (N, D)
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (N, D)
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});            // (D, N)
+  // (D, N)
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
 
   // Global -> shared copies (cp.async, 16 bytes per thread per access).
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
-  Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);
-  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
-  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);  // (CPY, CPY_N, CPY_D, n)
-  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
-  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);
-  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
-  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
-  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
-  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+  Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);               // (CPY, CPY_M, CPY_D)
+  Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);               // (CPY, CPY_M, CPY_D)
+  Tensor tKgK = gmem_thr_copy_QKV.partition_S(gK);               // (CPY, CPY_N, CPY_D, n)
+  Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);               // (CPY, CPY_N, CPY_D)
+  Tensor tVgV = gmem_thr_copy_QKV.partition_S(gV);               // (CPY, CPY_N, CPY_D, n)
+  Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);               // (CPY, CPY_N, CPY_D)
+  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);               // (CPY, CPY_M, CPY_D)
+  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);            // (CPY, CPY_N, CPY_D)
+  Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));    // (CPY_D)
+  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));  // (CPY_D)
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
   const bool full_head_dim = params.head_dim == kHeadDim;
@@ -102,27 +104,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   // MMA partitions: S = Q K^T is (M, N); O = P V is (M, D).
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);             // (MMA, MMA_M, MMA_D)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);             // (MMA, MMA_N, MMA_D)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);  // (MMA, MMA_D, MMA_N)
+  // (MMA, MMA_M, MMA_D)
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
 
   // Shared -> register copies (ldmatrix; transposed for V).
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
-  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);  // (CPY, CPY_M, CPY_D)
   auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
-  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);  // (CPY, CPY_N, CPY_D)
   auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
   auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
-  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);  // (CPY, CPY_D, CPY_N)
 
   // (row, col) of each score element this thread holds, as a (rows, cols) view.
-  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tScS = thr_mma.partition_C(cS);
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (M, N) -> (row, col)
+  Tensor tScS = thr_mma.partition_C(cS);                                  // (MMA, MMA_M, MMA_N)
+  // ((2, MMA_M), (2, MMA_N))
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
+  // ((2, MMA_M), (2, MMA_D))
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
 
@@ -162,6 +167,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   OnlineSoftmax<kNRows> softmax;
 
   for (; n_block >= n_block_min; --n_block) {
+    // (MMA, MMA_M, MMA_N)
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     // K(n) has landed, and every warp is done reading V(n+1): V(n) may overwrite it.
@@ -174,6 +180,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
                    smem_thr_copy_Q, smem_thr_copy_K);
 
+    // ((2, MMA_M), (2, MMA_N))
     Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
     const int col_base = n_block * kBlockN;
     if (prescale_scores) {
@@ -201,7 +208,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     softmax.template update</*kSkipUnmovedRescale=*/true>(scores, acc_o_rowcol, exp_scale_log2);
     if (has_dropout) apply_dropout(scores, tScS_rowcol, row_begin, col_base, dropout);
 
-    Tensor rP = convert_type<Element>(acc_s);
+    Tensor rP = convert_type<Element>(acc_s);  // (MMA, MMA_M, MMA_N)
+    // (MMA, MMA_M, MMA_N / 2): A of P V
     Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
     gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
   }
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   float lse[kNRows];
   softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse);
 
-  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (M, D)
   write_output<Traits>(
       acc_o, tiled_mma, thr_mma, sO, gO, [](auto layout) { return acc_layout_as_rowcol(layout); },
       lse, lse_rows, rows_left, params.head_dim, tidx);
