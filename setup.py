@@ -45,6 +45,9 @@ CUTLASS_CHECKOUT = ROOT / "third_party" / "cutlass"
 PACKAGE = "flash_attn_cuda"
 # The CUDA op entry points of a build without CUDA: a stub that raises.
 CUDA_STUB_SOURCE = "csrc/cuda/ops/flash_api_nocuda.cpp"
+# Plain C++ under csrc/cuda/ that a build without CUDA compiles too: the kernel
+# plans and the debug ops that describe them (tests/test_plan.py).
+CPU_BUILD_PLAN_SOURCES = ["csrc/cuda/launch/plan.cpp", "csrc/cuda/ops/plan_debug_ops.cpp"]
 
 
 def _package_version() -> str:
@@ -545,6 +548,7 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
             build_info += f"; {REDUCED_KERNEL_SET_MARK}"
     else:
         sources.append(CUDA_STUB_SOURCE)
+        sources += CPU_BUILD_PLAN_SOURCES
         build_info = f"cpu-only ({config['cpu_only_reason']}); torch {config['torch'].__version__}"
 
     # The build description reaches module.cpp alone through a generated header: a -D

@@ -51,4 +51,32 @@ TORCH_LIBRARY(flash_attn, m) {
   // for its own check (returns the previous setting).
   m.def("check_index_errors(int device) -> ()");
   m.def("set_sync_index_checks(bool enabled) -> bool");
+  // Debug ops (csrc/cuda/ops/plan_debug_ops.cpp, registered in every build):
+  // the plan (csrc/cuda/launch/plan.h) the CUDA path makes for a call of this
+  // shape on the described device (defaults: sm90, 132 SMs, 227 KiB of shared
+  // memory per block), as one line
+  // "kernel=... reason: ...". Nothing is launched.
+  m.def(
+      "_plan_fwd(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
+      "*, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, bool alibi=False, float dropout_p=0.0, float? softmax_scale=None, "
+      "bool varlen=False, bool return_softmax=False, "
+      "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
+      "int smem_per_sm=233472, int reserved_smem_per_block=1024, "
+      "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True) -> str");
+  m.def(
+      "_plan_bwd(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
+      "*, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
+      "float softcap=0.0, bool alibi=False, float dropout_p=0.0, float? softmax_scale=None, "
+      "bool varlen=False, bool deterministic=False, "
+      "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
+      "int smem_per_sm=233472, int reserved_smem_per_block=1024, "
+      "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True) -> str");
+  m.def(
+      "_plan_decode(int batch, int seqlen_q, int cache_capacity, int nheads, int nheads_k, "
+      "int head_dim, *, bool paged=False, int num_splits=0, bool causal=False, "
+      "int window_size_left=-1, int window_size_right=-1, float softcap=0.0, bool alibi=False, "
+      "float? softmax_scale=None, int seqlen_new=0, int rotary_dim=0, bool rotary_aligned=True, "
+      "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
+      "int smem_per_sm=233472, int reserved_smem_per_block=1024) -> str");
 }

@@ -2,15 +2,16 @@
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
 // under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
 // the group reduction of the per-head shares), all on one stream. The caller
-// (flash_api_cuda.cpp) allocates and zeroes the accumulators. On sm90 the
-// score rule without dropout runs the Hopper main kernel
-// (bwd_kernel_sm90.h) at the head dims the tile table gives it; the conversion kernels then read
-// the accumulators in its fragment order.
+// (ops/bwd_ops.cpp) allocates and zeroes the accumulators and makes the plan
+// (plan_bwd, plan.h) this switches on. Where the plan picks the Hopper main
+// kernel (bwd_kernel_sm90.h), the conversion kernels read the accumulators in
+// its fragment order.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <limits>
+#include <stdexcept>
 
 #include "cuda/bwd/bwd_aux_kernels.h"
 #include "cuda/bwd/bwd_tile_config.h"
@@ -21,6 +22,7 @@
 #include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
 #include "cuda/launch/dependent_launch.h"
+#include "cuda/launch/plan.h"
 
 namespace flash {
 
@@ -83,27 +85,28 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   }
 }
 
-// Launches the Hopper main kernel if it takes this call: inputs TMA can
-// describe, on a device with the shared memory for it (else the SM80 kernel
-// runs the call, as in the forward). Returns whether it launched.
+// The Hopper main kernel; the plan checked that the device's blocks hold its
+// shared memory and that TMA can describe the inputs.
 template <typename Element, int kHeadDim, bool kWithScoreMods>
-bool launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
+void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-  if (params.smem_per_block_optin < Sm90Traits::kSmemSize ||
-      !BwdSm90Tma<Sm90Traits>::can_load(params)) {
-    return false;
+  if (!BwdSm90Tma<Sm90Traits>::can_load(params)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: the backward plan disagrees with the Hopper kernel's TMA rule");
   }
   launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits, kWithScoreMods>, grid,
                            dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream, params,
                            BwdSm90Tma<Sm90Traits>::make(params));
-  return true;
 }
 
+// The plan (plan_bwd) names the main kernel, its variant and the grid's
+// width (key blocks, or the deterministic dQ splits); this only launches.
 template <typename Element, int kHeadDim>
-void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
+void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
   using Traits = BwdTraitsFor<BwdTileConfig<kHeadDim>, kHeadDim, Element>;
-  if (params.batch == 0 || params.nheads == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {
-    return;
+  if (plan.kernel == BwdKernel::kNone) return;
+  if (plan.block_n != Traits::kBlockN || plan.num_splits != params.num_splits) {
+    throw std::runtime_error("flash_attn_cuda: the backward plan disagrees with the params");
   }
 
   constexpr int kDotRows = dot_rows_per_block<kHeadDim>();
@@ -112,45 +115,58 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   flash_bwd_dot_do_o_kernel<Element, kHeadDim><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
-  const int num_n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid = grid_over_heads_batch(params.deterministic ? params.num_splits : num_n_blocks,
-                                          params.nheads, params.batch);
-  // The plain kernels also assume a positive, normal softmax scale
-  // (scale_is_positive_normal); any other scale takes the general kernel,
-  // which tests for a masked score.
-  const bool scale_positive_normal = scale_is_positive_normal(params.softmax_scale_log2);
-  const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const bool with_dropout = params.dropout_p > 0.f;
-  const bool with_score_extras = with_score_mods || with_dropout || !scale_positive_normal;
-  if constexpr (has_sm90_backward<kHeadDim>()) {
-    using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-    static_assert(
-        Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
-        "the table's block shape sizes the accumulators and the grid");
-    // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
-    // (only the SM80 kernels draw its keep mask) and other scales do not.
-    if (params.bwd_kernel != KernelChoice::kSm80 && !with_dropout && scale_positive_normal &&
-        (with_score_mods ? launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream)
-                         : launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream))) {
+  const dim3 grid = grid_over_heads_batch(plan.grid_x, params.nheads, params.batch);
+  if (plan.kernel == BwdKernel::kSm90) {
+    if constexpr (has_sm90_backward<kHeadDim>()) {
+      using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
+      static_assert(
+          Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
+          "the table's block shape sizes the accumulators and the grid");
+      static_assert(
+          Sm90Traits::kSmemSize == bwd_sm90_smem_bytes(kHeadDim, Sm90Traits::kBlockM,
+                                                       Sm90Traits::kBlockN, kBwdSm90QdOStages),
+          "plan.h sizes the Hopper backward's shared memory as its traits do");
+      // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
+      // (only the SM80 kernels draw its keep mask) and other scales do not.
+      if (plan.variant == FwdVariant::kScoreMods) {
+        launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream);
+      } else {
+        launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream);
+      }
       run_flash_bwd_convert<Sm90Traits>(params, stream);
       return;
+    } else {
+      throw std::runtime_error(
+          "flash_attn_cuda: the plan asks for a Hopper backward that this build lacks");
     }
   }
-  if (with_score_extras) {
+  // The plain kernels assume a positive, normal softmax scale
+  // (scale_is_positive_normal); any other scale takes the general kernel,
+  // which tests for a masked score (the plan's kScoreExtras).
+  static_assert(bwd_sm80_smem_bytes(kHeadDim, Traits::kBlockM, Traits::kBlockN,
+                                    BwdTileConfig<kHeadDim>::kDoubleBufferQdO) == Traits::kSmemSize,
+                "plan.h sizes the SM80 backward's shared memory as its traits do");
+  if (plan.variant == FwdVariant::kScoreExtras) {
     launch_bwd_dq_dk_dv<Traits, true>(params, grid, stream);
-  } else if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
-    using LargeTraits = BwdTraitsFor<BwdTileConfigLargeSmem<kHeadDim>, kHeadDim, Element>;
-    static_assert(LargeTraits::kBlockN == Traits::kBlockN, "one grid for both tiles");
-    static_assert(LargeTraits::kBlockM == Traits::kBlockM &&
-                      LargeTraits::kNWarps == Traits::kNWarps &&
-                      LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ,
-                  "one dQ accumulator layout for both tiles (bwd_accum_layout.h)");
-    static_assert(LargeTraits::kAtomLayoutNdKV == Traits::kAtomLayoutNdKV,
-                  "one dK / dV sum layout for both tiles (bwd_accum_layout.h)");
-    if (params.smem_per_block_optin >= LargeTraits::kSmemSize) {
+  } else if (plan.kernel == BwdKernel::kSm80LargeSmem) {
+    if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
+      using LargeTraits = BwdTraitsFor<BwdTileConfigLargeSmem<kHeadDim>, kHeadDim, Element>;
+      static_assert(LargeTraits::kBlockN == Traits::kBlockN, "one grid for both tiles");
+      static_assert(LargeTraits::kBlockM == Traits::kBlockM &&
+                        LargeTraits::kNWarps == Traits::kNWarps &&
+                        LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ,
+                    "one dQ accumulator layout for both tiles (bwd_accum_layout.h)");
+      static_assert(LargeTraits::kAtomLayoutNdKV == Traits::kAtomLayoutNdKV,
+                    "one dK / dV sum layout for both tiles (bwd_accum_layout.h)");
+      static_assert(bwd_sm80_smem_bytes(kHeadDim, LargeTraits::kBlockM, LargeTraits::kBlockN,
+                                        BwdTileConfigLargeSmem<kHeadDim>::kDoubleBufferQdO) ==
+                        LargeTraits::kSmemSize,
+                    "plan.h sizes the SM80 backward's shared memory as its traits do");
       launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
     } else {
-      launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
+      throw std::runtime_error(
+          "flash_attn_cuda: the plan asks for a large-shared-memory backward tile that this "
+          "head dim lacks");
     }
   } else {
     launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);

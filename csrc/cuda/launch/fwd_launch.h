@@ -1,7 +1,10 @@
 // Host side of the forward kernels: grid, shared-memory opt-in and launch for
 // one (dtype, compiled head dim), with the tile shapes from fwd_tile_config.h,
-// and the choice between the SM80 kernel and the Hopper one.
+// of the kernel and grid that the plan (plan_fwd, plan.h) chose.
 #pragma once
+
+#include <stdexcept>
+#include <string>
 
 #include <cuda_runtime.h>
 
@@ -16,6 +19,7 @@
 #include "cuda/fwd/sm90/fwd_kernel_sm90.h"
 #include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
 #include "cuda/launch/dependent_launch.h"
+#include "cuda/launch/plan.h"
 
 namespace flash {
 
@@ -57,92 +61,94 @@ template <typename Element, int kHeadDim>
 using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>::kBlockMSm90,
                                               FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
 
-// The Hopper kernel's grid: one block per SM when there are more query
-// blocks than SMs, each block walking query blocks in turn
-// (fwd_kernel_sm90.h): a fixed share of them when they all do the same
-// work (fixed length, no causal or local bound); where they differ and are
-// short, the next one free, from params.tile_counter (fwd_tile_schedule.h);
-// else one block per query block, which the hardware hands out as SMs come
-// free. H100 microbench (PERF_LOG): the fixed shares ran non-causal d64 /
-// d128 3-20% faster (most at 512 keys), but causal d128 up to 21% slower than
-// the hardware's order; at d256 (no tile for O) it did not win.
-// kWithScoreMods (softcap or ALiBi) runs the kernel's variant with them on
-// the fixed-share or one-per-tile grid; the counter grid's short causal
-// tiles keep the plain rule only, one instantiation fewer per head dim.
+// The Hopper kernel on the grid the plan chose (plan_fwd in plan.cpp says when
+// each grid runs, and why): one block per SM walking query blocks in turn
+// (fwd_kernel_sm90.h), a fixed share of them (kFixedShares) or the next one
+// free from params.tile_counter (kTileCounter, fwd_tile_schedule.h); or one
+// block per query block (kOnePerTile), which the hardware hands out as SMs
+// come free (fixed shares against the hardware's order: PERF_LOG 2026-11-24
+// 688b18f). kWithScoreMods (softcap or ALiBi) runs the kernel's variant with
+// them on the fixed-share or one-per-tile grid; the counter grid's short
+// causal tiles keep the plain rule only, one instantiation fewer per head dim.
 template <typename Element, int kHeadDim, bool kWithScoreMods>
-void launch_flash_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  const auto launch = [&](auto traits, auto kernel, int64_t grid_size) {
+void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
+  const auto launch = [&](auto traits, auto kernel) {
     using Traits = decltype(traits);
-    launch_with_dynamic_smem(kernel, dim3(grid_size), dim3(Traits::kNThreads), Traits::kSmemSize,
-                             stream, params, FwdSm90Tma<Traits>::make(params),
+    if (plan.block_m != Traits::kBlockM || !FwdSm90Tma<Traits>::can_load(params)) {
+      throw std::runtime_error(
+          "flash_attn_cuda: the forward plan disagrees with the Hopper kernel (query block or "
+          "TMA rule): " +
+          describe(plan));
+    }
+    launch_with_dynamic_smem(kernel, dim3(static_cast<unsigned>(plan.grid_x)),
+                             dim3(Traits::kNThreads), Traits::kSmemSize, stream, params,
+                             FwdSm90Tma<Traits>::make(params),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
-  if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {
-    // (The rule asks for more tiles than SMs itself, counted in this grid's
-    // 128-row tiles.)
-    if (params.tile_counter != nullptr && fwd_sm90_takes_tiles_from_counter(params)) {
-      // Zeroed here, where the grid is chosen, and not by the op, which
-      // would zero it for calls that run another grid too.
-      FA_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
-      launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>, params.num_sms);
-      return;
-    }
-  }
+  static_assert(CounterTraits::kPersistent ==
+                    fwd_sm90_persistent(kHeadDim, CounterTraits::kBlockM, CounterTraits::kBlockN),
+                "plan.h's rule for a persistent Hopper forward matches the traits");
   using Traits = FwdSm90GridTraits<Element, kHeadDim>;
-  const int64_t num_tiles = fwd_sm90_num_tiles(params, Traits::kBlockM);
-  const bool more_tiles_than_sms = params.num_sms > 0 && num_tiles > params.num_sms;
-  if constexpr (Traits::kPersistent) {
-    // Fixed shares also where one block per tile would not fit grid x (a
-    // varlen batch of very many sequences: the grid counts the longest one's
-    // query blocks in each).
-    if (more_tiles_than_sms &&
-        (!fwd_tiles_differ_in_work(params) || num_tiles > kFwdSm90MaxGridTiles)) {
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>, params.num_sms);
+  static_assert(
+      Traits::kPersistent == fwd_sm90_persistent(kHeadDim, Traits::kBlockM, Traits::kBlockN),
+      "plan.h's rule for a persistent Hopper forward matches the traits");
+  static_assert(sizeof(typename Traits::Barriers) == kFwdSm90BarrierBytes);
+  switch (plan.grid) {
+    case FwdGrid::kTileCounter:
+      if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {
+        if (params.tile_counter == nullptr) break;
+        // Zeroed here, where the grid is launched, and not by the op, which
+        // would zero it for calls that run another grid too.
+        FA_CUDA_CHECK(
+            cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
+        launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>);
+        return;
+      }
+      break;
+    case FwdGrid::kFixedShares:
+      if constexpr (Traits::kPersistent) {
+        launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>);
+        return;
+      }
+      break;
+    case FwdGrid::kOnePerTile:
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>);
       return;
-    }
+    default: break;
   }
-  launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>, num_tiles);
+  throw std::runtime_error("flash_attn_cuda: no Hopper forward grid for this plan: " +
+                           describe(plan));
 }
 
+// The plan (plan_fwd) names the kernel, variant and grid; this only launches.
 template <typename Element, int kHeadDim>
-void run_flash_fwd(const FwdParams& params, cudaStream_t stream) {
-  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
-  const bool with_score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const bool with_dropout = params.dropout_p > 0.f;
-  const bool scale_positive_normal = scale_is_positive_normal(params.softmax_scale_log2);
-  const bool with_score_extras = with_score_mods || with_dropout || !scale_positive_normal;
-  if constexpr (has_sm90_forward<kHeadDim>()) {
-    // By shape (fwd_sm90_by_shape); inputs TMA cannot describe, dropout
-    // (only the SM80 kernels draw its keep mask) and a scale that is not
-    // positive (scale_is_positive_normal) run the SM80 kernel whatever was
-    // asked for.
-    const bool sm90 = params.fwd_kernel == KernelChoice::kSm90 ||
-                      (params.fwd_kernel == KernelChoice::kAuto &&
-                       fwd_sm90_by_shape(params, FwdTileConfig<kHeadDim>::kMinSeqlenKSm90,
-                                         FwdTileConfig<kHeadDim>::kMinBlocksPerSmSm90));
-    using Traits = FwdSm90GridTraits<Element, kHeadDim>;
-    // A grid of one block per tile beyond grid x's limit runs the SM80
-    // kernel's 3-D grid instead (only the persistent grids walk that many).
-    const bool grid_fits =
-        Traits::kPersistent || fwd_sm90_num_tiles(params, Traits::kBlockM) <= kFwdSm90MaxGridTiles;
-    if (sm90 && grid_fits && !with_dropout && scale_positive_normal &&
-        FwdSm90Tma<Traits>::can_load(params)) {
-      if (with_score_mods) {
-        launch_flash_fwd_sm90<Element, kHeadDim, true>(params, stream);
+void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
+  switch (plan.kernel) {
+    case FwdKernel::kNone: return;
+    case FwdKernel::kSm90:
+      if constexpr (has_sm90_forward<kHeadDim>()) {
+        if (plan.variant == FwdVariant::kScoreMods) {
+          launch_flash_fwd_sm90<Element, kHeadDim, true>(params, plan, stream);
+        } else {
+          launch_flash_fwd_sm90<Element, kHeadDim, false>(params, plan, stream);
+        }
+        break;
       } else {
-        launch_flash_fwd_sm90<Element, kHeadDim, false>(params, stream);
+        throw std::runtime_error(
+            "flash_attn_cuda: the plan asks for a Hopper forward that this "
+            "build lacks: " +
+            describe(plan));
       }
-      if (params.p_ptr != nullptr) launch_return_probs(params, stream);
-      return;
-    }
+    case FwdKernel::kSm80:
+      if (plan.variant == FwdVariant::kScoreExtras) {
+        launch_flash_fwd_variant<Element, kHeadDim, true>(params, stream);
+      } else {
+        launch_flash_fwd_variant<Element, kHeadDim, false>(params, stream);
+      }
+      break;
   }
-  if (with_score_extras) {
-    launch_flash_fwd_variant<Element, kHeadDim, true>(params, stream);
-  } else {
-    launch_flash_fwd_variant<Element, kHeadDim, false>(params, stream);
-  }
-  if (params.p_ptr != nullptr) launch_return_probs(params, stream);
+  if (plan.return_probs) launch_return_probs(params, stream);
 }
 
 }  // namespace flash

@@ -7,10 +7,12 @@
 #include <cuda_runtime.h>
 
 #include "cuda/core/params.h"
+#include "cuda/launch/plan.h"
 
 namespace flash {
 
-using FwdLauncher = void (*)(const FwdParams&, cudaStream_t);
+// Each launcher runs the kernels its pass's plan (plan.h) names.
+using FwdLauncher = void (*)(const FwdParams&, const FwdPlan&, cudaStream_t);
 
 // Null when (head_dim, dtype) was not compiled into this build.
 FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16);
@@ -19,7 +21,7 @@ struct FwdLauncherRegistration {
   FwdLauncherRegistration(int compiled_head_dim, bool is_bf16, FwdLauncher launcher);
 };
 
-using BwdLauncher = void (*)(const BwdParams&, cudaStream_t);
+using BwdLauncher = void (*)(const BwdParams&, const BwdPlan&, cudaStream_t);
 
 // Null when the backward of (head_dim, dtype) was not compiled into this build.
 BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16);
@@ -28,7 +30,7 @@ struct BwdLauncherRegistration {
   BwdLauncherRegistration(int compiled_head_dim, bool is_bf16, BwdLauncher launcher);
 };
 
-using SplitKvLauncher = void (*)(const KvcacheParams&, cudaStream_t);
+using SplitKvLauncher = void (*)(const KvcacheParams&, const DecodePlan&, cudaStream_t);
 
 // Null when fwd_kvcache's attention for (head_dim, dtype) was not compiled in.
 SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16);
@@ -36,5 +38,9 @@ SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16);
 struct SplitKvLauncherRegistration {
   SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16, SplitKvLauncher launcher);
 };
+
+// Whether the build has sm_90a machine code (FLASH_ATTN_HAS_SM90A, which
+// setup.py gives nvcc only): the plans' DeviceDesc::sm90a_built.
+bool built_with_sm90a();
 
 }  // namespace flash

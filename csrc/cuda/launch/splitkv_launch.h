@@ -1,7 +1,9 @@
 // Host side of fwd_kvcache's attention: the split-KV kernel over the cache,
 // then (num_splits > 1) the combine kernel, for one (dtype, compiled head dim).
 // The append / rotary step runs before this (kvcache_append_rotary.h), or in
-// the split-KV kernel (params.append_in_attention).
+// the split-KV kernel (plan.append_in_attention). The plan (plan_decode,
+// plan.h) picked the variant, split count, grid, clusters and shared memory;
+// the op copied the fields the kernels read into the params.
 #pragma once
 
 #include <stdexcept>
@@ -16,27 +18,29 @@
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/launch/dependent_launch.h"
+#include "cuda/launch/plan.h"
 
 namespace flash {
 
 template <typename Element, int kHeadDim, int kWarpsN>
-void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
+void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
+                              cudaStream_t stream) {
   using Traits =
       SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps, Element>;
   const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
   const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
   // Work items (splitkv_work_item.h) on x, which has no 65535 limit; the host
-  // checked that they fit an int. params.splitkv_grid_blocks < num_items
-  // launches the persistent grid, each block running several items.
+  // checked that they fit an int. plan.grid_blocks < num_items launches the
+  // persistent grid, each block running several items.
   const int64_t num_items =
       int64_t(params.batch) * params.nheads_k * num_m_blocks * params.num_splits;
-  const bool several_items = params.splitkv_grid_blocks < num_items;
-  const dim3 grid(static_cast<unsigned>(several_items ? params.splitkv_grid_blocks : num_items));
+  const bool several_items = plan.grid_blocks < num_items;
+  const dim3 grid(static_cast<unsigned>(several_items ? plan.grid_blocks : num_items));
   const bool with_score_extras = splitkv_has_score_extras(params);
   // Only the decode variant's plain kernel has one instance per cache layout
-  // (it carries the decode benchmarks; H200, batch 64: 3% faster over a
-  // contiguous cache without the paged path's per-row addressing), and over
+  // (it carries the decode benchmarks; a contiguous cache skips the paged
+  // path's per-row addressing: PERF_LOG 2026-11-23 47fdf30, 9ba5ee6), and over
   // a contiguous cache a persistent one (splitkv_grid_blocks); the others
   // serve both layouts with a block per item (six split-KV kernels per file).
   if (several_items && (kWarpsN == 1 || with_score_extras || params.block_table != nullptr)) {
@@ -44,18 +48,23 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
         "flash_attn_cuda: fwd_kvcache: a persistent split-KV grid needs the decode variant's "
         "plain kernel over a contiguous cache");
   }
-  // The append / rotary in the kernel (params.append_in_attention) has
+  // The append / rotary in the kernel (plan.append_in_attention) has
   // instances for the decode variant's plain kernels of one block per item.
   // Its table rows and new rows assume one query block (row 0 on).
-  if (params.append_in_attention &&
+  if (plan.append_in_attention != params.append_in_attention ||
+      plan.num_splits != params.num_splits) {
+    throw std::runtime_error(
+        "flash_attn_cuda: fwd_kvcache: the params disagree with the decode plan");
+  }
+  if (plan.append_in_attention &&
       (several_items || kWarpsN == 1 || with_score_extras || num_m_blocks != 1)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: only the decode variant's plain kernel with a block per "
-        "item and one query block appends itself (params.append_in_attention must be false)");
+        "item and one query block appends itself (plan.append_in_attention must be false)");
   }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
-      if (params.append_in_attention) {
+      if (plan.append_in_attention) {
         return params.block_table != nullptr
                    ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false, true>
                    : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false,
@@ -78,38 +87,38 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) 
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
   const int kernel_smem =
-      params.append_in_attention ? splitkv_append_smem_bytes(kHeadDim, kWarpsN) : kSmemSize;
-  const int smem_bytes =
-      several_items
-          ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
-          : (params.splitkv_launch_smem > kernel_smem ? params.splitkv_launch_smem : kernel_smem);
+      plan.append_in_attention ? splitkv_append_smem_bytes(kHeadDim, kWarpsN) : kSmemSize;
+  const int smem_bytes = several_items
+                             ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
+                             : (plan.launch_smem > kernel_smem ? plan.launch_smem : kernel_smem);
   LaunchOptions options;
-  options.programmatic = params.programmatic_launch;
-  options.cluster_x = params.splitkv_cluster_x;
+  options.programmatic = plan.programmatic_launch;
+  options.cluster_x = plan.cluster_x;
   launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);
 }
 
-// The host picked the variant (params.splitkv_warps_n, splitkv_warps_n_for)
-// and sized the split count for it.
+// The plan picked the variant (plan.warps_n, splitkv_warps_n_for) and sized
+// the split count for it.
 template <typename Element, int kHeadDim>
-void run_flash_fwd_splitkv(const KvcacheParams& params, cudaStream_t stream) {
+void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
+                           cudaStream_t stream) {
   constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
-  if (params.splitkv_warps_n == kDecodeWarpsN) {
-    launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, stream);
-  } else if (params.splitkv_warps_n == 1) {
-    launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, stream);
+  if (plan.warps_n == kDecodeWarpsN) {
+    launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, plan, stream);
+  } else if (plan.warps_n == 1) {
+    launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, plan, stream);
   } else {
     throw std::runtime_error("flash_attn_cuda: fwd_kvcache: no split-KV kernel variant with " +
-                             std::to_string(params.splitkv_warps_n) + " warps along the keys");
+                             std::to_string(plan.warps_n) + " warps along the keys");
   }
-  if (params.num_splits > 1) {
+  if (plan.num_splits > 1) {
     const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;
     if (rows > 0x7fffffff) {
       throw std::runtime_error(
           "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
     }
     LaunchOptions options;
-    options.programmatic = params.programmatic_launch;
+    options.programmatic = plan.programmatic_launch;
     launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
               dim3(kCombineThreads), 0, stream, options, params);
   }

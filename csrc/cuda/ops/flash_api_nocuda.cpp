@@ -5,8 +5,10 @@
 // or, worse, some future fallback could pick a slower path silently. Each op
 // gets a CUDA kernel that says what happened and how to fix it.
 //
-// setup.py compiles this file instead of csrc/cuda/*.cpp when it builds CPU-only.
-// Keep the op list in step with the schemas in csrc/flash_api.cpp.
+// setup.py compiles this file instead of csrc/cuda/**/*.cpp when it builds
+// CPU-only (the plain C++ of the plans, launch/plan.cpp and
+// ops/plan_debug_ops.cpp, is compiled in both). Keep the op list in step with
+// the schemas in csrc/flash_api.cpp.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

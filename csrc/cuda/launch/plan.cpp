@@ -1,0 +1,604 @@
+// The plans of plan.h. Plain C++: compiled into every build, CPU-only ones
+// included, so that the debug ops can describe a plan for any device.
+#include "cuda/launch/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
+
+namespace flash {
+
+KernelOverride parse_kernel_override(const char* value) {
+  if (value != nullptr && std::strcmp(value, "sm80") == 0) return KernelOverride::kSm80;
+  if (value != nullptr && std::strcmp(value, "sm90") == 0) return KernelOverride::kSm90;
+  return KernelOverride::kNone;
+}
+
+const char* kernel_override_name(KernelOverride value) {
+  switch (value) {
+    case KernelOverride::kSm80: return "sm80";
+    case KernelOverride::kSm90: return "sm90";
+    default: return "none";
+  }
+}
+
+KernelChoice kernel_choice(const DeviceDesc& device, KernelOverride override_kernel) {
+  if (device.cc_major != 9 || device.cc_minor != 0) return KernelChoice::kSm80;
+  if (override_kernel == KernelOverride::kSm80) return KernelChoice::kSm80;
+  if (override_kernel == KernelOverride::kSm90) return KernelChoice::kSm90;
+  return KernelChoice::kAuto;
+}
+
+namespace {
+
+bool tma_can_describe(const void* ptr, int rows, int head_dim, int heads, int batch,
+                      const QKVStrides& strides) {
+  auto ok = [](int64_t extent, int64_t stride) {
+    return extent == 1 || (stride > 0 && stride % 8 == 0 && stride < (int64_t(1) << 38));
+  };
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && rows > 0 && head_dim % 8 == 0 && heads > 0 &&
+         batch > 0 && ok(rows, strides.row_stride) && ok(heads, strides.head_stride) &&
+         ok(batch, strides.batch_stride);
+}
+
+int tma_q_rows(const FwdParams& p) { return p.cu_seqlens_q ? p.total_q : p.seqlen_q; }
+int tma_k_rows(const FwdParams& p) { return p.cu_seqlens_q ? p.total_k : p.seqlen_k; }
+int tma_batches(const FwdParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
+
+}  // namespace
+
+bool fwd_tma_can_load(const FwdParams& p) {
+  return tma_can_describe(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
+         tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
+         tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+}
+
+bool bwd_tma_can_load(const BwdParams& p) {
+  return fwd_tma_can_load(p) &&
+         tma_can_describe(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout);
+}
+
+// ---------------------------------------------------------------- forward
+
+namespace {
+
+// A row of FwdTileConfig, read at run time.
+struct FwdTileRow {
+  int block_m, block_n, num_warps, block_n_extras, num_warps_extras;
+  int block_m_sm90, block_n_sm90, min_seqlen_k_sm90, min_blocks_per_sm_sm90;
+};
+
+template <int kHeadDim>
+constexpr FwdTileRow fwd_tile_row_of() {
+  using C = FwdTileConfig<kHeadDim>;
+  return {C::kBlockM,       C::kBlockN,         C::kNWarps,
+          C::kBlockNExtras, C::kNWarpsExtras,   C::kBlockMSm90,
+          C::kBlockNSm90,   C::kMinSeqlenKSm90, C::kMinBlocksPerSmSm90};
+}
+
+FwdTileRow fwd_tile_row(int compiled_head_dim) {
+  switch (compiled_head_dim) {
+    case 32: return fwd_tile_row_of<32>();
+    case 64: return fwd_tile_row_of<64>();
+    case 96: return fwd_tile_row_of<96>();
+    case 128: return fwd_tile_row_of<128>();
+    case 160: return fwd_tile_row_of<160>();
+    case 192: return fwd_tile_row_of<192>();
+    case 224: return fwd_tile_row_of<224>();
+    case 256: return fwd_tile_row_of<256>();
+    default: return {};
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
+
+// Why the Hopper forward does not take a call that its build and tile table
+// would allow, or null if it does.
+const char* fwd_sm90_refusal(const FwdParams& params, const DeviceDesc& device,
+                             const FwdTileRow& row, bool grid_fits, bool tma_ok) {
+  const bool dropout = params.dropout_p > 0.f;
+  if (params.fwd_kernel == KernelChoice::kSm80) {
+    return device.cc_major == 9 && device.cc_minor == 0
+               ? "FLASH_ATTN_FWD_KERNEL=sm80 forces the SM80 kernel"
+               : "not an sm90 device: the SM80 kernel";
+  }
+  if (params.fwd_kernel == KernelChoice::kAuto &&
+      !fwd_sm90_by_shape(params, row.min_seqlen_k_sm90, row.min_blocks_per_sm_sm90)) {
+    return "fewer keys than the table's kMinSeqlenKSm90 and fewer 128-row query blocks than "
+           "kMinBlocksPerSmSm90 per SM (fwd_sm90_by_shape): the SM80 kernel";
+  }
+  if (!grid_fits) return "more tiles than a grid x holds: the SM80 kernel's 3-D grid";
+  if (dropout) return "dropout: only the SM80 kernels draw its keep mask";
+  if (!scale_is_positive_normal(params.softmax_scale_log2)) {
+    return "softmax scale not positive and normal: the SM80 kernel's general variant";
+  }
+  if (!tma_ok) return "TMA cannot describe q / k / v (alignment or strides): the SM80 kernel";
+  return nullptr;
+}
+
+}  // namespace
+
+FwdPlan plan_fwd(const FwdParams& call, const DeviceDesc& device, KernelOverride override_kernel,
+                 bool tma_ok) {
+  FwdParams params = call;
+  params.num_sms = device.num_sms;
+  params.fwd_kernel = kernel_choice(device, override_kernel);
+  FwdPlan plan;
+  plan.choice = params.fwd_kernel;
+  if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) {
+    plan.reason = "no query row, head or batch entry: nothing to launch";
+    return plan;
+  }
+  plan.return_probs = params.p_ptr != nullptr;
+  const int compiled = round_up_head_dim(params.head_dim);
+  const FwdTileRow row = fwd_tile_row(compiled);
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool score_extras =
+      score_mods || params.dropout_p > 0.f || !scale_is_positive_normal(params.softmax_scale_log2);
+
+  const char* sm80_reason = nullptr;
+  if (!device.sm90a_built) {
+    sm80_reason = "no sm_90a code in this build: the SM80 kernel";
+  } else if (row.block_n_sm90 <= 0) {
+    sm80_reason = "no Hopper tile at this head dim (FwdTileConfig block N 0): the SM80 kernel";
+  } else {
+    const bool persistent = fwd_sm90_persistent(compiled, row.block_m_sm90, row.block_n_sm90);
+    const int64_t num_tiles = fwd_sm90_num_tiles(params, row.block_m_sm90);
+    // Only the persistent grids walk more tiles than grid x holds.
+    const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
+    sm80_reason = fwd_sm90_refusal(params, device, row, grid_fits, tma_ok);
+    if (sm80_reason == nullptr) {
+      plan.kernel = FwdKernel::kSm90;
+      plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
+      plan.block_n = row.block_n_sm90;
+      // The counter grid runs 128-row tiles and the plain rule only (one
+      // instantiation fewer per head dim).
+      if (fwd_sm90_persistent(compiled, kFwdSm90BlockM, row.block_n_sm90) && !score_mods &&
+          fwd_sm90_takes_tiles_from_counter(params)) {
+        plan.grid = FwdGrid::kTileCounter;
+        plan.block_m = kFwdSm90BlockM;
+        plan.grid_x = device.num_sms;
+        plan.reason =
+            "Hopper kernel; short tiles of differing work, more than SMs: persistent grid taking "
+            "tiles from a counter (fwd_sm90_takes_tiles_from_counter)";
+      } else {
+        plan.block_m = row.block_m_sm90;
+        const bool more_tiles_than_sms = device.num_sms > 0 && num_tiles > device.num_sms;
+        // Fixed shares also where one block per tile would not fit grid x.
+        if (persistent && more_tiles_than_sms &&
+            (!fwd_tiles_differ_in_work(params) || num_tiles > kFwdSm90MaxGridTiles)) {
+          plan.grid = FwdGrid::kFixedShares;
+          plan.grid_x = device.num_sms;
+          plan.reason =
+              "Hopper kernel; tiles of equal work, more than SMs: persistent grid of fixed shares";
+        } else {
+          plan.grid = FwdGrid::kOnePerTile;
+          plan.grid_x = num_tiles;
+          plan.reason = !persistent ? "Hopper kernel; no separate O tile at this head dim: one "
+                                      "block per tile"
+                        : !more_tiles_than_sms
+                            ? "Hopper kernel; no more tiles than SMs: one block per tile"
+                            : "Hopper kernel; tiles of differing work: one block per tile, handed "
+                              "out by the hardware";
+        }
+      }
+      plan.num_warps = 4 * (plan.block_m / 64) + 4;  // MMA warpgroups and the producer's
+      return plan;
+    }
+  }
+  plan.kernel = FwdKernel::kSm80;
+  plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
+  plan.grid = FwdGrid::kHeadsBatch;
+  plan.block_m = row.block_m;
+  plan.block_n = score_extras ? row.block_n_extras : row.block_n;
+  plan.num_warps = score_extras ? row.num_warps_extras : row.num_warps;
+  plan.grid_x = ceil_div(params.seqlen_q, plan.block_m);
+  plan.grid_y = params.nheads;
+  plan.grid_z = params.batch;
+  plan.reason = sm80_reason;
+  return plan;
+}
+
+// --------------------------------------------------------------- backward
+
+namespace {
+
+struct BwdTileRow {
+  int block_m = 0, block_n = 0, block_m_sm90 = 0;
+  bool large_smem_exists = false, large_smem_double_buffer = false;
+};
+
+template <int kHeadDim>
+constexpr BwdTileRow bwd_tile_row_of() {
+  using C = BwdTileConfig<kHeadDim>;
+  using L = BwdTileConfigLargeSmem<kHeadDim>;
+  BwdTileRow row{C::kBlockM, C::kBlockN, C::kBlockMSm90, L::kExists, false};
+  if constexpr (L::kExists) row.large_smem_double_buffer = L::kDoubleBufferQdO;
+  return row;
+}
+
+BwdTileRow bwd_tile_row(int compiled_head_dim) {
+  switch (compiled_head_dim) {
+    case 32: return bwd_tile_row_of<32>();
+    case 64: return bwd_tile_row_of<64>();
+    case 96: return bwd_tile_row_of<96>();
+    case 128: return bwd_tile_row_of<128>();
+    case 160: return bwd_tile_row_of<160>();
+    case 192: return bwd_tile_row_of<192>();
+    case 224: return bwd_tile_row_of<224>();
+    case 256: return bwd_tile_row_of<256>();
+    default: return {};
+  }
+}
+
+// Deterministic dQ: each of num_splits thread blocks per (batch, head) owns one
+// fp32 slice and walks its key blocks in order, so every element's additions
+// happen in a fixed order; the slices are summed in order afterwards. Enough
+// splits to keep about two blocks per SM, never more than there are key blocks.
+int deterministic_dq_splits(int batch, int nheads, int max_seqlen_k, int block_n, int sm_count) {
+  const int num_n_blocks = (max_seqlen_k + block_n - 1) / block_n;
+  const int64_t heads_total = std::max<int64_t>(int64_t(batch) * nheads, 1);
+  const int64_t wanted = (2 * int64_t(sm_count) + heads_total - 1) / heads_total;
+  return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::max(num_n_blocks, 1)));
+}
+
+}  // namespace
+
+BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
+                 bool tma_ok) {
+  BwdPlan plan;
+  plan.choice = kernel_choice(device, override_kernel);
+  if (params.batch == 0 || params.nheads == 0 || params.seqlen_q == 0 || params.seqlen_k == 0) {
+    plan.reason = "no query, key, head or batch entry: every gradient is zero";
+    return plan;
+  }
+  const int compiled = round_up_head_dim(params.head_dim);
+  const BwdTileRow row = bwd_tile_row(compiled);
+  plan.block_m = row.block_m;
+  plan.block_n = row.block_n;
+  plan.num_splits = params.deterministic
+                        ? deterministic_dq_splits(params.batch, params.nheads, params.seqlen_k,
+                                                  row.block_n, device.num_sms)
+                        : 1;
+  plan.grid_x = params.deterministic ? plan.num_splits : ceil_div(params.seqlen_k, row.block_n);
+  plan.grid_y = params.nheads;
+  plan.grid_z = params.batch;
+
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool dropout = params.dropout_p > 0.f;
+  const bool scale_ok = scale_is_positive_normal(params.softmax_scale_log2);
+  const bool score_extras = score_mods || dropout || !scale_ok;
+
+  const char* sm80_reason = nullptr;
+  if (!device.sm90a_built) {
+    sm80_reason = "no sm_90a code in this build";
+  } else if (row.block_m_sm90 <= 0) {
+    sm80_reason = "no Hopper tile at this head dim (BwdTileConfig kBlockMSm90 0)";
+  } else if (plan.choice == KernelChoice::kSm80) {
+    sm80_reason = device.cc_major == 9 && device.cc_minor == 0
+                      ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
+                      : "not an sm90 device";
+  } else if (dropout) {
+    sm80_reason = "dropout: only the SM80 kernels draw its keep mask";
+  } else if (!scale_ok) {
+    sm80_reason = "softmax scale not positive and normal";
+  } else if (device.smem_per_block_optin <
+             bwd_sm90_smem_bytes(compiled, row.block_m_sm90, row.block_n, kBwdSm90QdOStages)) {
+    sm80_reason = "the device's blocks cannot hold the Hopper kernel's shared memory";
+  } else if (!tma_ok) {
+    sm80_reason = "TMA cannot describe q / dO / k / v (alignment or strides)";
+  } else {
+    plan.kernel = BwdKernel::kSm90;
+    plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
+    plan.block_m = row.block_m_sm90;
+    plan.reason = "Hopper kernel";
+    return plan;
+  }
+  plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
+  plan.kernel = BwdKernel::kSm80;
+  plan.reason = sm80_reason;
+  // The large-shared-memory tile: plain variant only, where the device has room.
+  if (!score_extras && row.large_smem_exists &&
+      device.smem_per_block_optin >=
+          bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.large_smem_double_buffer)) {
+    plan.kernel = BwdKernel::kSm80LargeSmem;
+  }
+  return plan;
+}
+
+// ----------------------------------------------------------------- decode
+
+namespace {
+
+// Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
+// once: 128 threads of at most 255 registers, so two always fit the register
+// file; shared memory may allow fewer.
+int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
+  return std::clamp<int64_t>(
+      int64_t(device.smem_per_sm) / (smem_bytes + int64_t(device.reserved_smem_per_block)), 1, 2);
+}
+
+// Splits of the key range for num_splits = 0. Decode reads the cache once, so
+// what matters is keeping every SM busy until the end: the grid is cut into
+// waves of (SMs x resident blocks per SM), and a last wave that is mostly
+// empty leaves most of the memory system idle. Among the split counts whose
+// fill of the waves is at least 95% of the best one's, the smallest wins
+// (fewer partial results to write and merge; a looser tolerance left paged
+// caches an emptier last wave: PERF_LOG 2026-11-22 5987c63). No more splits than key blocks of the
+// cache capacity (the per-batch lengths live on the device), at most kMaxKvSplits. An explicit
+// count is honoured up to the same caps.
+int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
+                     int compiled_head_dim, int warps_n, bool paged, const DeviceDesc& device,
+                     const char** reason) {
+  const int block_n = splitkv_block_n(compiled_head_dim);
+  const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
+  const int cap = std::min(kMaxKvSplits, num_n_blocks);
+  if (requested > 0) {
+    *reason = "num_splits as requested, capped at the key blocks and kMaxKvSplits";
+    return static_cast<int>(std::min<int64_t>(requested, cap));
+  }
+  // The decode variant over a contiguous cache is meant to run one block per
+  // SM (splitkv_stages); over a paged one its page lookups lengthen each
+  // tile's copy, which a second block per SM hides (PERF_LOG 2026-11-22
+  // 0296a76).
+  const int64_t blocks_per_sm =
+      warps_n > 1 && !paged
+          ? 1
+          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n), device);
+  const int64_t slots = std::max<int64_t>(1, blocks_per_sm * device.num_sms);
+  const int64_t base = std::max<int64_t>(blocks_without_split, 1);
+  auto wave_efficiency = [&](int splits) {
+    const double waves = double(base * splits) / double(slots);
+    return waves / std::ceil(waves);
+  };
+  constexpr double kFillTolerance = 0.95;
+  if (wave_efficiency(1) >= kFillTolerance) {  // no split count can beat it by more
+    *reason = "no split: the grid already fills its waves to 95%";
+    return 1;
+  }
+  double best = 0.0;
+  for (int splits = 1; splits <= cap; ++splits) best = std::max(best, wave_efficiency(splits));
+  for (int splits = 1; splits <= cap; ++splits) {
+    if (wave_efficiency(splits) >= kFillTolerance * best) {
+      *reason = "the fewest splits whose waves fill within 95% of the best count's";
+      return splits;
+    }
+  }
+  *reason = "no split";
+  return 1;
+}
+
+// Key tiles per block below which the decode variant over a contiguous cache
+// runs two blocks per SM, whatever the grid (splitkv_launch_smem_bytes,
+// splitkv_grid_blocks).
+constexpr int kShortRunKeyBlocks = 16;
+
+// Key tiles of the cache capacity that one split-KV work item streams.
+int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int num_splits) {
+  return cache_capacity / std::max(num_splits, 1) / splitkv_block_n(compiled_head_dim);
+}
+
+// Shared memory to launch the split-KV kernel with. The decode variant over a
+// contiguous cache streams best one block per SM once each block has a long
+// run of keys (kLongRunKeyBlocks; PERF_LOG 2026-11-22 980a53e). Short runs
+// prefer the second block, which hides each block's start, as long as two per
+// SM hold the whole grid at once; a grid that needs more waves than that also
+// streams best one block per SM (PERF_LOG 2026-11-23 a44e49e), unless its
+// blocks run very few key tiles: such a block spends most of its time in its
+// fixed latency (Q, the first tile, the merge and the stores), which a second
+// block per SM overlaps (kShortRunKeyBlocks; PERF_LOG 2026-11-23 d04c754).
+// With 128 threads, shared memory is what bounds the blocks per SM, so a block
+// meant to run alone asks for just over half of the SM's. Paged caches keep
+// two (choose_kv_splits).
+int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, int cache_capacity,
+                              int num_splits, int64_t grid_blocks, const DeviceDesc& device) {
+  const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n);
+  if (warps_n == 1 || paged) return tiles_smem;
+  constexpr int kLongRunKeyBlocks = 128;
+  const int key_blocks_per_block =
+      splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
+  const bool long_runs = key_blocks_per_block >= kLongRunKeyBlocks;
+  const bool short_runs = key_blocks_per_block < kShortRunKeyBlocks;
+  const bool one_wave_of_two = grid_blocks <= 2 * int64_t(device.num_sms);
+  if (!long_runs && (one_wave_of_two || short_runs)) return tiles_smem;
+  const int one_per_sm = device.smem_per_sm / 2 - device.reserved_smem_per_block + 16;
+  return std::clamp(one_per_sm, tiles_smem, std::max(tiles_smem, device.smem_per_block_optin));
+}
+
+// Thread blocks to launch the split-KV kernel with. The decode variant over a
+// contiguous cache runs one block per SM when two blocks per SM cannot hold
+// all its work items at once and each item streams kShortRunKeyBlocks to
+// kShortItemKeyBlocks - 1 key tiles (1k-4k keys at d128), the grids that
+// otherwise run one block per SM of one item each (splitkv_launch_smem_bytes):
+// each block streams the K/V tiles of several items back to back, the next
+// item's first tiles in flight while the current one is finished
+// (splitkv_kernel.h), instead of every item waiting out the start of a block
+// of its own (PERF_LOG 2026-11-23 f3875b4). Left to one block per item:
+// shorter items, which run two blocks per SM (two blocks per SM overlap each
+// other's merge and stores, one block's items wait for its own); items of 4k
+// keys and more, where the hardware, handing out blocks as SMs free up,
+// balances the SMs as well as a fixed share of items each; grids that two
+// blocks per SM hold at once. Once a persistent block merged each item while
+// the next one streamed, the range was measured again and kept (PERF_LOG
+// 2026-11-23 cccce8e). Nor does a grid whose SMs would each stream more than
+// kPersistentMaxKeyBlocksPerSm key tiles (4 MB of K/V at d128): with that
+// much work per SM, the hardware's hand-out again beats the fixed shares,
+// even at 16-63 tiles per item (PERF_LOG 2026-11-23 cb520b2). Paged caches
+// run two blocks per SM (choose_kv_splits); softcap / ALiBi, the 64-row
+// variant, or a device whose blocks cannot hold the persistent block's shared
+// memory keep one block per item (the persistent kernel is compiled for the
+// plain decode path only).
+int64_t splitkv_grid_blocks(int compiled_head_dim, int warps_n, bool paged, bool score_extras,
+                            int cache_capacity, int num_splits, int64_t num_items,
+                            const DeviceDesc& device) {
+  const int64_t sms = device.num_sms;
+  constexpr int kShortItemKeyBlocks = 64;
+  constexpr int64_t kPersistentMaxKeyBlocksPerSm = 128;
+  const int key_blocks_per_item =
+      splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
+  const bool persistent =
+      warps_n > 1 && !paged && !score_extras && num_items > 2 * sms &&
+      key_blocks_per_item >= kShortRunKeyBlocks && key_blocks_per_item < kShortItemKeyBlocks &&
+      num_items * key_blocks_per_item <= kPersistentMaxKeyBlocksPerSm * sms &&
+      splitkv_smem_bytes(compiled_head_dim, warps_n, true) <= device.smem_per_block_optin;
+  return persistent ? sms : num_items;
+}
+
+// Thread blocks per cluster for the split-KV kernel, along grid x: the
+// blocks of neighbouring kv heads of one batch entry, which on flash-attn's
+// (b, s, hk, d) cache read neighbouring 256-byte pieces of each key's span.
+// Launched as clusters of 2, such pairs run at the same time on one GPC, and
+// the decode variant over a contiguous cache runs faster so; the kernel uses
+// nothing else of the cluster, and we have not pinned down why the placement
+// helps (PERF_LOG 2026-11-23 7648e81). Clusters of 4 or 8 leave fewer SMs
+// usable at one block per SM (a cluster runs within one GPC).
+// Paged caches, which launch two blocks per SM, were not measured with
+// clusters and keep none. A persistent grid (splitkv_grid_blocks) keeps none:
+// its blocks run items of a stride apart.
+int splitkv_cluster_x(int warps_n, bool paged, int64_t batch_heads, bool persistent,
+                      const DeviceDesc& device) {
+  constexpr int kCluster = 2;
+  const bool clusters_exist = device.cc_major >= 9;
+  return clusters_exist && warps_n > 1 && !paged && !persistent && batch_heads % kCluster == 0
+             ? kCluster
+             : 1;
+}
+
+// Whether the split-KV kernel does a call's append / rotary itself
+// (params.append_in_attention) instead of a kernel before it. Each of its
+// blocks copies its query rows, new keys / values and rotary table rows into
+// shared memory with its first tile and rotates them there, and the step
+// saves the pre-kernel's run and the wait for it (PERF_LOG 2026-11-23
+// b82fd11, 2026-11-24 13ddd85). The pre-kernel stays for the variants
+// compiled without the append (the persistent grid, softcap / ALiBi, the
+// 64-row variant), for appends longer than kAppendInAttentionMaxRows, rotary
+// dims that are not a multiple of 16 or tables not 16-byte aligned (the
+// kernel rotates 16-element units from 16-byte copies), local windows that
+// hide a new key from every query (a block loads only new keys of tiles it
+// attends to), where the table rows' shared memory would cost the grid
+// resident blocks, and for grids of more than kAppendInAttentionMaxWaves
+// waves: each block adds its rotation to its wave (PERF_LOG 2026-11-24
+// b4049f2).
+constexpr int64_t kAppendInAttentionMaxWaves = 4;
+bool append_in_attention_fits(const DecodeShape& shape, const DecodePlan& plan,
+                              const DeviceDesc& device) {
+  const int warps_n = plan.warps_n;
+  if (warps_n == 1 || shape.score_extras || plan.num_m_blocks != 1 ||
+      plan.grid_blocks != plan.num_items || shape.seqlen_new > kAppendInAttentionMaxRows) {
+    return false;
+  }
+  if (shape.rotary_dim > 0 && (shape.rotary_dim % 16 != 0 || !shape.rotary_tables_aligned)) {
+    return false;
+  }
+  // The queries' keys reach down to key_diagonal(0) - window_left =
+  // seqlen_k - seqlen_q - window_left, and up to the last key.
+  if (shape.window_left >= 0 && shape.seqlen_new > shape.seqlen_q + shape.window_left) {
+    return false;
+  }
+  const int launch_smem =
+      std::max(plan.launch_smem, splitkv_append_smem_bytes(plan.compiled_head_dim, warps_n));
+  const int64_t blocks_per_sm = splitkv_blocks_per_sm(plan.launch_smem, device);
+  return launch_smem <= device.smem_per_block_optin &&
+         splitkv_blocks_per_sm(launch_smem, device) == blocks_per_sm &&
+         plan.num_items <= kAppendInAttentionMaxWaves * blocks_per_sm * device.num_sms;
+}
+
+}  // namespace
+
+DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
+  DecodePlan plan;
+  plan.compiled_head_dim = round_up_head_dim(shape.head_dim);
+  plan.programmatic_launch = device.cc_major >= 9;
+  const int compiled = plan.compiled_head_dim;
+  const int group = shape.nheads_k > 0 ? shape.nheads / shape.nheads_k : 0;
+  const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
+  plan.warps_n = splitkv_warps_n_for(compiled, rows_per_kv_head, device.smem_per_block_optin);
+  plan.block_m = splitkv_block_m(plan.warps_n);
+  plan.num_m_blocks = ceil_div(rows_per_kv_head, plan.block_m);
+  const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * plan.num_m_blocks;
+  plan.num_splits =
+      choose_kv_splits(shape.requested_splits, blocks_without_split, shape.cache_capacity, compiled,
+                       plan.warps_n, shape.paged, device, &plan.reason);
+  plan.num_items = blocks_without_split * plan.num_splits;
+  plan.launch_smem =
+      splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, shape.cache_capacity,
+                                plan.num_splits, plan.num_items, device);
+  plan.grid_blocks =
+      splitkv_grid_blocks(compiled, plan.warps_n, shape.paged, shape.score_extras,
+                          shape.cache_capacity, plan.num_splits, plan.num_items, device);
+  plan.cluster_x =
+      splitkv_cluster_x(plan.warps_n, shape.paged, int64_t(shape.batch) * shape.nheads_k,
+                        plan.grid_blocks < plan.num_items, device);
+  plan.append_in_attention =
+      (shape.appending || shape.rotary_dim > 0) && append_in_attention_fits(shape, plan, device);
+  return plan;
+}
+
+// ------------------------------------------------------------- description
+
+namespace {
+
+const char* choice_name(KernelChoice choice) {
+  switch (choice) {
+    case KernelChoice::kSm80: return "sm80";
+    case KernelChoice::kAuto: return "auto";
+    case KernelChoice::kSm90: return "sm90";
+  }
+  return "?";
+}
+
+const char* variant_name(FwdVariant variant) {
+  switch (variant) {
+    case FwdVariant::kPlain: return "plain";
+    case FwdVariant::kScoreExtras: return "score_extras";
+    case FwdVariant::kScoreMods: return "score_mods";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string describe(const FwdPlan& plan) {
+  static const char* const kKernels[] = {"none", "sm80", "sm90"};
+  static const char* const kGrids[] = {"heads_batch", "one_per_tile", "fixed_shares",
+                                       "tile_counter"};
+  std::ostringstream out;
+  out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
+      << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
+      << " block_n=" << plan.block_n << " warps=" << plan.num_warps
+      << " grid_kind=" << kGrids[int(plan.grid)] << " grid=" << plan.grid_x << "x" << plan.grid_y
+      << "x" << plan.grid_z << " return_probs=" << int(plan.return_probs)
+      << " reason: " << plan.reason;
+  return out.str();
+}
+
+std::string describe(const BwdPlan& plan) {
+  static const char* const kKernels[] = {"none", "sm80", "sm80_large_smem", "sm90"};
+  std::ostringstream out;
+  out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
+      << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
+      << " block_n=" << plan.block_n << " splits=" << plan.num_splits << " grid=" << plan.grid_x
+      << "x" << plan.grid_y << "x" << plan.grid_z << " reason: " << plan.reason;
+  return out.str();
+}
+
+std::string describe(const DecodePlan& plan) {
+  std::ostringstream out;
+  out << "kernel=splitkv head_dim=" << plan.compiled_head_dim << " warps_n=" << plan.warps_n
+      << " block_m=" << plan.block_m << " m_blocks=" << plan.num_m_blocks
+      << " splits=" << plan.num_splits << " items=" << plan.num_items
+      << " smem=" << plan.launch_smem << " grid=" << plan.grid_blocks
+      << " persistent=" << int(plan.grid_blocks < plan.num_items) << " cluster=" << plan.cluster_x
+      << " append_in_attention=" << int(plan.append_in_attention)
+      << " programmatic=" << int(plan.programmatic_launch) << " reason: " << plan.reason;
+  return out.str();
+}
+
+}  // namespace flash

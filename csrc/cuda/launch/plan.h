@@ -1,0 +1,204 @@
+// Which kernel runs a call, and why: one plan function per pass.
+//
+//   plan_fwd    fwd / varlen_fwd: the SM80 or the Hopper forward, its
+//               variant, tile and grid (one block per tile, fixed shares of
+//               a persistent grid, or tiles from a counter).
+//   plan_bwd    bwd / varlen_bwd: the SM80 backward (the table's tile or the
+//               large-shared-memory one) or the Hopper one, its variant, the
+//               deterministic dQ splits and the main kernel's grid.
+//   plan_decode fwd_kvcache: the split-KV variant (rows per block), the
+//               split count, the launch's shared memory, the grid (one block
+//               per work item or persistent), clusters, and whether the
+//               attention kernel does the append / rotary itself.
+//
+// Each is a pure function of the call's shape and score rule, of a
+// description of the device (DeviceDesc), of the kernel override the op read
+// from the environment, and of the facts about the call's tensors that only
+// the op can see (whether TMA can describe them, whether the rotary tables
+// are aligned). The op layer (csrc/cuda/ops/) makes the plan once per call
+// and sizes its buffers from it; the launchers (fwd_launch.h, bwd_launch.h,
+// splitkv_launch.h) switch on it and decide nothing else. No CUDA header is
+// included here: the CPU-only build compiles plan.cpp too, and the debug ops
+// torch.ops.flash_attn._plan_fwd / _plan_bwd / _plan_decode
+// (csrc/cuda/ops/plan_debug_ops.cpp) describe a plan for any device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/core/params.h"
+
+namespace flash {
+
+// What the plans need to know about the device. The op fills it from
+// cudaDeviceProp; the debug ops take it as arguments.
+struct DeviceDesc {
+  int cc_major = 0;
+  int cc_minor = 0;
+  int num_sms = 0;
+  int smem_per_block_optin = 0;     // sharedMemPerBlockOptin
+  int smem_per_sm = 0;              // sharedMemPerMultiprocessor
+  int reserved_smem_per_block = 0;  // reservedSharedMemPerBlock
+  bool sm90a_built = false;         // the build has sm_90a machine code (FLASH_ATTN_HAS_SM90A)
+};
+
+// FLASH_ATTN_FWD_KERNEL / FLASH_ATTN_BWD_KERNEL = sm80 / sm90, which the op
+// reads from the environment on each call (the tests switch it between calls)
+// and hands to the plan. Only an sm90 device honours it.
+enum class KernelOverride : uint8_t { kNone, kSm80, kSm90 };
+KernelOverride parse_kernel_override(const char* value);  // null or anything else: kNone
+const char* kernel_override_name(KernelOverride value);
+
+// The kernel design a pass may use on this device before the call's shape is
+// looked at: kSm80 on every device but sm90 (9.0); there, kAuto or what the
+// override forces.
+KernelChoice kernel_choice(const DeviceDesc& device, KernelOverride override_kernel);
+
+// Whether TMA can describe the tensors of a call (16-byte aligned base,
+// strides multiples of 8 elements and below 2^38 on every dim of more than
+// one element): the Hopper kernels load through TMA, the op checks this
+// before planning. Kept in step with tma_can_load (core/tma_loads_sm90.h),
+// which the launchers also check against the plan.
+bool fwd_tma_can_load(const FwdParams& params);
+bool bwd_tma_can_load(const BwdParams& params);
+
+// ---------------------------------------------------------------- forward
+
+enum class FwdKernel : uint8_t {
+  kNone,  // nothing to compute (no query row, head or batch entry)
+  kSm80,  // fwd_kernel_sm80.h
+  kSm90,  // fwd_kernel_sm90.h
+};
+
+// kSm80: the plain rule or the variant with softcap / ALiBi / dropout / a
+// scale that is not positive and normal (the score extras). kSm90: the plain
+// rule or the variant with softcap / ALiBi (the score mods).
+enum class FwdVariant : uint8_t { kPlain, kScoreExtras, kScoreMods };
+
+enum class FwdGrid : uint8_t {
+  kHeadsBatch,   // SM80: (query blocks, heads, batch), grid_heads_batch.h
+  kOnePerTile,   // Hopper: one block per (query block, head, batch)
+  kFixedShares,  // Hopper, persistent: one block per SM, each a fixed share of the tiles
+  kTileCounter,  // Hopper, persistent: one block per SM, tiles past the first wave from a counter
+};
+
+struct FwdPlan {
+  FwdKernel kernel = FwdKernel::kNone;
+  FwdVariant variant = FwdVariant::kPlain;
+  FwdGrid grid = FwdGrid::kHeadsBatch;
+  KernelChoice choice = KernelChoice::kSm80;  // what the device and override allowed
+  int block_m = 0;
+  int block_n = 0;
+  int num_warps = 0;          // SM80 kernel; the Hopper kernel has one MMA warpgroup per 64 rows
+  int64_t grid_x = 0;         // query blocks (kHeadsBatch, kOnePerTile: tiles), or SMs
+  int grid_y = 1;             // kHeadsBatch: heads, else 1
+  int grid_z = 1;             // kHeadsBatch: batch, else 1
+  bool return_probs = false;  // then return_probs.h writes the probabilities afterwards
+  const char* reason = "";
+};
+
+// params: the shape, score rule and varlen-ness of the call (its pointers
+// are not read). tma_ok: fwd_tma_can_load of the call's tensors.
+FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
+                 bool tma_ok);
+
+// Whether the Hopper forward of this compiled head dim and query block has
+// a separate O tile and so walks several query blocks per block (its
+// kPersistent; fwd_launch.h checks the two agree).
+constexpr int kFwdSm90BarrierBytes = 104;  // sizeof(FwdSm90Barriers<2>)
+constexpr int kSm90SmemPerBlock = 227 * 1024;
+constexpr bool fwd_sm90_persistent(int head_dim, int block_m, int block_n) {
+  return 2 * block_m * head_dim * 2 + 2 * 2 * block_n * head_dim * 2 + kFwdSm90BarrierBytes <=
+         kSm90SmemPerBlock;
+}
+
+// --------------------------------------------------------------- backward
+
+enum class BwdKernel : uint8_t {
+  kNone,           // nothing to compute (the op returns zeros)
+  kSm80,           // bwd_kernel_sm80.h, the tile table's tile
+  kSm80LargeSmem,  // bwd_kernel_sm80.h, BwdTileConfigLargeSmem's tile
+  kSm90,           // bwd_kernel_sm90.h
+};
+
+// kSm80*: plain or kScoreExtras; kSm90: plain or kScoreMods (as the forward).
+struct BwdPlan {
+  BwdKernel kernel = BwdKernel::kNone;
+  FwdVariant variant = FwdVariant::kPlain;
+  KernelChoice choice = KernelChoice::kSm80;
+  int block_m = 0;     // the main kernel's query block
+  int block_n = 0;     // its key block: one thread block per key block (or per dQ split)
+  int num_splits = 1;  // deterministic: slices of the dQ accumulator, each a grid column
+  int64_t grid_x = 0;  // key blocks, or num_splits when deterministic
+  int grid_y = 1;      // heads
+  int grid_z = 1;      // batch
+  const char* reason = "";
+};
+
+// params: shape, score rule, varlen-ness and params.deterministic (pointers
+// not read). tma_ok: bwd_tma_can_load of the call's tensors.
+BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
+                 bool tma_ok);
+
+// Shared memory of the Hopper backward block and of the SM80 one with
+// (double_buffer) or without two Q / dO buffers, for 16-bit elements
+// (bwd_launch.h checks them against the kernels' traits).
+constexpr int kBwdSm90BarrierBytes = 48;  // sizeof(BwdSm90Barriers<2>)
+constexpr int bwd_sm90_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
+  const int ds = 2 * block_m * block_n * 2;
+  const int p = block_n == 128 ? 0 : ds;  // the split design keeps P^T in shared memory
+  return 2 * stages * block_m * head_dim * 2 + 2 * block_n * head_dim * 2 + ds + p +
+         stages * 2 * block_m * 4 + kBwdSm90BarrierBytes;
+}
+constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool double_buffer) {
+  const int buffers = double_buffer ? 2 : 1;
+  return 2 * buffers * block_m * head_dim * 2 + 2 * block_n * head_dim * 2 +
+         2 * block_m * block_n * 2 + buffers * 2 * block_m * 4;
+}
+
+// ----------------------------------------------------------------- decode
+
+// What plan_decode reads of a fwd_kvcache call.
+struct DecodeShape {
+  int batch = 0;
+  int nheads = 0;
+  int nheads_k = 0;
+  int seqlen_q = 0;
+  int cache_capacity = 0;  // keys per cache row (paged: pages per row x page size)
+  int head_dim = 0;        // as given; the plan rounds it up to the compiled one
+  bool paged = false;
+  int64_t requested_splits = 0;        // num_splits: 0 chooses
+  bool score_extras = false;           // splitkv_has_score_extras
+  bool appending = false;              // new keys / values to write into the cache
+  int seqlen_new = 0;                  // their rows (0 unless appending)
+  int rotary_dim = 0;                  // 0: no rotary
+  bool rotary_tables_aligned = false;  // cos and sin start on 16-byte boundaries
+  int window_left = -1;                // normalised window
+};
+
+struct DecodePlan {
+  int compiled_head_dim = 0;
+  int warps_n = 1;  // 1: the 64-row variant; more: the decode variant
+  int block_m = 0;
+  int64_t num_m_blocks = 0;  // query blocks per (batch, kv head)
+  int num_splits = 1;
+  int64_t num_items = 0;    // work items: batch x kv heads x query blocks x splits
+  int launch_smem = 0;      // params.splitkv_launch_smem
+  int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
+  int cluster_x = 1;
+  bool append_in_attention = false;
+  bool programmatic_launch = false;  // sm90 and later: dependent launches
+  const char* reason = "";           // why this split count
+};
+
+DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device);
+
+// ------------------------------------------------------------- description
+
+// One line per plan, "key=value ... reason: text", for the debug ops and
+// error messages.
+std::string describe(const FwdPlan& plan);
+std::string describe(const BwdPlan& plan);
+std::string describe(const DecodePlan& plan);
+
+}  // namespace flash

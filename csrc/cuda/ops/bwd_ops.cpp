@@ -1,0 +1,253 @@
+// The backward ops, bwd and varlen_bwd: argument checks (shared with the CPU
+// path), the gradients and fp32 work buffers, one BwdParams, the plan
+// (plan_bwd) and the launcher of the compiled (dtype, head dim).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/launch/launcher_registry.h"
+#include "cuda/launch/plan.h"
+#include "cuda/ops/op_common.h"
+
+namespace flash {
+namespace {
+
+BwdLauncher bwd_launcher_for(int head_dim, at::ScalarType dtype) {
+  const int compiled = round_up_head_dim(head_dim);
+  const bool is_bf16 = dtype == at::kBFloat16;
+  BwdLauncher launcher = find_bwd_launcher(compiled, is_bf16);
+  TORCH_CHECK(launcher != nullptr, "flash_attn_cuda: the backward of head_dim ", head_dim, " in ",
+              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
+              "FLASH_ATTN_CUDA_DTYPES including it");
+  return launcher;
+}
+
+// Everything bwd and varlen_bwd fill the same way. q/k/v/out/dout are already
+// 16-byte aligned views; dq/dk/dv are fresh contiguous tensors.
+void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
+                     const at::Tensor& softmax_lse, const at::Tensor& dq, const at::Tensor& dk,
+                     const at::Tensor& dv, bool varlen) {
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.do_ptr = dout.data_ptr();
+  params.dq_ptr = dq.data_ptr();
+  params.dk_ptr = dk.data_ptr();
+  params.dv_ptr = dv.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = nullptr;
+  params.q = strides_of(q, varlen);
+  params.k = strides_of(k, varlen);
+  params.v = strides_of(v, varlen);
+  params.o = strides_of(out, varlen);
+  params.dout = strides_of(dout, varlen);
+  params.dq = strides_of(dq, varlen);
+  params.dk = strides_of(dk, varlen);
+  params.dv = strides_of(dv, varlen);
+}
+
+// The plan of a params whose shape, score rule and deterministic flag are
+// set, on the current device; records what the kernels read of it
+// (num_splits, the kernel choice, the device's shared memory per block).
+BwdPlan plan_for(BwdParams& params) {
+  const DeviceDesc device = current_device_desc();
+  const BwdPlan plan = plan_bwd(params, device, kernel_override_from_env("FLASH_ATTN_BWD_KERNEL"),
+                                bwd_tma_can_load(params));
+  params.num_splits = plan.num_splits;
+  params.bwd_kernel = plan.choice;
+  params.smem_per_block_optin = device.smem_per_block_optin;
+  return plan;
+}
+
+// The fp32 work buffers of the backward: D, the dQ accumulator (zeroed) and,
+// under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
+// per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
+// or (nheads, total_k), then the compiled head dim. Reads the shape fields of
+// params and params.num_splits, which must be set.
+struct BwdWorkspace {
+  at::Tensor softmax_d;
+  at::Tensor dq_accum;
+  at::Tensor dk_accum;  // the kv heads' sums or the per-head shares (see below)
+  at::Tensor dv_accum;
+};
+
+BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse,
+                                at::IntArrayRef dkv_accum_shape, int compiled_head_dim) {
+  const auto f32 = softmax_lse.options().dtype(at::kFloat);
+  BwdWorkspace ws;
+  ws.softmax_d = at::empty_like(softmax_lse, f32);
+  // dQ accumulator: every sequence padded to whole query blocks
+  // (bwd_accum_layout.h).
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  params.dq_accum_rows_per_head =
+      accum_rows_per_head(varlen, varlen ? params.total_q : params.seqlen_q, params.batch,
+                          bwd_block_shape(compiled_head_dim).block_m);
+  const int64_t heads_total = varlen ? params.nheads : int64_t(params.batch) * params.nheads;
+  ws.dq_accum = at::zeros(
+      {params.num_splits, heads_total, params.dq_accum_rows_per_head, compiled_head_dim}, f32);
+  params.softmax_d_ptr = ws.softmax_d.data_ptr<float>();
+  params.dq_accum_ptr = ws.dq_accum.data_ptr<float>();
+  params.dq_accum_split_stride = ws.dq_accum.stride(0);
+  params.dk_accum_ptr = nullptr;
+  params.dv_accum_ptr = nullptr;
+  params.dk_sum_ptr = nullptr;
+  params.dv_sum_ptr = nullptr;
+  if (params.nheads != params.nheads_k && params.deterministic) {
+    // Every row the reduction reads is written by the main kernel: no zeroing.
+    ws.dk_accum = at::empty(dkv_accum_shape, f32);
+    ws.dv_accum = at::empty(dkv_accum_shape, f32);
+    params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
+    params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
+  } else if (params.nheads != params.nheads_k) {
+    // The kv heads' sums, padded to whole key blocks (bwd_accum_layout.h).
+    params.dkv_sum_rows_per_head =
+        accum_rows_per_head(varlen, varlen ? params.total_k : params.seqlen_k, params.batch,
+                            bwd_block_shape(compiled_head_dim).block_n);
+    const int64_t kv_heads_total =
+        varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
+    ws.dk_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
+    ws.dv_accum = at::zeros_like(ws.dk_accum);
+    params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
+    params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
+  }
+  return ws;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+  const FwdShape shape = check_bwd_args(dout_in, q_in, k_in, v_in, out_in, softmax_lse_in,
+                                        alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
+                                        window_size_right, softcap, rng_state, kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
+  const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
+
+  at::Tensor dq =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q_in.options());
+  at::Tensor dk =
+      at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim}, q_in.options());
+  at::Tensor dv = at::empty_like(dk);
+  if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
+    // No query sees a key: every gradient is zero.
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  const at::Tensor softmax_lse = softmax_lse_in.contiguous();
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
+  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+
+  BwdParams params{};
+  set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, false);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.seqlen_q;
+  params.seqlen_k = shape.seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = nullptr;
+  params.cu_seqlens_k = nullptr;
+  params.total_q = 0;
+  params.total_k = 0;
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+  params.index_errors = index_errors;
+  params.deterministic = deterministic;
+
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const BwdPlan plan = plan_for(params);
+  const BwdWorkspace workspace = make_bwd_workspace(
+      params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled);
+  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool deterministic,
+    const std::optional<at::Tensor>& rng_state) {
+  const VarlenShape shape = check_varlen_bwd_args(
+      dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k,
+      alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+      window_size_right, softcap, rng_state, kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
+  const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
+
+  // Zero-filled: rows outside every sequence get no gradient from the kernels.
+  at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
+  at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
+  at::Tensor dv = at::zeros_like(dk);
+  if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
+      shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
+    return {dq, dk, dv};
+  }
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  const at::Tensor softmax_lse = softmax_lse_in.contiguous();
+  const at::Tensor cu_q = cu_seqlens_q.contiguous();
+  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
+  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+
+  BwdParams params{};
+  set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, true);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.max_seqlen_q;
+  params.seqlen_k = shape.max_seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = cu_q.data_ptr<int>();
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.total_q = shape.total_q;
+  params.total_k = shape.total_k;
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
+  params.index_errors = index_errors;
+  params.deterministic = deterministic;
+
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const BwdPlan plan = plan_for(params);
+  const BwdWorkspace workspace =
+      make_bwd_workspace(params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled);
+  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  end_index_checks(q);
+  return {dq, dk, dv};
+}
+
+}  // namespace flash

@@ -1,0 +1,181 @@
+// The forward ops, fwd and varlen_fwd: argument checks (shared with the CPU
+// path), output allocation, one FwdParams, the plan (plan_fwd) and the
+// launcher of the compiled (dtype, head dim).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/launch/launcher_registry.h"
+#include "cuda/launch/plan.h"
+#include "cuda/ops/op_common.h"
+
+namespace flash {
+namespace {
+
+FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
+  const int compiled = round_up_head_dim(head_dim);
+  const bool is_bf16 = dtype == at::kBFloat16;
+  FwdLauncher launcher = find_fwd_launcher(compiled, is_bf16);
+  TORCH_CHECK(launcher != nullptr, "flash_attn_cuda: head_dim ", head_dim, " in ",
+              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
+              "FLASH_ATTN_CUDA_DTYPES including it");
+  return launcher;
+}
+
+// Pointers and strides common to the fixed-length and varlen forward.
+void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
+                     const at::Tensor& s_dmask, bool return_softmax, bool varlen) {
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k.data_ptr();
+  params.v_ptr = v.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = return_softmax ? s_dmask.data_ptr() : nullptr;
+  params.q = strides_of(q, varlen);
+  params.k = strides_of(k, varlen);
+  params.v = strides_of(v, varlen);
+  params.o = strides_of(out, varlen);
+}
+
+// The plan of a filled params on the current device; records the device's
+// SM count and the kernel choice in the params too.
+FwdPlan plan_for(FwdParams& params) {
+  const DeviceDesc device = current_device_desc();
+  const FwdPlan plan = plan_fwd(params, device, kernel_override_from_env("FLASH_ATTN_FWD_KERNEL"),
+                                fwd_tma_can_load(params));
+  params.fwd_kernel = plan.choice;
+  params.num_sms = device.num_sms;
+  return plan;
+}
+
+// Room for the tile counter of the Hopper forward's counter grid
+// (fwd_tile_schedule.h), where the plan picked that grid; the launcher zeroes
+// it on the stream. The caller keeps it alive across the launch.
+at::Tensor tile_counter_for(FwdParams& params, const FwdPlan& plan, const at::Tensor& q) {
+  params.tile_counter = nullptr;
+  if (plan.grid != FwdGrid::kTileCounter) return at::Tensor();
+  at::Tensor counter = at::empty({1}, q.options().dtype(at::kLong));
+  params.tile_counter = reinterpret_cast<unsigned long long*>(counter.data_ptr<int64_t>());
+  return counter;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state) {
+  const FwdShape shape =
+      check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
+                     window_size_right, softcap, rng_state, kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
+  const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
+
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor softmax_lse =
+      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor s_dmask =
+      return_softmax
+          ? at::zeros({shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k}, q.options())
+          : at::empty({0}, q.options());
+  at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
+
+  FwdParams params{};
+  set_fwd_tensors(params, q, k, v, out, softmax_lse, s_dmask, return_softmax, /*varlen=*/false);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.seqlen_q;
+  params.seqlen_k = shape.seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = nullptr;
+  params.cu_seqlens_k = nullptr;
+  params.total_q = 0;
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
+                   rng_state_out);
+  params.index_errors = index_errors;
+  const FwdPlan plan = plan_for(params);
+  const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  return {out, softmax_lse, s_dmask, rng_state_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes_in,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
+    int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state) {
+  const VarlenShape shape =
+      check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table,
+                            alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
+  const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const at::Tensor cu_q = cu_seqlens_q.contiguous();
+  at::Tensor k, v, cu_k;
+  if (shape.paged) {
+    std::tie(k, v, cu_k) =
+        gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape, index_errors);
+  } else {
+    k = aligned_for_16b_loads(k_in);
+    v = aligned_for_16b_loads(v_in);
+    cu_k = cu_seqlens_k.contiguous();
+  }
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
+
+  at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
+  at::Tensor s_dmask =
+      return_softmax
+          ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q, shape.max_seqlen_k},
+                      q.options())
+          : at::empty({0}, q.options());
+  at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
+
+  FwdParams params{};
+  set_fwd_tensors(params, q, k, v, out, softmax_lse, s_dmask, return_softmax, /*varlen=*/true);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.max_seqlen_q;
+  params.seqlen_k = shape.max_seqlen_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = cu_q.data_ptr<int>();
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.total_q = shape.total_q;
+  params.total_k = static_cast<int>(k.size(0));
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
+                   rng_state_out);
+  params.index_errors = index_errors;
+  const FwdPlan plan = plan_for(params);
+  const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  end_index_checks(q);
+  return {out, softmax_lse, s_dmask, rng_state_out};
+}
+
+}  // namespace flash

@@ -1,0 +1,317 @@
+// fwd_kvcache and the paged path of varlen_fwd on CUDA: argument checks
+// (shared with the CPU path), the plan (plan_decode), the append / rotary
+// pre-kernel where the plan leaves it out of the attention kernel, and the
+// split-KV launcher of the compiled (dtype, head dim).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "cuda/decode/kvcache_append_rotary.h"
+#include "cuda/decode/paged_gather.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/launch/launcher_registry.h"
+#include "cuda/launch/plan.h"
+#include "cuda/ops/op_common.h"
+
+namespace flash {
+
+// Paged K/V for the varlen forward (fwd_ops.cpp): the keys each sequence
+// reaches, gathered into packed tensors (see paged_gather.h) with their own
+// row offsets. The
+// sequence lengths stay on the device (no synchronisation): they are cut to
+// max_rows_per_seq, so the packed tensors (batch x max_rows_per_seq rows) hold
+// every row the forward kernel reads whatever cu_seqlens_k holds.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& block_table_in, const VarlenShape& shape, IndexErrorSink index_errors) {
+  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const at::Tensor block_table = block_table_in.contiguous();
+  // No sequence is longer than max_seqlen_k or than its block-table row can
+  // address (the gather kernel reports longer ones, paged_gather.h).
+  const int64_t max_rows_per_seq =
+      shape.num_blocks == 0
+          ? 0
+          : std::min<int64_t>(shape.max_seqlen_k,
+                              int64_t(shape.max_blocks_per_seq) * shape.page_size);
+  const at::Tensor lengths =
+      (cu_k.slice(0, 1) - cu_k.slice(0, 0, shape.batch)).clamp(0, max_rows_per_seq);
+  at::Tensor cu_packed = at::zeros({shape.batch + 1}, cu_k.options());
+  cu_packed.slice(0, 1).copy_(lengths.cumsum(0));
+  const int64_t rows = int64_t(shape.batch) * max_rows_per_seq;
+  at::Tensor k_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, k_cache.options());
+  at::Tensor v_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, v_cache.options());
+
+  PagedGatherParams params{};
+  params.k_cache = k_cache.data_ptr();
+  params.v_cache = v_cache.data_ptr();
+  params.k_block_stride = k_cache.stride(0);
+  params.k_row_stride = k_cache.stride(1);
+  params.k_head_stride = k_cache.stride(2);
+  params.v_block_stride = v_cache.stride(0);
+  params.v_row_stride = v_cache.stride(1);
+  params.v_head_stride = v_cache.stride(2);
+  params.k_packed = k_packed.data_ptr();
+  params.v_packed = v_packed.data_ptr();
+  params.cu_seqlens_packed = cu_packed.data_ptr<int>();
+  params.block_table = block_table.data_ptr<int>();
+  params.block_table_batch_stride = block_table.stride(0);
+  params.batch = shape.batch;
+  params.max_seqlen_k = static_cast<int>(max_rows_per_seq);
+  params.page_size = IntDivisor(shape.page_size);
+  params.num_blocks = shape.num_blocks;
+  params.nheads_k = shape.nheads_k;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.max_seqlen_k_given = shape.max_seqlen_k;
+  params.max_blocks_per_seq = shape.max_blocks_per_seq;
+  params.index_errors = index_errors;
+  launch_gather_paged_rows(params, at::cuda::getCurrentCUDAStream().stream());
+  return {k_packed, v_packed, cu_packed};
+}
+
+namespace {
+
+// The cache is written in place, so it cannot be copied into an aligned
+// layout: every row must already start on a 16-byte boundary.
+void check_cache_aligned(const at::Tensor& cache, const char* name) {
+  bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0;
+  for (int64_t dim = 0; dim + 1 < cache.dim(); ++dim) {
+    aligned = aligned && (cache.size(dim) <= 1 || cache.stride(dim) % 8 == 0);
+  }
+  TORCH_CHECK(aligned, "fwd_kvcache (CUDA): ", name,
+              " must start on a 16-byte boundary and have strides that are multiples of 8 "
+              "elements on every dim but the last, got strides ",
+              cache.strides());
+}
+
+QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return {0, 0, 0};
+  return {t->stride(0), t->stride(1), t->stride(2)};
+}
+
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->contiguous();
+}
+
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+}  // namespace
+
+// Append (+ rotary), in a kernel of its own or in the split-KV attention
+// kernel over the cache (params.append_in_attention), then the attention. The
+// contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
+// are not read here (that would synchronise with the device and break CUDA
+// graph capture): the kernels guard every index derived from them and record
+// a bad value, which index_error_state.h raises (docs/memory_safety.md).
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
+    const std::optional<at::Tensor>& cache_seqlens_in,
+    const std::optional<at::Tensor>& rotary_cos_in, const std::optional<at::Tensor>& rotary_sin_in,
+    const std::optional<at::Tensor>& cache_batch_idx_in,
+    const std::optional<at::Tensor>& cache_leftpad_in,
+    const std::optional<at::Tensor>& block_table_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits) {
+  const KvcacheShape shape =
+      check_fwd_kvcache_args(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in,
+                             rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
+                             alibi_slopes_in, softmax_scale, softcap, kCudaDtypes);
+  TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
+  TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
+              num_splits);
+  TORCH_CHECK(!shape.paged || shape.page_size % 16 == 0,
+              "fwd_kvcache (CUDA): a paged cache needs page_size (k_cache.size(1)) to be a "
+              "multiple of 16, got ",
+              shape.page_size);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_device_supported(q_in);
+  const IndexErrorSink index_errors = begin_index_checks(q_in);
+  const int compiled = round_up_head_dim(shape.head_dim);
+  const bool is_bf16 = q_in.scalar_type() == at::kBFloat16;
+  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16);
+  TORCH_CHECK(launcher != nullptr, "fwd_kvcache (CUDA): head_dim ", shape.head_dim, " in ",
+              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
+              "FLASH_ATTN_CUDA_DTYPES including it");
+  check_cache_aligned(k_cache, "k_cache");
+  check_cache_aligned(v_cache, "v_cache");
+  const Window window =
+      normalize_window(causal, window_size_left, window_size_right, shape.cache_capacity);
+  const bool rotary_q_per_row = window.left >= 0 || window.right >= 0;
+  const bool appending = k_in.has_value() && shape.seqlen_new > 0;
+  const bool rotating = shape.rotary_dim > 0;
+  const std::optional<at::Tensor> rotary_cos = contiguous_or_none(rotary_cos_in);
+  const std::optional<at::Tensor> rotary_sin = contiguous_or_none(rotary_sin_in);
+
+  // The plan (plan_decode): variant, splits, grid, clusters, shared memory
+  // and where the append / rotary runs.
+  DecodeShape decode{};
+  decode.batch = shape.batch;
+  decode.nheads = shape.nheads;
+  decode.nheads_k = shape.nheads_k;
+  decode.seqlen_q = shape.seqlen_q;
+  decode.cache_capacity = shape.cache_capacity;
+  decode.head_dim = shape.head_dim;
+  decode.paged = block_table_in.has_value();
+  decode.requested_splits = num_splits;
+  // splitkv_has_score_extras of the params filled below (same conversions).
+  decode.score_extras = (softcap > 0 ? static_cast<float>(softcap) : 0.f) > 0.f ||
+                        alibi_slopes_in.has_value() ||
+                        !scale_is_positive_normal(static_cast<float>(softmax_scale * M_LOG2E));
+  decode.appending = appending;
+  decode.seqlen_new = appending ? shape.seqlen_new : 0;
+  decode.rotary_dim = rotating ? shape.rotary_dim : 0;
+  decode.rotary_tables_aligned = rotating &&
+                                 reinterpret_cast<uintptr_t>(rotary_cos->data_ptr()) % 16 == 0 &&
+                                 reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
+  decode.window_left = window.left;
+  const DeviceDesc device = current_device_desc();
+  DecodePlan plan = plan_decode(decode, device);
+  TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
+              int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
+              " is more than the kernel's grid holds (", 65535 * plan.block_m, ")");
+  TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
+              "fwd_kvcache (CUDA): batch * nheads_k is too large");
+
+  const at::Tensor q = aligned_for_16b_loads(q_in);
+  const std::optional<at::Tensor> k_new =
+      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*k_in)) : std::nullopt;
+  const std::optional<at::Tensor> v_new =
+      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*v_in)) : std::nullopt;
+  const std::optional<at::Tensor> cache_seqlens = contiguous_or_none(cache_seqlens_in);
+  const std::optional<at::Tensor> cache_leftpad = contiguous_or_none(cache_leftpad_in);
+  const std::optional<at::Tensor> cache_batch_idx = contiguous_or_none(cache_batch_idx_in);
+  const std::optional<at::Tensor> block_table = contiguous_or_none(block_table_in);
+  const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
+
+  at::Tensor out =
+      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor softmax_lse =
+      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
+
+  KvcacheParams params{};
+  params.q_ptr = q.data_ptr();
+  params.k_ptr = k_cache.data_ptr();
+  params.v_ptr = v_cache.data_ptr();
+  params.o_ptr = out.data_ptr();
+  params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  params.p_ptr = nullptr;
+  params.q = strides_of(q, false);
+  params.k = strides_of(k_cache, false);
+  params.v = strides_of(v_cache, false);
+  params.o = strides_of(out, false);
+  params.batch = shape.batch;
+  params.nheads = shape.nheads;
+  params.nheads_k = shape.nheads_k;
+  params.seqlen_q = shape.seqlen_q;
+  params.seqlen_k = shape.cache_capacity;
+  params.head_dim = shape.head_dim;
+  params.cu_seqlens_q = nullptr;
+  params.cu_seqlens_k = nullptr;
+  params.total_q = 0;
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  params.alibi_slopes = data_or_null<float>(alibi_slopes);
+  params.alibi_batch_stride =
+      alibi_slopes.has_value() && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  params.window_left = window.left;
+  params.window_right = window.right;
+  params.dropout_p = 0.f;
+  params.dropout_threshold = 0;
+  params.dropout_rescale = 1.f;
+  params.rng_state = nullptr;
+  params.is_bf16 = is_bf16;
+
+  params.cache_seqlens = data_or_null<int>(cache_seqlens);
+  params.cache_leftpad = data_or_null<int>(cache_leftpad);
+  params.cache_batch_idx = data_or_null<int>(cache_batch_idx);
+  params.block_table = data_or_null<int>(block_table);
+  params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
+  params.page_size = IntDivisor(shape.paged ? shape.page_size : 1);
+  params.batch_cache = shape.batch_cache;
+  params.num_pages = shape.paged ? shape.num_blocks : 0;
+  params.seqlen_rotary = shape.seqlen_rotary;
+  params.index_errors = index_errors;
+  params.seqlen_new = appending ? shape.seqlen_new : 0;
+  params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
+  params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;
+  params.new_k = strides_or_zero(k_new);
+  params.new_v = strides_or_zero(v_new);
+  params.rotary_cos_ptr = rotating ? rotary_cos->data_ptr() : nullptr;
+  params.rotary_sin_ptr = rotating ? rotary_sin->data_ptr() : nullptr;
+  params.rotary_dim = rotating ? shape.rotary_dim : 0;
+  params.rotary_interleaved = rotary_interleaved;
+  params.rotary_q_per_row = rotary_q_per_row;
+  params.q_unrotated_ptr = q.data_ptr();
+  params.q_unrotated = strides_of(q, false);
+
+  params.append_in_attention = false;
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  params.programmatic_launch = plan.programmatic_launch;
+  if (shape.seqlen_q == 0) {
+    launch_kvcache_append_rotary(params, stream);  // the append alone (no q to rotate)
+    end_index_checks(q);
+    return {out, softmax_lse};
+  }
+
+  TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(),
+              "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", plan.num_items,
+              " exceeds 2^31 - 1 thread blocks");
+  if (decode.score_extras != splitkv_has_score_extras(params)) {
+    // Only where ALiBi slopes of no element have no data: the kernels go by
+    // the params.
+    decode.score_extras = splitkv_has_score_extras(params);
+    plan = plan_decode(decode, device);
+  }
+  params.splitkv_warps_n = plan.warps_n;
+  params.num_splits = plan.num_splits;
+  params.splitkv_launch_smem = plan.launch_smem;
+  params.splitkv_grid_blocks = static_cast<int>(plan.grid_blocks);
+  params.splitkv_cluster_x = plan.cluster_x;
+  // The append and the rotation in the attention kernel itself where that
+  // pays (plan_decode); otherwise the pre-kernel writes the cache and a
+  // rotated copy of q first.
+  params.append_in_attention = plan.append_in_attention;
+  at::Tensor q_rotated;
+  if (!params.append_in_attention) {
+    if (rotating) {
+      q_rotated = at::empty_like(out);
+      params.q_ptr = q_rotated.data_ptr();
+      params.q = strides_of(q_rotated, false);
+    }
+    launch_kvcache_append_rotary(params, stream);
+  }
+  at::Tensor split_accum;
+  params.out_accum_ptr = nullptr;
+  params.lse_accum_ptr = nullptr;
+  if (params.num_splits > 1) {
+    // One allocation (decode calls are short; each allocator call shows):
+    // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then
+    // their lse (num_splits, batch, nheads, seqlen_q). compiled is a multiple
+    // of 32, so every partial row stays 16-byte aligned.
+    const int64_t partial_rows =
+        int64_t(params.num_splits) * shape.batch * shape.nheads * shape.seqlen_q;
+    split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
+    params.out_accum_ptr = split_accum.data_ptr<float>();
+    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
+  }
+  launcher(params, plan, stream);
+  end_index_checks(q);
+  return {out, softmax_lse};
+}
+
+}  // namespace flash

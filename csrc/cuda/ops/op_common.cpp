@@ -1,0 +1,93 @@
+// The helpers of op_common.h.
+#include "cuda/ops/op_common.h"
+
+#include <ATen/cuda/CUDAContext.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "common/philox.h"
+#include "cuda/launch/launcher_registry.h"
+#include "cuda/ops/index_error_state.h"
+
+namespace flash {
+
+void check_device_supported(const at::Tensor& q) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major >= 8, "flash_attn_cuda needs an sm80 or newer GPU; ", props->name,
+              " is sm", props->major, props->minor);
+}
+
+IndexErrorSink begin_index_checks(const at::Tensor& q) {
+  return begin_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
+}
+
+void end_index_checks(const at::Tensor& q) {
+  finish_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
+}
+
+at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+  constexpr int64_t kElemsPer16B = 8;  // fp16 / bf16
+  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t dim = 0; dim + 1 < t.dim(); ++dim) {
+    aligned = aligned && (t.size(dim) <= 1 || t.stride(dim) % kElemsPer16B == 0);
+  }
+  return aligned ? t : t.contiguous();
+}
+
+QKVStrides strides_of(const at::Tensor& t, bool varlen) {
+  if (varlen) return {0, t.stride(0), t.stride(1)};
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale, double softcap,
+                      const Window& window, const std::optional<at::Tensor>& alibi_slopes,
+                      double dropout_p, const at::Tensor& rng_state_out) {
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.softcap = static_cast<float>(softcap);
+  params.window_left = window.left;
+  params.window_right = window.right;
+  params.alibi_slopes = nullptr;
+  params.alibi_batch_stride = 0;
+  if (alibi_slopes.has_value()) {
+    params.alibi_slopes = alibi_slopes->data_ptr<float>();
+    params.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  }
+  params.dropout_p = static_cast<float>(dropout_p);
+  params.dropout_threshold = dropout_threshold(static_cast<float>(dropout_p));
+  params.dropout_rescale = dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
+  params.rng_state = rng_state_out.data_ptr<int64_t>();
+  params.is_bf16 = q.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor rng_state_for(int64_t philox_seed, int64_t philox_offset,
+                         const std::optional<at::Tensor>& rng_state, double dropout_p,
+                         const at::Tensor& q) {
+  if (dropout_p > 0) return output_rng_state(philox_seed, philox_offset, rng_state, q.device());
+  return at::zeros({2}, q.options().dtype(at::kLong));
+}
+
+std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alibi_slopes) {
+  if (!alibi_slopes.has_value()) return std::nullopt;
+  return alibi_slopes->contiguous();
+}
+
+DeviceDesc current_device_desc() {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  DeviceDesc device;
+  device.cc_major = props->major;
+  device.cc_minor = props->minor;
+  device.num_sms = props->multiProcessorCount;
+  device.smem_per_block_optin = int(props->sharedMemPerBlockOptin);
+  device.smem_per_sm = int(props->sharedMemPerMultiprocessor);
+  device.reserved_smem_per_block = int(props->reservedSharedMemPerBlock);
+  device.sm90a_built = built_with_sm90a();
+  return device;
+}
+
+KernelOverride kernel_override_from_env(const char* variable) {
+  return parse_kernel_override(std::getenv(variable));
+}
+
+}  // namespace flash

@@ -1,0 +1,112 @@
+// What the CUDA op files (fwd_ops.cpp, bwd_ops.cpp, kvcache_ops.cpp) share:
+// the device checks, the index-check bracket, input alignment, the score
+// fields of the params, the device description the plans read, and the op
+// entry points that registration_cuda.cpp hands to the dispatcher. Only the
+// op layer includes torch; kernels take the plain params (params.h).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "api/checks.h"
+#include "api/kvcache_checks.h"
+#include "cuda/core/params.h"
+#include "cuda/launch/plan.h"
+
+namespace flash {
+
+inline constexpr at::ScalarType kCudaDtypes[] = {at::kHalf, at::kBFloat16};
+
+// Refuses devices older than sm80.
+void check_device_supported(const at::Tensor& q);
+
+// Every op starts here, after its device guard: raises what a kernel of an
+// earlier call on this device recorded (index_error_state.h) and returns the
+// sink this call's kernels record into.
+IndexErrorSink begin_index_checks(const at::Tensor& q);
+
+// The end of a call that read index tensors (sync checks only).
+void end_index_checks(const at::Tensor& q);
+
+// cp.async moves 16-byte chunks: every row of a (.., seqlen, heads, dim) view
+// must start 16-byte aligned. Packed-qkv slices satisfy this; anything else is
+// copied once rather than refused.
+at::Tensor aligned_for_16b_loads(const at::Tensor& t);
+
+// Fixed length: (batch, seqlen, heads, dim); varlen: (total, heads, dim).
+QKVStrides strides_of(const at::Tensor& t, bool varlen);
+
+// softmax_scale, softcap, window, ALiBi, dropout and the dtype of params.
+void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale, double softcap,
+                      const Window& window, const std::optional<at::Tensor>& alibi_slopes,
+                      double dropout_p, const at::Tensor& rng_state_out);
+
+// The rng_state the forward returns and the kernel reads: on q's device. With
+// no dropout nothing is drawn, and a device fill avoids a host round trip.
+at::Tensor rng_state_for(int64_t philox_seed, int64_t philox_offset,
+                         const std::optional<at::Tensor>& rng_state, double dropout_p,
+                         const at::Tensor& q);
+
+std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alibi_slopes);
+
+// The current device as the plans see it (plan.h).
+DeviceDesc current_device_desc();
+
+// FLASH_ATTN_FWD_KERNEL / FLASH_ATTN_BWD_KERNEL, read once per call (the
+// tests switch them between calls) and handed to the plan.
+KernelOverride kernel_override_from_env(const char* variable);
+
+// Paged K/V for the varlen forward (kvcache_ops.cpp): the keys each sequence
+// reaches, gathered into packed tensors with their own row offsets.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& block_table_in, const VarlenShape& shape, IndexErrorSink index_errors);
+
+// The op entry points (schemas in csrc/flash_api.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes_in,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
+    int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool deterministic, const std::optional<at::Tensor>& rng_state);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool deterministic,
+    const std::optional<at::Tensor>& rng_state);
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
+    const std::optional<at::Tensor>& cache_seqlens_in,
+    const std::optional<at::Tensor>& rotary_cos_in, const std::optional<at::Tensor>& rotary_sin_in,
+    const std::optional<at::Tensor>& cache_batch_idx_in,
+    const std::optional<at::Tensor>& cache_leftpad_in,
+    const std::optional<at::Tensor>& block_table_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits);
+
+}  // namespace flash

@@ -1,0 +1,330 @@
+"""The kernel plans (csrc/cuda/launch/plan.h), through the debug ops
+torch.ops.flash_attn._plan_fwd / _plan_bwd / _plan_decode.
+
+The plans are plain C++ compiled into every build, so these run on the CPU:
+each op describes, for a call of the given shape on a described device, which
+kernel the CUDA path runs, its tile, grid and split count, and why. The tile
+table thresholds are read from fwd_tile_config.h, so the boundary tests follow
+the table. The last tests (marked cuda) compare the plan for the current GPU
+with the kernels a call actually launched, as the profiler records them.
+"""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import flash_attn_cuda  # noqa: F401  (registers the ops)
+
+ops = torch.ops.flash_attn
+ROOT = Path(__file__).resolve().parents[1]
+
+# Device descriptions: (cc, SMs, shared memory per block opt-in / per SM).
+H100 = dict(cc_major=9, cc_minor=0, num_sms=132, smem_per_block_optin=232448,
+            smem_per_sm=233472, reserved_smem_per_block=1024)
+A100 = dict(cc_major=8, cc_minor=0, num_sms=108, smem_per_block_optin=166912,
+            smem_per_sm=167936, reserved_smem_per_block=1024)
+L40 = dict(cc_major=8, cc_minor=9, num_sms=142, smem_per_block_optin=101376,
+           smem_per_sm=102400, reserved_smem_per_block=1024)
+
+
+def parse(line):
+    """'k=v k=v ... reason: text' -> dict (values as int where they are)."""
+    fields, _, reason = line.partition(" reason: ")
+    plan = {"reason": reason}
+    for item in fields.split():
+        key, _, value = item.partition("=")
+        plan[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    return plan
+
+
+def fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, device=H100, **kw):
+    return parse(ops._plan_fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                               **device, **kw))
+
+
+def bwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, device=H100, **kw):
+    return parse(ops._plan_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
+                               **device, **kw))
+
+
+def decode(batch, seqlen_q, cache, nheads, nheads_k, head_dim, device=H100, **kw):
+    return parse(ops._plan_decode(batch, seqlen_q, cache, nheads, nheads_k, head_dim,
+                                  **device, **kw))
+
+
+def fwd_tile_table():
+    """FwdTileConfig rows of fwd_tile_config.h: head dim -> {kBlockM: ..., ...}."""
+    text = (ROOT / "csrc/cuda/fwd/fwd_tile_config.h").read_text()
+    table = {}
+    for dim, body in re.findall(r"struct FwdTileConfig<(\d+)>\s*{([^}]*)}", text):
+        table[int(dim)] = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
+    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256}, table.keys()
+    return table
+
+
+FWD_TABLE = fwd_tile_table()
+
+
+# ---------------------------------------------------------------- forward
+
+def test_hopper_forward_for_long_causal_d128_on_sm90():
+    plan = fwd(2, 8192, 8192, 16, 16, 128, causal=True)
+    assert plan["kernel"] == "sm90" and plan["variant"] == "plain"
+    assert (plan["block_m"], plan["block_n"]) == (128, FWD_TABLE[128]["kBlockNSm90"])
+    # Causal tiles differ in work; 8k keys per tile is past the counter's reach.
+    assert plan["grid_kind"] == "one_per_tile"
+    assert plan["grid"] == "%dx1x1" % (8192 // 128 * 16 * 2)
+
+
+def test_sm80_forward_on_sm80():
+    plan = fwd(2, 8192, 8192, 16, 16, 128, device=A100, causal=True)
+    row = FWD_TABLE[128]
+    assert plan["kernel"] == "sm80" and plan["choice"] == "sm80"
+    assert (plan["block_m"], plan["block_n"], plan["warps"]) == (
+        row["kBlockM"], row["kBlockN"], row["kNWarps"])
+    assert plan["grid_kind"] == "heads_batch"
+    assert plan["grid"] == "%dx16x2" % (8192 // row["kBlockM"])
+    assert "not an sm90 device" in plan["reason"]
+
+
+def test_sm80_forward_without_sm90a_code():
+    plan = fwd(2, 8192, 8192, 16, 16, 128, sm90a_built=False)
+    assert plan["kernel"] == "sm80" and "sm_90a" in plan["reason"]
+
+
+@pytest.mark.parametrize("head_dim", sorted(FWD_TABLE))
+def test_min_seqlen_k_threshold(head_dim):
+    """One small call (one query block): the Hopper kernel from kMinSeqlenKSm90 keys on."""
+    row = FWD_TABLE[head_dim]
+    if row["kBlockNSm90"] == 0:
+        assert fwd(1, 128, 8192, 1, 1, head_dim)["kernel"] == "sm80"
+        return
+    threshold = row["kMinSeqlenKSm90"]
+    assert fwd(1, 128, max(threshold, 1), 1, 1, head_dim)["kernel"] == "sm90"
+    if threshold > 1:
+        below = fwd(1, 128, threshold - 1, 1, 1, head_dim)
+        assert below["kernel"] == "sm80" and "fwd_sm90_by_shape" in below["reason"]
+
+
+@pytest.mark.parametrize("head_dim", [d for d in sorted(FWD_TABLE)
+                                      if FWD_TABLE[d]["kMinBlocksPerSmSm90"] > 0])
+def test_min_blocks_per_sm_threshold(head_dim):
+    """Below the key threshold: from kMinBlocksPerSmSm90 128-row query blocks per SM on."""
+    row = FWD_TABLE[head_dim]
+    short_keys = row["kMinSeqlenKSm90"] - 1
+    needed = row["kMinBlocksPerSmSm90"] * H100["num_sms"]
+    # batch entries of one query block of one head each: tiles == batch.
+    assert fwd(needed, 128, short_keys, 1, 1, head_dim)["kernel"] == "sm90"
+    assert fwd(needed - 1, 128, short_keys, 1, 1, head_dim)["kernel"] == "sm80"
+
+
+def test_kernel_override():
+    short = (1, 128, 128, 1, 1, 128)  # below both thresholds: SM80 by default
+    assert fwd(*short)["kernel"] == "sm80"
+    forced = fwd(*short, kernel_override="sm90")
+    assert forced["kernel"] == "sm90" and forced["choice"] == "sm90"
+    long = (2, 8192, 8192, 16, 16, 128)
+    forced = fwd(*long, kernel_override="sm80")
+    assert forced["kernel"] == "sm80" and "FLASH_ATTN_FWD_KERNEL=sm80" in forced["reason"]
+    # Only an sm90 device honours it.
+    assert fwd(*short, device=A100, kernel_override="sm90")["kernel"] == "sm80"
+    with pytest.raises(RuntimeError, match="kernel_override"):
+        fwd(*short, kernel_override="sm100")
+
+
+def test_forward_variants():
+    long = (2, 4096, 4096, 16, 16, 128)
+    dropout = fwd(*long, dropout_p=0.1)
+    assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+    assert dropout["block_n"] == FWD_TABLE[128]["kBlockNExtras"]
+    assert "dropout" in dropout["reason"]
+    softcap = fwd(*long, softcap=30.0)
+    assert softcap["kernel"] == "sm90" and softcap["variant"] == "score_mods"
+    alibi = fwd(*long, alibi=True, device=A100)
+    assert alibi["kernel"] == "sm80" and alibi["variant"] == "score_extras"
+    negative_scale = fwd(*long, softmax_scale=-0.1)
+    assert negative_scale["kernel"] == "sm80" and negative_scale["variant"] == "score_extras"
+    unaligned = fwd(*long, tma_aligned=False)
+    assert unaligned["kernel"] == "sm80" and "TMA" in unaligned["reason"]
+    probs = fwd(*long, return_softmax=True)
+    assert probs["return_probs"] == 1
+
+
+def test_forward_grids():
+    # Equal work, more tiles than SMs: fixed shares of a persistent grid.
+    plan = fwd(4, 4096, 4096, 16, 16, 128)
+    assert plan["grid_kind"] == "fixed_shares" and plan["grid"] == "132x1x1"
+    # Few tiles: one block each.
+    plan = fwd(1, 256, 4096, 2, 2, 128)
+    assert plan["grid_kind"] == "one_per_tile" and plan["grid"] == "4x1x1"
+    # Short causal tiles, more than SMs: the counter grid, 128-row tiles.
+    plan = fwd(16, 1024, 1024, 16, 16, 64, causal=True)
+    assert plan["grid_kind"] == "tile_counter" and plan["block_m"] == 128
+    assert plan["grid"] == "132x1x1"
+    # ... but not with softcap (the counter grid keeps the plain rule).
+    plan = fwd(16, 1024, 1024, 16, 16, 64, causal=True, softcap=20.0)
+    assert plan["grid_kind"] != "tile_counter"
+    # Varlen batches count as tiles of differing work.
+    plan = fwd(16, 1024, 1024, 16, 16, 128, varlen=True)
+    assert plan["grid_kind"] == "tile_counter"
+    # d256 has no room for a separate O tile: no persistent grid.
+    plan = fwd(4, 4096, 4096, 8, 8, 256)
+    assert plan["kernel"] == "sm90" and plan["grid_kind"] == "one_per_tile"
+
+
+def test_empty_forward():
+    assert fwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
+    assert fwd(2, 0, 128, 4, 4, 128)["kernel"] == "none"
+
+
+# --------------------------------------------------------------- backward
+
+def test_backward_kernels():
+    long = (2, 4096, 4096, 16, 16, 128)
+    plan = bwd(*long)
+    assert plan["kernel"] == "sm90" and plan["splits"] == 1
+    assert plan["grid"] == "%dx16x2" % (4096 // plan["block_n"])
+    assert bwd(*long, device=A100)["kernel"] == "sm80"
+    dropout = bwd(*long, dropout_p=0.1)
+    assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+    assert bwd(*long, alibi=True)["variant"] == "score_mods"
+    assert bwd(*long, kernel_override="sm80")["kernel"] == "sm80"
+    assert bwd(*long, tma_aligned=False)["kernel"] == "sm80"
+    assert bwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
+
+
+def test_backward_large_smem_tile():
+    long = (1, 4096, 4096, 8, 8, 256)
+    # sm80 blocks cannot hold the double-buffered d256 tile; sm90 ones can.
+    assert bwd(*long, device=A100)["kernel"] == "sm80"
+    assert bwd(*long, kernel_override="sm80")["kernel"] == "sm80_large_smem"
+    # The score-extras variant keeps the table's tile.
+    assert bwd(*long, kernel_override="sm80", softcap=10.0)["kernel"] == "sm80"
+
+
+def test_deterministic_dq_splits():
+    # About two blocks per SM over (batch, heads), at most one per key block.
+    plan = bwd(1, 8192, 8192, 16, 16, 128, deterministic=True)
+    assert plan["splits"] == math.ceil(2 * 132 / 16)
+    assert plan["grid"] == "%dx16x1" % plan["splits"]
+    assert bwd(1, 8192, 256, 16, 16, 128, deterministic=True)["splits"] == 256 // 128
+    assert bwd(64, 1024, 1024, 32, 32, 128, deterministic=True)["splits"] == 1
+
+
+# ----------------------------------------------------------------- decode
+
+def wave_rule_splits(base, slots, cap):
+    """The split count rule of choose_kv_splits, in Python."""
+    def fill(splits):
+        waves = base * splits / slots
+        return waves / math.ceil(waves)
+    if fill(1) >= 0.95:
+        return 1
+    best = max(fill(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if fill(s) >= 0.95 * best)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_split_counts(batch, paged):
+    """GQA 32:8 d128, one query: the decode variant (16 rows); a contiguous
+    cache runs one block per SM, a paged one two."""
+    cache = 16384
+    plan = decode(batch, 1, cache, 32, 8, 128, paged=paged)
+    assert plan["warps_n"] == 4 and plan["block_m"] == 16 and plan["m_blocks"] == 1
+    slots = H100["num_sms"] * (2 if paged else 1)
+    expected = wave_rule_splits(batch * 8, slots, min(128, cache // 64))
+    assert plan["splits"] == expected
+    assert plan["items"] == batch * 8 * expected
+
+
+def test_decode_split_examples():
+    assert decode(1, 1, 16384, 32, 8, 128)["splits"] == 16
+    assert decode(8, 1, 16384, 32, 8, 128)["splits"] == 2
+    assert decode(16, 1, 16384, 32, 8, 128)["splits"] == 1
+    assert decode(1, 1, 16384, 32, 8, 128, paged=True)["splits"] == 32
+    # An explicit count, capped at the cache's key blocks.
+    assert decode(1, 1, 16384, 32, 8, 128, num_splits=7)["splits"] == 7
+    assert decode(1, 1, 256, 32, 8, 128, num_splits=100)["splits"] == 256 // 64
+
+
+def test_decode_variants_and_grid():
+    # Many rows per kv head: the 64-row variant, which keeps one block per item.
+    plan = decode(4, 64, 4096, 32, 8, 128)
+    assert plan["warps_n"] == 1 and plan["block_m"] == 64 and plan["m_blocks"] == 4
+    assert plan["cluster"] == 1
+    # An sm89 block cannot hold the decode variant's three stages at d256.
+    assert decode(1, 1, 4096, 32, 8, 256, device=L40)["warps_n"] == 1
+    # Contiguous cache, one block per SM: clusters of 2 on sm90, none on sm80.
+    assert decode(16, 1, 32768, 32, 8, 128)["cluster"] == 2
+    assert decode(16, 1, 32768, 32, 8, 128, device=A100)["cluster"] == 1
+    assert decode(16, 1, 32768, 32, 8, 128, device=A100)["programmatic"] == 0
+    # 1k-4k keys per item, more items than two blocks per SM: persistent.
+    plan = decode(64, 1, 1024, 32, 8, 128)
+    assert plan["persistent"] == 1 and plan["grid"] == 132 and plan["cluster"] == 1
+    # Softcap keeps one block per item.
+    assert decode(64, 1, 1024, 32, 8, 128, softcap=30.0)["persistent"] == 0
+
+
+def test_decode_append_in_attention():
+    base = (16, 1, 16384, 32, 8, 128)
+    assert decode(*base, seqlen_new=1)["append_in_attention"] == 1
+    assert decode(*base, seqlen_new=1, rotary_dim=128)["append_in_attention"] == 1
+    assert decode(*base)["append_in_attention"] == 0
+    # Longer appends, unaligned or odd rotary tables, softcap: the pre-kernel.
+    assert decode(*base, seqlen_new=17)["append_in_attention"] == 0
+    assert decode(*base, seqlen_new=1, rotary_dim=128,
+                  rotary_aligned=False)["append_in_attention"] == 0
+    assert decode(*base, seqlen_new=1, rotary_dim=24)["append_in_attention"] == 0
+    assert decode(*base, seqlen_new=1, softcap=30.0)["append_in_attention"] == 0
+
+
+# ------------------------------------------------ the plan against a real GPU
+
+def current_device():
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return dict(cc_major=props.major, cc_minor=props.minor,
+                num_sms=props.multi_processor_count,
+                smem_per_block_optin=props.shared_memory_per_block_optin,
+                smem_per_sm=props.shared_memory_per_multiprocessor,
+                reserved_smem_per_block=1024)
+
+
+def launched_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seqlen", [128, 4096])
+def test_plan_matches_launched_forward(seqlen, monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sm90a = "sm_90a" in flash_attn_cuda.build_info
+    q, k, v = (torch.randn(2, seqlen, 8, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    plan = fwd(2, seqlen, seqlen, 8, 8, 128, device=current_device(), causal=True,
+               sm90a_built=sm90a)
+    names = launched_kernels(lambda: ops.fwd(q, k, v, None, 0.0, 128 ** -0.5, True, -1, 0, 0.0,
+                                             False, 0, 0, None))
+    fwd_names = [n for n in names if "flash_fwd" in n]
+    assert fwd_names, names
+    assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
+
+
+@pytest.mark.cuda
+def test_plan_matches_launched_decode():
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(1, 16384, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.full((1,), 16384, device="cuda", dtype=torch.int32)
+    plan = decode(1, 1, 16384, 32, 8, 128, device=current_device())
+    names = launched_kernels(lambda: ops.fwd_kvcache(
+        q, k_cache, v_cache, None, None, seqlens, None, None, None, None, None, None,
+        128 ** -0.5, True, -1, 0, 0.0, False, 0))
+    combined = any("combine" in n for n in names)
+    assert combined == (plan["splits"] > 1), (plan, names)
