@@ -84,9 +84,8 @@ struct BwdSm90KernelTraits {
   // whole atoms. Half of 160 or 224 takes the 32-byte swizzle, half of 192
   // the 64-byte. dQ's halves at d64 (32 columns) and d96 (48) take the 64-
   // and 32-byte swizzles, one N = 32 or N = 48 instruction each, where the
-  // wider swizzle of their dK / dV alone left strings of N = 16: the whole
-  // backward ran 2-13% faster at d64 and 1-12% at d96, level at d32 (H100
-  // microbench, PERF_LOG).
+  // wider swizzle of their dK / dV alone left strings of N = 16
+  // (PERF_LOG 2026-11-25 ee579b0).
   static constexpr int kHeadDimPerWarpGroup =
       kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
   static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0   ? 64
@@ -127,7 +126,8 @@ struct BwdSm90KernelTraits {
   // One wgmma instruction per tile width, as in the forward
   // (fwd_kernel_traits_sm90.h): the split design's head-dim halves of 80 and 112
   // and d96's dQ halves of 48 are CuTe's extended shapes; tiled from N = 16
-  // instructions they cost the d160 / d224 backward 16-27% (PERF_LOG).
+  // instructions they cost the d160 / d224 backward (PERF_LOG 2026-11-25
+  // 9de55ab).
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) ==
                         (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&

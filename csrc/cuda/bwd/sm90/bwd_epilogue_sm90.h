@@ -1,0 +1,89 @@
+// The outputs of the Hopper backward's MMA warpgroups (bwd_kernel_sm90.h):
+//   - BwdSm90DQAccumulator: each query block's dQ added into the fp32 dQ
+//     accumulator (bwd_accum_layout.h), as soon as it lands;
+//   - BwdSm90Epilogue: a key block's dK and dV, once its walk over the query
+//     blocks is done, stored through shared memory (over K and V), then K / V
+//     handed back to the producer.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/bwd/bwd_block_io.h"
+#include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
+#include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
+#include "cuda/core/block_info.h"
+#include "cuda/core/params.h"
+#include "cuda/core/tile_ops_sm90.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The epilogue's barrier (store_dk_dv): the 256 MMA threads only.
+struct BwdSm90EpilogueBarrier {
+  __device__ void operator()() const {
+    cutlass::arch::NamedBarrier::arrive_and_wait(256, uint32_t(BwdSm90NamedBarrier::kEpilogue));
+  }
+};
+
+// This thread's chunk of the dQ accumulator for one key block: every key
+// block adds into the same dQ rows; in deterministic mode the block is the
+// only writer of its split slice, so the order is fixed.
+template <typename Traits>
+struct BwdSm90DQAccumulator {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(Traits::kDQChunks == 1 && Traits::kDQChunkCols == kHeadDim,
+                "dQ is one chunk of the whole head dim");
+
+  float* const dq_accum_thread;
+
+  __forceinline__ __device__ BwdSm90DQAccumulator(const BwdParams& params, const BlockInfo& binfo,
+                                                  const BwdKeyBlock& block, int split, int mma_tidx)
+      : dq_accum_thread(
+            dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, mma_tidx)) {}
+
+  // acc_dq: (MMA,MMA_M,MMA_N) of the dQ MMA, query block m_block.
+  template <typename TensorAcc>
+  __forceinline__ __device__ void add(const TensorAcc& acc_dq, int m_block) const {
+    atomic_add_fragment<Traits::kNThreads>(
+        acc_dq, dq_accum_thread + accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0));
+  }
+};
+
+// dK (scaled) and dV of a key block to global memory (store_dk_dv: directly,
+// or summed over the query heads of a kv head), staged in sK / sV, which the
+// producer then refills with the next key block's K / V.
+template <typename Traits>
+struct BwdSm90Epilogue {
+  using Storage = BwdSm90SharedStorage<Traits>;
+
+  const BwdParams& params;
+  const BlockInfo& binfo;
+  const int mma_tidx;
+
+  __forceinline__ __device__ BwdSm90Epilogue(const BwdParams& params_, const BlockInfo& binfo_,
+                                             int mma_tidx_)
+      : params(params_), binfo(binfo_), mma_tidx(mma_tidx_) {}
+
+  // acc_dk, acc_dv: (MMA,MMA_M,MMA_N) of tiled_mma_dkv.
+  template <typename TensorAcc, typename TiledMma, typename ThrMma>
+  __forceinline__ __device__ void store(TensorAcc& acc_dk, const TensorAcc& acc_dv,
+                                        const TiledMma& tiled_mma_dkv, const ThrMma& thr_mma_dkv,
+                                        const BwdKeyBlock& block) const {
+    store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv,
+                        raw_pointer_cast(Storage::k().data()),
+                        raw_pointer_cast(Storage::v().data()), params, binfo, block, mma_tidx,
+                        BwdSm90EpilogueBarrier{});
+    // The epilogue's generic-proxy reads and writes of sK / sV come before
+    // the next key block's TMA writes.
+    cutlass::arch::fence_view_async_shared();
+    empty_barrier(Storage::barriers().kv_empty).arrive();
+  }
+};
+
+}  // namespace flash
