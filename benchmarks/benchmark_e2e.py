@@ -7,10 +7,14 @@
 Three ways of running the same random-init model (same weights, same inputs):
 
   sdpa_default     attn_implementation="sdpa", PyTorch's own choice of SDPA kernel
-  sdpa_provider    attn_implementation="sdpa" with flash_attn_cuda's SDPA provider
-                   active (torch.nn.attention.activate_flash_attention_impl(
-                   "FLASH_ATTN_CUDA")); skipped, with the reason, where the provider
-                   is not available (it overrides CUDA kernels only)
+  sdpa_flash       attn_implementation="sdpa" with SDPA's FLASH backend selected
+                   (sdpa_kernel(SDPBackend.FLASH_ATTENTION)): torch's built-in kernels
+  sdpa_provider    the same with flash_attn_cuda's SDPA provider active
+                   (torch.nn.attention.activate_flash_attention_impl(
+                   "FLASH_ATTN_CUDA")), which replaces the FLASH backend's kernels;
+                   SDPA's default choice may be another backend (cuDNN), so this
+                   variant selects FLASH too. Both are skipped, with the reason,
+                   off CUDA (the provider overrides CUDA kernels only)
   flash_attn_cuda  attn_implementation="flash_attn_cuda" (transformers integration)
 
 For each sequence length: the time of a training step's forward + backward
@@ -39,7 +43,7 @@ import torch
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
-VARIANTS = ["sdpa_default", "sdpa_provider", "flash_attn_cuda"]
+VARIANTS = ["sdpa_default", "sdpa_flash", "sdpa_provider", "flash_attn_cuda"]
 PROVIDER = "FLASH_ATTN_CUDA"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,6 +53,9 @@ def sanitize(name: str) -> str:
 
 
 def git_commit() -> str:
+    # A tree without .git (an exported copy) names its commit in the environment.
+    if os.environ.get("FLASH_ATTN_CUDA_COMMIT"):
+        return os.environ["FLASH_ATTN_CUDA_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=True).stdout.strip()
@@ -147,15 +154,20 @@ def provider_unavailable(device: torch.device):
 
 @contextlib.contextmanager
 def variant_context(variant: str):
-    if variant != "sdpa_provider":
+    if variant not in ("sdpa_flash", "sdpa_provider"):
         yield
         return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     attention = torch.nn.attention
-    attention.activate_flash_attention_impl(PROVIDER)
+    if variant == "sdpa_provider":
+        attention.activate_flash_attention_impl(PROVIDER)
     try:
-        yield
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            yield
     finally:
-        attention.restore_flash_attention_impl()
+        if variant == "sdpa_provider":
+            attention.restore_flash_attention_impl()
 
 
 def attn_implementation(variant: str) -> str:
@@ -338,6 +350,8 @@ def main(argv=None) -> int:
         reason = provider_unavailable(device)
         if reason:
             skipped["sdpa_provider"] = reason
+    if "sdpa_flash" in args.variants and device.type != "cuda":
+        skipped["sdpa_flash"] = "SDPA's FLASH backend runs on CUDA only"
     variants = [v for v in args.variants if v not in skipped]
 
     model = build_model(args, device, dtype)

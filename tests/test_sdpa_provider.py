@@ -20,6 +20,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference as ref
 
@@ -85,6 +86,25 @@ def provider():
     torch.nn.attention.activate_flash_attention_impl(NAME)
     yield
     torch.nn.attention.restore_flash_attention_impl()
+
+
+def _varlen_kwargs(window, gqa, nheads=4):
+    """varlen_attn's keywords for a window and GQA, as far as this torch's
+    varlen_attn takes them (torch 2.11's has is_causal, not window_size, and no
+    enable_gqa); returns them with the K/V head count to use."""
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = window
+    elif window == (-1, 0) and "is_causal" in params:
+        kwargs["is_causal"] = True
+    elif window != (-1, -1):
+        pytest.skip(f"this torch's varlen_attn takes no window_size (window {window})")
+    nheads_k = nheads
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+        nheads_k = nheads // 4 if nheads >= 8 else nheads // 2
+    return kwargs, nheads_k
 
 
 def _spy(monkeypatch):
@@ -446,14 +466,16 @@ def test_compile_fullgraph_through_aten_sdpa_op(cpu_kernels):
 
 @needs_varlen
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 0)])
-def test_varlen_attn_runs_on_the_overrides(cpu_kernels, monkeypatch, window):
+def test_varlen_attn_runs_on_the_overrides(monkeypatch, window):
     calls = _spy(monkeypatch)
-    # _spy replaced the functions after cpu_kernels installed them: reinstall.
+    # Installed once, after the spy (a second registration of the same op and
+    # key raises in torch.library).
     handle = sdpa._install(("CPU",))
     try:
-        q, k, v, cu_q, cu_k = _varlen_inputs([7, 1, 26, 12], [7, 1, 26, 12], 4, 2, 32)
+        kwargs, nheads_k = _varlen_kwargs(window, gqa=True)
+        q, k, v, cu_q, cu_k = _varlen_inputs([7, 1, 26, 12], [7, 1, 26, 12], 4, nheads_k, 32)
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        out = varlen_attn(*leaves, cu_q, cu_k, 26, 26, window_size=window, enable_gqa=True)
+        out = varlen_attn(*leaves, cu_q, cu_k, 26, 26, **kwargs)
         dout = torch.randn_like(out)
         out.backward(dout)
     finally:
@@ -633,15 +655,18 @@ def test_cuda_compile_fullgraph_matches_eager(provider, monkeypatch):
     torch._dynamo.reset()
     model = Attention().cuda().to(torch.bfloat16)
     x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16)
-    eager = model(x)
-    eager.float().pow(2).sum().backward()
-    eager_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    n_eager = calls.get("_scaled_dot_product_flash_attention", 0)
-    assert n_eager == 1
-    compiled = torch.compile(model, fullgraph=True)
-    out = compiled(x)
-    out.float().pow(2).sum().backward()
+    # The provider replaces SDPA's FLASH backend; which backend SDPA picks by
+    # default is torch's choice (it may be cuDNN), so the test selects FLASH.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        eager = model(x)
+        eager.float().pow(2).sum().backward()
+        eager_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        n_eager = calls.get("_scaled_dot_product_flash_attention", 0)
+        assert n_eager == 1
+        compiled = torch.compile(model, fullgraph=True)
+        out = compiled(x)
+        out.float().pow(2).sum().backward()
     assert calls["_scaled_dot_product_flash_attention"] > n_eager
     torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
     for p, g in zip(model.parameters(), eager_grads):
@@ -659,13 +684,14 @@ def test_cuda_varlen_attn_matches_builtin(window, dtype, monkeypatch):
     lengths = [7, 1, 100, 33]
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
     total = sum(lengths)
+    kwargs, nheads_k = _varlen_kwargs(window, gqa=True, nheads=8)
     q = torch.randn(total, 8, 64, device="cuda", dtype=dtype)
-    k, v = (torch.randn(total, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(total, nheads_k, 64, device="cuda", dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
 
     def run():
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = varlen_attn(*leaves, cu, cu, 100, 100, window_size=window, enable_gqa=True)
+        out = varlen_attn(*leaves, cu, cu, 100, 100, **kwargs)
         out.backward(dout)
         return out.detach(), [t.grad for t in leaves]
 
