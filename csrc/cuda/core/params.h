@@ -190,8 +190,8 @@ struct KvcacheParams : FwdParams {
   // first query block of each split writes the new rows of its key blocks
   // into the cache. The host sets it for the decode variant's plain kernel
   // with one block per work item and one query block, and
-  // seqlen_new <= kAppendInAttentionMaxRows (append_in_attention_fits,
-  // flash_api_cuda.cpp).
+  // seqlen_new <= kAppendInAttentionMaxRows, among the other conditions of
+  // append_in_attention_fits (plan_decode, launch/plan.cpp).
   bool append_in_attention;
 };
 

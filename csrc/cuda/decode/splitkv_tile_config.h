@@ -42,11 +42,11 @@ constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_
 // fits the 99 KB per block of sm86/sm89 at every head dim.
 constexpr int splitkv_stages(int warps_n) { return warps_n > 1 ? 3 : 2; }
 
-// A block that runs several work items in turn (the persistent launch of
-// flash_api_cuda.cpp) loads an item's Q tile with its first K/V tile, while
-// it still computes earlier items: it keeps a Q tile for the item being
-// computed and for each of the kStages items whose first tile may be in
-// flight (one tile each at least). A block of one item keeps one.
+// A block that runs several work items in turn (the persistent grid that
+// plan_decode picks, launch/plan.cpp) loads an item's Q tile with its first
+// K/V tile, while it still computes earlier items: it keeps a Q tile for the
+// item being computed and for each of the kStages items whose first tile may
+// be in flight (one tile each at least). A block of one item keeps one.
 constexpr int splitkv_q_slots(int warps_n, bool several_items) {
   return several_items ? splitkv_stages(warps_n) + 1 : 1;
 }
