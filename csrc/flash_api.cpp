@@ -2,7 +2,7 @@
 // registered beside their kernels (csrc/cpu/, csrc/cuda/), the fake (meta)
 // kernels in flash_attn_cuda/ops.py.
 //
-// Conventions shared by every op (see DESIGN.md, "The op contract"):
+// Conventions shared by every op (see docs/architecture.md, "The op contract"):
 //   * q/k/v are (batch, seqlen, nheads, headdim), or (total, nheads, headdim)
 //     for varlen, last dim contiguous; headdim a multiple of 8, at most 256.
 //   * window_size_left / right < 0 mean "unbounded on that side"; causal is
