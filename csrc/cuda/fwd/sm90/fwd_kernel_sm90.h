@@ -94,13 +94,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t num_tiles = int64_t(num_m_blocks) * params.nheads * params.batch;
 
+  // (M,D)
   Tensor sQ =
       make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});  // (N,D,stage)
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (N,D,stage)
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});            // (D,N,stage)
   Tensor sO = make_tensor(Traits::kSeparateO ? sV.data() + size(sV) : sQ.data(),
-                          typename Traits::SmemLayoutO{});
+                          typename Traits::SmemLayoutO{});  // (M,D)
   auto& barriers = *reinterpret_cast<typename Traits::Barriers*>(smem + Traits::kSmemSizeTiles);
 
   if (tidx == 0) {
@@ -152,7 +153,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // everyone to stop. (Not a thread of the producer warpgroup: any mbarrier
   // work of a second producer thread made ptxas spill the copy-issuing
   // thread's loop at its 24 registers.) A kernel of its own: the code for it
-  // slowed the fixed-share and one-block-per-tile grids by 2-5% (H100).
+  // slowed the fixed-share and one-block-per-tile grids (PERF_LOG 2026-11-24
+  // 30a90ef).
   auto next_tile = [&](int round) -> int64_t {
     empty_barrier(barriers.tile_full).wait(round & 1);
     const int64_t next = barriers.scheduled_tile;
@@ -164,9 +166,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // dependent integer work and parameter loads (varlen: of cu_seqlens), and
   // the MMA warpgroups call it under their last P V: the counter's query
   // blocks are short, and the chain had every MMA warp waiting on it between
-  // two of them; there it saved 1-3% at 512-2048 causal keys (H100
-  // microbench; on the fixed-share grid it cost up to 1%, and at d224 the
-  // registers it holds cost 120 B more spills and 2-4%, PERF_LOG). Its
+  // two of them; there it won at short causal calls, while on the
+  // fixed-share grid and at d224 (more spills) it lost (PERF_LOG 2026-11-24
+  // fff1485). Its
   // results are pinned by an empty asm, without which ptxas sinks the chain
   // below the wait for that P V.
   constexpr bool kLookAhead = kTilesFromCounter && kHeadDim <= 128;
@@ -224,12 +226,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         return;
       }
       const FwdBlock& block = tile.block;
-      Tensor gQ = local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch),
-                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));
+      Tensor gQ =
+          local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch),
+                     Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));  // (M,D)
       Tensor gK = local_tile(tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
       Tensor gV = local_tile(tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n)
       auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -291,11 +294,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   typename Traits::TiledMmaO tiled_mma_o;
   auto thr_mma_s = tiled_mma_s.get_thread_slice(mma_tidx);
   auto thr_mma_o = tiled_mma_o.get_thread_slice(mma_tidx);
-  Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);
+  Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
   Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_K, stage)
-  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tScS = thr_mma_s.partition_C(cS);
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});  // (M,N) -> (row,col)
+  Tensor tScS = thr_mma_s.partition_C(cS);                                // (MMA,MMA_M,MMA_N)
+  // (ROW,COL) = ((2,MMA_M),(2,N/8,MMA_N)), tile_ops_sm90.h
   Tensor tScS_rowcol = make_tensor(tScS.data(), wgmma_acc_layout_as_rowcol(tScS.layout()));
   auto rows_of_warp_group = [&](auto& tile) {
     return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
@@ -337,21 +341,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   : 0.f);
     const float exp_scale_log2 =
         kWithScoreMods ? score_mods.exp_scale_log2() : params.softmax_scale_log2;
+    // (M,D)
     Tensor gO = get<3>(fwd_global_tiles<Element, kBlockM, kBlockN, kHeadDim>(params, binfo, block));
     if (n_tiles <= 0) {
       if (takes_tiles) publish_tile(take_tile());
       look_ahead();
-      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (M,D) -> (row,col)
       write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
       return;
     }
     // Warpgroup 0 issues first.
     if (last_warp_group) NamedBarrier::arrive(kTurnThreads, next_turn);
 
+    // (MMA,MMA_M,MMA_D)
     Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
+    // (MMA,MMA_M,MMA_N)
     Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    // (MMA,MMA_M,MMA_K): P as the A operand of O += P V, K = the N keys
     Tensor tOrP = make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));
+    // (ROW,COL) views of S and O
     Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
     Tensor acc_o_rowcol = make_tensor(acc_o.data(), wgmma_acc_layout_as_rowcol(acc_o.layout()));
     constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
@@ -370,7 +379,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const bool zero_v_tail = binfo.varlen && v_rows_past_end < kBlockN;
     auto zero_v_rows_past_end = [&]() {
       full_barrier(barriers.v_full[stage(0)]).wait(phase(0));
-      Tensor sV_tile = sV(_, _, stage(0));
+      Tensor sV_tile = sV(_, _, stage(0));  // (N,D)
       for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
         sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
       }
@@ -471,8 +480,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse, lse_rows, rows_left,
         mma_tidx);
     NamedBarrier::arrive_and_wait(128, my_epilogue);
-    Tensor sO_warp_group = rows_of_warp_group(sO);
-    Tensor gO_warp_group = rows_of_warp_group(gO);
+    Tensor sO_warp_group = rows_of_warp_group(sO);  // (64,D): this warpgroup's rows
+    Tensor gO_warp_group = rows_of_warp_group(gO);  // (64,D)
     store_output<typename Traits::GmemTiledCopyOWarpGroup>(
         sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
     if (!Traits::kSeparateO) empty_barrier(barriers.q_empty).arrive();

@@ -78,7 +78,8 @@ struct FwdSm90KernelTraits {
   // offers when the file defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first
   // (the instantiation files that need it do: generate_instantiations.py);
   // without it, it quietly tiles N = 16 or 32 instructions, and a 128 x 80
-  // tile at d256 ran 25% slower than with one N = 80 (PERF_LOG).
+  // tile at d256 ran much slower than with one N = 80 (PERF_LOG 2026-11-25
+  // 9de55ab).
   static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN &&
                     size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDim,
                 "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before "
