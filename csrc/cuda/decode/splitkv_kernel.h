@@ -113,10 +113,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
   auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
-  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
-  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
+  Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});   // (M,D) -> (row,col)
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N,D) -> (row,col)
+  Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);                          // (CPY,CPY_M,CPY_D)
+  Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);                       // (CPY,CPY_N,CPY_D)
   constexpr int kCopyRows = decltype(size<1>(tKVcKV))::value;
   constexpr int kCopyCols = decltype(size<2>(tKVcKV))::value;
 
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return q_base + int64_t(packed.query) * params.q.row_stride +
              int64_t(packed.head_in_group) * params.q.head_stride;
     };
-    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));
+    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));  // (CPY,CPY_M,CPY_D)
     copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
   };
 
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 "new rows span at most two key blocks, both loaded by the prologue");
   auto load_tile = [&](const SplitKvItem& it, int n_block, int stage, auto in_prologue) {
     constexpr bool kMaySkipNewRows = decltype(in_prologue)::value;
-    Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));
-    Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));
+    Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
+    Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
     const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
     const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
     const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
@@ -300,11 +300,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Each warp multiplies its 16 query rows by its slab of keys on its own.
   typename Traits::WarpMma warp_mma;
   auto thr_mma = warp_mma.get_thread_slice(lane);
-  Tensor tSrQ = thr_mma.partition_fragment_A(smem_tiles.slab_q(0));
-  Tensor tSrK = thr_mma.partition_fragment_B(smem_tiles.slab_k(0));
+  Tensor tSrQ = thr_mma.partition_fragment_A(smem_tiles.slab_q(0));  // (MMA,MMA_M,MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(smem_tiles.slab_k(0));  // (MMA,MMA_N,MMA_K)
+  // (MMA,MMA_D,MMA_K)
   Tensor tOrVt = thr_mma.partition_fragment_B(
       make_tensor(make_smem_ptr(kv_smem), typename Traits::SmemLayoutVtSlabNoSwizzle{}));
-  Tensor acc_o = partition_fragment_C(warp_mma, Shape<_16, Int<kHeadDim>>{});
+  Tensor acc_o = partition_fragment_C(warp_mma, Shape<_16, Int<kHeadDim>>{});  // (MMA,MMA_M,MMA_D)
 
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma);
   auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(lane);
@@ -316,12 +317,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // (row, col) of each accumulator element within the warp's 16 x kSlabN
   // scores; the warp's rows start at warp_row0 of the tile, its keys at
   // warp_n * kSlabN of each key tile.
-  Tensor cS = make_identity_tensor(Shape<_16, Int<kSlabN>>{});
-  Tensor tScS = thr_mma.partition_C(cS);
+  Tensor cS = make_identity_tensor(Shape<_16, Int<kSlabN>>{});  // (16,SLAB_N) -> (row,col)
+  Tensor tScS = thr_mma.partition_C(cS);                        // (MMA,MMA_M,MMA_N)
+  // (ROW,COL) = ((2,MMA_M),(2,MMA_N))
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
+  // (ROW,COL)
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  // (MMA,MMA_M,MMA_D) -> (row,col)
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<_16, Int<kHeadDim>>{}));
-  Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_layout_as_rowcol(tOcO.layout()));
+  Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_layout_as_rowcol(tOcO.layout()));  // (ROW,COL)
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
   static_assert(kNRows == 2, "a thread holds two rows of the warp's 16");
   const int warp_row0 = 16 * warp_m;
@@ -405,19 +409,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     OnlineSoftmax<kNRows> softmax;
     clear(acc_o);
     if (it.has_keys()) q_slot = Smem::next_q_slot(q_slot);
-    Tensor tSsQ = smem_thr_copy_Q.partition_S(smem_tiles.slab_q(q_slot));
+    Tensor tSsQ = smem_thr_copy_Q.partition_S(smem_tiles.slab_q(q_slot));  // (CPY,CPY_M,CPY_K)
 
     for (int n_block = it.n_block_max - 1; n_block >= it.n_block_min; --n_block) {
       cute::cp_async_wait<kStages - 1>();
       __syncthreads();
 
       if (warp_has_rows) {
+        // (MMA,MMA_M,MMA_N)
         Tensor acc_s = partition_fragment_C(warp_mma, Shape<_16, Int<kSlabN>>{});
         clear(acc_s);
-        Tensor tSsK = smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));
+        Tensor tSsK = smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
         gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, warp_mma, smem_tiled_copy_Q,
                        smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
 
+        // (ROW,COL)
         Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
         const int col_base = n_block * kBlockN + warp_col0;
         if (prescale_scores) {
@@ -453,9 +459,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
         softmax.update(scores, acc_o_rowcol, exp_scale_log2);
 
-        Tensor rP = convert_type<Element>(acc_s);
+        Tensor rP = convert_type<Element>(acc_s);  // (MMA,MMA_M,MMA_N)
+        // (MMA,MMA_M,MMA_K), K = the slab's keys
         Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
-        Tensor tOsVt = smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));
+        Tensor tOsVt = smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
         gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, warp_mma, smem_tiled_copy_V, smem_thr_copy_V);
       }
 
