@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -43,6 +42,10 @@ import torch
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
+if BENCH_DIR not in sys.path:  # also when imported from elsewhere (the tests)
+    sys.path.insert(0, BENCH_DIR)
+from provenance import git_commit  # noqa: E402
+
 VARIANTS = ["sdpa_default", "sdpa_flash", "sdpa_provider", "flash_attn_cuda"]
 PROVIDER = "FLASH_ATTN_CUDA"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,19 +54,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
 
-
-def git_commit() -> str:
-    # A tree without .git (an exported copy) names its commit in the environment.
-    if os.environ.get("FLASH_ATTN_CUDA_COMMIT"):
-        return os.environ["FLASH_ATTN_CUDA_COMMIT"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:

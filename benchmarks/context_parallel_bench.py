@@ -72,7 +72,6 @@ import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +84,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
+if BENCH_DIR not in sys.path:  # also when imported from elsewhere (the tests)
+    sys.path.insert(0, BENCH_DIR)
+from provenance import git_commit  # noqa: E402
+
 PROVIDER = "FLASH_ATTN_CUDA"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BACKENDS = {"ours": SDPBackend.FLASH_ATTENTION, "builtin": SDPBackend.FLASH_ATTENTION,
@@ -94,20 +97,6 @@ BACKENDS = {"ours": SDPBackend.FLASH_ATTENTION, "builtin": SDPBackend.FLASH_ATTE
 def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
 
-
-def git_commit() -> str:
-    """FLASH_ATTN_CUDA_COMMIT or GIT_COMMIT when set (a copy without .git), else git."""
-    for name in ("FLASH_ATTN_CUDA_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(name):
-            return os.environ[name]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------

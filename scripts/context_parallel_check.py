@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -76,6 +75,8 @@ except ImportError:  # pragma: no cover - where torch keeps it moved between rel
     from torch.distributed.tensor.experimental._context_parallel import context_parallel_unshard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from provenance import git_commit  # noqa: E402
 
 
 def import_provider():
@@ -96,20 +97,6 @@ sdpa = None  # set by main()
 # Run metadata
 # ---------------------------------------------------------------------------
 
-
-def git_commit() -> str:
-    """FLASH_ATTN_CUDA_COMMIT or GIT_COMMIT when set (a copy without .git), else git."""
-    for name in ("FLASH_ATTN_CUDA_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(name):
-            return os.environ[name]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_name(device: torch.device) -> str:
