@@ -3,20 +3,25 @@
 #
 #   scripts/run_context_parallel.sh OUT_DIR
 #
+#   for each world size N of NS:
 #   1. correctness: scripts/context_parallel_check.py on N GPUs, our provider and
-#      torch's built-in FLASH kernels (check_ours.json, check_builtin.json);
+#      torch's built-in FLASH kernels (check_ours_wsN.json, check_builtin_wsN.json);
 #   2. scaling: benchmarks/context_parallel_bench.py on N GPUs at SEQLEN total
 #      tokens, ours and built-in (bench_ours_wsN.json, bench_builtin_wsN.json);
+#   then, unless BASELINE=0:
 #   3. the one-GPU baseline, no context parallelism, at the first of BASE_SEQLENS
 #      that fits (bench_ours_ws1.json, bench_builtin_ws1.json);
-#   then summary.md (a table of the JSONs) and logs/ (every step's output).
+#   then summary.md (scripts/context_parallel_summary.py: a table of every JSON
+#   in OUT_DIR, so runs made in several calls can share one folder) and logs/.
 #
 # OUT_DIR is meant to be committed as benchmarks/results/<gpu>/context_parallel/.
 # The extension must be built first (scripts/gpu_check.sh build), or set BUILD=1
 # to build here only what these runs use (head dim 128, bf16; FLASH_ATTN_CUDA_HDIMS /
 # FLASH_ATTN_CUDA_DTYPES override), which takes a minute or two more.
 #
-# Environment (defaults): PROVIDERS ("ours builtin"), N (GPUs visible), SEQLEN (65536 * N), BASE_SEQLENS
+# Environment (defaults): PROVIDERS ("ours builtin"), NS (the number of GPUs
+# visible; e.g. "2 4" on a 4-GPU host runs both world sizes on GPUs 0..N-1),
+# SEQLEN (65536 * N for each N), BASELINE (1), BASE_SEQLENS
 # ("131072 65536 32768"), CHECK_SEQLENS ("8192 4040"), BENCH_ARGS (extra
 # arguments of every bench run, e.g. "--layers 2"), EXTRA_PROVIDERS (e.g. "cudnn":
 # more bench runs beside ours and builtin), CHECK_TIMEOUT (180 s), BENCH_TIMEOUT
@@ -55,16 +60,16 @@ fi
 
 DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cpu ]; then
-  N=${N:-2}
-  SEQLEN=${SEQLEN:-$((64 * N))}
-  BASE_SEQLENS=${BASE_SEQLENS:-$((64 * N))}
+  NS=${NS:-2}
+  SEQ_PER_GPU=64
+  BASE_SEQLENS=${BASE_SEQLENS:-128}
   CHECK_SEQLENS=${CHECK_SEQLENS:-64 36}
   CHECK_ARGS="--device cpu --dim 64 --heads 2 --batch 1"
   BENCH_ARGS="--device cpu --layers 1 --hidden 64 --head-dim 32 --vocab 64 ${BENCH_ARGS:-}"
   PROVIDERS=${PROVIDERS:-ours}
 else
-  N=${N:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
-  SEQLEN=${SEQLEN:-$((65536 * N))}
+  NS=${NS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+  SEQ_PER_GPU=65536
   BASE_SEQLENS=${BASE_SEQLENS:-131072 65536 32768}
   CHECK_SEQLENS=${CHECK_SEQLENS:-8192 4040}
   CHECK_ARGS=""
@@ -74,15 +79,17 @@ fi
 CHECK_TIMEOUT=${CHECK_TIMEOUT:-180}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=(python3 -m torch.distributed.run); fi
-[ "$N" -ge 2 ] || echo "warning: $N GPU(s) visible; the context-parallel runs use a mesh of $N"
+for N in $NS; do
+  [ "$N" -ge 2 ] || echo "warning: a world size of $N: the context-parallel runs use a mesh of $N"
+done
 
 {
-  echo "start: $(date -u +%FT%TZ)  N=$N SEQLEN=$SEQLEN BASE_SEQLENS='$BASE_SEQLENS' commit=$COMMIT"
+  echo "start: $(date -u +%FT%TZ)  NS='$NS' SEQLEN=${SEQLEN:-$SEQ_PER_GPU per GPU} BASE_SEQLENS='$BASE_SEQLENS' commit=$COMMIT"
   echo "device: $DEVICE providers: $PROVIDERS"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv 2>/dev/null
   nvidia-smi topo -m 2>/dev/null
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
-} >"$OUT/logs/env.txt" 2>&1
+} >>"$OUT/logs/env.txt" 2>&1
 cat "$OUT/logs/env.txt"
 
 failed=()
@@ -99,55 +106,32 @@ step() {  # step NAME TIMEOUT COMMAND...
 }
 
 T0=$SECONDS
-DIST=("${TORCHRUN[@]}" --standalone --nproc_per_node "$N")
 # shellcheck disable=SC2086
 {
-for provider in $PROVIDERS; do
-  [ "$provider" = cudnn ] && continue  # the check compares FLASH kernels only
-  step "check_$provider" "$CHECK_TIMEOUT" "${DIST[@]}" scripts/context_parallel_check.py \
-    $CHECK_ARGS $([ "$provider" = builtin ] && echo --builtin) --seqlen $CHECK_SEQLENS \
-    --out "$OUT/check_$provider.json"
+for N in $NS; do
+  DIST=("${TORCHRUN[@]}" --standalone --nproc_per_node "$N")
+  for provider in $PROVIDERS; do
+    [ "$provider" = cudnn ] && continue  # the check compares FLASH kernels only
+    step "check_${provider}_ws$N" "$CHECK_TIMEOUT" "${DIST[@]}" scripts/context_parallel_check.py \
+      $CHECK_ARGS $([ "$provider" = builtin ] && echo --builtin) --seqlen $CHECK_SEQLENS \
+      --out "$OUT/check_${provider}_ws$N.json"
+  done
+  [ "$N" -gt 1 ] || continue  # N=1: the baseline below is that run
+  for provider in $PROVIDERS; do
+    step "bench_${provider}_ws$N" "$BENCH_TIMEOUT" "${DIST[@]}" benchmarks/context_parallel_bench.py \
+      --provider "$provider" --seqlen "${SEQLEN:-$((SEQ_PER_GPU * N))}" $BENCH_ARGS \
+      --out "$OUT/bench_${provider}_ws$N.json"
+  done
 done
-for provider in $PROVIDERS; do
-  [ "$N" -gt 1 ] || break  # N=1: the baseline below is that run
-  step "bench_${provider}_ws$N" "$BENCH_TIMEOUT" "${DIST[@]}" benchmarks/context_parallel_bench.py \
-    --provider "$provider" --seqlen "$SEQLEN" $BENCH_ARGS --out "$OUT/bench_${provider}_ws$N.json"
-done
-for provider in $PROVIDERS; do
-  step "bench_${provider}_ws1" "$BENCH_TIMEOUT" python3 benchmarks/context_parallel_bench.py \
-    --provider "$provider" --seqlen $BASE_SEQLENS $BENCH_ARGS --out "$OUT/bench_${provider}_ws1.json"
-done
+if [ "${BASELINE:-1}" = 1 ]; then
+  for provider in $PROVIDERS; do
+    step "bench_${provider}_ws1" "$BENCH_TIMEOUT" python3 benchmarks/context_parallel_bench.py \
+      --provider "$provider" --seqlen $BASE_SEQLENS $BENCH_ARGS --out "$OUT/bench_${provider}_ws1.json"
+  done
+fi
 }
 
-python3 - "$OUT" >"$OUT/summary.md" 2>"$OUT/logs/summary.err" <<'EOF'
-import glob, json, os, sys
-out = sys.argv[1]
-print("# Context parallelism\n")
-for path in sorted(glob.glob(os.path.join(out, "check_*.json"))):
-    d = json.load(open(path))
-    print(f"- check {d['provider']}: world_size {d['world_size']}, {d['device']}, torch "
-          f"{d['torch']}, commit {d['commit']}: {'PASS' if d['passed'] else 'FAIL'}")
-    for case in d["cases"]:
-        worst = max(case["errors"].values(), key=lambda r: r["cp"] / r["limit"], default=None)
-        ratio = f"{worst['cp'] / worst['limit']:.2f}" if worst else "n/a"
-        print(f"  - seqlen {case['seqlen']}: {'pass' if case['passed'] else 'FAIL'} "
-              f"(largest error / limit {ratio})")
-print("\n| provider | world size | seqlen | step ms | tokens/s per GPU | peak GiB per GPU "
-      "| NCCL kernel share | exposed comm share |")
-print("|---|---|---|---|---|---|---|---|")
-for path in sorted(glob.glob(os.path.join(out, "bench_*.json"))):
-    d = json.load(open(path))
-    r = d.get("result")
-    if not r:
-        print(f"| {d['provider']} | {d['world_size']} | {d['config']['seqlens_tried']} | "
-              f"failed: {d.get('error')} | | | | |")
-        continue
-    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    gib = r.get("peak_mem_gib_max")
-    print(f"| {d['provider']} | {d['world_size']} | {r['seqlen']} | {1e3 * r['step_s_median']:.0f} | "
-          f"{r['tokens_per_s_per_gpu']:.0f} | {'n/a' if gib is None else f'{gib:.1f}'} | "
-          f"{pct(r.get('comm_kernel_share_mean'))} | {pct(r.get('comm_exposed_share_mean'))} |")
-EOF
+python3 scripts/context_parallel_summary.py "$OUT" >"$OUT/summary.md" 2>"$OUT/logs/summary.err"
 cat "$OUT/summary.md"
 echo "total: $((SECONDS - T0)) s; results in $OUT"
 if [ ${#failed[@]} -gt 0 ]; then

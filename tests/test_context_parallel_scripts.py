@@ -130,3 +130,22 @@ def test_comm_share_from_a_trace(tmp_path):
     assert comm["compute_kernel_busy_ms"] == pytest.approx(0.150)
     assert comm["comm_kernel_share"] == pytest.approx(90 / 400)
     assert comm["comm_exposed_share"] == pytest.approx(60 / 400)
+
+
+def test_driver_two_world_sizes_and_summary(tmp_path):
+    """scripts/run_context_parallel.sh with NS="1 2" (DEVICE=cpu): every step's JSON, one summary."""
+    env = _env()
+    env.update(DEVICE="cpu", NS="1 2")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_context_parallel.sh"),
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == ["bench_ours_ws1.json", "bench_ours_ws2.json",
+                     "check_ours_ws1.json", "check_ours_ws2.json"], names
+    summary = (tmp_path / "summary.md").read_text()
+    assert "check ours: world_size 2" in summary and "PASS" in summary and "FAIL" not in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ours |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"], rows
+    assert rows[0].split("|")[7].strip() == "1.00"  # ws1 against itself
