@@ -296,7 +296,11 @@ def test_continuous_batching(models):
     model.set_attn_implementation(NAME)
     config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0,
                               eos_token_id=None)
-    cb_config = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64,
+    # The page size's keyword was block_size before page_size (transformers 5.17 has
+    # only block_size); pass whichever this version takes.
+    params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+    page_kw = "page_size" if "page_size" in params else "block_size"
+    cb_config = ContinuousBatchingConfig(**{page_kw: 16}, num_blocks=16, max_batch_tokens=64,
                                          max_memory_percent=0.01)
     out = model.generate_batch(inputs=[p.tolist() for p in prompts], generation_config=config,
                                continuous_batching_config=cb_config)
