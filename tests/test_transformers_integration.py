@@ -302,8 +302,16 @@ def test_continuous_batching(models):
     page_kw = "page_size" if "page_size" in params else "block_size"
     cb_config = ContinuousBatchingConfig(**{page_kw: 16}, num_blocks=16, max_batch_tokens=64,
                                          max_memory_percent=0.01)
-    out = model.generate_batch(inputs=[p.tolist() for p in prompts], generation_config=config,
-                               continuous_batching_config=cb_config)
+    try:
+        out = model.generate_batch(inputs=[p.tolist() for p in prompts],
+                                   generation_config=config, continuous_batching_config=cb_config)
+    except ValueError as exc:
+        # Older transformers (5.17 among them) set the CUDA device from the model's
+        # device in the generation thread whenever CUDA is present, which raises for
+        # this CPU model; later versions check the device type first.
+        if torch.cuda.is_available() and "cuda" in str(exc).lower():
+            pytest.skip(f"this transformers' continuous batching needs a CUDA model here: {exc}")
+        raise
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     assert got == [e.tolist() for e in expected]
 
