@@ -8,6 +8,9 @@
 //   * window_size_left / right < 0 mean "unbounded on that side"; causal is
 //     (left=-1, right=0), bottom-right aligned. The Python layer normalises
 //     causal into the window, but the ops accept both.
+//   * seqused_k (varlen, optional int32 (batch,)): sequence b uses only its
+//     first seqused_k[b] keys; with block_table it gives each sequence's keys
+//     (cu_seqlens_k is then checked but not used for them).
 //   * Dropout randomness never comes from a torch.Generator inside the op: the
 //     caller passes philox_seed / philox_offset as values, or rng_state, an
 //     int64 tensor [seed, offset] on any device that overrides the values. The
@@ -32,20 +35,44 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? block_table, Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, "
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
-      "int philox_offset, Tensor? rng_state) "
+      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, int max_seqlen_q, "
       "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
       "int window_size_left, int window_size_right, float softcap, bool deterministic, "
-      "Tensor? rng_state) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state, *, Tensor? seqused_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits) -> (Tensor out, Tensor softmax_lse)");
+  // The forwards that write the attention output into the caller's `out`
+  // instead of a new tensor; they return the other results. (An op that
+  // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
+  // allocates when it is None, would return an alias of an input, which
+  // functionalization, torch.compile and opcheck do not accept for custom ops.)
+  m.def(
+      "fwd_out(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
+      "float softmax_scale, bool causal, int window_size_left, int window_size_right, "
+      "float softcap, bool return_softmax, int philox_seed, int philox_offset, "
+      "Tensor? rng_state, *, Tensor(a!) out) -> (Tensor softmax_lse, Tensor S_dmask, "
+      "Tensor rng_state)");
+  m.def(
+      "varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? block_table, Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, "
+      "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
+      "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
+      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out) "
+      "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
+  m.def(
+      "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+      "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
+      "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
+      "bool causal, int window_size_left, int window_size_right, float softcap, "
+      "bool rotary_interleaved, int num_splits, *, Tensor(c!) out) -> Tensor softmax_lse");
   // The CUDA path's index checks (docs/memory_safety.md): raise what a kernel
   // recorded on `device`, after waiting for it; switch each call to waiting
   // for its own check (returns the previous setting).

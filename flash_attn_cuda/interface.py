@@ -166,6 +166,50 @@ def _as_int(value, name: str) -> int:
     return int(value)
 
 
+def _check_out(out, fn: str, q: torch.Tensor, shape, layout: str) -> None:
+    # Checked here in the caller's head dim: with a head dim that is not a
+    # multiple of 8 the op writes a padded buffer, copied into out afterwards.
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{fn}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device != q.device:
+        raise ValueError(f"{fn}: out must be on the device of q ({q.device}), got {out.device}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"{fn}: out must have the dtype of q ({q.dtype}), got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(
+            f"{fn}: out must have shape {layout} = {tuple(shape)}, got {tuple(out.shape)}"
+        )
+    if out.numel() > 0 and out.stride(-1) != 1:
+        raise ValueError(
+            f"{fn}: out must have a contiguous last dimension (stride 1), got strides "
+            f"{tuple(out.stride())}"
+        )
+
+
+def _check_no_grad_for_out(fn: str, *tensors: Optional[torch.Tensor]) -> None:
+    # As torch's own out= functions: writing into a caller's buffer has no
+    # place in the autograd graph.
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{fn}: out= does not support autograd, but an input requires grad; call it under "
+            "torch.no_grad() or without out="
+        )
+
+
+def _padded_target(out: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
+    # The buffer the op writes: out itself, or for a padded head dim a
+    # scratch copy of its shape with the padded last dim.
+    if out.shape[-1] == padded_head_dim:
+        return out
+    return out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+
+
+def _copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target is not out:
+        out.copy_(target[..., : out.shape[-1]])
+    return out
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     """Fixed-length attention: forward is flash_attn.fwd, backward flash_attn.bwd."""
 
@@ -263,6 +307,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return_softmax,
         block_table,
         rng_state,
+        seqused_k,
     ):
         head_dim = q.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -286,6 +331,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             0,
             0,
             rng_state,
+            seqused_k=seqused_k,
         )
         ctx.save_for_backward(
             q_padded,
@@ -297,6 +343,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             cu_seqlens_k,
             rng_used,
             alibi_slopes,
+            seqused_k,
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
@@ -319,9 +366,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
                 "flash_attn_varlen_func: the backward pass does not support block_table "
                 "(paged K/V); call it under torch.no_grad() or without block_table"
             )
-        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes) = (
-            ctx.saved_tensors
-        )
+        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
+         seqused_k) = ctx.saved_tensors
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             _prepare(dout),
             q,
@@ -342,19 +388,34 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             ctx.softcap,
             ctx.deterministic,
             rng_state,
+            seqused_k=seqused_k,
         )
         grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
-        return grads + (None,) * 14
+        return grads + (None,) * 15
 
 
 def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-    deterministic, return_attn_probs,
+    deterministic, return_attn_probs, out=None,
 ):
     _check_head_dim(q)
     _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
+    if out is not None:
+        fn = "flash_attn_func"
+        _check_out(out, fn, q, q.shape, "(batch_size, seqlen_q, nheads, headdim)")
+        _check_no_grad_for_out(fn, q, k, v)
+        q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
+        target = _padded_target(out, q_padded.shape[-1])
+        softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd_out(
+            q_padded, k_padded, v_padded, alibi_slopes, dropout_p,
+            _default_softmax_scale(softmax_scale, q.shape[-1]), causal, window[0], window[1],
+            softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
+            _draw_rng_state(dropout_p, q.device), out=target,
+        )
+        out = _copy_back(out, target)
+        return (out, softmax_lse, s_dmask) if return_attn_probs else out
     q, k, v, alibi_slopes = _distinct(q, k, v, alibi_slopes)
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
         q,
@@ -378,17 +439,43 @@ def _attention(
 def _varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, block_table,
+    return_attn_probs, block_table, seqused_k=None, out=None,
 ):
+    fn = "flash_attn_varlen_func"
     _check_head_dim(q)
+    if cu_seqlens_k is None:
+        # vLLM's form of a paged call: the keys of each sequence come from
+        # seqused_k alone. The op still takes offsets; zeros are valid ones.
+        if block_table is None or seqused_k is None:
+            raise ValueError(
+                f"{fn}: cu_seqlens_k may be None only with block_table and seqused_k (then "
+                "seqused_k gives each sequence's keys)"
+            )
+        cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
     _check_same_device(
         q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        alibi_slopes=alibi_slopes, block_table=block_table,
+        alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k,
     )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table = _distinct(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table
+    max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _as_int(max_seqlen_k, "max_seqlen_k")
+    softmax_scale = _default_softmax_scale(softmax_scale, q.shape[-1])
+    if out is not None:
+        _check_out(out, fn, q, q.shape, "(total_q, nheads, headdim)")
+        _check_no_grad_for_out(fn, q, k, v)
+        q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
+        target = _padded_target(out, q_padded.shape[-1])
+        softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
+            q_padded, k_padded, v_padded, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window[0], window[1],
+            softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
+            _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k, out=target,
+        )
+        out = _copy_back(out, target)
+        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k = _distinct(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -396,10 +483,10 @@ def _varlen_attention(
         v,
         cu_seqlens_q,
         cu_seqlens_k,
-        _as_int(max_seqlen_q, "max_seqlen_q"),
-        _as_int(max_seqlen_k, "max_seqlen_k"),
+        max_seqlen_q,
+        max_seqlen_k,
         dropout_p,
-        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        softmax_scale,
         causal,
         window,
         softcap,
@@ -408,6 +495,7 @@ def _varlen_attention(
         return_attn_probs and dropout_p > 0.0,
         block_table,
         _draw_rng_state(dropout_p, q.device),
+        seqused_k,
     )
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
@@ -462,6 +550,15 @@ _COMMON_ARGS_DOC = """
 """
 
 
+_OUT_ARG_DOC = """        out: optional keyword-only tensor of shape {layout}, q's dtype and
+            device, last dim contiguous: the output is written into it (no
+            new output tensor) and it is what the call returns. Forward only:
+            raises when grad is enabled and an input requires grad. With a
+            headdim that is not a multiple of 8 the result goes through a
+            padded scratch buffer first.
+"""
+
+
 def flash_attn_func(
     q,
     k,
@@ -474,13 +571,15 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    out=None,
 ):
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_ndim(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     _check_ndim(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, out,
     )
 
 
@@ -499,6 +598,7 @@ flash_attn_func.__doc__ = (
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
     + _COMMON_ARGS_DOC
+    + _OUT_ARG_DOC.format(layout="(batch_size, seqlen_q, nheads, headdim)")
     + _RETURNS_DOC.format(
         out_layout="(batch_size, seqlen_q, nheads, headdim)",
         lse_layout="(batch_size, nheads, seqlen_q)",
@@ -613,6 +713,9 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    seqused_k=None,
+    out=None,
 ):
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     kv_layout = (
@@ -626,7 +729,7 @@ def flash_attn_varlen_func(
     return _varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, block_table,
+        return_attn_probs, block_table, seqused_k, out,
     )
 
 
@@ -654,7 +757,18 @@ flash_attn_varlen_func.__doc__ = (
             reaches are first gathered into packed keys and values (one
             extra copy of them per call); flash_attn_with_kvcache reads
             pages in place.
+        seqused_k: optional keyword-only int32 (batch_size,): sequence b
+            uses only its first seqused_k[b] keys (rows cu_seqlens_k[b] ..
+            cu_seqlens_k[b] + seqused_k[b]); the rest of its K / V rows are
+            never read into a result, and their gradients are zero. Causal
+            and local windows align to seqused_k[b]. Each value must lie in
+            [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]. With block_table it
+            gives each sequence's keys (positions 0 .. seqused_k[b] - 1 of
+            its pages), at most max_seqlen_k and the rows its block_table
+            row addresses; cu_seqlens_k is then not used for the keys and
+            may be None.
 """
+    + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(
         out_layout="(total_q, nheads, headdim)",
         lse_layout="(nheads, total_q)",
@@ -772,6 +886,8 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    out=None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -821,8 +937,16 @@ def flash_attn_with_kvcache(
             False rotates (i, i + rotary_dim / 2) (GPT-NeoX style).
         alibi_slopes: optional fp32 (nheads,) or (batch_size, nheads).
         num_splits: how many chunks to split the keys into; 0 lets the kernel
-            choose, 1 disables splitting. Affects speed only.
+            choose, 1 disables splitting. Affects speed only. With
+            num_splits=1 a row's result is bitwise the same whatever other
+            sequences share the batch (on CUDA without rotary; 0 picks a
+            split count by the batch): see docs/serving.md.
         return_softmax_lse: also return the fp32 log-sum-exp.
+        out: optional keyword-only (batch_size, seqlen_q, nheads, headdim)
+            tensor, q's dtype and device, last dim contiguous: the output is
+            written into it (no new output tensor) and it is what the call
+            returns. With a headdim that is not a multiple of 8 the result
+            goes through a padded scratch buffer first.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
@@ -845,6 +969,9 @@ def flash_attn_with_kvcache(
         block_table=block_table, alibi_slopes=alibi_slopes,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
+    if out is not None:
+        _check_out(out, "flash_attn_with_kvcache", q, q.shape,
+                   "(batch_size, seqlen_q, nheads, headdim)")
     window = _attention_window(causal, window_size)
     head_dim = q.shape[-1]
     softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
@@ -857,7 +984,7 @@ def flash_attn_with_kvcache(
     # An unaligned head dim runs on zero-padded copies of the caches (as
     # flash-attn does); the appended rows are copied back afterwards.
     k_cache_used, v_cache_used = _pad_head_dim(k_cache), _pad_head_dim(v_cache)
-    out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
+    args = (
         q,
         k_cache_used,
         v_cache_used,
@@ -878,6 +1005,12 @@ def flash_attn_with_kvcache(
         rotary_interleaved,
         num_splits,
     )
+    if out is None:
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args)
+    else:
+        target = _padded_target(out, q.shape[-1])
+        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(*args, out=target)
+        out = _copy_back(out, target)
     if k_cache_used is not k_cache:
         out = _unpad_head_dim(out, head_dim)
         if k is not None:

@@ -42,15 +42,42 @@ def _fwd_fake(
     philox_offset: int,
     rng_state: Optional[torch.Tensor],
 ):
+    return (_contiguous_like(q),) + _fwd_results(q, k, return_softmax)
+
+
+def _fwd_results(q, k, return_softmax):
+    # (softmax_lse, S_dmask, rng_state) of fwd and fwd_out.
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
-    out = _contiguous_like(q)
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     if return_softmax:
         s_dmask = q.new_empty((batch, nheads, seqlen_q, seqlen_k))
     else:
         s_dmask = q.new_empty((0,))
-    return out, softmax_lse, s_dmask, _rng_state_like(q)
+    return softmax_lse, s_dmask, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_attn::fwd_out")
+def _fwd_out_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    return_softmax: bool,
+    philox_seed: int,
+    philox_offset: int,
+    rng_state: Optional[torch.Tensor],
+    *,
+    out: torch.Tensor,
+):
+    # out is written in place by the real kernel (schema (a!)).
+    return _fwd_results(q, k, return_softmax)
 
 
 @torch.library.register_fake("flash_attn::bwd")
@@ -95,16 +122,53 @@ def _varlen_fwd_fake(
     philox_seed: int,
     philox_offset: int,
     rng_state: Optional[torch.Tensor],
+    *,
+    seqused_k: Optional[torch.Tensor] = None,
 ):
+    lse, s_dmask, rng = _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                            return_softmax)
+    return _contiguous_like(q), lse, s_dmask, rng
+
+
+def _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax):
+    # (softmax_lse, S_dmask, rng_state) of varlen_fwd and varlen_fwd_out.
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
-    out = _contiguous_like(q)
     softmax_lse = q.new_empty((nheads, total_q), dtype=torch.float32)
     if return_softmax:
         s_dmask = q.new_empty((batch, nheads, max_seqlen_q, max_seqlen_k))
     else:
         s_dmask = q.new_empty((0,))
-    return out, softmax_lse, s_dmask, _rng_state_like(q)
+    return softmax_lse, s_dmask, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_attn::varlen_fwd_out")
+def _varlen_fwd_out_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    return_softmax: bool,
+    philox_seed: int,
+    philox_offset: int,
+    rng_state: Optional[torch.Tensor],
+    *,
+    seqused_k: Optional[torch.Tensor] = None,
+    out: torch.Tensor,
+):
+    # out is written in place by the real kernel (schema (a!)).
+    return _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -128,6 +192,8 @@ def _varlen_bwd_fake(
     softcap: float,
     deterministic: bool,
     rng_state: Optional[torch.Tensor],
+    *,
+    seqused_k: Optional[torch.Tensor] = None,
 ):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
@@ -160,3 +226,32 @@ def _fwd_kvcache_fake(
     out = _contiguous_like(q)
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, softmax_lse
+
+
+@torch.library.register_fake("flash_attn::fwd_kvcache_out")
+def _fwd_kvcache_out_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    rotary_cos: Optional[torch.Tensor],
+    rotary_sin: Optional[torch.Tensor],
+    cache_batch_idx: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+    *,
+    out: torch.Tensor,
+):
+    # The caches and out are written in place ((a!), (b!), (c!)).
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

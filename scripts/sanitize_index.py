@@ -53,11 +53,30 @@ def main():
                 pass
             else:
                 sys.exit(f"sanitize_index: varlen_bwd {name}: not reported")
+    for name, (used, pattern) in sorted(cases.SEQUSED_CASES.items()):
+        q, k, v = cases._packed(256)
+        cu = cases._int32([0, 100, 200])
+        kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=128,
+                      max_seqlen_k=128, seqused_k=cases._int32(used))
+        expect_reported(f"varlen seqused_k {name}", cases._varlen_call, kwargs, pattern)
+        torch.ops.flash_attn.varlen_bwd(
+            torch.randn_like(q), q, k, v, torch.randn_like(q),
+            torch.randn(q.shape[1], q.shape[0], device="cuda"), cu, cu, None, 128, 128, 0.0,
+            0.125, False, -1, -1, 0.0, False, None, seqused_k=kwargs["seqused_k"])
+        try:
+            check_index_errors()
+        except RuntimeError:
+            pass
+        else:
+            sys.exit(f"sanitize_index: varlen_bwd seqused_k {name}: not reported")
+    paged_seqused = cases._paged_varlen([[0, 1], [2, 3]], [0, 0, 0], 48)
+    paged_seqused["seqused_k"] = cases._int32([40, 5])
     paged = {
         "entry_past_pool": (cases._paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32),
                             "is not a valid block index"),
         "table_too_narrow": (cases._paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48),
                              "but block_table has only 2"),
+        "seqused_k_past_table": (paged_seqused, "seqused_k[0] = 40 must be in [0, 32]"),
     }
     for name, (kwargs, pattern) in paged.items():
         expect_reported(f"paged varlen {name}", cases._varlen_call, kwargs, pattern)

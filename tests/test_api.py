@@ -203,17 +203,30 @@ def test_package_exports():
     for name in EXPECTED_SIGNATURES:
         assert callable(getattr(flash_attn_cuda, name)), name
         assert getattr(flash_attn_cuda, name).__doc__, f"{name} has no docstring"
-    for op in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache"):
+    for op in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "fwd_out",
+               "varlen_fwd_out", "fwd_kvcache_out"):
         assert hasattr(torch.ops.flash_attn, op), op
+
+
+# Additions after flash-attn 2.8's parameters, keyword-only so that no positional
+# call changes meaning (docs/serving.md).
+EXPECTED_KEYWORD_ONLY = {
+    "flash_attn_func": [("out", None)],
+    "flash_attn_varlen_func": [("seqused_k", None), ("out", None)],
+    "flash_attn_with_kvcache": [("out", None)],
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_SIGNATURES))
 def test_signature_matches_flash_attn_2_8(name):
     params = inspect.signature(getattr(flash_attn_cuda, name)).parameters.values()
-    actual = [(p.name, p.default) for p in params]
-    assert actual == EXPECTED_SIGNATURES[name]
-    for p in params:
-        assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, p.name
+    positional = [(p.name, p.default) for p in params
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword_only = [(p.name, p.default) for p in params
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert positional == EXPECTED_SIGNATURES[name]
+    assert keyword_only == EXPECTED_KEYWORD_ONLY.get(name, [])
+    assert len(positional) + len(keyword_only) == len(params)
 
 
 # ---------------------------------------------------------------------------

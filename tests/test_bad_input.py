@@ -187,6 +187,21 @@ VARLEN_CASES = {
                               r"block_table\[0, 1\] = 6 is not a valid block index"),
     "block_table_too_narrow": (paged(block_table=int32([[5], [2]])), r"block_table has only"),
     "paged_k_3d": (paged(k=rand(24, 2, 32), v=rand(24, 2, 32)), r"\bk must be a 4-D"),
+    # seqused_k: sequence b uses its first seqused_k[b] keys, at most its cu_seqlens_k length
+    # (paged: at most min(max_seqlen_k, the rows its block_table row addresses)).
+    "seqused_k_int64": (dict(seqused_k=torch.tensor([3, 4])), r"seqused_k must have dtype int32"),
+    "seqused_k_wrong_shape": (dict(seqused_k=int32([3, 4, 5])),
+                              r"seqused_k must have shape \(batch,\) = \(2,\)"),
+    "seqused_k_2d": (dict(seqused_k=int32([[3, 4]])), r"seqused_k must have shape"),
+    "seqused_k_past_sequence": (dict(seqused_k=int32([5, 8])),
+                                r"seqused_k\[1\] = 8 must be in \[0, 7\] \(the keys "
+                                r"cu_seqlens_k gives sequence 1\)"),
+    "seqused_k_negative": (dict(seqused_k=int32([-1, 2])),
+                           r"seqused_k\[0\] = -1 must be in \[0, 5\]"),
+    "seqused_k_paged_past_table": (paged(seqused_k=int32([3, 9])),
+                                   r"seqused_k\[1\] = 9 must be in \[0, 7\] \(with block_table"),
+    "seqused_k_paged_past_max_seqlen": (paged(seqused_k=int32([8, 1]), max_seqlen_k=7),
+                                        r"seqused_k\[0\] = 8 must be in \[0, 7\]"),
 }
 
 
@@ -195,6 +210,16 @@ def test_varlen_fwd_op(case):
     changes, message = VARLEN_CASES[case]
     with pytest.raises(ERRORS, match=message):
         ops.varlen_fwd(**varlen_kwargs(**changes))
+
+
+def test_varlen_seqused_k_replaces_paged_lengths():
+    # With block_table, seqused_k gives the keys: cu_seqlens_k's lengths may exceed
+    # what the table addresses (pages are then checked for seqused_k's keys only).
+    kwargs = varlen_kwargs(**paged(block_table=int32([[5, -1], [2, 3]])))
+    kwargs.update(cu_seqlens_k=int32([0, 8, 16]), max_seqlen_k=8, seqused_k=int32([3, 8]))
+    ops.varlen_fwd(**kwargs)
+    with pytest.raises(ERRORS, match=r"block_table\[0, 1\] = -1 is not a valid block index"):
+        ops.varlen_fwd(**{**kwargs, "seqused_k": int32([5, 8])})
 
 
 def test_varlen_bwd_op():
@@ -213,6 +238,8 @@ def test_varlen_bwd_op():
         (dict(cu_seqlens_k=int32([0, 12])), r"cu_seqlens_k must have as many entries"),
         (dict(dropout_p=0.3), r"rng_state"),
         (dict(dout=rand(9, 4, 24)), r"dout must have the shape of q"),
+        (dict(seqused_k=int32([5, 8])), r"seqused_k\[1\] = 8 must be in \[0, 7\]"),
+        (dict(seqused_k=torch.tensor([5, 7])), r"seqused_k must have dtype int32"),
     ]
     ops.varlen_bwd(**kwargs)  # the unchanged arguments are valid
     for changes, message in bad_cases:
@@ -288,6 +315,45 @@ def test_fwd_kvcache_op(case):
 
 
 # ---------------------------------------------------------------------------
+# The *_out ops: out is the caller's buffer
+# ---------------------------------------------------------------------------
+
+OUT_CASES = {
+    "float32": (lambda like: torch.empty(like.shape, dtype=torch.float32),
+                r"out must have the dtype of q \(BFloat16\), got Float"),
+    "wrong_shape": (lambda like: torch.empty(like.shape[:-1] + (16,), dtype=BF16),
+                    r"out must have shape"),
+    "last_dim_strided": (lambda like: strided_last_dim(*like.shape),
+                         r"out must have a contiguous last dimension"),
+    "expanded": (lambda like: rand(*like.shape[:-2], 1, like.shape[-1]).expand(like.shape),
+                 r"out must not have elements that share memory"),
+    "is_q": (lambda like: like, r"out must not share memory with an input"),
+}
+
+
+def _out_op_call(op, like_q):
+    # One call of each *_out op whose q is like_q.
+    if op == "fwd_out":
+        return ops.fwd_out, fwd_kwargs(q=like_q)
+    if op == "varlen_fwd_out":
+        return ops.varlen_fwd_out, varlen_kwargs(q=like_q)
+    return ops.fwd_kvcache_out, kvcache_kwargs(q=like_q)
+
+
+@pytest.mark.parametrize("op", ["fwd_out", "varlen_fwd_out", "fwd_kvcache_out"])
+@pytest.mark.parametrize("case", sorted(OUT_CASES))
+def test_out_ops_check_out(op, case):
+    shapes = {"fwd_out": (2, 9, 4, 32), "varlen_fwd_out": (9, 4, 32),
+              "fwd_kvcache_out": (2, 1, 4, 32)}
+    q = rand(*shapes[op])
+    make_out, message = OUT_CASES[case]
+    fn, kwargs = _out_op_call(op, q)
+    with pytest.raises(ERRORS, match=message):
+        fn(**kwargs, out=make_out(q))
+    fn(**kwargs, out=torch.empty_like(q))  # a good out passes
+
+
+# ---------------------------------------------------------------------------
 # The Python API
 # ---------------------------------------------------------------------------
 
@@ -358,6 +424,44 @@ API_CASES = {
         lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32),
                                         rand(2, 1, 2, 32), rand(2, 1, 2, 32), cache_seqlens=8),
         r"cache_seqlens\[0\]"),
+    "varlen_seqused_k_past_sequence": (
+        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
+                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
+                                       seqused_k=int32([6, 7])),
+        r"seqused_k\[0\] = 6 must be in \[0, 5\]"),
+    "varlen_seqused_k_on_other_device": (
+        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
+                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
+                                       seqused_k=int32([2, 7], device="meta")),
+        r"seqused_k must be on the same device as q"),
+    "varlen_no_cu_seqlens_k_without_paged_seqused": (
+        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
+                                       int32([0, 3, 9]), None, 6, 7, seqused_k=int32([2, 7])),
+        r"cu_seqlens_k may be None only with block_table and seqused_k"),
+    "func_out_wrong_shape": (
+        lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 16)),
+        r"flash_attn_func: out must have shape \(batch_size, seqlen_q, nheads, headdim\)"),
+    "func_out_wrong_dtype": (
+        lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 32, dtype=torch.float16)),
+        r"flash_attn_func: out must have the dtype of q"),
+    "func_out_on_other_device": (
+        lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 32, device="meta")),
+        r"out must be on the device of q"),
+    "func_out_last_dim_strided": (
+        lambda: flash_attn_func(*qkv(), out=strided_last_dim(2, 9, 4, 32)),
+        r"out must have a contiguous last dimension"),
+    "func_out_with_grad": (
+        lambda: flash_attn_func(*(t.requires_grad_() for t in qkv()), out=rand(2, 9, 4, 32)),
+        r"out= does not support autograd"),
+    "varlen_out_wrong_shape": (
+        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
+                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
+                                       out=rand(12, 4, 32)),
+        r"flash_attn_varlen_func: out must have shape \(total_q, nheads, headdim\)"),
+    "kvcache_out_wrong_shape": (
+        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32),
+                                        out=rand(2, 2, 4, 32)),
+        r"flash_attn_with_kvcache: out must have shape"),
     "kvcache_on_other_device": (
         lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32, device="meta"),
                                         rand(2, 8, 2, 32, device="meta")),
@@ -370,6 +474,11 @@ def test_python_api(case):
     call, message = API_CASES[case]
     with pytest.raises(ERRORS, match=message):
         call()
+
+
+def test_out_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"flash_attn_func: out must be a torch.Tensor, got list"):
+        flash_attn_func(*qkv(), out=[1, 2])
 
 
 @pytest.mark.cuda

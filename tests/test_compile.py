@@ -152,3 +152,72 @@ def test_kvcache_compiles(device):
     torch.testing.assert_close(compiled_args[1], eager_args[1], atol=0, rtol=0)
     torch.testing.assert_close(compiled_args[2], eager_args[2], atol=0, rtol=0)
     assert torch.equal(compiled_args[1][0, 3], compiled_args[3][0, 0])
+
+
+def _varlen_seqused_inputs(device, requires_grad):
+    lengths_q, lengths_k, used = [7, 1, 12], [9, 4, 12], [5, 0, 12]
+
+    def cu(lengths):
+        return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(
+            0, dtype=torch.int32)
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device=device,
+                           requires_grad=requires_grad)
+
+    return (rand(sum(lengths_q), 4, 32), rand(sum(lengths_k), 2, 32), rand(sum(lengths_k), 2, 32),
+            cu(lengths_q), cu(lengths_k), torch.tensor(used, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seqused_k_compiles(device):
+    def attention(q, k, v, cu_q, cu_k, used):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used)
+
+    inputs = _varlen_seqused_inputs(device, requires_grad=True)
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    out = compiled(*inputs)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs[:3])
+    eager = attention(*inputs)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), inputs[:3])
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    for ours, ref in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    assert (grads[1][5:9] == 0).all()  # sequence 0's keys past seqused_k[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_out_compiles(device, backend):
+    """out= in the three functions that take it: written in place under
+    functionalization, and the returned tensor is the caller's."""
+    def step(q, k, v, cu_q, cu_k, used, dq, k_cache, v_cache, seqlens, out_a, out_b, out_c):
+        a = flash_attn_func(q.unflatten(0, (1, -1)), k.unflatten(0, (1, -1)),
+                            v.unflatten(0, (1, -1)), causal=True, out=out_a)
+        b = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used,
+                                   out=out_b)
+        c = flash_attn_with_kvcache(dq, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1,
+                                    out=out_c)
+        return a, b, c
+
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+        q, k, v, cu_q, cu_k, used = _varlen_seqused_inputs(device, requires_grad=False)
+        q, k, v = rand(*q.shape), rand(*k.shape), rand(*v.shape)
+        cache = (rand(2, 1, 4, 32), rand(2, 16, 2, 32), rand(2, 16, 2, 32),
+                 torch.tensor([3, 16], dtype=torch.int32, device=device))
+        outs = (torch.empty(1, q.shape[0], 4, 32, dtype=torch.bfloat16, device=device),
+                torch.empty_like(q), torch.empty(2, 1, 4, 32, dtype=torch.bfloat16, device=device))
+        return (q, k, v, cu_q, cu_k, used) + cache + outs
+
+    eager_args, compiled_args = inputs(), inputs()
+    with torch.no_grad():
+        eager = step(*eager_args)
+        results = torch.compile(step, backend=backend, fullgraph=True)(*compiled_args)
+    for result, out, expected in zip(results, compiled_args[-3:], eager):
+        assert result.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)

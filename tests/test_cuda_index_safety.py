@@ -112,10 +112,10 @@ def _good_call_still_works():
 
 
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 block_table=None, causal=False):
+                 block_table=None, causal=False, seqused_k=None):
     return flash_attn_cuda.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        block_table=block_table)
+        block_table=block_table, seqused_k=seqused_k)
 
 
 def _packed(rows, nheads=2):
@@ -167,6 +167,41 @@ def test_varlen_backward_bad_cu_seqlens(case):
     _expect_cuda_error(backward, kwargs, pattern)
 
 
+# seqused_k[b] must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]; one bad value per case.
+SEQUSED_CASES = {
+    "past_sequence": ([64, 200], "seqused_k[1] = 200 must be in [0, 100] (the keys cu_seqlens_k "
+                                 "gives sequence 1)"),
+    "negative": ([-3, 100], "seqused_k[0] = -3 must be in [0, 100]"),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(SEQUSED_CASES))
+def test_varlen_forward_bad_seqused_k(case, causal):
+    used, pattern = SEQUSED_CASES[case]
+    q, k, v = _packed(256)
+    cu = _int32([0, 100, 200])
+    kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=128,
+                  max_seqlen_k=128, causal=causal, seqused_k=_int32(used))
+    _expect_cuda_error(_varlen_call, kwargs, pattern)
+
+
+@pytest.mark.parametrize("case", sorted(SEQUSED_CASES))
+def test_varlen_backward_bad_seqused_k(case):
+    used, pattern = SEQUSED_CASES[case]
+    q, k, v = _packed(256)
+
+    def backward(q, k, v, out, lse, dout, cu_seqlens, seqused_k):
+        return torch.ops.flash_attn.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, None, 128, 128, 0.0,
+            HEAD_DIM ** -0.5, False, -1, -1, 0.0, False, None, seqused_k=seqused_k)
+
+    lse = torch.randn(q.shape[1], q.shape[0], device="cuda", dtype=torch.float32)
+    kwargs = dict(q=q, k=k, v=v, out=torch.randn_like(q), lse=lse, dout=torch.randn_like(q),
+                  cu_seqlens=_int32([0, 100, 200]), seqused_k=_int32(used))
+    _expect_cuda_error(backward, kwargs, pattern)
+
+
 def _paged_varlen(table, cu_k, max_k, pages=4, page_size=16):
     q, = _packed(64)[:1]
     k_cache = torch.randn(pages, page_size, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -187,6 +222,21 @@ def test_paged_varlen_bad_block_table(case):
     else:
         kwargs, pattern = _paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48), \
             "sequence 1 has 48 keys, which need 3 blocks of page_size 16, but block_table has only 2"
+    _expect_cuda_error(_varlen_call, kwargs, pattern)
+
+
+@pytest.mark.parametrize("case", ["past_table", "negative", "past_max_seqlen"])
+def test_paged_varlen_bad_seqused_k(case):
+    # With block_table, seqused_k[b] is sequence b's keys: at most what its row of
+    # pages addresses (2 x 16 here) and max_seqlen_k.
+    max_k = {"past_table": 48, "negative": 32, "past_max_seqlen": 20}[case]
+    kwargs = _paged_varlen([[0, 1], [2, 3]], [0, 0, 0], max_k)
+    used, pattern = {
+        "past_table": ([40, 5], "seqused_k[0] = 40 must be in [0, 32] (with block_table"),
+        "negative": ([1, -1], "seqused_k[1] = -1 must be in [0, 32]"),
+        "past_max_seqlen": ([21, 5], "seqused_k[0] = 21 must be in [0, 20]"),
+    }[case]
+    kwargs["seqused_k"] = _int32(used)
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
 

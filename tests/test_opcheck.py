@@ -28,8 +28,8 @@ ALL_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor"
 ops = torch.ops.flash_attn
 
 
-def opcheck(op, args, test_utils=ALL_TEST_UTILS):
-    torch.library.opcheck(op, args, test_utils=test_utils)
+def opcheck(op, args, test_utils=ALL_TEST_UTILS, kwargs=None):
+    torch.library.opcheck(op, args, kwargs, test_utils=test_utils)
 
 
 def rand(*shape, device, dtype=torch.bfloat16):
@@ -190,3 +190,63 @@ def test_fwd_kvcache(device, case):
     # Appending is idempotent (the same rows get the same values), so opcheck's
     # repeated calls on the same inputs see the same results.
     opcheck(ops.fwd_kvcache.default, kvcache_args(device, **KVCACHE_CASES[case]))
+
+
+# seqused_k (keyword-only, default None): sequence b uses its first seqused_k[b] keys.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["plain", "paged"])
+def test_varlen_fwd_seqused_k(device, case):
+    q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=case == "paged")
+    used = torch.tensor([4, 0, 19], dtype=torch.int32, device=device)
+    opcheck(
+        ops.varlen_fwd.default,
+        (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32 ** -0.5, True, -1, -1,
+         0.0, False, 5, 0, None),
+        kwargs={"seqused_k": used},
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_bwd_seqused_k(device):
+    q, k, v, cu_q, cu_k, _, max_q, max_k = varlen_inputs(device)
+    used = torch.tensor([9, 3, 0], dtype=torch.int32, device=device)
+    out, softmax_lse, _, _ = ops.varlen_fwd(
+        q, k, v, cu_q, cu_k, None, None, max_q, max_k, 0.0, 0.2, True, -1, -1, 0.0, False, 0, 0,
+        None, seqused_k=used,
+    )
+    opcheck(
+        ops.varlen_bwd.default,
+        (torch.randn_like(out), q, k, v, out, softmax_lse, cu_q, cu_k, None, max_q, max_k, 0.0,
+         0.2, True, -1, -1, 0.0, True, None),
+        kwargs={"seqused_k": used},
+    )
+
+
+# The *_out ops write the caller's `out` ((a!) / (c!)) and return the other results.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["plain", "dropout_seed_values_probs"])
+def test_fwd_out(device, case):
+    args = fwd_args(device, **_resolve(FWD_CASES[case], device))
+    opcheck(ops.fwd_out.default, args, kwargs={"out": torch.empty_like(args[0])})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["plain", "paged_seqused_k"])
+def test_varlen_fwd_out(device, case):
+    q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=case != "plain")
+    kwargs = {"out": torch.empty_like(q)}
+    if case != "plain":
+        kwargs["seqused_k"] = torch.tensor([1, 14, 7], dtype=torch.int32, device=device)
+    opcheck(
+        ops.varlen_fwd_out.default,
+        (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32 ** -0.5, True, -1, -1,
+         0.0, False, 5, 0, None),
+        kwargs=kwargs,
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["read_only", "append_rotary_paged"])
+def test_fwd_kvcache_out(device, case):
+    args = kvcache_args(device, **KVCACHE_CASES[case])
+    opcheck(ops.fwd_kvcache_out.default, args, kwargs={"out": torch.empty_like(args[0])})

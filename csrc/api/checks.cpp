@@ -3,6 +3,7 @@
 #include "api/index_error_message.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <limits>
@@ -126,6 +127,18 @@ void check_max_seqlen(int64_t max_seqlen, const char* name) {
   checked_int(max_seqlen, name);
 }
 
+void check_seqused_k(const std::optional<at::Tensor>& seqused_k, const at::Tensor& q,
+                     int64_t batch) {
+  if (!seqused_k.has_value()) return;
+  const at::Tensor& used = *seqused_k;
+  TORCH_CHECK(used.scalar_type() == at::kInt, "flash_attn: seqused_k must have dtype int32, got ",
+              used.scalar_type());
+  check_same_device(used, "seqused_k", q);
+  TORCH_CHECK(used.dim() == 1 && used.size(0) == batch,
+              "flash_attn: seqused_k must have shape (batch,) = (", batch, ",), got ",
+              used.sizes());
+}
+
 // q (…, nheads, head_dim) against k and v; returns nothing, shapes are read by the callers.
 void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       c10::ArrayRef<at::ScalarType> allowed_dtypes) {
@@ -217,15 +230,13 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
   return shape;
 }
 
-VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                  const std::optional<at::Tensor>& block_table,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-                                  double softmax_scale, int64_t window_size_left,
-                                  int64_t window_size_right, double softcap,
-                                  const std::optional<at::Tensor>& rng_state,
-                                  c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+VarlenShape check_varlen_fwd_args(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   (void)softmax_scale;
   const bool paged = block_table.has_value();
   check_dim(q, "q", 3, "(total_q, nheads, head_dim)");
@@ -256,6 +267,7 @@ VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, cons
               "), got ", cu_seqlens_k.numel());
   check_max_seqlen(max_seqlen_q, "max_seqlen_q");
   check_max_seqlen(max_seqlen_k, "max_seqlen_k");
+  check_seqused_k(seqused_k, q, batch);
 
   VarlenShape shape{};
   shape.batch = checked_int(batch, "batch");
@@ -297,14 +309,15 @@ VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, cons
 VarlenShape check_varlen_bwd_args(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
-  const VarlenShape shape =
-      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, alibi_slopes,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
-                            window_size_right, softcap, rng_state, allowed_dtypes);
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& rng_state,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+  const VarlenShape shape = check_varlen_fwd_args(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, seqused_k, alibi_slopes, max_seqlen_q,
+      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
+      rng_state, allowed_dtypes);
   check_grad_io(dout, out, q);
   check_lse(softmax_lse, q, {shape.nheads, shape.total_q}, "(nheads, total_q)");
   check_backward_dropout(dropout_p, rng_state);
@@ -335,17 +348,36 @@ void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int
   }
 }
 
+void check_seqused_k_host(const at::Tensor& seqused_k, const at::Tensor& cu_seqlens_k, bool paged,
+                          int64_t paged_bound) {
+  TORCH_CHECK(seqused_k.device().is_cpu() && cu_seqlens_k.device().is_cpu(),
+              "flash_attn: seqused_k and cu_seqlens_k must be on the CPU for a host-side check");
+  const at::Tensor used = seqused_k.contiguous();
+  const int32_t* values = used.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_k.data_ptr<int32_t>();
+  for (int64_t b = 0; b < used.numel(); ++b) {
+    const int64_t bound = paged ? paged_bound : static_cast<int64_t>(cu[b + 1]) - cu[b];
+    if (values[b] < 0 || values[b] > bound) {
+      raise_index_error(index_error(IndexRule::kSeqused, IndexArg::kSequsedK, IndexOp::kVarlen, b,
+                                    paged ? 1 : 0, values[b], bound));
+    }
+  }
+}
+
 void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k,
-                            int64_t num_blocks, int64_t page_size) {
+                            const std::optional<at::Tensor>& seqused_k, int64_t num_blocks,
+                            int64_t page_size) {
   TORCH_CHECK(block_table.device().is_cpu() && cu_seqlens_k.device().is_cpu(),
               "flash_attn: block_table and cu_seqlens_k must be on the CPU for a host-side check");
   const int32_t* cu = cu_seqlens_k.data_ptr<int32_t>();
+  const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t batch = block_table.size(0), max_blocks = block_table.size(1);
   const int64_t row_stride = block_table.stride(0);
   const IndexOp op = IndexOp::kVarlen;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t seqlen_k = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    const int64_t seqlen_k = used.defined() ? static_cast<int64_t>(used.data_ptr<int32_t>()[b])
+                                            : static_cast<int64_t>(cu[b + 1]) - cu[b];
     const int64_t blocks_needed = (seqlen_k + page_size - 1) / page_size;
     if (blocks_needed > max_blocks) {
       raise_index_error(index_error(IndexRule::kPagesPastTable, IndexArg::kBlockTable, op, b, 0,
@@ -358,6 +390,32 @@ void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_
                                       block, num_blocks));
       }
     }
+  }
+}
+
+void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& q,
+                   at::IntArrayRef expected, const char* layout,
+                   std::initializer_list<const at::Tensor*> inputs) {
+  TORCH_CHECK(out.device() == q.device(), prefix, ": out must be on the device of q (", q.device(),
+              "), got ", out.device());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), prefix, ": out must have the dtype of q (",
+              q.scalar_type(), "), got ", out.scalar_type());
+  TORCH_CHECK(out.sizes() == expected, prefix, ": out must have shape ", layout, " = ", expected,
+              ", got ", out.sizes());
+  TORCH_CHECK(out.numel() == 0 || out.stride(-1) == 1, prefix,
+              ": out must have a contiguous last dimension (stride 1), got strides ",
+              out.strides());
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, prefix,
+              ": out must not have elements that share memory (e.g. an expanded tensor), got "
+              "strides ",
+              out.strides());
+  for (const at::Tensor* input : inputs) {
+    if (input == nullptr || !input->defined() || input->numel() == 0 || out.numel() == 0) continue;
+    const at::MemOverlapStatus overlap = at::get_overlap_status(out, *input);
+    TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                prefix,
+                ": out must not share memory with an input of the call (q, k, v or the "
+                "caches), which the kernels still read while they write out");
   }
 }
 

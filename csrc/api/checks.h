@@ -10,6 +10,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 
 #include "common/index_error.h"
@@ -63,27 +64,28 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
                         double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
-// Varlen forward; block_table selects paged K/V. Only shapes, dtypes and
-// devices are checked here: the contents of cu_seqlens / block_table live on
-// the device (see check_cu_seqlens_host / check_block_table_host for host data).
-VarlenShape check_varlen_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                  const std::optional<at::Tensor>& block_table,
-                                  const std::optional<at::Tensor>& alibi_slopes,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-                                  double softmax_scale, int64_t window_size_left,
-                                  int64_t window_size_right, double softcap,
-                                  const std::optional<at::Tensor>& rng_state,
-                                  c10::ArrayRef<at::ScalarType> allowed_dtypes);
+// Varlen forward; block_table selects paged K/V; seqused_k (int32 (batch,))
+// limits each sequence to its first seqused_k[b] keys. Only shapes, dtypes and
+// devices are checked here: the contents of cu_seqlens / seqused_k /
+// block_table live on the device (see check_cu_seqlens_host,
+// check_seqused_k_host and check_block_table_host for host data).
+VarlenShape check_varlen_fwd_args(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Varlen backward (never paged): softmax_lse is fp32 (nheads, total_q).
 VarlenShape check_varlen_bwd_args(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes);
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& rng_state,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Host-side content checks of a CPU cu_seqlens tensor (already shape-checked):
 // first entry >= 0, non-decreasing, last entry <= total_rows (skipped when
@@ -93,11 +95,30 @@ VarlenShape check_varlen_bwd_args(
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
                            IndexArg arg);
 
+// Host-side content check of a CPU seqused_k (already shape-checked): every
+// seqused_k[b] in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]], or with paged
+// keys in [0, paged_bound] (min(max_seqlen_k, max_blocks_per_seq * page_size):
+// cu_seqlens_k then says nothing about the keys). Run after
+// check_cu_seqlens_host(cu_seqlens_k, ...).
+void check_seqused_k_host(const at::Tensor& seqused_k, const at::Tensor& cu_seqlens_k, bool paged,
+                          int64_t paged_bound);
+
 // Host-side content check of a CPU block_table: every entry a key of batch b
 // can reach (the first ceil(seqlen_k[b] / page_size) of its row) is in
-// [0, num_blocks), and the row is long enough for seqlen_k[b].
+// [0, num_blocks), and the row is long enough for seqlen_k[b]. seqlen_k[b] is
+// seqused_k[b] when given (already checked), else cu_seqlens_k's length.
 void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k,
-                            int64_t num_blocks, int64_t page_size);
+                            const std::optional<at::Tensor>& seqused_k, int64_t num_blocks,
+                            int64_t page_size);
+
+// The caller's output buffer of an *_out op (`prefix` starts the message,
+// "flash_attn" or "fwd_kvcache"): on q's device, q's dtype, of shape
+// `expected` (`layout` names it), last dim contiguous, no two elements at
+// one address, and sharing no memory with any of `inputs` (the kernels read
+// those while they write out).
+void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& q,
+                   at::IntArrayRef expected, const char* layout,
+                   std::initializer_list<const at::Tensor*> inputs);
 
 // The attention window the kernels use. causal forces right = 0 (left kept:
 // causal with a left window is local attention). A side that reaches past

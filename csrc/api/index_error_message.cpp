@@ -16,6 +16,7 @@ const char* arg_name(IndexArg arg) {
     case IndexArg::kCacheBatchIdx: return "cache_batch_idx";
     case IndexArg::kBlockTable: return "block_table";
     case IndexArg::kRotaryTables: return "rotary_cos / rotary_sin";
+    case IndexArg::kSequsedK: return "seqused_k";
     case IndexArg::kNone: break;
   }
   return "an index tensor";
@@ -94,6 +95,16 @@ std::string index_error_message(const IndexErrorRecord& r) {
     case IndexRule::kRotaryPosition:
       os << "rotary_cos / rotary_sin have " << r.bound << " rows, but batch " << r.seq
          << " needs position " << r.value;
+      break;
+    case IndexRule::kSeqused:
+      os << name << "[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound << "] (";
+      if (r.col) {
+        os << "with block_table: the smaller of max_seqlen_k and the rows a block_table row "
+              "addresses, max_blocks_per_seq * page_size";
+      } else {
+        os << "the keys cu_seqlens_k gives sequence " << r.seq;
+      }
+      os << ")";
       break;
     case IndexRule::kNone: os << "no index error"; break;
   }

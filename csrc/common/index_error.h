@@ -1,5 +1,5 @@
-// A bad value inside an index tensor (cu_seqlens, cache_seqlens, block_table,
-// cache_batch_idx, cache_leftpad), described as plain data so that the CPU
+// A bad value inside an index tensor (cu_seqlens, seqused_k, cache_seqlens,
+// block_table, cache_batch_idx, cache_leftpad), described as plain data so that the CPU
 // checks and the CUDA kernels report it the same way (docs/memory_safety.md).
 //
 // The CPU path reads the values on the host and raises at once. The CUDA
@@ -28,6 +28,7 @@ enum class IndexRule : int32_t {
   kLeftpad,          // cache_leftpad[seq] = value outside [0, bound = cache_seqlens[seq]]
   kCacheBatchIdx,    // cache_batch_idx[seq] = value outside [0, bound = batch of the cache)
   kRotaryPosition,   // sequence seq needs rotary position value >= bound = rows of the tables
+  kSeqused,          // seqused_k[seq] = value outside [0, bound]; col: 1 when paged
 };
 
 // Which argument held the value (the message names it).
@@ -40,6 +41,7 @@ enum class IndexArg : int32_t {
   kCacheBatchIdx,
   kBlockTable,
   kRotaryTables,
+  kSequsedK,
 };
 
 // Which op family: the message starts with its prefix ("flash_attn" for the

@@ -125,9 +125,12 @@ void attention_backward(const AttentionProblem& problem, const BackwardTensors& 
 // SequenceSpans of the common layouts.
 std::vector<SequenceSpan> fixed_length_sequences(int batch, int seqlen_q, int seqlen_k);
 // cu_seqlens_q / cu_seqlens_k: host int32 arrays of batch + 1 entries.
+// seqused_k: null, or host int32 (batch): sequence b's keys are its first
+// seqused_k[b] (the rest of its rows are never read).
 // block_table: null, or host int32 (batch, block_table_batch_stride) rows.
 std::vector<SequenceSpan> varlen_sequences(int batch, const int32_t* cu_seqlens_q,
-                                           const int32_t* cu_seqlens_k, const int32_t* block_table,
+                                           const int32_t* cu_seqlens_k, const int32_t* seqused_k,
+                                           const int32_t* block_table,
                                            int64_t block_table_batch_stride);
 
 }  // namespace flash::cpu

@@ -1,4 +1,5 @@
-// CPU implementation of flash_attn::fwd_kvcache: append the new keys / values
+// CPU implementation of flash_attn::fwd_kvcache (and fwd_kvcache_out, which
+// writes into the caller's out): append the new keys / values
 // into the cache in place (rotating the keys when rotary tables are given),
 // rotate q the same way, then run the shared attention core over the cache
 // rows each batch entry owns.
@@ -161,7 +162,9 @@ void dispatch_dtype(at::ScalarType dtype, F&& run) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
+// fwd_kvcache and fwd_kvcache_out: the output goes into out_given when there
+// is one, else into a new tensor.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
@@ -169,13 +172,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& out_given) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
   const KvcacheShape shape =
       check_fwd_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                              softmax_scale, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("fwd_kvcache", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+                  {&q, &k_cache, &v_cache, k ? &*k : nullptr, v ? &*v : nullptr});
+  }
 
   // The window rule uses the cache capacity, as flash-attn does: a side that
   // reaches past the whole cache is unbounded.
@@ -214,8 +222,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     }
   });
 
-  at::Tensor out =
-      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   if (shape.seqlen_q == 0) return {out, softmax_lse};
@@ -267,7 +274,40 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
   return {out, softmax_lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits) {
+  return fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
+                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                              softmax_scale, causal, window_size_left, window_size_right, softcap,
+                              rotary_interleaved, num_splits, std::nullopt);
+}
+
+at::Tensor fwd_kvcache_out_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits, const at::Tensor& out) {
+  return std::get<1>(fwd_kvcache_cpu_into(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, rotary_interleaved, num_splits, out));
+}
+
 }  // namespace
 }  // namespace flash::cpu
 
-TORCH_LIBRARY_IMPL(flash_attn, CPU, m) { m.impl("fwd_kvcache", &flash::cpu::fwd_kvcache_cpu); }
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
+  m.impl("fwd_kvcache", &flash::cpu::fwd_kvcache_cpu);
+  m.impl("fwd_kvcache_out", &flash::cpu::fwd_kvcache_out_cpu);
+}

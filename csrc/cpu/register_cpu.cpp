@@ -1,12 +1,15 @@
-// CPU implementations of fwd, bwd, varlen_fwd and varlen_bwd: argument
-// checks (api/checks.h), output allocation, and a problem description handed
-// to the CPU attention core (attention_cpu.h).
+// CPU implementations of fwd, bwd, varlen_fwd, varlen_bwd and the *_out forms
+// of the forwards: argument checks (api/checks.h), output allocation (or the
+// caller's out), and a problem description handed to the CPU attention core
+// (attention_cpu.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "api/checks.h"
 #include "cpu/attention_cpu.h"
@@ -74,21 +77,27 @@ bool covers_all_rows(const at::Tensor& cu_seqlens, int64_t total_rows) {
   return cu[0] == 0 && cu[cu_seqlens.numel() - 1] == total_rows;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+// The forward of fwd and fwd_out: into out_given when there is one, else into
+// a new tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given) {
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCpuDtypes);
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("flash_attn", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+                  {&q, &k, &v});
+  }
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out =
-      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
   at::Tensor lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor probs =
@@ -106,6 +115,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
   set_probs(outputs, probs, return_softmax);
   attention_forward(problem, outputs);
   return {out, lse, probs, make_rng_state(philox, q.device())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state) {
+  return fwd_cpu_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
+                      window_size_right, softcap, return_softmax, philox_seed, philox_offset,
+                      rng_state, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out) {
+  auto [written, lse, probs, rng] = fwd_cpu_into(
+      q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+      softcap, return_softmax, philox_seed, philox_offset, rng_state, out);
+  return {lse, probs, rng};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
@@ -147,28 +179,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   return {dq, dk, dv};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
+// The forward of varlen_fwd and varlen_fwd_out: into out_given when there is
+// one, else into a new tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
-    int64_t philox_offset, const std::optional<at::Tensor>& rng_state) {
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given) {
   const VarlenShape shape =
-      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
-                            window_size_right, softcap, rng_state, kCpuDtypes);
+      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("flash_attn", *out_given, q, out_shape, "(total_q, nheads, head_dim)",
+                  {&q, &k, &v});
+  }
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.paged ? -1 : shape.total_k, shape.max_seqlen_k,
                         IndexArg::kCuSeqlensK);
+  const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  if (used.defined()) {
+    const int64_t paged_bound =
+        shape.paged ? std::min<int64_t>(shape.max_seqlen_k,
+                                        int64_t(shape.max_blocks_per_seq) * shape.page_size)
+                    : 0;
+    check_seqused_k_host(used, cu_seqlens_k, shape.paged, paged_bound);
+  }
   if (shape.paged) {
-    check_block_table_host(*block_table, cu_seqlens_k, shape.num_blocks, shape.page_size);
+    check_block_table_host(*block_table, cu_seqlens_k, seqused_k, shape.num_blocks,
+                           shape.page_size);
   }
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
   at::Tensor lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   if (!covers_all_rows(cu_seqlens_q, shape.total_q)) {
     out.zero_();
@@ -182,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
                    shape.head_dim, alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
   problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
                                        cu_seqlens_k.data_ptr<int32_t>(),
+                                       used.defined() ? used.data_ptr<int32_t>() : nullptr,
                                        shape.paged ? block_table->data_ptr<int32_t>() : nullptr,
                                        shape.paged ? block_table->stride(0) : 0);
   if (shape.paged) problem.page_size = shape.page_size;
@@ -195,20 +245,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
   return {out, lse, probs, make_rng_state(philox, q.device())};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k) {
+  return varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                             max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                             window_size_left, window_size_right, softcap, return_softmax,
+                             philox_seed, philox_offset, rng_state, seqused_k, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out) {
+  auto [written, lse, probs, rng] = varlen_fwd_cpu_into(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out);
+  return {lse, probs, rng};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
   (void)deterministic;  // the CPU backward is always deterministic
   const VarlenShape shape =
-      check_varlen_bwd_args(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+      check_varlen_bwd_args(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, IndexArg::kCuSeqlensK);
+  const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  if (used.defined()) check_seqused_k_host(used, cu_seqlens_k, /*paged=*/false, 0);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
@@ -217,7 +298,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   if (!covers_all_rows(cu_seqlens_q, shape.total_q)) dq.zero_();
-  if (!covers_all_rows(cu_seqlens_k, shape.total_k)) {
+  // Key rows outside every sequence's used keys get no gradient.
+  if (used.defined() || !covers_all_rows(cu_seqlens_k, shape.total_k)) {
     dk.zero_();
     dv.zero_();
   }
@@ -225,8 +307,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   AttentionProblem problem =
       make_problem(q, k, v, /*varlen_kv=*/true, shape.nheads, shape.nheads_k, shape.head_dim,
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
-  problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
-                                       cu_seqlens_k.data_ptr<int32_t>(), nullptr, 0);
+  problem.sequences = varlen_sequences(
+      shape.batch, cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
+      used.defined() ? used.data_ptr<int32_t>() : nullptr, nullptr, 0);
   BackwardTensors tensors;
   tensors.dout = dout.data_ptr();
   tensors.dout_strides = varlen_strides(dout);
@@ -252,4 +335,6 @@ TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
   m.impl("bwd", &flash::cpu::bwd_cpu);
   m.impl("varlen_fwd", &flash::cpu::varlen_fwd_cpu);
   m.impl("varlen_bwd", &flash::cpu::varlen_bwd_cpu);
+  m.impl("fwd_out", &flash::cpu::fwd_out_cpu);
+  m.impl("varlen_fwd_out", &flash::cpu::varlen_fwd_out_cpu);
 }

@@ -31,7 +31,13 @@ struct BlockInfo {
       q_row_begin = q_rows.begin;
       k_row_begin = k_rows.begin;
       seqlen_q = q_rows.length;
-      seqlen_k = k_rows.length;
+      // seqused_k shortens the keys to a prefix of the sequence's rows; every
+      // kernel bounds its key loop, masks and tail zeroing by seqlen_k, so
+      // the rows after it are never read into a result.
+      seqlen_k = params.seqused_k == nullptr
+                     ? k_rows.length
+                     : guarded_seqused_k(params.seqused_k, batch, k_rows.length,
+                                         /*paged=*/false, params.index_errors);
     } else {
       q_row_begin = 0;
       k_row_begin = 0;

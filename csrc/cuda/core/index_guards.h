@@ -1,9 +1,10 @@
 // The guards on every index a kernel derives from a value inside an index
-// tensor (cu_seqlens, cache_seqlens, cache_leftpad, cache_batch_idx,
-// block_table). Each one checks the value against an extent the host knows
-// (rows of the packed tensors, the cache length, the batch of the cache, the
-// pages in the pool, the rows of the rotary tables), and where the value is
-// bad records it (csrc/common/index_error.h) and clamps it into that extent:
+// tensor (cu_seqlens, seqused_k, cache_seqlens, cache_leftpad,
+// cache_batch_idx, block_table). Each one checks the value against an extent
+// the host knows (rows of the packed tensors, a sequence's keys, the cache
+// length, the batch of the cache, the pages in the pool, the rows of the
+// rotary tables), and where the value is bad records it
+// (csrc/common/index_error.h) and clamps it into that extent:
 // a bad value gives an undefined result for its own sequence and a reported
 // error, never an access outside the tensors. The rules and their order are
 // those of the CPU checks (csrc/api/checks.cpp, kvcache_checks.cpp).
@@ -61,6 +62,23 @@ __forceinline__ __device__ SequenceRows guarded_sequence_rows(const int* cu_seql
     return {begin, end - begin};
   }
   return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen);
+}
+
+__device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, int seq,
+                                                        int used, int bound, bool paged) {
+  report_index_error(sink, IndexRule::kSeqused, IndexArg::kSequsedK, IndexOp::kVarlen, seq,
+                     paged ? 1 : 0, used, bound, 0);
+  return min(max(used, 0), bound);
+}
+
+// seqused_k[seq]: the keys sequence `seq` uses, in [0, bound] (the keys its
+// cu_seqlens_k rows hold, already guarded; with paged keys the rows its
+// block_table row addresses, cut to max_seqlen_k).
+__forceinline__ __device__ int guarded_seqused_k(const int* seqused_k, int seq, int bound,
+                                                 bool paged, const IndexErrorSink& sink) {
+  const int used = seqused_k[seq];
+  if (used >= 0 && used <= bound) return used;
+  return report_and_clamp_seqused(sink, seq, used, bound, paged);
 }
 
 // One batch entry's values of a fwd_kvcache call: the cache length before

@@ -55,6 +55,9 @@ struct FwdParams {
   // Varlen: int32 prefix sums of length batch + 1; null for fixed length.
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
+  // Varlen only, or null: int32 (batch); sequence b's keys are its first
+  // seqused_k[b] rows from cu_seqlens_k[b] (BlockInfo reads it, guarded).
+  const int* seqused_k;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
   int total_k;  // varlen: rows of k and v
   int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)

@@ -14,12 +14,21 @@ namespace {
 constexpr int kRowsPerBlock = 8;
 constexpr int kThreads = 128;
 
-// The caller's offsets and table width for sequence `batch` (the packed
-// offsets the copies use are already cut to what the table addresses).
+// The caller's offsets, used keys and table width for sequence `batch` (the
+// packed offsets the copies use are already cut to what the table addresses).
 __device__ void check_sequence(const PagedGatherParams& params, int batch) {
   const SequenceRows rows =
       guarded_sequence_rows(params.cu_seqlens_k, batch, INT_MAX, params.max_seqlen_k_given,
                             IndexArg::kCuSeqlensK, params.index_errors);
+  if (params.seqused_k != nullptr) {
+    // The used keys replace the offsets' lengths; their bound already
+    // includes the table's width.
+    const int64_t capacity = int64_t(params.max_blocks_per_seq) * params.page_size.divisor;
+    const int bound = static_cast<int>(
+        capacity < params.max_seqlen_k_given ? capacity : params.max_seqlen_k_given);
+    guarded_seqused_k(params.seqused_k, batch, bound, /*paged=*/true, params.index_errors);
+    return;
+  }
   const int64_t pages_needed =
       (int64_t(rows.length) + params.page_size.divisor - 1) / params.page_size.divisor;
   if (pages_needed > params.max_blocks_per_seq) {

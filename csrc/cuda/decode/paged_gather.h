@@ -24,6 +24,7 @@ struct PagedGatherParams {
   void* v_packed;
   // Packed row offsets (batch + 1, from 0) of the sequences, already cut to
   // max_seqlen_k; sequence b's key j is page block_table[b][j / page_size].
+  // Only these rows are copied: with seqused_k, each sequence's used keys.
   const int* cu_seqlens_packed;
   const int* block_table;
   int64_t block_table_batch_stride;
@@ -35,6 +36,10 @@ struct PagedGatherParams {
   const int* cu_seqlens_k;
   int max_seqlen_k_given;
   int max_blocks_per_seq;
+  // Null, or int32 (batch): the keys of each sequence (then cu_seqlens_k
+  // only has its own rules checked), in [0, min(max_seqlen_k_given,
+  // max_blocks_per_seq * page_size)].
+  const int* seqused_k;
   IndexErrorSink index_errors;
 };
 

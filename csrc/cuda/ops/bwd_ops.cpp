@@ -193,9 +193,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
   const VarlenShape shape = check_varlen_bwd_args(
-      dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k,
+      dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k, seqused_k,
       alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
       window_size_right, softcap, rng_state, kCudaDtypes);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
@@ -203,7 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
 
-  // Zero-filled: rows outside every sequence get no gradient from the kernels.
+  // Zero-filled: rows outside every sequence, and a sequence's keys past
+  // seqused_k, get no gradient from the kernels.
   at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
   at::Tensor dv = at::zeros_like(dk);
@@ -220,6 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
@@ -235,6 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   params.head_dim = shape.head_dim;
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
   params.total_q = shape.total_q;
   params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);

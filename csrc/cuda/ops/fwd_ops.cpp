@@ -1,12 +1,14 @@
-// The forward ops, fwd and varlen_fwd: argument checks (shared with the CPU
-// path), output allocation, one FwdParams, the plan (plan_fwd) and the
-// launcher of the compiled (dtype, head dim).
+// The forward ops, fwd and varlen_fwd (and their *_out forms, which write into
+// the caller's out): argument checks (shared with the CPU path), output
+// allocation, one FwdParams, the plan (plan_fwd) and the launcher of the
+// compiled (dtype, head dim).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/launcher_registry.h"
@@ -65,17 +67,21 @@ at::Tensor tile_counter_for(FwdParams& params, const FwdPlan& plan, const at::Te
   return counter;
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+// fwd and fwd_out: the output goes into out_given when there is one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given) {
   const FwdShape shape =
       check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCudaDtypes);
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("flash_attn", *out_given, q_in, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+                  {&q_in, &k_in, &v_in});
+  }
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -87,8 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
 
-  at::Tensor out =
-      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
@@ -114,40 +119,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {out, softmax_lse, s_dmask, rng_state_out};
+  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
+// varlen_fwd and varlen_fwd_out: the output goes into out_given when there is
+// one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes_in,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
-    int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state) {
+    int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given) {
   const VarlenShape shape =
-      check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table,
+      check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
+  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim)",
+                  {&q_in, &k_in, &v_in});
+  }
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
-  at::Tensor k, v, cu_k;
+  at::Tensor k, v, cu_k, used_k;
   if (shape.paged) {
+    // The gather keeps only the used keys: the packed offsets are the
+    // kernel's whole truth, and it gets no seqused_k.
     std::tie(k, v, cu_k) =
-        gather_paged_kv(k_in, v_in, cu_seqlens_k, *block_table, shape, index_errors);
+        gather_paged_kv(k_in, v_in, cu_seqlens_k, seqused_k, *block_table, shape, index_errors);
   } else {
     k = aligned_for_16b_loads(k_in);
     v = aligned_for_16b_loads(v_in);
     cu_k = cu_seqlens_k.contiguous();
+    if (seqused_k.has_value()) used_k = seqused_k->contiguous();
   }
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
 
-  at::Tensor out = at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
       return_softmax
@@ -166,6 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   params.head_dim = shape.head_dim;
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
+  params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
   params.total_q = shape.total_q;
   params.total_k = static_cast<int>(k.size(0));
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
@@ -175,7 +192,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {out, softmax_lse, s_dmask, rng_state_out};
+  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state) {
+  return fwd_cuda_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
+                       window_size_right, softcap, return_softmax, philox_seed, philox_offset,
+                       rng_state, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out) {
+  auto [written, softmax_lse, s_dmask, rng_state_out] = fwd_cuda_into(
+      q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+      softcap, return_softmax, philox_seed, philox_offset, rng_state, out);
+  return {softmax_lse, s_dmask, rng_state_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k) {
+  return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                              window_size_left, window_size_right, softcap, return_softmax,
+                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out) {
+  auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out);
+  return {softmax_lse, s_dmask, rng_state_out};
 }
 
 }  // namespace flash

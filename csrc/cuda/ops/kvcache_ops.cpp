@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "cuda/decode/kvcache_append_rotary.h"
 #include "cuda/decode/paged_gather.h"
@@ -22,16 +23,18 @@
 namespace flash {
 
 // Paged K/V for the varlen forward (fwd_ops.cpp): the keys each sequence
-// reaches, gathered into packed tensors (see paged_gather.h) with their own
-// row offsets. The
+// reaches (its first seqused_k[b] when given), gathered into packed tensors
+// (see paged_gather.h) with their own row offsets. The
 // sequence lengths stay on the device (no synchronisation): they are cut to
 // max_rows_per_seq, so the packed tensors (batch x max_rows_per_seq rows) hold
-// every row the forward kernel reads whatever cu_seqlens_k holds.
+// every row the forward kernel reads whatever cu_seqlens_k / seqused_k hold.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
-    const at::Tensor& block_table_in, const VarlenShape& shape, IndexErrorSink index_errors) {
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& block_table_in,
+    const VarlenShape& shape, IndexErrorSink index_errors) {
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor block_table = block_table_in.contiguous();
+  const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   // No sequence is longer than max_seqlen_k or than its block-table row can
   // address (the gather kernel reports longer ones, paged_gather.h).
   const int64_t max_rows_per_seq =
@@ -40,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
           : std::min<int64_t>(shape.max_seqlen_k,
                               int64_t(shape.max_blocks_per_seq) * shape.page_size);
   const at::Tensor lengths =
-      (cu_k.slice(0, 1) - cu_k.slice(0, 0, shape.batch)).clamp(0, max_rows_per_seq);
+      (used.defined() ? used : cu_k.slice(0, 1) - cu_k.slice(0, 0, shape.batch))
+          .clamp(0, max_rows_per_seq);
   at::Tensor cu_packed = at::zeros({shape.batch + 1}, cu_k.options());
   cu_packed.slice(0, 1).copy_(lengths.cumsum(0));
   const int64_t rows = int64_t(shape.batch) * max_rows_per_seq;
@@ -70,6 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.max_seqlen_k_given = shape.max_seqlen_k;
   params.max_blocks_per_seq = shape.max_blocks_per_seq;
+  params.seqused_k = used.defined() ? used.data_ptr<int>() : nullptr;
   params.index_errors = index_errors;
   launch_gather_paged_rows(params, at::cuda::getCurrentCUDAStream().stream());
   return {k_packed, v_packed, cu_packed};
@@ -105,15 +110,15 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-}  // namespace
-
 // Append (+ rotary), in a kernel of its own or in the split-KV attention
 // kernel over the cache (params.append_in_attention), then the attention. The
 // contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
 // are not read here (that would synchronise with the device and break CUDA
 // graph capture): the kernels guard every index derived from them and record
 // a bad value, which index_error_state.h raises (docs/memory_safety.md).
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
+// fwd_kvcache and fwd_kvcache_out: the output goes into out_given when there
+// is one.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
     const std::optional<at::Tensor>& cache_seqlens_in,
@@ -123,12 +128,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& out_given) {
   const KvcacheShape shape =
       check_fwd_kvcache_args(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in,
                              rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
                              alibi_slopes_in, softmax_scale, softcap, kCudaDtypes);
   TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  if (out_given.has_value()) {
+    check_out_arg("fwd_kvcache", *out_given, q_in, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+                  {&q_in, &k_cache, &v_cache, k_in ? &*k_in : nullptr, v_in ? &*v_in : nullptr});
+  }
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
   TORCH_CHECK(!shape.paged || shape.page_size % 16 == 0,
@@ -196,8 +206,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   const std::optional<at::Tensor> block_table = contiguous_or_none(block_table_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
 
-  at::Tensor out =
-      at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options());
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
 
@@ -265,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   if (shape.seqlen_q == 0) {
     launch_kvcache_append_rotary(params, stream);  // the append alone (no q to rotate)
     end_index_checks(q);
-    return {out, softmax_lse};
+    return {finish_output(out_given, out), softmax_lse};
   }
 
   TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(),
@@ -289,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   at::Tensor q_rotated;
   if (!params.append_in_attention) {
     if (rotating) {
-      q_rotated = at::empty_like(out);
+      q_rotated = at::empty(out_shape, q.options());
       params.q_ptr = q_rotated.data_ptr();
       params.q = strides_of(q_rotated, false);
     }
@@ -311,7 +320,39 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   }
   launcher(params, plan, stream);
   end_index_checks(q);
-  return {out, softmax_lse};
+  return {finish_output(out_given, out), softmax_lse};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits) {
+  return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
+                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                               softmax_scale, causal, window_size_left, window_size_right, softcap,
+                               rotary_interleaved, num_splits, std::nullopt);
+}
+
+at::Tensor fwd_kvcache_out_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
+    const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits, const at::Tensor& out) {
+  return std::get<1>(fwd_kvcache_cuda_into(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, rotary_interleaved, num_splits, out));
 }
 
 }  // namespace flash

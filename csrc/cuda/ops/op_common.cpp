@@ -26,13 +26,33 @@ void end_index_checks(const at::Tensor& q) {
   finish_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
 }
 
-at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+namespace {
+
+bool rows_16b_aligned(const at::Tensor& t) {
   constexpr int64_t kElemsPer16B = 8;  // fp16 / bf16
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int64_t dim = 0; dim + 1 < t.dim(); ++dim) {
     aligned = aligned && (t.size(dim) <= 1 || t.stride(dim) % kElemsPer16B == 0);
   }
-  return aligned ? t : t.contiguous();
+  return aligned;
+}
+
+}  // namespace
+
+at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+  return rows_16b_aligned(t) ? t : t.contiguous();
+}
+
+at::Tensor output_buffer(const std::optional<at::Tensor>& out, at::IntArrayRef sizes,
+                         const at::TensorOptions& options) {
+  if (out.has_value() && rows_16b_aligned(*out)) return *out;
+  return at::empty(sizes, options);
+}
+
+at::Tensor finish_output(const std::optional<at::Tensor>& out, const at::Tensor& buffer) {
+  if (!out.has_value()) return buffer;
+  if (!buffer.is_same(*out)) out->copy_(buffer);
+  return *out;
 }
 
 QKVStrides strides_of(const at::Tensor& t, bool varlen) {

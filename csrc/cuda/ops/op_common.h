@@ -36,6 +36,15 @@ void end_index_checks(const at::Tensor& q);
 // copied once rather than refused.
 at::Tensor aligned_for_16b_loads(const at::Tensor& t);
 
+// The tensor a kernel writes its output into: the caller's out (already
+// checked, check_out_arg) where every row starts 16-byte aligned, as the
+// kernels' 16-byte stores need, else a new contiguous one of `sizes`.
+at::Tensor output_buffer(const std::optional<at::Tensor>& out, at::IntArrayRef sizes,
+                         const at::TensorOptions& options);
+// After the launch: the caller's out, with the buffer copied into it if
+// output_buffer had to make one; the buffer itself without an out.
+at::Tensor finish_output(const std::optional<at::Tensor>& out, const at::Tensor& buffer);
+
 // Fixed length: (batch, seqlen, heads, dim); varlen: (total, heads, dim).
 QKVStrides strides_of(const at::Tensor& t, bool varlen);
 
@@ -60,10 +69,12 @@ DeviceDesc current_device_desc();
 KernelOverride kernel_override_from_env(const char* variable);
 
 // Paged K/V for the varlen forward (kvcache_ops.cpp): the keys each sequence
-// reaches, gathered into packed tensors with their own row offsets.
+// reaches (its seqused_k[b] first keys when given), gathered into packed
+// tensors with their own row offsets.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
-    const at::Tensor& block_table_in, const VarlenShape& shape, IndexErrorSink index_errors);
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& block_table_in,
+    const VarlenShape& shape, IndexErrorSink index_errors);
 
 // The op entry points (schemas in csrc/flash_api.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
@@ -73,13 +84,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
+    bool return_softmax, int64_t philox_seed, int64_t philox_offset,
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& alibi_slopes_in,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
-    int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
-    int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state);
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
+    int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -95,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state);
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k);
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -108,5 +136,19 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits);
+
+at::Tensor fwd_kvcache_out_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const std::optional<at::Tensor>& k_in,
+                                const std::optional<at::Tensor>& v_in,
+                                const std::optional<at::Tensor>& cache_seqlens_in,
+                                const std::optional<at::Tensor>& rotary_cos_in,
+                                const std::optional<at::Tensor>& rotary_sin_in,
+                                const std::optional<at::Tensor>& cache_batch_idx_in,
+                                const std::optional<at::Tensor>& cache_leftpad_in,
+                                const std::optional<at::Tensor>& block_table_in,
+                                const std::optional<at::Tensor>& alibi_slopes_in,
+                                double softmax_scale, bool causal, int64_t window_size_left,
+                                int64_t window_size_right, double softcap, bool rotary_interleaved,
+                                int64_t num_splits, const at::Tensor& out);
 
 }  // namespace flash

@@ -12,6 +12,9 @@ TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
   m.impl("bwd", &flash::bwd_cuda);
   m.impl("varlen_bwd", &flash::varlen_bwd_cuda);
   m.impl("fwd_kvcache", &flash::fwd_kvcache_cuda);
+  m.impl("fwd_out", &flash::fwd_out_cuda);
+  m.impl("varlen_fwd_out", &flash::varlen_fwd_out_cuda);
+  m.impl("fwd_kvcache_out", &flash::fwd_kvcache_out_cuda);
 }
 
 // The index checks' controls (index_error_state.h); the CPU path raises at
