@@ -222,7 +222,9 @@ def _backward_dense(dout, q, k, v, out, lse, dropout_p, causal, scale, left, rig
 
 def _keys_in_use(op, k, v, cu_seq_k, seqused_k):
     """Packed K/V holding only the first seqused_k[b] keys of each sequence, and
-    their cu_seqlens (a gather: the varlen op has no seqused_k argument)."""
+    their cu_seqlens. A gather, although varlen_fwd / varlen_bwd take seqused_k:
+    torch's aten::_flash_attention_backward passes no seqused_k, so the forward
+    and the backward both run on the gathered keys."""
     if cu_seq_k is None:
         raise _unsupported(op, "seqused_k needs cum_seq_k (the start of each sequence's keys)")
     if seqused_k.dim() != 1 or seqused_k.numel() != cu_seq_k.numel() - 1:
