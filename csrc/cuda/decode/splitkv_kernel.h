@@ -39,6 +39,7 @@
 #include "cuda/decode/splitkv_append.h"
 #include "cuda/decode/splitkv_epilogue.h"
 #include "cuda/decode/splitkv_mainloop.h"
+#include "cuda/decode/splitkv_producer.h"
 #include "cuda/decode/splitkv_scheduler.h"
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/decode/splitkv_work_item.h"
@@ -89,10 +90,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SplitKvScheduler<kBlockM, kBlockN> scheduler(params, seqlen_q, group);
   const int num_items = scheduler.num_items;
 
-  const Element* const q_ptr = static_cast<const Element*>(params.q_ptr);
-  const Element* const k_ptr = static_cast<const Element*>(params.k_ptr);
-  const Element* const v_ptr = static_cast<const Element*>(params.v_ptr);
-
   // The append and the rotation of a decode step, done here rather than in a
   // kernel before this one (params.append_in_attention): that kernel's run
   // and the wait for it cost a step more than its copies (PERF_LOG 2026-11-23
@@ -117,114 +114,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N,D) -> (row,col)
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);                          // (CPY,CPY_M,CPY_D)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);                       // (CPY,CPY_N,CPY_D)
-  constexpr int kCopyRows = decltype(size<1>(tKVcKV))::value;
-  constexpr int kCopyCols = decltype(size<2>(tKVcKV))::value;
 
-  auto load_q = [&](const SplitKvItem& it, int slot) {
-    const Element* q_base = q_ptr + it.batch * params.q.batch_stride +
-                            int64_t(it.head_kv) * group * params.q.head_stride;
-    auto q_row = [&](int tile_row) {
-      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
-      return q_base + int64_t(packed.query) * params.q.row_stride +
-             int64_t(packed.head_in_group) * params.q.head_stride;
-    };
-    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));  // (CPY,CPY_M,CPY_D)
-    copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
-  };
-
-  // Paged cache: location of this thread's K/V copy rows of the tile being
-  // located. The block table is read once per distinct page (a page of 64
-  // rows or more holds all of a thread's rows of a tile); row_page[m] is left
-  // stale when row m shares row m - 1's page, and the rows are resolved when
-  // the copies are issued, a tile later: no instruction waits on a table read
-  // in between (a copy of the loaded value from row to row would).
-  int row_page[kCopyRows];
-  int row_in_page[kCopyRows];
-  bool row_shares_page[kCopyRows];
-  auto is_paged = [&](const SplitKvItem& it) {
-    return kLayout == CacheLayout::kPaged ||
-           (kLayout == CacheLayout::kEither && it.cache.block_table_row != nullptr);
-  };
-  auto locate_tile = [&](const SplitKvItem& it, int n_block) {
-    if (!is_paged(it)) return;
-    const int key0 = n_block * kBlockN;
-    int previous_index = -1;
-    CUTE_UNROLL
-    for (int m = 0; m < kCopyRows; ++m) {
-      const int key = key0 + get<0>(tKVcKV(0, m, 0));
-      int page_index;
-      it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
-      row_shares_page[m] = page_index == previous_index;
-      if (!row_shares_page[m]) {
-        row_page[m] =
-            key < it.seqlen_k
-                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch, page_index,
-                               it.cache.block_table_row[page_index], params.num_pages)
-                : 0;
-      }
-      previous_index = page_index;
-    }
-  };
-  // Contiguous cache: a thread's copy rows of a tile are kCopyRowStep keys
-  // apart, so one address per tile and a fixed step locate them all.
-  constexpr int kCopyRowStep = Traits::kNThreads / Traits::FwdTraits::kGmemThreadsPerRow;
-  static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
-  const int64_t k_row_step = int64_t(kCopyRowStep) * params.k.row_stride;
-  const int64_t v_row_step = int64_t(kCopyRowStep) * params.v.row_stride;
-  // K and V of one tile into one stage. Rows past the keys and columns past
-  // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
-  // In the prologue (in_prologue), rows from the item's first new row on are
-  // left to load_append_inputs when the kernel appends: nothing else may write
-  // their bytes. The new rows are the last keys, so they lie in an item's
-  // first tiles (the walk runs from the last key block down), all loaded by
-  // the prologue; the main loop keeps the plain copy loop.
-  static_assert(kAppendInAttentionMaxRows <= kBlockN && kStages >= 2,
-                "new rows span at most two key blocks, both loaded by the prologue");
-  auto load_tile = [&](const SplitKvItem& it, int n_block, int stage, auto in_prologue) {
-    constexpr bool kMaySkipNewRows = decltype(in_prologue)::value;
-    Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
-    Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
-    const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
-    const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
-    const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
-    const int new_rows_from =
-        appending ? it.seqlen_k - params.seqlen_new - n_block * kBlockN : rows_in_tile;
-    auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
-      const int row = get<0>(tKVcKV(0, m, 0));
-      const bool row_ok = row < rows_in_tile;
-      if (kMaySkipNewRows && row_ok && row >= new_rows_from) return;
-      CUTE_UNROLL
-      for (int k = 0; k < kCopyCols; ++k) {
-        const int col = get<1>(tKVcKV(0, m, k));
-        const bool ok = row_ok && col < params.head_dim;
-        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, ok);
-        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, ok);
-      }
-    };
-    if (is_paged(it)) {
-      int64_t page = 0;
-      CUTE_UNROLL
-      for (int m = 0; m < kCopyRows; ++m) {
-        page = row_shares_page[m] ? page : int64_t(row_page[m]);
-        const int64_t in_page = row_in_page[m];
-        copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
-                 v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
-      }
-    } else {
-      const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
-      const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
-                             first_pos * params.k.row_stride;
-      const Element* v_row = v_base + int64_t(it.cache.entry) * params.v.batch_stride +
-                             first_pos * params.v.row_stride;
-      CUTE_UNROLL
-      for (int m = 0; m < kCopyRows; ++m) {
-        copy_row(m, k_row, v_row);
-        k_row += k_row_step;
-        v_row += v_row_step;
-      }
-    }
-  };
-
+  // The producer roles (splitkv_producer.h). Paged cache: where this thread's
+  // K/V copy rows of the tile being located are (SplitKvTileLoader::locate_tile).
+  using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
+  int row_page[TileLoader::kCopyRows];
+  int row_in_page[TileLoader::kCopyRows];
+  bool row_shares_page[TileLoader::kCopyRows];
+  TileLoader loader(params, smem_tiles, group, appending, gmem_thr_copy_QKV, tQcQ, tKVcKV, row_page,
+                    row_in_page, row_shares_page);
   static_assert(!kAppends || q_slots == 1, "one Q slot before the table rows");
   const SplitKvAppend<Traits, kSeveralItems> append{
       params, smem_tiles, tidx, group, appending, rotating, smem_tiles.past_q_slots()};
@@ -248,43 +146,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if constexpr (kSeveralItems) {
     load_next_inputs = splitkv_item_inputs(params, scheduler.next_item(load_item));
   }
-  // To the next item with keys, or past the last item.
-  auto advance_load_item = [&] {
-    if constexpr (kSeveralItems) {
-      do {
-        load_item += gridDim.x;
-        if (load_item >= num_items) return;
-        load_item_work = scheduler.item_at(load_item, load_next_inputs);
-        load_next_inputs = splitkv_item_inputs(params, scheduler.next_item(load_item));
-      } while (!load_item_work.has_keys());
-      load_n_block = load_item_work.n_block_max - 1;
-      load_q_slot = Smem::next_q_slot(load_q_slot);
-      locate_tile(load_item_work, load_n_block);
-    } else {
-      load_item = num_items;
-    }
-  };
-  auto load_next_tile = [&](int stage, auto in_prologue) {
-    if (load_item < num_items) {
-      if (load_n_block == load_item_work.n_block_max - 1) load_q(load_item_work, load_q_slot);
-      load_tile(load_item_work, load_n_block, stage, in_prologue);
-      if (--load_n_block >= load_item_work.n_block_min) {
-        locate_tile(load_item_work, load_n_block);
-      } else {
-        advance_load_item();
-      }
-    }
-    cute::cp_async_fence();
-  };
-
+  const SplitKvItemAdvance<Traits, kLayout, kSeveralItems, kAppends> advance_load_item{
+      load_item, num_items,    load_item_work, scheduler, load_next_inputs,
+      params,    load_n_block, load_q_slot,    loader};
+  const SplitKvProducer<Traits, kLayout, kSeveralItems, kAppends> producer{
+      load_n_block, load_item, num_items, load_item_work, loader, load_q_slot, advance_load_item};
   if (first_item.has_keys()) {
-    locate_tile(first_item, load_n_block);
+    loader.locate_tile(first_item, load_n_block);
     if (append_here) append.load_inputs(first_item);
   } else {
     advance_load_item();
   }
   CUTE_UNROLL
-  for (int stage = 0; stage < kStages; ++stage) load_next_tile(stage, std::true_type{});
+  for (int stage = 0; stage < kStages; ++stage) producer.load_next_tile(stage, std::true_type{});
   // The append's work waits for the first tile's group, which the first tile
   // step waits for anyway; the other stages stay in flight meanwhile.
   if (append_here && first_item.has_keys()) {
@@ -468,7 +342,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // Every warp is done with this stage before it is refilled.
       __syncthreads();
-      load_next_tile(stage, std::false_type{});
+      producer.load_next_tile(stage, std::false_type{});
       stage = stage == kStages - 1 ? 0 : stage + 1;
       if (kSeveralItems && merge_pending) {
         epilogue.combine_parts(

@@ -1,0 +1,281 @@
+// The producer roles of the split-KV kernel (splitkv_kernel.h): the cp.async
+// copies of Q and of the K/V tiles from the cache, contiguous or paged, into
+// the shared-memory stages, and the stream that orders them.
+//
+// SplitKvTileLoader copies one tile (and locates the rows of a paged one),
+// SplitKvItemAdvance moves the stream to the block's next item with keys, and
+// SplitKvProducer issues the stream's next tile. The stream's position, the
+// copy partitions and the paged rows are the kernel's locals, which the roles
+// refer to, as the lambdas they replace did: with them held in the roles
+// (and with the three roles one type) the kernel's machine code changed.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/core/index_guards.h"
+#include "cuda/core/params.h"
+#include "cuda/decode/splitkv_mainloop.h"
+#include "cuda/decode/splitkv_scheduler.h"
+#include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/decode/splitkv_work_item.h"
+
+namespace flash {
+
+template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
+struct SplitKvTileLoader {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  using Smem = SplitKvSmem<Traits, kSeveralItems>;
+
+  using GmemThrCopyQKV = decltype(typename Traits::GmemTiledCopyQKV{}.get_thread_slice(0));
+  using IdentityQ = decltype(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using IdentityKV = decltype(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // The type of this thread's copy partition of a tile of type T.
+  template <typename T>
+  using GmemPartitionS =
+      decltype(std::declval<const GmemThrCopyQKV&>().partition_S(std::declval<T&>()));
+  static constexpr int kCopyRows = decltype(size<1>(GmemPartitionS<IdentityKV>{}))::value;
+  static constexpr int kCopyCols = decltype(size<2>(GmemPartitionS<IdentityKV>{}))::value;
+
+  // Contiguous cache: a thread's copy rows of a tile are kCopyRowStep keys
+  // apart, so one address per tile and a fixed step locate them all.
+  static constexpr int kCopyRowStep = Traits::kNThreads / Traits::FwdTraits::kGmemThreadsPerRow;
+  static_assert(kCopyRows * kCopyRowStep == kBlockN, "one copy pass covers kCopyRowStep rows");
+  // The prologue leaves the new rows to the append (load_tile).
+  static_assert(kAppendInAttentionMaxRows <= kBlockN && kStages >= 2,
+                "new rows span at most two key blocks, both loaded by the prologue");
+
+  const KvcacheParams& params;
+  const Smem& smem_tiles;
+  const Element* const q_ptr;
+  const Element* const k_ptr;
+  const Element* const v_ptr;
+  const int group;
+  const bool appending;
+  GmemThrCopyQKV& gmem_thr_copy_QKV;
+  GmemPartitionS<IdentityQ>& tQcQ;     // (CPY,CPY_M,CPY_D) -> (row,col)
+  GmemPartitionS<IdentityKV>& tKVcKV;  // (CPY,CPY_N,CPY_D) -> (row,col)
+  // Paged cache: the kernel's row_page, row_in_page and row_shares_page.
+  int (&row_page)[kCopyRows];
+  int (&row_in_page)[kCopyRows];
+  bool (&row_shares_page)[kCopyRows];
+  const int64_t k_row_step;
+  const int64_t v_row_step;
+
+  __device__ SplitKvTileLoader(const KvcacheParams& params_, const Smem& smem_tiles_, int group_,
+                               bool appending_, GmemThrCopyQKV& gmem_thr_copy_QKV_,
+                               GmemPartitionS<IdentityQ>& tQcQ_,
+                               GmemPartitionS<IdentityKV>& tKVcKV_, int (&row_page_)[kCopyRows],
+                               int (&row_in_page_)[kCopyRows], bool (&row_shares_page_)[kCopyRows])
+      : params(params_),
+        smem_tiles(smem_tiles_),
+        q_ptr(static_cast<const Element*>(params_.q_ptr)),
+        k_ptr(static_cast<const Element*>(params_.k_ptr)),
+        v_ptr(static_cast<const Element*>(params_.v_ptr)),
+        group(group_),
+        appending(appending_),
+        gmem_thr_copy_QKV(gmem_thr_copy_QKV_),
+        tQcQ(tQcQ_),
+        tKVcKV(tKVcKV_),
+        row_page(row_page_),
+        row_in_page(row_in_page_),
+        row_shares_page(row_shares_page_),
+        k_row_step(int64_t(kCopyRowStep) * params_.k.row_stride),
+        v_row_step(int64_t(kCopyRowStep) * params_.v.row_stride) {}
+
+  __device__ bool is_paged(const SplitKvItem& it) const {
+    return kLayout == CacheLayout::kPaged ||
+           (kLayout == CacheLayout::kEither && it.cache.block_table_row != nullptr);
+  }
+
+  // The item's Q rows into Q slot `slot`.
+  __device__ void load_q(const SplitKvItem& it, int slot) {
+    const Element* q_base = q_ptr + it.batch * params.q.batch_stride +
+                            int64_t(it.head_kv) * group * params.q.head_stride;
+    auto q_row = [&](int tile_row) {
+      const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
+      return q_base + int64_t(packed.query) * params.q.row_stride +
+             int64_t(packed.head_in_group) * params.q.head_stride;
+    };
+    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));  // (CPY,CPY_M,CPY_D)
+    copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
+  }
+
+  // Paged cache: location of this thread's K/V copy rows of key block
+  // n_block. The block table is read once per distinct page (a page of 64
+  // rows or more holds all of a thread's rows of a tile); row_page[m] is left
+  // stale when row m shares row m - 1's page, and the rows are resolved when
+  // the copies are issued, a tile later: no instruction waits on a table read
+  // in between (a copy of the loaded value from row to row would).
+  __device__ void locate_tile(const SplitKvItem& it, int n_block) {
+    if (!is_paged(it)) return;
+    const int key0 = n_block * kBlockN;
+    int previous_index = -1;
+    CUTE_UNROLL
+    for (int m = 0; m < kCopyRows; ++m) {
+      const int key = key0 + get<0>(tKVcKV(0, m, 0));
+      int page_index;
+      it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
+      row_shares_page[m] = page_index == previous_index;
+      if (!row_shares_page[m]) {
+        row_page[m] =
+            key < it.seqlen_k
+                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch, page_index,
+                               it.cache.block_table_row[page_index], params.num_pages)
+                : 0;
+      }
+      previous_index = page_index;
+    }
+  }
+
+  // K and V of one tile into one stage. Rows past the keys and columns past
+  // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
+  // In the prologue (in_prologue), rows from the item's first new row on are
+  // left to SplitKvAppend::load_inputs when the kernel appends: nothing else
+  // may write their bytes. The new rows are the last keys, so they lie in an
+  // item's first tiles (the walk runs from the last key block down), all
+  // loaded by the prologue; the main loop keeps the plain copy loop.
+  template <typename InPrologue>
+  __device__ void load_tile(const SplitKvItem& it, int n_block, int stage, InPrologue) {
+    constexpr bool kMaySkipNewRows = InPrologue::value;
+    Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
+    Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
+    const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
+    const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
+    const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
+    // kAppends &&: a constant false without the append, as the kernel's
+    // `appending` is there.
+    const int new_rows_from =
+        kAppends && appending ? it.seqlen_k - params.seqlen_new - n_block * kBlockN : rows_in_tile;
+    // copy_row reads tKVcKV and params through these (not through `this`),
+    // as it did as a lambda in the kernel.
+    auto& tKVcKV_ = tKVcKV;
+    const KvcacheParams& params_ = params;
+    auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
+      const int row = get<0>(tKVcKV_(0, m, 0));
+      const bool row_ok = row < rows_in_tile;
+      if (kMaySkipNewRows && row_ok && row >= new_rows_from) return;
+      CUTE_UNROLL
+      for (int k = 0; k < kCopyCols; ++k) {
+        const int col = get<1>(tKVcKV_(0, m, k));
+        const bool ok = row_ok && col < params_.head_dim;
+        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, ok);
+        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, ok);
+      }
+    };
+    if (is_paged(it)) {
+      int64_t page = 0;
+      CUTE_UNROLL
+      for (int m = 0; m < kCopyRows; ++m) {
+        page = row_shares_page[m] ? page : int64_t(row_page[m]);
+        const int64_t in_page = row_in_page[m];
+        copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
+                 v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
+      }
+    } else {
+      const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
+      const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
+                             first_pos * params.k.row_stride;
+      const Element* v_row = v_base + int64_t(it.cache.entry) * params.v.batch_stride +
+                             first_pos * params.v.row_stride;
+      CUTE_UNROLL
+      for (int m = 0; m < kCopyRows; ++m) {
+        copy_row(m, k_row, v_row);
+        k_row += k_row_step;
+        v_row += v_row_step;
+      }
+    }
+  }
+};
+
+// The stream to the next item with keys, or past the last item. Fields are
+// the kernel's stream position, in the order the lambda it replaces
+// captured them.
+template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
+struct SplitKvItemAdvance {
+  using Smem = SplitKvSmem<Traits, kSeveralItems>;
+  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN>;
+  using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
+
+  int& load_item;
+  const int& num_items;
+  SplitKvItem& load_item_work;
+  const Scheduler& scheduler;
+  SplitKvItemInputs& load_next_inputs;
+  const KvcacheParams& params;
+  int& load_n_block;
+  int& load_q_slot;
+  TileLoader& loader;
+
+  __device__ void operator()() const {
+    do {
+      load_item += gridDim.x;
+      if (load_item >= num_items) return;
+      load_item_work = scheduler.item_at(load_item, load_next_inputs);
+      load_next_inputs = splitkv_item_inputs(params, scheduler.next_item(load_item));
+    } while (!load_item_work.has_keys());
+    load_n_block = load_item_work.n_block_max - 1;
+    load_q_slot = Smem::next_q_slot(load_q_slot);
+    loader.locate_tile(load_item_work, load_n_block);
+  }
+};
+
+// A block of one item has no next item. It refers to nothing else, as the
+// lambda did (its other captures were in a discarded `if constexpr` branch):
+// referring to them made the kernels of one item compile differently.
+template <typename Traits, CacheLayout kLayout, bool kAppends>
+struct SplitKvItemAdvance<Traits, kLayout, false, kAppends> {
+  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN>;
+  using TileLoader = SplitKvTileLoader<Traits, kLayout, false, kAppends>;
+
+  int& load_item;
+  const int& num_items;
+
+  __device__ SplitKvItemAdvance(int& load_item_, const int& num_items_, SplitKvItem&,
+                                const Scheduler&, SplitKvItemInputs&, const KvcacheParams&, int&,
+                                int&, TileLoader&)
+      : load_item(load_item_), num_items(num_items_) {}
+
+  __device__ void operator()() const { load_item = num_items; }
+};
+
+// The stream's next tile into `stage` (with its item's Q if it is the item's
+// first), and the table reads of the tile after it; one commit group, empty
+// past the stream's end.
+template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
+struct SplitKvProducer {
+  using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
+  using ItemAdvance = SplitKvItemAdvance<Traits, kLayout, kSeveralItems, kAppends>;
+
+  int& load_n_block;
+  int& load_item;
+  const int& num_items;
+  SplitKvItem& load_item_work;
+  TileLoader& loader;
+  int& load_q_slot;
+  const ItemAdvance& advance_item;
+
+  template <typename InPrologue>
+  __device__ void load_next_tile(int stage, InPrologue in_prologue) const {
+    if (load_item < num_items) {
+      if (load_n_block == load_item_work.n_block_max - 1)
+        loader.load_q(load_item_work, load_q_slot);
+      loader.load_tile(load_item_work, load_n_block, stage, in_prologue);
+      if (--load_n_block >= load_item_work.n_block_min) {
+        loader.locate_tile(load_item_work, load_n_block);
+      } else {
+        advance_item();
+      }
+    }
+    cute::cp_async_fence();
+  }
+};
+
+}  // namespace flash
