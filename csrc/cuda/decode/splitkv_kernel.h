@@ -241,6 +241,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SplitKvEpilogue<Traits, kSeveralItems> epilogue{
       params,   tidx,           o_parts,   row_stats,    group,
       seqlen_q, exp_scale_log2, lse_scale, final_output, rows_per_split};
+  // The MMAs of a key tile (splitkv_mainloop.h).
+  using Mma = SplitKvMma<Traits, kSeveralItems>;
+  const Mma mma{smem_tiles,
+                warp_mma,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_o,
+                smem_tiled_copy_Q,
+                smem_thr_copy_Q,
+                smem_tiled_copy_K,
+                smem_thr_copy_K,
+                smem_tiled_copy_V,
+                smem_thr_copy_V,
+                acc_o_rowcol};
   // The item whose merge waits for its second step (several items).
   MergeTarget pending_merge{};
   bool merge_pending = false;
@@ -292,10 +307,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (warp_has_rows) {
         // (MMA,MMA_M,MMA_N)
         Tensor acc_s = partition_fragment_C(warp_mma, Shape<_16, Int<kSlabN>>{});
-        clear(acc_s);
-        Tensor tSsK = smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
-        gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, warp_mma, smem_tiled_copy_Q,
-                       smem_tiled_copy_K, smem_thr_copy_Q, smem_thr_copy_K);
+        mma.qk(acc_s, tSsQ, stage);
 
         // (ROW,COL)
         Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
@@ -331,13 +343,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
 
-        softmax.update(scores, acc_o_rowcol, exp_scale_log2);
-
-        Tensor rP = convert_type<Element>(acc_s);  // (MMA,MMA_M,MMA_N)
-        // (MMA,MMA_M,MMA_K), K = the slab's keys
-        Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
-        Tensor tOsVt = smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
-        gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, warp_mma, smem_tiled_copy_V, smem_thr_copy_V);
+        mma.softmax_pv(acc_s, scores, softmax, exp_scale_log2, stage);
       }
 
       // Every warp is done with this stage before it is refilled.

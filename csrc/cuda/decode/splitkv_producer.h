@@ -11,7 +11,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 #include <utility>
 
 #include <cute/tensor.hpp>
@@ -254,6 +253,8 @@ struct SplitKvProducer {
   using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
   using ItemAdvance = SplitKvItemAdvance<Traits, kLayout, kSeveralItems, kAppends>;
 
+  // load_n_block first: in the lambda's capture order (load_item first) the
+  // kernels of one item compiled differently.
   int& load_n_block;
   int& load_item;
   const int& num_items;
