@@ -1293,7 +1293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlens", default=None, help="comma list of training seqlens")
     p.add_argument("--causal", default=None, choices=["both", "true", "false"])
     p.add_argument("--decode-paged", action="store_true",
-                   help="also measure flash_attn_with_kvcache on a paged cache (page sizes 16 and 256)")
+                   help="also measure flash_attn_with_kvcache on a paged cache (page sizes 1, 16 and 256)")
+    p.add_argument("--decode-page-sizes", default=None,
+                   help="comma list of page sizes for --decode-paged (default 1,16,256)")
     p.add_argument("--decode-seqlens-q", default=None, help="comma list (default 1,4)")
     p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
@@ -1362,7 +1364,7 @@ def select(args) -> tuple:
     if args.decode_rounds is not None and args.decode_rounds < 1:
         raise SystemExit(f"--decode-rounds must be at least 1, got {args.decode_rounds}")
     if args.decode_paged:
-        grid.decode_page_sizes = [16, 256]
+        grid.decode_page_sizes = parse_list(args.decode_page_sizes, int) or [1, 16, 256]
     if args.memory_seqlens:
         grid.memory_seqlens = parse_list(args.memory_seqlens, int)
     if args.cpu_budget_s is None:

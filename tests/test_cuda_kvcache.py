@@ -379,11 +379,24 @@ def test_decode_batch_default_splits(page_size):
     check_all(paged, got, 1, "neox")
 
 
-def test_page_size_not_multiple_of_16_raises():
-    args = make_inputs(batch=2, seqlen_q=1, capacity=40, head_dim=64, dtype=torch.bfloat16,
-                       page_size=8)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        run_cuda(args)
+@pytest.mark.parametrize("page_size", [1, 3, 5, 8, 17])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_any_page_size(page_size, num_splits):
+    """Pages of any row count (SGLang's 1, odd ones): rows are located one by
+    one, so a page boundary may fall anywhere in a thread's rows of a tile.
+    Append and rotary write through the same table."""
+    capacity = page_size * math.ceil(300 / page_size)
+    args = make_inputs(batch=3, seqlen_q=2, capacity=capacity, nheads=16, nheads_k=4,
+                       head_dim=128, dtype=torch.bfloat16, seqlen_new=2, rotary="neox",
+                       causal=True)
+    args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
+    paged = dict(args)
+    page_cache(paged, page_size)
+    contiguous = run_cuda(args, num_splits=num_splits)
+    got = run_cuda(paged, num_splits=num_splits)
+    assert torch.equal(got[0], contiguous[0]) and torch.equal(got[1], contiguous[1])
+    assert torch.equal(unpage(got[2], paged["block_table"]), contiguous[2])
+    check_all(paged, got, 2, "neox")
 
 
 # ----------------------------------------------------------------------------

@@ -29,8 +29,10 @@ from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 ops = torch.ops.flash_attn
 
-# CUDA pages hold a multiple of 16 rows today; the CPU takes any page size.
+# Pages of any row count: 16 (vLLM's multiples), 5 (a page boundary inside a
+# thread's rows of a tile) and 1 (SGLang's default).
 PAGE_SIZE = 16
+PAGE_SIZES = [1, 5, 16]
 
 
 def dtype_on(device):
@@ -193,11 +195,12 @@ def paged_from_packed(k, v, cu_k, lengths, page_size, fill_unused):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cu_k_given", [True, False], ids=["with_cu_seqlens_k", "vllm_form"])
-def test_paged_varlen_seqused_k(device, causal, cu_k_given):
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_paged_varlen_seqused_k(device, causal, cu_k_given, page_size):
     q, k, v, cu_q, cu_k, used, max_q, max_k = seqused_inputs(device, 8, 2, head_dim=128)
     # NaN / Inf in every cache row that is not a used key: the last used page's
     # tail, the table's spare columns and the pool's spare pages.
-    k_cache, v_cache, table = paged_from_packed(k, v, cu_k, used.tolist(), PAGE_SIZE,
+    k_cache, v_cache, table = paged_from_packed(k, v, cu_k, used.tolist(), page_size,
                                                 fill_non_finite)
     with torch.no_grad():
         out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k if cu_k_given else None,
@@ -369,10 +372,13 @@ def to_pages(cache, table, num_blocks, fill):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("seqlen_new", [0, 2])
-def test_kvcache_never_reads_past_cache_seqlens(device, paged, num_splits, seqlen_new):
-    capacity = 8 * PAGE_SIZE
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_kvcache_never_reads_past_cache_seqlens(device, paged, num_splits, seqlen_new, page_size):
+    if not paged and page_size != PAGE_SIZE:
+        pytest.skip("the page size applies to a paged cache only")
+    capacity = page_size * -(-128 // page_size)
     # Lengths end mid-page, on a page boundary, at 0 and at the full cache.
-    lengths = [37, 2 * PAGE_SIZE, 0, capacity - seqlen_new, 1]
+    lengths = [37, 2 * page_size, 0, capacity - seqlen_new, 1]
     batch = len(lengths)
     q, k_cache, v_cache, seqlens = kvcache_inputs(device, batch, lengths, capacity)
     new = [torch.randn(batch, seqlen_new, 2, q.shape[-1], device=device, dtype=q.dtype)
@@ -384,7 +390,7 @@ def test_kvcache_never_reads_past_cache_seqlens(device, paged, num_splits, seqle
     for b, n in enumerate(lengths):
         plant_non_finite(bad_k[b], list(range(n, capacity)))
         plant_non_finite(bad_v[b], list(range(n, capacity)))
-    table, num_blocks = page_order(batch, capacity, PAGE_SIZE, device)
+    table, num_blocks = page_order(batch, capacity, page_size, device)
     results = []
     for kc, vc, fill in ((k_cache, v_cache, fill_random), (bad_k, bad_v, fill_non_finite)):
         if paged:

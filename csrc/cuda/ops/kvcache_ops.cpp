@@ -141,10 +141,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   }
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
-  TORCH_CHECK(!shape.paged || shape.page_size % 16 == 0,
-              "fwd_kvcache (CUDA): a paged cache needs page_size (k_cache.size(1)) to be a "
-              "multiple of 16, got ",
-              shape.page_size);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
