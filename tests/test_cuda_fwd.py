@@ -560,14 +560,29 @@ def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     return k_cache, v_cache, table
 
 
+def paged_kernel(fwd_kernel, page_size, monkeypatch):
+    """The kernel a paged call runs when fwd_kernel is forced: the Hopper
+    producer reads pages of a multiple of 8 rows by TMA boxes; other page
+    sizes go to the SM80-design kernel, which locates keys row by row
+    (plan_fwd). The contiguous call it is compared with is forced to it."""
+    kernel = fwd_kernel if page_size % 8 == 0 else "sm80"
+    if torch.cuda.get_device_capability() == (9, 0):
+        monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", kernel)
+    return kernel
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("page_size", [1, 16, 48, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 5, 8, 16, 48, 256])
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                    (False, (40, 7), 5.0)])
-def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal, window, softcap):
-    """Paged K/V (block_table) in the varlen forward: the same output and lse
-    as the contiguous keys, bitwise, and the CPU path's within rounding."""
+def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal, window, softcap,
+                                             fwd_kernel, monkeypatch):
+    """Paged K/V (block_table) in the varlen forward, read in place by both
+    kernels: the same output and lse as the contiguous keys on the same
+    kernel, bitwise, and the CPU path's within rounding. Unused table entries
+    are -1: reading one would raise."""
+    paged_kernel(fwd_kernel, page_size, monkeypatch)
     batch, nheads, nheads_k = 4, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 90)
     cu_k, max_k = random_cu_seqlens(batch, 333)
@@ -593,6 +608,44 @@ def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal,
     finite = torch.isfinite(lse_cpu)
     assert torch.equal(torch.isinf(lse_paged.cpu()), ~finite)
     torch.testing.assert_close(lse_paged.cpu()[finite], lse_cpu[finite], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("page_size", [5, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_fwd_paged_never_reads_unused_rows(page_size, head_dim, causal, fwd_kernel,
+                                                  monkeypatch):
+    """NaN and Inf in every cache row that is not a used key (the tail of each
+    sequence's last page, the spare pages) and past seqused_k: the output and
+    lse are bitwise those of a clean cache, on both kernels (FA3's issue
+    1745)."""
+    paged_kernel(fwd_kernel, page_size, monkeypatch)
+    batch, nheads, nheads_k, dtype = 5, 8, 2, torch.bfloat16
+    cu_q, max_q = random_cu_seqlens(batch, 200)
+    cu_k, max_k = random_cu_seqlens(batch, 700)
+    q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    k_cache, v_cache, table = scatter_into_pages(k, v, cu_k, page_size)
+    lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    used = torch.tensor([max(n - 3, 0) for n in lengths], dtype=torch.int32)
+    bad_k, bad_v = k_cache.clone(), v_cache.clone()
+    owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(used.tolist()):
+        for key in range(n):
+            owned[int(table[b, key // page_size]), key % page_size] = True
+    for cache in (bad_k, bad_v):
+        cache[~owned.to(DEVICE)] = float("nan")
+        cache[~owned.to(DEVICE) & (torch.rand(owned.shape, device=DEVICE) < 0.5)] = float("inf")
+    results = []
+    for kc, vc in ((k_cache, v_cache), (bad_k, bad_v)):
+        poison_allocator()
+        results.append(torch.ops.flash_attn.varlen_fwd(
+            q, kc, vc, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), None, max_q, max_k,
+            0.0, head_dim ** -0.5, causal, -1, -1, 0.0, False, 0, 0, None,
+            seqused_k=used.to(DEVICE))[:2])
+    assert torch.isfinite(results[1][0]).all()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_varlen_fwd_paged_cuda_graph_replay():

@@ -153,6 +153,24 @@ def test_forward_variants():
     assert probs["return_probs"] == 1
 
 
+@pytest.mark.parametrize("page_size", [1, 5, 8, 16, 17, 48, 256])
+def test_forward_paged_keys(page_size):
+    """Paged varlen keys are read in place by both kernels: the Hopper
+    producer loads boxes of at least 8 rows inside a page, so pages of a
+    multiple of 8 rows stay on it; other page sizes go to the SM80-design
+    kernel, which locates keys row by row, with the reason."""
+    long = (2, 4096, 4096, 16, 16, 128)
+    plan = fwd(*long, varlen=True, page_size=page_size)
+    if page_size % 8 == 0:
+        assert plan["kernel"] == "sm90", plan
+    else:
+        assert plan["kernel"] == "sm80" and "multiple of 8 rows" in plan["reason"], plan
+    forced = fwd(*long, varlen=True, page_size=page_size, kernel_override="sm90")
+    assert forced["kernel"] == ("sm90" if page_size % 8 == 0 else "sm80")
+    with pytest.raises(RuntimeError, match="page_size"):
+        fwd(*long, varlen=False, page_size=16)
+
+
 def test_forward_grids():
     # Equal work, more tiles than SMs: fixed shares of a persistent grid.
     plan = fwd(4, 4096, 4096, 16, 16, 128)

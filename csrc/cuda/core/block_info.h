@@ -25,25 +25,43 @@ struct BlockInfo {
       const SequenceRows q_rows =
           guarded_sequence_rows(params.cu_seqlens_q, batch, params.total_q, params.seqlen_q,
                                 IndexArg::kCuSeqlensQ, params.index_errors);
-      const SequenceRows k_rows =
-          guarded_sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k,
-                                IndexArg::kCuSeqlensK, params.index_errors);
       q_row_begin = q_rows.begin;
-      k_row_begin = k_rows.begin;
       seqlen_q = q_rows.length;
-      // seqused_k shortens the keys to a prefix of the sequence's rows; every
-      // kernel bounds its key loop, masks and tail zeroing by seqlen_k, so
-      // the rows after it are never read into a result.
-      seqlen_k = params.seqused_k == nullptr
-                     ? k_rows.length
-                     : guarded_seqused_k(params.seqused_k, batch, k_rows.length,
-                                         /*paged=*/false, params.index_errors);
+      if (params.block_table != nullptr) {
+        // Paged keys: located through the table (paged_rows.h), from row 0.
+        k_row_begin = 0;
+        seqlen_k = paged_seqlen_k(params, batch);
+      } else {
+        const SequenceRows k_rows =
+            guarded_sequence_rows(params.cu_seqlens_k, batch, params.total_k, params.seqlen_k,
+                                  IndexArg::kCuSeqlensK, params.index_errors);
+        k_row_begin = k_rows.begin;
+        // seqused_k shortens the keys to a prefix of the sequence's rows;
+        // every kernel bounds its key loop, masks and tail zeroing by
+        // seqlen_k, so the rows after it are never read into a result.
+        seqlen_k = params.seqused_k == nullptr
+                       ? k_rows.length
+                       : guarded_seqused_k(params.seqused_k, batch, k_rows.length,
+                                           /*paged=*/false, params.index_errors);
+      }
     } else {
       q_row_begin = 0;
       k_row_begin = 0;
       seqlen_q = params.seqlen_q;
       seqlen_k = params.seqlen_k;
     }
+  }
+
+  // Sequence `batch`'s paged keys: seqused_k[b] when given, else the length
+  // cu_seqlens_k gives, cut to the rows its table row addresses. Clamped
+  // without a report: check_paged_keys (fwd/paged_keys_check.h) reports the
+  // same values before the kernel runs, since guards inlined here, in every
+  // role's per-tile BlockInfo, overran the Hopper producer's 24 registers.
+  static __forceinline__ __device__ int paged_seqlen_k(const FwdParams& params, int batch) {
+    const int64_t keys = params.seqused_k != nullptr
+                             ? int64_t(params.seqused_k[batch])
+                             : int64_t(params.cu_seqlens_k[batch + 1]) - params.cu_seqlens_k[batch];
+    return int(keys < 0 ? 0 : keys < params.paged_max_seqlen_k ? keys : params.paged_max_seqlen_k);
   }
 
   __device__ int64_t q_offset(const QKVStrides& s, int batch, int head) const {

@@ -59,7 +59,19 @@ struct FwdParams {
   // seqused_k[b] rows from cu_seqlens_k[b] (BlockInfo reads it, guarded).
   const int* seqused_k;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
-  int total_k;  // varlen: rows of k and v
+  int total_k;  // varlen: rows of k and v; paged: num_pages * page_size
+  // Paged K/V (varlen forward only), or null: k_ptr / v_ptr are caches of
+  // (num_pages, page_size, nheads_k, head_dim) with k.batch_stride /
+  // v.batch_stride the page strides, read in place. Sequence b's key j is
+  // row j % page_size of page block_table[b * block_table_batch_stride +
+  // j / page_size]; its keys are seqused_k[b], else cu_seqlens_k[b + 1] -
+  // cu_seqlens_k[b] (lengths only), at most paged_max_seqlen_k (what its
+  // table row addresses, cut to max_seqlen_k). BlockInfo guards all three.
+  const int* block_table;
+  int64_t block_table_batch_stride;
+  IntDivisor page_size;
+  int num_pages;
+  int paged_max_seqlen_k;
   int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)
   // Room for one counter, or null: a causal / local persistent grid of the
   // Hopper forward takes its tiles past the first wave from it, and its

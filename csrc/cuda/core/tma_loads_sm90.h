@@ -4,10 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/cuda_host_adapter.hpp>
 
 #include "cuda/core/block_info.h"
 #include "cuda/core/params.h"
@@ -92,6 +95,57 @@ struct TmaTileLoad {
   }
 };
 
+// Paged K / V of a varlen forward (FwdParams::block_table), read in place:
+// the cache (num_pages, page_size, heads, head dim) as a 4-D TMA tensor
+// (head dim, row in page, head, page), loaded in boxes of box_rows rows by
+// kAtomCols columns, one swizzle atom wide, so that a box lands on whole
+// swizzle atoms of a stage wherever its rows start (the producer,
+// fwd_mainloop_sm90.h, issues one box per page piece and atom column). The
+// box height is a runtime value of the descriptor: the largest power of two
+// dividing both the page and the key tile, at least 8 rows (one swizzle atom
+// high), so that no box crosses a page or a tile.
+inline int paged_tma_box_rows(int page_size, int block_n) {
+  int rows = 1;
+  while (rows < 256 && page_size % (2 * rows) == 0 && block_n % (2 * rows) == 0) rows *= 2;
+  return rows;
+}
+
+// Whether the paged cache can be read by TMA boxes as above: the rules of
+// tma_can_load for the 4-D view, and pages of a multiple of 8 rows.
+inline bool paged_tma_can_load(const void* ptr, int page_size, int head_dim, int heads,
+                               int num_pages, const QKVStrides& strides, int block_n) {
+  return paged_tma_box_rows(page_size, block_n) >= 8 &&
+         tma_can_load(ptr, page_size, head_dim, heads, num_pages, strides);
+}
+
+template <typename Element, int kAtomCols>
+TmaDescriptor make_paged_tma_descriptor(const void* ptr, int page_size, int head_dim, int heads,
+                                        int num_pages, const QKVStrides& strides, int box_rows) {
+  static_assert(kAtomCols * sizeof(Element) == 128 || kAtomCols * sizeof(Element) == 64,
+                "one 128- or 64-byte swizzle atom wide");
+  auto usable = [](int64_t extent, int64_t stride) { return extent > 1 ? stride : int64_t(8); };
+  constexpr cuuint64_t kBytes = sizeof(Element);
+  cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(page_size), cuuint64_t(heads),
+                        cuuint64_t(num_pages)};
+  cuuint64_t byte_strides[3] = {cuuint64_t(usable(page_size, strides.row_stride)) * kBytes,
+                                cuuint64_t(usable(heads, strides.head_stride)) * kBytes,
+                                cuuint64_t(usable(num_pages, strides.batch_stride)) * kBytes};
+  cuuint32_t box[4] = {cuuint32_t(kAtomCols), cuuint32_t(box_rows), 1, 1};
+  cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  TmaDescriptor desc{};
+  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
+      &desc, TMA::to_CUtensorMapDataType<Element>(), 4, const_cast<void*>(ptr), dims, byte_strides,
+      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      kAtomCols * sizeof(Element) == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    throw std::runtime_error(
+        "flash_attn_cuda: cuTensorMapEncodeTiled failed for the paged cache (" +
+        std::to_string(int(result)) + ")");
+  }
+  return desc;
+}
+
 // The TMA descriptors of one launch, built on the host. A kernel parameter
 // (__grid_constant__): TMA reads a descriptor from parameter memory.
 template <typename Traits>
@@ -100,19 +154,52 @@ struct FwdSm90Tma {
                             Traits::kHeadDim>;
   using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKVStage,
                              Traits::kBlockN, Traits::kHeadDim>;
+  // The columns of one swizzle atom of the K / V tiles (Traits::SmemLayoutAtom).
+  static constexpr int kAtomCols = Traits::kHeadDim % 64 == 0 ? 64 : 32;
   typename LoadQ::Copy q;
   typename LoadKV::Copy k;
   typename LoadKV::Copy v;
+  // Paged keys only (else unused): the boxes' descriptors and height.
+  TmaDescriptor k_paged;
+  TmaDescriptor v_paged;
+  int paged_box_rows;
 
   static bool can_load(const FwdParams& p) {
-    return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
-           tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
+    if (!tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q)) {
+      return false;
+    }
+    if (p.block_table != nullptr) {
+      const int page_size = p.page_size.divisor;
+      return paged_tma_can_load(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k,
+                                Traits::kBlockN) &&
+             paged_tma_can_load(p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v,
+                                Traits::kBlockN);
+    }
+    return tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
            tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
   }
   static FwdSm90Tma make(const FwdParams& p) {
-    return {LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
-            LoadKV::make(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k),
-            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v)};
+    using Element = typename Traits::Element;
+    const bool paged = p.block_table != nullptr;
+    // Paged, the tile descriptors of k / v go unused: one page's view keeps
+    // them valid.
+    const int kv_rows = paged ? p.page_size.divisor : tma_k_rows(p);
+    const int kv_batches = paged ? 1 : tma_batches(p);
+    FwdSm90Tma tma{LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
+                   LoadKV::make(p.k_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.k),
+                   LoadKV::make(p.v_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.v),
+                   {},
+                   {},
+                   0};
+    if (paged) {
+      const int page_size = p.page_size.divisor;
+      tma.paged_box_rows = paged_tma_box_rows(page_size, Traits::kBlockN);
+      tma.k_paged = make_paged_tma_descriptor<Element, kAtomCols>(
+          p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k, tma.paged_box_rows);
+      tma.v_paged = make_paged_tma_descriptor<Element, kAtomCols>(
+          p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v, tma.paged_box_rows);
+    }
+    return tma;
   }
 };
 

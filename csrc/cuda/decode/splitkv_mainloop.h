@@ -9,43 +9,11 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/core/paged_rows.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/decode/splitkv_tile_config.h"
 
 namespace flash {
-
-// cp.async of one 16-byte chunk; src_size 0 zero-fills the destination
-// without reading the source, so masked-off rows cost no memory traffic and
-// gmem_src may then point past the tensor (at the row or column it would
-// have read), which spares a select per chunk.
-__forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
-                                                    bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_size));
-}
-
-// Global -> shared copy of a tile whose rows live at unrelated addresses:
-// row_ptr(tile_row) gives the first element of a row. Rows at or past
-// num_rows and columns past head_dim are zero-filled.
-template <typename TensorDst, typename TensorCoord, typename RowPtr, typename Element>
-__forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoord& coord,
-                                                int num_rows, int head_dim,
-                                                const Element* any_address, RowPtr row_ptr) {
-  CUTE_UNROLL
-  for (int m = 0; m < cute::size<1>(dst); ++m) {
-    const int row = cute::get<0>(coord(0, m, 0));
-    const bool row_ok = row < num_rows;
-    const Element* src_row = row_ok ? row_ptr(row) : any_address;
-    CUTE_UNROLL
-    for (int k = 0; k < cute::size<2>(dst); ++k) {
-      const int col = cute::get<1>(coord(0, m, k));
-      const bool ok = row_ok && col < head_dim;
-      cp_async_16_or_zero(&dst(0, m, k), ok ? src_row + col : any_address, ok);
-    }
-  }
-}
 
 // Which caches a kernel instance serves. The decode variant's plain kernel
 // is compiled once per layout, so that each streams its tiles with only its

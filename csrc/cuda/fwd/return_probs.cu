@@ -10,6 +10,7 @@
 #include "cuda/core/block_info.h"
 #include "cuda/core/cuda_check.h"
 #include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/paged_rows.h"
 
 namespace flash {
 namespace {
@@ -113,8 +114,11 @@ __global__ void __launch_bounds__(kThreads) return_probs_kernel(const FwdParams 
       const int col = col0 + i;
       score[i] = -INFINITY;
       if (col >= range.begin && col < key_end) {
-        const float dot =
-            dot_with_key(q_row, k_head + int64_t(col) * params.k.row_stride, params.head_dim);
+        // Paged varlen: keys through the table.
+        const int64_t key_offset = params.block_table != nullptr
+                                       ? paged_key_offset(params, batch, col, params.k)
+                                       : int64_t(col) * params.k.row_stride;
+        const float dot = dot_with_key(q_row, k_head + key_offset, params.head_dim);
         float s = params.softcap > 0.f
                       ? params.softcap * tanhf(dot * params.softmax_scale / params.softcap)
                       : dot * params.softmax_scale;

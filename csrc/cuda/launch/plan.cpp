@@ -55,8 +55,18 @@ int tma_batches(const FwdParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
 }  // namespace
 
 bool fwd_tma_can_load(const FwdParams& p) {
-  return tma_can_describe(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
-         tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
+  if (!tma_can_describe(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q)) {
+    return false;
+  }
+  if (p.block_table != nullptr) {
+    // Paged keys: boxes of at least 8 rows that stay inside a page (and a
+    // key tile, a multiple of 16 rows on Hopper): FwdSm90Tma::can_load.
+    const int page_size = p.page_size.divisor;
+    return page_size % 8 == 0 &&
+           tma_can_describe(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k) &&
+           tma_can_describe(p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v);
+  }
+  return tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
          tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
 }
 
@@ -118,6 +128,10 @@ const char* fwd_sm90_refusal(const FwdParams& params, const DeviceDesc& device,
   if (dropout) return "dropout: only the SM80 kernels draw its keep mask";
   if (!scale_is_positive_normal(params.softmax_scale_log2)) {
     return "softmax scale not positive and normal: the SM80 kernel's general variant";
+  }
+  if (params.block_table != nullptr && params.page_size.divisor % 8 != 0) {
+    return "paged keys in pages of other than a multiple of 8 rows: the SM80 kernel reads them "
+           "row by row";
   }
   if (!tma_ok) return "TMA cannot describe q / k / v (alignment or strides): the SM80 kernel";
   return nullptr;

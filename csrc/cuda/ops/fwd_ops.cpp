@@ -6,11 +6,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/paged_keys_check.h"
 #include "cuda/launch/launcher_registry.h"
 #include "cuda/launch/plan.h"
 #include "cuda/ops/op_common.h"
@@ -147,18 +149,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
-  at::Tensor k, v, cu_k, used_k;
-  if (shape.paged) {
-    // The gather keeps only the used keys: the packed offsets are the
-    // kernel's whole truth, and it gets no seqused_k.
-    std::tie(k, v, cu_k) =
-        gather_paged_kv(k_in, v_in, cu_seqlens_k, seqused_k, *block_table, shape, index_errors);
-  } else {
-    k = aligned_for_16b_loads(k_in);
-    v = aligned_for_16b_loads(v_in);
-    cu_k = cu_seqlens_k.contiguous();
-    if (seqused_k.has_value()) used_k = seqused_k->contiguous();
-  }
+  // Paged K/V are read in place: the kernels locate each key through the
+  // block table (paged_rows.h), cu_seqlens_k then gives lengths only.
+  const at::Tensor k = aligned_for_16b_loads(k_in);
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor cu_k = cu_seqlens_k.contiguous();
+  const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  const at::Tensor table = shape.paged ? block_table->contiguous() : at::Tensor();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
@@ -174,6 +171,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
 
   FwdParams params{};
   set_fwd_tensors(params, q, k, v, out, softmax_lse, s_dmask, return_softmax, /*varlen=*/true);
+  if (shape.paged) {
+    // (num_pages, page_size, nheads_k, head_dim): page, row and head strides.
+    params.k = strides_of(k, /*varlen=*/false);
+    params.v = strides_of(v, /*varlen=*/false);
+    params.block_table = table.data_ptr<int>();
+    params.block_table_batch_stride = table.stride(0);
+    params.page_size = IntDivisor(shape.page_size);
+    params.num_pages = shape.num_blocks;
+    // The rows a table row addresses, cut to max_seqlen_k (BlockInfo's bound
+    // on a sequence's keys).
+    params.paged_max_seqlen_k = static_cast<int>(
+        std::min<int64_t>(shape.max_seqlen_k, int64_t(shape.max_blocks_per_seq) * shape.page_size));
+  }
   params.batch = shape.batch;
   params.nheads = shape.nheads;
   params.nheads_k = shape.nheads_k;
@@ -184,12 +194,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
   params.total_q = shape.total_q;
-  params.total_k = static_cast<int>(k.size(0));
+  params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+  // Paged: the lengths and table entries the kernels clamp are reported here.
+  launch_check_paged_keys(params, at::cuda::getCurrentCUDAStream().stream());
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};

@@ -1,4 +1,4 @@
-// fwd_kvcache and the paged path of varlen_fwd on CUDA: argument checks
+// fwd_kvcache on CUDA: argument checks
 // (shared with the CPU path), the plan (plan_decode), the append / rotary
 // pre-kernel where the plan leaves it out of the attention kernel, and the
 // split-KV launcher of the compiled (dtype, head dim).
@@ -14,71 +14,12 @@
 #include <vector>
 
 #include "cuda/decode/kvcache_append_rotary.h"
-#include "cuda/decode/paged_gather.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/launcher_registry.h"
 #include "cuda/launch/plan.h"
 #include "cuda/ops/op_common.h"
 
 namespace flash {
-
-// Paged K/V for the varlen forward (fwd_ops.cpp): the keys each sequence
-// reaches (its first seqused_k[b] when given), gathered into packed tensors
-// (see paged_gather.h) with their own row offsets. The
-// sequence lengths stay on the device (no synchronisation): they are cut to
-// max_rows_per_seq, so the packed tensors (batch x max_rows_per_seq rows) hold
-// every row the forward kernel reads whatever cu_seqlens_k / seqused_k hold.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& seqused_k, const at::Tensor& block_table_in,
-    const VarlenShape& shape, IndexErrorSink index_errors) {
-  const at::Tensor cu_k = cu_seqlens_k.contiguous();
-  const at::Tensor block_table = block_table_in.contiguous();
-  const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
-  // No sequence is longer than max_seqlen_k or than its block-table row can
-  // address (the gather kernel reports longer ones, paged_gather.h).
-  const int64_t max_rows_per_seq =
-      shape.num_blocks == 0
-          ? 0
-          : std::min<int64_t>(shape.max_seqlen_k,
-                              int64_t(shape.max_blocks_per_seq) * shape.page_size);
-  const at::Tensor lengths =
-      (used.defined() ? used : cu_k.slice(0, 1) - cu_k.slice(0, 0, shape.batch))
-          .clamp(0, max_rows_per_seq);
-  at::Tensor cu_packed = at::zeros({shape.batch + 1}, cu_k.options());
-  cu_packed.slice(0, 1).copy_(lengths.cumsum(0));
-  const int64_t rows = int64_t(shape.batch) * max_rows_per_seq;
-  at::Tensor k_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, k_cache.options());
-  at::Tensor v_packed = at::empty({rows, shape.nheads_k, shape.head_dim}, v_cache.options());
-
-  PagedGatherParams params{};
-  params.k_cache = k_cache.data_ptr();
-  params.v_cache = v_cache.data_ptr();
-  params.k_block_stride = k_cache.stride(0);
-  params.k_row_stride = k_cache.stride(1);
-  params.k_head_stride = k_cache.stride(2);
-  params.v_block_stride = v_cache.stride(0);
-  params.v_row_stride = v_cache.stride(1);
-  params.v_head_stride = v_cache.stride(2);
-  params.k_packed = k_packed.data_ptr();
-  params.v_packed = v_packed.data_ptr();
-  params.cu_seqlens_packed = cu_packed.data_ptr<int>();
-  params.block_table = block_table.data_ptr<int>();
-  params.block_table_batch_stride = block_table.stride(0);
-  params.batch = shape.batch;
-  params.max_seqlen_k = static_cast<int>(max_rows_per_seq);
-  params.page_size = IntDivisor(shape.page_size);
-  params.num_blocks = shape.num_blocks;
-  params.nheads_k = shape.nheads_k;
-  params.head_dim = shape.head_dim;
-  params.cu_seqlens_k = cu_k.data_ptr<int>();
-  params.max_seqlen_k_given = shape.max_seqlen_k;
-  params.max_blocks_per_seq = shape.max_blocks_per_seq;
-  params.seqused_k = used.defined() ? used.data_ptr<int>() : nullptr;
-  params.index_errors = index_errors;
-  launch_gather_paged_rows(params, at::cuda::getCurrentCUDAStream().stream());
-  return {k_packed, v_packed, cu_packed};
-}
 
 namespace {
 

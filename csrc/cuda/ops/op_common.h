@@ -68,14 +68,6 @@ DeviceDesc current_device_desc();
 // tests switch them between calls) and handed to the plan.
 KernelOverride kernel_override_from_env(const char* variable);
 
-// Paged K/V for the varlen forward (kvcache_ops.cpp): the keys each sequence
-// reaches (its seqused_k[b] first keys when given), gathered into packed
-// tensors with their own row offsets.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_paged_kv(
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_k,
-    const std::optional<at::Tensor>& seqused_k, const at::Tensor& block_table_in,
-    const VarlenShape& shape, IndexErrorSink index_errors);
-
 // The op entry points (schemas in csrc/flash_api.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,

@@ -79,11 +79,19 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                         int64_t smem_per_block_optin, int64_t smem_per_sm,
                         int64_t reserved_smem_per_block, bool sm90a_built,
-                        std::string kernel_override, bool tma_aligned) {
+                        std::string kernel_override, bool tma_aligned, int64_t page_size) {
   FwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
             window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen);
   params.p_ptr = return_softmax ? kSomeProbs : nullptr;
+  // page_size > 0: paged keys of a varlen call (its table's contents do not
+  // enter the plan; tma_aligned says whether the pool's layout is TMA's).
+  TORCH_CHECK(page_size >= 0 && (page_size == 0 || varlen),
+              "_plan_fwd: page_size needs varlen=True and must be >= 0, got ", page_size);
+  if (page_size > 0) {
+    params.block_table = kSomeSeqlens;
+    params.page_size = IntDivisor(static_cast<int>(page_size));
+  }
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, sm90a_built);
   return describe(plan_fwd(params, device, override_of(kernel_override), tma_aligned));

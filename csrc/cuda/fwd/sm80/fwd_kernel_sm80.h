@@ -13,6 +13,7 @@
 #include "cuda/core/block_info.h"
 #include "cuda/core/dropout.h"
 #include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
@@ -100,6 +101,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   const bool full_head_dim = params.head_dim == kHeadDim;
   // Whole K/V tiles need no predication: every key block but a ragged last one.
   auto kv_tile_in_bounds = [&](int n) { return full_head_dim && (n + 1) * kBlockN <= seqlen_k; };
+  // Key block n of K or V into shared memory: a tile of the (seqlen_k, head
+  // dim) view, or paged keys row by row through the block table, read in
+  // place (rows past seqlen_k are zero-filled, never read).
+  auto copy_kv_tile = [&](const auto& tXgX, auto& tXsX, const void* x_ptr, const QKVStrides& s,
+                          int n) {
+    if (params.block_table == nullptr) {
+      copy_tile_predicated(gmem_tiled_copy_QKV, tXgX(_, _, _, n), tXsX, tKVcKV, tKVpKV,
+                           seqlen_k - n * kBlockN, kv_tile_in_bounds(n));
+      return;
+    }
+    const Element* x_head =
+        static_cast<const Element*>(x_ptr) + int64_t(block.head_kv) * s.head_stride;
+    copy_rows_async(tXsX, tKVcKV, seqlen_k - n * kBlockN, params.head_dim, x_head, [&](int row) {
+      return x_head + paged_key_offset(params, block.batch, n * kBlockN + row, s);
+    });
+  };
 
   // MMA partitions: S = Q K^T is (M, N); O = P V is (M, D).
   typename Traits::TiledMma tiled_mma;
@@ -160,8 +177,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   int n_block = n_block_max - 1;
   copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
                        full_head_dim && rows_left >= kBlockM);
-  copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block), tKsK, tKVcKV, tKVpKV,
-                       seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
+  copy_kv_tile(tKgK, tKsK, params.k_ptr, params.k, n_block);
   cute::cp_async_fence();
 
   OnlineSoftmax<kNRows> softmax;
@@ -173,8 +189,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     // K(n) has landed, and every warp is done reading V(n+1): V(n) may overwrite it.
     cute::cp_async_wait<0>();
     __syncthreads();
-    copy_tile_predicated(gmem_tiled_copy_QKV, tVgV(_, _, _, n_block), tVsV, tKVcKV, tKVpKV,
-                         seqlen_k - n_block * kBlockN, kv_tile_in_bounds(n_block));
+    copy_kv_tile(tVgV, tVsV, params.v_ptr, params.v, n_block);
     cute::cp_async_fence();
 
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
@@ -200,8 +215,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     cute::cp_async_wait<0>();
     __syncthreads();
     if (n_block > n_block_min) {
-      copy_tile_predicated(gmem_tiled_copy_QKV, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, tKVpKV,
-                           seqlen_k - (n_block - 1) * kBlockN, kv_tile_in_bounds(n_block - 1));
+      copy_kv_tile(tKgK, tKsK, params.k_ptr, params.k, n_block - 1);
       cute::cp_async_fence();
     }
 

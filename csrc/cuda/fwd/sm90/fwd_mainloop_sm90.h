@@ -18,6 +18,7 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
@@ -36,6 +37,7 @@ using namespace cute;
 // others have left the kernel.
 template <typename Traits>
 struct FwdSm90MainloopLoad {
+  using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -73,11 +75,21 @@ struct FwdSm90MainloopLoad {
     auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // Paged keys (uniform over the call) go by boxes of pages instead.
+    const bool paged = params.block_table != nullptr;
     auto load_k = [&](int i) {
-      load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max, i);
+      if (paged) {
+        load_paged_key_tile(&tma.k_paged, barriers.k_full, barriers.k_empty, sK, tile, i);
+      } else {
+        load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max, i);
+      }
     };
     auto load_v = [&](int i) {
-      load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max, i);
+      if (paged) {
+        load_paged_key_tile(&tma.v_paged, barriers.v_full, barriers.v_empty, sV, tile, i);
+      } else {
+        load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max, i);
+      }
     };
     // K(0) may go ahead of Q: its stage is free as soon as the last tile's
     // wgmmas have read it.
@@ -107,6 +119,39 @@ struct FwdSm90MainloopLoad {
     empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
     full_barrier(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
     copy(tma_copy.with(full_stages[stage]), tXgX(_, n_block_max - 1 - i), tXsX(_, stage));
+  }
+
+  // The same tile of paged keys (FwdSm90Tma::k_paged / v_paged): one TMA box
+  // per piece of box_rows rows and swizzle atom of columns, each from its own
+  // page, read in place. Only boxes holding keys below seqlen_k are issued,
+  // so no table entry past the sequence's pages is read; the rows after them
+  // keep what the stage held, which the mask hides (K) and
+  // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
+  // the next sequence an unpaged varlen tile reads.
+  template <typename TensorS>
+  __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
+                                                      uint64_t* full_stages, uint64_t* empty_stages,
+                                                      TensorS& sX, const FwdSm90Tile& tile,
+                                                      int i) const {
+    constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
+    static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
+    const int box_rows = tma.paged_box_rows;
+    const int stage = stages.stage(i);
+    const int key0 = (tile.block.n_block_max - 1 - i) * kBlockN;
+    const int boxes = (min(kBlockN, tile.binfo.seqlen_k - key0) + box_rows - 1) / box_rows;
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    full_barrier(full_stages[stage])
+        .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+    for (int box = 0; box < boxes; ++box) {
+      int page, row_in_page;
+      locate_paged_key(params, tile.block.batch, key0 + box * box_rows, page, row_in_page);
+      CUTE_UNROLL
+      for (int col = 0; col < kHeadDim; col += kAtomCols) {
+        SM90_TMA_LOAD_4D::copy(
+            desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+            &sX(box * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
+      }
+    }
   }
 };
 
