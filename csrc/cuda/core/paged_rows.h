@@ -58,7 +58,8 @@ __forceinline__ __device__ void locate_paged_key(const FwdParams& params, int ba
                                                  int& page, int& row_in_page) {
   int page_index;
   params.page_size.divmod(key, page_index, row_in_page);
-  page = params.block_table[int64_t(batch) * params.block_table_batch_stride + page_index];
+  // Read-only path: neighbouring keys' lookups hit the same cached line.
+  page = __ldg(params.block_table + int64_t(batch) * params.block_table_batch_stride + page_index);
   if (static_cast<unsigned>(page) >= static_cast<unsigned>(params.num_pages)) {
     page = page < 0 ? 0 : params.num_pages - 1;
   }

@@ -135,21 +135,37 @@ struct FwdSm90MainloopLoad {
                                                       int i) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
     static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
+    // Table lookups go in groups: each TMA waits on its page's lookup, and
+    // one at a time the thread waited out a load latency per box.
+    constexpr int kLookups = 4;
     const int box_rows = tma.paged_box_rows;
     const int stage = stages.stage(i);
     const int key0 = (tile.block.n_block_max - 1 - i) * kBlockN;
     const int boxes = (min(kBlockN, tile.binfo.seqlen_k - key0) + box_rows - 1) / box_rows;
-    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-    full_barrier(full_stages[stage])
-        .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
-    for (int box = 0; box < boxes; ++box) {
-      int page, row_in_page;
-      locate_paged_key(params, tile.block.batch, key0 + box * box_rows, page, row_in_page);
+    for (int first = 0; first < boxes; first += kLookups) {
+      int page[kLookups], row_in_page[kLookups];
       CUTE_UNROLL
-      for (int col = 0; col < kHeadDim; col += kAtomCols) {
-        SM90_TMA_LOAD_4D::copy(
-            desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-            &sX(box * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
+      for (int u = 0; u < kLookups; ++u) {
+        // Past the last box: the last box again (an entry the table holds), unused.
+        const int box = min(first + u, boxes - 1);
+        locate_paged_key(params, tile.block.batch, key0 + box * box_rows, page[u], row_in_page[u]);
+      }
+      // The first lookups run before the wait for the stage.
+      if (first == 0) {
+        empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+        full_barrier(full_stages[stage])
+            .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+      }
+      CUTE_UNROLL
+      for (int u = 0; u < kLookups; ++u) {
+        if (first + u >= boxes) break;
+        CUTE_UNROLL
+        for (int col = 0; col < kHeadDim; col += kAtomCols) {
+          SM90_TMA_LOAD_4D::copy(desc, &full_stages[stage],
+                                 static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                 &sX((first + u) * box_rows, col, stage), col, row_in_page[u],
+                                 tile.block.head_kv, page[u]);
+        }
       }
     }
   }
