@@ -58,7 +58,7 @@ MODES = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each mode as a multiple of the forward pass (flash-attn's convention).
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-REGIMES = ["train", "decode", "memory"]
+REGIMES = ["train", "decode", "memory", "paged_prefill"]
 
 ROW_KEYS = [
     "gpu", "torch", "cuda", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k",
@@ -108,6 +108,14 @@ class Grid:
     memory_nheads: int = 16
     memory_headdim: int = 128
     memory_dtype: str = "bf16"
+    # Chunked prefill through a paged KV cache: (batch, q_chunk, context) per case,
+    # the q_chunk new rows being the last of context keys (causal, bottom-right).
+    prefill_shapes: list = field(default_factory=list)
+    prefill_page_sizes: list = field(default_factory=list)
+    prefill_nheads: int = 32
+    prefill_nheads_k: int = 8
+    prefill_headdim: int = 128
+    prefill_dtype: str = "bf16"
 
 
 def pow2_range(lo: int, hi: int) -> list:
@@ -126,12 +134,15 @@ def gpu_grid(quick: bool) -> Grid:
             seqlens=[2048, 8192], tokens=16384, hidden=2048,
             decode_seqlens_q=[1], decode_seqlens_k=[8192, 65536], decode_batches=[1, 16],
             memory_seqlens=[8192, 32768],
+            prefill_shapes=[(4, 512, 4096), (4, 2048, 16384)], prefill_page_sizes=[1, 16, 64, 256],
         )
     return Grid(
         dtypes=["bf16", "fp16"], headdims=[64, 128, 256], causals=[False, True],
         modes=list(MODES), seqlens=pow2_range(512, 16384), tokens=16384, hidden=2048,
         decode_seqlens_q=[1, 4], decode_seqlens_k=pow2_range(4096, 131072),
         decode_batches=[1, 4, 16, 64], memory_seqlens=pow2_range(1024, 65536),
+        prefill_shapes=[(4, 512, 4096), (4, 2048, 16384), (8, 128, 8192), (2, 4096, 4096)],
+        prefill_page_sizes=[1, 16, 64, 256],
     )
 
 
@@ -143,12 +154,14 @@ def cpu_grid(quick: bool) -> Grid:
             modes=["fwd", "fwd_bwd"], seqlens=[128, 256], tokens=512, hidden=256,
             decode_seqlens_q=[1], decode_seqlens_k=[2048], decode_batches=[1],
             decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
+            prefill_shapes=[(2, 16, 64)], prefill_page_sizes=[1, 16], prefill_dtype="fp32",
         )
     return Grid(
         dtypes=["fp32", "bf16"], headdims=[64, 128], causals=[False, True],
         modes=list(MODES), seqlens=pow2_range(128, 2048), tokens=2048, hidden=256,
         decode_seqlens_q=[1, 4], decode_seqlens_k=[1024, 4096, 16384], decode_batches=[1, 4],
         decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
+        prefill_shapes=[(2, 16, 64), (1, 32, 128)], prefill_page_sizes=[1, 16], prefill_dtype="fp32",
     )
 
 
@@ -161,6 +174,9 @@ def standin_grid() -> Grid:
         decode_nheads=8, decode_nheads_k=2, decode_headdim=32, decode_dtype="fp32",
         decode_page_sizes=[16, 256], memory_seqlens=[64, 128], memory_nheads=2,
         memory_headdim=32, memory_dtype="fp32",
+        # 100 keys: the last page of each page size is partly filled.
+        prefill_shapes=[(2, 16, 64), (1, 32, 128), (2, 8, 100)], prefill_page_sizes=[1, 16],
+        prefill_dtype="fp32",
     )
 
 
@@ -327,6 +343,13 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) ->
     if causal:
         fwd /= 2.0
     return fwd * MODE_FLOP_FACTOR[mode]
+
+
+def prefill_flops(batch, nheads, q_chunk, context, headdim) -> float:
+    """Forward FLOPs of a causal chunk: the last q_chunk of context rows, bottom-right
+    aligned, so query row i sees context - q_chunk + i + 1 keys (not half of them)."""
+    pairs = q_chunk * (context - q_chunk) + q_chunk * (q_chunk + 1) / 2.0
+    return 4.0 * batch * nheads * headdim * pairs
 
 
 # ----------------------------------------------------------------------------
@@ -741,6 +764,103 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
     return Prepared(forward=expanded, context=context, note=note, extra={"kv_layout": "expanded"})
 
 
+def prefill_inputs(shape: Shape, device: torch.device) -> dict:
+    """One paged_prefill shape's packed queries, keys and values, shared by its cases.
+
+    Every sequence has seqlen_q (q_chunk) new query rows and seqlen_k (context)
+    keys, the chunk's own keys included."""
+    dtype = DTYPES[shape.dtype]
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
+    h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
+    if not 0 < sq <= sk:
+        raise Unavailable(f"q_chunk {sq} must lie in 1..context ({sk})")
+    return {
+        "q": random_tensor((b * sq, h, d), dtype, device),
+        "k": random_tensor((b * sk, hk, d), dtype, device),
+        "v": random_tensor((b * sk, hk, d), dtype, device),
+        "cu_seqlens_q": torch.arange(0, b + 1, dtype=torch.int32, device=device) * sq,
+        "cu_seqlens_k": torch.arange(0, b + 1, dtype=torch.int32, device=device) * sk,
+        "seqused_k": torch.full((b,), sk, dtype=torch.int32, device=device),
+    }
+
+
+def build_paged_prefill(shape: Shape, page_size: Optional[int], inputs: dict,
+                        device: torch.device, check: bool) -> Prepared:
+    """flash_attn_varlen_func forward, causal, on a chunk of new queries against its
+    context: packed K/V (page_size None), or a paged cache behind a random block table.
+
+    inputs (filled by the first case of a shape) holds what every case of the shape
+    shares; with check, a paged case's output is compared with the contiguous one."""
+    attn = ours_op("flash_attn_varlen_func", device)
+    if not inputs:
+        inputs.update(prefill_inputs(shape, device))
+    b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
+    hk, d = shape.nheads_k, shape.headdim
+    q, cu_q, cu_k = inputs["q"], inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]
+
+    if page_size is None:
+        k, v = inputs["k"], inputs["v"]
+
+        def contiguous():
+            return attn(q, k, v, cu_q, cu_k, sq, sk, causal=True)
+
+        return Prepared(forward=contiguous, extra={"kv_layout": "contiguous"})
+
+    if page_size < 1:
+        raise Unavailable(f"page size {page_size} must be positive")
+    pages_per_seq = -(-sk // page_size)
+    num_pages = b * pages_per_seq
+    # Rows past a sequence's keys in its last page stay random: seqused_k must keep them out.
+    k_cache = random_tensor((num_pages, page_size, hk, d), DTYPES[shape.dtype], device)
+    v_cache = random_tensor((num_pages, page_size, hk, d), DTYPES[shape.dtype], device)
+    # Pages scattered at random, as an allocator that has run a while leaves them.
+    block_table = torch.randperm(num_pages, device=device).to(torch.int32).view(b, pages_per_seq)
+    # Key p of sequence i goes to row p % page_size of page block_table[i, p // page_size].
+    positions = torch.arange(sk, device=device)
+    pages = block_table.long()[:, positions // page_size]
+    rows = (positions % page_size).expand(b, -1)
+    k_cache[pages, rows] = inputs["k"].view(b, sk, hk, d)
+    v_cache[pages, rows] = inputs["v"].view(b, sk, hk, d)
+    del positions, pages, rows
+    seqused_k = inputs["seqused_k"]
+
+    def paged():
+        return attn(q, k_cache, v_cache, cu_q, cu_k, sq, sk, causal=True,
+                    block_table=block_table, seqused_k=seqused_k)
+
+    prepared = Prepared(forward=paged, extra={"kv_layout": f"paged{page_size}"})
+    if check:
+        prepared.extra.update(check_paged_prefill(paged, shape, inputs, attn))
+    return prepared
+
+
+def check_paged_prefill(paged, shape: Shape, inputs: dict, attn) -> dict:
+    """The paged output against the contiguous call's on the same keys (computed once
+    per shape). Returns {} when either call fails: the measurements report that."""
+    result = {}
+    try:
+        with torch.no_grad():
+            if "reference" not in inputs:
+                inputs["reference"] = attn(
+                    inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"],
+                    inputs["cu_seqlens_k"], shape.seqlen_q, shape.seqlen_k, causal=True)
+            ref = inputs["reference"]
+            out = paged()
+    except Exception:
+        return result
+    diff = (out.float() - ref.float()).abs().max().item()
+    result["max_abs_diff_vs_contiguous"] = diff if math.isfinite(diff) else float("nan")
+    result["equal_to_contiguous"] = bool(torch.equal(out, ref))
+    tolerance = 1e-4 if out.dtype == torch.float32 else 2e-2
+    try:
+        torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+    except AssertionError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        result["warning"] = (f"paged output differs from the contiguous call (atol=rtol={tolerance:g}): "
+                             f"{'; '.join(lines[:3])[:200]}")
+    return result
+
+
 # ----------------------------------------------------------------------------
 # Measuring one provider on one shape
 
@@ -827,7 +947,8 @@ class Run:
         self.meta = describe_environment(device)
         self.meta.update(
             timer=self.timer.describe(),
-            flops="fwd 4*b*h*sq*sk*d (halved when causal), bwd 2.5x, fwd_bwd 3.5x",
+            flops="fwd 4*b*h*sq*sk*d (halved when causal), bwd 2.5x, fwd_bwd 3.5x; paged_prefill "
+                  "4*b*h*d*(sq*(sk-sq) + sq*(sq+1)/2), the pairs a bottom-right causal mask keeps",
             argv=sys.argv[1:],
             started=time.strftime("%Y-%m-%d %H:%M:%S"),
         )
@@ -835,7 +956,7 @@ class Run:
             self.meta["note"] = "CPU stand-in of the GPU protocol: numbers are meaningless"
         elif device.type == "cpu":
             self.meta["note"] = "no GPU found: these are CPU numbers"
-        # Rounds per decode case (see run_decode): 3 on a GPU, 1 on the CPU.
+        # Rounds per decode and paged_prefill case (see measure_rounds): 3 on a GPU, 1 on the CPU.
         self.decode_rounds = args.decode_rounds or (3 if device.type == "cuda" and not args.cpu_standin else 1)
         self.meta["decode_rounds"] = self.decode_rounds
         self.rows: list = []
@@ -868,6 +989,15 @@ class Run:
             result = f"{_fmt(row['ms'] * 1e3, '9.1f')} us  {_fmt(row['gbps'], '8.1f')} GB/s"
             if row.get("pct_of_copy_bw") is not None:
                 result += f" ({row['pct_of_copy_bw']:.0f}% of copy)"
+        elif row["regime"] == "paged_prefill":
+            scale, unit = (1e3, "GFLOP/s") if self.device.type == "cpu" else (1.0, "TFLOP/s")
+            result = (f"{_fmt(row['ms'] * 1e3, '9.1f')} us  "
+                      f"{_fmt(row['tflops'] * scale if row['tflops'] else None, '8.2f')} {unit}")
+            if row.get("paged_over_contiguous") is not None:
+                result += f"  x{row['paged_over_contiguous']:.2f} of contiguous"
+            if row.get("equal_to_contiguous") is not None and not row.get("warning"):
+                result += "  output = contiguous" if row["equal_to_contiguous"] else (
+                    f"  output close to contiguous (max diff {row['max_abs_diff_vs_contiguous']:.2g})")
         else:
             if self.device.type == "cpu":
                 throughput = f"{_fmt(row['tflops'] * 1e3 if row['tflops'] else None, '8.2f')} GFLOP/s"
@@ -965,8 +1095,12 @@ class Run:
     def set_time(self, row: dict, ms: float) -> None:
         """The time and what follows from it (throughput, bandwidth)."""
         row["ms"] = ms
-        flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
-                                row["headdim"], row["causal"], row["mode"])
+        if row["regime"] == "paged_prefill":
+            flops = prefill_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
+                                  row["headdim"])
+        else:
+            flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
+                                    row["headdim"], row["causal"], row["mode"])
         row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         if row["regime"] == "decode" and ms > 0:
             elem = DTYPES[row["dtype"]].itemsize
@@ -1002,6 +1136,16 @@ class Run:
                             cases.extend((OURS, ps) for ps in g.decode_page_sizes)
                     yield shape, cases
 
+    def prefill_cases(self):
+        """Only flash_attn_cuda: SDPA's is_causal is top-left aligned, not a chunk's mask."""
+        g = self.grid
+        if OURS not in self.providers:
+            return
+        for batch, q_chunk, context in g.prefill_shapes:
+            shape = Shape(g.prefill_dtype, batch, q_chunk, context, g.prefill_nheads,
+                          g.prefill_nheads_k, g.prefill_headdim, True)
+            yield shape, [(OURS, None)] + [(OURS, ps) for ps in g.prefill_page_sizes]
+
     def memory_shapes(self):
         g = self.grid
         for seqlen in g.memory_seqlens:
@@ -1017,6 +1161,8 @@ class Run:
             total += sum(len(cases) for _, cases in self.decode_cases())
         if "memory" in self.args.regimes:
             total += sum(1 for _ in self.memory_shapes()) * len(self.providers)
+        if "paged_prefill" in self.args.regimes:
+            total += sum(len(cases) for _, cases in self.prefill_cases())
         return total
 
     def run(self) -> None:
@@ -1029,6 +1175,8 @@ class Run:
                 self.run_decode()
             if "memory" in self.args.regimes:
                 self.run_memory()
+            if "paged_prefill" in self.args.regimes:
+                self.run_paged_prefill()
         except KeyboardInterrupt:
             print("\ninterrupted: writing what was measured so far", flush=True)
             self.meta["interrupted"] = True
@@ -1058,38 +1206,67 @@ class Run:
             self.copy_gbps = measure_copy_bandwidth(self.device, self.timer)
             if self.copy_gbps:
                 print(f"device copy bandwidth (read + write): {self.copy_gbps:.0f} GB/s", flush=True)
-        rounds = self.decode_rounds
         for shape, cases in self.decode_cases():
             label = f"decode sq={shape.seqlen_q} sk={shape.seqlen_k} b={shape.batch}"
-            # Decode cells of different providers are within a few percent of
-            # each other, about as far apart as one provider's time is from
-            # one process or position in the run to the next. So every case of
-            # a shape is measured in `rounds` rounds, each round in the order
-            # of the previous one rotated by one case, and a case reports the
-            # median of its rounds: no provider is always measured first or
-            # right after another's memory traffic.
-            per_case = [[] for _ in cases]
-            for round_index in range(rounds):
-                for i in [(round_index + j) % len(cases) for j in range(len(cases))]:
-                    provider, page_size = cases[i]
-                    rows = self.run_provider(
-                        "decode", shape, provider, ["fwd"],
-                        lambda p=provider, ps=page_size: build_decode(p, shape, ps, self.device),
-                        label, extra={"page_size": page_size}, record=False)
-                    per_case[i].append(rows["fwd"])
-            for case_rows in per_case:
-                row = case_rows[0]
-                times = [r["ms"] for r in case_rows]
-                errors = [r["error"] for r in case_rows if r["error"]]
-                if rounds > 1 and not errors and None not in times:
-                    self.set_time(row, statistics.median(times))
-                    row["ms_rounds"] = times
-                elif rounds > 1:
-                    # A case that failed in any round reports the failure, not
-                    # the rounds that happened to pass.
-                    row["error"] = errors[0] if errors else "no time measured"
-                    for key in ("ms", "tflops", "gbps", "pct_of_copy_bw"):
-                        row[key] = None
+            for row in self.measure_rounds(
+                    "decode", shape, cases, label,
+                    lambda p, ps, _round: build_decode(p, shape, ps, self.device)):
+                self.record(row, f"{label} {provider_label(row)}")
+            self.write_json()
+
+    def measure_rounds(self, regime, shape, cases, label, build) -> list:
+        """The fwd row of each (provider, page_size) case of one shape, not yet recorded.
+
+        Decode cells of different providers are within a few percent of each
+        other, about as far apart as one provider's time is from one process or
+        position in the run to the next; so are paged and contiguous prefill.
+        So every case of a shape is measured in `decode_rounds` rounds, each
+        round in the order of the previous one rotated by one case, and a case
+        reports the median of its rounds: no case is always measured first or
+        right after another's memory traffic. build(provider, page_size,
+        round_index) prepares one case."""
+        rounds = self.decode_rounds
+        per_case = [[] for _ in cases]
+        for round_index in range(rounds):
+            for i in [(round_index + j) % len(cases) for j in range(len(cases))]:
+                provider, page_size = cases[i]
+                rows = self.run_provider(
+                    regime, shape, provider, ["fwd"],
+                    lambda p=provider, ps=page_size, r=round_index: build(p, ps, r),
+                    label, extra={"page_size": page_size}, record=False)
+                per_case[i].append(rows["fwd"])
+        result = []
+        for case_rows in per_case:
+            row = case_rows[0]
+            times = [r["ms"] for r in case_rows]
+            errors = [r["error"] for r in case_rows if r["error"]]
+            if rounds > 1 and not errors and None not in times:
+                self.set_time(row, statistics.median(times))
+                row["ms_rounds"] = times
+            elif rounds > 1:
+                # A case that failed in any round reports the failure, not
+                # the rounds that happened to pass.
+                row["error"] = errors[0] if errors else "no time measured"
+                for key in ("ms", "tflops", "gbps", "pct_of_copy_bw"):
+                    row[key] = None
+            result.append(row)
+        return result
+
+    def run_paged_prefill(self) -> None:
+        for shape, cases in self.prefill_cases():
+            label = f"paged_prefill b={shape.batch} q_chunk={shape.seqlen_q} context={shape.seqlen_k}"
+            inputs = {}  # the shape's q, k, v, built by its first case, shared by the rest
+            rows = self.measure_rounds(
+                "paged_prefill", shape, cases, label,
+                lambda _p, ps, r: build_paged_prefill(shape, ps, inputs, self.device, check=r == 0))
+            inputs.clear()
+            release_memory(self.device)
+            contiguous = rows[0]
+            good = not contiguous["error"] and contiguous["ms"]
+            for row in rows[1:]:
+                row["paged_over_contiguous"] = (
+                    row["ms"] / contiguous["ms"] if good and not row["error"] and row["ms"] else None)
+            for row in rows:
                 self.record(row, f"{label} {provider_label(row)}")
             self.write_json()
 
@@ -1236,6 +1413,36 @@ def print_tables(meta: dict, rows: list) -> None:
             f"memory: peak MiB allocated by fwd+bwd beyond its inputs (batch {sample['batch']}, "
             f"{sample['nheads']} heads, headdim {sample['headdim']}, {sample['dtype']})", header, lines)
 
+    prefill = [r for r in rows if r.get("regime") == "paged_prefill"]
+    if prefill:
+        groups = {}
+        for r in prefill:
+            key = (r["dtype"], r["nheads"], r["nheads_k"], r["headdim"])
+            groups.setdefault(key, {}).setdefault(
+                (r["batch"], r["seqlen_q"], r["seqlen_k"]), {})[r.get("page_size")] = r
+        for (dtype, nheads, nheads_k, headdim), by_shape in groups.items():
+            page_sizes = sorted({ps for by_ps in by_shape.values() for ps in by_ps if ps})
+            header = ["batch", "q_chunk", "context", "contiguous us", flop_unit]
+            for ps in page_sizes:
+                header += [f"paged{ps} us", f"x paged{ps}"]
+            header.append("check")
+            lines = []
+            for (batch, q_chunk, context), by_ps in sorted(by_shape.items()):
+                contiguous = by_ps.get(None)
+                line = [batch, q_chunk, context, _cell(contiguous, "ms", 1e3, ".1f"),
+                        _cell(contiguous, "tflops", flop_scale, ".1f")]
+                for ps in page_sizes:
+                    paged = by_ps.get(ps)
+                    line += [_cell(paged, "ms", 1e3, ".1f"),
+                             _fmt(paged.get("paged_over_contiguous") if paged else None, ".2f")]
+                line.append(_prefill_check(by_ps[ps] for ps in page_sizes if ps in by_ps))
+                lines.append(line)
+            _print_table(
+                f"paged_prefill causal heads {nheads}:{nheads_k} headdim={headdim} {dtype}: "
+                f"{OURS} flash_attn_varlen_func forward, microseconds; x pagedN = paged time / "
+                f"contiguous time (>1 means paging costs time); check: paged output against "
+                f"contiguous (exact, close, FAIL, - not checked)", header, lines)
+
     summary = [(p, v) for p, v in ratio_log.items() if v]
     if summary:
         print()
@@ -1257,8 +1464,18 @@ def print_tables(meta: dict, rows: list) -> None:
     warned = [r for r in rows if r.get("warning")]
     if warned:
         print()
-        print(f"WARNING: {len(warned)} {OURS} rows differ from SDPA beyond tolerance, e.g.: "
-              f"{warned[0]['warning']}")
+        print(f"WARNING: {len(warned)} {OURS} rows differ from their reference (SDPA; for "
+              f"paged_prefill the contiguous call) beyond tolerance, e.g.: {warned[0]['warning']}")
+
+
+def _prefill_check(paged_rows) -> str:
+    """exact / close / FAIL over a shape's paged rows; - when none was compared."""
+    checked = [r for r in paged_rows if r.get("equal_to_contiguous") is not None or r.get("warning")]
+    if not checked:
+        return "-"
+    if any(r.get("warning") for r in checked):
+        return "FAIL"
+    return "exact" if all(r.get("equal_to_contiguous") for r in checked) else "close"
 
 
 # ----------------------------------------------------------------------------
@@ -1269,6 +1486,17 @@ def parse_list(text: Optional[str], convert=str) -> Optional[list]:
     if text is None:
         return None
     return [convert(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parse_prefill_shape(text: str) -> tuple:
+    """'4x512x4096' -> (batch 4, q_chunk 512, context 4096)."""
+    try:
+        batch, q_chunk, context = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--prefill-shapes: {text!r} is not BATCHxQ_CHUNKxCONTEXT")
+    if min(batch, q_chunk, context) < 1 or q_chunk > context:
+        raise SystemExit(f"--prefill-shapes: {text!r} needs positive sizes and q_chunk <= context")
+    return batch, q_chunk, context
 
 
 def parse_bool_choice(text: str) -> list:
@@ -1300,8 +1528,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
     p.add_argument("--decode-rounds", type=int, default=None,
-                   help="rounds per decode case, in rotated order; a case reports their median "
-                        "(default 3 on a GPU, 1 on the CPU)")
+                   help="rounds per decode and paged_prefill case, in rotated order; a case "
+                        "reports their median (default 3 on a GPU, 1 on the CPU)")
+    p.add_argument("--prefill-shapes", default=None,
+                   help="paged_prefill: comma list of BATCHxQ_CHUNKxCONTEXT (default on a GPU "
+                        "4x512x4096,4x2048x16384,8x128x8192,2x4096x4096)")
+    p.add_argument("--prefill-page-sizes", default=None,
+                   help="paged_prefill: comma list of page sizes, each measured against the "
+                        "contiguous call (default 1,16,256 on a GPU; 1,16 on the CPU)")
     p.add_argument("--memory-seqlens", default=None, help="comma list (default 1024..65536)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement")
@@ -1326,7 +1560,8 @@ def select(args) -> tuple:
         grid, known, default_regimes = gpu_grid(args.quick), GPU_PROVIDERS, REGIMES
     else:
         # No GPU: peak-memory rows would be empty, so that regime is off by default.
-        grid, known, default_regimes = cpu_grid(args.quick), CPU_PROVIDERS, ["train", "decode"]
+        grid, known, default_regimes = (cpu_grid(args.quick), CPU_PROVIDERS,
+                                        ["train", "decode", "paged_prefill"])
 
     providers = parse_list(args.providers) or list(known)
     if device.type == "cuda" or args.cpu_standin:
@@ -1367,6 +1602,13 @@ def select(args) -> tuple:
         grid.decode_page_sizes = parse_list(args.decode_page_sizes, int) or [1, 16, 256]
     if args.memory_seqlens:
         grid.memory_seqlens = parse_list(args.memory_seqlens, int)
+    if args.prefill_shapes:
+        grid.prefill_shapes = [parse_prefill_shape(t) for t in parse_list(args.prefill_shapes)]
+    if args.prefill_page_sizes:
+        grid.prefill_page_sizes = parse_list(args.prefill_page_sizes, int)
+        bad = [ps for ps in grid.prefill_page_sizes if ps < 1]
+        if bad:
+            raise SystemExit(f"--prefill-page-sizes must be positive, got {bad}")
     if args.cpu_budget_s is None:
         args.cpu_budget_s = 0.15 if (args.quick or args.cpu_standin) else 0.5
 
@@ -1412,7 +1654,8 @@ def main(argv=None) -> int:
 
 
 def exit_status(run: Run) -> int:
-    """1 when flash_attn_cuda failed or disagreed with SDPA anywhere, so CI can gate on it."""
+    """1 when flash_attn_cuda failed or disagreed with SDPA (or, paged, with its contiguous
+    call) anywhere, so CI can gate on it."""
     ours = [r for r in run.rows if r["provider"] == OURS]
     failed = [r for r in ours if r["error"] and not r["error"].startswith("skipped:")]
     wrong = [r for r in ours if r.get("warning")]
@@ -1421,7 +1664,8 @@ def exit_status(run: Run) -> int:
     if failed:
         print(f"FAILED: {OURS} raised on {len(failed)} of {len(ours)} cases, e.g. {failed[0]['error'][:200]}")
     if wrong:
-        print(f"FAILED: {OURS} disagreed with SDPA on {len(wrong)} cases, e.g. {wrong[0]['warning'][:200]}")
+        print(f"FAILED: {OURS} disagreed with its reference on {len(wrong)} cases, e.g. "
+              f"{wrong[0]['warning'][:200]}")
     return 1 if (run.broken or failed or wrong) else 0
 
 
