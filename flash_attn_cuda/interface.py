@@ -78,7 +78,12 @@ def _unpad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:
-    return _pad_head_dim(_last_dim_contiguous(t))
+    # _pad_head_dim(_last_dim_contiguous(t)), inlined: it runs for every
+    # input of every call.
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    missing = -t.shape[-1] % _HEAD_DIM_ALIGNMENT
+    return F.pad(t, (0, missing)) if missing else t
 
 
 def _check_ndim(t: torch.Tensor, name: str, ndim: int, layout: str) -> None:
@@ -105,9 +110,10 @@ def _check_head_dim(q: torch.Tensor) -> None:
 
 
 def _check_same_device(q: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    device = q.device
     for name, t in others.items():
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
 
 def _check_dropout_p(dropout_p: float) -> None:
@@ -156,6 +162,21 @@ def _distinct(*tensors):
             seen.append(t)
         result.append(t)
     return result
+
+
+def _grad_needed(q, k, v, alibi_slopes) -> bool:
+    # When autograd.Function.apply would record a graph: grad mode on and an
+    # input that requires grad (alibi_slopes too: apply counts every tensor
+    # argument, although its gradient is None). Otherwise the forward op is
+    # called directly: the same op with the same arguments, without apply's
+    # host cost (ctx, saved tensors) or _distinct's views, which only tracing
+    # an autograd.Function needs.
+    return torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (alibi_slopes is not None and alibi_slopes.requires_grad)
+    )
 
 
 def _as_int(value, name: str) -> int:
@@ -416,21 +437,32 @@ def _attention(
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
+    head_dim = q.shape[-1]
+    softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
+    # As in flash-attn: the probabilities are only materialised when there is a
+    # dropout pattern to report; otherwise S_dmask is empty.
+    return_softmax = return_attn_probs and dropout_p > 0.0
+    if not _grad_needed(q, k, v, alibi_slopes):
+        out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd(
+            _prepare(q), _prepare(k), _prepare(v), alibi_slopes, dropout_p, softmax_scale,
+            causal, window[0], window[1], softcap, return_softmax, 0, 0,
+            _draw_rng_state(dropout_p, q.device),
+        )
+        out = _unpad_head_dim(out, head_dim)
+        return (out, softmax_lse, s_dmask) if return_attn_probs else out
     q, k, v, alibi_slopes = _distinct(q, k, v, alibi_slopes)
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
         q,
         k,
         v,
         dropout_p,
-        _default_softmax_scale(softmax_scale, q.shape[-1]),
+        softmax_scale,
         causal,
         window,
         softcap,
         alibi_slopes,
         deterministic,
-        # As in flash-attn: the probabilities are only materialised when there
-        # is a dropout pattern to report; otherwise S_dmask is empty.
-        return_attn_probs and dropout_p > 0.0,
+        return_softmax,
         _draw_rng_state(dropout_p, q.device),
     )
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
@@ -473,6 +505,16 @@ def _varlen_attention(
             _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k, out=target,
         )
         out = _copy_back(out, target)
+        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+    if not _grad_needed(q, k, v, alibi_slopes):
+        head_dim = q.shape[-1]
+        out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd(
+            _prepare(q), _prepare(k), _prepare(v), cu_seqlens_q, cu_seqlens_k, block_table,
+            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window[0], window[1], softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
+            _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k,
+        )
+        out = _unpad_head_dim(out, head_dim)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
     q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k = _distinct(
         q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k
@@ -979,7 +1021,11 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full(
             (q.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device
         )
-    q, k, v = (None if t is None else _prepare(t) for t in (q, k, v))
+    q = _prepare(q)
+    if k is not None:
+        k = _prepare(k)
+    if v is not None:
+        v = _prepare(v)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
     # An unaligned head dim runs on zero-padded copies of the caches (as
     # flash-attn does); the appended rows are copied back afterwards.

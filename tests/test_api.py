@@ -379,6 +379,40 @@ def test_dropout_seeding():
     assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v, dropout_p=0.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_inference_call_matches_autograd_call(device, varlen):
+    # Without an input that requires grad the functions call the forward op
+    # directly instead of through their autograd.Function: the same results,
+    # bit for bit (same op, same arguments, same drawn dropout seed), and no
+    # graph. An odd head dim covers the padding, dropout the rng state.
+    q, k, v = make_qkv(2, 9, 13, 4, 2, 20, torch.bfloat16, device)
+    if varlen:
+        cu_q = torch.tensor([0, 9, 18], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 13, 26], dtype=torch.int32, device=device)
+
+        def call(q, k, v, **kwargs):
+            return flash_attn_varlen_func(
+                q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 9, 13, **kwargs
+            )
+    else:
+        call = flash_attn_func
+    kwargs = dict(dropout_p=0.2, causal=True, return_attn_probs=True)
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        torch.manual_seed(5)
+        with grad_mode():
+            direct = call(q, k, v, **kwargs)
+        torch.manual_seed(5)
+        traced = call(*leaves(q, k, v), **kwargs)
+        assert direct[0].grad_fn is None and not direct[0].requires_grad
+        assert traced[0].requires_grad
+        for a, b in zip(direct, traced):
+            assert torch.equal(a, b.detach())
+    # ALiBi slopes that require grad keep the autograd.Function (as before).
+    slopes = torch.rand(4, device=device, requires_grad=True)
+    assert call(q, k, v, alibi_slopes=slopes).requires_grad
+
+
 # ---------------------------------------------------------------------------
 # Packed variants
 # ---------------------------------------------------------------------------

@@ -238,6 +238,27 @@ def test_sdpa_scale_and_bshd_memory_layout():
     ref.assert_within_criterion(out, out64, out_low)
 
 
+def test_output_layout_strides_match_empty_like():
+    # _in_layout_of caches empty_like's strides by (shape, stride): the same
+    # answer as empty_like for dense, transposed, sliced (not dense), expanded
+    # and channels-last layouts, on the first call and from the cache.
+    base = torch.randn(2, 5, 3, 16)
+    layouts = [
+        base,
+        base.transpose(1, 2),
+        base[..., :8],
+        base.transpose(1, 2)[..., 1:9],
+        base[:, :1].expand(2, 5, 3, 16),
+        base.contiguous(memory_format=torch.channels_last),
+        base[:1],
+    ]
+    for _ in range(2):
+        for t in layouts:
+            assert sdpa._empty_like_strides(t) == torch.empty_like(t).stride()
+            result = torch.randn(t.shape)
+            assert sdpa._in_layout_of(result, t).stride() == torch.empty_like(t).stride()
+
+
 @pytest.mark.parametrize("head_dim", [40, 64])
 def test_flash_attention_forward_dense_window(head_dim):
     q, k, v = (torch.randn(2, 37, 4, head_dim) for _ in range(3))

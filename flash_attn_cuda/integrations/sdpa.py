@@ -98,13 +98,35 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+# The strides of empty_like(t) by (t.shape, t.stride()), of which they are a
+# function: a meta empty_like per output per call cost more host time than the
+# rest of _in_layout_of. Bounded: cleared when full.
+_EMPTY_LIKE_STRIDES: Dict[tuple, tuple] = {}
+_EMPTY_LIKE_STRIDES_MAX = 512
+
+
+def _empty_like_strides(like: torch.Tensor) -> tuple:
+    key = (like.shape, like.stride())
+    try:
+        return _EMPTY_LIKE_STRIDES[key]
+    except KeyError:
+        pass
+    except TypeError:  # symbolic sizes are not hashable: no cache
+        return torch.empty_like(like, device="meta").stride()
+    strides = torch.empty_like(like, device="meta").stride()
+    if len(_EMPTY_LIKE_STRIDES) >= _EMPTY_LIKE_STRIDES_MAX:
+        _EMPTY_LIKE_STRIDES.clear()
+    _EMPTY_LIKE_STRIDES[key] = strides
+    return strides
+
+
 def _in_layout_of(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`result` with the strides torch's kernels (and meta functions) give: those
     of ``empty_like(like)``. torch.compile checks the strides of an op's outputs
     against its meta function, so a result in another layout is copied once."""
     if result.shape != like.shape:
         raise AssertionError(f"shape {tuple(result.shape)} != {tuple(like.shape)}")
-    expected = torch.empty_like(like, device="meta").stride()
+    expected = _empty_like_strides(like)
     if result.stride() == expected:
         return result
     if all(n == 1 or a == b for n, a, b in zip(result.shape, result.stride(), expected)):
@@ -115,10 +137,15 @@ def _in_layout_of(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def _to_torch_rng_state(rng_state: torch.Tensor, device: torch.device):
-    """Our int64 [seed, offset] as torch's pair: (uint64 (2,), uint64 ())."""
-    seed_offset = rng_state.reshape(2).to(device=device, dtype=torch.int64).view(torch.uint64)
-    unused = torch.zeros((), dtype=torch.uint64, device=device)
+def _to_torch_rng_state(rng_state: torch.Tensor):
+    """Our int64 [seed, offset] as torch's pair: (uint64 (2,), uint64 ()).
+
+    rng_state is what the forward ops return: int64 (2,) on q's device (zeros
+    without dropout). The second tensor is never read (the backward overrides
+    take the pair from the first; torch's own kernels return it uninitialized
+    too), so it is allocated without a fill kernel."""
+    seed_offset = rng_state.view(torch.uint64)
+    unused = torch.empty((), dtype=torch.uint64, device=rng_state.device)
     return seed_offset, unused
 
 
@@ -201,13 +228,16 @@ def _softmax_scale(scale: Optional[float], head_dim: int) -> float:
 
 
 def _forward_dense(q, k, v, dropout_p, causal, scale, left, right, alibi_slopes):
+    """(out, lse, rng_state, empty debug mask): with return_softmax=False the
+    op's S_dmask is an empty (0,) tensor of q's dtype and device, which is what
+    torch's kernels return as debug_attn_mask, so it serves as one."""
     head_dim = q.shape[-1]
-    out, lse, _, rng_state = torch.ops.flash_attn.fwd(
+    out, lse, s_dmask, rng_state = torch.ops.flash_attn.fwd(
         _prepare(q), _prepare(k), _prepare(v), alibi_slopes, float(dropout_p),
         _softmax_scale(scale, head_dim), bool(causal), left, right, 0.0, False, 0, 0,
         _draw_rng_state(dropout_p, q.device),
     )
-    return _unpad_head_dim(out, head_dim), lse, rng_state
+    return _unpad_head_dim(out, head_dim), lse, rng_state, s_dmask
 
 
 def _backward_dense(dout, q, k, v, out, lse, dropout_p, causal, scale, left, right, rng_state):
@@ -262,12 +292,12 @@ def _forward_varlen(
         raise _unsupported(op, "cum_seq_k is required with cum_seq_q (or block_table with "
                            "seqused_k)")
     head_dim = q.shape[-1]
-    out, lse, _, rng_state = torch.ops.flash_attn.varlen_fwd(
+    out, lse, s_dmask, rng_state = torch.ops.flash_attn.varlen_fwd(
         _prepare(q), _prepare(k), _prepare(v), cu_seq_q, cu_seq_k, block_table, alibi_slopes,
         int(max_q), int(max_k), float(dropout_p), _softmax_scale(scale, head_dim), bool(causal),
         left, right, 0.0, False, 0, 0, _draw_rng_state(dropout_p, q.device),
     )
-    return _unpad_head_dim(out, head_dim), lse, rng_state
+    return _unpad_head_dim(out, head_dim), lse, rng_state, s_dmask
 
 
 def _backward_varlen(
@@ -319,11 +349,10 @@ def scaled_dot_product_flash_attention(
                 f"{tuple(t.shape)}",
             )
     _check_qkv(op, query, key, value)
-    out, lse, rng_state = _forward_dense(
+    out, lse, rng_state, debug_mask = _forward_dense(
         _bshd(query), _bshd(key), _bshd(value), dropout_p, is_causal, scale, -1, -1, None
     )
-    seed_offset, unused = _to_torch_rng_state(rng_state, query.device)
-    debug_mask = query.new_empty((0,))
+    seed_offset, unused = _to_torch_rng_state(rng_state)
     return (
         _in_layout_of(_bshd(out), query), lse, None, None, query.shape[2], key.shape[2],
         seed_offset, unused, debug_mask,
@@ -420,17 +449,17 @@ def flash_attention_forward(
         if block_table is not None or seqused_k is not None:
             name = "block_table" if block_table is not None else "seqused_k"
             raise _unsupported(op, f"{name} is supported only with cum_seq_q (varlen)")
-        out, lse, rng_state = _forward_dense(
+        out, lse, rng_state, debug_mask = _forward_dense(
             query, key, value, dropout_p, is_causal, scale, left, right, alibi_slopes
         )
     else:
-        out, lse, rng_state = _forward_varlen(
+        out, lse, rng_state, debug_mask = _forward_varlen(
             op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
             scale, left, right, alibi_slopes, seqused_k, block_table,
         )
     del num_splits  # a speed hint only
-    seed_offset, unused = _to_torch_rng_state(rng_state, query.device)
-    return _in_layout_of(out, query), lse, seed_offset, unused, query.new_empty((0,))
+    seed_offset, unused = _to_torch_rng_state(rng_state)
+    return _in_layout_of(out, query), lse, seed_offset, unused, debug_mask
 
 
 def flash_attention_forward_no_dropout_inplace(

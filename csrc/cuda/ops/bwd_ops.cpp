@@ -160,7 +160,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
-  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+  // Without dropout no kernel reads it (set_score_params takes undefined).
+  const at::Tensor rng =
+      dropout_p > 0 ? rng_state_for(0, 0, rng_state, dropout_p, q) : at::Tensor();
 
   BwdParams params{};
   set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, false);
@@ -225,7 +227,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
-  const at::Tensor rng = rng_state_for(0, 0, rng_state, dropout_p, q);
+  // Without dropout no kernel reads it (set_score_params takes undefined).
+  const at::Tensor rng =
+      dropout_p > 0 ? rng_state_for(0, 0, rng_state, dropout_p, q) : at::Tensor();
 
   BwdParams params{};
   set_bwd_tensors(params, q, k, v, out, dout, softmax_lse, dq, dk, dv, true);

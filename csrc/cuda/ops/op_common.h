@@ -49,12 +49,15 @@ at::Tensor finish_output(const std::optional<at::Tensor>& out, const at::Tensor&
 QKVStrides strides_of(const at::Tensor& t, bool varlen);
 
 // softmax_scale, softcap, window, ALiBi, dropout and the dtype of params.
+// rng_state_out may be undefined when dropout_p == 0 (params.rng_state is then
+// null; the kernels read it only with dropout).
 void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale, double softcap,
                       const Window& window, const std::optional<at::Tensor>& alibi_slopes,
                       double dropout_p, const at::Tensor& rng_state_out);
 
 // The rng_state the forward returns and the kernel reads: on q's device. With
-// no dropout nothing is drawn, and a device fill avoids a host round trip.
+// no dropout nothing is drawn: int64 zeros, set by one cudaMemsetAsync on the
+// current stream (no host round trip, no fill kernel).
 at::Tensor rng_state_for(int64_t philox_seed, int64_t philox_offset,
                          const std::optional<at::Tensor>& rng_state, double dropout_p,
                          const at::Tensor& q);
