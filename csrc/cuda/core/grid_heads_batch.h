@@ -1,6 +1,6 @@
 // Grids of (blocks along a sequence, heads, batch entries), the shape of every
 // kernel that gives each (head, batch) pair its own blocks: the SM80 forward,
-// the backward kernels, the returned probabilities, the paged-cache gather.
+// the backward kernels, the returned probabilities.
 //
 // CUDA caps grid y and z at 65535 each. A varlen batch of packed short
 // sequences can hold more sequences than that (a million tokens of 8-token
