@@ -58,26 +58,10 @@ def _fwd_results(q, k, return_softmax):
 
 
 @torch.library.register_fake("flash_attn::fwd_out")
-def _fwd_out_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alibi_slopes: Optional[torch.Tensor],
-    dropout_p: float,
-    softmax_scale: float,
-    causal: bool,
-    window_size_left: int,
-    window_size_right: int,
-    softcap: float,
-    return_softmax: bool,
-    philox_seed: int,
-    philox_offset: int,
-    rng_state: Optional[torch.Tensor],
-    *,
-    out: torch.Tensor,
-):
-    # out is written in place by the real kernel (schema (a!)).
-    return _fwd_results(q, k, return_softmax)
+def _fwd_out_fake(*args, out: torch.Tensor):
+    # fwd's arguments plus out, which the real kernel writes in place (schema
+    # (a!)): fwd's results without the output.
+    return _fwd_fake(*args)[1:]
 
 
 @torch.library.register_fake("flash_attn::bwd")
@@ -143,32 +127,9 @@ def _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_soft
 
 
 @torch.library.register_fake("flash_attn::varlen_fwd_out")
-def _varlen_fwd_out_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    block_table: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float,
-    softmax_scale: float,
-    causal: bool,
-    window_size_left: int,
-    window_size_right: int,
-    softcap: float,
-    return_softmax: bool,
-    philox_seed: int,
-    philox_offset: int,
-    rng_state: Optional[torch.Tensor],
-    *,
-    seqused_k: Optional[torch.Tensor] = None,
-    out: torch.Tensor,
-):
-    # out is written in place by the real kernel (schema (a!)).
-    return _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
+def _varlen_fwd_out_fake(*args, seqused_k: Optional[torch.Tensor] = None, out: torch.Tensor):
+    # varlen_fwd's arguments plus out, written in place (schema (a!)).
+    return _varlen_fwd_fake(*args, seqused_k=seqused_k)[1:]
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -229,29 +190,7 @@ def _fwd_kvcache_fake(
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    cache_seqlens: Optional[torch.Tensor],
-    rotary_cos: Optional[torch.Tensor],
-    rotary_sin: Optional[torch.Tensor],
-    cache_batch_idx: Optional[torch.Tensor],
-    cache_leftpad: Optional[torch.Tensor],
-    block_table: Optional[torch.Tensor],
-    alibi_slopes: Optional[torch.Tensor],
-    softmax_scale: float,
-    causal: bool,
-    window_size_left: int,
-    window_size_right: int,
-    softcap: float,
-    rotary_interleaved: bool,
-    num_splits: int,
-    *,
-    out: torch.Tensor,
-):
-    # The caches and out are written in place ((a!), (b!), (c!)).
-    batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+def _fwd_kvcache_out_fake(*args, out: torch.Tensor):
+    # fwd_kvcache's arguments plus out; the caches and out are written in place
+    # ((a!), (b!), (c!)): the softmax_lse alone.
+    return _fwd_kvcache_fake(*args)[1]
