@@ -85,6 +85,13 @@ struct FwdParams {
   const float* alibi_slopes;  // null, or (nheads) / (batch, nheads) fp32
   int64_t alibi_batch_stride;
 
+  // Null, or fp32 (nheads): attention sinks. Row i of head h adds
+  // exp(sink[h] - m_i) to its softmax denominator, with no value row; the lse
+  // includes it (docs/architecture.md, "The op contract"). Only the final
+  // normalisation reads it, so the backward kernels need nothing: P and D
+  // follow from the lse, and d_sink from the lse and D (op sink_grad).
+  const float* learnable_sink;
+
   int window_left;   // < 0: unbounded
   int window_right;  // < 0: unbounded
 

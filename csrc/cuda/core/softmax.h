@@ -8,6 +8,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/core/params.h"
+
 namespace flash {
 
 using namespace cute;
@@ -40,6 +42,34 @@ __forceinline__ __device__ bool row_is_empty(float row_max, float row_sum) {
 // score units.
 __forceinline__ __device__ float row_lse(float row_max, float row_sum, float lse_scale) {
   return row_is_empty(row_max, row_sum) ? INFINITY : row_max * lse_scale + logf(row_sum);
+}
+
+// Attention sinks (FwdParams::learnable_sink): -inf stands for "no sink",
+// which adds exp(-inf) = 0 to every denominator.
+__forceinline__ __device__ float row_sink(const FwdParams& params, int head) {
+  return params.learnable_sink != nullptr ? params.learnable_sink[head] : -INFINITY;
+}
+
+// The lse of a row that saw no key: +inf, or the sink alone.
+__forceinline__ __device__ float empty_row_lse(float sink) {
+  return sink == -INFINITY ? INFINITY : sink;
+}
+
+// A row's final normalisation with its sink's exp(sink - m) in the
+// denominator. m_nat is the row max in natural score units, row_sum the sum of
+// exp(s - m_nat) over its keys. Taking m = max(m_nat, sink) keeps both exps
+// at most 1, so a sink far above the scores cannot overflow.
+struct RowNorm {
+  float out_scale;  // multiplies the row's unnormalised output
+  float lse;
+};
+__forceinline__ __device__ RowNorm row_norm_with_sink(float m_nat, float row_sum, bool empty,
+                                                      float sink, float out_rescale) {
+  if (empty) return {0.f, empty_row_lse(sink)};
+  const float m = fmaxf(m_nat, sink);
+  const float kept = expf(m_nat - m);
+  const float denom = row_sum * kept + expf(sink - m);
+  return {out_rescale * kept / denom, m + logf(denom)};
 }
 
 template <int kNRows>
@@ -144,15 +174,25 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o and returns each row's lse (row_lse). out_rescale
-  // carries the dropout 1/(1-p).
+  // carries the dropout 1/(1-p). sink: the head's attention sink, or -inf;
+  // a call without one keeps the plain path, whose results the sink path
+  // would only reproduce through extra exps.
   template <typename TensorO>
   __forceinline__ __device__ void finalize(TensorO& acc_o, float lse_scale, float out_rescale,
-                                           float (&lse)[kNRows]) {
+                                           float (&lse)[kNRows], float sink = -INFINITY) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const float sum = quad_allreduce_sum(row_sum[mi]);
-      const float inv_sum = row_is_empty(row_max[mi], sum) ? 0.f : out_rescale / sum;
-      lse[mi] = row_lse(row_max[mi], sum, lse_scale);
+      float inv_sum;
+      if (sink == -INFINITY) {
+        inv_sum = row_is_empty(row_max[mi], sum) ? 0.f : out_rescale / sum;
+        lse[mi] = row_lse(row_max[mi], sum, lse_scale);
+      } else {
+        const RowNorm norm = row_norm_with_sink(row_max[mi] * lse_scale, sum,
+                                                row_is_empty(row_max[mi], sum), sink, out_rescale);
+        inv_sum = norm.out_scale;
+        lse[mi] = norm.lse;
+      }
       CUTE_UNROLL
       for (int di = 0; di < size<1>(acc_o); ++di) acc_o(mi, di) *= inv_sum;
     }

@@ -1,7 +1,8 @@
 // Merge of the split-KV partial results. Split s left, per query row, an fp32
 // output O_s normalised over its own keys and its lse_s (-inf when it saw no
 // key); the row's result is sum_s exp(lse_s - lse) O_s with
-// lse = log sum_s exp(lse_s).
+// lse = log (exp(sink) + sum_s exp(lse_s)), the head's attention sink (if
+// any) entering once, here, as a split with no value.
 //
 // One thread block per (batch, head, query row). Decode at small batch has
 // few rows (32 for one sequence of 32 heads), so the merge of one row is
@@ -19,6 +20,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/core/params.h"
+#include "cuda/core/softmax.h"
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/launch/dependent_launch.h"
 
@@ -62,6 +64,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   if (tid < 32) {
     const int lane = tid;
+    const float sink = row_sink(params, static_cast<int>((row / params.seqlen_q) % params.nheads));
     const float* lse_accum = params.lse_accum_ptr + row;
     float lse_split[kSplitsPerLane];
     float max_lse = -INFINITY;
@@ -75,8 +78,9 @@ __global__ void __launch_bounds__(kCombineThreads)
     for (int offset = 16; offset > 0; offset /= 2) {
       max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
     }
+    max_lse = fmaxf(max_lse, sink);
     const bool empty = max_lse == -INFINITY;
-    float sum = 0.f;
+    float sum = lane == 0 && sink != -INFINITY ? expf(sink - max_lse) : 0.f;
     CUTE_UNROLL
     for (int j = 0; j < kSplitsPerLane; ++j) {
       if (!empty && lse_split[j] != -INFINITY) sum += expf(lse_split[j] - max_lse);

@@ -94,7 +94,18 @@ struct SplitKvEpilogue {
         sum_all += stats[w].x * stats[w].y;
       }
       const bool empty = row_is_empty(max_all, sum_all);
-      const float inv_sum = empty ? 0.f : 1.f / sum_all;
+      const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
+      const int head = target.head_kv * group + packed.head_in_group;
+      // A partial result leaves the sink to the combine kernel, which adds it
+      // once per row.
+      const float sink = final_output ? row_sink(params, head) : -INFINITY;
+      float inv_sum = empty ? 0.f : 1.f / sum_all;
+      float lse = row_lse(max_all, sum_all, lse_scale);
+      if (sink != -INFINITY) {
+        const RowNorm norm = row_norm_with_sink(max_all * lse_scale, sum_all, empty, sink, 1.f);
+        inv_sum = norm.out_scale;
+        lse = norm.lse;
+      }
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
       CUTE_UNROLL
       for (int w = 0; w < kWarpsN; ++w) {
@@ -106,8 +117,6 @@ struct SplitKvEpilogue {
         sum.z += weight * part.z;
         sum.w += weight * part.w;
       }
-      const PackedRow packed = unpack_row(target.row_begin + tile_row, group);
-      const int head = target.head_kv * group + packed.head_in_group;
       const int64_t lse_index =
           (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
       if (final_output) {
@@ -125,7 +134,6 @@ struct SplitKvEpilogue {
         *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
       }
       if (col == 0) {
-        const float lse = row_lse(max_all, sum_all, lse_scale);
         if (final_output) {
           params.softmax_lse_ptr[lse_index] = lse;
         } else {

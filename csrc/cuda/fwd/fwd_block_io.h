@@ -87,12 +87,13 @@ __forceinline__ __device__ float* fwd_lse_rows(const FwdParams& params, const Bl
          block.row_begin;
 }
 
-// Writes zeros to O and +inf to the lse of rows [0, rows_left) of this query
-// block: the path of a block that sees no key at all.
+// Writes zeros to O and empty_lse (+inf, or the head's sink: empty_row_lse)
+// to the lse of rows [0, rows_left) of this query block: the path of a block
+// that sees no key at all.
 template <typename Traits, typename TensorGO, typename TensorCoord>
 __forceinline__ __device__ void write_empty_rows(const TensorGO& gO, const TensorCoord& cO,
-                                                 float* lse_rows, int rows_left, int head_dim,
-                                                 int tidx) {
+                                                 float* lse_rows, float empty_lse, int rows_left,
+                                                 int head_dim, int tidx) {
   using Element = typename Traits::Element;
   typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
@@ -104,7 +105,7 @@ __forceinline__ __device__ void write_empty_rows(const TensorGO& gO, const Tenso
   make_col_predicate(tOpO, tOcO, head_dim);
   store_tile_predicated(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_left);
   for (int row = tidx; row < Traits::kBlockM && row < rows_left; row += size(gmem_tiled_copy_O)) {
-    lse_rows[row] = INFINITY;
+    lse_rows[row] = empty_lse;
   }
 }
 

@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
 
   if (n_block_max <= n_block_min) {
-    write_empty_rows<Traits>(gO, cQ, lse_rows, rows_left, params.head_dim, tidx);
+    write_empty_rows<Traits>(gO, cQ, lse_rows, empty_row_lse(row_sink(params, block.head)),
+                             rows_left, params.head_dim, tidx);
     return;
   }
 
@@ -229,7 +230,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   }
 
   float lse[kNRows];
-  softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse);
+  softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse,
+                   row_sink(params, block.head));
 
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (M, D)
   write_output<Traits>(

@@ -9,6 +9,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "cuda/core/params.h"
+#include "cuda/core/softmax.h"
 #include "cuda/core/tile_ops_sm90.h"
 #include "cuda/fwd/fwd_block_io.h"
 #include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
@@ -59,12 +60,14 @@ struct FwdSm90Epilogue {
     if (!Traits::kSeparateO) empty_barrier(Storage::barriers().q_empty).arrive();
   }
 
-  // A query block that sees no key: zeros, and +inf as its rows' lse (fwd_block_io.h).
+  // A query block that sees no key: zeros, and +inf (or the head's sink) as
+  // its rows' lse (fwd_block_io.h).
   template <typename TensorGO>
-  __forceinline__ __device__ void store_empty(const TensorGO& gO, float* lse_rows,
+  __forceinline__ __device__ void store_empty(const TensorGO& gO, float* lse_rows, int head,
                                               int rows_left) const {
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (M,D) -> (row,col)
-    write_empty_rows<Traits>(gO, cO, lse_rows, rows_left, params.head_dim, mma_tidx);
+    write_empty_rows<Traits>(gO, cO, lse_rows, empty_row_lse(row_sink(params, head)), rows_left,
+                             params.head_dim, mma_tidx);
   }
 
  private:

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (tile.n_key_blocks <= 0) {
       if (takes_tiles) scheduler.publish_tile(scheduler.take_tile());
       look_ahead();
-      epilogue.store_empty(gO, lse_rows, block.rows_left);
+      epilogue.store_empty(gO, lse_rows, block.head, block.rows_left);
       return;
     }
     typename Mainloop::FragmentO acc_o;  // (MMA,MMA_M,MMA_D)

@@ -380,7 +380,7 @@ struct FwdSm90MainloopMma {
     empty_barrier(barriers.v_empty[stages.stage(last)]).arrive();
 
     softmax.finalize(acc_o_rowcol, kWithScoreMods ? score_mods.unit : params.softmax_scale, 1.f,
-                     lse);
+                     lse, row_sink(params, block.head));
   }
 
  private:
