@@ -11,6 +11,10 @@
 //   * seqused_k (varlen, optional int32 (batch,)): sequence b uses only its
 //     first seqused_k[b] keys; with block_table it gives each sequence's keys
 //     (cu_seqlens_k is then checked but not used for them).
+//   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
+//     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
+//     value row); softmax_lse includes it, a row that sees no key gets lse =
+//     sink_h. The last (keyword-only) argument of every forward.
 //   * Dropout randomness never comes from a torch.Generator inside the op: the
 //     caller passes philox_seed / philox_offset as values, or rng_state, an
 //     int64 tensor [seed, offset] on any device that overrides the values. The
@@ -24,7 +28,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
       "float softmax_scale, bool causal, int window_size_left, int window_size_right, "
       "float softcap, bool return_softmax, int philox_seed, int philox_offset, "
-      "Tensor? rng_state) -> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
+      "Tensor? rng_state, *, Tensor? learnable_sink=None) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, "
@@ -35,7 +40,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? block_table, Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, "
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
-      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None) "
+      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
+      "Tensor? learnable_sink=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
@@ -48,7 +54,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
-      "bool rotary_interleaved, int num_splits) -> (Tensor out, Tensor softmax_lse)");
+      "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None) "
+      "-> (Tensor out, Tensor softmax_lse)");
   // The forwards that write the attention output into the caller's `out`
   // instead of a new tensor; they return the other results. (An op that
   // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
@@ -58,21 +65,30 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
       "float softmax_scale, bool causal, int window_size_left, int window_size_right, "
       "float softcap, bool return_softmax, int philox_seed, int philox_offset, "
-      "Tensor? rng_state, *, Tensor(a!) out) -> (Tensor softmax_lse, Tensor S_dmask, "
-      "Tensor rng_state)");
+      "Tensor? rng_state, *, Tensor(a!) out, Tensor? learnable_sink=None) "
+      "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? block_table, Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, "
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
-      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out) "
-      "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
+      "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
+      "Tensor? learnable_sink=None) -> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
-      "bool rotary_interleaved, int num_splits, *, Tensor(c!) out) -> Tensor softmax_lse");
+      "bool rotary_interleaved, int num_splits, *, Tensor(c!) out, "
+      "Tensor? learnable_sink=None) -> Tensor softmax_lse");
+  // The gradient of the attention sinks, from the forward's softmax_lse and
+  // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
+  // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -
+  // lse_i) * D_i, fp32 (nheads,). One ATen implementation for every device
+  // (csrc/api/sink_grad.cpp); the backward ops need no sink argument.
+  m.def(
+      "sink_grad(Tensor softmax_lse, Tensor softmax_d, Tensor learnable_sink, "
+      "Tensor? cu_seqlens_q=None) -> Tensor");
   // The CUDA path's index checks (docs/memory_safety.md): raise what a kernel
   // recorded on `device`, after waiting for it; switch each call to waiting
   // for its own check (returns the previous setting).

@@ -164,10 +164,11 @@ def _distinct(*tensors):
     return result
 
 
-def _grad_needed(q, k, v, alibi_slopes) -> bool:
+def _grad_needed(q, k, v, alibi_slopes, learnable_sink=None) -> bool:
     # When autograd.Function.apply would record a graph: grad mode on and an
     # input that requires grad (alibi_slopes too: apply counts every tensor
-    # argument, although its gradient is None). Otherwise the forward op is
+    # argument, although its gradient is None; learnable_sink has a gradient
+    # of its own, sink_grad). Otherwise the forward op is
     # called directly: the same op with the same arguments, without apply's
     # host cost (ctx, saved tensors) or _distinct's views, which only tracing
     # an autograd.Function needs.
@@ -176,7 +177,19 @@ def _grad_needed(q, k, v, alibi_slopes) -> bool:
         or k.requires_grad
         or v.requires_grad
         or (alibi_slopes is not None and alibi_slopes.requires_grad)
+        or (learnable_sink is not None and learnable_sink.requires_grad)
     )
+
+
+def _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q=None):
+    # d sink_h = -sum_i exp(sink_h - lse_i) * D_i with D_i = rowsum(dO_i * O_i)
+    # (torch.ops.flash_attn.sink_grad), D in fp32 and in the lse's layout:
+    # (batch, nheads, seqlen_q), or (nheads, total_q) for varlen. The padded
+    # head-dim columns of dout and out are zeros and add nothing.
+    softmax_d = (dout.float() * out.float()).sum(-1)
+    softmax_d = softmax_d.transpose(1, 2) if softmax_d.dim() == 3 else softmax_d.t()
+    d_sink = torch.ops.flash_attn.sink_grad(softmax_lse, softmax_d, learnable_sink, cu_seqlens_q)
+    return d_sink.to(learnable_sink.dtype)
 
 
 def _as_int(value, name: str) -> int:
@@ -249,6 +262,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         deterministic,
         return_softmax,
         rng_state,
+        learnable_sink,
     ):
         head_dim = q.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -267,9 +281,11 @@ class _FlashAttnFunc(torch.autograd.Function):
             0,
             0,
             rng_state,
+            learnable_sink=learnable_sink,
         )
         ctx.save_for_backward(
-            q_padded, k_padded, v_padded, out_padded, softmax_lse, rng_used, alibi_slopes
+            q_padded, k_padded, v_padded, out_padded, softmax_lse, rng_used, alibi_slopes,
+            learnable_sink,
         )
         ctx.head_dim = head_dim
         ctx.dropout_p = dropout_p
@@ -283,9 +299,15 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
-        q, k, v, out, softmax_lse, rng_state, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, softmax_lse, rng_state, alibi_slopes, learnable_sink = ctx.saved_tensors
+        dout = _prepare(dout)
+        d_sink = None
+        if ctx.needs_input_grad[12]:
+            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out)
+        if not any(ctx.needs_input_grad[:3]):
+            return (None,) * 12 + (d_sink,)
         dq, dk, dv = torch.ops.flash_attn.bwd(
-            _prepare(dout),
+            dout,
             q,
             k,
             v,
@@ -302,7 +324,7 @@ class _FlashAttnFunc(torch.autograd.Function):
             rng_state,
         )
         grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
-        return grads + (None,) * 9
+        return grads + (None,) * 9 + (d_sink,)
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -329,6 +351,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         block_table,
         rng_state,
         seqused_k,
+        learnable_sink,
     ):
         head_dim = q.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -353,6 +376,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             0,
             rng_state,
             seqused_k=seqused_k,
+            learnable_sink=learnable_sink,
         )
         ctx.save_for_backward(
             q_padded,
@@ -365,6 +389,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_used,
             alibi_slopes,
             seqused_k,
+            learnable_sink,
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
@@ -388,9 +413,15 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
                 "(paged K/V); call it under torch.no_grad() or without block_table"
             )
         (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
-         seqused_k) = ctx.saved_tensors
+         seqused_k, learnable_sink) = ctx.saved_tensors
+        dout = _prepare(dout)
+        d_sink = None
+        if ctx.needs_input_grad[18]:
+            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
+        if not any(ctx.needs_input_grad[:3]):
+            return (None,) * 18 + (d_sink,)
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
-            _prepare(dout),
+            dout,
             q,
             k,
             v,
@@ -412,28 +443,28 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             seqused_k=seqused_k,
         )
         grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
-        return grads + (None,) * 15
+        return grads + (None,) * 15 + (d_sink,)
 
 
 def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-    deterministic, return_attn_probs, out=None,
+    deterministic, return_attn_probs, out=None, learnable_sink=None,
 ):
     _check_head_dim(q)
-    _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
+    _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     if out is not None:
         fn = "flash_attn_func"
         _check_out(out, fn, q, q.shape, "(batch_size, seqlen_q, nheads, headdim)")
-        _check_no_grad_for_out(fn, q, k, v)
+        _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         target = _padded_target(out, q_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd_out(
             q_padded, k_padded, v_padded, alibi_slopes, dropout_p,
             _default_softmax_scale(softmax_scale, q.shape[-1]), causal, window[0], window[1],
             softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
-            _draw_rng_state(dropout_p, q.device), out=target,
+            _draw_rng_state(dropout_p, q.device), out=target, learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
@@ -442,15 +473,15 @@ def _attention(
     # As in flash-attn: the probabilities are only materialised when there is a
     # dropout pattern to report; otherwise S_dmask is empty.
     return_softmax = return_attn_probs and dropout_p > 0.0
-    if not _grad_needed(q, k, v, alibi_slopes):
+    if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd(
             _prepare(q), _prepare(k), _prepare(v), alibi_slopes, dropout_p, softmax_scale,
             causal, window[0], window[1], softcap, return_softmax, 0, 0,
-            _draw_rng_state(dropout_p, q.device),
+            _draw_rng_state(dropout_p, q.device), learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, head_dim)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    q, k, v, alibi_slopes = _distinct(q, k, v, alibi_slopes)
+    q, k, v, alibi_slopes, learnable_sink = _distinct(q, k, v, alibi_slopes, learnable_sink)
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
         q,
         k,
@@ -464,6 +495,7 @@ def _attention(
         deterministic,
         return_softmax,
         _draw_rng_state(dropout_p, q.device),
+        learnable_sink,
     )
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
@@ -471,7 +503,7 @@ def _attention(
 def _varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, block_table, seqused_k=None, out=None,
+    return_attn_probs, block_table, seqused_k=None, out=None, learnable_sink=None,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q)
@@ -487,6 +519,7 @@ def _varlen_attention(
     _check_same_device(
         q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k,
+        learnable_sink=learnable_sink,
     )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
@@ -495,7 +528,7 @@ def _varlen_attention(
     softmax_scale = _default_softmax_scale(softmax_scale, q.shape[-1])
     if out is not None:
         _check_out(out, fn, q, q.shape, "(total_q, nheads, headdim)")
-        _check_no_grad_for_out(fn, q, k, v)
+        _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         target = _padded_target(out, q_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
@@ -503,21 +536,24 @@ def _varlen_attention(
             max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window[0], window[1],
             softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
             _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k, out=target,
+            learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    if not _grad_needed(q, k, v, alibi_slopes):
+    if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
         head_dim = q.shape[-1]
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd(
             _prepare(q), _prepare(k), _prepare(v), cu_seqlens_q, cu_seqlens_k, block_table,
             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window[0], window[1], softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
             _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k,
+            learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, head_dim)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k = _distinct(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k,
+     learnable_sink) = _distinct(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -538,6 +574,7 @@ def _varlen_attention(
         block_table,
         _draw_rng_state(dropout_p, q.device),
         seqused_k,
+        learnable_sink,
     )
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
@@ -548,8 +585,9 @@ _RETURNS_DOC = """
         (out, softmax_lse, S_dmask):
         out: {out_layout}, same dtype as q.
         softmax_lse: fp32 {lse_layout}, the natural-log log-sum-exp of each row
-            of scaled (and softcapped, ALiBi-biased, masked) scores; +inf for a
-            query row that sees no key.
+            of scaled (and softcapped, ALiBi-biased, masked) scores, the sink
+            included with learnable_sink; +inf for a query row that sees no
+            key (with learnable_sink: the head's sink).
         S_dmask: meant for tests only, in flash-attn 2.x's convention. When
             dropout_p > 0, {probs_layout} in q's dtype holding softmax
             numerators before dropout, not probabilities: each row's keys
@@ -563,9 +601,9 @@ _RETURNS_DOC = """
             Masked entries hold 0: outside the causal / local window, rows
             that see no key and, for varlen, positions past a sequence's
             lengths. P_ij = |S_ij| * exp(m - softmax_lse_i) recovers the
-            probabilities, as flash-attn's test helper
-            normalize_flash_attn_S computes them. When dropout_p == 0 it is
-            an empty tensor, as in flash-attn.
+            probabilities (with learnable_sink too: the lse holds the sink),
+            as flash-attn's test helper normalize_flash_attn_S computes them.
+            When dropout_p == 0 it is an empty tensor, as in flash-attn.
 """
 
 _COMMON_ARGS_DOC = """
@@ -589,6 +627,17 @@ _COMMON_ARGS_DOC = """
         deterministic: make the backward pass bitwise reproducible (the
             forward pass always is).
         return_attn_probs: also return softmax_lse and S_dmask (see below).
+"""
+
+_SINK_ARG_DOC = """        learnable_sink: optional keyword-only fp32 tensor of shape (nheads,)
+            (one per query head): attention sinks, as in gpt-oss. Row i of
+            head h normalises with an extra exp(sink_h - m_i) in its softmax
+            denominator, in the units of the final scores (after scale,
+            softcap, ALiBi and mask); the sink has no value, so a row's
+            weights sum to less than 1 and a row that sees no key outputs 0.
+            softmax_lse includes it. Differentiable: its gradient is
+            -sum_i exp(sink_h - lse_i) * rowsum(dout_i * out_i) over the
+            rows of head h.
 """
 
 
@@ -615,13 +664,14 @@ def flash_attn_func(
     return_attn_probs=False,
     *,
     out=None,
+    learnable_sink=None,
 ):
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_ndim(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     _check_ndim(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs, out,
+        deterministic, return_attn_probs, out, learnable_sink,
     )
 
 
@@ -640,6 +690,7 @@ flash_attn_func.__doc__ = (
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + _OUT_ARG_DOC.format(layout="(batch_size, seqlen_q, nheads, headdim)")
     + _RETURNS_DOC.format(
         out_layout="(batch_size, seqlen_q, nheads, headdim)",
@@ -660,13 +711,15 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_packed(kv, "kv", 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=2)
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, learnable_sink=learnable_sink,
     )
 
 
@@ -682,6 +735,7 @@ flash_attn_kvpacked_func.__doc__ = (
             dim 2 and values at index 1.
 """
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + _RETURNS_DOC.format(
         out_layout="(batch_size, seqlen_q, nheads, headdim)",
         lse_layout="(batch_size, nheads, seqlen_q)",
@@ -700,12 +754,14 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     _check_packed(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
     return _attention(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs,
+        deterministic, return_attn_probs, learnable_sink=learnable_sink,
     )
 
 
@@ -721,6 +777,7 @@ flash_attn_qkvpacked_func.__doc__ = (
         qkv: (batch_size, seqlen, 3, nheads, headdim).
 """
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + _RETURNS_DOC.format(
         out_layout="(batch_size, seqlen, nheads, headdim)",
         lse_layout="(batch_size, nheads, seqlen)",
@@ -758,6 +815,7 @@ def flash_attn_varlen_func(
     *,
     seqused_k=None,
     out=None,
+    learnable_sink=None,
 ):
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     kv_layout = (
@@ -771,7 +829,7 @@ def flash_attn_varlen_func(
     return _varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, block_table, seqused_k, out,
+        return_attn_probs, block_table, seqused_k, out, learnable_sink,
     )
 
 
@@ -792,6 +850,7 @@ flash_attn_varlen_func.__doc__ = (
 """
     + _VARLEN_ARGS_DOC
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + """        block_table: optional int32 (batch_size, max_num_blocks_per_seq).
             Key position p of sequence b lives in page block_table[b, p //
             page_block_size], row p % page_block_size. Forward only: the
@@ -834,6 +893,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     _check_packed(kv, "kv", 1, 2, "(total_k, 2, nheads_k, headdim)")
@@ -841,7 +902,7 @@ def flash_attn_varlen_kvpacked_func(
     return _varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, None,
+        return_attn_probs, None, learnable_sink=learnable_sink,
     )
 
 
@@ -857,6 +918,7 @@ flash_attn_varlen_kvpacked_func.__doc__ = (
 """
     + _VARLEN_ARGS_DOC
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + _RETURNS_DOC.format(
         out_layout="(total_q, nheads, headdim)",
         lse_layout="(nheads, total_q)",
@@ -877,12 +939,15 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     _check_packed(qkv, "qkv", 1, 3, "(total, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=1)
     return _varlen_attention(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -900,6 +965,7 @@ flash_attn_varlen_qkvpacked_func.__doc__ = (
         max_seqlen: int, the longest sequence of the batch.
 """
     + _COMMON_ARGS_DOC
+    + _SINK_ARG_DOC
     + _RETURNS_DOC.format(
         out_layout="(total, nheads, headdim)",
         lse_layout="(nheads, total)",
@@ -930,6 +996,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     out=None,
+    learnable_sink=None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -989,6 +1056,9 @@ def flash_attn_with_kvcache(
             written into it (no new output tensor) and it is what the call
             returns. With a headdim that is not a multiple of 8 the result
             goes through a padded scratch buffer first.
+        learnable_sink: optional keyword-only fp32 (nheads,): attention
+            sinks, as in flash_attn_func (forward only here). softmax_lse
+            includes them.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
@@ -1008,7 +1078,7 @@ def flash_attn_with_kvcache(
     _check_same_device(
         q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, alibi_slopes=alibi_slopes,
+        block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
     if out is not None:
@@ -1052,10 +1122,12 @@ def flash_attn_with_kvcache(
         num_splits,
     )
     if out is None:
-        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args)
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, learnable_sink=learnable_sink)
     else:
         target = _padded_target(out, q.shape[-1])
-        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(*args, out=target)
+        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
+            *args, out=target, learnable_sink=learnable_sink
+        )
         out = _copy_back(out, target)
     if k_cache_used is not k_cache:
         out = _unpad_head_dim(out, head_dim)

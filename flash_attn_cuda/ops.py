@@ -41,6 +41,8 @@ def _fwd_fake(
     philox_seed: int,
     philox_offset: int,
     rng_state: Optional[torch.Tensor],
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     return (_contiguous_like(q),) + _fwd_results(q, k, return_softmax)
 
@@ -58,10 +60,10 @@ def _fwd_results(q, k, return_softmax):
 
 
 @torch.library.register_fake("flash_attn::fwd_out")
-def _fwd_out_fake(*args, out: torch.Tensor):
+def _fwd_out_fake(*args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None):
     # fwd's arguments plus out, which the real kernel writes in place (schema
     # (a!)): fwd's results without the output.
-    return _fwd_fake(*args)[1:]
+    return _fwd_fake(*args, learnable_sink=learnable_sink)[1:]
 
 
 @torch.library.register_fake("flash_attn::bwd")
@@ -108,6 +110,7 @@ def _varlen_fwd_fake(
     rng_state: Optional[torch.Tensor],
     *,
     seqused_k: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                             return_softmax)
@@ -127,9 +130,14 @@ def _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_soft
 
 
 @torch.library.register_fake("flash_attn::varlen_fwd_out")
-def _varlen_fwd_out_fake(*args, seqused_k: Optional[torch.Tensor] = None, out: torch.Tensor):
+def _varlen_fwd_out_fake(
+    *args,
+    seqused_k: Optional[torch.Tensor] = None,
+    out: torch.Tensor,
+    learnable_sink: Optional[torch.Tensor] = None,
+):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
-    return _varlen_fwd_fake(*args, seqused_k=seqused_k)[1:]
+    return _varlen_fwd_fake(*args, seqused_k=seqused_k, learnable_sink=learnable_sink)[1:]
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -180,6 +188,8 @@ def _fwd_kvcache_fake(
     softcap: float,
     rotary_interleaved: bool,
     num_splits: int,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
@@ -190,7 +200,20 @@ def _fwd_kvcache_fake(
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(*args, out: torch.Tensor):
+def _fwd_kvcache_out_fake(
+    *args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None
+):
     # fwd_kvcache's arguments plus out; the caches and out are written in place
     # ((a!), (b!), (c!)): the softmax_lse alone.
-    return _fwd_kvcache_fake(*args)[1]
+    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink)[1]
+
+
+@torch.library.register_fake("flash_attn::sink_grad")
+def _sink_grad_fake(
+    softmax_lse: torch.Tensor,
+    softmax_d: torch.Tensor,
+    learnable_sink: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+):
+    # d learnable_sink: fp32 (nheads,), on the device of the lse.
+    return softmax_lse.new_empty(learnable_sink.shape, dtype=torch.float32)

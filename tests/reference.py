@@ -72,17 +72,21 @@ def attention_ref(
     keep_mask=None,
     compute_dtype=torch.float64,
     normalize=True,
+    learnable_sink=None,
 ):
     """Attention of fixed-length q, k, v in compute_dtype.
 
     alibi_slopes: None, (nheads) or (batch, nheads). keep_mask: None or bool
     (batch, nheads, seqlen_q, seqlen_k), True where dropout keeps P; kept
     values are scaled by 1 / (1 - dropout_p). normalize=False takes the window
-    as given instead of normalising it like the ops do.
+    as given instead of normalising it like the ops do. learnable_sink: None
+    or (nheads): attention sinks, one more logit per row in the softmax's
+    denominator, in the units of the final scores, with no value row.
 
     Returns (out (batch, seqlen_q, nheads, head_dim), lse (batch, nheads,
-    seqlen_q)), both in compute_dtype and differentiable. Rows that see no
-    key: out 0, lse +inf.
+    seqlen_q)), both in compute_dtype and differentiable (learnable_sink
+    too). The lse includes the sink. Rows that see no key: out 0, lse +inf,
+    or the sink with learnable_sink.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -109,13 +113,21 @@ def attention_ref(
     visible = visible_mask(seqlen_q, seqlen_k, left, right, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
-    row_sees_key = visible.any(dim=-1)  # (seqlen_q,)
-    # logsumexp of a row with no visible key would be -inf and poison the
-    # gradient; give it finite scores, then report +inf and P = 0.
-    safe_scores = scores.masked_fill(~row_sees_key[:, None], 0.0)
-    lse = torch.logsumexp(safe_scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    lse = lse.masked_fill(~row_sees_key, float("inf"))
+    if learnable_sink is not None:
+        # The sink is one more finite logit in every row, so even a row with
+        # no visible key has a finite lse (the sink) and P = 0.
+        sink = learnable_sink.to(device=scores.device, dtype=compute_dtype)
+        sink = sink.view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+    else:
+        row_sees_key = visible.any(dim=-1)  # (seqlen_q,)
+        # logsumexp of a row with no visible key would be -inf and poison the
+        # gradient; give it finite scores, then report +inf and P = 0.
+        safe_scores = scores.masked_fill(~row_sees_key[:, None], 0.0)
+        lse = torch.logsumexp(safe_scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        lse = lse.masked_fill(~row_sees_key, float("inf"))
 
     if dropout_p > 0 or keep_mask is not None:
         assert keep_mask is not None, "dropout needs the keep mask"
@@ -139,11 +151,13 @@ def varlen_attention_ref(
     dropout_p=0.0,
     keep_masks=None,
     compute_dtype=torch.float64,
+    learnable_sink=None,
 ):
     """Varlen attention by a loop over the sequences: q (total_q, nheads, d),
     k / v (total_k, nheads_k, d). The window is normalised against
     max_seqlen_k (default: the longest key sequence), as the ops do.
     keep_masks: None or a list of bool (nheads, seqlen_q_b, seqlen_k_b).
+    learnable_sink: None or (nheads), as in attention_ref.
 
     Returns (out (total_q, nheads, d), lse (nheads, total_q)). Rows outside
     every sequence are 0 in out and +inf in lse.
@@ -182,6 +196,7 @@ def varlen_attention_ref(
             keep_mask=mask,
             compute_dtype=compute_dtype,
             normalize=False,
+            learnable_sink=learnable_sink,
         )
         pieces_out.append((cu_q[b], cu_q[b + 1], ob[0]))
         pieces_lse.append((cu_q[b], cu_q[b + 1], lb[0]))

@@ -210,10 +210,16 @@ def test_package_exports():
 
 # Additions after flash-attn 2.8's parameters, keyword-only so that no positional
 # call changes meaning (docs/serving.md).
+# The additions after flash-attn 2.8's parameters: serving (docs/serving.md)
+# and attention sinks (tests/test_sinks.py), keyword-only.
 EXPECTED_KEYWORD_ONLY = {
-    "flash_attn_func": [("out", None)],
-    "flash_attn_varlen_func": [("seqused_k", None), ("out", None)],
-    "flash_attn_with_kvcache": [("out", None)],
+    "flash_attn_func": [("out", None), ("learnable_sink", None)],
+    "flash_attn_kvpacked_func": [("learnable_sink", None)],
+    "flash_attn_qkvpacked_func": [("learnable_sink", None)],
+    "flash_attn_varlen_func": [("seqused_k", None), ("out", None), ("learnable_sink", None)],
+    "flash_attn_varlen_kvpacked_func": [("learnable_sink", None)],
+    "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None)],
+    "flash_attn_with_kvcache": [("out", None), ("learnable_sink", None)],
 }
 
 

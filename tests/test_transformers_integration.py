@@ -427,10 +427,74 @@ def test_paged_cache_branch_appends_and_attends():
         torch.testing.assert_close(k_cache[block_table[b, n // page], n % page], k_new[0, :, b])
 
 
+def test_attention_sinks_s_aux():
+    """gpt-oss's sinks: one logit per query head beside the scaled scores, no value."""
+    q, k, v = _qkv()
+    sinks = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :2] = False  # left padding: the varlen path
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
+    for padding in (None, mask):
+        out, _ = fa_transformers.attention_forward(_Module(), q, k, v, padding, scaling=0.3,
+                                                   s_aux=sinks)
+        allowed = causal if padding is None else causal & padding[:, None, :]
+        rep = q.shape[1] // k.shape[1]
+        kk, vv = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
+        s = torch.einsum("bhqd,bhkd->bhqk", q.double(), kk) * 0.3
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        sink = sinks.detach().double().view(1, -1, 1, 1).expand(3, 4, 9, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        expected = torch.einsum("bhqk,bhkd->bqhd", p, vv)
+        rows = slice(None) if padding is None else slice(2, None)
+        torch.testing.assert_close(out.double()[1, rows], expected[1, rows], atol=1e-5,
+                                   rtol=1e-5)
+        torch.testing.assert_close(out.double()[[0, 2]], expected[[0, 2]], atol=1e-5, rtol=1e-5)
+    # The gradient reaches the model's parameter in its own dtype.
+    out, _ = fa_transformers.attention_forward(_Module(), q, k, v, None, scaling=0.3,
+                                               s_aux=sinks)
+    out.sum().backward()
+    assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
+
+
+def test_gpt_oss_sinks_logits_and_gradients():
+    """gpt-oss end to end: its sinks reach the kernels as learnable_sink. The
+    model admits only the flash implementations it lists under names that
+    contain "flash", so this registers a name without it."""
+    name = fa_transformers.register("fa_cuda_sinks")
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    model = transformers.GptOssForCausalLM._from_config(
+        config, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(0.0, 2.0)  # zeros at init would hide a wrong formula
+    ids, mask = _padded_batch("left")
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+        ref = _logits(model, "eager", **inputs)
+        out = _logits(model, name, **inputs)
+        valid = inputs.get("attention_mask", torch.ones_like(ids)).bool()
+        torch.testing.assert_close(out[valid], ref[valid], atol=ATOL, rtol=RTOL)
+    ids = torch.randint(2, VOCAB, (2, 13))
+    loss_ref, ref = _grads(model, "eager", input_ids=ids, labels=ids)
+    loss, got = _grads(model, name, input_ids=ids, labels=ids)
+    torch.testing.assert_close(loss, loss_ref, atol=ATOL, rtol=RTOL)
+    sinks = [n for n in ref if n.endswith("sinks")]
+    assert sinks and all(ref[n].abs().max() > 0 for n in sinks)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
 def test_unservable_calls_are_refused():
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        fa_transformers.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="s_aux"):
+        fa_transformers.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="2-D"):
         fa_transformers.attention_forward(_Module(), q, k, v, torch.ones(3, 1, 9, 9, dtype=torch.bool))
 

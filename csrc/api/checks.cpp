@@ -419,6 +419,22 @@ void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& 
   }
 }
 
+std::optional<at::Tensor> check_learnable_sink(const char* prefix,
+                                               const std::optional<at::Tensor>& learnable_sink,
+                                               const at::Tensor& q, int64_t nheads) {
+  if (!learnable_sink.has_value()) return std::nullopt;
+  const at::Tensor& sink = *learnable_sink;
+  TORCH_CHECK(sink.scalar_type() == at::kFloat, prefix,
+              ": learnable_sink must have dtype float32, got ", sink.scalar_type());
+  TORCH_CHECK(sink.device() == q.device(), prefix,
+              ": learnable_sink must be on the same device as q (", q.device(), "), got ",
+              sink.device());
+  TORCH_CHECK(sink.dim() == 1 && sink.size(0) == nheads, prefix,
+              ": learnable_sink must have shape (nheads,) = (", nheads,
+              ",) (one sink per query head), got ", sink.sizes());
+  return sink.contiguous();
+}
+
 Window normalize_window(bool causal, int64_t window_size_left, int64_t window_size_right,
                         int64_t seqlen_k) {
   auto side = [seqlen_k](int64_t w) -> int {

@@ -120,6 +120,14 @@ void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& 
                    at::IntArrayRef expected, const char* layout,
                    std::initializer_list<const at::Tensor*> inputs);
 
+// learnable_sink (attention sinks, docs/architecture.md "The op contract") of
+// any forward op (`prefix` starts the message, "flash_attn" or "fwd_kvcache"):
+// fp32, 1-D of nheads (the query heads) elements, on q's device. Returns it
+// contiguous, or nullopt when absent.
+std::optional<at::Tensor> check_learnable_sink(const char* prefix,
+                                               const std::optional<at::Tensor>& learnable_sink,
+                                               const at::Tensor& q, int64_t nheads);
+
 // The attention window the kernels use. causal forces right = 0 (left kept:
 // causal with a left window is local attention). A side that reaches past
 // seqlen_k (>= seqlen_k) becomes unbounded (-1), as flash-attn 2.x does, and

@@ -67,6 +67,11 @@ struct AttentionProblem {
   int64_t alibi_batch_stride;  // 0 for slopes of shape (nheads)
   int window_left;             // already normalised (checks.h normalize_window); < 0: unbounded
   int window_right;
+  // null, or fp32 (nheads): attention sinks. Row i of head h adds
+  // exp(sink[h] - m_i) to its softmax denominator (no value row) and its lse
+  // includes it. The backward needs nothing: P = exp(s - lse) already has
+  // the sink's share taken out.
+  const float* learnable_sink;
 
   float dropout_p;  // 0 disables
   uint64_t philox_seed;
@@ -83,7 +88,7 @@ constexpr int kProbsBlockN = 64;
 struct ForwardOutputs {
   void* out;  // dtype; every query row is written (rows that see no key: 0)
   RowStrides out_strides;
-  float* lse;              // natural log; rows that see no key: +inf
+  float* lse;              // natural log; rows that see no key: +inf, or the sink
   RowStrides lse_strides;  // batch / row / head, see SequenceSpan
   // Optional (null to skip): S_dmask of batch b, head h, at
   // b * probs_batch_stride + h * probs_head_stride + i * probs_row_stride + j,

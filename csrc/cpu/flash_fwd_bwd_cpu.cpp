@@ -180,16 +180,27 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
   }
 
   const float rescale = dropout_rescale(p);
+  const float sink = p.learnable_sink != nullptr ? p.learnable_sink[h] : kNegInf;
   for (int r = 0; r < rows; ++r) {
     T* out_row = q_row_mut<T>(o.out, o.out_strides, span, m0 + r, h);
     float& lse = o.lse[lse_offset(o.lse_strides, span, m0 + r, h)];
     if (sc.row_sum[r] == 0.f) {
-      // A row that sees no key: output 0, lse +inf (so that P = exp(s - lse) = 0).
+      // A row that sees no key: output 0, lse +inf (so that P = exp(s - lse) =
+      // 0), or with a sink the sink's own lse, log(exp(sink)).
       for (int dd = 0; dd < d; ++dd) out_row[dd] = static_cast<T>(0.f);
-      lse = kPosInf;
-    } else {
+      lse = sink == kNegInf ? kPosInf : sink;
+    } else if (sink == kNegInf) {
       store_row(sc.acc.data() + r * d, out_row, d, rescale / sc.row_sum[r]);
       lse = sc.row_max[r] + std::log(sc.row_sum[r]);
+    } else {
+      // Against m = max(row max, sink) both exps are at most 1: a sink far
+      // above (or below) the scores can neither overflow nor take the row's
+      // whole sum to 0.
+      const float m = std::max(sc.row_max[r], sink);
+      const float kept = std::exp(sc.row_max[r] - m);
+      const float denominator = sc.row_sum[r] * kept + std::exp(sink - m);
+      store_row(sc.acc.data() + r * d, out_row, d, rescale * kept / denominator);
+      lse = m + std::log(denominator);
     }
   }
   if (o.probs != nullptr) write_probabilities<T>(p, o, b, h, m0, rows, sc);
@@ -305,7 +316,8 @@ void probabilities_and_dscores(const AttentionProblem& p, const ScoreRule& rule,
     const float* gr = sc.dscore_ddot.data() + r * kBlockN;
     DropoutRow dropout(p, b, h, m0 + r);
     for (int c = 0; c < cols; ++c) {
-      // Masked scores are -inf; rows that saw no key have lse = +inf: P = 0.
+      // Masked scores are -inf, so P = 0 there whatever the lse (+inf, or
+      // the sink, for a row that saw no key).
       const float prob = sr[c] == kNegInf ? 0.f : std::exp(sr[c] - sc.lse[r]);
       float prob_applied = prob, dprob = dpr[c];
       if (use_dropout) {

@@ -172,13 +172,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const std::optional<at::Tensor>& out_given) {
+    int64_t num_splits, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
   const KvcacheShape shape =
       check_fwd_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                              softmax_scale, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("fwd_kvcache", learnable_sink_in, q, shape.nheads);
   const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
   if (out_given.has_value()) {
     check_out_arg("fwd_kvcache", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
@@ -262,6 +265,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   problem.window_left = window.left;
   problem.window_right = window.right;
   problem.dropout_p = 0.f;
+  problem.learnable_sink = learnable_sink ? learnable_sink->const_data_ptr<float>() : nullptr;
 
   ForwardOutputs outputs{};
   outputs.out = out.data_ptr();
@@ -282,11 +286,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink) {
   return fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                               softmax_scale, causal, window_size_left, window_size_right, softcap,
-                              rotary_interleaved, num_splits, std::nullopt);
+                              rotary_interleaved, num_splits, std::nullopt, learnable_sink);
 }
 
 at::Tensor fwd_kvcache_out_cpu(
@@ -297,11 +301,11 @@ at::Tensor fwd_kvcache_out_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const at::Tensor& out) {
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink) {
   return std::get<1>(fwd_kvcache_cpu_into(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
-      window_size_right, softcap, rotary_interleaved, num_splits, out));
+      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink));
 }
 
 }  // namespace

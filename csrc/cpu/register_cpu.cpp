@@ -27,7 +27,8 @@ AttentionProblem make_problem(const at::Tensor& q, const at::Tensor& k, const at
                               bool varlen_kv, int nheads, int nheads_k, int head_dim,
                               const std::optional<at::Tensor>& alibi_slopes, double softmax_scale,
                               const Window& window, double softcap, double dropout_p,
-                              const PhiloxSeed& philox) {
+                              const PhiloxSeed& philox,
+                              const std::optional<at::Tensor>& learnable_sink = std::nullopt) {
   AttentionProblem p;
   p.dtype = q.scalar_type();
   p.nheads = nheads;
@@ -53,6 +54,7 @@ AttentionProblem make_problem(const at::Tensor& q, const at::Tensor& k, const at
   p.dropout_p = static_cast<float>(dropout_p);
   p.philox_seed = philox.seed;
   p.philox_offset = philox.offset;
+  p.learnable_sink = learnable_sink.has_value() ? learnable_sink->data_ptr<float>() : nullptr;
   return p;
 }
 
@@ -84,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCpuDtypes);
@@ -93,6 +96,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
     check_out_arg("flash_attn", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
                   {&q, &k, &v});
   }
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("flash_attn", learnable_sink_in, q, shape.nheads);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
@@ -105,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
 
   AttentionProblem problem =
       make_problem(q, k, v, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
-                   alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+                   alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
   problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
   ForwardOutputs outputs;
   outputs.out = out.data_ptr();
@@ -122,10 +127,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink) {
   return fwd_cpu_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
                       window_size_right, softcap, return_softmax, philox_seed, philox_offset,
-                      rng_state, std::nullopt);
+                      rng_state, std::nullopt, learnable_sink);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cpu(
@@ -133,10 +138,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cpu(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const at::Tensor& out) {
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink) {
   auto [written, lse, probs, rng] = fwd_cpu_into(
       q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-      softcap, return_softmax, philox_seed, philox_offset, rng_state, out);
+      softcap, return_softmax, philox_seed, philox_offset, rng_state, out, learnable_sink);
   return {lse, probs, rng};
 }
 
@@ -188,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   const VarlenShape shape =
       check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -198,6 +205,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
     check_out_arg("flash_attn", *out_given, q, out_shape, "(total_q, nheads, head_dim)",
                   {&q, &k, &v});
   }
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("flash_attn", learnable_sink_in, q, shape.nheads);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.paged ? -1 : shape.total_k, shape.max_seqlen_k,
                         IndexArg::kCuSeqlensK);
@@ -226,9 +235,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
   at::Tensor probs = make_probs(return_softmax, q, shape.batch, shape.nheads, shape.max_seqlen_q,
                                 shape.max_seqlen_k);
 
-  AttentionProblem problem =
-      make_problem(q, k, v, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k,
-                   shape.head_dim, alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
+  AttentionProblem problem = make_problem(
+      q, k, v, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k, shape.head_dim,
+      alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
   problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
                                        cu_seqlens_k.data_ptr<int32_t>(),
                                        used.defined() ? used.data_ptr<int32_t>() : nullptr,
@@ -252,11 +261,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink) {
   return varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, return_softmax,
-                             philox_seed, philox_offset, rng_state, seqused_k, std::nullopt);
+                             philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
+                             learnable_sink);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
@@ -266,11 +276,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out) {
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink) {
   auto [written, lse, probs, rng] = varlen_fwd_cpu_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out);
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink);
   return {lse, probs, rng};
 }
 

@@ -27,11 +27,16 @@ What the attention function serves, in transformers' calling convention
   ``flash_attn_with_kvcache``, which appends the step's keys and values to the
   pages and attends in one call;
 - GQA / MQA without repeating K/V, ``sliding_window``, ``softcap``, dropout
-  (``module.training``), the model's ``scaling``, and a value head dim smaller
-  than the query's (zero-padded, then cropped).
+  (``module.training``), the model's ``scaling``, a value head dim smaller
+  than the query's (zero-padded, then cropped), and attention sinks (``s_aux``,
+  gpt-oss: one logit per query head, passed on as ``learnable_sink`` in fp32;
+  its gradient flows back to the model's parameter in its own dtype). gpt-oss
+  admits only the flash implementations it lists under a name that contains
+  "flash": register this one under another name for it, e.g.
+  ``register("fa_cuda")``.
 
-Attention sinks (``s_aux``) and ``output_attentions`` are not served: the first
-raises, the second returns no weights (as transformers' flash path does).
+``output_attentions`` is not served: it returns no weights (as transformers'
+flash path does).
 
 transformers treats an implementation whose name contains "flash" as a flash
 kernel: at model init it asks its lazy flash import for the kernel's functions
@@ -201,6 +206,9 @@ def attention_forward(
             sliding_window - 1 keys before it, when causal).
         softcap: logit soft-capping (Gemma 2).
         is_causal: overrides ``module.is_causal``.
+        s_aux: attention sinks, (nheads,): each query head's sink logit, in the
+            units of the scaled scores (as gpt-oss's eager path concatenates
+            them to ``query @ key^T * scaling``).
         kwargs: ``position_ids``; ``cu_seq_lens_q``, ``cu_seq_lens_k``,
             ``max_length_q``, ``max_length_k`` for packed batches;
             ``block_table``, ``k_cache``, ``v_cache`` for a paged cache;
@@ -209,11 +217,6 @@ def attention_forward(
     Returns:
         (out, None) with out (batch, seqlen_q, nheads, head_dim_v).
     """
-    if s_aux is not None:
-        raise NotImplementedError(
-            f"{IMPLEMENTATION}: attention sinks (s_aux) are not supported by this integration; "
-            "use attn_implementation='eager' or 'sdpa' for this model"
-        )
     if kwargs.get("output_attentions", False):
         warnings.warn(
             f"{IMPLEMENTATION} does not return attention weights (output_attentions=True); "
@@ -238,6 +241,15 @@ def attention_forward(
     common = dict(
         softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
     )
+    if s_aux is not None:
+        if s_aux.dim() != 1 or s_aux.shape[0] != query.shape[1]:
+            raise ValueError(
+                f"{IMPLEMENTATION}: s_aux (attention sinks) must have shape (nheads,) = "
+                f"({query.shape[1]},), got {tuple(s_aux.shape)}"
+            )
+        # The models keep the sinks in their own dtype; the kernels take fp32
+        # (a differentiable cast: the gradient reaches the parameter).
+        common["learnable_sink"] = s_aux.to(device=query.device, dtype=torch.float32)
 
     batch, _, seqlen_q, head_dim = query.shape
     # (batch, seqlen, heads, head_dim) views; the ops take any strides but the last.

@@ -75,7 +75,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   const FwdShape shape =
       check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCudaDtypes);
@@ -84,6 +85,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
     check_out_arg("flash_attn", *out_given, q_in, out_shape, "(batch, seqlen_q, nheads, head_dim)",
                   {&q_in, &k_in, &v_in});
   }
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -117,6 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   params.total_q = 0;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
@@ -133,7 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
     int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   const VarlenShape shape =
       check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -143,6 +148,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim)",
                   {&q_in, &k_in, &v_in});
   }
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -197,6 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
                    rng_state_out);
+  set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
@@ -214,10 +222,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink) {
   return fwd_cuda_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
                        window_size_right, softcap, return_softmax, philox_seed, philox_offset,
-                       rng_state, std::nullopt);
+                       rng_state, std::nullopt, learnable_sink);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
@@ -225,10 +233,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const at::Tensor& out) {
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink) {
   auto [written, softmax_lse, s_dmask, rng_state_out] = fwd_cuda_into(
       q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-      softcap, return_softmax, philox_seed, philox_offset, rng_state, out);
+      softcap, return_softmax, philox_seed, philox_offset, rng_state, out, learnable_sink);
   return {softmax_lse, s_dmask, rng_state_out};
 }
 
@@ -239,11 +248,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink) {
   return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, return_softmax,
-                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt);
+                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
+                              learnable_sink);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
@@ -253,11 +263,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out) {
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink) {
   auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out);
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink);
   return {softmax_lse, s_dmask, rng_state_out};
 }
 

@@ -69,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const std::optional<at::Tensor>& out_given) {
+    int64_t num_splits, const std::optional<at::Tensor>& out_given,
+    const std::optional<at::Tensor>& learnable_sink_in) {
   const KvcacheShape shape =
       check_fwd_kvcache_args(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in,
                              rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
@@ -82,6 +83,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   }
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
+  const std::optional<at::Tensor> learnable_sink =
+      check_learnable_sink("fwd_kvcache", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -180,6 +183,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.dropout_rescale = 1.f;
   params.rng_state = nullptr;
   params.is_bf16 = is_bf16;
+  // The split-KV kernel leaves the sink to the final normalisation: the
+  // combine kernel's when num_splits > 1.
+  set_learnable_sink(params, learnable_sink);
 
   params.cache_seqlens = data_or_null<int>(cache_seqlens);
   params.cache_leftpad = data_or_null<int>(cache_leftpad);
@@ -270,11 +276,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink) {
   return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                                softmax_scale, causal, window_size_left, window_size_right, softcap,
-                               rotary_interleaved, num_splits, std::nullopt);
+                               rotary_interleaved, num_splits, std::nullopt, learnable_sink);
 }
 
 at::Tensor fwd_kvcache_out_cuda(
@@ -285,11 +291,11 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const at::Tensor& out) {
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink) {
   return std::get<1>(fwd_kvcache_cuda_into(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
-      window_size_right, softcap, rotary_interleaved, num_splits, out));
+      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink));
 }
 
 }  // namespace flash

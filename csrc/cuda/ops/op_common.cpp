@@ -96,6 +96,11 @@ at::Tensor rng_state_for(int64_t philox_seed, int64_t philox_offset,
   return state;
 }
 
+void set_learnable_sink(FwdParams& params, const std::optional<at::Tensor>& learnable_sink) {
+  params.learnable_sink =
+      learnable_sink.has_value() ? learnable_sink->const_data_ptr<float>() : nullptr;
+}
+
 std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alibi_slopes) {
   if (!alibi_slopes.has_value()) return std::nullopt;
   return alibi_slopes->contiguous();

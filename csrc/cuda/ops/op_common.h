@@ -55,6 +55,10 @@ void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_sca
                       const Window& window, const std::optional<at::Tensor>& alibi_slopes,
                       double dropout_p, const at::Tensor& rng_state_out);
 
+// params.learnable_sink: the checked, contiguous sinks (check_learnable_sink),
+// or null. The caller keeps the tensor alive across the launch.
+void set_learnable_sink(FwdParams& params, const std::optional<at::Tensor>& learnable_sink);
+
 // The rng_state the forward returns and the kernel reads: on q's device. With
 // no dropout nothing is drawn: int64 zeros, set by one cudaMemsetAsync on the
 // current stream (no host round trip, no fill kernel).
@@ -77,14 +81,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state);
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const at::Tensor& out);
+    const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -93,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k);
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -102,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out);
+    const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
+    const std::optional<at::Tensor>& learnable_sink);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -130,20 +136,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits);
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink);
 
-at::Tensor fwd_kvcache_out_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                const at::Tensor& v_cache, const std::optional<at::Tensor>& k_in,
-                                const std::optional<at::Tensor>& v_in,
-                                const std::optional<at::Tensor>& cache_seqlens_in,
-                                const std::optional<at::Tensor>& rotary_cos_in,
-                                const std::optional<at::Tensor>& rotary_sin_in,
-                                const std::optional<at::Tensor>& cache_batch_idx_in,
-                                const std::optional<at::Tensor>& cache_leftpad_in,
-                                const std::optional<at::Tensor>& block_table_in,
-                                const std::optional<at::Tensor>& alibi_slopes_in,
-                                double softmax_scale, bool causal, int64_t window_size_left,
-                                int64_t window_size_right, double softcap, bool rotary_interleaved,
-                                int64_t num_splits, const at::Tensor& out);
+at::Tensor fwd_kvcache_out_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_in, const std::optional<at::Tensor>& v_in,
+    const std::optional<at::Tensor>& cache_seqlens_in,
+    const std::optional<at::Tensor>& rotary_cos_in, const std::optional<at::Tensor>& rotary_sin_in,
+    const std::optional<at::Tensor>& cache_batch_idx_in,
+    const std::optional<at::Tensor>& cache_leftpad_in,
+    const std::optional<at::Tensor>& block_table_in,
+    const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink);
 
 }  // namespace flash
