@@ -1,17 +1,23 @@
 // The main loop's pieces of the split-KV kernel (splitkv_kernel.h): the
-// cp.async helpers of its copies from a contiguous or paged cache, the cache
-// layouts an instance serves, the views of its shared-memory tiles, and the
-// MMAs of a key tile (SplitKvMma).
+// cache layouts an instance serves, the views of its shared-memory tiles, a
+// warp's MMA state (SplitKvWarpTiling, SplitKvWarpFragments), the score
+// scale, extras and mask of a key tile (SplitKvScoreScale, SplitKvScoreMod),
+// and the MMAs of a key tile (SplitKvMma).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
 #include <cute/tensor.hpp>
 
+#include "common/mask_rule.h"
 #include "cuda/core/paged_rows.h"
+#include "cuda/core/params.h"
+#include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/decode/splitkv_work_item.h"
 
 namespace flash {
 
@@ -79,18 +85,17 @@ struct SplitKvSmem {
   __device__ Element* past_q_slots() const { return q_smem + kQSlots * kQElems; }
 };
 
-// The MMAs of one key tile for one warp: S = Q K^T of its 16 query rows and
-// its slab of the tile's keys, then (once the kernel has applied the score
-// extras and the mask to S) the online softmax and O += P V. The fragments,
-// the shared-memory copies and acc_o are the kernel's, which the role refers
-// to, as the loop body it replaces used them. The score extras and the mask
-// stay in the kernel's loop body: moved into a function (a role method, a
-// free __forceinline__ one or a lambda), or with the role holding the score
-// coordinates or the extras' flags, they changed the kernel's machine code.
+// One warp's MMA state, built once per block, in two parts: its register
+// fragments (SplitKvWarpFragments) and the rest (SplitKvWarpTiling: the
+// MMA, the shared-memory copies that feed the fragments, and where its
+// accumulator elements lie in the tile). Kept as one object, or with the
+// fragments made from partitions of shared-memory views in a constructor,
+// they changed the kernel's machine code (registers held across the loop).
 template <typename Traits, bool kSeveralItems>
-struct SplitKvMma {
+struct SplitKvWarpTiling {
   using Element = typename Traits::Element;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kSlabN = Traits::kSlabN;
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
 
   using WarpMma = typename Traits::WarpMma;
@@ -102,41 +107,170 @@ struct SplitKvMma {
   template <typename TiledCopy>
   using ThrCopyOf = decltype(TiledCopy{}.get_thread_slice(0));
   // The types of the warp's operand fragments over a shared-memory view of
-  // type T.
+  // type T, and of a tensor's (ROW,COL) view.
   template <typename T>
   using FragmentA = decltype(std::declval<const ThrMma&>().partition_fragment_A(std::declval<T>()));
   template <typename T>
   using FragmentB = decltype(std::declval<const ThrMma&>().partition_fragment_B(std::declval<T>()));
+  template <typename T>
+  using RowcolOf = decltype(make_tensor(std::declval<T&>().data(),
+                                        acc_layout_as_rowcol(std::declval<T&>().layout())));
   using SlabQ = decltype(std::declval<const Smem&>().slab_q(0));
   using SlabK = decltype(std::declval<const Smem&>().slab_k(0));
   using SlabVtNoSwizzle = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
                                                typename Traits::SmemLayoutVtSlabNoSwizzle{}));
   using AccO = decltype(partition_fragment_C(WarpMma{}, Shape<_16, Int<kHeadDim>>{}));
-  using AccORowcol =
-      decltype(make_tensor(std::declval<AccO&>().data(), acc_layout_as_rowcol(AccO{}.layout())));
+  // (MMA,MMA_M,MMA_N) -> (row,col) of a warp's 16 x kCols accumulator
+  template <int kCols>
+  using IdentityC = decltype(std::declval<const ThrMma&>().partition_C(
+      make_identity_tensor(Shape<_16, Int<kCols>>{})));
+
+  template <typename T>
+  static __forceinline__ __device__ auto as_rowcol(T&& t) {
+    return make_tensor(t.data(), acc_layout_as_rowcol(t.layout()));
+  }
+
+  WarpMma warp_mma;
+  SmemTiledCopyQ smem_tiled_copy_Q;
+  ThrCopyOf<SmemTiledCopyQ> smem_thr_copy_Q;
+  SmemTiledCopyK smem_tiled_copy_K;
+  ThrCopyOf<SmemTiledCopyK> smem_thr_copy_K;
+  SmemTiledCopyV smem_tiled_copy_V;
+  ThrCopyOf<SmemTiledCopyV> smem_thr_copy_V;
+  // (row, col) of each accumulator element within the warp's 16 x kSlabN
+  // scores and its 16 x kHeadDim output; the warp's rows start at warp_row0
+  // of the tile, its keys at warp_col0 of each key tile.
+  RowcolOf<IdentityC<kSlabN>> tScS_rowcol;    // (ROW,COL) = ((2,MMA_M),(2,MMA_N)) -> (row,col)
+  RowcolOf<IdentityC<kHeadDim>> tOcO_rowcol;  // (ROW,COL) -> (row,col)
+  const int warp_row0;
+  const int warp_col0;
+  static constexpr int kNRows = decltype(size<0>(std::declval<RowcolOf<AccO>&>()))::value;
+  static_assert(kNRows == 2, "a thread holds two rows of the warp's 16");
+
+  __forceinline__ __device__ SplitKvWarpTiling(int lane, int warp_n, int warp_m)
+      : smem_tiled_copy_Q(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma)),
+        smem_thr_copy_Q(smem_tiled_copy_Q.get_thread_slice(lane)),
+        smem_tiled_copy_K(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, warp_mma)),
+        smem_thr_copy_K(smem_tiled_copy_K.get_thread_slice(lane)),
+        smem_tiled_copy_V(make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, warp_mma)),
+        smem_thr_copy_V(smem_tiled_copy_V.get_thread_slice(lane)),
+        tScS_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
+            make_identity_tensor(Shape<_16, Int<kSlabN>>{})))),
+        tOcO_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
+            make_identity_tensor(Shape<_16, Int<kHeadDim>>{})))),
+        warp_row0(16 * warp_m),
+        warp_col0(kSlabN * warp_n) {}
+};
+
+template <typename Traits, bool kSeveralItems>
+struct SplitKvWarpFragments {
+  using Tiling = SplitKvWarpTiling<Traits, kSeveralItems>;
+  typename Tiling::template FragmentA<typename Tiling::SlabQ> tSrQ;             // (MMA,MMA_M,MMA_K)
+  typename Tiling::template FragmentB<typename Tiling::SlabK> tSrK;             // (MMA,MMA_N,MMA_K)
+  typename Tiling::template FragmentB<typename Tiling::SlabVtNoSwizzle> tOrVt;  // (MMA,MMA_D,MMA_K)
+  typename Tiling::AccO acc_o;                                                  // (MMA,MMA_M,MMA_D)
+
+  // acc_o seen as (ROW,COL). Made where it is used rather than held: a view
+  // held here would point into the object itself, which then could not live
+  // in registers.
+  __forceinline__ __device__ auto acc_o_rowcol() { return Tiling::as_rowcol(acc_o); }
+  __forceinline__ __device__ auto acc_o_rowcol() const { return Tiling::as_rowcol(acc_o); }
+};
+
+// How the scores of an instance with score extras are scaled: when softcap,
+// ALiBi or a scale that scale_is_positive_normal turns away is on, the
+// scores are scaled (and capped, and biased) before the softmax, which then
+// exponentiates in log2 units; otherwise the softmax folds the scale into
+// its exponent.
+template <bool kWithScoreExtras>
+struct SplitKvScoreScale {
+  const bool has_alibi;
+  const bool prescale_scores;
+  const float exp_scale_log2;
+  const float lse_scale;
+
+  __forceinline__ __device__ explicit SplitKvScoreScale(const KvcacheParams& params)
+      : has_alibi(kWithScoreExtras && params.alibi_slopes != nullptr),
+        prescale_scores(kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
+                                             !scale_is_positive_normal(params.softmax_scale_log2))),
+        exp_scale_log2(prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2),
+        lse_scale(prescale_scores ? 1.f : params.softmax_scale) {}
+};
+
+// The score extras and the mask of one warp's scores of a key tile, for one
+// item: prescale and softcap, the ALiBi bias per row (packed rows of one
+// tile belong to different query heads, hence a query index and a slope per
+// row), and -inf outside each row's visible keys (applied in the kernel's
+// loop from row_query). Built per item.
+template <typename Traits, typename TScSRowcol, int kNRows>
+struct SplitKvScoreMod {
+  static constexpr int kBlockN = Traits::kBlockN;
+
+  int row_query[kNRows];
+  float row_slope[kNRows];
+
+  template <typename ScoreScale>
+  __forceinline__ __device__ SplitKvScoreMod(const KvcacheParams& params, const SplitKvItem& it,
+                                             const TScSRowcol& tScS_rowcol, const ScoreScale& scale,
+                                             int group, int warp_row0) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const int row = it.row_begin + warp_row0 + get<0>(tScS_rowcol(mi, 0));
+      const PackedRow packed = unpack_row(row, group);
+      row_query[mi] = packed.query;
+      row_slope[mi] = scale.has_alibi && row < it.row_begin + it.rows_left
+                          ? params.alibi_slopes[it.batch * params.alibi_batch_stride +
+                                                it.head_kv * group + packed.head_in_group]
+                          : 0.f;
+    }
+  }
+
+  // The score extras on scores (ROW,COL), the warp's scores of a key tile
+  // whose first key is col_base; tScS_rowcol gives their coordinates.
+  template <typename TensorScores, typename ScoreScale>
+  __forceinline__ __device__ void apply_extras(TensorScores& scores, const TScSRowcol& tScS_rowcol,
+                                               const KvcacheParams& params, const ScoreScale& scale,
+                                               int seqlen_q, int seqlen_k, int col_base) const {
+    if (scale.prescale_scores) {
+      apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+      if (scale.has_alibi) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ++ni) {
+            const int col = col_base + get<1>(tScS_rowcol(0, ni));
+            scores(mi, ni) += alibi_bias(row_slope[mi], row_query[mi], col, seqlen_q, seqlen_k);
+          }
+        }
+      }
+    }
+  }
+};
+
+// The MMAs of one key tile for one warp: S = Q K^T of its 16 query rows and
+// its slab of the tile's keys, then (once the kernel has applied its
+// SplitKvScoreMod to S) the online softmax and O += P V. The warp's tiling
+// and fragments are the kernel's, which the role refers to.
+template <typename Traits, bool kSeveralItems>
+struct SplitKvMma {
+  using Element = typename Traits::Element;
+  static constexpr int kSlabN = Traits::kSlabN;
+  using Smem = SplitKvSmem<Traits, kSeveralItems>;
+  using Tiling = SplitKvWarpTiling<Traits, kSeveralItems>;
+  using Fragments = SplitKvWarpFragments<Traits, kSeveralItems>;
 
   const Smem& smem_tiles;
-  WarpMma& warp_mma;
-  FragmentA<SlabQ>& tSrQ;             // (MMA,MMA_M,MMA_K)
-  FragmentB<SlabK>& tSrK;             // (MMA,MMA_N,MMA_K)
-  FragmentB<SlabVtNoSwizzle>& tOrVt;  // (MMA,MMA_D,MMA_K)
-  AccO& acc_o;                        // (MMA,MMA_M,MMA_D)
-  SmemTiledCopyQ& smem_tiled_copy_Q;
-  ThrCopyOf<SmemTiledCopyQ>& smem_thr_copy_Q;
-  SmemTiledCopyK& smem_tiled_copy_K;
-  ThrCopyOf<SmemTiledCopyK>& smem_thr_copy_K;
-  SmemTiledCopyV& smem_tiled_copy_V;
-  ThrCopyOf<SmemTiledCopyV>& smem_thr_copy_V;
-  AccORowcol& acc_o_rowcol;  // (ROW,COL)
+  Tiling& w;
+  Fragments& f;
 
   // acc_s (MMA,MMA_M,MMA_N) = Q K^T of the warp's rows of its Q slot (tSsQ)
   // and its slab of the K tile in `stage`.
   template <typename TensorAccS, typename TensorSsQ>
   __forceinline__ __device__ void qk(TensorAccS& acc_s, const TensorSsQ& tSsQ, int stage) const {
     clear(acc_s);
-    Tensor tSsK = smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
-    gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, warp_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
-                   smem_thr_copy_Q, smem_thr_copy_K);
+    Tensor tSsK = w.smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
+    gemm_smem_smem(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                   w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
   }
 
   // The online softmax of the scores (acc_s seen as (ROW,COL)), then
@@ -145,13 +279,15 @@ struct SplitKvMma {
   __forceinline__ __device__ void softmax_pv(TensorAccS& acc_s, TensorScores& scores,
                                              Softmax& softmax, float exp_scale_log2,
                                              int stage) const {
+    Tensor acc_o_rowcol = f.acc_o_rowcol();  // (ROW,COL)
     softmax.update(scores, acc_o_rowcol, exp_scale_log2);
 
     Tensor rP = convert_type<Element>(acc_s);  // (MMA,MMA_M,MMA_N)
     // (MMA,MMA_M,MMA_K), K = the slab's keys
     Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
-    Tensor tOsVt = smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
-    gemm_reg_smem(acc_o, tOrP, tOrVt, tOsVt, warp_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    Tensor tOsVt = w.smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
+    gemm_reg_smem(f.acc_o, tOrP, f.tOrVt, tOsVt, w.warp_mma, w.smem_tiled_copy_V,
+                  w.smem_thr_copy_V);
   }
 };
 

@@ -24,6 +24,35 @@
 
 namespace flash {
 
+// This thread's slice of the global -> shared copies of Q and the K/V tiles,
+// and the (row, col) of its copy elements in a Q or K/V tile.
+template <typename Traits>
+struct SplitKvGmemPartition {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  using GmemTiledCopyQKV = typename Traits::GmemTiledCopyQKV;
+  using GmemThrCopyQKV = decltype(GmemTiledCopyQKV{}.get_thread_slice(0));
+  // (M,D) and (N,D) -> (row,col)
+  using IdentityQ = decltype(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using IdentityKV = decltype(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  template <typename T>
+  using PartitionS =
+      decltype(std::declval<const GmemThrCopyQKV&>().partition_S(std::declval<T&>()));
+
+  GmemTiledCopyQKV gmem_tiled_copy_QKV;
+  GmemThrCopyQKV gmem_thr_copy_QKV;
+  PartitionS<IdentityQ> tQcQ;     // (CPY,CPY_M,CPY_D) -> (row,col)
+  PartitionS<IdentityKV> tKVcKV;  // (CPY,CPY_N,CPY_D) -> (row,col)
+
+  __forceinline__ __device__ explicit SplitKvGmemPartition(int tidx)
+      : gmem_thr_copy_QKV(gmem_tiled_copy_QKV.get_thread_slice(tidx)),
+        tQcQ(gmem_thr_copy_QKV.partition_S(
+            make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}))),
+        tKVcKV(gmem_thr_copy_QKV.partition_S(
+            make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}))) {}
+};
+
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvTileLoader {
   using Element = typename Traits::Element;
@@ -245,9 +274,18 @@ struct SplitKvItemAdvance<Traits, kLayout, false, kAppends> {
   __device__ void operator()() const { load_item = num_items; }
 };
 
-// The stream's next tile into `stage` (with its item's Q if it is the item's
-// first), and the table reads of the tile after it; one commit group, empty
-// past the stream's end.
+// The stream of copies: the key tiles of the block's items, item after item,
+// each from its last key block down (so that the block on a causal diagonal
+// comes first), an item's Q with its first tile. Items without keys are
+// skipped: they only write their empty output. Tile t of the stream lives in
+// stage t % kStages and is commit group t; every step commits one group,
+// empty or not, so "all but the newest kStages - 1 groups done" always means
+// "the tile about to be computed is here". With several items, the inputs of
+// the stream's next item are loaded one item ahead.
+//
+// load_next_tile: the stream's next tile into `stage` (with its item's Q if
+// it is the item's first), and the table reads of the tile after it; one
+// commit group, empty past the stream's end.
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvProducer {
   using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
@@ -278,5 +316,22 @@ struct SplitKvProducer {
     cute::cp_async_fence();
   }
 };
+
+// A decode step's append (SplitKvAppend) after the stream's prologue has
+// issued its first kStages tiles: its work waits for the first tile's group,
+// which the first tile step waits for anyway; the other stages stay in
+// flight meanwhile.
+template <int kStages, typename Append>
+__forceinline__ __device__ void splitkv_append_after_prologue(const Append& append,
+                                                              const SplitKvItem& first_item,
+                                                              bool appending, bool rotating) {
+  cute::cp_async_wait<kStages - 1>();
+  __syncthreads();
+  if (rotating) {
+    append.rotate_in_smem(first_item);
+    __syncthreads();
+  }
+  if (appending) append.append_to_cache(first_item);
+}
 
 }  // namespace flash

@@ -29,6 +29,21 @@ struct SplitKvScheduler {
   __device__ SplitKvItem item_at(int item, const SplitKvItemInputs& inputs) const {
     return splitkv_item<kBlockM, kBlockN>(params, item, num_m_blocks, inputs);
   }
+  // `it`: the item the block computes as its `item`, set to the block's
+  // first item by the caller. A later one comes from next_inputs, loaded one
+  // item ahead, which then start loading for the item after it. (An item
+  // returned by value here, rather than set in place, changed the kernel's
+  // machine code.)
+  template <bool kSeveralItems>
+  __forceinline__ __device__ void to_item(SplitKvItem& it, int item,
+                                          SplitKvItemInputs& next_inputs) const {
+    if constexpr (kSeveralItems) {
+      if (item != int(blockIdx.x)) {
+        it = item_at(item, next_inputs);
+        next_inputs = splitkv_item_inputs(params, next_item(item));  // in flight while `it` runs
+      }
+    }
+  }
 };
 
 }  // namespace flash
