@@ -34,7 +34,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, "
       "int window_size_left, int window_size_right, float softcap, bool deterministic, "
-      "Tensor? rng_state) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state, *, Tensor(a!)? softmax_d=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? block_table, Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, "
@@ -48,7 +48,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, int max_seqlen_q, "
       "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
       "int window_size_left, int window_size_right, float softcap, bool deterministic, "
-      "Tensor? rng_state, *, Tensor? seqused_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!)? softmax_d=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "

@@ -181,13 +181,16 @@ def _grad_needed(q, k, v, alibi_slopes, learnable_sink=None) -> bool:
     )
 
 
-def _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q=None):
+def _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q=None, softmax_d=None):
     # d sink_h = -sum_i exp(sink_h - lse_i) * D_i with D_i = rowsum(dO_i * O_i)
     # (torch.ops.flash_attn.sink_grad), D in fp32 and in the lse's layout:
-    # (batch, nheads, seqlen_q), or (nheads, total_q) for varlen. The padded
-    # head-dim columns of dout and out are zeros and add nothing.
-    softmax_d = (dout.float() * out.float()).sum(-1)
-    softmax_d = softmax_d.transpose(1, 2) if softmax_d.dim() == 3 else softmax_d.t()
+    # (batch, nheads, seqlen_q), or (nheads, total_q) for varlen. A backward
+    # op that ran leaves D in its softmax_d; without one (only the sink needs
+    # a gradient) it is computed here, from fp32 copies of dout and out. The
+    # padded head-dim columns of dout and out are zeros and add nothing.
+    if softmax_d is None:
+        softmax_d = (dout.float() * out.float()).sum(-1)
+        softmax_d = softmax_d.transpose(1, 2) if softmax_d.dim() == 3 else softmax_d.t()
     d_sink = torch.ops.flash_attn.sink_grad(softmax_lse, softmax_d, learnable_sink, cu_seqlens_q)
     return d_sink.to(learnable_sink.dtype)
 
@@ -301,11 +304,12 @@ class _FlashAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
         q, k, v, out, softmax_lse, rng_state, alibi_slopes, learnable_sink = ctx.saved_tensors
         dout = _prepare(dout)
-        d_sink = None
-        if ctx.needs_input_grad[12]:
-            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out)
+        sink_needs_grad = ctx.needs_input_grad[12]
         if not any(ctx.needs_input_grad[:3]):
+            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out) if sink_needs_grad else None
             return (None,) * 12 + (d_sink,)
+        # D = rowsum(dO * O), which the backward computes anyway, for sink_grad.
+        softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.bwd(
             dout,
             q,
@@ -322,7 +326,11 @@ class _FlashAttnFunc(torch.autograd.Function):
             ctx.softcap,
             ctx.deterministic,
             rng_state,
+            softmax_d=softmax_d,
         )
+        d_sink = None
+        if sink_needs_grad:
+            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, softmax_d=softmax_d)
         grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
         return grads + (None,) * 9 + (d_sink,)
 
@@ -415,11 +423,13 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
          seqused_k, learnable_sink) = ctx.saved_tensors
         dout = _prepare(dout)
-        d_sink = None
-        if ctx.needs_input_grad[18]:
-            d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
+        sink_needs_grad = ctx.needs_input_grad[18]
         if not any(ctx.needs_input_grad[:3]):
+            d_sink = None
+            if sink_needs_grad:
+                d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
             return (None,) * 18 + (d_sink,)
+        softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             dout,
             q,
@@ -441,7 +451,13 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             ctx.deterministic,
             rng_state,
             seqused_k=seqused_k,
+            softmax_d=softmax_d,
         )
+        d_sink = None
+        if sink_needs_grad:
+            d_sink = _sink_grad(
+                learnable_sink, softmax_lse, dout, out, cu_seqlens_q, softmax_d=softmax_d
+            )
         grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
         return grads + (None,) * 15 + (d_sink,)
 

@@ -83,7 +83,10 @@ def _bwd_fake(
     softcap: float,
     deterministic: bool,
     rng_state: Optional[torch.Tensor],
+    *,
+    softmax_d: Optional[torch.Tensor] = None,
 ):
+    # softmax_d, when given, is written in place (schema (a!)).
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
 
@@ -163,6 +166,7 @@ def _varlen_bwd_fake(
     rng_state: Optional[torch.Tensor],
     *,
     seqused_k: Optional[torch.Tensor] = None,
+    softmax_d: Optional[torch.Tensor] = None,
 ):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 

@@ -574,6 +574,40 @@ def test_opcheck_sink_grad(device):
     opcheck(ops.sink_grad.default, (lse[0], d[0], sink, cu), {})
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_ops_hand_out_d(device, varlen):
+    """softmax_d= of bwd / varlen_bwd receives D = rowsum(dO * O) in the lse's
+    layout (what sink_grad reads), and the gradients do not change."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    batch, seqlen, nheads, head_dim = 2, 37, 4, 64
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=dtype)
+                     for _ in range(4))
+    args = (0.0, head_dim ** -0.5, True, -1, 0, 0.0)
+    if varlen:
+        q, k, v, dout = (t.reshape(batch * seqlen, nheads, head_dim) for t in (q, k, v, dout))
+        cu = torch.tensor([0, 30, batch * seqlen], dtype=torch.int32, device=device)
+        out, lse, _, rng = ops.varlen_fwd(q, k, v, cu, cu, None, None, 44, 44, *args[:6],
+                                          False, 0, 0, None)
+        bwd_args = (dout, q, k, v, out, lse, cu, cu, None, 44, 44, *args, False, rng)
+        bwd = ops.varlen_bwd
+        expected = (dout.float() * out.float()).sum(-1).t()
+    else:
+        out, lse, _, rng = ops.fwd(q, k, v, None, *args, False, 0, 0, None)
+        bwd_args = (dout, q, k, v, out, lse, None, *args, False, rng)
+        bwd = ops.bwd
+        expected = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    plain = bwd(*bwd_args)
+    softmax_d = torch.full_like(lse, float("nan"))
+    with_d = bwd(*bwd_args, softmax_d=softmax_d)
+    for a, b in zip(plain, with_d):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(softmax_d, expected, atol=1e-3, rtol=1e-3)
+    opcheck(bwd.default, bwd_args, dict(softmax_d=torch.empty_like(lse)))
+    with pytest.raises(RuntimeError, match="softmax_d must have the shape of softmax_lse"):
+        bwd(*bwd_args, softmax_d=torch.empty(3, device=device))
+
+
 # ------------------------------------------------------------- torch.compile
 
 

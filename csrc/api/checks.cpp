@@ -435,6 +435,21 @@ std::optional<at::Tensor> check_learnable_sink(const char* prefix,
   return sink.contiguous();
 }
 
+void check_softmax_d_out(const char* prefix, const std::optional<at::Tensor>& softmax_d,
+                         const at::Tensor& softmax_lse) {
+  if (!softmax_d.has_value()) return;
+  const at::Tensor& d = *softmax_d;
+  TORCH_CHECK(d.scalar_type() == at::kFloat, prefix, ": softmax_d must have dtype float32, got ",
+              d.scalar_type());
+  TORCH_CHECK(d.device() == softmax_lse.device(), prefix,
+              ": softmax_d must be on the device of softmax_lse (", softmax_lse.device(), "), got ",
+              d.device());
+  TORCH_CHECK(d.sizes() == softmax_lse.sizes(), prefix,
+              ": softmax_d must have the shape of softmax_lse (", softmax_lse.sizes(), "), got ",
+              d.sizes());
+  TORCH_CHECK(d.is_contiguous(), prefix, ": softmax_d must be contiguous");
+}
+
 Window normalize_window(bool causal, int64_t window_size_left, int64_t window_size_right,
                         int64_t seqlen_k) {
   auto side = [seqlen_k](int64_t w) -> int {

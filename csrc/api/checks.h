@@ -120,6 +120,12 @@ void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& 
                    at::IntArrayRef expected, const char* layout,
                    std::initializer_list<const at::Tensor*> inputs);
 
+// softmax_d of the backward ops: where the caller wants D = rowsum(dO * O),
+// the backward's by-product that sink_grad needs; fp32, contiguous, in the
+// layout of softmax_lse. Absent: the op keeps D to itself.
+void check_softmax_d_out(const char* prefix, const std::optional<at::Tensor>& softmax_d,
+                         const at::Tensor& softmax_lse);
+
 // learnable_sink (attention sinks, docs/architecture.md "The op contract") of
 // any forward op (`prefix` starts the message, "flash_attn" or "fwd_kvcache"):
 // fp32, 1-D of nheads (the query heads) elements, on q's device. Returns it

@@ -119,6 +119,10 @@ struct BackwardTensors {
   RowStrides dk_strides;
   void* dv;
   RowStrides dv_strides;
+  // Null, or where D = rowsum(dO * O) of every query row goes, addressed like
+  // the lse (the backward ops' softmax_d, which sink_grad reads).
+  float* delta_out = nullptr;
+  RowStrides delta_out_strides{};
 };
 
 // Recomputes P from q, k and lse; dS = P * (dP - rowsum(dO * O)). Every row of

@@ -277,6 +277,9 @@ Delta compute_delta(const AttentionProblem& p, const BackwardTensors& t) {
           sum += static_cast<float>(dout[dd]) * static_cast<float>(out[dd]);
         }
         delta.values[(delta.query_row_base[item.batch] + i) * p.nheads + item.head] = sum;
+        if (t.delta_out != nullptr) {
+          t.delta_out[lse_offset(t.delta_out_strides, span, i, item.head)] = sum;
+        }
       }
     }
   });

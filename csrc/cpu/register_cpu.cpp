@@ -151,11 +151,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& out, const at::Tensor& softmax_lse,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+    bool deterministic, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& softmax_d) {
   (void)deterministic;  // the CPU backward is always deterministic
   const FwdShape shape =
       check_bwd_args(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale,
                      window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+  check_softmax_d_out("flash_attn", softmax_d, softmax_lse);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
@@ -175,6 +177,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   tensors.out_strides = fixed_strides(out);
   tensors.lse = softmax_lse.data_ptr<float>();
   tensors.lse_strides = {softmax_lse.stride(0), softmax_lse.stride(2), softmax_lse.stride(1)};
+  if (softmax_d.has_value()) {
+    tensors.delta_out = softmax_d->data_ptr<float>();
+    tensors.delta_out_strides = {softmax_d->stride(0), softmax_d->stride(2), softmax_d->stride(1)};
+  }
   tensors.dq = dq.data_ptr();
   tensors.dq_strides = fixed_strides(dq);
   tensors.dk = dk.data_ptr();
@@ -291,12 +297,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& alibi_slopes,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& softmax_d) {
   (void)deterministic;  // the CPU backward is always deterministic
   const VarlenShape shape =
       check_varlen_bwd_args(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+  check_softmax_d_out("flash_attn", softmax_d, softmax_lse);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, IndexArg::kCuSeqlensK);
   const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
@@ -328,6 +336,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   tensors.out_strides = varlen_strides(out);
   tensors.lse = softmax_lse.data_ptr<float>();
   tensors.lse_strides = {0, softmax_lse.stride(1), softmax_lse.stride(0)};
+  if (softmax_d.has_value()) {
+    tensors.delta_out = softmax_d->data_ptr<float>();
+    tensors.delta_out_strides = {0, softmax_d->stride(1), softmax_d->stride(0)};
+  }
   tensors.dq = dq.data_ptr();
   tensors.dq_strides = varlen_strides(dq);
   tensors.dk = dk.data_ptr();

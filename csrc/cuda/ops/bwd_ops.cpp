@@ -68,7 +68,8 @@ BwdPlan plan_for(BwdParams& params) {
   return plan;
 }
 
-// The fp32 work buffers of the backward: D, the dQ accumulator (zeroed) and,
+// The fp32 work buffers of the backward: D (the caller's softmax_d when it
+// asked for it), the dQ accumulator (zeroed) and,
 // under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
 // per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
 // or (nheads, total_k), then the compiled head dim. Reads the shape fields of
@@ -81,10 +82,11 @@ struct BwdWorkspace {
 };
 
 BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse,
-                                at::IntArrayRef dkv_accum_shape, int compiled_head_dim) {
+                                at::IntArrayRef dkv_accum_shape, int compiled_head_dim,
+                                const std::optional<at::Tensor>& softmax_d_out) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
   BwdWorkspace ws;
-  ws.softmax_d = at::empty_like(softmax_lse, f32);
+  ws.softmax_d = softmax_d_out.has_value() ? *softmax_d_out : at::empty_like(softmax_lse, f32);
   // dQ accumulator: every sequence padded to whole query blocks
   // (bwd_accum_layout.h).
   const bool varlen = params.cu_seqlens_q != nullptr;
@@ -129,10 +131,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool deterministic, const std::optional<at::Tensor>& rng_state) {
+    bool deterministic, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& softmax_d) {
   const FwdShape shape = check_bwd_args(dout_in, q_in, k_in, v_in, out_in, softmax_lse_in,
                                         alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
                                         window_size_right, softcap, rng_state, kCudaDtypes);
+  check_softmax_d_out("flash_attn", softmax_d, softmax_lse_in);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -144,10 +148,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim}, q_in.options());
   at::Tensor dv = at::empty_like(dk);
   if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
-    // No query sees a key: every gradient is zero.
+    // No query sees a key: every gradient is zero, and so is every output row.
     dq.zero_();
     dk.zero_();
     dv.zero_();
+    if (softmax_d.has_value()) softmax_d->zero_();
     return {dq, dk, dv};
   }
 
@@ -182,8 +187,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
-  const BwdWorkspace workspace = make_bwd_workspace(
-      params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled);
+  const BwdWorkspace workspace =
+      make_bwd_workspace(params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled},
+                         compiled, softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, dv};
 }
@@ -195,11 +201,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& softmax_d) {
   const VarlenShape shape = check_varlen_bwd_args(
       dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k, seqused_k,
       alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
       window_size_right, softcap, rng_state, kCudaDtypes);
+  check_softmax_d_out("flash_attn", softmax_d, softmax_lse_in);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
@@ -212,6 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   at::Tensor dv = at::zeros_like(dk);
   if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
       shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
+    if (softmax_d.has_value()) softmax_d->zero_();
     return {dq, dk, dv};
   }
 
@@ -250,8 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
-  const BwdWorkspace workspace =
-      make_bwd_workspace(params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled);
+  const BwdWorkspace workspace = make_bwd_workspace(
+      params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {dq, dk, dv};

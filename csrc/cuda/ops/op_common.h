@@ -115,7 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
-    bool deterministic, const std::optional<at::Tensor>& rng_state);
+    bool deterministic, const std::optional<at::Tensor>& rng_state,
+    const std::optional<at::Tensor>& softmax_d);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -124,7 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k);
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& softmax_d);
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
