@@ -49,7 +49,7 @@ at::Tensor sink_grad(const at::Tensor& softmax_lse, const at::Tensor& softmax_d,
 
   if (!varlen) {
     const at::Tensor p_sink = at::exp(learnable_sink.view({1, nheads, 1}) - softmax_lse);
-    return -(p_sink * softmax_d).sum({0, 2});
+    return -(p_sink * softmax_d).sum(at::IntArrayRef{0, 2});
   }
   const at::Tensor& cu = *cu_seqlens_q;
   TORCH_CHECK(cu.scalar_type() == at::kInt, "sink_grad: cu_seqlens_q must have dtype int32, got ",
@@ -66,7 +66,7 @@ at::Tensor sink_grad(const at::Tensor& softmax_lse, const at::Tensor& softmax_d,
   const at::Tensor used = rows.ge(cu.select(0, 0)).logical_and(rows.lt(cu.select(0, -1)));
   const at::Tensor terms =
       at::where(used.view({1, -1}), p_sink * softmax_d, at::zeros({}, softmax_lse.options()));
-  return -terms.sum(1);
+  return -terms.sum(at::IntArrayRef{1});
 }
 
 }  // namespace
