@@ -531,7 +531,15 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 
 
 def opcheck(op, args, kwargs):
-    torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
+    try:
+        torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
+    except Exception as exc:
+        # opcheck wraps the op's error; a kernel that a reduced build left
+        # out is a skip (as conftest makes of the unwrapped error), not a failure.
+        cause = exc.__cause__
+        if cause is not None and "which this build left out" in str(cause):
+            pytest.skip(str(cause))
+        raise
 
 
 @pytest.mark.parametrize("device", DEVICES)
