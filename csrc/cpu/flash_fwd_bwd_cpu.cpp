@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/sink_norm.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/attention_tiles.h"
 
@@ -188,19 +189,14 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
       // A row that sees no key: output 0, lse +inf (so that P = exp(s - lse) =
       // 0), or with a sink the sink's own lse, log(exp(sink)).
       for (int dd = 0; dd < d; ++dd) out_row[dd] = static_cast<T>(0.f);
-      lse = sink == kNegInf ? kPosInf : sink;
+      lse = empty_row_lse(sink);
     } else if (sink == kNegInf) {
       store_row(sc.acc.data() + r * d, out_row, d, rescale / sc.row_sum[r]);
       lse = sc.row_max[r] + std::log(sc.row_sum[r]);
     } else {
-      // Against m = max(row max, sink) both exps are at most 1: a sink far
-      // above (or below) the scores can neither overflow nor take the row's
-      // whole sum to 0.
-      const float m = std::max(sc.row_max[r], sink);
-      const float kept = std::exp(sc.row_max[r] - m);
-      const float denominator = sc.row_sum[r] * kept + std::exp(sink - m);
-      store_row(sc.acc.data() + r * d, out_row, d, rescale * kept / denominator);
-      lse = m + std::log(denominator);
+      const RowNorm norm = row_norm_with_sink(sc.row_max[r], sc.row_sum[r], false, sink, rescale);
+      store_row(sc.acc.data() + r * d, out_row, d, norm.out_scale);
+      lse = norm.lse;
     }
   }
   if (o.probs != nullptr) write_probabilities<T>(p, o, b, h, m0, rows, sc);

@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/sink_norm.h"
 #include "cuda/core/params.h"
 
 namespace flash {
@@ -48,28 +49,6 @@ __forceinline__ __device__ float row_lse(float row_max, float row_sum, float lse
 // which adds exp(-inf) = 0 to every denominator.
 __forceinline__ __device__ float row_sink(const FwdParams& params, int head) {
   return params.learnable_sink != nullptr ? params.learnable_sink[head] : -INFINITY;
-}
-
-// The lse of a row that saw no key: +inf, or the sink alone.
-__forceinline__ __device__ float empty_row_lse(float sink) {
-  return sink == -INFINITY ? INFINITY : sink;
-}
-
-// A row's final normalisation with its sink's exp(sink - m) in the
-// denominator. m_nat is the row max in natural score units, row_sum the sum of
-// exp(s - m_nat) over its keys. Taking m = max(m_nat, sink) keeps both exps
-// at most 1, so a sink far above the scores cannot overflow.
-struct RowNorm {
-  float out_scale;  // multiplies the row's unnormalised output
-  float lse;
-};
-__forceinline__ __device__ RowNorm row_norm_with_sink(float m_nat, float row_sum, bool empty,
-                                                      float sink, float out_rescale) {
-  if (empty) return {0.f, empty_row_lse(sink)};
-  const float m = fmaxf(m_nat, sink);
-  const float kept = expf(m_nat - m);
-  const float denom = row_sum * kept + expf(sink - m);
-  return {out_rescale * kept / denom, m + logf(denom)};
 }
 
 template <int kNRows>
