@@ -101,11 +101,18 @@ def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str)
         )
 
 
-def _check_head_dim(q: torch.Tensor) -> None:
-    # Checked before padding, so that the message names the caller's head dim.
+def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+    # Checked before padding, so that the messages name the caller's head dims.
     if q.shape[-1] > _MAX_HEAD_DIM:
         raise ValueError(
             f"head dimension (last dim of q) must be at most {_MAX_HEAD_DIM}, got {q.shape[-1]}"
+        )
+    # v may have a smaller head dim d_v than q and k (d_qk); padding both to a
+    # multiple of 8 could hide a larger one from the op.
+    if v is not None and isinstance(v, torch.Tensor) and v.shape[-1] > q.shape[-1]:
+        raise ValueError(
+            f"the head dim of v (d_v = {v.shape[-1]}) must not exceed the head dim of q and k "
+            f"(d_qk = {q.shape[-1]})"
         )
 
 
@@ -267,7 +274,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         rng_state,
         learnable_sink,
     ):
-        head_dim = q.shape[-1]
+        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.fwd(
             q_padded,
@@ -291,6 +298,7 @@ class _FlashAttnFunc(torch.autograd.Function):
             learnable_sink,
         )
         ctx.head_dim = head_dim
+        ctx.head_dim_v = head_dim_v
         ctx.dropout_p = dropout_p
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -298,7 +306,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         ctx.softcap = softcap
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(softmax_lse, s_dmask)
-        return _unpad_head_dim(out_padded, head_dim), softmax_lse, s_dmask
+        return _unpad_head_dim(out_padded, head_dim_v), softmax_lse, s_dmask
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
@@ -331,7 +339,11 @@ class _FlashAttnFunc(torch.autograd.Function):
         d_sink = None
         if sink_needs_grad:
             d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, softmax_d=softmax_d)
-        grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
+        grads = (
+            _unpad_head_dim(dq, ctx.head_dim),
+            _unpad_head_dim(dk, ctx.head_dim),
+            _unpad_head_dim(dv, ctx.head_dim_v),
+        )
         return grads + (None,) * 9 + (d_sink,)
 
 
@@ -361,7 +373,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         seqused_k,
         learnable_sink,
     ):
-        head_dim = q.shape[-1]
+        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.varlen_fwd(
             q_padded,
@@ -401,6 +413,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
+        ctx.head_dim_v = head_dim_v
         ctx.max_seqlen_q = max_seqlen_q
         ctx.max_seqlen_k = max_seqlen_k
         ctx.dropout_p = dropout_p
@@ -410,7 +423,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         ctx.softcap = softcap
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(softmax_lse, s_dmask)
-        return _unpad_head_dim(out_padded, head_dim), softmax_lse, s_dmask
+        return _unpad_head_dim(out_padded, head_dim_v), softmax_lse, s_dmask
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
@@ -458,7 +471,11 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             d_sink = _sink_grad(
                 learnable_sink, softmax_lse, dout, out, cu_seqlens_q, softmax_d=softmax_d
             )
-        grads = tuple(_unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
+        grads = (
+            _unpad_head_dim(dq, ctx.head_dim),
+            _unpad_head_dim(dk, ctx.head_dim),
+            _unpad_head_dim(dv, ctx.head_dim_v),
+        )
         return grads + (None,) * 15 + (d_sink,)
 
 
@@ -466,16 +483,18 @@ def _attention(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs, out=None, learnable_sink=None,
 ):
-    _check_head_dim(q)
+    _check_head_dim(q, v)
     _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     if out is not None:
         fn = "flash_attn_func"
-        _check_out(out, fn, q, q.shape, "(batch_size, seqlen_q, nheads, headdim)")
+        _check_out(
+            out, fn, q, q.shape[:-1] + v.shape[-1:], "(batch_size, seqlen_q, nheads, headdim)"
+        )
         _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
-        target = _padded_target(out, q_padded.shape[-1])
+        target = _padded_target(out, v_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd_out(
             q_padded, k_padded, v_padded, alibi_slopes, dropout_p,
             _default_softmax_scale(softmax_scale, q.shape[-1]), causal, window[0], window[1],
@@ -484,8 +503,7 @@ def _attention(
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    head_dim = q.shape[-1]
-    softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
+    softmax_scale = _default_softmax_scale(softmax_scale, q.shape[-1])
     # As in flash-attn: the probabilities are only materialised when there is a
     # dropout pattern to report; otherwise S_dmask is empty.
     return_softmax = return_attn_probs and dropout_p > 0.0
@@ -495,7 +513,7 @@ def _attention(
             causal, window[0], window[1], softcap, return_softmax, 0, 0,
             _draw_rng_state(dropout_p, q.device), learnable_sink=learnable_sink,
         )
-        out = _unpad_head_dim(out, head_dim)
+        out = _unpad_head_dim(out, v.shape[-1])
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
     q, k, v, alibi_slopes, learnable_sink = _distinct(q, k, v, alibi_slopes, learnable_sink)
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
@@ -522,7 +540,7 @@ def _varlen_attention(
     return_attn_probs, block_table, seqused_k=None, out=None, learnable_sink=None,
 ):
     fn = "flash_attn_varlen_func"
-    _check_head_dim(q)
+    _check_head_dim(q, v)
     if cu_seqlens_k is None:
         # vLLM's form of a paged call: the keys of each sequence come from
         # seqused_k alone. The op still takes offsets; zeros are valid ones.
@@ -543,10 +561,10 @@ def _varlen_attention(
     max_seqlen_k = _as_int(max_seqlen_k, "max_seqlen_k")
     softmax_scale = _default_softmax_scale(softmax_scale, q.shape[-1])
     if out is not None:
-        _check_out(out, fn, q, q.shape, "(total_q, nheads, headdim)")
+        _check_out(out, fn, q, q.shape[:-1] + v.shape[-1:], "(total_q, nheads, headdim)")
         _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
-        target = _padded_target(out, q_padded.shape[-1])
+        target = _padded_target(out, v_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
             q_padded, k_padded, v_padded, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
             max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window[0], window[1],
@@ -557,7 +575,7 @@ def _varlen_attention(
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
     if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
-        head_dim = q.shape[-1]
+        head_dim_v = v.shape[-1]
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd(
             _prepare(q), _prepare(k), _prepare(v), cu_seqlens_q, cu_seqlens_k, block_table,
             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -565,7 +583,7 @@ def _varlen_attention(
             _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k,
             learnable_sink=learnable_sink,
         )
-        out = _unpad_head_dim(out, head_dim)
+        out = _unpad_head_dim(out, head_dim_v)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k,
      learnable_sink) = _distinct(
@@ -1083,8 +1101,8 @@ def flash_attn_with_kvcache(
     """
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
-    _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
-    _check_head_dim(q)
+    _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim_v)")
+    _check_head_dim(q, v_cache)
     # The caches are written in place, so a copy to fix their layout would
     # silently drop the update.
     if k_cache.stride(-1) != 1:
@@ -1098,10 +1116,10 @@ def flash_attn_with_kvcache(
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
     if out is not None:
-        _check_out(out, "flash_attn_with_kvcache", q, q.shape,
+        _check_out(out, "flash_attn_with_kvcache", q, q.shape[:-1] + v_cache.shape[-1:],
                    "(batch_size, seqlen_q, nheads, headdim)")
     window = _attention_window(causal, window_size)
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
     softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full(
@@ -1140,14 +1158,15 @@ def flash_attn_with_kvcache(
     if out is None:
         out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, learnable_sink=learnable_sink)
     else:
-        target = _padded_target(out, q.shape[-1])
+        target = _padded_target(out, v_cache_used.shape[-1])
         softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
             *args, out=target, learnable_sink=learnable_sink
         )
         out = _copy_back(out, target)
-    if k_cache_used is not k_cache:
-        out = _unpad_head_dim(out, head_dim)
-        if k is not None:
+    out = _unpad_head_dim(out, head_dim_v)
+    if k is not None:
+        if k_cache_used is not k_cache:
             k_cache.copy_(k_cache_used[..., :head_dim])
-            v_cache.copy_(v_cache_used[..., :head_dim])
+        if v_cache_used is not v_cache:
+            v_cache.copy_(v_cache_used[..., :head_dim_v])
     return (out, softmax_lse) if return_softmax_lse else out

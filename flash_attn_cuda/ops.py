@@ -21,6 +21,11 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(t.shape)
 
 
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # out has q's shape with the head dim of v (d_v <= d_qk).
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
 def _rng_state_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((2,), dtype=torch.int64, device=q.device)
 
@@ -44,7 +49,7 @@ def _fwd_fake(
     *,
     learnable_sink: Optional[torch.Tensor] = None,
 ):
-    return (_contiguous_like(q),) + _fwd_results(q, k, return_softmax)
+    return (_out_like(q, v),) + _fwd_results(q, k, return_softmax)
 
 
 def _fwd_results(q, k, return_softmax):
@@ -117,7 +122,7 @@ def _varlen_fwd_fake(
 ):
     lse, s_dmask, rng = _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                             return_softmax)
-    return _contiguous_like(q), lse, s_dmask, rng
+    return _out_like(q, v), lse, s_dmask, rng
 
 
 def _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax):
@@ -198,7 +203,7 @@ def _fwd_kvcache_fake(
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
     batch, seqlen_q, nheads, _ = q.shape
-    out = _contiguous_like(q)
+    out = _out_like(q, v_cache)
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, softmax_lse
 

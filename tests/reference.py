@@ -154,7 +154,7 @@ def varlen_attention_ref(
     learnable_sink=None,
 ):
     """Varlen attention by a loop over the sequences: q (total_q, nheads, d),
-    k / v (total_k, nheads_k, d). The window is normalised against
+    k (total_k, nheads_k, d), v (total_k, nheads_k, d_v). The window is normalised against
     max_seqlen_k (default: the longest key sequence), as the ops do.
     keep_masks: None or a list of bool (nheads, seqlen_q_b, seqlen_k_b).
     learnable_sink: None or (nheads), as in attention_ref.
@@ -172,7 +172,7 @@ def varlen_attention_ref(
         max_seqlen_k = max([cu_k[b + 1] - cu_k[b] for b in range(batch)] + [0])
     left, right = normalize_window(causal, window_size[0], window_size[1], max_seqlen_k)
     nheads = q.shape[1]
-    out = q.new_zeros(q.shape, dtype=compute_dtype)
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=compute_dtype)  # v may have d_v < d
     lse = torch.full((nheads, q.shape[0]), float("inf"), dtype=compute_dtype, device=q.device)
     pieces_out, pieces_lse = [], []
     for b in range(batch):

@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace flash {
 namespace {
@@ -63,6 +64,21 @@ void check_head_dim(int64_t head_dim) {
   TORCH_CHECK(head_dim >= 8 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
               "flash_attn: head dimension (last dim of q) must be a multiple of 8 in [8, ",
               kMaxHeadDim, "], got ", head_dim);
+}
+
+// v has k's shape but for its last dim, d_v: a multiple of 8 in [8, d_qk]
+// (the op contract's "Head dims").
+int64_t check_v_shape(const at::Tensor& v, const at::Tensor& k, int64_t head_dim) {
+  const int64_t head_dim_v = v.size(-1);
+  TORCH_CHECK(head_dim_v <= head_dim, "flash_attn: the head dim of v (d_v = ", head_dim_v,
+              ") must not exceed the head dim of q and k (d_qk = ", head_dim, ")");
+  TORCH_CHECK(head_dim_v >= 8 && head_dim_v % 8 == 0,
+              "flash_attn: the head dim of v (d_v = ", head_dim_v,
+              ") must be a multiple of 8 in [8, d_qk = ", head_dim, "]");
+  TORCH_CHECK(v.sizes().slice(0, v.dim() - 1) == k.sizes().slice(0, k.dim() - 1),
+              "flash_attn: v must have the shape of k (", k.sizes(),
+              ") but for its last dim (d_v), got ", v.sizes());
+  return head_dim_v;
 }
 
 void check_heads(int64_t nheads, int64_t nheads_k) {
@@ -152,14 +168,20 @@ void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_last_dim_contiguous(v, "v");
 }
 
-void check_grad_io(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& q) {
+// dout and out: q's shape with the head dim of v.
+void check_grad_io(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& q,
+                   int64_t head_dim_v) {
   check_same_dtype(dout, "dout", q);
   check_same_dtype(out, "out", q);
   check_same_device(dout, "dout", q);
   check_same_device(out, "out", q);
-  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q (", q.sizes(),
+  std::vector<int64_t> expected(q.sizes().begin(), q.sizes().end());
+  expected.back() = head_dim_v;
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(expected),
+              "flash_attn: dout must have the shape of q with the head dim of v (", expected,
               "), got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have the shape of q (", q.sizes(),
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(expected),
+              "flash_attn: out must have the shape of q with the head dim of v (", expected,
               "), got ", out.sizes());
   check_last_dim_contiguous(dout, "dout");
   check_last_dim_contiguous(out, "out");
@@ -200,8 +222,7 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim,
               "flash_attn: k must have shape (batch, seqlen_k, nheads_k, head_dim) with batch = ",
               batch, " and head_dim = ", head_dim, " as in q, got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn: v must have the shape of k (", k.sizes(),
-              "), got ", v.sizes());
+  const int64_t head_dim_v = check_v_shape(v, k, head_dim);
   check_heads(nheads, nheads_k);
   check_scalars(dropout_p, softcap);
   check_window_arg(window_size_left, "window_size_left");
@@ -211,7 +232,8 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
   return {checked_int(batch, "batch"),       checked_int(seqlen_q, "seqlen_q"),
           checked_int(seqlen_k, "seqlen_k"), checked_int(nheads, "nheads"),
-          checked_int(nheads_k, "nheads_k"), static_cast<int>(head_dim)};
+          checked_int(nheads_k, "nheads_k"), static_cast<int>(head_dim),
+          static_cast<int>(head_dim_v)};
 }
 
 FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
@@ -223,7 +245,7 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, allowed_dtypes);
-  check_grad_io(dout, out, q);
+  check_grad_io(dout, out, q, shape.head_dim_v);
   check_lse(softmax_lse, q, {shape.batch, shape.nheads, shape.seqlen_q},
             "(batch, nheads, seqlen_q)");
   check_backward_dropout(dropout_p, rng_state);
@@ -255,8 +277,7 @@ VarlenShape check_varlen_fwd_args(
   check_head_dim(head_dim);
   TORCH_CHECK(k.size(-1) == head_dim, "flash_attn: k must have the head_dim of q (", head_dim,
               "), got shape ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn: v must have the shape of k (", k.sizes(),
-              "), got ", v.sizes());
+  const int64_t head_dim_v = check_v_shape(v, k, head_dim);
   check_heads(nheads, nheads_k);
 
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
@@ -275,6 +296,7 @@ VarlenShape check_varlen_fwd_args(
   shape.nheads = checked_int(nheads, "nheads");
   shape.nheads_k = checked_int(nheads_k, "nheads_k");
   shape.head_dim = static_cast<int>(head_dim);
+  shape.head_dim_v = static_cast<int>(head_dim_v);
   shape.max_seqlen_q = static_cast<int>(max_seqlen_q);
   shape.max_seqlen_k = static_cast<int>(max_seqlen_k);
   shape.paged = paged;
@@ -318,7 +340,7 @@ VarlenShape check_varlen_bwd_args(
       q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, seqused_k, alibi_slopes, max_seqlen_q,
       max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
       rng_state, allowed_dtypes);
-  check_grad_io(dout, out, q);
+  check_grad_io(dout, out, q, shape.head_dim_v);
   check_lse(softmax_lse, q, {shape.nheads, shape.total_q}, "(nheads, total_q)");
   check_backward_dropout(dropout_p, rng_state);
   return shape;

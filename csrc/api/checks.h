@@ -17,8 +17,9 @@
 
 namespace flash {
 
-// Shapes of a fixed-length problem: q (batch, seqlen_q, nheads, head_dim),
-// k / v (batch, seqlen_k, nheads_k, head_dim).
+// Shapes of a fixed-length problem: q / k (batch, seqlen_q / seqlen_k,
+// nheads / nheads_k, head_dim), v (batch, seqlen_k, nheads_k, head_dim_v) with
+// head_dim_v <= head_dim (api/head_dims.h says how the ops run it).
 struct FwdShape {
   int batch;
   int seqlen_q;
@@ -26,11 +27,13 @@ struct FwdShape {
   int nheads;
   int nheads_k;
   int head_dim;
+  int head_dim_v;
 };
 
 // Shapes of a varlen problem: q (total_q, nheads, head_dim); k / v either
 // (total_k, nheads_k, head_dim), or paged (num_blocks, page_size, nheads_k,
-// head_dim) with a block_table (batch, max_blocks_per_seq).
+// head_dim) with a block_table (batch, max_blocks_per_seq); v's last dim is
+// head_dim_v <= head_dim.
 struct VarlenShape {
   int batch;  // cu_seqlens_q.numel() - 1
   int total_q;
@@ -38,6 +41,7 @@ struct VarlenShape {
   int nheads;
   int nheads_k;
   int head_dim;
+  int head_dim_v;
   int max_seqlen_q;
   int max_seqlen_k;
   bool paged;
@@ -54,8 +58,8 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         double softcap, const std::optional<at::Tensor>& rng_state,
                         c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
-// Fixed-length backward: the forward's checks plus dout / out (same shape and
-// dtype as q) and softmax_lse (fp32, (batch, nheads, seqlen_q)). rng_state is
+// Fixed-length backward: the forward's checks plus dout / out (q's dtype, and
+// q's shape with head_dim_v) and softmax_lse (fp32, (batch, nheads, seqlen_q)). rng_state is
 // required when dropout_p > 0 (the backward has no seed arguments).
 FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,

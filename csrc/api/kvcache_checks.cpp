@@ -35,6 +35,24 @@ void check_shape(const at::Tensor& t, c10::IntArrayRef expected, const char* nam
               expected, ", got ", t.sizes());
 }
 
+// v_cache / v: the shape of k_cache / k but for the last dim, d_v: a multiple
+// of 8 in [8, d_qk] (the op contract's "Head dims").
+void check_v_like_k(const at::Tensor& v, const at::Tensor& k, const char* v_name,
+                    const char* k_name, int64_t head_dim) {
+  TORCH_CHECK(
+      v.dim() == k.dim() && v.sizes().slice(0, v.dim() - 1) == k.sizes().slice(0, k.dim() - 1),
+      "fwd_kvcache: ", v_name, " must have shape (the shape of ", k_name,
+      " but for its last dim, d_v) = (", k.sizes().slice(0, k.dim() - 1), ", d_v), got ",
+      v.sizes());
+  const int64_t head_dim_v = v.size(-1);
+  TORCH_CHECK(head_dim_v <= head_dim, "fwd_kvcache: ", v_name, " must have shape (the shape of ",
+              k_name, " but for its last dim, d_v): the head dim of ", v_name,
+              " (d_v = ", head_dim_v, ") must not exceed the head dim of q and ", k_name,
+              " (d_qk = ", head_dim, ")");
+  TORCH_CHECK(head_dim_v >= 8 && head_dim_v % 8 == 0, "fwd_kvcache: the head dim of ", v_name,
+              " (d_v = ", head_dim_v, ") must be a multiple of 8 in [8, d_qk = ", head_dim, "]");
+}
+
 // A per-batch int32 vector: cache_seqlens, cache_leftpad, cache_batch_idx.
 void check_batch_vector(const std::optional<at::Tensor>& t, const at::Tensor& q, int batch,
                         const char* name) {
@@ -121,7 +139,7 @@ KvcacheShape check_fwd_kvcache_args(
                 k_cache.sizes());
     check_shape(k_cache, {shape.num_blocks, shape.page_size, shape.nheads_k, shape.head_dim},
                 "k_cache", "(num_blocks, page_size, nheads_k, head_dim of q)");
-    check_shape(v_cache, k_cache.sizes(), "v_cache", "(the shape of k_cache)");
+    check_v_like_k(v_cache, k_cache, "v_cache", "k_cache", shape.head_dim);
     shape.cache_capacity = shape.max_blocks_per_seq * shape.page_size;
     shape.batch_cache = shape.batch;
   } else {
@@ -129,7 +147,7 @@ KvcacheShape check_fwd_kvcache_args(
     shape.cache_capacity = static_cast<int>(k_cache.size(1));
     check_shape(k_cache, {shape.batch_cache, shape.cache_capacity, shape.nheads_k, shape.head_dim},
                 "k_cache", "(batch_cache, seqlen_cache, nheads_k, head_dim of q)");
-    check_shape(v_cache, k_cache.sizes(), "v_cache", "(the shape of k_cache)");
+    check_v_like_k(v_cache, k_cache, "v_cache", "k_cache", shape.head_dim);
     if (!cache_batch_idx.has_value()) {
       TORCH_CHECK(shape.batch_cache >= shape.batch,
                   "fwd_kvcache: k_cache must hold at least "
@@ -167,7 +185,10 @@ KvcacheShape check_fwd_kvcache_args(
     shape.seqlen_new = static_cast<int>(k->size(1));
     check_shape(*k, {shape.batch, shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
                 "(batch, seqlen_new, nheads_k, head_dim)");
-    check_shape(*v, k->sizes(), "v", "(the shape of k)");
+    check_v_like_k(*v, *k, "v", "k", shape.head_dim);
+    TORCH_CHECK(v->size(-1) == v_cache.size(-1),
+                "fwd_kvcache: v must have the head dim of v_cache (", v_cache.size(-1), "), got ",
+                v->size(-1));
     check_last_dim_contiguous(*k, "k");
     check_last_dim_contiguous(*v, "v");
     TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity, "fwd_kvcache: with k / v, seqlen_q (",
@@ -228,6 +249,7 @@ KvcacheShape check_fwd_kvcache_args(
 
   TORCH_CHECK(softmax_scale == softmax_scale, "fwd_kvcache: softmax_scale must not be NaN");
   TORCH_CHECK(softcap == softcap, "fwd_kvcache: softcap must not be NaN");
+  shape.head_dim_v = static_cast<int>(v_cache.size(-1));
   return shape;
 }
 

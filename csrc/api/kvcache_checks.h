@@ -18,13 +18,15 @@ namespace flash {
 // Sizes of a kvcache problem. q is (batch, seqlen_q, nheads, head_dim); the
 // cache is (batch_cache, seqlen_cache, nheads_k, head_dim), or paged
 // (num_blocks, page_size, nheads_k, head_dim) with a block_table
-// (batch, max_blocks_per_seq).
+// (batch, max_blocks_per_seq). v_cache and the new v have head_dim_v <=
+// head_dim as their last dim (api/head_dims.h says how the ops run it).
 struct KvcacheShape {
   int batch;
   int seqlen_q;
   int nheads;
   int nheads_k;
   int head_dim;
+  int head_dim_v;
   // Key rows one sequence can hold: seqlen_cache, or max_blocks_per_seq * page_size.
   int cache_capacity;
   int batch_cache;  // k_cache.size(0) when not paged, else batch

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api/checks.h"
+#include "api/head_dims.h"
 #include "api/kvcache_checks.h"
 #include "cpu/attention_cpu.h"
 
@@ -182,11 +183,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("fwd_kvcache", learnable_sink_in, q, shape.nheads);
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("fwd_kvcache", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+    check_out_arg("fwd_kvcache", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim_v)",
                   {&q, &k_cache, &v_cache, k ? &*k : nullptr, v ? &*v : nullptr});
   }
+  // d_v < d_qk: the append and the attention use a zero-padded copy of
+  // v_cache, whose new rows go back into v_cache after the append
+  // (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
+  const at::Tensor v_cache_attn = pad_head_dim(v_cache, shape.head_dim);
+  const std::optional<at::Tensor> v_new =
+      v.has_value() ? std::optional<at::Tensor>(pad_head_dim(*v, shape.head_dim)) : std::nullopt;
 
   // The window rule uses the cache capacity, as flash-attn does: a side that
   // reaches past the whole cache is unbounded.
@@ -218,17 +226,32 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (k.has_value() && shape.seqlen_new > 0) {
-      append_new_tokens<T>(layout, *k, *v, k_cache, v_cache, rotary);
+      append_new_tokens<T>(layout, *k, *v_new, k_cache, v_cache_attn, rotary);
     }
     if (rotary.rotary_dim > 0 && shape.seqlen_q > 0) {
       q_attended = rotate_q<T>(layout, q, rotary, rotary_q_per_row);
     }
   });
 
-  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
+  if (pad_v && k.has_value() && shape.seqlen_new > 0) {
+    copy_appended_v_rows(v_cache, v_cache_attn, shape, *cache_seqlens, cache_batch_idx,
+                         block_table);
+  }
+
+  at::Tensor out =
+      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
+            : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
-  if (shape.seqlen_q == 0) return {out, softmax_lse};
+  // The first d_v columns of a padded problem's out, in the caller's out when given.
+  auto result = [&]() -> at::Tensor {
+    if (!pad_v) return out;
+    const at::Tensor cropped = crop_head_dim(out, shape.head_dim_v);
+    if (!out_given.has_value()) return cropped;
+    out_given->copy_(cropped);
+    return *out_given;
+  };
+  if (shape.seqlen_q == 0) return {result(), softmax_lse};
 
   const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
 
@@ -255,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   problem.q_strides = strides_of(q_attended);
   problem.k = k_cache.const_data_ptr();
   problem.k_strides = strides_of(k_cache);
-  problem.v = v_cache.const_data_ptr();
-  problem.v_strides = strides_of(v_cache);
+  problem.v = v_cache_attn.const_data_ptr();
+  problem.v_strides = strides_of(v_cache_attn);
   problem.page_size = shape.paged ? shape.page_size : 0;
   problem.softmax_scale = static_cast<float>(softmax_scale);
   problem.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
@@ -275,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   outputs.probs = nullptr;
 
   attention_forward(problem, outputs);
-  return {out, softmax_lse};
+  return {result(), softmax_lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(

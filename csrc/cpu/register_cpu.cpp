@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "api/checks.h"
+#include "api/head_dims.h"
 #include "cpu/attention_cpu.h"
 
 namespace flash::cpu {
@@ -72,6 +73,16 @@ void set_probs(ForwardOutputs& o, const at::Tensor& probs, bool return_softmax) 
   o.probs_row_stride = return_softmax ? probs.stride(2) : 0;
 }
 
+// The first head_dim_v columns of a padded problem's out, written into the
+// caller's out when there is one.
+at::Tensor take_head_dim_v(const at::Tensor& out, int64_t head_dim_v,
+                           const std::optional<at::Tensor>& out_given) {
+  const at::Tensor cropped = crop_head_dim(out, head_dim_v);
+  if (!out_given.has_value()) return cropped;
+  out_given->copy_(cropped);
+  return *out_given;
+}
+
 // True when the sequences of cu_seqlens cover every one of total_rows rows;
 // otherwise rows outside them must be given a defined value.
 bool covers_all_rows(const at::Tensor& cu_seqlens, int64_t total_rows) {
@@ -91,25 +102,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCpuDtypes);
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("flash_attn", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+    check_out_arg("flash_attn", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim_v)",
                   {&q, &k, &v});
   }
+  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
+  const at::Tensor v_run = pad_head_dim(v, shape.head_dim);
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q, shape.nheads);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
+  at::Tensor out =
+      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
+            : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
   at::Tensor lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor probs =
       make_probs(return_softmax, q, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k);
 
   AttentionProblem problem =
-      make_problem(q, k, v, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
+      make_problem(q, k, v_run, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
   problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
   ForwardOutputs outputs;
@@ -119,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
   outputs.lse_strides = {lse.stride(0), lse.stride(2), lse.stride(1)};
   set_probs(outputs, probs, return_softmax);
   attention_forward(problem, outputs);
+  if (pad_v) out = take_head_dim_v(out, shape.head_dim_v, out_given);
   return {out, lse, probs, make_rng_state(philox, q.device())};
 }
 
@@ -162,19 +179,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
 
+  // d_v < d_qk: the d_qk problem on zero-padded v, dout and out (api/head_dims.h).
+  const at::Tensor v_run = pad_head_dim(v, shape.head_dim);
+  const at::Tensor dout_run = pad_head_dim(dout, shape.head_dim);
+  const at::Tensor out_run = pad_head_dim(out, shape.head_dim);
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dv = at::empty(v_run.sizes(), v.options());
 
   AttentionProblem problem =
-      make_problem(q, k, v, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
+      make_problem(q, k, v_run, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
   problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
   BackwardTensors tensors;
-  tensors.dout = dout.data_ptr();
-  tensors.dout_strides = fixed_strides(dout);
-  tensors.out = out.data_ptr();
-  tensors.out_strides = fixed_strides(out);
+  tensors.dout = dout_run.data_ptr();
+  tensors.dout_strides = fixed_strides(dout_run);
+  tensors.out = out_run.data_ptr();
+  tensors.out_strides = fixed_strides(out_run);
   tensors.lse = softmax_lse.data_ptr<float>();
   tensors.lse_strides = {softmax_lse.stride(0), softmax_lse.stride(2), softmax_lse.stride(1)};
   if (softmax_d.has_value()) {
@@ -188,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   tensors.dv = dv.data_ptr();
   tensors.dv_strides = fixed_strides(dv);
   attention_backward(problem, tensors);
-  return {dq, dk, dv};
+  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
 }
 
 // The forward of varlen_fwd and varlen_fwd_out: into out_given when there is
@@ -206,11 +227,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
       check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
-  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("flash_attn", *out_given, q, out_shape, "(total_q, nheads, head_dim)",
+    check_out_arg("flash_attn", *out_given, q, out_shape, "(total_q, nheads, head_dim_v)",
                   {&q, &k, &v});
   }
+  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
+  const at::Tensor v_run = pad_head_dim(v, shape.head_dim);
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q, shape.nheads);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
@@ -232,7 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out = out_given.has_value() ? *out_given : at::empty(out_shape, q.options());
+  at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
+                         : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
   at::Tensor lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   if (!covers_all_rows(cu_seqlens_q, shape.total_q)) {
     out.zero_();
@@ -242,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
                                 shape.max_seqlen_k);
 
   AttentionProblem problem = make_problem(
-      q, k, v, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k, shape.head_dim,
+      q, k, v_run, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k, shape.head_dim,
       alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
   problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
                                        cu_seqlens_k.data_ptr<int32_t>(),
@@ -257,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
   outputs.lse_strides = {0, lse.stride(1), lse.stride(0)};
   set_probs(outputs, probs, return_softmax);
   attention_forward(problem, outputs);
+  if (pad_v) out = take_head_dim_v(out, shape.head_dim_v, out_given);
   return {out, lse, probs, make_rng_state(philox, q.device())};
 }
 
@@ -313,9 +339,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
 
+  // d_v < d_qk: the d_qk problem on zero-padded v, dout and out (api/head_dims.h).
+  const at::Tensor v_run = pad_head_dim(v, shape.head_dim);
+  const at::Tensor dout_run = pad_head_dim(dout, shape.head_dim);
+  const at::Tensor out_run = pad_head_dim(out, shape.head_dim);
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dv = at::empty(v_run.sizes(), v.options());
   if (!covers_all_rows(cu_seqlens_q, shape.total_q)) dq.zero_();
   // Key rows outside every sequence's used keys get no gradient.
   if (used.defined() || !covers_all_rows(cu_seqlens_k, shape.total_k)) {
@@ -324,16 +354,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   }
 
   AttentionProblem problem =
-      make_problem(q, k, v, /*varlen_kv=*/true, shape.nheads, shape.nheads_k, shape.head_dim,
+      make_problem(q, k, v_run, /*varlen_kv=*/true, shape.nheads, shape.nheads_k, shape.head_dim,
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
   problem.sequences = varlen_sequences(
       shape.batch, cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
       used.defined() ? used.data_ptr<int32_t>() : nullptr, nullptr, 0);
   BackwardTensors tensors;
-  tensors.dout = dout.data_ptr();
-  tensors.dout_strides = varlen_strides(dout);
-  tensors.out = out.data_ptr();
-  tensors.out_strides = varlen_strides(out);
+  tensors.dout = dout_run.data_ptr();
+  tensors.dout_strides = varlen_strides(dout_run);
+  tensors.out = out_run.data_ptr();
+  tensors.out_strides = varlen_strides(out_run);
   tensors.lse = softmax_lse.data_ptr<float>();
   tensors.lse_strides = {0, softmax_lse.stride(1), softmax_lse.stride(0)};
   if (softmax_d.has_value()) {
@@ -347,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   tensors.dv = dv.data_ptr();
   tensors.dv_strides = varlen_strides(dv);
   attention_backward(problem, tensors);
-  return {dq, dk, dv};
+  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
 }
 
 }  // namespace

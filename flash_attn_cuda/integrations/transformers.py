@@ -256,23 +256,14 @@ def attention_forward(
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    head_dim_v = v.shape[-1]
-    if head_dim_v > head_dim:
-        raise ValueError(
-            f"{IMPLEMENTATION}: the value head dim ({head_dim_v}) must not exceed the query "
-            f"head dim ({head_dim})"
-        )
-    if head_dim_v != head_dim:
-        # Zero columns of V give zero output columns, cropped below.
-        v = F.pad(v, (0, head_dim - head_dim_v))
+    # A smaller value head dim (head_dim_v <= head_dim) goes to the kernels as
+    # it is: the ops take it.
     half = _compute_dtype(q, module)
     if half is not None:
         q, k, v = q.to(half), k.to(half), v.to(half)
 
     out = _dispatch(q, k, v, attention_mask, batch, seqlen_q, dropout, deterministic, common,
                     kwargs)
-    if head_dim_v != head_dim:
-        out = out[..., :head_dim_v]
     return out, None
 
 
@@ -295,7 +286,7 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
             qs, k_cache, v_cache, ks, vs, cache_seqlens=cache_seqlens,
             block_table=_as_int32(block_table), **common,
         )
-        return out.reshape(batch, -1, nheads, head_dim)
+        return out.reshape(batch, -1, nheads, out.shape[-1])
 
     # 2. Padding: gather the valid tokens into packed rows, attend, scatter back.
     if mask is not None:
@@ -311,7 +302,7 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
             v.reshape(-1, *v.shape[-2:]),
             _as_int32(cu_q), _as_int32(cu_k), max_q, max_k, **train, **common,
         )
-        return out.reshape(batch, -1, nheads, head_dim)
+        return out.reshape(batch, -1, nheads, out.shape[-1])
 
     # 4. Packed batches told apart by position_ids only.
     if k.shape[1] == seqlen_q:
@@ -324,7 +315,7 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
                 v.reshape(-1, *v.shape[-2:]),
                 cu, cu, max_len, max_len, **train, **common,
             )
-            return out.reshape(batch, seqlen_q, nheads, head_dim)
+            return out.reshape(batch, seqlen_q, nheads, out.shape[-1])
 
     # 5. Fixed length.
     return flash_attn_func(q, k, v, **train, **common)

@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "api/head_dims.h"
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
@@ -153,14 +154,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dk.zero_();
     dv.zero_();
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, dv};
+    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(v_in);
-  const at::Tensor out = aligned_for_16b_loads(out_in);
-  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
+  // dv has d_qk columns until the return.
+  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
+  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
+  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
@@ -191,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       make_bwd_workspace(params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled},
                          compiled, softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {dq, dk, dv};
+  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -221,14 +224,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
       shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, dv};
+    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(v_in);
-  const at::Tensor out = aligned_for_16b_loads(out_in);
-  const at::Tensor dout = aligned_for_16b_loads(dout_in);
+  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
+  // dv has d_qk columns until the return.
+  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
+  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
+  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
@@ -263,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
       params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {dq, dk, dv};
+  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
 }
 
 }  // namespace flash

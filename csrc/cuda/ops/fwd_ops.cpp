@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "api/head_dims.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/fwd/paged_keys_check.h"
 #include "cuda/launch/launcher_registry.h"
@@ -80,11 +81,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const FwdShape shape =
       check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, kCudaDtypes);
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("flash_attn", *out_given, q_in, out_shape, "(batch, seqlen_q, nheads, head_dim)",
-                  {&q_in, &k_in, &v_in});
+    check_out_arg("flash_attn", *out_given, q_in, out_shape,
+                  "(batch, seqlen_q, nheads, head_dim_v)", {&q_in, &k_in, &v_in});
   }
+  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
@@ -93,12 +96,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
 
-  at::Tensor out = output_buffer(out_given, out_shape, q.options());
+  at::Tensor out =
+      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
+            : output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
@@ -125,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
+  return {finish_output(out_given, crop_head_dim(out, shape.head_dim_v)), softmax_lse, s_dmask,
+          rng_state_out};
 }
 
 // varlen_fwd and varlen_fwd_out: the output goes into out_given when there is
@@ -143,11 +149,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
       check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
-  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim)",
+    check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim_v)",
                   {&q_in, &k_in, &v_in});
   }
+  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
@@ -159,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   // Paged K/V are read in place: the kernels locate each key through the
   // block table (paged_rows.h), cu_seqlens_k then gives lengths only.
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   const at::Tensor table = shape.paged ? block_table->contiguous() : at::Tensor();
@@ -167,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
 
-  at::Tensor out = output_buffer(out_given, out_shape, q.options());
+  at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
+                         : output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
       return_softmax
@@ -212,7 +221,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   launch_check_paged_keys(params, at::cuda::getCurrentCUDAStream().stream());
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
+  return {finish_output(out_given, crop_head_dim(out, shape.head_dim_v)), softmax_lse, s_dmask,
+          rng_state_out};
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "api/head_dims.h"
 #include "cuda/decode/kvcache_append_rotary.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/launcher_registry.h"
@@ -76,11 +77,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                              rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
                              alibi_slopes_in, softmax_scale, softcap, kCudaDtypes);
   TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> q_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
+  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
-    check_out_arg("fwd_kvcache", *out_given, q_in, out_shape, "(batch, seqlen_q, nheads, head_dim)",
+    check_out_arg("fwd_kvcache", *out_given, q_in, out_shape,
+                  "(batch, seqlen_q, nheads, head_dim_v)",
                   {&q_in, &k_cache, &v_cache, k_in ? &*k_in : nullptr, v_in ? &*v_in : nullptr});
   }
+  // d_v < d_qk: the append and the attention use a zero-padded copy of
+  // v_cache, whose new rows go back into v_cache after the launches
+  // (api/head_dims.h).
+  const bool pad_v = shape.head_dim_v != shape.head_dim;
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
   const std::optional<at::Tensor> learnable_sink =
@@ -139,27 +146,39 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const std::optional<at::Tensor> k_new =
       appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*k_in)) : std::nullopt;
   const std::optional<at::Tensor> v_new =
-      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*v_in)) : std::nullopt;
+      appending
+          ? std::optional<at::Tensor>(aligned_for_16b_loads(pad_head_dim(*v_in, shape.head_dim)))
+          : std::nullopt;
+  const at::Tensor v_cache_attn = pad_head_dim(v_cache, shape.head_dim);
   const std::optional<at::Tensor> cache_seqlens = contiguous_or_none(cache_seqlens_in);
   const std::optional<at::Tensor> cache_leftpad = contiguous_or_none(cache_leftpad_in);
   const std::optional<at::Tensor> cache_batch_idx = contiguous_or_none(cache_batch_idx_in);
   const std::optional<at::Tensor> block_table = contiguous_or_none(block_table_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
 
-  at::Tensor out = output_buffer(out_given, out_shape, q.options());
+  at::Tensor out =
+      pad_v ? at::empty(q_shape, q.options()) : output_buffer(out_given, out_shape, q.options());
+  // After the launches: v_cache's new rows and the caller's out.
+  auto finish = [&]() -> at::Tensor {
+    if (pad_v && appending) {
+      copy_appended_v_rows(v_cache, v_cache_attn, shape, *cache_seqlens, cache_batch_idx,
+                           block_table);
+    }
+    return finish_output(out_given, crop_head_dim(out, shape.head_dim_v));
+  };
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
 
   KvcacheParams params{};
   params.q_ptr = q.data_ptr();
   params.k_ptr = k_cache.data_ptr();
-  params.v_ptr = v_cache.data_ptr();
+  params.v_ptr = v_cache_attn.data_ptr();
   params.o_ptr = out.data_ptr();
   params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
   params.p_ptr = nullptr;
   params.q = strides_of(q, false);
   params.k = strides_of(k_cache, false);
-  params.v = strides_of(v_cache, false);
+  params.v = strides_of(v_cache_attn, false);
   params.o = strides_of(out, false);
   params.batch = shape.batch;
   params.nheads = shape.nheads;
@@ -217,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   if (shape.seqlen_q == 0) {
     launch_kvcache_append_rotary(params, stream);  // the append alone (no q to rotate)
     end_index_checks(q);
-    return {finish_output(out_given, out), softmax_lse};
+    return {finish(), softmax_lse};
   }
 
   TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(),
@@ -241,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   at::Tensor q_rotated;
   if (!params.append_in_attention) {
     if (rotating) {
-      q_rotated = at::empty(out_shape, q.options());
+      q_rotated = at::empty(q_shape, q.options());
       params.q_ptr = q_rotated.data_ptr();
       params.q = strides_of(q_rotated, false);
     }
@@ -263,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   }
   launcher(params, plan, stream);
   end_index_checks(q);
-  return {finish_output(out_given, out), softmax_lse};
+  return {finish(), softmax_lse};
 }
 
 }  // namespace

@@ -1,0 +1,49 @@
+#include "api/head_dims.h"
+
+#include <ATen/ATen.h>
+
+namespace flash {
+
+at::Tensor pad_head_dim(const at::Tensor& t, int64_t head_dim) {
+  const int64_t pad = head_dim - t.size(-1);
+  if (pad == 0) return t;
+  return at::constant_pad_nd(t, at::IntArrayRef{0, pad}, 0);
+}
+
+at::Tensor crop_head_dim(const at::Tensor& t, int64_t head_dim) {
+  if (t.size(-1) == head_dim) return t;
+  return t.narrow(-1, 0, head_dim).contiguous();
+}
+
+void copy_appended_v_rows(const at::Tensor& v_cache, const at::Tensor& v_cache_padded,
+                          const KvcacheShape& shape, const at::Tensor& cache_seqlens,
+                          const std::optional<at::Tensor>& cache_batch_idx,
+                          const std::optional<at::Tensor>& block_table) {
+  if (shape.seqlen_new == 0 || shape.batch == 0) return;
+  const at::TensorOptions long_options = cache_seqlens.options().dtype(at::kLong);
+  // (batch, seqlen_new) logical positions in each sequence.
+  const at::Tensor positions = (cache_seqlens.to(at::kLong).unsqueeze(1) +
+                                at::arange(shape.seqlen_new, long_options).unsqueeze(0))
+                                   .clamp(0, shape.cache_capacity - 1);
+  at::Tensor rows;   // index into dim 0: the cache row or the page
+  at::Tensor steps;  // index into dim 1: the position in it
+  if (block_table.has_value()) {
+    const at::Tensor slots =
+        at::div(positions, shape.page_size, "floor").clamp(0, shape.max_blocks_per_seq - 1);
+    rows = block_table->to(at::kLong).gather(1, slots).clamp(0, shape.num_blocks - 1);
+    steps = at::remainder(positions, shape.page_size);
+  } else {
+    const at::Tensor batch_rows = cache_batch_idx.has_value()
+                                      ? cache_batch_idx->to(at::kLong)
+                                      : at::arange(shape.batch, long_options);
+    rows = batch_rows.clamp(0, shape.batch_cache - 1).unsqueeze(1).expand_as(positions);
+    steps = positions;
+  }
+  c10::List<std::optional<at::Tensor>> indices;
+  indices.push_back(rows);
+  indices.push_back(steps);
+  const at::Tensor new_rows = at::index(v_cache_padded, indices).narrow(-1, 0, v_cache.size(-1));
+  v_cache.index_put_(indices, new_rows);
+}
+
+}  // namespace flash

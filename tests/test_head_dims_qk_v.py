@@ -1,0 +1,445 @@
+"""A value head dim d_v smaller than the query/key head dim d_qk, against the
+float64 reference.
+
+q and k have d_qk, v and out have d_v <= d_qk, dv has d_v, and the default
+softmax scale is 1/sqrt(d_qk) (DESIGN.md, "The op contract"). The ops run the
+d_qk problem on a zero-padded v (api/head_dims.h), so every path takes it:
+fixed-length, varlen and KV cache, forward and backward. Every case runs on
+the CPU path and, with a GPU, on the CUDA kernels (the tests marked cuda are
+skipped with a reason without one, and a head dim a reduced build left out is
+a skip). Comparisons follow the correctness criterion: fp32 inputs (CPU only)
+against float64 with fixed tolerances, fp16 / bf16 within 2x (output) or 3x
+(gradients) the error of the same math in the input dtype.
+"""
+
+import pytest
+import torch
+
+from reference import assert_within_criterion, attention_ref, varlen_attention_ref
+
+from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+ops = torch.ops.flash_attn
+
+CUDA = pytest.mark.cuda
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+# (device, dtype, d_qk, d_v). (36, 20): head dims the Python layer pads to a
+# multiple of 8 first.
+DEVICE_DIMS = [
+    ("cpu", torch.float32, 40, 24),
+    ("cpu", torch.float32, 32, 16),
+    ("cpu", torch.float32, 36, 20),
+    ("cpu", torch.bfloat16, 40, 24),
+    pytest.param("cuda", torch.float16, 64, 32, marks=CUDA),
+    pytest.param("cuda", torch.bfloat16, 128, 64, marks=CUDA),
+    pytest.param("cuda", torch.bfloat16, 192, 128, marks=CUDA),
+    pytest.param("cuda", torch.float16, 192, 128, marks=CUDA),
+]
+
+FP32_TOL = dict(atol=2e-5, rtol=2e-5)
+FP32_GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def rand(*shape, device, dtype, requires_grad=False):
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def check(ours, exact, same, name, *, grad=False):
+    """fp32 against float64 with fixed tolerances; fp16 / bf16 within the criterion."""
+    assert ours.shape == exact.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(exact.shape)}"
+    if same.dtype == torch.float32:
+        tol = FP32_GRAD_TOL if grad else FP32_TOL
+        torch.testing.assert_close(ours.double(), exact.double(), msg=name, **tol)
+    else:
+        assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
+                                atol=1e-4 if grad else 1e-5, name=name)
+
+
+def check_lse(lse, lse_exact, lse_same):
+    finite = torch.isfinite(lse_exact)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if lse_same.dtype == torch.float32:
+        torch.testing.assert_close(lse[finite].double(), lse_exact[finite], atol=2e-5, rtol=2e-5)
+    else:
+        assert_within_criterion(lse[finite], lse_exact[finite], lse_same[finite].double(),
+                                atol=1e-4, name="lse")
+
+
+# --------------------------------------------------------------- fixed length
+
+
+FIXED_CASES = {
+    "plain": dict(seqlens=(17, 17)),
+    "causal": dict(seqlens=(40, 23), causal=True),  # rows that see no key
+    "gqa_causal": dict(seqlens=(129, 129), causal=True, heads=(8, 2)),
+    "softcap_alibi_local": dict(seqlens=(33, 47), softcap=5.0, alibi=True, window=(9, 3)),
+    "mqa_sink": dict(seqlens=(21, 77), heads=(4, 1), sink=True),
+}
+
+
+def fixed_inputs(device, dtype, d_qk, d_v, case):
+    seqlen_q, seqlen_k = case["seqlens"]
+    nheads, nheads_k = case.get("heads", (4, 2))
+    batch = 2
+    q = rand(batch, seqlen_q, nheads, d_qk, device=device, dtype=dtype, requires_grad=True)
+    k = rand(batch, seqlen_k, nheads_k, d_qk, device=device, dtype=dtype, requires_grad=True)
+    v = rand(batch, seqlen_k, nheads_k, d_v, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(batch, seqlen_q, nheads, d_v, device=device, dtype=dtype)
+    kwargs = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+                  softcap=case.get("softcap", 0.0),
+                  alibi_slopes=torch.rand(batch, nheads, device=device) if case.get("alibi")
+                  else None)
+    sink = None
+    if case.get("sink"):
+        sink = (torch.randn(nheads) * 2).to(device)
+    return q, k, v, dout, kwargs, sink
+
+
+def reference_grads(fn, inputs, dout, compute_dtype):
+    cast = [t.detach().to(compute_dtype).requires_grad_() for t in inputs]
+    out, lse = fn(*cast)
+    grads = torch.autograd.grad(out, cast, dout.to(compute_dtype))
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("device,dtype,d_qk,d_v", DEVICE_DIMS)
+@pytest.mark.parametrize("case", sorted(FIXED_CASES))
+def test_fixed_length_matches_reference(device, dtype, d_qk, d_v, case):
+    q, k, v, dout, kwargs, sink = fixed_inputs(device, dtype, d_qk, d_v, FIXED_CASES[case])
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink, **kwargs)
+    assert out.shape == q.shape[:-1] + (d_v,)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert dv.shape == v.shape
+
+    def ref(q, k, v, compute_dtype):
+        return attention_ref(q, k, v, compute_dtype=compute_dtype, learnable_sink=sink, **kwargs)
+
+    exact = reference_grads(lambda *t: ref(*t, torch.float64), (q, k, v), dout, torch.float64)
+    same = reference_grads(lambda *t: ref(*t, dtype), (q, k, v), dout, dtype)
+    check(out, exact[0], same[0], "out")
+    check_lse(lse, exact[1], same[1])
+    for name, ours, e, s in zip(("dq", "dk", "dv"), (dq, dk, dv), exact[2], same[2]):
+        check(ours, e, s, name, grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_argument_and_no_grad_path(device):
+    """out= and the no-graph path give the autograd path's output."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, _, kwargs, _ = fixed_inputs(device, dtype, 64, 32, FIXED_CASES["causal"])
+    expected = flash_attn_func(q, k, v, **kwargs)
+    with torch.no_grad():
+        plain = flash_attn_func(q, k, v, **kwargs)
+        out = torch.full_like(expected, float("nan"))
+        written = flash_attn_func(q, k, v, out=out, **kwargs)
+    assert written is out
+    assert torch.equal(plain, expected.detach())
+    assert torch.equal(out, expected.detach())
+
+    q1 = q.detach()[:, :1]
+    k_cache, v_cache = k.detach().clone(), v.detach().clone()
+    seqlens = torch.tensor([3, 20], dtype=torch.int32, device=device)
+    expected = flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens)
+    out = torch.full_like(expected, float("nan"))
+    written = flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=seqlens, out=out)
+    assert written is out and out.shape == (2, 1, q.shape[2], 32)
+    assert torch.equal(out, expected)
+
+
+# --------------------------------------------------------------------- varlen
+
+
+VARLEN_CASES = {
+    "plain": dict(seqlens_q=(5, 0, 17), seqlens_k=(9, 4, 23)),
+    "causal_gqa": dict(seqlens_q=(30, 7, 1), seqlens_k=(30, 19, 40), causal=True, heads=(6, 2)),
+    "softcap_local": dict(seqlens_q=(12, 33), seqlens_k=(20, 33), softcap=4.0, window=(6, 2)),
+}
+
+
+def cu_seqlens(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+@pytest.mark.parametrize("device,dtype,d_qk,d_v", DEVICE_DIMS)
+@pytest.mark.parametrize("case", sorted(VARLEN_CASES))
+def test_varlen_matches_reference(device, dtype, d_qk, d_v, case):
+    spec = VARLEN_CASES[case]
+    nheads, nheads_k = spec.get("heads", (4, 2))
+    cu_q, cu_k = cu_seqlens(spec["seqlens_q"], device), cu_seqlens(spec["seqlens_k"], device)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    max_q, max_k = max(spec["seqlens_q"]), max(spec["seqlens_k"])
+    q = rand(total_q, nheads, d_qk, device=device, dtype=dtype, requires_grad=True)
+    k = rand(total_k, nheads_k, d_qk, device=device, dtype=dtype, requires_grad=True)
+    v = rand(total_k, nheads_k, d_v, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(total_q, nheads, d_v, device=device, dtype=dtype)
+    kwargs = dict(causal=spec.get("causal", False), window_size=spec.get("window", (-1, -1)),
+                  softcap=spec.get("softcap", 0.0))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                         return_attn_probs=True, **kwargs)
+    assert out.shape == (total_q, nheads, d_v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+
+    def ref(q, k, v, compute_dtype):
+        return varlen_attention_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), max_seqlen_k=max_k,
+                                    compute_dtype=compute_dtype, **kwargs)
+
+    exact = reference_grads(lambda *t: ref(*t, torch.float64), (q, k, v), dout, torch.float64)
+    same = reference_grads(lambda *t: ref(*t, dtype), (q, k, v), dout, dtype)
+    check(out, exact[0], same[0], "out")
+    check_lse(lse, exact[1], same[1])
+    for name, ours, e, s in zip(("dq", "dk", "dv"), (dq, dk, dv), exact[2], same[2]):
+        check(ours, e, s, name, grad=True)
+
+
+# ------------------------------------------------------------------- KV cache
+
+
+KVCACHE_CASES = {
+    "decode": dict(seqlen_q=1),
+    "decode_gqa_append": dict(seqlen_q=1, append=1, heads=(8, 1)),
+    "prefill_causal_append": dict(seqlen_q=6, append=6, causal=True),
+    "softcap_batch_idx_append": dict(seqlen_q=2, append=3, softcap=6.0, batch_idx=True),
+}
+
+
+@pytest.mark.parametrize("device,dtype,d_qk,d_v", DEVICE_DIMS)
+@pytest.mark.parametrize("case", sorted(KVCACHE_CASES))
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
+    spec = KVCACHE_CASES[case]
+    if page_size is not None and spec.get("batch_idx"):
+        pytest.skip("cache_batch_idx does not go with block_table")
+    nheads, nheads_k = spec.get("heads", (4, 2))
+    batch, capacity, seqlen_q, append = 3, 96, spec["seqlen_q"], spec.get("append", 0)
+    q = rand(batch, seqlen_q, nheads, d_qk, device=device, dtype=dtype)
+    # One more cache row than the batch uses: cache_batch_idx picks rows
+    # (2, 0, 3) and row 1 must stay as it was.
+    rows = batch + 1
+    k_cache = rand(rows, capacity, nheads_k, d_qk, device=device, dtype=dtype)
+    v_cache = rand(rows, capacity, nheads_k, d_v, device=device, dtype=dtype)
+    seqlens = torch.tensor([5, 37, capacity - append], dtype=torch.int32)
+    batch_idx = (torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+                 if spec.get("batch_idx") else None)
+    k_new = v_new = None
+    if append:
+        k_new = rand(batch, append, nheads_k, d_qk, device=device, dtype=dtype)
+        v_new = rand(batch, append, nheads_k, d_v, device=device, dtype=dtype)
+    kwargs = dict(causal=spec.get("causal", False), softcap=spec.get("softcap", 0.0))
+
+    # The expected caches after the call.
+    cache_rows = batch_idx.long().cpu() if batch_idx is not None else torch.arange(batch)
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    for b in range(batch):
+        n = int(seqlens[b])
+        if append:
+            k_after[cache_rows[b], n : n + append] = k_new[b]
+            v_after[cache_rows[b], n : n + append] = v_new[b]
+
+    table = None
+    k_call, v_call = k_cache.clone(), v_cache.clone()
+    if page_size is not None:
+        pages = capacity // page_size
+        order = torch.randperm(rows * pages + 2, device=device)[: rows * pages]
+        k_call = rand(rows * pages + 2, page_size, nheads_k, d_qk, device=device, dtype=dtype)
+        v_call = rand(rows * pages + 2, page_size, nheads_k, d_v, device=device, dtype=dtype)
+        k_call[order] = k_cache.reshape(-1, page_size, nheads_k, d_qk)
+        v_call[order] = v_cache.reshape(-1, page_size, nheads_k, d_v)
+        table = order.view(rows, pages)[:batch].to(torch.int32)
+        untouched = (v_call.clone(), order.view(rows, pages)[batch:])
+    out, lse = flash_attn_with_kvcache(q, k_call, v_call, k_new, v_new,
+                                       cache_seqlens=seqlens.to(device), block_table=table,
+                                       cache_batch_idx=batch_idx, return_softmax_lse=True,
+                                       **kwargs)
+    assert out.shape == (batch, seqlen_q, nheads, d_v)
+    if table is not None:
+        # The pages of the unused cache row and the two spare pages keep their values.
+        spare = torch.ones(v_call.shape[0], dtype=torch.bool, device=device)
+        spare[table.long().flatten()] = False
+        assert torch.equal(v_call[spare], untouched[0][spare])
+        k_call = k_call[order.view(rows, pages)].reshape(rows, capacity, nheads_k, d_qk)
+        v_call = v_call[order.view(rows, pages)].reshape(rows, capacity, nheads_k, d_v)
+    assert v_call.shape[-1] == d_v
+    assert torch.equal(k_call, k_after)
+    assert torch.equal(v_call, v_after)
+
+    used = seqlens + append
+
+    def ref(compute_dtype):
+        outs, lses = [], []
+        for b in range(batch):
+            r, n = int(cache_rows[b]), int(used[b])
+            o, lse_b = attention_ref(q[b : b + 1], k_after[r : r + 1, :n], v_after[r : r + 1, :n],
+                                 compute_dtype=compute_dtype, **kwargs)
+            outs.append(o)
+            lses.append(lse_b)
+        return torch.cat(outs), torch.cat(lses)
+
+    out_exact, lse_exact = ref(torch.float64)
+    out_same, lse_same = ref(dtype)
+    check(out, out_exact, out_same, "out")
+    check_lse(lse, lse_exact, lse_same)
+
+
+# ------------------------------------------------------------------- opcheck
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+def opcheck(op, args, kwargs=None):
+    try:
+        torch.library.opcheck(op, args, kwargs or {}, test_utils=OPCHECK_UTILS)
+    except Exception as exc:
+        # opcheck wraps the op's error; a kernel that a reduced build left
+        # out is a skip (as conftest makes of the unwrapped error), not a failure.
+        cause = exc.__cause__
+        if cause is not None and "which this build left out" in str(cause):
+            pytest.skip(str(cause))
+        raise
+
+
+def _dtype_dims(device):
+    return (torch.float32, 40, 24) if device == "cpu" else (torch.bfloat16, 64, 32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_fixed_length(device):
+    dtype, d_qk, d_v = _dtype_dims(device)
+    q = rand(2, 17, 4, d_qk, device=device, dtype=dtype)
+    k = rand(2, 23, 2, d_qk, device=device, dtype=dtype)
+    v = rand(2, 23, 2, d_v, device=device, dtype=dtype)
+    args = (0.0, d_qk ** -0.5, True, -1, 0, 0.0)
+    fwd_args = (q, k, v, None, *args, False, 0, 0, None)
+    opcheck(ops.fwd.default, fwd_args)
+    opcheck(ops.fwd_out.default, fwd_args, {"out": q.new_empty(2, 17, 4, d_v)})
+    out, lse, _, rng = ops.fwd(*fwd_args)
+    assert out.shape == (2, 17, 4, d_v) and out.is_contiguous()
+    dout = torch.randn_like(out)
+    bwd_args = (dout, q, k, v, out, lse, None, *args, False, rng)
+    opcheck(ops.bwd.default, bwd_args)
+    opcheck(ops.bwd.default, bwd_args, {"softmax_d": torch.empty_like(lse)})
+    dq, dk, dv = ops.bwd(*bwd_args)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_varlen(device):
+    dtype, d_qk, d_v = _dtype_dims(device)
+    cu_q = torch.tensor([0, 5, 17], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 23], dtype=torch.int32, device=device)
+    q = rand(17, 4, d_qk, device=device, dtype=dtype)
+    k = rand(23, 2, d_qk, device=device, dtype=dtype)
+    v = rand(23, 2, d_v, device=device, dtype=dtype)
+    args = (0.0, d_qk ** -0.5, True, -1, 0, 0.0)
+    fwd_args = (q, k, v, cu_q, cu_k, None, None, 12, 14, *args, False, 0, 0, None)
+    opcheck(ops.varlen_fwd.default, fwd_args)
+    opcheck(ops.varlen_fwd_out.default, fwd_args, {"out": q.new_empty(17, 4, d_v)})
+    out, lse, _, rng = ops.varlen_fwd(*fwd_args)
+    assert out.shape == (17, 4, d_v)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, None, 12, 14, *args,
+                False, rng)
+    opcheck(ops.varlen_bwd.default, bwd_args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kvcache(device):
+    dtype, d_qk, d_v = _dtype_dims(device)
+    q = rand(2, 1, 4, d_qk, device=device, dtype=dtype)
+    k_cache = rand(2, 40, 2, d_qk, device=device, dtype=dtype)
+    v_cache = rand(2, 40, 2, d_v, device=device, dtype=dtype)
+    k_new = rand(2, 1, 2, d_qk, device=device, dtype=dtype)
+    v_new = rand(2, 1, 2, d_v, device=device, dtype=dtype)
+    seqlens = torch.tensor([3, 39], dtype=torch.int32, device=device)
+    kv_args = (q, k_cache, v_cache, k_new, v_new, seqlens, None, None, None, None, None, None,
+               d_qk ** -0.5, True, -1, -1, 0.0, True, 0)
+    opcheck(ops.fwd_kvcache.default, kv_args)
+    opcheck(ops.fwd_kvcache_out.default, kv_args, {"out": q.new_empty(2, 1, 4, d_v)})
+
+
+# ------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_with_backward(device):
+    torch._dynamo.reset()
+    dtype, d_qk, d_v = _dtype_dims(device)
+
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+    def inputs():
+        torch.manual_seed(0)
+        q = rand(2, 19, 4, d_qk, device=device, dtype=dtype, requires_grad=True)
+        k = rand(2, 19, 2, d_qk, device=device, dtype=dtype, requires_grad=True)
+        v = rand(2, 19, 2, d_v, device=device, dtype=dtype, requires_grad=True)
+        return q, k, v
+
+    eager_in, compiled_in = inputs(), inputs()
+    eager_out = attention(*eager_in)
+    eager_out.float().square().sum().backward()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    out = compiled(*compiled_in)
+    out.float().square().sum().backward()
+    assert out.shape == (2, 19, 4, d_v)
+    assert torch.equal(out, eager_out)
+    for a, b in zip(compiled_in, eager_in):
+        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
+    torch._dynamo.reset()
+
+
+# -------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_d_v_larger_than_d_qk_is_refused(device):
+    dtype = torch.float16
+    q = rand(2, 5, 4, 32, device=device, dtype=dtype)
+    k = rand(2, 7, 2, 32, device=device, dtype=dtype)
+    v = rand(2, 7, 2, 48, device=device, dtype=dtype)
+    op_message = r"d_v = 48\) must not exceed the head dim of q and k \(d_qk = 32\)"
+    with pytest.raises(RuntimeError, match=op_message):
+        ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 7, 14], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match=op_message):
+        ops.varlen_fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, None, None,
+                       5, 7, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None)
+    with pytest.raises(RuntimeError, match=r"d_v = 48\) must not exceed .*\(d_qk = 32\)"):
+        ops.fwd_kvcache(q, k, v, None, None, None, None, None, None, None, None, None, 1.0,
+                        False, -1, -1, 0.0, False, 0)
+    py_message = r"d_v = 48\) must not exceed the head dim of q and k \(d_qk = 32\)"
+    with pytest.raises(ValueError, match=py_message):
+        flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match=py_message):
+        flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 5, 7)
+    with pytest.raises(ValueError, match=py_message):
+        flash_attn_with_kvcache(q, k, v)
+    # Padding both to a multiple of 8 would hide a d_v of 22 over a d_qk of 20.
+    with pytest.raises(ValueError, match=r"d_v = 22\) must not exceed .*\(d_qk = 20\)"):
+        flash_attn_func(q[..., :20], k[..., :20], v[..., :22])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_d_v_shapes(device):
+    dtype = torch.float16
+    q = rand(2, 5, 4, 32, device=device, dtype=dtype)
+    k = rand(2, 7, 2, 32, device=device, dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"d_v = 12\) must be a multiple of 8"):
+        ops.fwd(q, k, rand(2, 7, 2, 12, device=device, dtype=dtype), None, 0.0, 1.0, False, -1,
+                -1, 0.0, False, 0, 0, None)
+    with pytest.raises(RuntimeError, match="v must have the shape of k"):
+        ops.fwd(q, k, rand(2, 6, 2, 16, device=device, dtype=dtype), None, 0.0, 1.0, False, -1,
+                -1, 0.0, False, 0, 0, None)
+    v = rand(2, 7, 2, 16, device=device, dtype=dtype)
+    out, lse, _, rng = ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None)
+    with pytest.raises(RuntimeError, match="dout must have the shape of q with the head dim of v"):
+        ops.bwd(torch.randn_like(q), q, k, v, out, lse, None, 0.0, 1.0, False, -1, -1, 0.0,
+                False, rng)
+    with pytest.raises(RuntimeError, match=r"out must have shape"):
+        ops.fwd_out(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None,
+                    out=torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="v must have the head dim of v_cache"):
+        ops.fwd_kvcache(q, k, v, k[:, :1], rand(2, 1, 2, 24, device=device, dtype=dtype),
+                        torch.tensor([1, 1], dtype=torch.int32, device=device), None, None, None,
+                        None, None, None, 1.0, False, -1, -1, 0.0, False, 0)
