@@ -314,3 +314,20 @@ def assert_within_criterion(ours, ref_exact, ref_same_dtype, factor=2.0, atol=1e
         f"{name}: max error {err:.3e} exceeds {factor} x the same-dtype torch error "
         f"{baseline:.3e} + {atol:.0e}"
     )
+
+
+# fp32 results (CPU only) against float64: fixed tolerances, outputs and gradients.
+FP32_TOL = dict(atol=2e-5, rtol=2e-5)
+FP32_GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def check_close(ours, exact, same, name, *, grad=False):
+    """The correctness criterion for one result: fp32 against float64 with fixed
+    tolerances; fp16 / bf16 within factor x the same-dtype torch error (3x for
+    gradients, 2x for outputs)."""
+    if same.dtype == torch.float32:
+        tol = FP32_GRAD_TOL if grad else FP32_TOL
+        torch.testing.assert_close(ours.double(), exact.double(), msg=name, **tol)
+    else:
+        assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
+                                atol=1e-4 if grad else 1e-5, name=name)

@@ -15,7 +15,7 @@ against float64 with fixed tolerances, fp16 / bf16 within 2x (output) or 3x
 import pytest
 import torch
 
-from reference import assert_within_criterion, attention_ref, varlen_attention_ref
+from reference import assert_within_criterion, attention_ref, check_close, varlen_attention_ref
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -36,23 +36,13 @@ DEVICE_DIMS = [
     pytest.param("cuda", torch.float16, 192, 128, marks=CUDA),
 ]
 
-FP32_TOL = dict(atol=2e-5, rtol=2e-5)
-FP32_GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
-
-
 def rand(*shape, device, dtype, requires_grad=False):
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
 
 
 def check(ours, exact, same, name, *, grad=False):
-    """fp32 against float64 with fixed tolerances; fp16 / bf16 within the criterion."""
     assert ours.shape == exact.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(exact.shape)}"
-    if same.dtype == torch.float32:
-        tol = FP32_GRAD_TOL if grad else FP32_TOL
-        torch.testing.assert_close(ours.double(), exact.double(), msg=name, **tol)
-    else:
-        assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
-                                atol=1e-4 if grad else 1e-5, name=name)
+    check_close(ours, exact, same, name, grad=grad)
 
 
 def check_lse(lse, lse_exact, lse_same):
@@ -102,6 +92,17 @@ def reference_grads(fn, inputs, dout, compute_dtype):
     return out, lse, grads
 
 
+def check_against_reference(ref, inputs, dout, dtype, out, lse, grads):
+    """out, lse and (dq, dk, dv) against ref(q, k, v, compute_dtype) in float64
+    and in the inputs' dtype."""
+    exact = reference_grads(lambda *t: ref(*t, torch.float64), inputs, dout, torch.float64)
+    same = reference_grads(lambda *t: ref(*t, dtype), inputs, dout, dtype)
+    check(out, exact[0], same[0], "out")
+    check_lse(lse, exact[1], same[1])
+    for name, ours, e, s in zip(("dq", "dk", "dv"), grads, exact[2], same[2]):
+        check(ours, e, s, name, grad=True)
+
+
 @pytest.mark.parametrize("device,dtype,d_qk,d_v", DEVICE_DIMS)
 @pytest.mark.parametrize("case", sorted(FIXED_CASES))
 def test_fixed_length_matches_reference(device, dtype, d_qk, d_v, case):
@@ -114,12 +115,7 @@ def test_fixed_length_matches_reference(device, dtype, d_qk, d_v, case):
     def ref(q, k, v, compute_dtype):
         return attention_ref(q, k, v, compute_dtype=compute_dtype, learnable_sink=sink, **kwargs)
 
-    exact = reference_grads(lambda *t: ref(*t, torch.float64), (q, k, v), dout, torch.float64)
-    same = reference_grads(lambda *t: ref(*t, dtype), (q, k, v), dout, dtype)
-    check(out, exact[0], same[0], "out")
-    check_lse(lse, exact[1], same[1])
-    for name, ours, e, s in zip(("dq", "dk", "dv"), (dq, dk, dv), exact[2], same[2]):
-        check(ours, e, s, name, grad=True)
+    check_against_reference(ref, (q, k, v), dout, dtype, out, lse, (dq, dk, dv))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -184,12 +180,7 @@ def test_varlen_matches_reference(device, dtype, d_qk, d_v, case):
         return varlen_attention_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), max_seqlen_k=max_k,
                                     compute_dtype=compute_dtype, **kwargs)
 
-    exact = reference_grads(lambda *t: ref(*t, torch.float64), (q, k, v), dout, torch.float64)
-    same = reference_grads(lambda *t: ref(*t, dtype), (q, k, v), dout, dtype)
-    check(out, exact[0], same[0], "out")
-    check_lse(lse, exact[1], same[1])
-    for name, ours, e, s in zip(("dq", "dk", "dv"), (dq, dk, dv), exact[2], same[2]):
-        check(ours, e, s, name, grad=True)
+    check_against_reference(ref, (q, k, v), dout, dtype, out, lse, (dq, dk, dv))
 
 
 # ------------------------------------------------------------------- KV cache

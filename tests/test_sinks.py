@@ -18,7 +18,14 @@ import torch
 
 import reference
 import s_dmask
-from reference import assert_within_criterion, attention_ref, varlen_attention_ref
+from reference import (
+    FP32_GRAD_TOL,
+    FP32_TOL,
+    assert_within_criterion,
+    attention_ref,
+    check_close,
+    varlen_attention_ref,
+)
 
 import flash_attn_cuda
 from flash_attn_cuda import (
@@ -43,10 +50,6 @@ DEVICE_DTYPES = [
     pytest.param("cuda", torch.bfloat16, 128, marks=CUDA),
 ]
 
-FP32_TOL = dict(atol=2e-5, rtol=2e-5)
-FP32_GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
-
-
 def random_sink(nheads, device, requires_grad=False):
     """Sinks spread over the scores' range and beyond: some heads barely
     notice theirs, one is dominated by it, one sink sits far below."""
@@ -59,16 +62,6 @@ def random_sink(nheads, device, requires_grad=False):
 
 def rand(*shape, device, dtype, requires_grad=False):
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
-
-
-def check(ours, exact, same, name, *, grad=False):
-    """fp32 against float64 with fixed tolerances; fp16 / bf16 within the criterion."""
-    if same.dtype == torch.float32:
-        tol = FP32_GRAD_TOL if grad else FP32_TOL
-        torch.testing.assert_close(ours.double(), exact.double(), msg=name, **tol)
-    else:
-        assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
-                                atol=1e-4 if grad else 1e-5, name=name)
 
 
 def check_lse(lse, lse_exact, lse_same, name="lse"):
@@ -128,10 +121,10 @@ def test_fixed_length_matches_reference(device, dtype, head_dim, case):
     grads = torch.autograd.grad(out, (q, k, v, sink), dout)
     out_ref, lse_ref, grads_ref = reference_fixed(q, k, v, sink, dout, kwargs, torch.float64)
     out_same, lse_same, grads_same = reference_fixed(q, k, v, sink, dout, kwargs, dtype)
-    check(out, out_ref, out_same, "out")
+    check_close(out, out_ref, out_same, "out")
     check_lse(lse, lse_ref, lse_same)
     for name, ours, exact, same in zip(("dq", "dk", "dv"), grads, grads_ref, grads_same):
-        check(ours, exact, same, name, grad=True)
+        check_close(ours, exact, same, name, grad=True)
     d_sink, d_sink_ref, d_sink_same = grads[3], grads_ref[3], grads_same[3]
     assert d_sink.dtype == torch.float32 and d_sink.shape == sink.shape
     if dtype == torch.float32:
@@ -343,11 +336,11 @@ def test_varlen_matches_reference(device, dtype, head_dim, case):
 
     out_ref, lse_ref, grads_ref = ref(torch.float64)
     out_same, lse_same, grads_same = ref(dtype)
-    check(out, out_ref, out_same, "out")
+    check_close(out, out_ref, out_same, "out")
     check_lse(lse, lse_ref, lse_same)
     for name, ours, exact, same in zip(("dq", "dk", "dv", "d_sink"), grads, grads_ref,
                                        grads_same):
-        check(ours, exact, same, name, grad=True)
+        check_close(ours, exact, same, name, grad=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -450,7 +443,7 @@ def kvcache_case(device, dtype, head_dim, case, page_size=None, num_splits=0):
                                          compute_dtype=torch.float64)
     out_same, lse_same = kvcache_reference(q, k_call, v_call, used, sink, **ref_kwargs,
                                            compute_dtype=dtype)
-    check(out, out_ref, out_same, "out")
+    check_close(out, out_ref, out_same, "out")
     check_lse(lse, lse_ref, lse_same)
 
 
