@@ -33,11 +33,19 @@ LEFT_OUT_MESSAGE = "which this build left out"
 
 
 def left_out_reason(error, build_info):
-    """The build's refusal, when `error` refuses a kernel that a reduced build
+    """The build's refusal, when `error` or an error it wraps (as
+    torch.library.opcheck wraps the op's) refuses a kernel that a reduced build
     (`build_info` from flash_attn_cuda) left out; None for any other error."""
-    if not isinstance(error, RuntimeError) or REDUCED_KERNEL_SET_MARK not in (build_info or ""):
+    if REDUCED_KERNEL_SET_MARK not in (build_info or ""):
         return None
-    return next((line.strip() for line in str(error).splitlines() if LEFT_OUT_MESSAGE in line), None)
+    while error is not None:
+        if isinstance(error, RuntimeError):
+            reason = next((line.strip() for line in str(error).splitlines()
+                           if LEFT_OUT_MESSAGE in line), None)
+            if reason is not None:
+                return reason
+        error = error.__cause__
+    return None
 
 
 def _build_info():

@@ -331,3 +331,20 @@ def check_close(ours, exact, same, name, *, grad=False):
     else:
         assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
                                 atol=1e-4 if grad else 1e-5, name=name)
+
+
+def assert_compiled_matches_eager(attention, inputs):
+    """attention(*inputs()) under torch.compile(fullgraph=True) gives eager's
+    output and input gradients bitwise (inputs() draws the same tensors each
+    call); returns the compiled output."""
+    eager_in, compiled_in = inputs(), inputs()
+    eager_out = attention(*eager_in)
+    eager_out.float().square().sum().backward()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    out = compiled(*compiled_in)
+    out.float().square().sum().backward()
+    assert torch.equal(out, eager_out)
+    for a, b in zip(compiled_in, eager_in):
+        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
+    torch._dynamo.reset()
+    return out

@@ -14,8 +14,15 @@ against float64 with fixed tolerances, fp16 / bf16 within 2x (output) or 3x
 
 import pytest
 import torch
+from torch.library import opcheck
 
-from reference import assert_within_criterion, attention_ref, check_close, varlen_attention_ref
+from reference import (
+    assert_compiled_matches_eager,
+    assert_within_criterion,
+    attention_ref,
+    check_close,
+    varlen_attention_ref,
+)
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -274,22 +281,6 @@ def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
 
 # ------------------------------------------------------------------- opcheck
 
-OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
-
-
-def opcheck(op, args, kwargs=None):
-    try:
-        torch.library.opcheck(op, args, kwargs or {}, test_utils=OPCHECK_UTILS)
-    except Exception as exc:
-        # opcheck wraps the op's error; a kernel that a reduced build left
-        # out is a skip (as conftest makes of the unwrapped error), not a failure.
-        cause = exc.__cause__
-        if cause is not None and "which this build left out" in str(cause):
-            pytest.skip(str(cause))
-        raise
-
-
 def _dtype_dims(device):
     return (torch.float32, 40, 24) if device == "cpu" else (torch.bfloat16, 64, 32)
 
@@ -366,17 +357,8 @@ def test_compile_fullgraph_with_backward(device):
         v = rand(2, 19, 2, d_v, device=device, dtype=dtype, requires_grad=True)
         return q, k, v
 
-    eager_in, compiled_in = inputs(), inputs()
-    eager_out = attention(*eager_in)
-    eager_out.float().square().sum().backward()
-    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
-    out = compiled(*compiled_in)
-    out.float().square().sum().backward()
+    out = assert_compiled_matches_eager(attention, inputs)
     assert out.shape == (2, 19, 4, d_v)
-    assert torch.equal(out, eager_out)
-    for a, b in zip(compiled_in, eager_in):
-        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
-    torch._dynamo.reset()
 
 
 # -------------------------------------------------------------- bad arguments

@@ -27,3 +27,14 @@ def test_other_errors_stay_failures():
 
 def test_unknown_build_is_not_reduced():
     assert left_out_reason(RuntimeError(REFUSAL), None) is None
+
+
+def test_refusal_wrapped_by_opcheck_is_a_skip():
+    # torch.library.opcheck raises its own error with the op's as __cause__.
+    wrapped = Exception("opcheck(op, ...): test_schema failed")
+    wrapped.__cause__ = RuntimeError(REFUSAL)
+    assert left_out_reason(wrapped, REDUCED) == REFUSAL
+    assert left_out_reason(wrapped, FULL) is None
+    other = Exception("opcheck(op, ...): test_faketensor failed")
+    other.__cause__ = RuntimeError("flash_attn_cuda: q must be on a CUDA device")
+    assert left_out_reason(other, REDUCED) is None

@@ -15,12 +15,14 @@ import math
 
 import pytest
 import torch
+from torch.library import opcheck
 
 import reference
 import s_dmask
 from reference import (
     FP32_GRAD_TOL,
     FP32_TOL,
+    assert_compiled_matches_eager,
     assert_within_criterion,
     attention_ref,
     check_close,
@@ -519,22 +521,6 @@ def test_sink_grad_op(device):
 
 # ------------------------------------------------------------------- opcheck
 
-OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
-
-
-def opcheck(op, args, kwargs):
-    try:
-        torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
-    except Exception as exc:
-        # opcheck wraps the op's error; a kernel that a reduced build left
-        # out is a skip (as conftest makes of the unwrapped error), not a failure.
-        cause = exc.__cause__
-        if cause is not None and "which this build left out" in str(cause):
-            pytest.skip(str(cause))
-        raise
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_forwards(device):
     dtype = torch.bfloat16
@@ -627,16 +613,7 @@ def test_compile_fullgraph_with_backward(device):
                 for _ in range(2))
         return q, k, v, random_sink(4, device, requires_grad=True)
 
-    eager_in, compiled_in = inputs(), inputs()
-    eager_out = attention(*eager_in)
-    eager_out.float().square().sum().backward()
-    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
-    out = compiled(*compiled_in)
-    out.float().square().sum().backward()
-    assert torch.equal(out, eager_out)
-    for a, b in zip(compiled_in, eager_in):
-        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
-    torch._dynamo.reset()
+    assert_compiled_matches_eager(attention, inputs)
 
 
 # -------------------------------------------------------------- bad arguments
