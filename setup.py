@@ -55,7 +55,7 @@ def _package_version() -> str:
     text = (ROOT / PACKAGE / "__init__.py").read_text()
     match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
     if match is None:
-        raise RuntimeError(f"{PACKAGE}/__init__.py defines no __version__ = \"...\" line")
+        raise RuntimeError(f'{PACKAGE}/__init__.py defines no __version__ = "..." line')
     return match.group(1)
 
 
@@ -99,7 +99,9 @@ def _parse_archs() -> list[str]:
     for item in _split_list(os.environ.get("FLASH_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)):
         arch = item.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
         if not re.fullmatch(r"\d{2,3}[af]?", arch):
-            _fail(f"FLASH_ATTN_CUDA_ARCHS: '{item}' is not a CUDA arch; expected e.g. '80;90' or '90a'")
+            _fail(
+                f"FLASH_ATTN_CUDA_ARCHS: '{item}' is not a CUDA arch; expected e.g. '80;90' or '90a'"
+            )
         if arch not in archs:
             archs.append(arch)
     if not archs:
@@ -124,7 +126,13 @@ def _parse_dtypes() -> list[str]:
     value = os.environ.get("FLASH_ATTN_CUDA_DTYPES", "all").strip().lower()
     if value in ("", "all"):
         return list(ALL_DTYPES)
-    aliases = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+    aliases = {
+        "fp16": "fp16",
+        "float16": "fp16",
+        "half": "fp16",
+        "bf16": "bf16",
+        "bfloat16": "bf16",
+    }
     dtypes = []
     for item in _split_list(value):
         if item not in aliases:
@@ -145,7 +153,11 @@ def _is_toolkit(path: str | Path | None) -> bool:
         return False
     root = Path(path)
     has_lib = any((root / lib).is_dir() for lib in ("lib64", "lib", "targets"))
-    return (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file() and has_lib
+    return (
+        (root / "bin" / "nvcc").is_file()
+        and (root / "include" / "cuda_runtime.h").is_file()
+        and has_lib
+    )
 
 
 def _toolkit_reported_by(nvcc: str) -> str | None:
@@ -157,7 +169,9 @@ def _toolkit_reported_by(nvcc: str) -> str | None:
     try:
         dry_run = subprocess.run(
             [nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -175,7 +189,9 @@ def _nvcc_version(cuda_home: str) -> str | None:
     try:
         text = subprocess.run(
             [os.path.join(cuda_home, "bin", "nvcc"), "--version"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -256,14 +272,18 @@ def _cutlass_requirement() -> str | None:
 
 def _pinned_cutlass_version() -> str | None:
     """The CUTLASS release of the pinned wheel: "4.2.0" for nvidia-cutlass==4.2.0.0."""
-    match = re.fullmatch(r"nvidia-cutlass\s*==\s*(\d+)\.(\d+)\.(\d+)(?:\.\d+)*", _cutlass_requirement() or "")
+    match = re.fullmatch(
+        r"nvidia-cutlass\s*==\s*(\d+)\.(\d+)\.(\d+)(?:\.\d+)*", _cutlass_requirement() or ""
+    )
     return ".".join(match.groups()) if match else None
 
 
 def _is_cutlass_include(include: Path) -> bool:
     """A CUTLASS include tree: the CuTe and CUTLASS headers the kernels include, and the version header."""
-    return all((include / header).is_file()
-               for header in ("cute/tensor.hpp", "cutlass/cutlass.h", "cutlass/version.h"))
+    return all(
+        (include / header).is_file()
+        for header in ("cute/tensor.hpp", "cutlass/cutlass.h", "cutlass/version.h")
+    )
 
 
 def _cutlass_version(include: Path) -> str | None:
@@ -272,7 +292,10 @@ def _cutlass_version(include: Path) -> str | None:
         text = (include / "cutlass" / "version.h").read_text()
     except OSError:
         return None
-    parts = [re.search(rf"#define\s+CUTLASS_{name}\s+(\d+)", text) for name in ("MAJOR", "MINOR", "PATCH")]
+    parts = [
+        re.search(rf"#define\s+CUTLASS_{name}\s+(\d+)", text)
+        for name in ("MAJOR", "MINOR", "PATCH")
+    ]
     return ".".join(part.group(1) for part in parts) if all(parts) else None
 
 
@@ -289,16 +312,20 @@ def _find_cutlass() -> tuple[str, str] | None:
         for candidate in (Path(configured) / "include", Path(configured)):
             if _is_cutlass_include(candidate):
                 return str(candidate.resolve()), "CUTLASS_DIR"
-        _fail(f"CUTLASS_DIR={configured} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
-              "include/cutlass/cutlass.h and include/cutlass/version.h; point it at the root of one")
+        _fail(
+            f"CUTLASS_DIR={configured} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
+            "include/cutlass/cutlass.h and include/cutlass/version.h; point it at the root of one"
+        )
     if CUTLASS_CHECKOUT.is_dir() and any(CUTLASS_CHECKOUT.iterdir()):
         include = CUTLASS_CHECKOUT / "include"
         if _is_cutlass_include(include):
             return str(include), "third_party/cutlass"
-        _fail(f"{CUTLASS_CHECKOUT} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
-              "include/cutlass/cutlass.h and include/cutlass/version.h. Put a CUTLASS checkout "
-              "there (third_party/README.md says which tag), or remove the folder to build with "
-              "the pinned nvidia-cutlass wheel")
+        _fail(
+            f"{CUTLASS_CHECKOUT} is not a CUTLASS checkout: it has no include/cute/tensor.hpp, "
+            "include/cutlass/cutlass.h and include/cutlass/version.h. Put a CUTLASS checkout "
+            "there (third_party/README.md says which tag), or remove the folder to build with "
+            "the pinned nvidia-cutlass wheel"
+        )
     spec = importlib.util.find_spec("cutlass_library")
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
@@ -394,19 +421,25 @@ def _configure() -> dict[str, Any]:
         cutlass_version = _cutlass_version(Path(cutlass_include))
         pinned = _pinned_cutlass_version()
         if pinned and cutlass_version != pinned:
-            print(f"flash_attn_cuda: WARNING: building against CUTLASS {cutlass_version or '(unknown version)'} "
-                  f"from {cutlass_source} ({cutlass_include}), but third_party/cutlass_requirement.txt pins "
-                  f"CUTLASS {pinned}, the version this project is tested with.", file=sys.stderr)
+            print(
+                f"flash_attn_cuda: WARNING: building against CUTLASS {cutlass_version or '(unknown version)'} "
+                f"from {cutlass_source} ({cutlass_include}), but third_party/cutlass_requirement.txt pins "
+                f"CUTLASS {pinned}, the version this project is tested with.",
+                file=sys.stderr,
+            )
     elif _env_flag("FLASH_ATTN_FORCE_CUDA_BUILD") and not _env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
-        _fail(f"FLASH_ATTN_FORCE_CUDA_BUILD=1 but the CUDA kernels cannot be built: {cpu_only_reason}")
+        _fail(
+            f"FLASH_ATTN_FORCE_CUDA_BUILD=1 but the CUDA kernels cannot be built: {cpu_only_reason}"
+        )
 
     if cuda_home:
         # torch.utils.cpp_extension reads CUDA_HOME once, at import; both must name the real toolkit.
         os.environ["CUDA_HOME"] = cuda_home
         # Our own -gencode flags already contain "arch", which makes torch add none of its own;
         # the matching list keeps any other torch code path consistent with them.
-        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a[:-1]}.{a[-1]}" if a[-1].isdigit()
-                                                      else f"{a[:-2]}.{a[-2:]}" for a in archs)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(
+            f"{a[:-1]}.{a[-1]}" if a[-1].isdigit() else f"{a[:-2]}.{a[-2:]}" for a in archs
+        )
     import torch.utils.cpp_extension as cpp_extension
 
     if cuda_home:
@@ -421,7 +454,9 @@ def _configure() -> dict[str, Any]:
         "cutlass_include": cutlass_include,
         "cutlass_source": cutlass_source,
         "cutlass_version": cutlass_version,
-        "extra_cuda_includes": _torch_bundled_cuda_includes(cuda_home, torch.version.cuda) if cuda_home else [],
+        "extra_cuda_includes": _torch_bundled_cuda_includes(cuda_home, torch.version.cuda)
+        if cuda_home
+        else [],
         "archs": archs,
         "hdims": hdims,
         "dtypes": dtypes,
@@ -470,16 +505,20 @@ def _warn_if_static_cxx_runtime() -> None:
         return
     cxx = os.environ.get("CXX", "c++")
     try:
-        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
-                               text=True, timeout=60).stdout.strip()
+        found = subprocess.run(
+            [cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return
     if found and not os.path.isabs(found):
-        print(f"flash_attn_cuda: WARNING: the C++ compiler {cxx!r} finds no shared libstdc++ "
-              "(-print-file-name=libstdc++.so gives no path), so the extension would carry a "
-              "static copy of the C++ runtime beside torch's, and its argument errors can crash "
-              "the process instead of raising. Set CXX (and CC) to a compiler that links the "
-              "shared libstdc++, for example CXX=/usr/bin/g++.", file=sys.stderr)
+        print(
+            f"flash_attn_cuda: WARNING: the C++ compiler {cxx!r} finds no shared libstdc++ "
+            "(-print-file-name=libstdc++.so gives no path), so the extension would carry a "
+            "static copy of the C++ runtime beside torch's, and its argument errors can crash "
+            "the process instead of raising. Set CXX (and CC) to a compiler that links the "
+            "shared libstdc++, for example CXX=/usr/bin/g++.",
+            file=sys.stderr,
+        )
 
 
 def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
@@ -503,21 +542,34 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
         # instantiations only for the selected head dims and dtypes.
         stub = CUDA_STUB_SOURCE
         sources += [s for s in _sources("csrc/cuda/**/*.cpp") if s != stub]
-        sources += [s for s in _sources("csrc/cuda/**/*.cu")
-                    if not s.startswith("csrc/cuda/instantiations/")]
+        sources += [
+            s
+            for s in _sources("csrc/cuda/**/*.cu")
+            if not s.startswith("csrc/cuda/instantiations/")
+        ]
         instantiations = _sources("csrc/cuda/instantiations/*.cu")
-        sources += [s for s in instantiations
-                    if _instantiation_selected(s, config["hdims"], config["dtypes"])]
+        sources += [
+            s
+            for s in instantiations
+            if _instantiation_selected(s, config["hdims"], config["dtypes"])
+        ]
         include_dirs.append(config["cutlass_include"])
 
         nvcc_flags = [
-            "-O3", "-std=c++20", "-DNDEBUG",
-            "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+            "-O3",
+            "-std=c++20",
+            "-DNDEBUG",
+            "--use_fast_math",
+            "--expt-relaxed-constexpr",
+            "--expt-extended-lambda",
             # torch defines these to keep its own headers off the CUDA half operators;
             # the kernels here need the operators and conversions.
-            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+            "-U__CUDA_NO_HALF_OPERATORS__",
+            "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
             "-lineinfo",
         ]
         # Machine code only, no PTX: a GPU whose arch was not built gets a clear
@@ -563,8 +615,10 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
     )
 
     if building_cuda:
-        summary = (f"flash_attn_cuda: building CPU + CUDA kernels with {config['cuda_home']} "
-                   f"({build_info}); CUTLASS from {config['cutlass_include']}")
+        summary = (
+            f"flash_attn_cuda: building CPU + CUDA kernels with {config['cuda_home']} "
+            f"({build_info}); CUTLASS from {config['cutlass_include']}"
+        )
         extension = cpp_extension.CUDAExtension(
             name=f"{PACKAGE}._C",
             sources=sources,

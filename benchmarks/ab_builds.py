@@ -27,15 +27,34 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-KEY_FIELDS = ("regime", "mode", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k", "batch",
-              "nheads", "nheads_k", "note")
+KEY_FIELDS = (
+    "regime",
+    "mode",
+    "dtype",
+    "headdim",
+    "causal",
+    "seqlen_q",
+    "seqlen_k",
+    "batch",
+    "nheads",
+    "nheads_k",
+    "note",
+)
 
 
 def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, str(HERE / "benchmark_attention.py"), "--providers", "flash_attn_cuda",
-           "--no-plots", "--out", str(out_dir), *bench_args]
+    cmd = [
+        sys.executable,
+        str(HERE / "benchmark_attention.py"),
+        "--providers",
+        "flash_attn_cuda",
+        "--no-plots",
+        "--out",
+        str(out_dir),
+        *bench_args,
+    ]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads((out_dir / "results.json").read_text())["rows"]
     return [r for r in rows if r.get("provider") == "flash_attn_cuda" and r.get("ms")]
@@ -69,8 +88,13 @@ def main() -> None:
         a_ms = statistics.median(times["a"][key])
         b_ms = statistics.median(times["b"][key])
         case = dict(zip(KEY_FIELDS, key))
-        case.update(a_ms=a_ms, b_ms=b_ms, b_over_a=b_ms / a_ms,
-                    a_rounds=times["a"][key], b_rounds=times["b"][key])
+        case.update(
+            a_ms=a_ms,
+            b_ms=b_ms,
+            b_over_a=b_ms / a_ms,
+            a_rounds=times["a"][key],
+            b_rounds=times["b"][key],
+        )
         cases.append(case)
         groups[(case["regime"], case["mode"])].append(b_ms / a_ms)
     summary = {
@@ -82,12 +106,20 @@ def main() -> None:
         }
         for (regime, mode), ratios in sorted(groups.items())
     }
-    report = {"a": str(args.a), "b": str(args.b), "rounds": args.rounds,
-              "bench_args": bench_args, "summary": summary, "cases": cases}
+    report = {
+        "a": str(args.a),
+        "b": str(args.b),
+        "rounds": args.rounds,
+        "bench_args": bench_args,
+        "summary": summary,
+        "cases": cases,
+    }
     args.out.write_text(json.dumps(report, indent=1))
     for name, s in summary.items():
-        print(f"{name}: {s['cases']} cases, B/A geomean {s['geomean_b_over_a']:.4f}, "
-              f"range {s['min_b_over_a']:.4f}-{s['max_b_over_a']:.4f}")
+        print(
+            f"{name}: {s['cases']} cases, B/A geomean {s['geomean_b_over_a']:.4f}, "
+            f"range {s['min_b_over_a']:.4f}-{s['max_b_over_a']:.4f}"
+        )
 
 
 if __name__ == "__main__":

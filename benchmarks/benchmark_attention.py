@@ -61,17 +61,38 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REGIMES = ["train", "decode", "memory", "paged_prefill"]
 
 ROW_KEYS = [
-    "gpu", "torch", "cuda", "dtype", "headdim", "causal", "seqlen_q", "seqlen_k",
-    "batch", "nheads", "nheads_k", "mode", "provider", "ms", "tflops", "gbps",
-    "peak_mem_bytes", "error", "note", "ms_rounds",
+    "gpu",
+    "torch",
+    "cuda",
+    "dtype",
+    "headdim",
+    "causal",
+    "seqlen_q",
+    "seqlen_k",
+    "batch",
+    "nheads",
+    "nheads_k",
+    "mode",
+    "provider",
+    "ms",
+    "tflops",
+    "gbps",
+    "peak_mem_bytes",
+    "error",
+    "note",
+    "ms_rounds",
 ]
 
 # Warnings that mean flex_attention ran eagerly instead of as a compiled kernel.
 FLEX_EAGER_MARKERS = ("without torch.compile", "unfused implementation")
 # Errors after which the CUDA context is unusable for the rest of the process.
 STICKY_CUDA_MARKERS = (
-    "illegal memory access", "device-side assert", "unspecified launch failure",
-    "misaligned address", "illegal instruction", "an illegal",
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "illegal instruction",
+    "an illegal",
 )
 GIB = float(1 << 30)
 # Largest K cache whose output is cross-checked against SDPA in the decode regime.
@@ -130,17 +151,32 @@ def pow2_range(lo: int, hi: int) -> list:
 def gpu_grid(quick: bool) -> Grid:
     if quick:
         return Grid(
-            dtypes=["bf16"], headdims=[128], causals=[False, True], modes=list(MODES),
-            seqlens=[2048, 8192], tokens=16384, hidden=2048,
-            decode_seqlens_q=[1], decode_seqlens_k=[8192, 65536], decode_batches=[1, 16],
+            dtypes=["bf16"],
+            headdims=[128],
+            causals=[False, True],
+            modes=list(MODES),
+            seqlens=[2048, 8192],
+            tokens=16384,
+            hidden=2048,
+            decode_seqlens_q=[1],
+            decode_seqlens_k=[8192, 65536],
+            decode_batches=[1, 16],
             memory_seqlens=[8192, 32768],
-            prefill_shapes=[(4, 512, 4096), (4, 2048, 16384)], prefill_page_sizes=[1, 16, 64, 256],
+            prefill_shapes=[(4, 512, 4096), (4, 2048, 16384)],
+            prefill_page_sizes=[1, 16, 64, 256],
         )
     return Grid(
-        dtypes=["bf16", "fp16"], headdims=[64, 128, 256], causals=[False, True],
-        modes=list(MODES), seqlens=pow2_range(512, 16384), tokens=16384, hidden=2048,
-        decode_seqlens_q=[1, 4], decode_seqlens_k=pow2_range(4096, 131072),
-        decode_batches=[1, 4, 16, 64], memory_seqlens=pow2_range(1024, 65536),
+        dtypes=["bf16", "fp16"],
+        headdims=[64, 128, 256],
+        causals=[False, True],
+        modes=list(MODES),
+        seqlens=pow2_range(512, 16384),
+        tokens=16384,
+        hidden=2048,
+        decode_seqlens_q=[1, 4],
+        decode_seqlens_k=pow2_range(4096, 131072),
+        decode_batches=[1, 4, 16, 64],
+        memory_seqlens=pow2_range(1024, 65536),
         prefill_shapes=[(4, 512, 4096), (4, 2048, 16384), (8, 128, 8192), (2, 4096, 4096)],
         prefill_page_sizes=[1, 16, 64, 256],
     )
@@ -150,32 +186,70 @@ def cpu_grid(quick: bool) -> Grid:
     # Small enough for two cores: one batch, a few heads, short sequences.
     if quick:
         return Grid(
-            dtypes=["fp32", "bf16"], headdims=[64], causals=[False, True],
-            modes=["fwd", "fwd_bwd"], seqlens=[128, 256], tokens=512, hidden=256,
-            decode_seqlens_q=[1], decode_seqlens_k=[2048], decode_batches=[1],
-            decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
-            prefill_shapes=[(2, 16, 64)], prefill_page_sizes=[1, 16], prefill_dtype="fp32",
+            dtypes=["fp32", "bf16"],
+            headdims=[64],
+            causals=[False, True],
+            modes=["fwd", "fwd_bwd"],
+            seqlens=[128, 256],
+            tokens=512,
+            hidden=256,
+            decode_seqlens_q=[1],
+            decode_seqlens_k=[2048],
+            decode_batches=[1],
+            decode_nheads=8,
+            decode_nheads_k=2,
+            decode_headdim=64,
+            decode_dtype="fp32",
+            prefill_shapes=[(2, 16, 64)],
+            prefill_page_sizes=[1, 16],
+            prefill_dtype="fp32",
         )
     return Grid(
-        dtypes=["fp32", "bf16"], headdims=[64, 128], causals=[False, True],
-        modes=list(MODES), seqlens=pow2_range(128, 2048), tokens=2048, hidden=256,
-        decode_seqlens_q=[1, 4], decode_seqlens_k=[1024, 4096, 16384], decode_batches=[1, 4],
-        decode_nheads=8, decode_nheads_k=2, decode_headdim=64, decode_dtype="fp32",
-        prefill_shapes=[(2, 16, 64), (1, 32, 128)], prefill_page_sizes=[1, 16], prefill_dtype="fp32",
+        dtypes=["fp32", "bf16"],
+        headdims=[64, 128],
+        causals=[False, True],
+        modes=list(MODES),
+        seqlens=pow2_range(128, 2048),
+        tokens=2048,
+        hidden=256,
+        decode_seqlens_q=[1, 4],
+        decode_seqlens_k=[1024, 4096, 16384],
+        decode_batches=[1, 4],
+        decode_nheads=8,
+        decode_nheads_k=2,
+        decode_headdim=64,
+        decode_dtype="fp32",
+        prefill_shapes=[(2, 16, 64), (1, 32, 128)],
+        prefill_page_sizes=[1, 16],
+        prefill_dtype="fp32",
     )
 
 
 def standin_grid() -> Grid:
     """Tiny shapes that walk the GPU code paths on the CPU (numbers meaningless)."""
     return Grid(
-        dtypes=["fp32"], headdims=[32], causals=[False, True], modes=list(MODES),
-        seqlens=[64, 128], tokens=128, hidden=64,
-        decode_seqlens_q=[1, 4], decode_seqlens_k=[256], decode_batches=[1, 2],
-        decode_nheads=8, decode_nheads_k=2, decode_headdim=32, decode_dtype="fp32",
-        decode_page_sizes=[16, 256], memory_seqlens=[64, 128], memory_nheads=2,
-        memory_headdim=32, memory_dtype="fp32",
+        dtypes=["fp32"],
+        headdims=[32],
+        causals=[False, True],
+        modes=list(MODES),
+        seqlens=[64, 128],
+        tokens=128,
+        hidden=64,
+        decode_seqlens_q=[1, 4],
+        decode_seqlens_k=[256],
+        decode_batches=[1, 2],
+        decode_nheads=8,
+        decode_nheads_k=2,
+        decode_headdim=32,
+        decode_dtype="fp32",
+        decode_page_sizes=[16, 256],
+        memory_seqlens=[64, 128],
+        memory_nheads=2,
+        memory_headdim=32,
+        memory_dtype="fp32",
         # 100 keys: the last page of each page size is partly filled.
-        prefill_shapes=[(2, 16, 64), (1, 32, 128), (2, 8, 100)], prefill_page_sizes=[1, 16],
+        prefill_shapes=[(2, 16, 64), (1, 32, 128), (2, 8, 100)],
+        prefill_page_sizes=[1, 16],
         prefill_dtype="fp32",
     )
 
@@ -271,7 +345,7 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     text = lines[0] if lines else text
     if detail:
         # torch.compile puts the real cause of a graph break on a later line.
-        text = f"{text} ({detail[0][len('Developer debug context:'):].strip()})"
+        text = f"{text} ({detail[0][len('Developer debug context:') :].strip()})"
     if not text.startswith(type(exc).__name__):
         text = f"{type(exc).__name__}: {text}"
     return text[:limit]
@@ -382,19 +456,27 @@ class Timer:
 
     def describe(self) -> str:
         if self.device.type != "cuda":
-            return (f"time.perf_counter, median of runs within {self.cpu_budget_s}s after "
-                    f"{self.cpu_budget_s / 4:g}s of warm-up")
+            return (
+                f"time.perf_counter, median of runs within {self.cpu_budget_s}s after "
+                f"{self.cpu_budget_s / 4:g}s of warm-up"
+            )
         if self._do_bench is not None:
-            return (f"triton.testing.do_bench(warmup={self.warmup_ms}ms, rep={self.rep_ms}ms, "
-                    f"{self._median_kwargs}), CUDA events, L2 flushed before each run")
-        return (f"CUDA events, median after {self.warmup_ms}ms warm-up over {self.rep_ms}ms, "
-                "L2 flushed before each run")
+            return (
+                f"triton.testing.do_bench(warmup={self.warmup_ms}ms, rep={self.rep_ms}ms, "
+                f"{self._median_kwargs}), CUDA events, L2 flushed before each run"
+            )
+        return (
+            f"CUDA events, median after {self.warmup_ms}ms warm-up over {self.rep_ms}ms, "
+            "L2 flushed before each run"
+        )
 
     def __call__(self, fn: Callable[[], object]) -> float:
         if self.device.type != "cuda":
             return self._cpu_median(fn)
         if self._do_bench is not None:
-            result = self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, **self._median_kwargs)
+            result = self._do_bench(
+                fn, warmup=self.warmup_ms, rep=self.rep_ms, **self._median_kwargs
+            )
             if isinstance(result, (list, tuple)):
                 result = result[0]
             return float(result)
@@ -563,13 +645,16 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
         v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
         prepared = Prepared(
             forward=lambda: attn(q, k, v, causal=shape.causal, deterministic=deterministic),
-            grad_inputs=(q, k, v))
+            grad_inputs=(q, k, v),
+        )
         prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
         return prepared
 
     if shape.causal and sq != sk and provider != "flex":
         # SDPA's is_causal is aligned to the top-left corner, ours to the bottom-right.
-        raise Unavailable("SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k")
+        raise Unavailable(
+            "SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k"
+        )
 
     q = random_tensor((b, h, sq, d), dtype, device, with_grad)
     k = random_tensor((b, hk, sk, d), dtype, device, with_grad)
@@ -580,7 +665,9 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
 
     if provider in SDPA_BACKENDS:
         if provider == "sdpa_math":
-            require_fits(_math_bytes(shape, with_grad), device, "the math backend's attention matrix")
+            require_fits(
+                _math_bytes(shape, with_grad), device, "the math backend's attention matrix"
+            )
         return Prepared(
             forward=lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs),
             grad_inputs=(q, k, v),
@@ -614,7 +701,8 @@ def build_flex(q, k, v, shape: Shape, device: torch.device) -> Prepared:
             return q_idx + diagonal_offset >= kv_idx
 
         kwargs["block_mask"] = create_block_mask(
-            causal_mask, None, None, shape.seqlen_q, shape.seqlen_k, device=str(device))
+            causal_mask, None, None, shape.seqlen_q, shape.seqlen_k, device=str(device)
+        )
     if shape.nheads != shape.nheads_k:
         kwargs["enable_gqa"] = True
     return Prepared(
@@ -677,13 +765,16 @@ def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] =
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         ref_grads = torch.autograd.grad(sdpa(*leaves), leaves, dout)
         result["max_abs_diff_grad_vs_sdpa"] = max(
-            _compare(g, r, name, result) for g, r, name in zip(grads, ref_grads, ("dq", "dk", "dv")))
+            _compare(g, r, name, result) for g, r, name in zip(grads, ref_grads, ("dq", "dk", "dv"))
+        )
     except Exception:
         pass  # the bwd / fwd_bwd measurements report ours' errors
     return result
 
 
-def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: torch.device) -> Prepared:
+def build_decode(
+    provider: str, shape: Shape, page_size: Optional[int], device: torch.device
+) -> Prepared:
     """Decode: q (b, sq, 32, d) against a (b, sk, 8, d) K/V cache, forward only."""
     dtype = DTYPES[shape.dtype]
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
@@ -704,11 +795,19 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
             k_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
             v_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
             # Pages scattered at random, as an allocator that has run a while leaves them.
-            block_table = torch.randperm(num_pages, device=device).to(torch.int32).view(b, pages_per_seq)
+            block_table = (
+                torch.randperm(num_pages, device=device).to(torch.int32).view(b, pages_per_seq)
+            )
 
         def forward():
-            return attn(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                        block_table=block_table, causal=shape.causal)
+            return attn(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=cache_seqlens,
+                block_table=block_table,
+                causal=shape.causal,
+            )
 
         prepared = Prepared(forward=forward)
         # The check needs a gathered copy of a paged cache: only for caches of a
@@ -717,7 +816,9 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
             if block_table is not None:
                 k_view = k_cache[block_table.long()].reshape(b, -1, hk, d)
                 v_view = v_cache[block_table.long()].reshape(b, -1, hk, d)
-            prepared.extra.update(check_against_sdpa(forward, q, k_view, v_view, shape, key_rows=sk))
+            prepared.extra.update(
+                check_against_sdpa(forward, q, k_view, v_view, shape, key_rows=sk)
+            )
             del k_view, v_view
         prepared.extra["kv_layout"] = "contiguous" if page_size is None else f"paged{page_size}"
         return prepared
@@ -725,13 +826,18 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
     if provider not in SDPA_BACKENDS and provider != "sdpa_cpu":
         raise Unavailable(f"{provider} is not measured in the decode regime")
     if shape.causal and sq != sk:
-        raise Unavailable("SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k")
+        raise Unavailable(
+            "SDPA is_causal is top-left aligned; not comparable when seqlen_q != seqlen_k"
+        )
     context = _sdpa_backend(provider) if provider in SDPA_BACKENDS else contextlib.nullcontext
     if provider == "sdpa_math":
         # It also expands grouped K/V to every query head.
         expanded_kv = 2.0 * b * h * sk * d * DTYPES[shape.dtype].itemsize
-        require_fits(_math_bytes(shape, False) + expanded_kv, device,
-                     "the math backend's attention matrix and expanded K/V")
+        require_fits(
+            _math_bytes(shape, False) + expanded_kv,
+            device,
+            "the math backend's attention matrix and expanded K/V",
+        )
     q = random_tensor((b, h, sq, d), dtype, device)
     k = random_tensor((b, hk, sk, d), dtype, device)
     v = random_tensor((b, hk, sk, d), dtype, device)
@@ -751,7 +857,9 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
     # This backend cannot read grouped K/V: give it K/V expanded to every query
     # head, copied outside the timed region (it then reads h/hk times the bytes).
     groups = h // hk
-    require_fits(2.0 * k.numel() * k.element_size() * groups, device, "K/V expanded to every query head")
+    require_fits(
+        2.0 * k.numel() * k.element_size() * groups, device, "K/V expanded to every query head"
+    )
     k_full = k.repeat_interleave(groups, dim=1)
     v_full = v.repeat_interleave(groups, dim=1)
     del k, v
@@ -759,8 +867,10 @@ def build_decode(provider: str, shape: Shape, page_size: Optional[int], device: 
     def expanded():
         return F.scaled_dot_product_attention(q, k_full, v_full, is_causal=shape.causal)
 
-    note = (f"enable_gqa unsupported ({gqa_error}); K/V expanded to {h} heads before timing, "
-            f"so the kernel reads {groups}x the K/V bytes")
+    note = (
+        f"enable_gqa unsupported ({gqa_error}); K/V expanded to {h} heads before timing, "
+        f"so the kernel reads {groups}x the K/V bytes"
+    )
     return Prepared(forward=expanded, context=context, note=note, extra={"kv_layout": "expanded"})
 
 
@@ -784,8 +894,9 @@ def prefill_inputs(shape: Shape, device: torch.device) -> dict:
     }
 
 
-def build_paged_prefill(shape: Shape, page_size: Optional[int], inputs: dict,
-                        device: torch.device, check: bool) -> Prepared:
+def build_paged_prefill(
+    shape: Shape, page_size: Optional[int], inputs: dict, device: torch.device, check: bool
+) -> Prepared:
     """flash_attn_varlen_func forward, causal, on a chunk of new queries against its
     context: packed K/V (page_size None), or a paged cache behind a random block table.
 
@@ -825,8 +936,18 @@ def build_paged_prefill(shape: Shape, page_size: Optional[int], inputs: dict,
     seqused_k = inputs["seqused_k"]
 
     def paged():
-        return attn(q, k_cache, v_cache, cu_q, cu_k, sq, sk, causal=True,
-                    block_table=block_table, seqused_k=seqused_k)
+        return attn(
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k,
+            sq,
+            sk,
+            causal=True,
+            block_table=block_table,
+            seqused_k=seqused_k,
+        )
 
     prepared = Prepared(forward=paged, extra={"kv_layout": f"paged{page_size}"})
     if check:
@@ -842,8 +963,15 @@ def check_paged_prefill(paged, shape: Shape, inputs: dict, attn) -> dict:
         with torch.no_grad():
             if "reference" not in inputs:
                 inputs["reference"] = attn(
-                    inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens_q"],
-                    inputs["cu_seqlens_k"], shape.seqlen_q, shape.seqlen_k, causal=True)
+                    inputs["q"],
+                    inputs["k"],
+                    inputs["v"],
+                    inputs["cu_seqlens_q"],
+                    inputs["cu_seqlens_k"],
+                    shape.seqlen_q,
+                    shape.seqlen_k,
+                    causal=True,
+                )
             ref = inputs["reference"]
             out = paged()
     except Exception:
@@ -856,8 +984,10 @@ def check_paged_prefill(paged, shape: Shape, inputs: dict, attn) -> dict:
         torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
     except AssertionError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        result["warning"] = (f"paged output differs from the contiguous call (atol=rtol={tolerance:g}): "
-                             f"{'; '.join(lines[:3])[:200]}")
+        result["warning"] = (
+            f"paged output differs from the contiguous call (atol=rtol={tolerance:g}): "
+            f"{'; '.join(lines[:3])[:200]}"
+        )
     return result
 
 
@@ -872,9 +1002,13 @@ def call_checked(fn, prepared: Prepared):
         try:
             result = fn()
         except Exception as exc:
-            hints = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+            hints = [
+                str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()
+            ]
             if hints:
-                raise RuntimeError(f"{first_line(exc)} [warnings: {' | '.join(hints[:2])[:300]}]") from exc
+                raise RuntimeError(
+                    f"{first_line(exc)} [warnings: {' | '.join(hints[:2])[:300]}]"
+                ) from exc
             raise
     for w in caught:
         text = str(w.message)
@@ -928,7 +1062,11 @@ def measure_mode(prepared: Prepared, mode: str, timer: Timer, device: torch.devi
                 return torch.autograd.grad(forward(), inputs, dout)
 
             ms = max(timer(fwd_bwd) - timer(forward), 0.0)
-            return ms, None, f"bwd = fwd_bwd - fwd (backward with retain_graph failed: {first_line(exc, 150)})"
+            return (
+                ms,
+                None,
+                f"bwd = fwd_bwd - fwd (backward with retain_graph failed: {first_line(exc, 150)})",
+            )
         peak = peak_extra_bytes(bwd, device)
         return timer(bwd), peak, None
 
@@ -948,7 +1086,7 @@ class Run:
         self.meta.update(
             timer=self.timer.describe(),
             flops="fwd 4*b*h*sq*sk*d (halved when causal), bwd 2.5x, fwd_bwd 3.5x; paged_prefill "
-                  "4*b*h*d*(sq*(sk-sq) + sq*(sq+1)/2), the pairs a bottom-right causal mask keeps",
+            "4*b*h*d*(sq*(sk-sq) + sq*(sq+1)/2), the pairs a bottom-right causal mask keeps",
             argv=sys.argv[1:],
             started=time.strftime("%Y-%m-%d %H:%M:%S"),
         )
@@ -957,7 +1095,9 @@ class Run:
         elif device.type == "cpu":
             self.meta["note"] = "no GPU found: these are CPU numbers"
         # Rounds per decode and paged_prefill case (see measure_rounds): 3 on a GPU, 1 on the CPU.
-        self.decode_rounds = args.decode_rounds or (3 if device.type == "cuda" and not args.cpu_standin else 1)
+        self.decode_rounds = args.decode_rounds or (
+            3 if device.type == "cuda" and not args.cpu_standin else 1
+        )
         self.meta["decode_rounds"] = self.decode_rounds
         self.rows: list = []
         self.copy_gbps: Optional[float] = None
@@ -971,11 +1111,21 @@ class Run:
     def base_row(self, regime: str, shape: Shape, mode: str, provider: str) -> dict:
         row = dict.fromkeys(ROW_KEYS)
         row.update(
-            gpu=self.meta["gpu"], torch=self.meta["torch"], cuda=self.meta["cuda"],
-            dtype=shape.dtype, headdim=shape.headdim, causal=shape.causal,
-            seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, batch=shape.batch,
-            nheads=shape.nheads, nheads_k=shape.nheads_k, mode=mode, provider=provider,
-            regime=regime, device=self.device.type,
+            gpu=self.meta["gpu"],
+            torch=self.meta["torch"],
+            cuda=self.meta["cuda"],
+            dtype=shape.dtype,
+            headdim=shape.headdim,
+            causal=shape.causal,
+            seqlen_q=shape.seqlen_q,
+            seqlen_k=shape.seqlen_k,
+            batch=shape.batch,
+            nheads=shape.nheads,
+            nheads_k=shape.nheads_k,
+            mode=mode,
+            provider=provider,
+            regime=regime,
+            device=self.device.type,
         )
         return row
 
@@ -991,16 +1141,25 @@ class Run:
                 result += f" ({row['pct_of_copy_bw']:.0f}% of copy)"
         elif row["regime"] == "paged_prefill":
             scale, unit = (1e3, "GFLOP/s") if self.device.type == "cpu" else (1.0, "TFLOP/s")
-            result = (f"{_fmt(row['ms'] * 1e3, '9.1f')} us  "
-                      f"{_fmt(row['tflops'] * scale if row['tflops'] else None, '8.2f')} {unit}")
+            result = (
+                f"{_fmt(row['ms'] * 1e3, '9.1f')} us  "
+                f"{_fmt(row['tflops'] * scale if row['tflops'] else None, '8.2f')} {unit}"
+            )
             if row.get("paged_over_contiguous") is not None:
                 result += f"  x{row['paged_over_contiguous']:.2f} of contiguous"
             if row.get("equal_to_contiguous") is not None and not row.get("warning"):
-                result += "  output = contiguous" if row["equal_to_contiguous"] else (
-                    f"  output close to contiguous (max diff {row['max_abs_diff_vs_contiguous']:.2g})")
+                result += (
+                    "  output = contiguous"
+                    if row["equal_to_contiguous"]
+                    else (
+                        f"  output close to contiguous (max diff {row['max_abs_diff_vs_contiguous']:.2g})"
+                    )
+                )
         else:
             if self.device.type == "cpu":
-                throughput = f"{_fmt(row['tflops'] * 1e3 if row['tflops'] else None, '8.2f')} GFLOP/s"
+                throughput = (
+                    f"{_fmt(row['tflops'] * 1e3 if row['tflops'] else None, '8.2f')} GFLOP/s"
+                )
             else:
                 throughput = f"{_fmt(row['tflops'], '8.2f')} TFLOP/s"
             result = f"{_fmt(row['ms'], '9.3f')} ms  {throughput}"
@@ -1073,14 +1232,18 @@ class Run:
                     self.fill(row, ms, peak, note, prepared)
                     if provider == "flex" and mode == modes[0]:
                         first_s = time.perf_counter() - t0 + build_s
-                        row["note"] = join_notes(row["note"], f"compile + first timing {first_s:.1f}s")
+                        row["note"] = join_notes(
+                            row["note"], f"compile + first timing {first_s:.1f}s"
+                        )
                 except (Unavailable, FellBack) as exc:
                     row["error"] = str(exc)
                 except Exception as exc:
                     row["error"] = f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
                     self.check_context(exc)
             if record:
-                self.record(row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}")
+                self.record(
+                    row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}"
+                )
         del prepared
         release_memory(self.device)
         return rows
@@ -1096,15 +1259,25 @@ class Run:
         """The time and what follows from it (throughput, bandwidth)."""
         row["ms"] = ms
         if row["regime"] == "paged_prefill":
-            flops = prefill_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
-                                  row["headdim"])
+            flops = prefill_flops(
+                row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"], row["headdim"]
+            )
         else:
-            flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
-                                    row["headdim"], row["causal"], row["mode"])
+            flops = attention_flops(
+                row["batch"],
+                row["nheads"],
+                row["seqlen_q"],
+                row["seqlen_k"],
+                row["headdim"],
+                row["causal"],
+                row["mode"],
+            )
         row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         if row["regime"] == "decode" and ms > 0:
             elem = DTYPES[row["dtype"]].itemsize
-            kv_bytes = 2.0 * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
+            kv_bytes = (
+                2.0 * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
+            )
             row["gbps"] = kv_bytes / (ms * 1e-3) / 1e9
             if self.copy_gbps:
                 row["pct_of_copy_bw"] = 100.0 * row["gbps"] / self.copy_gbps
@@ -1118,8 +1291,16 @@ class Run:
                 for causal in g.causals:
                     for seqlen in g.seqlens:
                         nheads = max(1, g.hidden // headdim)
-                        yield Shape(dtype, max(1, g.tokens // seqlen), seqlen, seqlen,
-                                    nheads, nheads, headdim, causal)
+                        yield Shape(
+                            dtype,
+                            max(1, g.tokens // seqlen),
+                            seqlen,
+                            seqlen,
+                            nheads,
+                            nheads,
+                            headdim,
+                            causal,
+                        )
 
     def decode_cases(self):
         g = self.grid
@@ -1127,8 +1308,16 @@ class Run:
         for sq in g.decode_seqlens_q:
             for sk in g.decode_seqlens_k:
                 for batch in g.decode_batches:
-                    shape = Shape(g.decode_dtype, batch, sq, sk, g.decode_nheads,
-                                  g.decode_nheads_k, g.decode_headdim, False)
+                    shape = Shape(
+                        g.decode_dtype,
+                        batch,
+                        sq,
+                        sk,
+                        g.decode_nheads,
+                        g.decode_nheads_k,
+                        g.decode_headdim,
+                        False,
+                    )
                     cases = []
                     for provider in providers:
                         cases.append((provider, None))
@@ -1142,21 +1331,38 @@ class Run:
         if OURS not in self.providers:
             return
         for batch, q_chunk, context in g.prefill_shapes:
-            shape = Shape(g.prefill_dtype, batch, q_chunk, context, g.prefill_nheads,
-                          g.prefill_nheads_k, g.prefill_headdim, True)
+            shape = Shape(
+                g.prefill_dtype,
+                batch,
+                q_chunk,
+                context,
+                g.prefill_nheads,
+                g.prefill_nheads_k,
+                g.prefill_headdim,
+                True,
+            )
             yield shape, [(OURS, None)] + [(OURS, ps) for ps in g.prefill_page_sizes]
 
     def memory_shapes(self):
         g = self.grid
         for seqlen in g.memory_seqlens:
-            yield Shape(g.memory_dtype, g.memory_batch, seqlen, seqlen, g.memory_nheads,
-                        g.memory_nheads, g.memory_headdim, False)
+            yield Shape(
+                g.memory_dtype,
+                g.memory_batch,
+                seqlen,
+                seqlen,
+                g.memory_nheads,
+                g.memory_nheads,
+                g.memory_headdim,
+                False,
+            )
 
     def count(self) -> int:
         total = 0
         if "train" in self.args.regimes:
             total += sum(1 for _ in self.train_shapes()) * sum(
-                len(self.train_modes(p)) for p in self.providers)
+                len(self.train_modes(p)) for p in self.providers
+            )
         if "decode" in self.args.regimes:
             total += sum(len(cases) for _, cases in self.decode_cases())
         if "memory" in self.args.regimes:
@@ -1191,26 +1397,39 @@ class Run:
     def run_train(self) -> None:
         with_grad = any(mode != "fwd" for mode in self.grid.modes)
         for shape in self.train_shapes():
-            label = (f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
-                     f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}")
+            label = (
+                f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
+                f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}"
+            )
             for provider in self.providers:
                 if not self.train_modes(provider):
                     continue
                 self.run_provider(
-                    "train", shape, provider, self.train_modes(provider),
-                    lambda p=provider: build_train(p, shape, self.device, with_grad), label)
+                    "train",
+                    shape,
+                    provider,
+                    self.train_modes(provider),
+                    lambda p=provider: build_train(p, shape, self.device, with_grad),
+                    label,
+                )
             self.write_json()
 
     def run_decode(self) -> None:
         if self.copy_gbps is None and not self.broken:
             self.copy_gbps = measure_copy_bandwidth(self.device, self.timer)
             if self.copy_gbps:
-                print(f"device copy bandwidth (read + write): {self.copy_gbps:.0f} GB/s", flush=True)
+                print(
+                    f"device copy bandwidth (read + write): {self.copy_gbps:.0f} GB/s", flush=True
+                )
         for shape, cases in self.decode_cases():
             label = f"decode sq={shape.seqlen_q} sk={shape.seqlen_k} b={shape.batch}"
             for row in self.measure_rounds(
-                    "decode", shape, cases, label,
-                    lambda p, ps, _round: build_decode(p, shape, ps, self.device)):
+                "decode",
+                shape,
+                cases,
+                label,
+                lambda p, ps, _round: build_decode(p, shape, ps, self.device),
+            ):
                 self.record(row, f"{label} {provider_label(row)}")
             self.write_json()
 
@@ -1231,9 +1450,15 @@ class Run:
             for i in [(round_index + j) % len(cases) for j in range(len(cases))]:
                 provider, page_size = cases[i]
                 rows = self.run_provider(
-                    regime, shape, provider, ["fwd"],
+                    regime,
+                    shape,
+                    provider,
+                    ["fwd"],
                     lambda p=provider, ps=page_size, r=round_index: build(p, ps, r),
-                    label, extra={"page_size": page_size}, record=False)
+                    label,
+                    extra={"page_size": page_size},
+                    record=False,
+                )
                 per_case[i].append(rows["fwd"])
         result = []
         for case_rows in per_case:
@@ -1254,18 +1479,27 @@ class Run:
 
     def run_paged_prefill(self) -> None:
         for shape, cases in self.prefill_cases():
-            label = f"paged_prefill b={shape.batch} q_chunk={shape.seqlen_q} context={shape.seqlen_k}"
+            label = (
+                f"paged_prefill b={shape.batch} q_chunk={shape.seqlen_q} context={shape.seqlen_k}"
+            )
             inputs = {}  # the shape's q, k, v, built by its first case, shared by the rest
             rows = self.measure_rounds(
-                "paged_prefill", shape, cases, label,
-                lambda _p, ps, r: build_paged_prefill(shape, ps, inputs, self.device, check=r == 0))
+                "paged_prefill",
+                shape,
+                cases,
+                label,
+                lambda _p, ps, r: build_paged_prefill(shape, ps, inputs, self.device, check=r == 0),
+            )
             inputs.clear()
             release_memory(self.device)
             contiguous = rows[0]
             good = not contiguous["error"] and contiguous["ms"]
             for row in rows[1:]:
                 row["paged_over_contiguous"] = (
-                    row["ms"] / contiguous["ms"] if good and not row["error"] and row["ms"] else None)
+                    row["ms"] / contiguous["ms"]
+                    if good and not row["error"] and row["ms"]
+                    else None
+                )
             for row in rows:
                 self.record(row, f"{label} {provider_label(row)}")
             self.write_json()
@@ -1277,9 +1511,14 @@ class Run:
             input_bytes = 4 * shape.batch * shape.seqlen_q * shape.nheads * shape.headdim * elem
             for provider in self.providers:
                 self.run_provider(
-                    "memory", shape, provider, ["fwd_bwd"],
+                    "memory",
+                    shape,
+                    provider,
+                    ["fwd_bwd"],
                     lambda p=provider: build_train(p, shape, self.device, True),
-                    label, extra={"input_bytes": input_bytes})
+                    label,
+                    extra={"input_bytes": input_bytes},
+                )
             self.write_json()
 
 
@@ -1313,7 +1552,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def _print_table(title: str, header: list, lines: list) -> None:
-    widths = [max(len(str(h)), *(len(str(line[i])) for line in lines)) for i, h in enumerate(header)]
+    widths = [
+        max(len(str(h)), *(len(str(line[i])) for line in lines)) for i, h in enumerate(header)
+    ]
     print()
     print(title)
     print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
@@ -1326,8 +1567,11 @@ def _cell(row: Optional[dict], value_key: str, scale: float, spec: str) -> str:
         return "-"
     if row.get("error"):
         text = row["error"]
-        return "skip" if text.startswith(("skipped", "unavailable")) else (
-            "n/a" if "import flash_attn_cuda" in text or "has no" in text else "err")
+        return (
+            "skip"
+            if text.startswith(("skipped", "unavailable"))
+            else ("n/a" if "import flash_attn_cuda" in text or "has no" in text else "err")
+        )
     value = row.get(value_key)
     return _fmt(value * scale if value is not None else None, spec)
 
@@ -1345,10 +1589,15 @@ def print_tables(meta: dict, rows: list) -> None:
     groups = {}
     for r in train:
         groups.setdefault((r["dtype"], r["headdim"], r["causal"], r["mode"]), {}).setdefault(
-            (r["seqlen_q"], r["batch"], r["nheads"]), {})[r["provider"]] = r
+            (r["seqlen_q"], r["batch"], r["nheads"]), {}
+        )[r["provider"]] = r
     ratio_log = {p: [] for p in others}
     for (dtype, headdim, causal, mode), by_shape in groups.items():
-        header = ["seqlen", "batch", "nheads"] + providers + [f"x{p}" for p in others if OURS in providers]
+        header = (
+            ["seqlen", "batch", "nheads"]
+            + providers
+            + [f"x{p}" for p in others if OURS in providers]
+        )
         lines = []
         for (seqlen, batch, nheads), by_provider in sorted(by_shape.items()):
             line = [seqlen, batch, nheads]
@@ -1358,15 +1607,24 @@ def print_tables(meta: dict, rows: list) -> None:
                 for p in others:
                     other = by_provider.get(p)
                     ratio = None
-                    if ours and other and not ours.get("error") and not other.get("error") \
-                            and ours.get("ms") and other.get("ms"):
+                    if (
+                        ours
+                        and other
+                        and not ours.get("error")
+                        and not other.get("error")
+                        and ours.get("ms")
+                        and other.get("ms")
+                    ):
                         ratio = other["ms"] / ours["ms"]
                         ratio_log[p].append(ratio)
                     line.append(_fmt(ratio, ".2f"))
             lines.append(line)
         _print_table(
             f"train {dtype} headdim={headdim} {'causal' if causal else 'non-causal'} {mode}: {flop_unit}"
-            f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster)", header, lines)
+            f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster)",
+            header,
+            lines,
+        )
 
     decode = [r for r in rows if r.get("regime") == "decode"]
     if decode:
@@ -1376,11 +1634,15 @@ def print_tables(meta: dict, rows: list) -> None:
                 labels.append(provider_label(r))
         by_sq = {}
         for r in decode:
-            by_sq.setdefault(r["seqlen_q"], {}).setdefault((r["seqlen_k"], r["batch"]), {})[provider_label(r)] = r
+            by_sq.setdefault(r["seqlen_q"], {}).setdefault((r["seqlen_k"], r["batch"]), {})[
+                provider_label(r)
+            ] = r
         copy = meta.get("copy_gbps")
         for sq, by_shape in sorted(by_sq.items()):
             sample = next(iter(next(iter(by_shape.values())).values()))
-            header = ["seqlen_k", "batch"] + [f"{lb} us" for lb in labels] + [f"{OURS} GB/s", "% copy"]
+            header = (
+                ["seqlen_k", "batch"] + [f"{lb} us" for lb in labels] + [f"{OURS} GB/s", "% copy"]
+            )
             header += [f"x{lb}" for lb in labels if lb in others]
             lines = []
             for (sk, batch), by_label in sorted(by_shape.items()):
@@ -1398,7 +1660,10 @@ def print_tables(meta: dict, rows: list) -> None:
             _print_table(
                 f"decode seqlen_q={sq} heads {sample['nheads']}:{sample['nheads_k']} headdim="
                 f"{sample['headdim']} {sample['dtype']}: microseconds; GB/s of K/V read; copy bandwidth "
-                f"{_fmt(copy, '.0f')} GB/s (read + write)", header, lines)
+                f"{_fmt(copy, '.0f')} GB/s (read + write)",
+                header,
+                lines,
+            )
 
     memory = [r for r in rows if r.get("regime") == "memory"]
     if memory:
@@ -1406,20 +1671,26 @@ def print_tables(meta: dict, rows: list) -> None:
         for r in memory:
             by_seqlen.setdefault(r["seqlen_q"], {})[r["provider"]] = r
         header = ["seqlen"] + providers
-        lines = [[s] + [_cell(by_p.get(p), "peak_mem_bytes", 1 / MIB, ".0f") for p in providers]
-                 for s, by_p in sorted(by_seqlen.items())]
+        lines = [
+            [s] + [_cell(by_p.get(p), "peak_mem_bytes", 1 / MIB, ".0f") for p in providers]
+            for s, by_p in sorted(by_seqlen.items())
+        ]
         sample = memory[0]
         _print_table(
             f"memory: peak MiB allocated by fwd+bwd beyond its inputs (batch {sample['batch']}, "
-            f"{sample['nheads']} heads, headdim {sample['headdim']}, {sample['dtype']})", header, lines)
+            f"{sample['nheads']} heads, headdim {sample['headdim']}, {sample['dtype']})",
+            header,
+            lines,
+        )
 
     prefill = [r for r in rows if r.get("regime") == "paged_prefill"]
     if prefill:
         groups = {}
         for r in prefill:
             key = (r["dtype"], r["nheads"], r["nheads_k"], r["headdim"])
-            groups.setdefault(key, {}).setdefault(
-                (r["batch"], r["seqlen_q"], r["seqlen_k"]), {})[r.get("page_size")] = r
+            groups.setdefault(key, {}).setdefault((r["batch"], r["seqlen_q"], r["seqlen_k"]), {})[
+                r.get("page_size")
+            ] = r
         for (dtype, nheads, nheads_k, headdim), by_shape in groups.items():
             page_sizes = sorted({ps for by_ps in by_shape.values() for ps in by_ps if ps})
             header = ["batch", "q_chunk", "context", "contiguous us", flop_unit]
@@ -1429,19 +1700,29 @@ def print_tables(meta: dict, rows: list) -> None:
             lines = []
             for (batch, q_chunk, context), by_ps in sorted(by_shape.items()):
                 contiguous = by_ps.get(None)
-                line = [batch, q_chunk, context, _cell(contiguous, "ms", 1e3, ".1f"),
-                        _cell(contiguous, "tflops", flop_scale, ".1f")]
+                line = [
+                    batch,
+                    q_chunk,
+                    context,
+                    _cell(contiguous, "ms", 1e3, ".1f"),
+                    _cell(contiguous, "tflops", flop_scale, ".1f"),
+                ]
                 for ps in page_sizes:
                     paged = by_ps.get(ps)
-                    line += [_cell(paged, "ms", 1e3, ".1f"),
-                             _fmt(paged.get("paged_over_contiguous") if paged else None, ".2f")]
+                    line += [
+                        _cell(paged, "ms", 1e3, ".1f"),
+                        _fmt(paged.get("paged_over_contiguous") if paged else None, ".2f"),
+                    ]
                 line.append(_prefill_check(by_ps[ps] for ps in page_sizes if ps in by_ps))
                 lines.append(line)
             _print_table(
                 f"paged_prefill causal heads {nheads}:{nheads_k} headdim={headdim} {dtype}: "
                 f"{OURS} flash_attn_varlen_func forward, microseconds; x pagedN = paged time / "
                 f"contiguous time (>1 means paging costs time); check: paged output against "
-                f"contiguous (exact, close, FAIL, - not checked)", header, lines)
+                f"contiguous (exact, close, FAIL, - not checked)",
+                header,
+                lines,
+            )
 
     summary = [(p, v) for p, v in ratio_log.items() if v]
     if summary:
@@ -1449,7 +1730,9 @@ def print_tables(meta: dict, rows: list) -> None:
         print(f"training summary ({OURS} speed relative to each provider, geometric mean):")
         for p, values in summary:
             geo = math.exp(sum(math.log(x) for x in values) / len(values))
-            print(f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f})")
+            print(
+                f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f})"
+            )
 
     errors = {}
     for r in rows:
@@ -1464,13 +1747,17 @@ def print_tables(meta: dict, rows: list) -> None:
     warned = [r for r in rows if r.get("warning")]
     if warned:
         print()
-        print(f"WARNING: {len(warned)} {OURS} rows differ from their reference (SDPA; for "
-              f"paged_prefill the contiguous call) beyond tolerance, e.g.: {warned[0]['warning']}")
+        print(
+            f"WARNING: {len(warned)} {OURS} rows differ from their reference (SDPA; for "
+            f"paged_prefill the contiguous call) beyond tolerance, e.g.: {warned[0]['warning']}"
+        )
 
 
 def _prefill_check(paged_rows) -> str:
     """exact / close / FAIL over a shape's paged rows; - when none was compared."""
-    checked = [r for r in paged_rows if r.get("equal_to_contiguous") is not None or r.get("warning")]
+    checked = [
+        r for r in paged_rows if r.get("equal_to_contiguous") is not None or r.get("warning")
+    ]
     if not checked:
         return "-"
     if any(r.get("warning") for r in checked):
@@ -1506,46 +1793,76 @@ def parse_bool_choice(text: str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Benchmark flash_attn_cuda against PyTorch SDPA backends and flex_attention.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
-    p.add_argument("--out", default=None,
-                   help="output folder for results.json and PNGs (default benchmarks/out/<device>/, "
-                        "ignored by git: a run becomes a kept result only when it is copied to "
-                        "benchmarks/results/<device>/current/ on purpose)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder for results.json and PNGs (default benchmarks/out/<device>/, "
+        "ignored by git: a run becomes a kept result only when it is copied to "
+        "benchmarks/results/<device>/current/ on purpose)",
+    )
     p.add_argument("--regimes", default=None, help=f"comma list of {REGIMES}")
-    p.add_argument("--providers", default=None,
-                   help=f"comma list; GPU: {GPU_PROVIDERS} (default), also {GPU_OPTIONAL_PROVIDERS}; CPU: {CPU_PROVIDERS}")
+    p.add_argument(
+        "--providers",
+        default=None,
+        help=f"comma list; GPU: {GPU_PROVIDERS} (default), also {GPU_OPTIONAL_PROVIDERS}; CPU: {CPU_PROVIDERS}",
+    )
     p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32 (training grid)")
     p.add_argument("--headdims", default=None, help="comma list of head dims (training grid)")
     p.add_argument("--modes", default=None, help=f"comma list of {MODES}")
     p.add_argument("--seqlens", default=None, help="comma list of training seqlens")
     p.add_argument("--causal", default=None, choices=["both", "true", "false"])
-    p.add_argument("--decode-paged", action="store_true",
-                   help="also measure flash_attn_with_kvcache on a paged cache (page sizes 1, 16 and 256)")
-    p.add_argument("--decode-page-sizes", default=None,
-                   help="comma list of page sizes for --decode-paged (default 1,16,256)")
+    p.add_argument(
+        "--decode-paged",
+        action="store_true",
+        help="also measure flash_attn_with_kvcache on a paged cache (page sizes 1, 16 and 256)",
+    )
+    p.add_argument(
+        "--decode-page-sizes",
+        default=None,
+        help="comma list of page sizes for --decode-paged (default 1,16,256)",
+    )
     p.add_argument("--decode-seqlens-q", default=None, help="comma list (default 1,4)")
     p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
     p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
-    p.add_argument("--decode-rounds", type=int, default=None,
-                   help="rounds per decode and paged_prefill case, in rotated order; a case "
-                        "reports their median (default 3 on a GPU, 1 on the CPU)")
-    p.add_argument("--prefill-shapes", default=None,
-                   help="paged_prefill: comma list of BATCHxQ_CHUNKxCONTEXT (default on a GPU "
-                        "4x512x4096,4x2048x16384,8x128x8192,2x4096x4096)")
-    p.add_argument("--prefill-page-sizes", default=None,
-                   help="paged_prefill: comma list of page sizes, each measured against the "
-                        "contiguous call (default 1,16,256 on a GPU; 1,16 on the CPU)")
+    p.add_argument(
+        "--decode-rounds",
+        type=int,
+        default=None,
+        help="rounds per decode and paged_prefill case, in rotated order; a case "
+        "reports their median (default 3 on a GPU, 1 on the CPU)",
+    )
+    p.add_argument(
+        "--prefill-shapes",
+        default=None,
+        help="paged_prefill: comma list of BATCHxQ_CHUNKxCONTEXT (default on a GPU "
+        "4x512x4096,4x2048x16384,8x128x8192,2x4096x4096)",
+    )
+    p.add_argument(
+        "--prefill-page-sizes",
+        default=None,
+        help="paged_prefill: comma list of page sizes, each measured against the "
+        "contiguous call (default 1,16,256 on a GPU; 1,16 on the CPU)",
+    )
     p.add_argument("--memory-seqlens", default=None, help="comma list (default 1024..65536)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement")
     p.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing window per measurement")
-    p.add_argument("--cpu-budget-s", type=float, default=None,
-                   help="CPU timing window per measurement (default 0.15 with --quick, else 0.5)")
+    p.add_argument(
+        "--cpu-budget-s",
+        type=float,
+        default=None,
+        help="CPU timing window per measurement (default 0.15 with --quick, else 0.5)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
-    p.add_argument("--cpu-standin", action="store_true",
-                   help="developer check: walk the GPU providers and regimes on the CPU with tiny "
-                        "shapes (numbers meaningless)")
+    p.add_argument(
+        "--cpu-standin",
+        action="store_true",
+        help="developer check: walk the GPU providers and regimes on the CPU with tiny "
+        "shapes (numbers meaningless)",
+    )
     return p
 
 
@@ -1560,8 +1877,11 @@ def select(args) -> tuple:
         grid, known, default_regimes = gpu_grid(args.quick), GPU_PROVIDERS, REGIMES
     else:
         # No GPU: peak-memory rows would be empty, so that regime is off by default.
-        grid, known, default_regimes = (cpu_grid(args.quick), CPU_PROVIDERS,
-                                        ["train", "decode", "paged_prefill"])
+        grid, known, default_regimes = (
+            cpu_grid(args.quick),
+            CPU_PROVIDERS,
+            ["train", "decode", "paged_prefill"],
+        )
 
     providers = parse_list(args.providers) or list(known)
     if device.type == "cuda" or args.cpu_standin:
@@ -1632,8 +1952,11 @@ def main(argv=None) -> int:
         print("These are CPU numbers; they say nothing about the GPU kernels.")
         print("=" * 78, flush=True)
     run = Run(args, device, grid, providers)
-    print(f"device: {run.meta['gpu'] or run.meta['cpu']} ({device.type}); torch {run.meta['torch']}; "
-          f"CUDA {run.meta['cuda']}; flash_attn_cuda {run.meta['flash_attn_cuda']}", flush=True)
+    print(
+        f"device: {run.meta['gpu'] or run.meta['cpu']} ({device.type}); torch {run.meta['torch']}; "
+        f"CUDA {run.meta['cuda']}; flash_attn_cuda {run.meta['flash_attn_cuda']}",
+        flush=True,
+    )
     if run.meta.get("flash_attn_cuda_error"):
         print(f"  {OURS} unavailable: {run.meta['flash_attn_cuda_error']}", flush=True)
     run.run()
@@ -1662,10 +1985,14 @@ def exit_status(run: Run) -> int:
     if run.broken:
         print(f"FAILED: {run.broken}")
     if failed:
-        print(f"FAILED: {OURS} raised on {len(failed)} of {len(ours)} cases, e.g. {failed[0]['error'][:200]}")
+        print(
+            f"FAILED: {OURS} raised on {len(failed)} of {len(ours)} cases, e.g. {failed[0]['error'][:200]}"
+        )
     if wrong:
-        print(f"FAILED: {OURS} disagreed with its reference on {len(wrong)} cases, e.g. "
-              f"{wrong[0]['warning'][:200]}")
+        print(
+            f"FAILED: {OURS} disagreed with its reference on {len(wrong)} cases, e.g. "
+            f"{wrong[0]['warning'][:200]}"
+        )
     return 1 if (run.broken or failed or wrong) else 0
 
 

@@ -55,25 +55,33 @@ def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny model and short sequences (CPU smoke test)")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/out/<device>/e2e/)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model and short sequences (CPU smoke test)"
+    )
+    p.add_argument(
+        "--out", default=None, help="output folder (default benchmarks/out/<device>/e2e/)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--seqlens", default=None, help="comma list (default 2048,4096,8192)")
-    p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="batch = max(1, this // seqlen) (default 16384)")
+    p.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="batch = max(1, this // seqlen) (default 16384)",
+    )
     p.add_argument("--layers", type=int, default=None, help="default 4")
     p.add_argument("--hidden", type=int, default=None, help="default 2048")
     p.add_argument("--heads", type=int, default=None, help="default 16")
     p.add_argument("--kv-heads", type=int, default=None, help="default = --heads")
     p.add_argument("--vocab", type=int, default=None, help="default 32000")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on CUDA, fp32 on CPU"
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 5)")
     p.add_argument("--gen-batch", type=int, default=None, help="default 8")
@@ -202,15 +210,22 @@ def build_model(args, device, dtype):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=max(
-            max(args.seqlens), args.gen_prompt + args.gen_tokens),
-        pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 2.75),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(max(args.seqlens), args.gen_prompt + args.gen_tokens),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                       dtype=dtype)
+    model = transformers.LlamaForCausalLM._from_config(
+        config, attn_implementation="sdpa", dtype=dtype
+    )
     return model.to(device)
 
 
@@ -247,29 +262,39 @@ def generation_row(model, variant, args, device, reference_tokens):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(2, args.vocab, (args.gen_batch, args.gen_prompt), generator=gen).to(device)
     config = transformers.GenerationConfig(
-        max_new_tokens=args.gen_tokens, min_new_tokens=args.gen_tokens, do_sample=False,
-        pad_token_id=0, eos_token_id=None)
+        max_new_tokens=args.gen_tokens,
+        min_new_tokens=args.gen_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     model.set_attn_implementation(attn_implementation(variant))
     model.eval()
     out = {}
 
     def run():
         with torch.no_grad():
-            out["tokens"] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                           generation_config=config)
+            out["tokens"] = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
 
     with variant_context(variant):
         peak_memory_reset(device)
         seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
         peak = peak_memory_gib(device)
-    tokens = out["tokens"][:, args.gen_prompt:]
+    tokens = out["tokens"][:, args.gen_prompt :]
     if reference_tokens is None:
         reference_tokens = tokens
     same = (tokens == reference_tokens).float().mean().item()
     return dict(
-        regime="generate", variant=variant, batch=args.gen_batch, prompt=args.gen_prompt,
-        new_tokens=args.gen_tokens, ms=seconds * 1e3,
-        tokens_per_s=args.gen_batch * args.gen_tokens / seconds, peak_mem_gib=peak,
+        regime="generate",
+        variant=variant,
+        batch=args.gen_batch,
+        prompt=args.gen_prompt,
+        new_tokens=args.gen_tokens,
+        ms=seconds * 1e3,
+        tokens_per_s=args.gen_batch * args.gen_tokens / seconds,
+        peak_mem_gib=peak,
         same_tokens_as_first=same,
     ), reference_tokens
 
@@ -282,30 +307,44 @@ def describe(device, args, dtype):
     meta = dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         commit=git_commit(),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else (
-            platform.processor() or platform.machine() or "cpu"),
+        device=torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine() or "cpu"),
         device_type=device.type,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         transformers=transformers.__version__,
         flash_attn_cuda=flash_attn_cuda.__version__,
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        model=dict(family="llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                   kv_heads=args.kv_heads, head_dim=args.hidden // args.heads, vocab=args.vocab,
-                   dtype=str(dtype).replace("torch.", "")),
-        tokens_per_batch=args.tokens_per_batch, warmup=args.warmup, iters=args.iters,
+        model=dict(
+            family="llama",
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.hidden // args.heads,
+            vocab=args.vocab,
+            dtype=str(dtype).replace("torch.", ""),
+        ),
+        tokens_per_batch=args.tokens_per_batch,
+        warmup=args.warmup,
+        iters=args.iters,
     )
     return meta
 
 
 def print_table(rows):
-    print(f"\n{'regime':<14} {'variant':<16} {'seq':>6} {'batch':>5} {'ms':>10} {'tok/s':>11} "
-          f"{'mem GiB':>8}  note")
+    print(
+        f"\n{'regime':<14} {'variant':<16} {'seq':>6} {'batch':>5} {'ms':>10} {'tok/s':>11} "
+        f"{'mem GiB':>8}  note"
+    )
     for r in rows:
         mem = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.2f}"
         if r.get("skipped"):
-            print(f"{r['regime']:<14} {r['variant']:<16} {'':>6} {'':>5} {'':>10} {'':>11} "
-                  f"{'':>8}  skipped: {r['skipped']}")
+            print(
+                f"{r['regime']:<14} {r['variant']:<16} {'':>6} {'':>5} {'':>10} {'':>11} "
+                f"{'':>8}  skipped: {r['skipped']}"
+            )
             continue
         note = ""
         if "max_logit_diff_vs_first" in r:
@@ -313,8 +352,10 @@ def print_table(rows):
         if "same_tokens_as_first" in r:
             note = f"same tokens as first {100 * r['same_tokens_as_first']:.0f}%"
         seq = r.get("seqlen", r.get("prompt", ""))
-        print(f"{r['regime']:<14} {r['variant']:<16} {seq:>6} {r['batch']:>5} {r['ms']:>10.2f} "
-              f"{r['tokens_per_s']:>11.0f} {mem:>8}  {note}")
+        print(
+            f"{r['regime']:<14} {r['variant']:<16} {seq:>6} {r['batch']:>5} {r['ms']:>10.2f} "
+            f"{r['tokens_per_s']:>11.0f} {mem:>8}  {note}"
+        )
 
 
 def main(argv=None) -> int:
@@ -330,8 +371,11 @@ def main(argv=None) -> int:
     fa_transformers.register()
     dtype = DTYPES[args.dtype]
     meta = describe(device, args, dtype)
-    print(f"device: {meta['device']} ({device.type}); torch {meta['torch']}; "
-          f"transformers {meta['transformers']}; commit {meta['commit']}", flush=True)
+    print(
+        f"device: {meta['device']} ({device.type}); torch {meta['torch']}; "
+        f"transformers {meta['transformers']}; commit {meta['commit']}",
+        flush=True,
+    )
     if device.type == "cpu":
         print("No GPU: these are CPU numbers of a tiny model, a smoke test only.", flush=True)
 
@@ -352,18 +396,19 @@ def main(argv=None) -> int:
     for seqlen in args.seqlens:
         for variant in variants:
             try:
-                rows.append(train_step_row(model, variant, seqlen, args, device,
-                                           reference_logits))
+                rows.append(train_step_row(model, variant, seqlen, args, device, reference_logits))
             except Exception as exc:  # a failure is a result too; keep measuring the rest
                 failures.append(f"{variant} seq {seqlen}: {type(exc).__name__}: {exc}")
-                rows.append(dict(regime="train_fwd_bwd", variant=variant, seqlen=seqlen,
-                                 error=str(exc)[:500]))
+                rows.append(
+                    dict(
+                        regime="train_fwd_bwd", variant=variant, seqlen=seqlen, error=str(exc)[:500]
+                    )
+                )
             print(f"  train seq {seqlen} {variant}: done", flush=True)
     reference_tokens = None
     for variant in variants:
         try:
-            row, reference_tokens = generation_row(model, variant, args, device,
-                                                   reference_tokens)
+            row, reference_tokens = generation_row(model, variant, args, device, reference_tokens)
             rows.append(row)
         except Exception as exc:
             failures.append(f"{variant} generate: {type(exc).__name__}: {exc}")

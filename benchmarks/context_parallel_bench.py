@@ -90,13 +90,15 @@ from provenance import git_commit  # noqa: E402
 
 PROVIDER = "FLASH_ATTN_CUDA"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BACKENDS = {"ours": SDPBackend.FLASH_ATTENTION, "builtin": SDPBackend.FLASH_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION}
+BACKENDS = {
+    "ours": SDPBackend.FLASH_ATTENTION,
+    "builtin": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 
 
 def sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
-
 
 
 # ---------------------------------------------------------------------------
@@ -129,7 +131,8 @@ class Decoder(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.blocks = torch.nn.ModuleList(
-            Block(hidden, head_dim, mlp_ratio, attend) for _ in range(layers))
+            Block(hidden, head_dim, mlp_ratio, attend) for _ in range(layers)
+        )
         self.norm = torch.nn.RMSNorm(hidden)
         self.head = torch.nn.Linear(hidden, vocab, bias=False)
 
@@ -148,9 +151,11 @@ def make_attend(device_type, backend, cp_mesh_ref):
     aten::_scaled_dot_product_flash_attention (our CPU overrides) on DTensors
     sharded along the sequence, as context parallelism's SDPA wrapper does."""
     if device_type == "cuda":
+
         def attend(q, k, v):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
         return attend
 
     from torch.distributed.tensor import DTensor, Shard
@@ -158,10 +163,10 @@ def make_attend(device_type, backend, cp_mesh_ref):
     def attend_cpu(q, k, v):
         mesh = cp_mesh_ref[0]
         if mesh is not None:
-            q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
-                       for t in (q, k, v))
+            q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (q, k, v))
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
         return out.to_local() if isinstance(out, DTensor) else out
+
     return attend_cpu
 
 
@@ -211,8 +216,10 @@ def comm_from_trace(path, wall_us):
     comm_total = sum(end - start for start, end in comm)
     exposed = _length(comm_u) - _length(_intersection(comm_u, compute_u))
     return dict(
-        comm_kernel_ms=comm_total / 1e3, comm_exposed_ms=exposed / 1e3,
-        compute_kernel_busy_ms=_length(compute_u) / 1e3, nccl_kernels=len(comm),
+        comm_kernel_ms=comm_total / 1e3,
+        comm_exposed_ms=exposed / 1e3,
+        compute_kernel_busy_ms=_length(compute_u) / 1e3,
+        nccl_kernels=len(comm),
         profiled_step_ms=wall_us / 1e3,
         comm_kernel_share=comm_total / wall_us if wall_us else None,
         comm_exposed_share=exposed / wall_us if wall_us else None,
@@ -233,8 +240,9 @@ def measure(args, seqlen, device, dtype, world, rank, mesh):
     cp_mesh_ref = [None]
     torch.manual_seed(args.seed)  # the same weights on every rank
     attend = make_attend(device.type, BACKENDS[args.provider], cp_mesh_ref)
-    model = Decoder(args.vocab, args.hidden, args.layers, args.head_dim, args.mlp_ratio,
-                    attend).to(device=device, dtype=dtype)
+    model = Decoder(args.vocab, args.hidden, args.layers, args.head_dim, args.mlp_ratio, attend).to(
+        device=device, dtype=dtype
+    )
     params = [p for p in model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     n_params = sum(p.numel() for p in params)
@@ -243,9 +251,13 @@ def measure(args, seqlen, device, dtype, world, rank, mesh):
 
     if world > 1:
         from torch.distributed.tensor.experimental import context_parallel
+
         cp_context = lambda: context_parallel(  # noqa: E731
-            mesh, buffers=[tokens, labels], buffer_seq_dims=[1, 1],
-            no_restore_buffers={tokens, labels})
+            mesh,
+            buffers=[tokens, labels],
+            buffer_seq_dims=[1, 1],
+            no_restore_buffers={tokens, labels},
+        )
         if device.type == "cpu":
             cp_mesh_ref[0] = mesh
     else:
@@ -286,6 +298,7 @@ def measure(args, seqlen, device, dtype, world, rank, mesh):
         if args.profile and device.type == "cuda":
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
+
             if world > 1:
                 dist.barrier()
             sync(device)
@@ -300,8 +313,14 @@ def measure(args, seqlen, device, dtype, world, rank, mesh):
                 profile = comm_from_trace(path, wall_us)
 
     # Every rank's numbers reach every rank; a step lasts as long as its slowest rank.
-    mine = dict(rank=rank, step_s=times, peak_mem_bytes=peak, reserved_mem_bytes=reserved,
-                local_tokens=local_tokens, comm=profile)
+    mine = dict(
+        rank=rank,
+        step_s=times,
+        peak_mem_bytes=peak,
+        reserved_mem_bytes=reserved,
+        local_tokens=local_tokens,
+        comm=profile,
+    )
     per_rank = [None] * world
     if world > 1:
         dist.all_gather_object(per_rank, mine)
@@ -311,11 +330,18 @@ def measure(args, seqlen, device, dtype, world, rank, mesh):
     median = statistics.median(step_s)
     tokens_total = args.batch * seqlen
     result = dict(
-        seqlen=seqlen, tokens_per_step=tokens_total, step_s_median=median, step_s=step_s,
-        tokens_per_s=tokens_total / median, tokens_per_s_per_gpu=tokens_total / world / median,
-        loss=loss, params=n_params, per_rank=per_rank,
-        peak_mem_gib_max=(max(r["peak_mem_bytes"] for r in per_rank) / 2**30
-                          if peak is not None else None),
+        seqlen=seqlen,
+        tokens_per_step=tokens_total,
+        step_s_median=median,
+        step_s=step_s,
+        tokens_per_s=tokens_total / median,
+        tokens_per_s_per_gpu=tokens_total / world / median,
+        loss=loss,
+        params=n_params,
+        per_rank=per_rank,
+        peak_mem_gib_max=(
+            max(r["peak_mem_bytes"] for r in per_rank) / 2**30 if peak is not None else None
+        ),
     )
     if all(r["comm"] for r in per_rank):
         for key in ("comm_kernel_share", "comm_exposed_share"):
@@ -331,26 +357,39 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--provider", choices=list(BACKENDS), default="ours")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--seqlen", type=int, nargs="+", default=None,
-                        help="total tokens per sequence (default 65536 * world size); with "
-                             "world size 1, several lengths: the first that fits is measured")
+    parser.add_argument(
+        "--seqlen",
+        type=int,
+        nargs="+",
+        default=None,
+        help="total tokens per sequence (default 65536 * world size); with "
+        "world size 1, several lengths: the first that fits is measured",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--mlp-ratio", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="default bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--rotate", choices=["allgather", "alltoall"], default=None)
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="skip the profiled step (no communication share)")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip the profiled step (no communication share)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None,
-                        help="a .json file, or a folder for cp_bench_<provider>_ws<N>.json "
-                             "(default benchmarks/out/<device>/context_parallel/)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="a .json file, or a folder for cp_bench_<provider>_ws<N>.json "
+        "(default benchmarks/out/<device>/context_parallel/)",
+    )
     args = parser.parse_args()
     if args.hidden % args.head_dim:
         raise SystemExit("--hidden must be a multiple of --head-dim")
@@ -359,8 +398,9 @@ def main():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     world = int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -370,8 +410,10 @@ def main():
     else:
         device = torch.device("cpu")
         if args.provider != "ours":
-            raise SystemExit("on the CPU only --provider ours runs (our CPU kernels behind "
-                             "aten::_scaled_dot_product_flash_attention; torch has none)")
+            raise SystemExit(
+                "on the CPU only --provider ours runs (our CPU kernels behind "
+                "aten::_scaled_dot_product_flash_attention; torch has none)"
+            )
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     seqlens = args.seqlen or [65536 * world]
     if world > 1 and len(seqlens) > 1:
@@ -381,6 +423,7 @@ def main():
     rank = 0
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
+
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)  # bound to this rank's GPU
         else:
@@ -389,6 +432,7 @@ def main():
         mesh = init_device_mesh(device.type, (world,))
         if args.rotate:
             from torch.distributed.tensor.experimental._attention import set_rotate_method
+
             set_rotate_method(args.rotate)
         for s in seqlens:
             if s % (2 * world):
@@ -420,8 +464,7 @@ def main():
                     error = f"seqlen {s}: {type(e).__name__}: {str(e).splitlines()[0][:500]}"
                     break
                 oom.append(s)
-                print(f"seqlen {s}: out of memory on one GPU, trying the next length",
-                      flush=True)
+                print(f"seqlen {s}: out of memory on one GPU, trying the next length", flush=True)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -434,35 +477,67 @@ def main():
             torch.nn.attention.restore_flash_attention_impl()
 
     if rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-            platform.processor() or platform.machine() or "cpu")
+        name = (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else (platform.processor() or platform.machine() or "cpu")
+        )
         record = dict(
-            kind="context_parallel_bench", world_size=world, provider=args.provider,
-            kernels={"ours": PROVIDER, "builtin": "torch built-in FLASH",
-                     "cudnn": "torch cuDNN"}[args.provider],
-            context_parallel=world > 1, load_balance=world > 1,
+            kind="context_parallel_bench",
+            world_size=world,
+            provider=args.provider,
+            kernels={"ours": PROVIDER, "builtin": "torch built-in FLASH", "cudnn": "torch cuDNN"}[
+                args.provider
+            ],
+            context_parallel=world > 1,
+            load_balance=world > 1,
             rotate=(args.rotate or "torch default") if world > 1 else None,
-            device_type=device.type, device=name, torch=torch.__version__,
-            cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit(),
-            command=" ".join(["torchrun", f"--nproc_per_node {world}"] if world > 1 else
-                             [os.path.basename(sys.executable)]) + " " + " ".join(sys.argv),
-            config=dict(batch=args.batch, layers=args.layers, hidden=args.hidden,
-                        head_dim=args.head_dim, heads=args.hidden // args.head_dim,
-                        mlp_ratio=args.mlp_ratio, vocab=args.vocab,
-                        dtype=str(dtype).replace("torch.", ""), warmup=args.warmup,
-                        iters=args.iters, seqlens_tried=seqlens),
-            oom_at=oom, error=error, result=result,
+            device_type=device.type,
+            device=name,
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            python=platform.python_version(),
+            commit=git_commit(),
+            command=" ".join(
+                ["torchrun", f"--nproc_per_node {world}"]
+                if world > 1
+                else [os.path.basename(sys.executable)]
+            )
+            + " "
+            + " ".join(sys.argv),
+            config=dict(
+                batch=args.batch,
+                layers=args.layers,
+                hidden=args.hidden,
+                head_dim=args.head_dim,
+                heads=args.hidden // args.head_dim,
+                mlp_ratio=args.mlp_ratio,
+                vocab=args.vocab,
+                dtype=str(dtype).replace("torch.", ""),
+                warmup=args.warmup,
+                iters=args.iters,
+                seqlens_tried=seqlens,
+            ),
+            oom_at=oom,
+            error=error,
+            result=result,
         )
         if result:
             gib = result["peak_mem_gib_max"]
             share = result.get("comm_kernel_share_mean")
             exposed = result.get("comm_exposed_share_mean")
-            print(f"{args.provider} ws={world} seqlen {result['seqlen']}: step "
-                  f"{result['step_s_median'] * 1e3:.1f} ms, "
-                  f"{result['tokens_per_s_per_gpu']:.0f} tokens/s per GPU"
-                  + (f", peak {gib:.2f} GiB" if gib is not None else "")
-                  + (f", NCCL kernels {share:.1%} / exposed {exposed:.1%} of the step"
-                     if share is not None else ""), flush=True)
+            print(
+                f"{args.provider} ws={world} seqlen {result['seqlen']}: step "
+                f"{result['step_s_median'] * 1e3:.1f} ms, "
+                f"{result['tokens_per_s_per_gpu']:.0f} tokens/s per GPU"
+                + (f", peak {gib:.2f} GiB" if gib is not None else "")
+                + (
+                    f", NCCL kernels {share:.1%} / exposed {exposed:.1%} of the step"
+                    if share is not None
+                    else ""
+                ),
+                flush=True,
+            )
         out = args.out or os.path.join(BENCH_DIR, "out", sanitize(name), "context_parallel")
         if not out.endswith(".json"):
             out = os.path.join(out, f"cp_bench_{args.provider}_ws{world}.json")

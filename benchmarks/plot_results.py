@@ -20,7 +20,16 @@ import sys
 
 OURS = "flash_attn_cuda"
 OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
-PROVIDER_ORDER = [OURS, OURS_DETERMINISTIC, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex", "sdpa_cpu"]
+PROVIDER_ORDER = [
+    OURS,
+    OURS_DETERMINISTIC,
+    "sdpa_flash",
+    "sdpa_cudnn",
+    "sdpa_efficient",
+    "sdpa_math",
+    "flex",
+    "sdpa_cpu",
+]
 PROVIDER_STYLE = {
     OURS: dict(color="tab:red", marker="o", linewidth=2.4),
     OURS_DETERMINISTIC: dict(color="tab:red", marker="o", markerfacecolor="none", linestyle="--"),
@@ -60,6 +69,7 @@ def _order(labels) -> list:
     def key(label):
         base = label.split("[")[0]
         return (PROVIDER_ORDER.index(base) if base in PROVIDER_ORDER else 99, label)
+
     return sorted(labels, key=key)
 
 
@@ -108,16 +118,28 @@ def plot_train(plt, meta, rows, out_dir) -> list:
     for headdim, mode, causal in keys:
         fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
-            subset = [r for r in train if r["headdim"] == headdim and r["mode"] == mode
-                      and r["causal"] == causal and r["dtype"] == dtype]
+            subset = [
+                r
+                for r in train
+                if r["headdim"] == headdim
+                and r["mode"] == mode
+                and r["causal"] == causal
+                and r["dtype"] == dtype
+            ]
             sample = subset[0] if subset else {}
             _plot_train_axis(
-                ax, subset, value, ylabel,
+                ax,
+                subset,
+                value,
+                ylabel,
                 f"{dtype}, headdim {headdim}, {'causal' if causal else 'non-causal'}, {mode}\n"
-                f"batch*seqlen={_tokens(sample)}, nheads={sample.get('nheads')}")
+                f"batch*seqlen={_tokens(sample)}, nheads={sample.get('nheads')}",
+            )
         fig.suptitle(_device_title(meta), fontsize=10)
         fig.tight_layout()
-        path = os.path.join(out_dir, f"train_d{headdim}_{mode}_{'causal' if causal else 'noncausal'}.png")
+        path = os.path.join(
+            out_dir, f"train_d{headdim}_{mode}_{'causal' if causal else 'noncausal'}.png"
+        )
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -139,18 +161,31 @@ def plot_headline(plt, meta, rows, out_dir) -> list:
     dtype = "bf16" if "bf16" in dtypes else sorted(dtypes)[0]
     headdims = sorted({r["headdim"] for r in train if r["dtype"] == dtype})
     headdim = min(headdims, key=lambda d: abs(d - 128))
-    modes = [m for m in ("fwd", "fwd_bwd") if any(r["mode"] == m for r in train)] or \
-        sorted({r["mode"] for r in train})
+    modes = [m for m in ("fwd", "fwd_bwd") if any(r["mode"] == m for r in train)] or sorted(
+        {r["mode"] for r in train}
+    )
     causals = sorted({r["causal"] for r in train})
-    fig, axes = plt.subplots(len(modes), len(causals), figsize=(6 * len(causals), 4.2 * len(modes)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(modes), len(causals), figsize=(6 * len(causals), 4.2 * len(modes)), squeeze=False
+    )
     for i, mode in enumerate(modes):
         for j, causal in enumerate(causals):
-            subset = [r for r in train if r["dtype"] == dtype and r["headdim"] == headdim
-                      and r["mode"] == mode and r["causal"] == causal]
-            _plot_train_axis(axes[i][j], subset, value, ylabel,
-                             f"{'forward + backward' if mode == 'fwd_bwd' else mode}, "
-                             f"{'causal' if causal else 'non-causal'}, headdim {headdim}, {dtype}")
+            subset = [
+                r
+                for r in train
+                if r["dtype"] == dtype
+                and r["headdim"] == headdim
+                and r["mode"] == mode
+                and r["causal"] == causal
+            ]
+            _plot_train_axis(
+                axes[i][j],
+                subset,
+                value,
+                ylabel,
+                f"{'forward + backward' if mode == 'fwd_bwd' else mode}, "
+                f"{'causal' if causal else 'non-causal'}, headdim {headdim}, {dtype}",
+            )
     fig.suptitle(f"Attention throughput: {_device_title(meta)}", fontsize=11)
     fig.tight_layout()
     path = os.path.join(out_dir, "headline.png")
@@ -178,8 +213,13 @@ def plot_decode(plt, meta, rows, out_dir) -> list:
                 axes[0][j].plot(xs, [r["ms"] * 1e3 for r in points], label=label, **_style(label))
                 axes[1][j].plot(xs, [r["gbps"] for r in points], label=label, **_style(label))
             if copy_gbps:
-                axes[1][j].axhline(copy_gbps, color="black", linestyle="--", linewidth=1,
-                                   label="device copy (read+write)")
+                axes[1][j].axhline(
+                    copy_gbps,
+                    color="black",
+                    linestyle="--",
+                    linewidth=1,
+                    label="device copy (read+write)",
+                )
             for ax, ylabel in ((axes[0][j], "microseconds"), (axes[1][j], "GB/s of K/V read")):
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("seqlen_k")
@@ -190,8 +230,11 @@ def plot_decode(plt, meta, rows, out_dir) -> list:
             if by_label:
                 axes[1][j].legend(fontsize=7)
         sample = subset[0]
-        fig.suptitle(f"Decode, seqlen_q={sq}, heads {sample['nheads']}:{sample['nheads_k']}, "
-                     f"headdim {sample['headdim']}, {sample['dtype']}: {_device_title(meta)}", fontsize=10)
+        fig.suptitle(
+            f"Decode, seqlen_q={sq}, heads {sample['nheads']}:{sample['nheads_k']}, "
+            f"headdim {sample['headdim']}, {sample['dtype']}: {_device_title(meta)}",
+            fontsize=10,
+        )
         fig.tight_layout()
         path = os.path.join(out_dir, f"decode_sq{sq}.png")
         fig.savefig(path, dpi=110)
@@ -205,7 +248,9 @@ def plot_memory(plt, meta, rows, out_dir) -> list:
     by_provider = {}
     for r in memory:
         if _ok(r) and r.get("peak_mem_bytes") is not None:
-            by_provider.setdefault(r["provider"], []).append((r["seqlen_q"], r["peak_mem_bytes"] / 2**20))
+            by_provider.setdefault(r["provider"], []).append(
+                (r["seqlen_q"], r["peak_mem_bytes"] / 2**20)
+            )
     if not by_provider:
         return []
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -217,9 +262,12 @@ def plot_memory(plt, meta, rows, out_dir) -> list:
     ax.set_xlabel("seqlen")
     ax.set_ylabel("peak MiB beyond inputs (fwd + bwd)")
     sample = memory[0]
-    ax.set_title(f"Memory of forward + backward: batch {sample['batch']}, {sample['nheads']} heads, "
-                 f"headdim {sample['headdim']}, {sample['dtype']}\n"
-                 "slope 1 = linear in seqlen, slope 2 = quadratic", fontsize=9)
+    ax.set_title(
+        f"Memory of forward + backward: batch {sample['batch']}, {sample['nheads']} heads, "
+        f"headdim {sample['headdim']}, {sample['dtype']}\n"
+        "slope 1 = linear in seqlen, slope 2 = quadratic",
+        fontsize=9,
+    )
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.suptitle(_device_title(meta), fontsize=9)
@@ -249,7 +297,9 @@ def make_plots(meta: dict, rows: list, out_dir: str) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", help="results.json written by benchmark_attention.py")
-    parser.add_argument("--out", default=None, help="folder for the PNGs (default: the JSON's folder)")
+    parser.add_argument(
+        "--out", default=None, help="folder for the PNGs (default: the JSON's folder)"
+    )
     args = parser.parse_args(argv)
     meta, rows = load(args.results)
     out_dir = args.out or os.path.dirname(os.path.abspath(args.results))

@@ -294,7 +294,13 @@ class _FlashAttnFunc(torch.autograd.Function):
             learnable_sink=learnable_sink,
         )
         ctx.save_for_backward(
-            q_padded, k_padded, v_padded, out_padded, softmax_lse, rng_used, alibi_slopes,
+            q_padded,
+            k_padded,
+            v_padded,
+            out_padded,
+            softmax_lse,
+            rng_used,
+            alibi_slopes,
             learnable_sink,
         )
         ctx.head_dim = head_dim
@@ -433,8 +439,19 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
                 "flash_attn_varlen_func: the backward pass does not support block_table "
                 "(paged K/V); call it under torch.no_grad() or without block_table"
             )
-        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
-         seqused_k, learnable_sink) = ctx.saved_tensors
+        (
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            rng_state,
+            alibi_slopes,
+            seqused_k,
+            learnable_sink,
+        ) = ctx.saved_tensors
         dout = _prepare(dout)
         sink_needs_grad = ctx.needs_input_grad[18]
         if not any(ctx.needs_input_grad[:3]):
@@ -480,8 +497,19 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
 
 def _attention(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-    deterministic, return_attn_probs, out=None, learnable_sink=None,
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    out=None,
+    learnable_sink=None,
 ):
     _check_head_dim(q, v)
     _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
@@ -496,10 +524,22 @@ def _attention(
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         target = _padded_target(out, v_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd_out(
-            q_padded, k_padded, v_padded, alibi_slopes, dropout_p,
-            _default_softmax_scale(softmax_scale, q.shape[-1]), causal, window[0], window[1],
-            softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
-            _draw_rng_state(dropout_p, q.device), out=target, learnable_sink=learnable_sink,
+            q_padded,
+            k_padded,
+            v_padded,
+            alibi_slopes,
+            dropout_p,
+            _default_softmax_scale(softmax_scale, q.shape[-1]),
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_attn_probs and dropout_p > 0.0,
+            0,
+            0,
+            _draw_rng_state(dropout_p, q.device),
+            out=target,
+            learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
@@ -509,9 +549,21 @@ def _attention(
     return_softmax = return_attn_probs and dropout_p > 0.0
     if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.fwd(
-            _prepare(q), _prepare(k), _prepare(v), alibi_slopes, dropout_p, softmax_scale,
-            causal, window[0], window[1], softcap, return_softmax, 0, 0,
-            _draw_rng_state(dropout_p, q.device), learnable_sink=learnable_sink,
+            _prepare(q),
+            _prepare(k),
+            _prepare(v),
+            alibi_slopes,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_softmax,
+            0,
+            0,
+            _draw_rng_state(dropout_p, q.device),
+            learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, v.shape[-1])
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
@@ -535,9 +587,25 @@ def _attention(
 
 
 def _varlen_attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, block_table, seqused_k=None, out=None, learnable_sink=None,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    block_table,
+    seqused_k=None,
+    out=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -551,8 +619,14 @@ def _varlen_attention(
             )
         cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
     _check_same_device(
-        q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k,
+        q,
+        k=k,
+        v=v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        alibi_slopes=alibi_slopes,
+        block_table=block_table,
+        seqused_k=seqused_k,
         learnable_sink=learnable_sink,
     )
     _check_dropout_p(dropout_p)
@@ -566,10 +640,27 @@ def _varlen_attention(
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         target = _padded_target(out, v_padded.shape[-1])
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
-            q_padded, k_padded, v_padded, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window[0], window[1],
-            softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
-            _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k, out=target,
+            q_padded,
+            k_padded,
+            v_padded,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            alibi_slopes,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_attn_probs and dropout_p > 0.0,
+            0,
+            0,
+            _draw_rng_state(dropout_p, q.device),
+            seqused_k=seqused_k,
+            out=target,
             learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
@@ -577,17 +668,42 @@ def _varlen_attention(
     if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
         head_dim_v = v.shape[-1]
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd(
-            _prepare(q), _prepare(k), _prepare(v), cu_seqlens_q, cu_seqlens_k, block_table,
-            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window[0], window[1], softcap, return_attn_probs and dropout_p > 0.0, 0, 0,
-            _draw_rng_state(dropout_p, q.device), seqused_k=seqused_k,
+            _prepare(q),
+            _prepare(k),
+            _prepare(v),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            alibi_slopes,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window[0],
+            window[1],
+            softcap,
+            return_attn_probs and dropout_p > 0.0,
+            0,
+            0,
+            _draw_rng_state(dropout_p, q.device),
+            seqused_k=seqused_k,
             learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k,
-     learnable_sink) = _distinct(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink) = (
+        _distinct(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            alibi_slopes,
+            block_table,
+            seqused_k,
+            learnable_sink,
+        )
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -704,8 +820,19 @@ def flash_attn_func(
     _check_ndim(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     _check_ndim(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     return _attention(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs, out, learnable_sink,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        out,
+        learnable_sink,
     )
 
 
@@ -752,8 +879,18 @@ def flash_attn_kvpacked_func(
     _check_packed(kv, "kv", 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=2)
     return _attention(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs, learnable_sink=learnable_sink,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -794,8 +931,18 @@ def flash_attn_qkvpacked_func(
     _check_packed(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
     return _attention(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs, learnable_sink=learnable_sink,
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -861,9 +1008,25 @@ def flash_attn_varlen_func(
     _check_ndim(k, "k", kv_ndim, kv_layout)
     _check_ndim(v, "v", kv_ndim, kv_layout)
     return _varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, block_table, seqused_k, out, learnable_sink,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        block_table,
+        seqused_k,
+        out,
+        learnable_sink,
     )
 
 
@@ -934,9 +1097,23 @@ def flash_attn_varlen_kvpacked_func(
     _check_packed(kv, "kv", 1, 2, "(total_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=1)
     return _varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, None, learnable_sink=learnable_sink,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        None,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -979,8 +1156,22 @@ def flash_attn_varlen_qkvpacked_func(
     _check_packed(qkv, "qkv", 1, 3, "(total, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=1)
     return _varlen_attention(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, None,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        None,
         learnable_sink=learnable_sink,
     )
 
@@ -1110,14 +1301,28 @@ def flash_attn_with_kvcache(
     if v_cache.stride(-1) != 1:
         raise ValueError("v_cache must have a contiguous last dimension (stride 1)")
     _check_same_device(
-        q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+        q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        block_table=block_table,
+        alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
     if out is not None:
-        _check_out(out, "flash_attn_with_kvcache", q, q.shape[:-1] + v_cache.shape[-1:],
-                   "(batch_size, seqlen_q, nheads, headdim)")
+        _check_out(
+            out,
+            "flash_attn_with_kvcache",
+            q,
+            q.shape[:-1] + v_cache.shape[-1:],
+            "(batch_size, seqlen_q, nheads, headdim)",
+        )
     window = _attention_window(causal, window_size)
     head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
     softmax_scale = _default_softmax_scale(softmax_scale, head_dim)

@@ -120,8 +120,9 @@ def _varlen_fwd_fake(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
 ):
-    lse, s_dmask, rng = _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                                            return_softmax)
+    lse, s_dmask, rng = _varlen_fwd_results(
+        q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
+    )
     return _out_like(q, v), lse, s_dmask, rng
 
 
@@ -209,9 +210,7 @@ def _fwd_kvcache_fake(
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(
-    *args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None
-):
+def _fwd_kvcache_out_fake(*args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None):
     # fwd_kvcache's arguments plus out; the caches and out are written in place
     # ((a!), (b!), (c!)): the softmax_lse alone.
     return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink)[1]

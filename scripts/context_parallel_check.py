@@ -98,7 +98,6 @@ sdpa = None  # set by main()
 # ---------------------------------------------------------------------------
 
 
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -111,8 +110,9 @@ def init_distributed(device_type: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -155,8 +155,9 @@ class CausalSelfAttention(torch.nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         # CPU: what context parallelism's SDPA wrapper does, on the aten op.
         if self.cp_mesh is not None:
-            q, k, v = (DTensor.from_local(t, self.cp_mesh, [Shard(2)], run_check=False)
-                       for t in (q, k, v))
+            q, k, v = (
+                DTensor.from_local(t, self.cp_mesh, [Shard(2)], run_check=False) for t in (q, k, v)
+            )
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
         return out.to_local() if isinstance(out, DTensor) else out
 
@@ -250,8 +251,9 @@ def check_seqlen(args, seqlen, dtype, device, mesh, world, rank, provider, calls
         ran.get("_scaled_dot_product_flash_attention")
         and ran.get("_scaled_dot_product_flash_attention_backward")
     ):
-        failures.append(f"rank {rank}: provider overrides did not run under context parallel "
-                        f"(ran: {ran})")
+        failures.append(
+            f"rank {rank}: provider overrides did not run under context parallel (ran: {ran})"
+        )
     errors = {}
     if rank == 0:
         names = ["out", "dx"] + [f"d{n}" for n in cp[2]]
@@ -262,24 +264,35 @@ def check_seqlen(args, seqlen, dtype, device, mesh, world, rank, provider, calls
             e_same = max_abs(flat(same)[i], flat(ref)[i])
             limit = factor * e_same + 1e-5
             finite = bool(torch.isfinite(flat(cp)[i]).all())
-            row = dict(cp=e_cp, torch_same_dtype=e_same, limit=limit,
-                       ok=bool(finite and e_cp <= limit),
-                       ref_max=flat(ref)[i].abs().max().item())
+            row = dict(
+                cp=e_cp,
+                torch_same_dtype=e_same,
+                limit=limit,
+                ok=bool(finite and e_cp <= limit),
+                ref_max=flat(ref)[i].abs().max().item(),
+            )
             if single is not None:
                 row["ours_one_device"] = max_abs(flat(single)[i], flat(ref)[i])
                 row["cp_vs_ours_one_device"] = max_abs(flat(cp)[i], flat(single)[i])
             if not row["ok"]:
-                failures.append(f"{name}: max|cp - ref| {e_cp:.3e} > limit {limit:.3e}"
-                                + ("" if finite else " (non-finite values)"))
+                failures.append(
+                    f"{name}: max|cp - ref| {e_cp:.3e} > limit {limit:.3e}"
+                    + ("" if finite else " (non-finite values)")
+                )
             errors[name] = row
 
     # Every rank's verdict reaches rank 0 (the provider-ran check is per rank).
     gathered = [None] * world
     dist.all_gather_object(gathered, failures)
     all_failures = [f for part in gathered for f in part]
-    return dict(seqlen=seqlen, errors=errors, overrides_run_rank0=ran if rank == 0 else None,
-                cp_step_seconds=cp_seconds, failures=sorted(set(all_failures)),
-                passed=not all_failures)
+    return dict(
+        seqlen=seqlen,
+        errors=errors,
+        overrides_run_rank0=ran if rank == 0 else None,
+        cp_step_seconds=cp_seconds,
+        failures=sorted(set(all_failures)),
+        passed=not all_failures,
+    )
 
 
 def main():
@@ -288,17 +301,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[8192, 4040],
-                        help="total sequence lengths (each divisible by 2 * nproc); 4040 "
-                             "gives chunks that are not a multiple of any tile size")
+    parser.add_argument(
+        "--seqlen",
+        type=int,
+        nargs="+",
+        default=[8192, 4040],
+        help="total sequence lengths (each divisible by 2 * nproc); 4040 "
+        "gives chunks that are not a multiple of any tile size",
+    )
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                        help="default bf16 on CUDA, fp32 on the CPU")
-    parser.add_argument("--builtin", action="store_true",
-                        help="torch's own FLASH kernels instead of the provider (CUDA only)")
-    parser.add_argument("--rotate", choices=["allgather", "alltoall"], default=None,
-                        help="context parallelism's K/V rotation (default: torch's)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="default bf16 on CUDA, fp32 on the CPU",
+    )
+    parser.add_argument(
+        "--builtin",
+        action="store_true",
+        help="torch's own FLASH kernels instead of the provider (CUDA only)",
+    )
+    parser.add_argument(
+        "--rotate",
+        choices=["allgather", "alltoall"],
+        default=None,
+        help="context parallelism's K/V rotation (default: torch's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file written by rank 0")
     args = parser.parse_args()
@@ -306,8 +335,10 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu")
     if args.device == "cpu" and args.builtin:
-        raise SystemExit("--builtin needs CUDA: torch has no CPU kernel of "
-                         "aten::_scaled_dot_product_flash_attention for ring attention to call")
+        raise SystemExit(
+            "--builtin needs CUDA: torch has no CPU kernel of "
+            "aten::_scaled_dot_product_flash_attention for ring attention to call"
+        )
     dtype_name = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     if args.device == "cuda" and dtype == torch.float32:
@@ -317,56 +348,81 @@ def main():
         raise SystemExit(f"torch {torch.__version__} has no flash-attention registry (2.10+)")
 
     world, rank = init_distributed(args.device)
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" \
+    device = (
+        torch.device(args.device, torch.cuda.current_device())
+        if args.device == "cuda"
         else torch.device("cpu")
+    )
     mesh = init_device_mesh(args.device, (world,))
     for s in args.seqlen:
         if s % (2 * world):
             raise SystemExit(f"--seqlen {s} must be divisible by 2 * nproc = {2 * world}")
     if args.rotate:
         from torch.distributed.tensor.experimental._attention import set_rotate_method
+
         set_rotate_method(args.rotate)
 
     calls = {}
     for name, fn in list(sdpa._OVERRIDES.items()):  # counted by every installation below
+
         def counting(*a, _fn=fn, _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **kw)
+
         sdpa._OVERRIDES[name] = counting
 
-    cases = [check_seqlen(args, s, dtype, device, mesh, world, rank, provider, calls)
-             for s in args.seqlen]
+    cases = [
+        check_seqlen(args, s, dtype, device, mesh, world, rank, provider, calls)
+        for s in args.seqlen
+    ]
     passed = all(c["passed"] for c in cases)
     if rank == 0:
         kernels = "torch built-in FLASH" if args.builtin else sdpa.PROVIDER_NAME
-        print(f"{world} ranks ({args.device}), {kernels}, {dtype_name}, batch {args.batch}, "
-              f"dim {args.dim}, heads {args.heads} (head dim {args.dim // args.heads})")
+        print(
+            f"{world} ranks ({args.device}), {kernels}, {dtype_name}, batch {args.batch}, "
+            f"dim {args.dim}, heads {args.heads} (head dim {args.dim // args.heads})"
+        )
         for case in cases:
             print(f" seqlen {case['seqlen']}: {'OK' if case['passed'] else 'FAILED'}")
             for name, row in case["errors"].items():
-                extra = (f"  one device {row['ours_one_device']:.2e}"
-                         if "ours_one_device" in row else "")
-                print(f"  {name:>12}: cp {row['cp']:.2e}  torch {row['torch_same_dtype']:.2e}"
-                      f"  limit {row['limit']:.2e}{extra}  {'ok' if row['ok'] else 'FAIL'}")
-            print(f"  overrides run under context parallel (rank 0): "
-                  f"{case['overrides_run_rank0']}")
+                extra = (
+                    f"  one device {row['ours_one_device']:.2e}" if "ours_one_device" in row else ""
+                )
+                print(
+                    f"  {name:>12}: cp {row['cp']:.2e}  torch {row['torch_same_dtype']:.2e}"
+                    f"  limit {row['limit']:.2e}{extra}  {'ok' if row['ok'] else 'FAIL'}"
+                )
+            print(f"  overrides run under context parallel (rank 0): {case['overrides_run_rank0']}")
             for f in case["failures"]:
                 print(f"  FAILED: {f}")
         print("OK" if passed else "FAILED")
         if args.out:
             record = dict(
-                kind="context_parallel_check", world_size=world, provider=provider,
-                kernels=kernels, passed=passed, device_type=args.device,
-                device=device_name(device), device_count=torch.cuda.device_count()
-                if args.device == "cuda" else 0,
-                torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                kind="context_parallel_check",
+                world_size=world,
+                provider=provider,
+                kernels=kernels,
+                passed=passed,
+                device_type=args.device,
+                device=device_name(device),
+                device_count=torch.cuda.device_count() if args.device == "cuda" else 0,
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                python=platform.python_version(),
                 commit=git_commit(),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                load_balance=True, rotate=args.rotate or "torch default",
-                config=dict(batch=args.batch, dim=args.dim, heads=args.heads,
-                            head_dim=args.dim // args.heads, dtype=dtype_name, causal=True),
+                load_balance=True,
+                rotate=args.rotate or "torch default",
+                config=dict(
+                    batch=args.batch,
+                    dim=args.dim,
+                    heads=args.heads,
+                    head_dim=args.dim // args.heads,
+                    dtype=dtype_name,
+                    causal=True,
+                ),
                 criterion="max|cp - ref32| <= 2x (output) / 3x (gradients) "
-                          "max|torch_same_dtype - ref32| + 1e-5",
+                "max|torch_same_dtype - ref32| + 1e-5",
                 cases=cases,
             )
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -14,37 +14,114 @@ import torch
 import flash_attn_cuda  # noqa: F401  (registers the ops)
 
 
-def fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
-          window=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0, deterministic=False):
+def fixed(
+    batch,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=False,
+    dropout_p=0.0,
+    deterministic=False,
+):
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
     slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
-    scale = head_dim ** -0.5
-    out, lse, _, rng = torch.ops.flash_attn.fwd(q, k, v, slopes, dropout_p, scale, causal,
-                                                window[0], window[1], softcap, False, 3, 1, None)
-    return torch.ops.flash_attn.bwd(dout, q, k, v, out, lse, slopes, dropout_p, scale, causal,
-                                    window[0], window[1], softcap, deterministic, rng)
+    scale = head_dim**-0.5
+    out, lse, _, rng = torch.ops.flash_attn.fwd(
+        q, k, v, slopes, dropout_p, scale, causal, window[0], window[1], softcap, False, 3, 1, None
+    )
+    return torch.ops.flash_attn.bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        slopes,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        deterministic,
+        rng,
+    )
 
 
-def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
-           softcap=0.0, alibi=False, deterministic=False):
+def varlen(
+    lengths_q,
+    lengths_k,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    causal=False,
+    softcap=0.0,
+    alibi=False,
+    deterministic=False,
+):
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     mq, mk = max(lengths_q), max(lengths_k)
     slopes = torch.rand(len(lengths_q), nheads, device="cuda") * 0.3 if alibi else None
-    out, lse, _, rng = torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, None, slopes, mq, mk,
-                                                       0.0, scale, causal, -1, -1, softcap,
-                                                       False, 0, 0, None)
-    return torch.ops.flash_attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, slopes, mq, mk,
-                                           0.0, scale, causal, -1, -1, softcap, deterministic,
-                                           rng)
+    out, lse, _, rng = torch.ops.flash_attn.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        slopes,
+        mq,
+        mk,
+        0.0,
+        scale,
+        causal,
+        -1,
+        -1,
+        softcap,
+        False,
+        0,
+        0,
+        None,
+    )
+    return torch.ops.flash_attn.varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        slopes,
+        mq,
+        mk,
+        0.0,
+        scale,
+        causal,
+        -1,
+        -1,
+        softcap,
+        deterministic,
+        rng,
+    )
 
 
 def main():

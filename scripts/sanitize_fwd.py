@@ -13,27 +13,83 @@ import torch
 import flash_attn_cuda  # noqa: F401  (registers the ops)
 
 
-def fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
-          window=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0, return_softmax=False):
+def fixed(
+    batch,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=False,
+    dropout_p=0.0,
+    return_softmax=False,
+):
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
-    return torch.ops.flash_attn.fwd(q, k, v, slopes, dropout_p, head_dim ** -0.5, causal,
-                                    window[0], window[1], softcap, return_softmax, 3, 1, None)
+    return torch.ops.flash_attn.fwd(
+        q,
+        k,
+        v,
+        slopes,
+        dropout_p,
+        head_dim**-0.5,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        return_softmax,
+        3,
+        1,
+        None,
+    )
 
 
-def varlen(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, *, causal=False,
-           softcap=0.0, alibi=False):
+def varlen(
+    lengths_q,
+    lengths_k,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    causal=False,
+    softcap=0.0,
+    alibi=False,
+):
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     slopes = torch.rand(len(lengths_q), nheads, device="cuda") * 0.3 if alibi else None
-    return torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, None, slopes, max(lengths_q),
-                                           max(lengths_k), 0.0, head_dim ** -0.5, causal, -1, -1,
-                                           softcap, False, 0, 0, None)
+    return torch.ops.flash_attn.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        slopes,
+        max(lengths_q),
+        max(lengths_k),
+        0.0,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        softcap,
+        False,
+        0,
+        0,
+        None,
+    )
 
 
 def varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dtype):
@@ -51,10 +107,27 @@ def varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dt
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(num_blocks, page_size, nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    return torch.ops.flash_attn.varlen_fwd(q, k, v, cu_q, cu_k, table.cuda(), None,
-                                           max(lengths_q), max(lengths_k), 0.0,
-                                           head_dim ** -0.5, True, -1, -1, 0.0, False, 0, 0,
-                                           None)
+    return torch.ops.flash_attn.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        table.cuda(),
+        None,
+        max(lengths_q),
+        max(lengths_k),
+        0.0,
+        head_dim**-0.5,
+        True,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+    )
 
 
 def main():
@@ -85,8 +158,17 @@ def main():
     fixed(2, 1100, 300, 8, 2, 64, bf16, softcap=10.0, alibi=True)
     fixed(2, 1100, 1100, 8, 2, 128, fp16, causal=True, softcap=10.0)
     fixed(1, 300, 333, 2, 1, 256, bf16, window=(100, 20), alibi=True)
-    varlen([300, 0, 7, 130] * 3, [200, 5, 0, 260] * 3, 4, 2, 96, bf16, causal=True,
-           softcap=5.0, alibi=True)
+    varlen(
+        [300, 0, 7, 130] * 3,
+        [200, 5, 0, 260] * 3,
+        4,
+        2,
+        96,
+        bf16,
+        causal=True,
+        softcap=5.0,
+        alibi=True,
+    )
     fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
     fixed(1, 0, 5, 2, 2, 64, bf16)

@@ -25,8 +25,10 @@ def expect_reported(name, fn, kwargs, pattern):
         check_index_errors()
     except RuntimeError as error:
         if pattern not in str(error):
-            sys.exit(f"sanitize_index: {name}: reported {str(error).splitlines()[0]!r}, "
-                     f"expected {pattern!r}")
+            sys.exit(
+                f"sanitize_index: {name}: reported {str(error).splitlines()[0]!r}, "
+                f"expected {pattern!r}"
+            )
         return
     sys.exit(f"sanitize_index: {name}: not reported")
 
@@ -36,17 +38,41 @@ def main():
     for name, (spec, pattern) in sorted(cases.VARLEN_CASES.items()):
         for causal in (False, True):
             q, k, v = cases._packed(256)
-            kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cases._int32(spec["cu_q"]),
-                          cu_seqlens_k=cases._int32(spec["cu_k"]), max_seqlen_q=spec["max_q"],
-                          max_seqlen_k=spec["max_k"], causal=causal)
+            kwargs = dict(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=cases._int32(spec["cu_q"]),
+                cu_seqlens_k=cases._int32(spec["cu_k"]),
+                max_seqlen_q=spec["max_q"],
+                max_seqlen_k=spec["max_k"],
+                causal=causal,
+            )
             expect_reported(f"varlen {name}", cases._varlen_call, kwargs, pattern)
             # The backward over the same offsets.
             out = torch.randn_like(q)
             lse = torch.randn(q.shape[1], q.shape[0], device="cuda")
             torch.ops.flash_attn.varlen_bwd(
-                torch.randn_like(q), q, k, v, out, lse, kwargs["cu_seqlens_q"],
-                kwargs["cu_seqlens_k"], None, spec["max_q"], spec["max_k"], 0.0, 0.125, causal,
-                -1, -1, 0.0, False, None)
+                torch.randn_like(q),
+                q,
+                k,
+                v,
+                out,
+                lse,
+                kwargs["cu_seqlens_q"],
+                kwargs["cu_seqlens_k"],
+                None,
+                spec["max_q"],
+                spec["max_k"],
+                0.0,
+                0.125,
+                causal,
+                -1,
+                -1,
+                0.0,
+                False,
+                None,
+            )
             try:
                 check_index_errors()
             except RuntimeError:
@@ -56,13 +82,39 @@ def main():
     for name, (used, pattern) in sorted(cases.SEQUSED_CASES.items()):
         q, k, v = cases._packed(256)
         cu = cases._int32([0, 100, 200])
-        kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=128,
-                      max_seqlen_k=128, seqused_k=cases._int32(used))
+        kwargs = dict(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=128,
+            max_seqlen_k=128,
+            seqused_k=cases._int32(used),
+        )
         expect_reported(f"varlen seqused_k {name}", cases._varlen_call, kwargs, pattern)
         torch.ops.flash_attn.varlen_bwd(
-            torch.randn_like(q), q, k, v, torch.randn_like(q),
-            torch.randn(q.shape[1], q.shape[0], device="cuda"), cu, cu, None, 128, 128, 0.0,
-            0.125, False, -1, -1, 0.0, False, None, seqused_k=kwargs["seqused_k"])
+            torch.randn_like(q),
+            q,
+            k,
+            v,
+            torch.randn_like(q),
+            torch.randn(q.shape[1], q.shape[0], device="cuda"),
+            cu,
+            cu,
+            None,
+            128,
+            128,
+            0.0,
+            0.125,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            None,
+            seqused_k=kwargs["seqused_k"],
+        )
         try:
             check_index_errors()
         except RuntimeError:
@@ -72,10 +124,14 @@ def main():
     paged_seqused = cases._paged_varlen([[0, 1], [2, 3]], [0, 0, 0], 48)
     paged_seqused["seqused_k"] = cases._int32([40, 5])
     paged = {
-        "entry_past_pool": (cases._paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32),
-                            "is not a valid block index"),
-        "table_too_narrow": (cases._paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48),
-                             "but block_table has only 2"),
+        "entry_past_pool": (
+            cases._paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32),
+            "is not a valid block index",
+        ),
+        "table_too_narrow": (
+            cases._paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48),
+            "but block_table has only 2",
+        ),
         "seqused_k_past_table": (paged_seqused, "seqused_k[0] = 40 must be in [0, 32]"),
     }
     for name, (kwargs, pattern) in paged.items():
@@ -84,8 +140,9 @@ def main():
         for num_splits in (0, 1, 3):
             kwargs, _, pattern = cases._kvcache_case(name)
             kwargs["num_splits"] = num_splits
-            expect_reported(f"kvcache {name} splits={num_splits}", cases._kvcache_call, kwargs,
-                            pattern)
+            expect_reported(
+                f"kvcache {name} splits={num_splits}", cases._kvcache_call, kwargs, pattern
+            )
     torch.cuda.synchronize()
     print("sanitize_index: every bad value was reported")
 

@@ -15,9 +15,23 @@ import torch
 import flash_attn_cuda  # noqa: F401  (registers the ops)
 
 
-def call(batch, seqlen_q, capacity, nheads, nheads_k, head_dim, dtype, *, seqlen_new=0,
-         rotary=False, page_size=None, leftpad=False, batch_idx=False, causal=False,
-         num_splits=0):
+def call(
+    batch,
+    seqlen_q,
+    capacity,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    seqlen_new=0,
+    rotary=False,
+    page_size=None,
+    leftpad=False,
+    batch_idx=False,
+    causal=False,
+    num_splits=0,
+):
     dev = "cuda"
     batch_cache = batch + 1 if batch_idx else batch
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device=dev, dtype=dtype)
@@ -40,14 +54,33 @@ def call(batch, seqlen_q, capacity, nheads, nheads_k, head_dim, dtype, *, seqlen
         v_cache = torch.randn_like(k_cache)
         block_table = torch.randperm(num_pages, device=dev, dtype=torch.int32)
         block_table = block_table.view(batch_cache, pages_per_seq)[:batch].contiguous()
-    cache_batch_idx = (torch.arange(batch, dtype=torch.int32, device=dev) + 1
-                       if batch_idx and page_size is None else None)
-    cache_leftpad = (torch.minimum(lengths, torch.full_like(lengths, 3)).to(dev)
-                     if leftpad else None)
+    cache_batch_idx = (
+        torch.arange(batch, dtype=torch.int32, device=dev) + 1
+        if batch_idx and page_size is None
+        else None
+    )
+    cache_leftpad = torch.minimum(lengths, torch.full_like(lengths, 3)).to(dev) if leftpad else None
     return torch.ops.flash_attn.fwd_kvcache(
-        q, k_cache, v_cache, k_new, v_new, lengths.to(dev), cos, sin, cache_batch_idx,
-        cache_leftpad, block_table, None, head_dim ** -0.5, causal, -1, -1, 0.0, True,
-        num_splits)
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        lengths.to(dev),
+        cos,
+        sin,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        None,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        0.0,
+        True,
+        num_splits,
+    )
 
 
 def main():

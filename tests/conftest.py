@@ -40,8 +40,9 @@ def left_out_reason(error, build_info):
         return None
     while error is not None:
         if isinstance(error, RuntimeError):
-            reason = next((line.strip() for line in str(error).splitlines()
-                           if LEFT_OUT_MESSAGE in line), None)
+            reason = next(
+                (line.strip() for line in str(error).splitlines() if LEFT_OUT_MESSAGE in line), None
+            )
             if reason is not None:
                 return reason
         error = error.__cause__
@@ -89,4 +90,3 @@ def _seed_everything(request):
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     yield
-

@@ -47,5 +47,5 @@ def many_short_sequences(batch, nheads, nheads_k, head_dim, dtype, max_len=8):
 def rows_of_sequences_of_length(cu, length, max_len=8):
     """The packed rows (n, length) of the sequences of many_short_sequences
     that have `length` rows, for a batched reference over all of them."""
-    starts = cu[length - 1:-1:max_len].long()
+    starts = cu[length - 1 : -1 : max_len].long()
     return (starts[:, None] + torch.arange(length)).to(DEVICE)

@@ -50,8 +50,13 @@ import time
 
 import torch
 
-from reference import (attention_ref, dropout_threshold, normalize_window, philox4x32_10,
-                       varlen_attention_ref)
+from reference import (
+    attention_ref,
+    dropout_threshold,
+    normalize_window,
+    philox4x32_10,
+    varlen_attention_ref,
+)
 from test_cpu_kvcache import apply_rotary
 
 ops = torch.ops.flash_attn
@@ -72,8 +77,29 @@ HEAD_DIM_WEIGHTS = (1.0, 3.0, 1.0, 3.0, 1.2)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
 MAX_SEQLEN = 300
-EDGE_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 255, 256,
-                257, 300)
+EDGE_LENGTHS = (
+    1,
+    2,
+    3,
+    7,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    127,
+    128,
+    129,
+    191,
+    255,
+    256,
+    257,
+    300,
+)
 KV_PAGE_SIZES = (1, 5, 16, 32, 48, 64, 256)  # any size on every path
 VARLEN_PAGE_SIZES = (1, 7, 16, 48, 64, 256)  # varlen_fwd gathers pages: any size
 # b * nheads * seqlen_q * seqlen_k * head_dim above which the batch shrinks, to
@@ -146,11 +172,11 @@ def _draw_scores(rng, c, head_dim):
     """Score modifiers shared by every kind."""
     r = rng.random()
     if r < 0.76:
-        c["scale_kind"], c["softmax_scale"] = "default", head_dim ** -0.5
+        c["scale_kind"], c["softmax_scale"] = "default", head_dim**-0.5
     elif r < 0.9:
-        c["scale_kind"], c["softmax_scale"] = "positive", rng.uniform(0.3, 2.0) * head_dim ** -0.5
+        c["scale_kind"], c["softmax_scale"] = "positive", rng.uniform(0.3, 2.0) * head_dim**-0.5
     else:
-        c["scale_kind"], c["softmax_scale"] = "negative", -rng.uniform(0.3, 1.5) * head_dim ** -0.5
+        c["scale_kind"], c["softmax_scale"] = "negative", -rng.uniform(0.3, 1.5) * head_dim**-0.5
     c["softcap"] = 0.0
     if rng.random() < 0.17:
         c["softcap"] = rng.choice([rng.uniform(0.5, 3.0), rng.uniform(5.0, 50.0)])
@@ -208,8 +234,11 @@ def _draw_fixed(rng, c):
     c["causal"], c["window_left"], c["window_right"] = _draw_mask(rng, c["seqlen_k"])
     _draw_dropout(rng, c)
     _draw_backward(rng, c)
-    c["layout"] = "qkvpacked" if qkvpacked else rng.choice(
-        ["contiguous", "contiguous", "kvpacked", "bhsd", "head_slice", "dim_pad"])
+    c["layout"] = (
+        "qkvpacked"
+        if qkvpacked
+        else rng.choice(["contiguous", "contiguous", "kvpacked", "bhsd", "head_slice", "dim_pad"])
+    )
     work = lambda: c["batch"] * c["nheads"] * c["seqlen_q"] * c["seqlen_k"] * c["head_dim"]
     while c["batch"] > 1 and work() > WORK_CAP:
         c["batch"] -= 1
@@ -220,8 +249,11 @@ def _draw_varlen(rng, c):
     qkvpacked = rng.random() < 0.12
     if qkvpacked:
         c["nheads_k"] = c["nheads"]
-    mode = "self" if qkvpacked else rng.choice(
-        ["self", "independent", "independent", "q_shorter", "q_longer"])
+    mode = (
+        "self"
+        if qkvpacked
+        else rng.choice(["self", "independent", "independent", "q_shorter", "q_longer"])
+    )
     seqlens_q, seqlens_k = [], []
     for _ in range(batch):
         sq = 0 if rng.random() < 0.1 else _draw_len(rng, hi=200)
@@ -266,8 +298,9 @@ def _draw_varlen(rng, c):
 def _draw_kvcache(rng, c):
     c["batch"] = batch = rng.randint(1, 4)
     r = rng.random()
-    c["seqlen_q"] = (1 if r < 0.45 else rng.randint(2, 8) if r < 0.75
-                     else rng.randint(9, 64) if r < 0.96 else 0)
+    c["seqlen_q"] = (
+        1 if r < 0.45 else rng.randint(2, 8) if r < 0.75 else rng.randint(9, 64) if r < 0.96 else 0
+    )
     r = rng.random()
     if r < 0.35:
         c["seqlen_new"] = None  # no k / v given
@@ -299,8 +332,10 @@ def _draw_kvcache(rng, c):
         c["cache_seqlens"] = None  # the whole cache is valid
     else:
         top = cap - new
-        c["cache_seqlens"] = [rng.choice([0, top]) if rng.random() < 0.15 else rng.randint(0, top)
-                              for _ in range(batch)]
+        c["cache_seqlens"] = [
+            rng.choice([0, top]) if rng.random() < 0.15 else rng.randint(0, top)
+            for _ in range(batch)
+        ]
     # Rotary embedding of the new keys and of q (needs k / v).
     c["rotary"] = None
     if c["seqlen_new"] is not None and rng.random() < 0.45:
@@ -309,7 +344,8 @@ def _draw_kvcache(rng, c):
         options = [d, d // 2] + [m for m in range(16, d + 1, 16)]
         c["rotary_dim"] = rng.choices(
             [rng.choice(options), rng.randrange(8, d + 1, 8), rng.randrange(2, d + 1, 2)],
-            weights=[0.7, 0.2, 0.1])[0]
+            weights=[0.7, 0.2, 0.1],
+        )[0]
         c["seqlen_rotary"] = cap + max(c["seqlen_q"], 1) + rng.randint(0, 5)
     c["cache_batch_idx"] = None
     c["cache_leftpad"] = None
@@ -324,8 +360,10 @@ def _draw_kvcache(rng, c):
             else:
                 c["cache_batch_idx"] = rng.sample(range(c["batch_cache"]), batch)
         if rng.random() < 0.2 and c["cache_seqlens"] is not None:
-            c["cache_leftpad"] = [rng.choice([0, e]) if rng.random() < 0.2 else rng.randint(0, e)
-                                  for e in c["cache_seqlens"]]
+            c["cache_leftpad"] = [
+                rng.choice([0, e]) if rng.random() < 0.2 else rng.randint(0, e)
+                for e in c["cache_seqlens"]
+            ]
         c["packed_cache"] = rng.random() < 0.15
     c["q_layout"] = "head_slice" if rng.random() < 0.15 else "contiguous"
     r = rng.random()
@@ -340,22 +378,32 @@ def _draw_kvcache(rng, c):
 
 def describe(c):
     """One line with everything needed to read a failure."""
-    parts = [f"seed={c['seed']}", c["kind"], c["dtype"], f"d={c['head_dim']}",
-             f"h={c['nheads']}/{c['nheads_k']}"]
+    parts = [
+        f"seed={c['seed']}",
+        c["kind"],
+        c["dtype"],
+        f"d={c['head_dim']}",
+        f"h={c['nheads']}/{c['nheads_k']}",
+    ]
     if c["kind"] == "fixed":
         parts.append(f"b={c['batch']} sq={c['seqlen_q']} sk={c['seqlen_k']} layout={c['layout']}")
     elif c["kind"] == "varlen":
-        parts.append(f"sq={c['seqlens_q']} sk={c['seqlens_k']} max=({c['max_seqlen_q']},"
-                     f"{c['max_seqlen_k']}) pad=q{c['q_offset']}+{c['q_tail']}/k{c['k_offset']}"
-                     f"+{c['k_tail']} layout={c['layout']}")
+        parts.append(
+            f"sq={c['seqlens_q']} sk={c['seqlens_k']} max=({c['max_seqlen_q']},"
+            f"{c['max_seqlen_k']}) pad=q{c['q_offset']}+{c['q_tail']}/k{c['k_offset']}"
+            f"+{c['k_tail']} layout={c['layout']}"
+        )
         if c["page_size"] is not None:
             parts.append(f"paged={c['page_size']}/{c['table_fill']}")
     else:
-        parts.append(f"b={c['batch']} sq={c['seqlen_q']} new={c['seqlen_new']} cap={c['capacity']} "
-                     f"seqlens={c['cache_seqlens']}")
+        parts.append(
+            f"b={c['batch']} sq={c['seqlen_q']} new={c['seqlen_new']} cap={c['capacity']} "
+            f"seqlens={c['cache_seqlens']}"
+        )
         if c["page_size"] is not None:
-            parts.append(f"paged={c['page_size']}x{c['pages_per_seq']}+{c['spare_pages']}"
-                         f"/{c['table_fill']}")
+            parts.append(
+                f"paged={c['page_size']}x{c['pages_per_seq']}+{c['spare_pages']}/{c['table_fill']}"
+            )
         if c["cache_batch_idx"] is not None:
             parts.append(f"batch_idx={c['cache_batch_idx']}/{c['batch_cache']}")
         if c["cache_leftpad"] is not None:
@@ -374,8 +422,10 @@ def describe(c):
     if c["spread"] != 1.0:
         parts.append(f"spread={c['spread']:.2f}")
     if c["dropout_p"]:
-        parts.append(f"dropout={c['dropout_p']} philox=({c['philox_seed']},{c['philox_offset']})"
-                     f" via={c['rng_via']}" + (" return_softmax" if c["return_softmax"] else ""))
+        parts.append(
+            f"dropout={c['dropout_p']} philox=({c['philox_seed']},{c['philox_offset']})"
+            f" via={c['rng_via']}" + (" return_softmax" if c["return_softmax"] else "")
+        )
     if c["bwd"]:
         parts.append("bwd" + (" deterministic" if c["deterministic"] else ""))
     parts.append(f"kernels={c['fwd_kernel']}/{c['bwd_kernel']}")
@@ -393,8 +443,11 @@ def validate(c):
     if c["dropout_p"] not in (0.0, 0.1, 0.17):
         bad.append("dropout_p")
     if c["kind"] == "fixed":
-        if not (1 <= c["batch"] <= 4 and 0 <= c["seqlen_q"] <= MAX_SEQLEN
-                and 0 <= c["seqlen_k"] <= MAX_SEQLEN):
+        if not (
+            1 <= c["batch"] <= 4
+            and 0 <= c["seqlen_q"] <= MAX_SEQLEN
+            and 0 <= c["seqlen_k"] <= MAX_SEQLEN
+        ):
             bad.append("fixed shape")
         if c["layout"] == "qkvpacked" and (c["seqlen_q"] != c["seqlen_k"] or h != hk):
             bad.append("qkvpacked needs one seqlen and one head count")
@@ -404,8 +457,11 @@ def validate(c):
         if c["page_size"] is not None and c["bwd"]:
             bad.append("paged varlen has no backward")
         if c["layout"] == "qkvpacked" and (
-                c["seqlens_q"] != c["seqlens_k"] or h != hk or c["page_size"] is not None
-                or (c["q_offset"], c["q_tail"]) != (c["k_offset"], c["k_tail"])):
+            c["seqlens_q"] != c["seqlens_k"]
+            or h != hk
+            or c["page_size"] is not None
+            or (c["q_offset"], c["q_tail"]) != (c["k_offset"], c["k_tail"])
+        ):
             bad.append("qkvpacked needs the same rows for queries and keys")
     else:
         cap, new = c["capacity"], c["seqlen_new"] or 0
@@ -424,7 +480,8 @@ def validate(c):
             if any(not 0 <= e <= cap - new for e in seqlens):
                 bad.append("cache_seqlens out of range")
             if c["cache_leftpad"] is not None and any(
-                    not 0 <= p <= e for p, e in zip(c["cache_leftpad"], seqlens)):
+                not 0 <= p <= e for p, e in zip(c["cache_leftpad"], seqlens)
+            ):
                 bad.append("cache_leftpad out of range")
         idx = c["cache_batch_idx"]
         if idx is not None:
@@ -447,8 +504,13 @@ def validate(c):
 
 def features(c):
     """The coverage tags of a case (what the generator claims to cover)."""
-    f = {f"kind:{c['kind']}", f"dtype:{c['dtype']}", f"head_dim:{c['head_dim']}",
-         f"fwd_kernel:{c['fwd_kernel']}", f"scale:{c['scale_kind']}"}
+    f = {
+        f"kind:{c['kind']}",
+        f"dtype:{c['dtype']}",
+        f"head_dim:{c['head_dim']}",
+        f"fwd_kernel:{c['fwd_kernel']}",
+        f"scale:{c['scale_kind']}",
+    }
     h, hk = c["nheads"], c["nheads_k"]
     f.add(f"gqa_ratio:{h // hk}")
     if hk == 1 and h > 1:
@@ -525,8 +587,15 @@ def features(c):
             f.add(f"kv_page_size:{c['page_size']}")
             f.add(f"kv_table:{c['table_fill']}")
         new = c["seqlen_new"]
-        f.add("kv:no_append" if new is None else "kv:append_0_rows" if new == 0
-              else "kv:append_1" if new == 1 else "kv:append_several")
+        f.add(
+            "kv:no_append"
+            if new is None
+            else "kv:append_0_rows"
+            if new == 0
+            else "kv:append_1"
+            if new == 1
+            else "kv:append_several"
+        )
         f.add(f"kv:seqlen_q_{'0' if c['seqlen_q'] == 0 else '1' if c['seqlen_q'] == 1 else 'many'}")
         seqlens = c["cache_seqlens"]
         if seqlens is None:
@@ -569,34 +638,104 @@ MIN_COVERAGE = 20
 REQUIRED_FEATURES = (
     ["kind:fixed", "kind:varlen", "kind:kvcache", "dtype:fp16", "dtype:bf16"]
     + [f"head_dim:{d}" for d in HEAD_DIMS]
-    + [f"gqa_ratio:{r}" for r in (1, 2, 4, 8)] + ["mqa"]
-    + ["causal", "causal+local_left", "local", "local:both", "local:left", "local:right",
-       "local:zero_side", "window:negative_below_-1", "softcap", "alibi:head",
-       "alibi:batch_head", "spread_scores", "scale:default", "scale:positive", "scale:negative",
-       "dropout:0.1", "dropout:0.17", "rng_via:ints", "rng_via:tensor_cpu",
-       "rng_via:tensor_device", "return_softmax", "bwd:fixed", "bwd:varlen", "deterministic",
-       "bwd+dropout", "fwd_kernel:auto", "fwd_kernel:sm80", "fwd_kernel:sm90",
-       "bwd_kernel:sm80", "bwd_kernel:sm90", "strided_views"]
-    + [f"layout:{x}" for x in ("contiguous", "qkvpacked", "kvpacked", "bhsd", "head_slice",
-                                "dim_pad")]
-    + ["sq==sk", "sq>sk", "sq<sk", "fixed:empty", "fixed:seqlen_1", "fixed:odd_seqlen",
-       "fixed:batch>1"]
+    + [f"gqa_ratio:{r}" for r in (1, 2, 4, 8)]
+    + ["mqa"]
+    + [
+        "causal",
+        "causal+local_left",
+        "local",
+        "local:both",
+        "local:left",
+        "local:right",
+        "local:zero_side",
+        "window:negative_below_-1",
+        "softcap",
+        "alibi:head",
+        "alibi:batch_head",
+        "spread_scores",
+        "scale:default",
+        "scale:positive",
+        "scale:negative",
+        "dropout:0.1",
+        "dropout:0.17",
+        "rng_via:ints",
+        "rng_via:tensor_cpu",
+        "rng_via:tensor_device",
+        "return_softmax",
+        "bwd:fixed",
+        "bwd:varlen",
+        "deterministic",
+        "bwd+dropout",
+        "fwd_kernel:auto",
+        "fwd_kernel:sm80",
+        "fwd_kernel:sm90",
+        "bwd_kernel:sm80",
+        "bwd_kernel:sm90",
+        "strided_views",
+    ]
+    + [
+        f"layout:{x}"
+        for x in ("contiguous", "qkvpacked", "kvpacked", "bhsd", "head_slice", "dim_pad")
+    ]
+    + [
+        "sq==sk",
+        "sq>sk",
+        "sq<sk",
+        "fixed:empty",
+        "fixed:seqlen_1",
+        "fixed:odd_seqlen",
+        "fixed:batch>1",
+    ]
     + [f"varlen_layout:{x}" for x in ("contiguous", "qkvpacked", "kvpacked", "head_slice")]
-    + ["varlen:empty_seq", "varlen:empty_q", "varlen:empty_k", "varlen:seqlen_1",
-       "varlen:odd_seqlen", "varlen:sq>sk", "varlen:sq<sk", "varlen:rows_outside_poisoned",
-       "varlen:max_seqlen_above_longest", "varlen:paged"]
-    + ["kv:paged", "kv:contiguous"] + [f"kv_page_size:{p}" for p in KV_PAGE_SIZES]
-    + ["kv_table:pages", "kv_table:minus_one", "kv:no_append", "kv:append_0_rows",
-       "kv:append_1", "kv:append_several", "kv:seqlen_q_0", "kv:seqlen_q_1", "kv:seqlen_q_many",
-       "kv:cache_seqlens_none", "kv:cache_seqlens_0", "kv:cache_full_after_append",
-       "kv:cache_batch_idx", "kv:cache_leftpad", "kv:rotary_interleaved", "kv:rotary_neox",
-       "kv:rotary_partial", "kv:rotary_dim_not_16", "kv:packed_cache_view", "kv:strided_q",
-       "kv:num_splits_0", "kv:num_splits_1", "kv:num_splits_several"]
+    + [
+        "varlen:empty_seq",
+        "varlen:empty_q",
+        "varlen:empty_k",
+        "varlen:seqlen_1",
+        "varlen:odd_seqlen",
+        "varlen:sq>sk",
+        "varlen:sq<sk",
+        "varlen:rows_outside_poisoned",
+        "varlen:max_seqlen_above_longest",
+        "varlen:paged",
+    ]
+    + ["kv:paged", "kv:contiguous"]
+    + [f"kv_page_size:{p}" for p in KV_PAGE_SIZES]
+    + [
+        "kv_table:pages",
+        "kv_table:minus_one",
+        "kv:no_append",
+        "kv:append_0_rows",
+        "kv:append_1",
+        "kv:append_several",
+        "kv:seqlen_q_0",
+        "kv:seqlen_q_1",
+        "kv:seqlen_q_many",
+        "kv:cache_seqlens_none",
+        "kv:cache_seqlens_0",
+        "kv:cache_full_after_append",
+        "kv:cache_batch_idx",
+        "kv:cache_leftpad",
+        "kv:rotary_interleaved",
+        "kv:rotary_neox",
+        "kv:rotary_partial",
+        "kv:rotary_dim_not_16",
+        "kv:packed_cache_view",
+        "kv:strided_q",
+        "kv:num_splits_0",
+        "kv:num_splits_1",
+        "kv:num_splits_several",
+    ]
 )
 # Rarer by design (a few percent of one kind): fewer draws suffice.
 MIN_COVERAGE_RARE = 8
-RARE_FEATURES = ("fixed:empty", "kv:seqlen_q_0", "kv:cache_seqlens_none", "kv:append_0_rows",
-                 "window:negative_below_-1")
+RARE_FEATURES = (
+    "fixed:empty",
+    "kv:seqlen_q_0",
+    "kv:cache_seqlens_none",
+    "kv:append_0_rows",
+    "window:negative_below_-1",
+)
 
 
 def work_units(c):
@@ -643,20 +782,33 @@ def _qkv_bases(c, g, lead_q, lead_k):
         qkv[..., 0, :, :] *= spread
         return {"qkv": qkv}
     if layout == "kvpacked":
-        return {"q": _randn(g, lead_q + (h, d), dt, spread),
-                "kv": _randn(g, lead_k + (2, hk, d), dt)}
+        return {
+            "q": _randn(g, lead_q + (h, d), dt, spread),
+            "kv": _randn(g, lead_k + (2, hk, d), dt),
+        }
     if layout == "bhsd":  # (b, h, s, d) memory, viewed as (b, s, h, d)
-        return {"q": _randn(g, (lead_q[0], h, lead_q[1], d), dt, spread),
-                "k": _randn(g, (lead_k[0], hk, lead_k[1], d), dt),
-                "v": _randn(g, (lead_k[0], hk, lead_k[1], d), dt)}
+        return {
+            "q": _randn(g, (lead_q[0], h, lead_q[1], d), dt, spread),
+            "k": _randn(g, (lead_k[0], hk, lead_k[1], d), dt),
+            "v": _randn(g, (lead_k[0], hk, lead_k[1], d), dt),
+        }
     if layout == "head_slice":  # every other head of a tensor with twice the heads
-        return {"q": _randn(g, lead_q + (2 * h, d), dt, spread),
-                "k": _randn(g, lead_k + (2 * hk, d), dt), "v": _randn(g, lead_k + (2 * hk, d), dt)}
+        return {
+            "q": _randn(g, lead_q + (2 * h, d), dt, spread),
+            "k": _randn(g, lead_k + (2 * hk, d), dt),
+            "v": _randn(g, lead_k + (2 * hk, d), dt),
+        }
     if layout == "dim_pad":  # rows of d + 8 elements, the first d used
-        return {"q": _randn(g, lead_q + (h, d + 8), dt, spread),
-                "k": _randn(g, lead_k + (hk, d + 8), dt), "v": _randn(g, lead_k + (hk, d + 8), dt)}
-    return {"q": _randn(g, lead_q + (h, d), dt, spread), "k": _randn(g, lead_k + (hk, d), dt),
-            "v": _randn(g, lead_k + (hk, d), dt)}
+        return {
+            "q": _randn(g, lead_q + (h, d + 8), dt, spread),
+            "k": _randn(g, lead_k + (hk, d + 8), dt),
+            "v": _randn(g, lead_k + (hk, d + 8), dt),
+        }
+    return {
+        "q": _randn(g, lead_q + (h, d), dt, spread),
+        "k": _randn(g, lead_k + (hk, d), dt),
+        "v": _randn(g, lead_k + (hk, d), dt),
+    }
 
 
 def views(c, bases):
@@ -680,7 +832,8 @@ def build_inputs(c):
     """CPU tensors of the case (deterministic in the seed)."""
     g = torch.Generator().manual_seed(c["seed"])
     return {"fixed": _fixed_inputs, "varlen": _varlen_inputs, "kvcache": _kvcache_inputs}[
-        c["kind"]](c, g)
+        c["kind"]
+    ](c, g)
 
 
 def _fixed_inputs(c, g):
@@ -709,7 +862,7 @@ def _varlen_inputs(c, g):
         # Key / value rows outside every sequence are NaN: no result may read
         # them (DESIGN.md: keys past a sequence's used length).
         outside_k = torch.ones(total_k, dtype=torch.bool)
-        outside_k[int(cu_k[0]):int(cu_k[-1])] = False
+        outside_k[int(cu_k[0]) : int(cu_k[-1])] = False
         _, k, v = views(c, bases)
         k[outside_k] = float("nan")
         v[outside_k] = float("nan")
@@ -738,8 +891,8 @@ def _scatter_pages(c, g, inputs):
             block = order.pop()
             table[bi, i] = block
             start, count = int(cu_k[bi]) + i * ps, min(ps, n - i * ps)
-            k_pages[block, :count] = k[start:start + count]
-            v_pages[block, :count] = v[start:start + count]
+            k_pages[block, :count] = k[start : start + count]
+            v_pages[block, :count] = v[start : start + count]
     if c["table_fill"] == "pages":
         for bi in range(c["batch"]):
             for i in range(pages[bi], width):
@@ -768,8 +921,9 @@ def _kvcache_inputs(c, g):
         inputs["k_new"] = _randn(g, (b, new, hk, d), dt)
         inputs["v_new"] = _randn(g, (b, new, hk, d), dt)
     if c["rotary"]:
-        angle = torch.rand((c["seqlen_rotary"], c["rotary_dim"] // 2), generator=g,
-                           dtype=torch.float64) * (2 * math.pi)
+        angle = torch.rand(
+            (c["seqlen_rotary"], c["rotary_dim"] // 2), generator=g, dtype=torch.float64
+        ) * (2 * math.pi)
         inputs["cos"], inputs["sin"] = torch.cos(angle).to(dt), torch.sin(angle).to(dt)
     if c["cache_seqlens"] is not None:
         inputs["cache_seqlens"] = torch.tensor(c["cache_seqlens"], dtype=torch.int32)
@@ -783,7 +937,7 @@ def _kvcache_inputs(c, g):
         table = order[: b * pps].view(b, pps).to(torch.int32).clone()
         if c["table_fill"] == "minus_one":
             for bi in range(b):
-                table[bi, _used_pages(c, bi):] = -1
+                table[bi, _used_pages(c, bi) :] = -1
         inputs["block_table"] = table
     inputs["alibi"] = _alibi(c, g, b)
     _poison_cache(c, inputs)
@@ -859,8 +1013,10 @@ def kernel_env(c):
     GPUs only, ignored elsewhere; a forced sm90 falls back where it cannot run)."""
     saved = {n: os.environ.get(n) for n in ("FLASH_ATTN_FWD_KERNEL", "FLASH_ATTN_BWD_KERNEL")}
     try:
-        for name, choice in (("FLASH_ATTN_FWD_KERNEL", c["fwd_kernel"]),
-                             ("FLASH_ATTN_BWD_KERNEL", c["bwd_kernel"])):
+        for name, choice in (
+            ("FLASH_ATTN_FWD_KERNEL", c["fwd_kernel"]),
+            ("FLASH_ATTN_BWD_KERNEL", c["bwd_kernel"]),
+        ):
             if choice == "auto":
                 os.environ.pop(name, None)
             else:
@@ -924,18 +1080,27 @@ def _run_fixed(c, inputs, device):
     q, k, v = views(c, bases)
     alibi = _on(inputs["alibi"], device)
     seed, offset, rng_state = _rng_args(c, device)
-    args = (alibi, c["dropout_p"], c["softmax_scale"], c["causal"], c["window_left"],
-            c["window_right"], c["softcap"])
+    args = (
+        alibi,
+        c["dropout_p"],
+        c["softmax_scale"],
+        c["causal"],
+        c["window_left"],
+        c["window_right"],
+        c["softcap"],
+    )
     _poison_allocator(device)
-    out, lse, s_dmask, rng_used = ops.fwd(q, k, v, *args, c["return_softmax"], seed, offset,
-                                          rng_state)
+    out, lse, s_dmask, rng_used = ops.fwd(
+        q, k, v, *args, c["return_softmax"], seed, offset, rng_state
+    )
     result = {"out": _host(out), "lse": _host(lse), "rng_state": _host(rng_used)}
     if c["return_softmax"]:
         result["s_dmask"] = _host(s_dmask)
     if c["bwd"]:
         _poison_allocator(device)
-        dq, dk, dv = ops.bwd(inputs["dout"].to(device), q, k, v, out, lse, *args,
-                             c["deterministic"], rng_used)
+        dq, dk, dv = ops.bwd(
+            inputs["dout"].to(device), q, k, v, out, lse, *args, c["deterministic"], rng_used
+        )
         result.update(dq=_host(dq), dk=_host(dk), dv=_host(dv))
     return result
 
@@ -950,20 +1115,52 @@ def _run_varlen(c, inputs, device):
     cu_q, cu_k = inputs["cu_q"].to(device), inputs["cu_k"].to(device)
     alibi = _on(inputs["alibi"], device)
     seed, offset, rng_state = _rng_args(c, device)
-    score_args = (c["dropout_p"], c["softmax_scale"], c["causal"], c["window_left"],
-                  c["window_right"], c["softcap"])
+    score_args = (
+        c["dropout_p"],
+        c["softmax_scale"],
+        c["causal"],
+        c["window_left"],
+        c["window_right"],
+        c["softcap"],
+    )
     _poison_allocator(device)
     out, lse, s_dmask, rng_used = ops.varlen_fwd(
-        q, k, v, cu_q, cu_k, table, alibi, c["max_seqlen_q"], c["max_seqlen_k"], *score_args,
-        c["return_softmax"], seed, offset, rng_state)
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        table,
+        alibi,
+        c["max_seqlen_q"],
+        c["max_seqlen_k"],
+        *score_args,
+        c["return_softmax"],
+        seed,
+        offset,
+        rng_state,
+    )
     result = {"out": _host(out), "lse": _host(lse), "rng_state": _host(rng_used)}
     if c["return_softmax"]:
         result["s_dmask"] = _host(s_dmask)
     if c["bwd"]:
         _poison_allocator(device)
         dq, dk, dv = ops.varlen_bwd(
-            inputs["dout"].to(device), q, k, v, out, lse, cu_q, cu_k, alibi, c["max_seqlen_q"],
-            c["max_seqlen_k"], *score_args, c["deterministic"], rng_used)
+            inputs["dout"].to(device),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            alibi,
+            c["max_seqlen_q"],
+            c["max_seqlen_k"],
+            *score_args,
+            c["deterministic"],
+            rng_used,
+        )
         result.update(dq=_host(dq), dk=_host(dk), dv=_host(dv))
     return result
 
@@ -980,10 +1177,26 @@ def _run_kvcache(c, inputs, device):
     get = lambda name: _on(inputs.get(name), device)
     _poison_allocator(device)
     out, lse = ops.fwd_kvcache(
-        q, k_cache, v_cache, get("k_new"), get("v_new"), get("cache_seqlens"), get("cos"),
-        get("sin"), get("cache_batch_idx"), get("cache_leftpad"), get("block_table"),
-        get("alibi"), c["softmax_scale"], c["causal"], c["window_left"], c["window_right"],
-        c["softcap"], c["rotary"] == "interleaved", c["num_splits"])
+        q,
+        k_cache,
+        v_cache,
+        get("k_new"),
+        get("v_new"),
+        get("cache_seqlens"),
+        get("cos"),
+        get("sin"),
+        get("cache_batch_idx"),
+        get("cache_leftpad"),
+        get("block_table"),
+        get("alibi"),
+        c["softmax_scale"],
+        c["causal"],
+        c["window_left"],
+        c["window_right"],
+        c["softcap"],
+        c["rotary"] == "interleaved",
+        c["num_splits"],
+    )
     return {"out": _host(out), "lse": _host(lse), "cache_base": _host(cache_base)}
 
 
@@ -1002,10 +1215,14 @@ def keep_mask(seed, offset, batch_index, nheads, seqlen_q, seqlen_k, dropout_p, 
     rows = torch.arange(seqlen_q, dtype=torch.int64, device=device).view(1, -1, 1)
     cols = torch.arange(groups, dtype=torch.int64, device=device).view(1, 1, -1)
     shape = (nheads, seqlen_q, groups)
-    words = philox4x32_10(cols.expand(shape), rows.expand(shape),
-                          ((batch_index * nheads + heads) & mask32).expand(shape),
-                          torch.full(shape, offset & mask32, dtype=torch.int64, device=device),
-                          seed & mask32, (seed >> 32) & mask32)
+    words = philox4x32_10(
+        cols.expand(shape),
+        rows.expand(shape),
+        ((batch_index * nheads + heads) & mask32).expand(shape),
+        torch.full(shape, offset & mask32, dtype=torch.int64, device=device),
+        seed & mask32,
+        (seed >> 32) & mask32,
+    )
     bits = torch.stack(words, dim=-1).reshape(nheads, seqlen_q, groups * 4)[..., :seqlen_k]
     return bits >= dropout_threshold(dropout_p)
 
@@ -1059,12 +1276,17 @@ def references(c, inputs, device):
     and with a backward dq/dk/dv_<exact|same>; for kvcache also the expected
     cache base tensor after the append."""
     return {"fixed": _fixed_refs, "varlen": _varlen_refs, "kvcache": _kvcache_refs}[c["kind"]](
-        c, inputs, device)
+        c, inputs, device
+    )
 
 
 def _score_kwargs(c, alibi):
-    return dict(softmax_scale=c["softmax_scale"], softcap=c["softcap"], alibi_slopes=alibi,
-                dropout_p=c["dropout_p"])
+    return dict(
+        softmax_scale=c["softmax_scale"],
+        softcap=c["softcap"],
+        alibi_slopes=alibi,
+        dropout_p=c["dropout_p"],
+    )
 
 
 def _fixed_refs(c, inputs, device):
@@ -1073,14 +1295,37 @@ def _fixed_refs(c, inputs, device):
     alibi = _on(inputs["alibi"], device)
     keep = None
     if c["dropout_p"] > 0:
-        keep = torch.stack([keep_mask(c["philox_seed"], c["philox_offset"], bi, c["nheads"],
-                                      c["seqlen_q"], c["seqlen_k"], c["dropout_p"], device)
-                            for bi in range(c["batch"])]) if c["batch"] else None
+        keep = (
+            torch.stack(
+                [
+                    keep_mask(
+                        c["philox_seed"],
+                        c["philox_offset"],
+                        bi,
+                        c["nheads"],
+                        c["seqlen_q"],
+                        c["seqlen_k"],
+                        c["dropout_p"],
+                        device,
+                    )
+                    for bi in range(c["batch"])
+                ]
+            )
+            if c["batch"]
+            else None
+        )
 
     def fn(qq, kk, vv, compute_dtype):
-        return attention_ref(qq, kk, vv, causal=c["causal"],
-                             window_size=(c["window_left"], c["window_right"]), keep_mask=keep,
-                             compute_dtype=compute_dtype, **_score_kwargs(c, alibi))
+        return attention_ref(
+            qq,
+            kk,
+            vv,
+            causal=c["causal"],
+            window_size=(c["window_left"], c["window_right"]),
+            keep_mask=keep,
+            compute_dtype=compute_dtype,
+            **_score_kwargs(c, alibi),
+        )
 
     return _attention_refs(c, fn, (q, k, v), inputs, device)
 
@@ -1104,16 +1349,34 @@ def _varlen_refs(c, inputs, device):
     cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
     keep = None
     if c["dropout_p"] > 0:
-        keep = [keep_mask(c["philox_seed"], c["philox_offset"], bi, c["nheads"], sq, sk,
-                          c["dropout_p"], device)
-                for bi, (sq, sk) in enumerate(zip(c["seqlens_q"], c["seqlens_k"]))]
+        keep = [
+            keep_mask(
+                c["philox_seed"],
+                c["philox_offset"],
+                bi,
+                c["nheads"],
+                sq,
+                sk,
+                c["dropout_p"],
+                device,
+            )
+            for bi, (sq, sk) in enumerate(zip(c["seqlens_q"], c["seqlens_k"]))
+        ]
 
     def fn(qq, kk, vv, compute_dtype):
-        return varlen_attention_ref(qq, kk, vv, cu_q, cu_k, max_seqlen_k=c["max_seqlen_k"],
-                                    causal=c["causal"],
-                                    window_size=(c["window_left"], c["window_right"]),
-                                    keep_masks=keep, compute_dtype=compute_dtype,
-                                    **_score_kwargs(c, alibi))
+        return varlen_attention_ref(
+            qq,
+            kk,
+            vv,
+            cu_q,
+            cu_k,
+            max_seqlen_k=c["max_seqlen_k"],
+            causal=c["causal"],
+            window_size=(c["window_left"], c["window_right"]),
+            keep_masks=keep,
+            compute_dtype=compute_dtype,
+            **_score_kwargs(c, alibi),
+        )
 
     return _attention_refs(c, fn, (q, k, v), inputs, device)
 
@@ -1137,7 +1400,7 @@ def _kvcache_refs(c, inputs, device):
         end = _end(c, bi)
         if not new:
             continue
-        k_new = inputs["k_new"][bi:bi + 1].to(device)
+        k_new = inputs["k_new"][bi : bi + 1].to(device)
         if cos is not None:
             positions = (end + torch.arange(new, device=device)).unsqueeze(0)
             k_new = apply_rotary(k_new, cos, sin, positions, interleaved).to(dt)
@@ -1156,19 +1419,30 @@ def _kvcache_refs(c, inputs, device):
         rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=device)
         cols = torch.tensor([s[1] for s in slots], dtype=torch.long, device=device)
         keys, values = k_cache[rows, cols].unsqueeze(0), v_cache[rows, cols].unsqueeze(0)
-        q_b = q[bi:bi + 1]
+        q_b = q[bi : bi + 1]
         if cos is not None and sq:
-            offsets = torch.arange(sq, device=device) if per_row else torch.zeros(
-                sq, dtype=torch.long, device=device)
+            offsets = (
+                torch.arange(sq, device=device)
+                if per_row
+                else torch.zeros(sq, dtype=torch.long, device=device)
+            )
             q_b = apply_rotary(q_b, cos, sin, (end + offsets).unsqueeze(0), interleaved).to(dt)
         slopes = None
         if alibi is not None:
             slopes = alibi if alibi.dim() == 1 else alibi[bi]
         for which in COMPUTE:
-            out, lse = attention_ref(q_b, keys, values, causal=False, window_size=(left, right),
-                                     normalize=False, compute_dtype=_compute_dtype(c, which),
-                                     softmax_scale=c["softmax_scale"], softcap=c["softcap"],
-                                     alibi_slopes=slopes)
+            out, lse = attention_ref(
+                q_b,
+                keys,
+                values,
+                causal=False,
+                window_size=(left, right),
+                normalize=False,
+                compute_dtype=_compute_dtype(c, which),
+                softmax_scale=c["softmax_scale"],
+                softcap=c["softcap"],
+                alibi_slopes=slopes,
+            )
             outs[which].append(out)
             lses[which].append(lse)
     for which in COMPUTE:
@@ -1200,7 +1474,7 @@ def softcap_score_error(c):
     whose error is about 2^-11, so a score softcap * tanh(x) may move by
     softcap * 2^-11 (the CPU path's tanh is exact to fp32). An lse moves by at
     most as much as the scores; the bound is doubled. Zero without softcap."""
-    return c["softcap"] * 2.0 ** -10 if c["softcap"] > 0 else 0.0
+    return c["softcap"] * 2.0**-10 if c["softcap"] > 0 else 0.0
 
 
 def ulp(x, dtype):
@@ -1224,17 +1498,21 @@ def _check_close(name, a, b, exact, same, factor, atol, dtype, extra=0.0):
         return None
     nans = int(torch.isnan(a).sum()) + int(torch.isnan(b).sum())
     if nans:
-        return (f"{name}: {int(torch.isnan(a).sum())} / {int(torch.isnan(b).sum())} NaN elements "
-                "(poisoned rows read, or an element left unwritten)")
+        return (
+            f"{name}: {int(torch.isnan(a).sum())} / {int(torch.isnan(b).sum())} NaN elements "
+            "(poisoned rows read, or an element left unwritten)"
+        )
     diff = (a.double() - b.double()).abs()
     err = diff.max().item()
     base = _max_abs(same.double() - exact.double())
     tol = factor * base + ulp(_max_abs(exact), dtype) + atol + extra
     if not err <= tol:
         where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
-        return (f"{name}: max|diff| {err:.3e} at {where} > tolerance {tol:.3e} "
-                f"({factor} x same-dtype error {base:.3e} + ulp + {atol:g}"
-                + (f" + rounded-O term {extra:.3e})" if extra else ")"))
+        return (
+            f"{name}: max|diff| {err:.3e} at {where} > tolerance {tol:.3e} "
+            f"({factor} x same-dtype error {base:.3e} + ulp + {atol:g}"
+            + (f" + rounded-O term {extra:.3e})" if extra else ")")
+        )
     return None
 
 
@@ -1249,8 +1527,10 @@ def _check_lse(name, a, b, lse32, lse64, extra=0.0):
             return f"{name}: NaN in the {label} result"
         if not torch.equal(torch.isinf(t), no_key) or (t[no_key] < 0).any():
             bad = torch.nonzero(torch.isinf(t) != no_key)
-            return (f"{name}: rows that see no key must be +inf and only those ({label} result; "
-                    f"first differing row {tuple(int(i) for i in bad[0]) if len(bad) else '-'})")
+            return (
+                f"{name}: rows that see no key must be +inf and only those ({label} result; "
+                f"first differing row {tuple(int(i) for i in bad[0]) if len(bad) else '-'})"
+            )
     finite = ~no_key
     if not finite.any():
         return None
@@ -1258,8 +1538,9 @@ def _check_lse(name, a, b, lse32, lse64, extra=0.0):
     noise = (lse32[finite].double() - lse64[finite]).abs().max().item()
     tol = 4 * noise + 1e-5 * (1 + lse64[finite].abs().max().item()) + extra
     if not err <= tol:
-        return (f"{name}: max|diff| {err:.3e} > tolerance {tol:.3e} (4 x fp32 noise {noise:.3e}"
-                + (f" + softcap term {extra:.3e})" if extra else ")"))
+        return f"{name}: max|diff| {err:.3e} > tolerance {tol:.3e} (4 x fp32 noise {noise:.3e}" + (
+            f" + softcap term {extra:.3e})" if extra else ")"
+        )
     return None
 
 
@@ -1293,16 +1574,43 @@ def compare(c, inputs, got, other, refs):
         pick_q = pick_k = pick_lse = lambda t: t
 
     if c["kind"] != "kvcache" or c["seqlen_q"] > 0:
-        add(_check_close("out", pick_q(got["out"]), pick_q(other["out"]),
-                         pick_q(refs["out_exact"]), pick_q(refs["out_same"]), 2.0, 1e-5, dt))
-        add(_check_lse("lse", pick_lse(got["lse"]), pick_lse(other["lse"]),
-                       pick_lse(refs["lse_fp32"]), pick_lse(refs["lse_exact"]),
-                       extra=softcap_score_error(c)))
+        add(
+            _check_close(
+                "out",
+                pick_q(got["out"]),
+                pick_q(other["out"]),
+                pick_q(refs["out_exact"]),
+                pick_q(refs["out_same"]),
+                2.0,
+                1e-5,
+                dt,
+            )
+        )
+        add(
+            _check_lse(
+                "lse",
+                pick_lse(got["lse"]),
+                pick_lse(other["lse"]),
+                pick_lse(refs["lse_fp32"]),
+                pick_lse(refs["lse_exact"]),
+                extra=softcap_score_error(c),
+            )
+        )
     if c["bwd"]:
         for name, pick in (("dq", pick_q), ("dk", pick_k), ("dv", pick_k)):
-            add(_check_close(name, pick(got[name]), pick(other[name]),
-                             pick(refs[f"{name}_exact"]), pick(refs[f"{name}_same"]), 3.0, 1e-4,
-                             dt, extra=2 * _max_abs(pick(refs[f"{name}_rounded_d"]))))
+            add(
+                _check_close(
+                    name,
+                    pick(got[name]),
+                    pick(other[name]),
+                    pick(refs[f"{name}_exact"]),
+                    pick(refs[f"{name}_same"]),
+                    3.0,
+                    1e-4,
+                    dt,
+                    extra=2 * _max_abs(pick(refs[f"{name}_rounded_d"])),
+                )
+            )
     if "s_dmask" in got and "s_dmask" in other:
         add(_check_s_dmask(c, got["s_dmask"], other["s_dmask"], dt, 2 * softcap_score_error(c)))
     if "cache_base" in got:
@@ -1315,8 +1623,10 @@ def compare(c, inputs, got, other, refs):
     if rep is not None:
         for name in ("out", "lse", "dq", "dk", "dv", "cache_base"):
             if name in got and not torch.equal(_bits(got[name]), _bits(rep[name])):
-                problems.append(f"{name}: not bitwise reproducible"
-                                + (" (deterministic backward)" if name[0] == "d" else ""))
+                problems.append(
+                    f"{name}: not bitwise reproducible"
+                    + (" (deterministic backward)" if name[0] == "d" else "")
+                )
     return problems
 
 
@@ -1361,8 +1671,10 @@ def _check_caches(c, inputs, got_base, other_base):
     for name, got, oth, org in (("k_cache", got_k, oth_k, org_k), ("v_cache", got_v, oth_v, org_v)):
         if not torch.equal(_bits(got[~written]), _bits(org[~written])):
             bad = torch.nonzero((_bits(got) != _bits(org)).flatten(2).any(-1) & ~written)
-            problems.append(f"{name}: rows outside the append changed (first at "
-                            f"{tuple(int(i) for i in bad[0]) if len(bad) else '?'})")
+            problems.append(
+                f"{name}: rows outside the append changed (first at "
+                f"{tuple(int(i) for i in bad[0]) if len(bad) else '?'})"
+            )
         a, b = got[written], oth[written].to(got.dtype)
         if a.numel() == 0:
             continue
@@ -1371,13 +1683,17 @@ def _check_caches(c, inputs, got_base, other_base):
         elif name == "k_cache" and c["rotary"]:
             rel = 2.0 ** -MANTISSA_BITS[a.dtype]
             diff = (a.double() - b.double()).abs()
-            allowed = rel * torch.maximum(a.double().abs(), b.double().abs()) + 2.0 ** -24
+            allowed = rel * torch.maximum(a.double().abs(), b.double().abs()) + 2.0**-24
             if (diff > allowed).any():
-                problems.append(f"{name}: rotated appended keys differ by more than one ulp "
-                                f"(max {diff.max().item():.3e})")
+                problems.append(
+                    f"{name}: rotated appended keys differ by more than one ulp "
+                    f"(max {diff.max().item():.3e})"
+                )
         elif not torch.equal(_bits(a), _bits(b)):
-            problems.append(f"{name}: appended rows differ (max "
-                            f"{(a.double() - b.double()).abs().max().item():.3e})")
+            problems.append(
+                f"{name}: appended rows differ (max "
+                f"{(a.double() - b.double()).abs().max().item():.3e})"
+            )
     return problems
 
 
@@ -1420,5 +1736,7 @@ if __name__ == "__main__":
 
     args = [int(x) for x in sys.argv[1:]]
     total, measured, n = estimate_cpu_seconds(*args)
-    print(f"CPU op on {n} sampled cases: {measured:.1f} s with {torch.get_num_threads()} threads; "
-          f"all {case_count()} cases: about {total:.0f} s of CPU op time on this machine")
+    print(
+        f"CPU op on {n} sampled cases: {measured:.1f} s with {torch.get_num_threads()} threads; "
+        f"all {case_count()} cases: about {total:.0f} s of CPU op time on this machine"
+    )

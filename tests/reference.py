@@ -280,9 +280,16 @@ def dropout_keep_mask(seed, offset, batch_index, nheads, seqlen_q, seqlen_k, dro
 
 def dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
     """Bool (batch, nheads, seqlen_q, seqlen_k) keep mask of a fixed-length problem."""
-    return torch.stack(
-        [dropout_keep_mask(seed, offset, b, nheads, seqlen_q, seqlen_k, dropout_p) for b in range(batch)]
-    ) if batch > 0 else torch.zeros(0, nheads, seqlen_q, seqlen_k, dtype=torch.bool)
+    return (
+        torch.stack(
+            [
+                dropout_keep_mask(seed, offset, b, nheads, seqlen_q, seqlen_k, dropout_p)
+                for b in range(batch)
+            ]
+        )
+        if batch > 0
+        else torch.zeros(0, nheads, seqlen_q, seqlen_k, dtype=torch.bool)
+    )
 
 
 def dropout_keep_masks_varlen(seed, offset, cu_seqlens_q, cu_seqlens_k, nheads, dropout_p):
@@ -290,7 +297,9 @@ def dropout_keep_masks_varlen(seed, offset, cu_seqlens_q, cu_seqlens_k, nheads, 
     cu_q = [int(x) for x in cu_seqlens_q]
     cu_k = [int(x) for x in cu_seqlens_k]
     return [
-        dropout_keep_mask(seed, offset, b, nheads, cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], dropout_p)
+        dropout_keep_mask(
+            seed, offset, b, nheads, cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], dropout_p
+        )
         for b in range(len(cu_q) - 1)
     ]
 
@@ -329,8 +338,9 @@ def check_close(ours, exact, same, name, *, grad=False):
         tol = FP32_GRAD_TOL if grad else FP32_TOL
         torch.testing.assert_close(ours.double(), exact.double(), msg=name, **tol)
     else:
-        assert_within_criterion(ours, exact, same, factor=3.0 if grad else 2.0,
-                                atol=1e-4 if grad else 1e-5, name=name)
+        assert_within_criterion(
+            ours, exact, same, factor=3.0 if grad else 2.0, atol=1e-4 if grad else 1e-5, name=name
+        )
 
 
 def assert_compiled_matches_eager(attention, inputs):

@@ -53,8 +53,7 @@ def block_running_max(scores, block_n):
     if seqlen_k == 0:
         return scores.clone()
     nblocks = -(-seqlen_k // block_n)
-    padded = torch.nn.functional.pad(scores, (0, nblocks * block_n - seqlen_k),
-                                     value=float("-inf"))
+    padded = torch.nn.functional.pad(scores, (0, nblocks * block_n - seqlen_k), value=float("-inf"))
     block_max = padded.unflatten(-1, (nblocks, block_n)).amax(dim=-1)
     suffix_max = block_max.flip(-1).cummax(dim=-1).values.flip(-1)
     return suffix_max.repeat_interleave(block_n, dim=-1)[..., :seqlen_k]
@@ -115,14 +114,14 @@ def check_entry(s_dmask, scores, block_n, keep=None, name="S_dmask"):
     visible = scores > float("-inf")
     masked = s_dmask[~visible]
     assert torch.all(masked == 0) and not torch.any(torch.signbit(masked)), (
-        f"{name}: masked positions must hold +0")
+        f"{name}: masked positions must hold +0"
+    )
 
     def message(what):
         return lambda m: f"{name}, {what}: {m}"
 
     numerators = expected_numerators(scores, block_n)
-    torch.testing.assert_close(s_dmask.abs().double(), numerators, **tol,
-                               msg=message("numerators"))
+    torch.testing.assert_close(s_dmask.abs().double(), numerators, **tol, msg=message("numerators"))
     probs = probs_from_numerators(s_dmask, scores, block_n)
     torch.testing.assert_close(probs, reference_probs(scores), **tol, msg=message("recovered P"))
 
@@ -131,5 +130,6 @@ def check_entry(s_dmask, scores, block_n, keep=None, name="S_dmask"):
         assert torch.equal(kept_by_sign[visible], keep[visible]), f"{name}: dropout pattern"
         nonzero = visible & (s_dmask != 0)
         assert torch.equal((s_dmask >= 0)[nonzero], keep[nonzero]), (
-            f"{name}: dropout pattern read as S >= 0")
+            f"{name}: dropout pattern read as S >= 0"
+        )
     return kept_by_sign & visible

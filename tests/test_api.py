@@ -89,8 +89,9 @@ def attention_ref(
     return out.to(q.dtype), lse, probs
 
 
-def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None,
-                         keep_masks=None, **kwargs):
+def varlen_attention_ref(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, keep_masks=None, **kwargs
+):
     """Packed (total, h, d) tensors: the fixed-length reference per sequence."""
     outs, lses = [], []
     for b in range(cu_seqlens_q.numel() - 1):
@@ -100,8 +101,12 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=No
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
         out, lse, _ = attention_ref(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=slopes,
-            keep_mask=None if keep_masks is None else keep_masks[b][None], **kwargs,
+            q[None, q0:q1],
+            k[None, k0:k1],
+            v[None, k0:k1],
+            alibi_slopes=slopes,
+            keep_mask=None if keep_masks is None else keep_masks[b][None],
+            **kwargs,
         )
         outs.append(out[0])
         lses.append(lse[0])
@@ -172,25 +177,51 @@ EXPECTED_SIGNATURES = {
     "flash_attn_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _COMMON_TAIL,
     "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _COMMON_TAIL,
     "flash_attn_varlen_func": [
-        ("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED),
-        ("cu_seqlens_q", _REQUIRED), ("cu_seqlens_k", _REQUIRED),
-        ("max_seqlen_q", _REQUIRED), ("max_seqlen_k", _REQUIRED),
-    ] + _COMMON_TAIL + [("block_table", None)],
+        ("q", _REQUIRED),
+        ("k", _REQUIRED),
+        ("v", _REQUIRED),
+        ("cu_seqlens_q", _REQUIRED),
+        ("cu_seqlens_k", _REQUIRED),
+        ("max_seqlen_q", _REQUIRED),
+        ("max_seqlen_k", _REQUIRED),
+    ]
+    + _COMMON_TAIL
+    + [("block_table", None)],
     "flash_attn_varlen_kvpacked_func": [
-        ("q", _REQUIRED), ("kv", _REQUIRED),
-        ("cu_seqlens_q", _REQUIRED), ("cu_seqlens_k", _REQUIRED),
-        ("max_seqlen_q", _REQUIRED), ("max_seqlen_k", _REQUIRED),
-    ] + _COMMON_TAIL,
+        ("q", _REQUIRED),
+        ("kv", _REQUIRED),
+        ("cu_seqlens_q", _REQUIRED),
+        ("cu_seqlens_k", _REQUIRED),
+        ("max_seqlen_q", _REQUIRED),
+        ("max_seqlen_k", _REQUIRED),
+    ]
+    + _COMMON_TAIL,
     "flash_attn_varlen_qkvpacked_func": [
-        ("qkv", _REQUIRED), ("cu_seqlens", _REQUIRED), ("max_seqlen", _REQUIRED),
-    ] + _COMMON_TAIL,
+        ("qkv", _REQUIRED),
+        ("cu_seqlens", _REQUIRED),
+        ("max_seqlen", _REQUIRED),
+    ]
+    + _COMMON_TAIL,
     "flash_attn_with_kvcache": [
-        ("q", _REQUIRED), ("k_cache", _REQUIRED), ("v_cache", _REQUIRED),
-        ("k", None), ("v", None), ("rotary_cos", None), ("rotary_sin", None),
-        ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
-        ("block_table", None), ("softmax_scale", None), ("causal", False),
-        ("window_size", (-1, -1)), ("softcap", 0.0), ("rotary_interleaved", True),
-        ("alibi_slopes", None), ("num_splits", 0), ("return_softmax_lse", False),
+        ("q", _REQUIRED),
+        ("k_cache", _REQUIRED),
+        ("v_cache", _REQUIRED),
+        ("k", None),
+        ("v", None),
+        ("rotary_cos", None),
+        ("rotary_sin", None),
+        ("cache_seqlens", None),
+        ("cache_batch_idx", None),
+        ("cache_leftpad", None),
+        ("block_table", None),
+        ("softmax_scale", None),
+        ("causal", False),
+        ("window_size", (-1, -1)),
+        ("softcap", 0.0),
+        ("rotary_interleaved", True),
+        ("alibi_slopes", None),
+        ("num_splits", 0),
+        ("return_softmax_lse", False),
     ],
 }
 
@@ -203,8 +234,16 @@ def test_package_exports():
     for name in EXPECTED_SIGNATURES:
         assert callable(getattr(flash_attn_cuda, name)), name
         assert getattr(flash_attn_cuda, name).__doc__, f"{name} has no docstring"
-    for op in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "fwd_out",
-               "varlen_fwd_out", "fwd_kvcache_out"):
+    for op in (
+        "fwd",
+        "bwd",
+        "varlen_fwd",
+        "varlen_bwd",
+        "fwd_kvcache",
+        "fwd_out",
+        "varlen_fwd_out",
+        "fwd_kvcache_out",
+    ):
         assert hasattr(torch.ops.flash_attn, op), op
 
 
@@ -226,10 +265,10 @@ EXPECTED_KEYWORD_ONLY = {
 @pytest.mark.parametrize("name", sorted(EXPECTED_SIGNATURES))
 def test_signature_matches_flash_attn_2_8(name):
     params = inspect.signature(getattr(flash_attn_cuda, name)).parameters.values()
-    positional = [(p.name, p.default) for p in params
-                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    keyword_only = [(p.name, p.default) for p in params
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    positional = [
+        (p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    keyword_only = [(p.name, p.default) for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert positional == EXPECTED_SIGNATURES[name]
     assert keyword_only == EXPECTED_KEYWORD_ONLY.get(name, [])
     assert len(positional) + len(keyword_only) == len(params)
@@ -252,8 +291,9 @@ def test_signature_matches_flash_attn_2_8(name):
         (1, 128, 129, 2, 2, 72),
     ],
 )
-def test_flash_attn_func(device, dtype, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k,
-                         head_dim):
+def test_flash_attn_func(
+    device, dtype, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim
+):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, device)
     q_, k_, v_ = leaves(q, k, v)
     out = flash_attn_func(q_, k_, v_, causal=causal)
@@ -453,8 +493,12 @@ def test_kvpacked(device):
     assert dkv.shape == kv.shape and softmax_lse.shape == (2, 6, 21)
     k, v = kv.unbind(2)
     check_against_reference(
-        "kvpacked", (q, k, v), {"causal": True, "window_size": (7, 0)}, out,
-        (dq, *dkv.unbind(2)), dout,
+        "kvpacked",
+        (q, k, v),
+        {"causal": True, "window_size": (7, 0)},
+        out,
+        (dq, *dkv.unbind(2)),
+        dout,
     )
 
 
@@ -482,16 +526,25 @@ def test_varlen(device, causal, dtype):
     slopes = torch.rand(len(lengths_q), nheads, device=device)
     q_, k_, v_ = leaves(q, k, v)
     out, softmax_lse, s_dmask = flash_attn_varlen_func(
-        q_, k_, v_, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-        alibi_slopes=slopes, return_attn_probs=True,
+        q_,
+        k_,
+        v_,
+        cu_q,
+        cu_k,
+        max(lengths_q),
+        max(lengths_k),
+        causal=causal,
+        alibi_slopes=slopes,
+        return_attn_probs=True,
     )
     assert softmax_lse.shape == (nheads, sum(lengths_q)) and s_dmask.numel() == 0
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q_, k_, v_), dout)
 
     def ref_fn(q, k, v, **kwargs):
-        return varlen_attention_ref(q, k, v, cu_q, cu_k, alibi_slopes=slopes, causal=causal,
-                                    **kwargs)
+        return varlen_attention_ref(
+            q, k, v, cu_q, cu_k, alibi_slopes=slopes, causal=causal, **kwargs
+        )
 
     check_against_reference("varlen", (q, k, v), {}, out, grads, dout, ref_fn=ref_fn)
     ref_lse = ref_fn(q, k, v)[1]
@@ -509,7 +562,15 @@ def test_varlen_dropout(device):
     v = torch.randn_like(k)
     q_, k_, v_ = leaves(q, k, v)
     out, _, s_dmask = flash_attn_varlen_func(
-        q_, k_, v_, cu_q, cu_k, 30, 30, dropout_p=dropout_p, causal=True,
+        q_,
+        k_,
+        v_,
+        cu_q,
+        cu_k,
+        30,
+        30,
+        dropout_p=dropout_p,
+        causal=True,
         return_attn_probs=True,
     )
     assert s_dmask.shape == (3, 2, 30, 30)
@@ -519,8 +580,9 @@ def test_varlen_dropout(device):
     grads = torch.autograd.grad(out, (q_, k_, v_), dout)
 
     def ref_fn(q, k, v, **kwargs):
-        return varlen_attention_ref(q, k, v, cu_q, cu_k, causal=True, keep_masks=keep_masks,
-                                    dropout_p=dropout_p, **kwargs)
+        return varlen_attention_ref(
+            q, k, v, cu_q, cu_k, causal=True, keep_masks=keep_masks, dropout_p=dropout_p, **kwargs
+        )
 
     check_against_reference("varlen dropout", (q, k, v), {}, out, grads, dout, ref_fn=ref_fn)
 
@@ -556,7 +618,12 @@ def test_varlen_packed(device):
         return varlen_attention_ref(q, k, v, cu, cu_k, **kwargs)
 
     check_against_reference(
-        "varlen kvpacked", (q, *kv.unbind(1)), {}, out, (dq, *dkv.unbind(1)), dout,
+        "varlen kvpacked",
+        (q, *kv.unbind(1)),
+        {},
+        out,
+        (dq, *dkv.unbind(1)),
+        dout,
         ref_fn=ref_fn_kv,
     )
 
@@ -586,7 +653,14 @@ def test_varlen_paged_kv(device):
     block_table = block_table.to(device)
 
     paged = flash_attn_varlen_func(
-        q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+        q,
+        k_pages,
+        v_pages,
+        cu_q,
+        cu_k,
+        max(lengths_q),
+        max(lengths_k),
+        causal=True,
         block_table=block_table,
     )
     ref_out, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, causal=True)
@@ -596,7 +670,13 @@ def test_varlen_paged_kv(device):
     # Paged K/V is forward-only, as in flash-attn.
     q_ = q.detach().requires_grad_()
     out = flash_attn_varlen_func(
-        q_, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
+        q_,
+        k_pages,
+        v_pages,
+        cu_q,
+        cu_k,
+        max(lengths_q),
+        max(lengths_k),
         block_table=block_table,
     )
     with pytest.raises(RuntimeError, match="block_table"):
@@ -618,8 +698,7 @@ def test_odd_head_dims_are_padded(device, head_dim):
     assert out.shape == q.shape
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q_, k_, v_), dout)
-    check_against_reference(f"head_dim={head_dim}", (q, k, v), {"causal": True}, out, grads,
-                            dout)
+    check_against_reference(f"head_dim={head_dim}", (q, k, v), {"causal": True}, out, grads, dout)
 
     # Packed and varlen variants pad the same way.
     qkv = torch.randn(2, seqlen, 3, 2, head_dim, dtype=torch.bfloat16, device=device)
@@ -692,8 +771,11 @@ def test_with_kvcache(device, paged, rotary, causal):
     if rotary is not None:
         rotary_dim = 16
         angles = torch.rand(seqlen_cache, rotary_dim // 2, device=device) * 2 * math.pi
-        rotary_kwargs = dict(rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
-                             rotary_interleaved=rotary == "interleaved")
+        rotary_kwargs = dict(
+            rotary_cos=angles.cos().to(dtype),
+            rotary_sin=angles.sin().to(dtype),
+            rotary_interleaved=rotary == "interleaved",
+        )
 
     # Expected cache contents and attention, built with plain indexing.
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -704,20 +786,24 @@ def test_with_kvcache(device, paged, rotary, causal):
         positions_q = cache_seqlens[:, None].long().expand(batch, seqlen_q)
     k_rot, q_rot = k_new.double(), q.double()
     if rotary is not None:
-        cos, sin, interleaved = (rotary_kwargs[n] for n in
-                                 ("rotary_cos", "rotary_sin", "rotary_interleaved"))
+        cos, sin, interleaved = (
+            rotary_kwargs[n] for n in ("rotary_cos", "rotary_sin", "rotary_interleaved")
+        )
         k_rot = apply_rotary_ref(k_new, cos, sin, positions_new, interleaved)
         q_rot = apply_rotary_ref(q, cos, sin, positions_q, interleaved)
     ref_outs, lowp_outs = [], []
     for b in range(batch):
         row, start = int(cache_batch_idx[b]), int(cache_seqlens[b])
-        expected_k[row, start:start + seqlen_new] = k_rot[b].to(dtype)
-        expected_v[row, start:start + seqlen_new] = v_new[b]
+        expected_k[row, start : start + seqlen_new] = k_rot[b].to(dtype)
+        expected_v[row, start : start + seqlen_new] = v_new[b]
         end = start + seqlen_new
         keys, values = expected_k[row, None, :end], expected_v[row, None, :end]
         ref_outs.append(attention_ref(q_rot[b, None], keys, values, causal=causal)[0])
-        lowp_outs.append(attention_ref(q_rot[b, None].to(dtype), keys, values, causal=causal,
-                                       compute_dtype=dtype)[0])
+        lowp_outs.append(
+            attention_ref(
+                q_rot[b, None].to(dtype), keys, values, causal=causal, compute_dtype=dtype
+            )[0]
+        )
     ref_out, lowp_out = torch.cat(ref_outs), torch.cat(lowp_outs)
 
     if paged:
@@ -732,15 +818,30 @@ def test_with_kvcache(device, paged, rotary, causal):
         v_pool[pool_of.flatten()] = v_cache.reshape(-1, page_size, nheads_k, head_dim)
         block_table = pool_of[cache_batch_idx.long()].to(torch.int32)
         out, softmax_lse = flash_attn_with_kvcache(
-            q, k_pool, v_pool, k_new, v_new, cache_seqlens=cache_seqlens,
-            block_table=block_table, causal=causal, return_softmax_lse=True, **rotary_kwargs,
+            q,
+            k_pool,
+            v_pool,
+            k_new,
+            v_new,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=causal,
+            return_softmax_lse=True,
+            **rotary_kwargs,
         )
         k_after = k_pool[pool_of.flatten()].reshape(k_cache.shape)
         v_after = v_pool[pool_of.flatten()].reshape(v_cache.shape)
     else:
         out, softmax_lse = flash_attn_with_kvcache(
-            q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
-            cache_batch_idx=cache_batch_idx, causal=causal, return_softmax_lse=True,
+            q,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx,
+            causal=causal,
+            return_softmax_lse=True,
             **rotary_kwargs,
         )
         k_after, v_after = k_cache, v_cache
@@ -758,13 +859,15 @@ def test_with_kvcache_int_seqlens_and_no_append(device):
     k_cache = torch.randn(2, 12, 1, 16, dtype=torch.float16, device=device)
     v_cache = torch.randn_like(k_cache)
     before = k_cache.clone()
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, window_size=(2, 1),
-                                  softcap=4.0)
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=7, window_size=(2, 1), softcap=4.0
+    )
     assert torch.equal(k_cache, before), "no k / v given: the cache must not change"
     kwargs = {"window_size": (2, 1), "softcap": 4.0}
     ref_out, _, _ = attention_ref(q, k_cache[:, :7], v_cache[:, :7], **kwargs)
-    lowp_out, _, _ = attention_ref(q, k_cache[:, :7], v_cache[:, :7], compute_dtype=q.dtype,
-                                   **kwargs)
+    lowp_out, _, _ = attention_ref(
+        q, k_cache[:, :7], v_cache[:, :7], compute_dtype=q.dtype, **kwargs
+    )
     assert_within(out, ref_out, lowp_out, 2, "kvcache int cache_seqlens")
     # Without cache_seqlens the whole cache is attended to.
     full = flash_attn_with_kvcache(q, k_cache, v_cache)
@@ -784,15 +887,22 @@ def test_with_kvcache_odd_head_dim(device):
     cache_seqlens = torch.tensor([3, 6], dtype=torch.int32, device=device)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     for b, start in enumerate(cache_seqlens.tolist()):
-        expected_k[b, start:start + 2], expected_v[b, start:start + 2] = k_new[b], v_new[b]
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
-                                  causal=True)
+        expected_k[b, start : start + 2], expected_v[b, start : start + 2] = k_new[b], v_new[b]
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens, causal=True
+    )
     assert out.shape == q.shape
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     for b, start in enumerate(cache_seqlens.tolist()):
         end = start + 2
-        ref, _, _ = attention_ref(q[b, None], expected_k[b, None, :end], expected_v[b, None, :end],
-                                  causal=True)
-        lowp, _, _ = attention_ref(q[b, None], expected_k[b, None, :end],
-                                   expected_v[b, None, :end], causal=True, compute_dtype=q.dtype)
+        ref, _, _ = attention_ref(
+            q[b, None], expected_k[b, None, :end], expected_v[b, None, :end], causal=True
+        )
+        lowp, _, _ = attention_ref(
+            q[b, None],
+            expected_k[b, None, :end],
+            expected_v[b, None, :end],
+            causal=True,
+            compute_dtype=q.dtype,
+        )
         assert_within(out[b, None], ref, lowp, 2, "kvcache head_dim=20")

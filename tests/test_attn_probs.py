@@ -57,8 +57,9 @@ def check_output_with_pattern(out, q, k, v, keep, dropout_p, **ref_kwargs):
     if out.dtype == torch.float32:
         torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=2e-5)
     else:
-        same, _ = ref.attention_ref(q, k, v, dropout_p=dropout_p, keep_mask=mask,
-                                    compute_dtype=out.dtype, **ref_kwargs)
+        same, _ = ref.attention_ref(
+            q, k, v, dropout_p=dropout_p, keep_mask=mask, compute_dtype=out.dtype, **ref_kwargs
+        )
         ref.assert_within_criterion(out, exact, same, factor=2.0)
 
 
@@ -100,25 +101,55 @@ def test_fwd_s_dmask(case, device, dtype, dropout_p):
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype, device=device)
     v = torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype, device=device)
     seed, offset = 20261126, 12
-    out, lse, probs, _ = ops.fwd(q, k, v, alibi, dropout_p, scale, causal, window[0], window[1],
-                                 softcap, True, seed, offset, None)
+    out, lse, probs, _ = ops.fwd(
+        q,
+        k,
+        v,
+        alibi,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        True,
+        seed,
+        offset,
+        None,
+    )
     assert probs.shape == (batch, nheads, seqlen_q, seqlen_k) and probs.dtype == dtype
 
     left, right = ref.normalize_window(causal, window[0], window[1], seqlen_k)
-    scores = s_dmask.final_scores(q.cpu(), k.cpu(), softmax_scale=scale, window=(left, right),
-                                  softcap=softcap,
-                                  alibi_slopes=None if alibi is None else alibi.cpu())
+    scores = s_dmask.final_scores(
+        q.cpu(),
+        k.cpu(),
+        softmax_scale=scale,
+        window=(left, right),
+        softcap=softcap,
+        alibi_slopes=None if alibi is None else alibi.cpu(),
+    )
     keep = None
     if dropout_p > 0:
-        keep = ref.dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k,
-                                           dropout_p)
+        keep = ref.dropout_keep_mask_batch(
+            seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+        )
     width = block_n(device, head_dim, dropout_p, causal)
     probs_cpu = s_dmask.crop(probs.cpu(), seqlen_q, seqlen_k)
     kept = s_dmask.check_entry(probs_cpu, scores, width, keep)
     torch.testing.assert_close(lse.cpu().double(), s_dmask.row_lse(scores), atol=1e-4, rtol=1e-4)
-    check_output_with_pattern(out, q, k, v, kept.to(device), dropout_p, softmax_scale=scale,
-                              causal=causal, window_size=window, softcap=softcap,
-                              alibi_slopes=alibi)
+    check_output_with_pattern(
+        out,
+        q,
+        k,
+        v,
+        kept.to(device),
+        dropout_p,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+    )
 
 
 # (lengths_q, lengths_k, nheads, nheads_k, head_dim, options)
@@ -148,43 +179,90 @@ def test_varlen_fwd_s_dmask(case, device, dtype, dropout_p):
     v = torch.randn_like(k)
     scale = 1.0 / math.sqrt(head_dim)
     seed, offset = 77, 1 << 33
-    out, _, probs, _ = ops.varlen_fwd(q, k, v, cu_q.to(device), cu_k.to(device), None, alibi,
-                                      max_q, max_k, dropout_p, scale, causal, window[0],
-                                      window[1], softcap, True, seed, offset, None)
+    out, _, probs, _ = ops.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_q.to(device),
+        cu_k.to(device),
+        None,
+        alibi,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        True,
+        seed,
+        offset,
+        None,
+    )
     assert probs.shape == (batch, nheads, max_q, max_k) and probs.dtype == dtype
     probs = probs.cpu()
 
     left, right = ref.normalize_window(causal, window[0], window[1], max_k)
-    keeps = (ref.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, dropout_p)
-             if dropout_p > 0 else None)
+    keeps = (
+        ref.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, dropout_p)
+        if dropout_p > 0
+        else None
+    )
     width = block_n(device, head_dim, dropout_p, causal)
     kept_masks = []
     for b in range(batch):
-        qb = q[cu_q[b]:cu_q[b + 1]].cpu()[None]
-        kb = k[cu_k[b]:cu_k[b + 1]].cpu()[None]
+        qb = q[cu_q[b] : cu_q[b + 1]].cpu()[None]
+        kb = k[cu_k[b] : cu_k[b + 1]].cpu()[None]
         slopes = None
         if alibi is not None:
             slopes = alibi[b].cpu()
-        scores = s_dmask.final_scores(qb, kb, softmax_scale=scale, window=(left, right),
-                                      softcap=softcap, alibi_slopes=slopes)[0]
+        scores = s_dmask.final_scores(
+            qb, kb, softmax_scale=scale, window=(left, right), softcap=softcap, alibi_slopes=slopes
+        )[0]
         lq, lk = lengths_q[b], lengths_k[b]
         # Past the sequence's own lengths, S_dmask is padding: +0.
         padding = torch.cat([probs[b, :, lq:].flatten(), probs[b, :, :, lk:].flatten()])
         assert torch.all(padding == 0) and not torch.any(torch.signbit(padding))
-        kept = s_dmask.check_entry(probs[b, :, :lq, :lk], scores, width,
-                                   None if keeps is None else keeps[b], name=f"sequence {b}")
+        kept = s_dmask.check_entry(
+            probs[b, :, :lq, :lk],
+            scores,
+            width,
+            None if keeps is None else keeps[b],
+            name=f"sequence {b}",
+        )
         kept_masks.append(kept.to(device))
 
-    exact, _ = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window,
-                                        softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p,
-                                        keep_masks=kept_masks if dropout_p > 0 else None)
+    exact, _ = ref.varlen_attention_ref(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+        dropout_p=dropout_p,
+        keep_masks=kept_masks if dropout_p > 0 else None,
+    )
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=2e-5)
     else:
         same, _ = ref.varlen_attention_ref(
-            q, k, v, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap,
-            alibi_slopes=alibi, dropout_p=dropout_p,
-            keep_masks=kept_masks if dropout_p > 0 else None, compute_dtype=dtype)
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            alibi_slopes=alibi,
+            dropout_p=dropout_p,
+            keep_masks=kept_masks if dropout_p > 0 else None,
+            compute_dtype=dtype,
+        )
         ref.assert_within_criterion(out, exact, same, factor=2.0)
 
 
@@ -200,14 +278,29 @@ def test_block_width_is_the_one_the_kernels_use(device, dtype):
     k = torch.randn(1, seqlen_k, 2, head_dim, dtype=dtype)
     k[:, :, :, 0] = -0.05 * torch.arange(seqlen_k, dtype=torch.float32)[None, :, None]
     v = torch.randn_like(k)
-    _, _, probs, _ = ops.fwd(q.to(device), k.to(device), v.to(device), None, 0.1, 1.0, False,
-                             -1, -1, 0.0, True, 3, 4, None)
+    _, _, probs, _ = ops.fwd(
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        None,
+        0.1,
+        1.0,
+        False,
+        -1,
+        -1,
+        0.0,
+        True,
+        3,
+        4,
+        None,
+    )
     probs = probs.cpu()
     starts = probs[..., ::width].abs()
     assert torch.all(starts == 1), starts
     scores = s_dmask.final_scores(q, k, softmax_scale=1.0)
-    s_dmask.check_entry(probs[0], scores[0], width,
-                        ref.dropout_keep_mask_batch(3, 4, 1, 2, 3, seqlen_k, 0.1)[0])
+    s_dmask.check_entry(
+        probs[0], scores[0], width, ref.dropout_keep_mask_batch(3, 4, 1, 2, 3, seqlen_k, 0.1)[0]
+    )
     # A single block (exp(s - row max)) would differ from the second block on.
     row_max = torch.exp(scores - scores.amax(dim=-1, keepdim=True))[0]
     assert not torch.allclose(probs.abs().double()[0, ..., width:], row_max[..., width:])
@@ -245,21 +338,24 @@ def test_flash_attn_func_probs_like_flash_attn_tests(device, causal):
     k = torch.randn(batch, seqlen_k, nheads, head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
     window = (50, 10)
-    out, lse, probs = flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=window,
-                                      return_attn_probs=True)
+    out, lse, probs = flash_attn_func(
+        q, k, v, dropout_p, causal=causal, window_size=window, return_attn_probs=True
+    )
     left, right = ref.normalize_window(causal, window[0], window[1], seqlen_k)
     scores = s_dmask.final_scores(q.cpu(), k.cpu(), window=(left, right))
     converted = s_dmask.crop(probs.cpu(), seqlen_q, seqlen_k).masked_fill(scores == -math.inf, 0)
     keep = converted >= 0
     width = _get_block_size_n(q.device, head_dim, True, causal)
     recovered = s_dmask.probs_from_numerators(converted, scores, width)
-    torch.testing.assert_close(recovered, s_dmask.reference_probs(scores),
-                               **s_dmask.tolerance(dtype))
+    torch.testing.assert_close(
+        recovered, s_dmask.reference_probs(scores), **s_dmask.tolerance(dtype)
+    )
     visible = scores > -math.inf
     dropped = (~keep & visible).sum().item() / visible.sum().item()
     assert abs(dropped - dropout_p) < 0.02
-    check_output_with_pattern(out, q, k, v, keep.to(device), dropout_p, causal=causal,
-                              window_size=window)
+    check_output_with_pattern(
+        out, q, k, v, keep.to(device), dropout_p, causal=causal, window_size=window
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -269,19 +365,29 @@ def test_flash_attn_varlen_func_probs(device):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).to(device)
     q = torch.randn(sum(lengths), nheads, head_dim, dtype=dtype, device=device)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    out, _, probs = flash_attn_varlen_func(q, k, v, cu, cu, 129, 129, dropout_p, causal=True,
-                                           return_attn_probs=True)
+    out, _, probs = flash_attn_varlen_func(
+        q, k, v, cu, cu, 129, 129, dropout_p, causal=True, return_attn_probs=True
+    )
     assert probs.shape == (3, nheads, 129, 129)
     width = _get_block_size_n(q.device, head_dim, True, True)
     kept_masks = []
     for b, n in enumerate(lengths):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        scores = s_dmask.final_scores(q[rows].cpu()[None], k[rows].cpu()[None],
-                                      window=(-1, 0))[0]
+        scores = s_dmask.final_scores(q[rows].cpu()[None], k[rows].cpu()[None], window=(-1, 0))[0]
         kept = s_dmask.check_entry(probs[b, :, :n, :n].cpu(), scores, width)
         kept_masks.append(kept.to(device))
-    exact, _ = ref.varlen_attention_ref(q, k, v, cu, cu, causal=True, dropout_p=dropout_p,
-                                        keep_masks=kept_masks)
-    same, _ = ref.varlen_attention_ref(q, k, v, cu, cu, causal=True, dropout_p=dropout_p,
-                                       keep_masks=kept_masks, compute_dtype=dtype)
+    exact, _ = ref.varlen_attention_ref(
+        q, k, v, cu, cu, causal=True, dropout_p=dropout_p, keep_masks=kept_masks
+    )
+    same, _ = ref.varlen_attention_ref(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        causal=True,
+        dropout_p=dropout_p,
+        keep_masks=kept_masks,
+        compute_dtype=dtype,
+    )
     ref.assert_within_criterion(out, exact, same, factor=2.0)

@@ -41,10 +41,20 @@ def int32(values, device="cpu"):
 
 def fwd_kwargs(**changes):
     kwargs = dict(
-        q=rand(2, 9, 4, 32), k=rand(2, 11, 2, 32), v=rand(2, 11, 2, 32), alibi_slopes=None,
-        dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1,
-        window_size_right=-1, softcap=0.0, return_softmax=False, philox_seed=0,
-        philox_offset=0, rng_state=None,
+        q=rand(2, 9, 4, 32),
+        k=rand(2, 11, 2, 32),
+        v=rand(2, 11, 2, 32),
+        alibi_slopes=None,
+        dropout_p=0.0,
+        softmax_scale=0.2,
+        causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        return_softmax=False,
+        philox_seed=0,
+        philox_offset=0,
+        rng_state=None,
     )
     kwargs.update(changes)
     return kwargs
@@ -57,29 +67,41 @@ def with_head_dim(d, nheads=4, nheads_k=2):
 FWD_CASES = {
     "q_int_dtype": (dict(q=torch.ones(2, 9, 4, 32, dtype=torch.int32)), r"q must have dtype"),
     "q_float64": (dict(q=rand(2, 9, 4, 32, dtype=torch.float64)), r"q must have dtype"),
-    "k_other_dtype": (dict(k=rand(2, 11, 2, 32, dtype=torch.float16)),
-                      r"k must have the same dtype as q"),
-    "v_other_dtype": (dict(v=rand(2, 11, 2, 32, dtype=torch.float32)),
-                      r"v must have the same dtype as q"),
+    "k_other_dtype": (
+        dict(k=rand(2, 11, 2, 32, dtype=torch.float16)),
+        r"k must have the same dtype as q",
+    ),
+    "v_other_dtype": (
+        dict(v=rand(2, 11, 2, 32, dtype=torch.float32)),
+        r"v must have the same dtype as q",
+    ),
     "head_dim_over_256": (with_head_dim(264), r"head dimension.*at most|head dimension.*256"),
     "head_dim_not_multiple_of_8": (with_head_dim(20), r"head dimension.*multiple of 8"),
-    "nheads_not_divisible": (with_head_dim(32, nheads=6, nheads_k=4),
-                             r"heads of q \(6\).*divisible.*heads of k and v \(4\)"),
+    "nheads_not_divisible": (
+        with_head_dim(32, nheads=6, nheads_k=4),
+        r"heads of q \(6\).*divisible.*heads of k and v \(4\)",
+    ),
     "k_batch_mismatch": (dict(k=rand(3, 11, 2, 32)), r"\bk must have shape"),
     "k_head_dim_mismatch": (dict(k=rand(2, 11, 2, 40)), r"\bk must have shape"),
     "v_shape_mismatch": (dict(v=rand(2, 12, 2, 32)), r"\bv must have the shape of k"),
     "q_3d": (dict(q=rand(9, 4, 32)), r"\bq must be a 4-D"),
-    "q_last_dim_strided": (dict(q=strided_last_dim(2, 9, 4, 32)),
-                           r"\bq must have a contiguous last dimension"),
-    "k_last_dim_strided": (dict(k=strided_last_dim(2, 11, 2, 32)),
-                           r"\bk must have a contiguous last dimension"),
+    "q_last_dim_strided": (
+        dict(q=strided_last_dim(2, 9, 4, 32)),
+        r"\bq must have a contiguous last dimension",
+    ),
+    "k_last_dim_strided": (
+        dict(k=strided_last_dim(2, 11, 2, 32)),
+        r"\bk must have a contiguous last dimension",
+    ),
     "dropout_negative": (dict(dropout_p=-0.1), r"dropout_p must be in \[0, 1\)"),
     "dropout_one": (dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\)"),
     "softcap_negative": (dict(softcap=-1.0), r"softcap"),
     "alibi_wrong_shape": (dict(alibi_slopes=torch.rand(3)), r"alibi_slopes must have shape"),
     "alibi_wrong_batch": (dict(alibi_slopes=torch.rand(3, 4)), r"alibi_slopes must have shape"),
-    "alibi_wrong_dtype": (dict(alibi_slopes=torch.rand(4).to(BF16)),
-                          r"alibi_slopes must have dtype float32"),
+    "alibi_wrong_dtype": (
+        dict(alibi_slopes=torch.rand(4).to(BF16)),
+        r"alibi_slopes must have dtype float32",
+    ),
     "rng_state_wrong_dtype": (dict(rng_state=int32([1, 2])), r"rng_state must have dtype int64"),
     "rng_state_wrong_size": (dict(rng_state=torch.tensor([1, 2, 3])), r"rng_state must hold 2"),
 }
@@ -96,10 +118,21 @@ def bwd_kwargs(**changes):
     forward = fwd_kwargs()
     out, softmax_lse, _, _ = ops.fwd(**forward)
     kwargs = dict(
-        dout=torch.randn_like(out), q=forward["q"], k=forward["k"], v=forward["v"], out=out,
-        softmax_lse=softmax_lse, alibi_slopes=None, dropout_p=0.0, softmax_scale=0.2,
-        causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
-        deterministic=False, rng_state=None,
+        dout=torch.randn_like(out),
+        q=forward["q"],
+        k=forward["k"],
+        v=forward["v"],
+        out=out,
+        softmax_lse=softmax_lse,
+        alibi_slopes=None,
+        dropout_p=0.0,
+        softmax_scale=0.2,
+        causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        deterministic=False,
+        rng_state=None,
     )
     kwargs.update(changes)
     return kwargs
@@ -107,18 +140,28 @@ def bwd_kwargs(**changes):
 
 BWD_CASES = {
     "lse_wrong_shape": (dict(softmax_lse=torch.zeros(2, 4, 10)), r"softmax_lse must have shape"),
-    "lse_wrong_dtype": (dict(softmax_lse=torch.zeros(2, 4, 9, dtype=BF16)),
-                        r"softmax_lse must have dtype float32"),
+    "lse_wrong_dtype": (
+        dict(softmax_lse=torch.zeros(2, 4, 9, dtype=BF16)),
+        r"softmax_lse must have dtype float32",
+    ),
     "dout_wrong_shape": (dict(dout=rand(2, 9, 4, 40)), r"dout must have the shape of q"),
-    "dout_wrong_dtype": (dict(dout=rand(2, 9, 4, 32, dtype=torch.float16)),
-                         r"dout must have the same dtype as q"),
-    "out_wrong_dtype": (dict(out=rand(2, 9, 4, 32, dtype=torch.float16)),
-                        r"out must have the same dtype as q"),
-    "dout_last_dim_strided": (dict(dout=strided_last_dim(2, 9, 4, 32)),
-                              r"dout must have a contiguous last dimension"),
+    "dout_wrong_dtype": (
+        dict(dout=rand(2, 9, 4, 32, dtype=torch.float16)),
+        r"dout must have the same dtype as q",
+    ),
+    "out_wrong_dtype": (
+        dict(out=rand(2, 9, 4, 32, dtype=torch.float16)),
+        r"out must have the same dtype as q",
+    ),
+    "dout_last_dim_strided": (
+        dict(dout=strided_last_dim(2, 9, 4, 32)),
+        r"dout must have a contiguous last dimension",
+    ),
     "dropout_without_rng_state": (dict(dropout_p=0.1), r"rng_state"),
-    "k_other_dtype": (dict(k=rand(2, 11, 2, 32, dtype=torch.float16)),
-                      r"k must have the same dtype as q"),
+    "k_other_dtype": (
+        dict(k=rand(2, 11, 2, 32, dtype=torch.float16)),
+        r"k must have the same dtype as q",
+    ),
 }
 
 
@@ -139,10 +182,24 @@ def test_bwd_op(case):
 def varlen_kwargs(**changes):
     # Two sequences: q lengths 3 and 6, k lengths 5 and 7.
     kwargs = dict(
-        q=rand(9, 4, 32), k=rand(12, 2, 32), v=rand(12, 2, 32), cu_seqlens_q=int32([0, 3, 9]),
-        cu_seqlens_k=int32([0, 5, 12]), block_table=None, alibi_slopes=None, max_seqlen_q=6,
-        max_seqlen_k=7, dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1,
-        window_size_right=-1, softcap=0.0, return_softmax=False, philox_seed=0, philox_offset=0,
+        q=rand(9, 4, 32),
+        k=rand(12, 2, 32),
+        v=rand(12, 2, 32),
+        cu_seqlens_q=int32([0, 3, 9]),
+        cu_seqlens_k=int32([0, 5, 12]),
+        block_table=None,
+        alibi_slopes=None,
+        max_seqlen_q=6,
+        max_seqlen_k=7,
+        dropout_p=0.0,
+        softmax_scale=0.2,
+        causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        return_softmax=False,
+        philox_seed=0,
+        philox_offset=0,
         rng_state=None,
     )
     kwargs.update(changes)
@@ -157,51 +214,78 @@ def paged(**changes):
 
 
 VARLEN_CASES = {
-    "cu_seqlens_q_int64": (dict(cu_seqlens_q=torch.tensor([0, 3, 9])),
-                           r"cu_seqlens_q must have dtype int32"),
-    "cu_seqlens_k_float": (dict(cu_seqlens_k=torch.tensor([0.0, 5.0, 12.0])),
-                           r"cu_seqlens_k must have dtype int32"),
-    "cu_seqlens_k_wrong_length": (dict(cu_seqlens_k=int32([0, 5, 9, 12])),
-                                  r"cu_seqlens_k must have as many entries"),
+    "cu_seqlens_q_int64": (
+        dict(cu_seqlens_q=torch.tensor([0, 3, 9])),
+        r"cu_seqlens_q must have dtype int32",
+    ),
+    "cu_seqlens_k_float": (
+        dict(cu_seqlens_k=torch.tensor([0.0, 5.0, 12.0])),
+        r"cu_seqlens_k must have dtype int32",
+    ),
+    "cu_seqlens_k_wrong_length": (
+        dict(cu_seqlens_k=int32([0, 5, 9, 12])),
+        r"cu_seqlens_k must have as many entries",
+    ),
     "cu_seqlens_q_2d": (dict(cu_seqlens_q=int32([[0, 3, 9]])), r"cu_seqlens_q must be 1-D"),
-    "cu_seqlens_q_decreasing": (dict(cu_seqlens_q=int32([0, 6, 3])),
-                                r"cu_seqlens_q must be non-decreasing"),
-    "cu_seqlens_k_past_end": (dict(cu_seqlens_k=int32([0, 5, 13]), max_seqlen_k=8),
-                              r"cu_seqlens_k\[2\] = 13 exceeds"),
+    "cu_seqlens_q_decreasing": (
+        dict(cu_seqlens_q=int32([0, 6, 3])),
+        r"cu_seqlens_q must be non-decreasing",
+    ),
+    "cu_seqlens_k_past_end": (
+        dict(cu_seqlens_k=int32([0, 5, 13]), max_seqlen_k=8),
+        r"cu_seqlens_k\[2\] = 13 exceeds",
+    ),
     "sequence_longer_than_max_seqlen": (dict(max_seqlen_q=5), r"max_seqlen"),
     "max_seqlen_negative": (dict(max_seqlen_k=-1), r"max_seqlen_k must be >= 0"),
     "q_2d": (dict(q=rand(9, 128)), r"\bq must be a 3-D"),
-    "head_dim_not_multiple_of_8": (dict(q=rand(9, 4, 12), k=rand(12, 2, 12), v=rand(12, 2, 12)),
-                                   r"head dimension.*multiple of 8"),
+    "head_dim_not_multiple_of_8": (
+        dict(q=rand(9, 4, 12), k=rand(12, 2, 12), v=rand(12, 2, 12)),
+        r"head dimension.*multiple of 8",
+    ),
     "nheads_not_divisible": (dict(k=rand(12, 3, 32), v=rand(12, 3, 32)), r"heads of q \(4\)"),
-    "q_last_dim_strided": (dict(q=strided_last_dim(9, 4, 32)),
-                           r"\bq must have a contiguous last dimension"),
+    "q_last_dim_strided": (
+        dict(q=strided_last_dim(9, 4, 32)),
+        r"\bq must have a contiguous last dimension",
+    ),
     "dropout_too_large": (dict(dropout_p=1.5), r"dropout_p must be in \[0, 1\)"),
     "alibi_wrong_shape": (dict(alibi_slopes=torch.rand(2, 3)), r"alibi_slopes must have shape"),
-    "block_table_wrong_batch": (paged(block_table=int32([[5, 0]])),
-                                r"block_table must have shape"),
+    "block_table_wrong_batch": (paged(block_table=int32([[5, 0]])), r"block_table must have shape"),
     "block_table_1d": (paged(block_table=int32([5, 0, 2, 3])), r"block_table must have shape"),
-    "block_table_int64": (paged(block_table=torch.tensor([[5, 0], [2, 3]])),
-                          r"block_table must have dtype int32"),
-    "block_table_bad_index": (paged(block_table=int32([[5, 6], [2, 3]])),
-                              r"block_table\[0, 1\] = 6 is not a valid block index"),
+    "block_table_int64": (
+        paged(block_table=torch.tensor([[5, 0], [2, 3]])),
+        r"block_table must have dtype int32",
+    ),
+    "block_table_bad_index": (
+        paged(block_table=int32([[5, 6], [2, 3]])),
+        r"block_table\[0, 1\] = 6 is not a valid block index",
+    ),
     "block_table_too_narrow": (paged(block_table=int32([[5], [2]])), r"block_table has only"),
     "paged_k_3d": (paged(k=rand(24, 2, 32), v=rand(24, 2, 32)), r"\bk must be a 4-D"),
     # seqused_k: sequence b uses its first seqused_k[b] keys, at most its cu_seqlens_k length
     # (paged: at most min(max_seqlen_k, the rows its block_table row addresses)).
     "seqused_k_int64": (dict(seqused_k=torch.tensor([3, 4])), r"seqused_k must have dtype int32"),
-    "seqused_k_wrong_shape": (dict(seqused_k=int32([3, 4, 5])),
-                              r"seqused_k must have shape \(batch,\) = \(2,\)"),
+    "seqused_k_wrong_shape": (
+        dict(seqused_k=int32([3, 4, 5])),
+        r"seqused_k must have shape \(batch,\) = \(2,\)",
+    ),
     "seqused_k_2d": (dict(seqused_k=int32([[3, 4]])), r"seqused_k must have shape"),
-    "seqused_k_past_sequence": (dict(seqused_k=int32([5, 8])),
-                                r"seqused_k\[1\] = 8 must be in \[0, 7\] \(the keys "
-                                r"cu_seqlens_k gives sequence 1\)"),
-    "seqused_k_negative": (dict(seqused_k=int32([-1, 2])),
-                           r"seqused_k\[0\] = -1 must be in \[0, 5\]"),
-    "seqused_k_paged_past_table": (paged(seqused_k=int32([3, 9])),
-                                   r"seqused_k\[1\] = 9 must be in \[0, 7\] \(with block_table"),
-    "seqused_k_paged_past_max_seqlen": (paged(seqused_k=int32([8, 1]), max_seqlen_k=7),
-                                        r"seqused_k\[0\] = 8 must be in \[0, 7\]"),
+    "seqused_k_past_sequence": (
+        dict(seqused_k=int32([5, 8])),
+        r"seqused_k\[1\] = 8 must be in \[0, 7\] \(the keys "
+        r"cu_seqlens_k gives sequence 1\)",
+    ),
+    "seqused_k_negative": (
+        dict(seqused_k=int32([-1, 2])),
+        r"seqused_k\[0\] = -1 must be in \[0, 5\]",
+    ),
+    "seqused_k_paged_past_table": (
+        paged(seqused_k=int32([3, 9])),
+        r"seqused_k\[1\] = 9 must be in \[0, 7\] \(with block_table",
+    ),
+    "seqused_k_paged_past_max_seqlen": (
+        paged(seqused_k=int32([8, 1]), max_seqlen_k=7),
+        r"seqused_k\[0\] = 8 must be in \[0, 7\]",
+    ),
 }
 
 
@@ -226,11 +310,25 @@ def test_varlen_bwd_op():
     forward = varlen_kwargs()
     out, softmax_lse, _, _ = ops.varlen_fwd(**forward)
     kwargs = dict(
-        dout=torch.randn_like(out), q=forward["q"], k=forward["k"], v=forward["v"], out=out,
-        softmax_lse=softmax_lse, cu_seqlens_q=forward["cu_seqlens_q"],
-        cu_seqlens_k=forward["cu_seqlens_k"], alibi_slopes=None, max_seqlen_q=6,
-        max_seqlen_k=7, dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1,
-        window_size_right=-1, softcap=0.0, deterministic=False, rng_state=None,
+        dout=torch.randn_like(out),
+        q=forward["q"],
+        k=forward["k"],
+        v=forward["v"],
+        out=out,
+        softmax_lse=softmax_lse,
+        cu_seqlens_q=forward["cu_seqlens_q"],
+        cu_seqlens_k=forward["cu_seqlens_k"],
+        alibi_slopes=None,
+        max_seqlen_q=6,
+        max_seqlen_k=7,
+        dropout_p=0.0,
+        softmax_scale=0.2,
+        causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        deterministic=False,
+        rng_state=None,
     )
     bad_cases = [
         (dict(softmax_lse=softmax_lse.t()), r"softmax_lse must have shape"),
@@ -254,11 +352,25 @@ def test_varlen_bwd_op():
 
 def kvcache_kwargs(**changes):
     kwargs = dict(
-        q=rand(2, 1, 4, 32), k_cache=rand(2, 16, 2, 32), v_cache=rand(2, 16, 2, 32),
-        k=rand(2, 1, 2, 32), v=rand(2, 1, 2, 32), cache_seqlens=int32([3, 7]), rotary_cos=None,
-        rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-        alibi_slopes=None, softmax_scale=0.2, causal=True, window_size_left=-1,
-        window_size_right=-1, softcap=0.0, rotary_interleaved=True, num_splits=0,
+        q=rand(2, 1, 4, 32),
+        k_cache=rand(2, 16, 2, 32),
+        v_cache=rand(2, 16, 2, 32),
+        k=rand(2, 1, 2, 32),
+        v=rand(2, 1, 2, 32),
+        cache_seqlens=int32([3, 7]),
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        alibi_slopes=None,
+        softmax_scale=0.2,
+        causal=True,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        rotary_interleaved=True,
+        num_splits=0,
     )
     kwargs.update(changes)
     return kwargs
@@ -266,43 +378,70 @@ def kvcache_kwargs(**changes):
 
 KVCACHE_CASES = {
     "q_float64": (dict(q=rand(2, 1, 4, 32, dtype=torch.float64)), r"\bq must have dtype"),
-    "k_cache_other_dtype": (dict(k_cache=rand(2, 16, 2, 32, dtype=torch.float16)),
-                            r"k_cache must have the dtype of q"),
+    "k_cache_other_dtype": (
+        dict(k_cache=rand(2, 16, 2, 32, dtype=torch.float16)),
+        r"k_cache must have the dtype of q",
+    ),
     "head_dim_not_multiple_of_8": (
-        dict(q=rand(2, 1, 4, 20), k_cache=rand(2, 16, 2, 20), v_cache=rand(2, 16, 2, 20),
-             k=rand(2, 1, 2, 20), v=rand(2, 1, 2, 20)),
-        r"head_dim.*multiple of 8"),
+        dict(
+            q=rand(2, 1, 4, 20),
+            k_cache=rand(2, 16, 2, 20),
+            v_cache=rand(2, 16, 2, 20),
+            k=rand(2, 1, 2, 20),
+            v=rand(2, 1, 2, 20),
+        ),
+        r"head_dim.*multiple of 8",
+    ),
     "nheads_not_divisible": (dict(q=rand(2, 1, 3, 32)), r"nheads of q \(3\)"),
     "v_cache_shape": (dict(v_cache=rand(2, 15, 2, 32)), r"v_cache must have shape"),
-    "k_cache_last_dim_strided": (dict(k_cache=strided_last_dim(2, 16, 2, 32)),
-                                 r"k_cache must have a contiguous last dimension"),
+    "k_cache_last_dim_strided": (
+        dict(k_cache=strided_last_dim(2, 16, 2, 32)),
+        r"k_cache must have a contiguous last dimension",
+    ),
     "k_without_v": (dict(v=None), r"k and v .* must be given together"),
     "k_wrong_shape": (dict(k=rand(2, 1, 2, 24)), r"\bk must have shape"),
     "append_without_cache_seqlens": (dict(cache_seqlens=None), r"cache_seqlens must be given"),
-    "cache_seqlens_int64": (dict(cache_seqlens=torch.tensor([3, 7])),
-                            r"cache_seqlens must have dtype torch.int32"),
-    "cache_seqlens_wrong_length": (dict(cache_seqlens=int32([3, 7, 1])),
-                                   r"cache_seqlens must have shape"),
+    "cache_seqlens_int64": (
+        dict(cache_seqlens=torch.tensor([3, 7])),
+        r"cache_seqlens must have dtype torch.int32",
+    ),
+    "cache_seqlens_wrong_length": (
+        dict(cache_seqlens=int32([3, 7, 1])),
+        r"cache_seqlens must have shape",
+    ),
     "cache_seqlens_past_end": (dict(cache_seqlens=int32([3, 16])), r"cache_seqlens\[1\]"),
-    "cache_batch_idx_out_of_range": (dict(cache_batch_idx=int32([0, 2])),
-                                     r"cache_batch_idx\[1\] = 2"),
+    "cache_batch_idx_out_of_range": (
+        dict(cache_batch_idx=int32([0, 2])),
+        r"cache_batch_idx\[1\] = 2",
+    ),
     "cache_leftpad_past_seqlen": (dict(cache_leftpad=int32([4, 0])), r"cache_leftpad\[0\] = 4"),
     "block_table_wrong_shape": (
         dict(k_cache=rand(8, 4, 2, 32), v_cache=rand(8, 4, 2, 32), block_table=int32([[0, 1]])),
-        r"block_table must have shape"),
+        r"block_table must have shape",
+    ),
     "block_table_with_cache_batch_idx": (
-        dict(k_cache=rand(8, 4, 2, 32), v_cache=rand(8, 4, 2, 32),
-             block_table=int32([[0, 1, 2, 3], [4, 5, 6, 7]]), cache_batch_idx=int32([0, 1])),
-        r"cache_batch_idx cannot be used together with block_table"),
+        dict(
+            k_cache=rand(8, 4, 2, 32),
+            v_cache=rand(8, 4, 2, 32),
+            block_table=int32([[0, 1, 2, 3], [4, 5, 6, 7]]),
+            cache_batch_idx=int32([0, 1]),
+        ),
+        r"cache_batch_idx cannot be used together with block_table",
+    ),
     "block_table_bad_index": (
-        dict(k_cache=rand(8, 4, 2, 32), v_cache=rand(8, 4, 2, 32),
-             block_table=int32([[0, 1, 2, 3], [4, 9, 6, 7]])),
-        r"block_table\[1, 1\] = 9"),
+        dict(
+            k_cache=rand(8, 4, 2, 32),
+            v_cache=rand(8, 4, 2, 32),
+            block_table=int32([[0, 1, 2, 3], [4, 9, 6, 7]]),
+        ),
+        r"block_table\[1, 1\] = 9",
+    ),
     "rotary_cos_without_sin": (dict(rotary_cos=rand(16, 8)), r"rotary_cos and rotary_sin"),
-    "rotary_dim_too_large": (dict(rotary_cos=rand(16, 24), rotary_sin=rand(16, 24)),
-                             r"rotary_dim"),
-    "rotary_too_few_rows": (dict(rotary_cos=rand(4, 8), rotary_sin=rand(4, 8)),
-                            r"rotary_cos / rotary_sin"),
+    "rotary_dim_too_large": (dict(rotary_cos=rand(16, 24), rotary_sin=rand(16, 24)), r"rotary_dim"),
+    "rotary_too_few_rows": (
+        dict(rotary_cos=rand(4, 8), rotary_sin=rand(4, 8)),
+        r"rotary_cos / rotary_sin",
+    ),
     "alibi_wrong_shape": (dict(alibi_slopes=torch.rand(5)), r"alibi_slopes must have shape"),
 }
 
@@ -319,14 +458,22 @@ def test_fwd_kvcache_op(case):
 # ---------------------------------------------------------------------------
 
 OUT_CASES = {
-    "float32": (lambda like: torch.empty(like.shape, dtype=torch.float32),
-                r"out must have the dtype of q \(BFloat16\), got Float"),
-    "wrong_shape": (lambda like: torch.empty(like.shape[:-1] + (16,), dtype=BF16),
-                    r"out must have shape"),
-    "last_dim_strided": (lambda like: strided_last_dim(*like.shape),
-                         r"out must have a contiguous last dimension"),
-    "expanded": (lambda like: rand(*like.shape[:-2], 1, like.shape[-1]).expand(like.shape),
-                 r"out must not have elements that share memory"),
+    "float32": (
+        lambda like: torch.empty(like.shape, dtype=torch.float32),
+        r"out must have the dtype of q \(BFloat16\), got Float",
+    ),
+    "wrong_shape": (
+        lambda like: torch.empty(like.shape[:-1] + (16,), dtype=BF16),
+        r"out must have shape",
+    ),
+    "last_dim_strided": (
+        lambda like: strided_last_dim(*like.shape),
+        r"out must have a contiguous last dimension",
+    ),
+    "expanded": (
+        lambda like: rand(*like.shape[:-2], 1, like.shape[-1]).expand(like.shape),
+        r"out must not have elements that share memory",
+    ),
     "is_q": (lambda like: like, r"out must not share memory with an input"),
 }
 
@@ -343,8 +490,11 @@ def _out_op_call(op, like_q):
 @pytest.mark.parametrize("op", ["fwd_out", "varlen_fwd_out", "fwd_kvcache_out"])
 @pytest.mark.parametrize("case", sorted(OUT_CASES))
 def test_out_ops_check_out(op, case):
-    shapes = {"fwd_out": (2, 9, 4, 32), "varlen_fwd_out": (9, 4, 32),
-              "fwd_kvcache_out": (2, 1, 4, 32)}
+    shapes = {
+        "fwd_out": (2, 9, 4, 32),
+        "varlen_fwd_out": (9, 4, 32),
+        "fwd_kvcache_out": (2, 1, 4, 32),
+    }
     q = rand(*shapes[op])
     make_out, message = OUT_CASES[case]
     fn, kwargs = _out_op_call(op, q)
@@ -359,113 +509,230 @@ def test_out_ops_check_out(op, case):
 
 
 def qkv(d=32, nheads=4, nheads_k=2, dtype=BF16):
-    return rand(2, 9, nheads, d, dtype=dtype), rand(2, 11, nheads_k, d, dtype=dtype), \
-        rand(2, 11, nheads_k, d, dtype=dtype)
+    return (
+        rand(2, 9, nheads, d, dtype=dtype),
+        rand(2, 11, nheads_k, d, dtype=dtype),
+        rand(2, 11, nheads_k, d, dtype=dtype),
+    )
 
 
 API_CASES = {
     "q_float64": (lambda: flash_attn_func(*qkv(dtype=torch.float64)), r"q must have dtype"),
-    "k_other_dtype": (lambda: flash_attn_func(qkv()[0], *qkv(dtype=torch.float16)[1:]),
-                      r"k must have the same dtype as q"),
-    "head_dim_over_256": (lambda: flash_attn_func(*qkv(d=260)),
-                          r"head dimension \(last dim of q\) must be at most 256, got 260"),
-    "nheads_not_divisible": (lambda: flash_attn_func(*qkv(nheads=6, nheads_k=4)),
-                             r"heads of q \(6\)"),
-    "k_shape_mismatch": (lambda: flash_attn_func(qkv()[0], rand(3, 11, 2, 32), rand(3, 11, 2, 32)),
-                         r"\bk must have shape"),
+    "k_other_dtype": (
+        lambda: flash_attn_func(qkv()[0], *qkv(dtype=torch.float16)[1:]),
+        r"k must have the same dtype as q",
+    ),
+    "head_dim_over_256": (
+        lambda: flash_attn_func(*qkv(d=260)),
+        r"head dimension \(last dim of q\) must be at most 256, got 260",
+    ),
+    "nheads_not_divisible": (
+        lambda: flash_attn_func(*qkv(nheads=6, nheads_k=4)),
+        r"heads of q \(6\)",
+    ),
+    "k_shape_mismatch": (
+        lambda: flash_attn_func(qkv()[0], rand(3, 11, 2, 32), rand(3, 11, 2, 32)),
+        r"\bk must have shape",
+    ),
     "q_3d": (lambda: flash_attn_func(rand(9, 4, 32), *qkv()[1:]), r"\bq must be 4-D"),
-    "dropout_negative": (lambda: flash_attn_func(*qkv(), dropout_p=-0.5),
-                         r"dropout_p must be in \[0, 1\)"),
-    "dropout_one": (lambda: flash_attn_func(*qkv(), dropout_p=1.0),
-                    r"dropout_p must be in \[0, 1\)"),
-    "window_size_not_pair": (lambda: flash_attn_func(*qkv(), window_size=(1, 2, 3)),
-                             r"window_size must be a pair"),
-    "alibi_wrong_shape": (lambda: flash_attn_func(*qkv(), alibi_slopes=torch.rand(2)),
-                          r"alibi_slopes must have shape"),
-    "k_on_other_device": (lambda: flash_attn_func(qkv()[0], *(t.to("meta") for t in qkv()[1:])),
-                          r"\bk must be on the same device as q"),
-    "qkv_wrong_packing": (lambda: flash_attn_qkvpacked_func(rand(2, 9, 2, 4, 32)),
-                          r"qkv must have size 3 at dim 2"),
-    "kv_wrong_rank": (lambda: flash_attn_kvpacked_func(qkv()[0], rand(2, 11, 2, 32)),
-                      r"\bkv must be 5-D"),
+    "dropout_negative": (
+        lambda: flash_attn_func(*qkv(), dropout_p=-0.5),
+        r"dropout_p must be in \[0, 1\)",
+    ),
+    "dropout_one": (
+        lambda: flash_attn_func(*qkv(), dropout_p=1.0),
+        r"dropout_p must be in \[0, 1\)",
+    ),
+    "window_size_not_pair": (
+        lambda: flash_attn_func(*qkv(), window_size=(1, 2, 3)),
+        r"window_size must be a pair",
+    ),
+    "alibi_wrong_shape": (
+        lambda: flash_attn_func(*qkv(), alibi_slopes=torch.rand(2)),
+        r"alibi_slopes must have shape",
+    ),
+    "k_on_other_device": (
+        lambda: flash_attn_func(qkv()[0], *(t.to("meta") for t in qkv()[1:])),
+        r"\bk must be on the same device as q",
+    ),
+    "qkv_wrong_packing": (
+        lambda: flash_attn_qkvpacked_func(rand(2, 9, 2, 4, 32)),
+        r"qkv must have size 3 at dim 2",
+    ),
+    "kv_wrong_rank": (
+        lambda: flash_attn_kvpacked_func(qkv()[0], rand(2, 11, 2, 32)),
+        r"\bkv must be 5-D",
+    ),
     "varlen_cu_seqlens_int64": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       torch.tensor([0, 3, 9]), int32([0, 5, 12]), 6, 7),
-        r"cu_seqlens_q must have dtype int32"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            torch.tensor([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+        ),
+        r"cu_seqlens_q must have dtype int32",
+    ),
     "varlen_cu_seqlens_wrong_length": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 12]), 6, 12),
-        r"cu_seqlens_k must have as many entries"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 12]),
+            6,
+            12,
+        ),
+        r"cu_seqlens_k must have as many entries",
+    ),
     "varlen_cu_seqlens_on_other_device": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9], device="meta"), int32([0, 5, 12]), 6, 7),
-        r"cu_seqlens_q must be on the same device as q"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9], device="meta"),
+            int32([0, 5, 12]),
+            6,
+            7,
+        ),
+        r"cu_seqlens_q must be on the same device as q",
+    ),
     "varlen_block_table_wrong_shape": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(6, 4, 2, 32), rand(6, 4, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
-                                       block_table=int32([[0, 1]])),
-        r"block_table must have shape"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(6, 4, 2, 32),
+            rand(6, 4, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+            block_table=int32([[0, 1]]),
+        ),
+        r"block_table must have shape",
+    ),
     "varlen_paged_k_without_block_table": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(6, 4, 2, 32), rand(6, 4, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7),
-        r"\bk must be 3-D"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(6, 4, 2, 32),
+            rand(6, 4, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+        ),
+        r"\bk must be 3-D",
+    ),
     "kvcache_head_dim_over_256": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 260), rand(2, 8, 2, 260),
-                                        rand(2, 8, 2, 260)),
-        r"head dimension \(last dim of q\) must be at most 256, got 260"),
+        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 260), rand(2, 8, 2, 260), rand(2, 8, 2, 260)),
+        r"head dimension \(last dim of q\) must be at most 256, got 260",
+    ),
     "kvcache_nheads_not_divisible": (
         lambda: flash_attn_with_kvcache(rand(2, 1, 3, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32)),
-        r"nheads of q \(3\)"),
+        r"nheads of q \(3\)",
+    ),
     "kvcache_strided_cache": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), strided_last_dim(2, 8, 2, 32),
-                                        rand(2, 8, 2, 32)),
-        r"k_cache must have a contiguous last dimension"),
+        lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, 32), strided_last_dim(2, 8, 2, 32), rand(2, 8, 2, 32)
+        ),
+        r"k_cache must have a contiguous last dimension",
+    ),
     "kvcache_cache_seqlens_past_end": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32),
-                                        rand(2, 1, 2, 32), rand(2, 1, 2, 32), cache_seqlens=8),
-        r"cache_seqlens\[0\]"),
+        lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, 32),
+            rand(2, 8, 2, 32),
+            rand(2, 8, 2, 32),
+            rand(2, 1, 2, 32),
+            rand(2, 1, 2, 32),
+            cache_seqlens=8,
+        ),
+        r"cache_seqlens\[0\]",
+    ),
     "varlen_seqused_k_past_sequence": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
-                                       seqused_k=int32([6, 7])),
-        r"seqused_k\[0\] = 6 must be in \[0, 5\]"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+            seqused_k=int32([6, 7]),
+        ),
+        r"seqused_k\[0\] = 6 must be in \[0, 5\]",
+    ),
     "varlen_seqused_k_on_other_device": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
-                                       seqused_k=int32([2, 7], device="meta")),
-        r"seqused_k must be on the same device as q"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+            seqused_k=int32([2, 7], device="meta"),
+        ),
+        r"seqused_k must be on the same device as q",
+    ),
     "varlen_no_cu_seqlens_k_without_paged_seqused": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9]), None, 6, 7, seqused_k=int32([2, 7])),
-        r"cu_seqlens_k may be None only with block_table and seqused_k"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9]),
+            None,
+            6,
+            7,
+            seqused_k=int32([2, 7]),
+        ),
+        r"cu_seqlens_k may be None only with block_table and seqused_k",
+    ),
     "func_out_wrong_shape": (
         lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 16)),
-        r"flash_attn_func: out must have shape \(batch_size, seqlen_q, nheads, headdim\)"),
+        r"flash_attn_func: out must have shape \(batch_size, seqlen_q, nheads, headdim\)",
+    ),
     "func_out_wrong_dtype": (
         lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 32, dtype=torch.float16)),
-        r"flash_attn_func: out must have the dtype of q"),
+        r"flash_attn_func: out must have the dtype of q",
+    ),
     "func_out_on_other_device": (
         lambda: flash_attn_func(*qkv(), out=rand(2, 9, 4, 32, device="meta")),
-        r"out must be on the device of q"),
+        r"out must be on the device of q",
+    ),
     "func_out_last_dim_strided": (
         lambda: flash_attn_func(*qkv(), out=strided_last_dim(2, 9, 4, 32)),
-        r"out must have a contiguous last dimension"),
+        r"out must have a contiguous last dimension",
+    ),
     "func_out_with_grad": (
         lambda: flash_attn_func(*(t.requires_grad_() for t in qkv()), out=rand(2, 9, 4, 32)),
-        r"out= does not support autograd"),
+        r"out= does not support autograd",
+    ),
     "varlen_out_wrong_shape": (
-        lambda: flash_attn_varlen_func(rand(9, 4, 32), rand(12, 2, 32), rand(12, 2, 32),
-                                       int32([0, 3, 9]), int32([0, 5, 12]), 6, 7,
-                                       out=rand(12, 4, 32)),
-        r"flash_attn_varlen_func: out must have shape \(total_q, nheads, headdim\)"),
+        lambda: flash_attn_varlen_func(
+            rand(9, 4, 32),
+            rand(12, 2, 32),
+            rand(12, 2, 32),
+            int32([0, 3, 9]),
+            int32([0, 5, 12]),
+            6,
+            7,
+            out=rand(12, 4, 32),
+        ),
+        r"flash_attn_varlen_func: out must have shape \(total_q, nheads, headdim\)",
+    ),
     "kvcache_out_wrong_shape": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32),
-                                        out=rand(2, 2, 4, 32)),
-        r"flash_attn_with_kvcache: out must have shape"),
+        lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32), out=rand(2, 2, 4, 32)
+        ),
+        r"flash_attn_with_kvcache: out must have shape",
+    ),
     "kvcache_on_other_device": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 32), rand(2, 8, 2, 32, device="meta"),
-                                        rand(2, 8, 2, 32, device="meta")),
-        r"k_cache must be on the same device as q"),
+        lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, 32), rand(2, 8, 2, 32, device="meta"), rand(2, 8, 2, 32, device="meta")
+        ),
+        r"k_cache must be on the same device as q",
+    ),
 }
 
 
@@ -490,8 +757,12 @@ def test_tensors_on_different_devices_reach_the_op():
     with pytest.raises(ERRORS, match=r"\bk must be on the same device as q"):
         ops.fwd(**fwd_kwargs(q=q, k=k, v=v))
     with pytest.raises(ERRORS, match=r"cu_seqlens_q must be on the same device as q"):
-        ops.varlen_fwd(**varlen_kwargs(q=rand(9, 4, 32, device="cuda"),
-                                       k=rand(12, 2, 32, device="cuda"),
-                                       v=rand(12, 2, 32, device="cuda")))
+        ops.varlen_fwd(
+            **varlen_kwargs(
+                q=rand(9, 4, 32, device="cuda"),
+                k=rand(12, 2, 32, device="cuda"),
+                v=rand(12, 2, 32, device="cuda"),
+            )
+        )
     with pytest.raises(ERRORS, match=r"k_cache must be on the same device as q"):
         ops.fwd_kvcache(**kvcache_kwargs(q=rand(2, 1, 4, 32, device="cuda")))

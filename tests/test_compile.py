@@ -46,8 +46,15 @@ class TwoPathAttention(nn.Module):
         dense = flash_attn_func(q, k, v, dropout_p=self.dropout_p, causal=True)
         tq, tk, tv = self.qkv(tokens).view(-1, 3, self.nheads, self.head_dim).unbind(1)
         varlen = flash_attn_varlen_func(
-            tq, tk, tv, self.cu_seqlens, self.cu_seqlens, self.max_seqlen, self.max_seqlen,
-            dropout_p=self.dropout_p, window_size=(5, 5),
+            tq,
+            tk,
+            tv,
+            self.cu_seqlens,
+            self.cu_seqlens,
+            self.max_seqlen,
+            self.max_seqlen,
+            dropout_p=self.dropout_p,
+            window_size=(5, 5),
         )
         return self.out(dense.flatten(2)), self.out(varlen.flatten(1))
 
@@ -58,8 +65,9 @@ def make_model_and_inputs(device, dropout_p=0.0, project=True):
     model = model.to(device=device, dtype=torch.bfloat16)
     width = 64 if project else 3 * 64
     x = torch.randn(2, 16, width, dtype=torch.bfloat16, device=device, requires_grad=True)
-    tokens = torch.randn(sum(lengths), width, dtype=torch.bfloat16, device=device,
-                         requires_grad=True)
+    tokens = torch.randn(
+        sum(lengths), width, dtype=torch.bfloat16, device=device, requires_grad=True
+    )
     return model, x, tokens
 
 
@@ -132,15 +140,31 @@ def test_dropout_compiles(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_kvcache_compiles(device):
     def decode_step(q, k_cache, v_cache, k, v, cache_seqlens):
-        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                       causal=True, return_softmax_lse=True)
+        return flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=cache_seqlens,
+            causal=True,
+            return_softmax_lse=True,
+        )
 
     def inputs():
         gen = torch.Generator().manual_seed(0)
+
         def rand(*shape):
             return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
-        return (rand(2, 1, 4, 32), rand(2, 16, 2, 32), rand(2, 16, 2, 32), rand(2, 1, 2, 32),
-                rand(2, 1, 2, 32), torch.tensor([3, 8], dtype=torch.int32, device=device))
+
+        return (
+            rand(2, 1, 4, 32),
+            rand(2, 16, 2, 32),
+            rand(2, 16, 2, 32),
+            rand(2, 1, 2, 32),
+            rand(2, 1, 2, 32),
+            torch.tensor([3, 8], dtype=torch.int32, device=device),
+        )
 
     eager_args, compiled_args = inputs(), inputs()
     eager_out, eager_lse = decode_step(*eager_args)
@@ -159,14 +183,20 @@ def _varlen_seqused_inputs(device, requires_grad):
 
     def cu(lengths):
         return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(
-            0, dtype=torch.int32)
+            0, dtype=torch.int32
+        )
 
     def rand(*shape):
-        return torch.randn(*shape, dtype=torch.bfloat16, device=device,
-                           requires_grad=requires_grad)
+        return torch.randn(*shape, dtype=torch.bfloat16, device=device, requires_grad=requires_grad)
 
-    return (rand(sum(lengths_q), 4, 32), rand(sum(lengths_k), 2, 32), rand(sum(lengths_k), 2, 32),
-            cu(lengths_q), cu(lengths_k), torch.tensor(used, dtype=torch.int32, device=device))
+    return (
+        rand(sum(lengths_q), 4, 32),
+        rand(sum(lengths_k), 2, 32),
+        rand(sum(lengths_k), 2, 32),
+        cu(lengths_q),
+        cu(lengths_k),
+        torch.tensor(used, dtype=torch.int32, device=device),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -191,13 +221,21 @@ def test_seqused_k_compiles(device):
 def test_out_compiles(device, backend):
     """out= in the three functions that take it: written in place under
     functionalization, and the returned tensor is the caller's."""
+
     def step(q, k, v, cu_q, cu_k, used, dq, k_cache, v_cache, seqlens, out_a, out_b, out_c):
-        a = flash_attn_func(q.unflatten(0, (1, -1)), k.unflatten(0, (1, -1)),
-                            v.unflatten(0, (1, -1)), causal=True, out=out_a)
-        b = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used,
-                                   out=out_b)
-        c = flash_attn_with_kvcache(dq, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1,
-                                    out=out_c)
+        a = flash_attn_func(
+            q.unflatten(0, (1, -1)),
+            k.unflatten(0, (1, -1)),
+            v.unflatten(0, (1, -1)),
+            causal=True,
+            out=out_a,
+        )
+        b = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used, out=out_b
+        )
+        c = flash_attn_with_kvcache(
+            dq, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1, out=out_c
+        )
         return a, b, c
 
     def inputs():
@@ -208,10 +246,17 @@ def test_out_compiles(device, backend):
 
         q, k, v, cu_q, cu_k, used = _varlen_seqused_inputs(device, requires_grad=False)
         q, k, v = rand(*q.shape), rand(*k.shape), rand(*v.shape)
-        cache = (rand(2, 1, 4, 32), rand(2, 16, 2, 32), rand(2, 16, 2, 32),
-                 torch.tensor([3, 16], dtype=torch.int32, device=device))
-        outs = (torch.empty(1, q.shape[0], 4, 32, dtype=torch.bfloat16, device=device),
-                torch.empty_like(q), torch.empty(2, 1, 4, 32, dtype=torch.bfloat16, device=device))
+        cache = (
+            rand(2, 1, 4, 32),
+            rand(2, 16, 2, 32),
+            rand(2, 16, 2, 32),
+            torch.tensor([3, 16], dtype=torch.int32, device=device),
+        )
+        outs = (
+            torch.empty(1, q.shape[0], 4, 32, dtype=torch.bfloat16, device=device),
+            torch.empty_like(q),
+            torch.empty(2, 1, 4, 32, dtype=torch.bfloat16, device=device),
+        )
         return (q, k, v, cu_q, cu_k, used) + cache + outs
 
     eager_args, compiled_args = inputs(), inputs()

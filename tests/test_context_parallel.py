@@ -58,9 +58,11 @@ def process_group(request):
 def _spy(monkeypatch):
     calls = {}
     for name, fn in list(sdpa._OVERRIDES.items()):
+
         def counting(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
+
         monkeypatch.setitem(sdpa._OVERRIDES, name, counting)
     return calls
 
@@ -78,9 +80,7 @@ def test_cpu_ring_attention_runs_our_ops(process_group, monkeypatch):
         dout = torch.randn(2, 4, 48, 32)
         with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            dq, dk, dv = (
-                DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in leaves
-            )
+            dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in leaves)
             out = torch.ops.aten._scaled_dot_product_flash_attention(dq, dk, dv, 0.0, causal)[0]
             assert isinstance(out, DTensor) and out.placements == (Shard(2),)
             out.to_local().backward(dout.clone())

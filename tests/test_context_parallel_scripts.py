@@ -22,8 +22,9 @@ BENCH = os.path.join(ROOT, "benchmarks", "context_parallel_bench.py")
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
-    pytest.skip("torch.distributed with gloo is not available in this build",
-                allow_module_level=True)
+    pytest.skip(
+        "torch.distributed with gloo is not available in this build", allow_module_level=True
+    )
 try:
     from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the torch build
@@ -39,20 +40,46 @@ def _env():
 
 
 def _run(args, timeout=120):
-    proc = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
     return proc, proc.stdout + proc.stderr
 
 
 def _torchrun(nproc, script, *args):
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node", str(nproc), script, *args])
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            script,
+            *args,
+        ]
+    )
 
 
 def test_check_two_gloo_ranks(tmp_path):
     out = tmp_path / "check.json"
-    proc, log = _torchrun(2, CHECK, "--device", "cpu", "--seqlen", "64", "36", "--dim", "64",
-                          "--heads", "2", "--batch", "2", "--out", str(out))
+    proc, log = _torchrun(
+        2,
+        CHECK,
+        "--device",
+        "cpu",
+        "--seqlen",
+        "64",
+        "36",
+        "--dim",
+        "64",
+        "--heads",
+        "2",
+        "--batch",
+        "2",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, log
     record = json.loads(out.read_text())
     assert record["world_size"] == 2 and record["provider"] == "ours" and record["passed"]
@@ -91,9 +118,28 @@ runpy.run_path({CHECK!r}, run_name="__main__")
 
 
 def test_bench_two_gloo_ranks(tmp_path):
-    proc, log = _torchrun(2, BENCH, "--device", "cpu", "--seqlen", "128", "--layers", "1",
-                          "--hidden", "64", "--head-dim", "32", "--vocab", "64", "--warmup", "1",
-                          "--iters", "2", "--out", str(tmp_path))
+    proc, log = _torchrun(
+        2,
+        BENCH,
+        "--device",
+        "cpu",
+        "--seqlen",
+        "128",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--head-dim",
+        "32",
+        "--vocab",
+        "64",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, log
     record = json.loads((tmp_path / "cp_bench_ours_ws2.json").read_text())
     assert record["world_size"] == 2 and record["context_parallel"] and record["load_balance"]
@@ -136,14 +182,23 @@ def test_driver_two_world_sizes_and_summary(tmp_path):
     """scripts/run_context_parallel.sh with NS="1 2" (DEVICE=cpu): every step's JSON, one summary."""
     env = _env()
     env.update(DEVICE="cpu", NS="1 2")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_context_parallel.sh"),
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "run_context_parallel.sh"), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     names = sorted(p.name for p in tmp_path.glob("*.json"))
-    assert names == ["bench_ours_ws1.json", "bench_ours_ws2.json",
-                     "check_ours_ws1.json", "check_ours_ws2.json"], names
+    assert names == [
+        "bench_ours_ws1.json",
+        "bench_ours_ws2.json",
+        "check_ours_ws1.json",
+        "check_ours_ws2.json",
+    ], names
     summary = (tmp_path / "summary.md").read_text()
     assert "check ours: world_size 2" in summary and "PASS" in summary and "FAIL" not in summary
     rows = [line for line in summary.splitlines() if line.startswith("| ours |")]

@@ -31,35 +31,166 @@ FP32_GRAD_TOL = dict(atol=5e-5, rtol=5e-5)
 # ---------------------------------------------------------------------------
 
 
-def call_fwd(q, k, v, *, alibi=None, dropout_p=0.0, scale=None, causal=False, window=(-1, -1),
-             softcap=0.0, return_softmax=False, seed=0, offset=0, rng_state=None):
+def call_fwd(
+    q,
+    k,
+    v,
+    *,
+    alibi=None,
+    dropout_p=0.0,
+    scale=None,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    return_softmax=False,
+    seed=0,
+    offset=0,
+    rng_state=None,
+):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return ops.fwd(q, k, v, alibi, dropout_p, scale, causal, window[0], window[1], softcap,
-                   return_softmax, seed, offset, rng_state)
+    return ops.fwd(
+        q,
+        k,
+        v,
+        alibi,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        return_softmax,
+        seed,
+        offset,
+        rng_state,
+    )
 
 
-def call_bwd(dout, q, k, v, out, lse, *, alibi=None, dropout_p=0.0, scale=None, causal=False,
-             window=(-1, -1), softcap=0.0, deterministic=False, rng_state=None):
+def call_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    alibi=None,
+    dropout_p=0.0,
+    scale=None,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    rng_state=None,
+):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return ops.bwd(dout, q, k, v, out, lse, alibi, dropout_p, scale, causal, window[0], window[1],
-                   softcap, deterministic, rng_state)
+    return ops.bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        alibi,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        deterministic,
+        rng_state,
+    )
 
 
-def call_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, *, block_table=None, alibi=None,
-                    dropout_p=0.0, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                    return_softmax=False, seed=0, offset=0, rng_state=None):
+def call_varlen_fwd(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    *,
+    block_table=None,
+    alibi=None,
+    dropout_p=0.0,
+    scale=None,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    return_softmax=False,
+    seed=0,
+    offset=0,
+    rng_state=None,
+):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return ops.varlen_fwd(q, k, v, cu_q, cu_k, block_table, alibi, max_q, max_k, dropout_p, scale,
-                          causal, window[0], window[1], softcap, return_softmax, seed, offset,
-                          rng_state)
+    return ops.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        block_table,
+        alibi,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        return_softmax,
+        seed,
+        offset,
+        rng_state,
+    )
 
 
-def call_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, alibi=None,
-                    dropout_p=0.0, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                    deterministic=False, rng_state=None):
+def call_varlen_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    *,
+    alibi=None,
+    dropout_p=0.0,
+    scale=None,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    rng_state=None,
+):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, alibi, max_q, max_k, dropout_p,
-                          scale, causal, window[0], window[1], softcap, deterministic, rng_state)
+    return ops.varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        alibi,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        deterministic,
+        rng_state,
+    )
 
 
 def randn(*shape, dtype=torch.float32):
@@ -67,9 +198,11 @@ def randn(*shape, dtype=torch.float32):
 
 
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=torch.float32):
-    return (randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
-            randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
-            randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype))
+    return (
+        randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+        randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+        randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype),
+    )
 
 
 def make_alibi(kind, batch, nheads):
@@ -88,7 +221,9 @@ def reference_with_grads(q, k, v, dout, compute_dtype=torch.float64, **kwargs):
 
 
 def assert_close64(ours, expected, tol, name):
-    torch.testing.assert_close(ours.double(), expected.double(), **tol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        ours.double(), expected.double(), **tol, msg=lambda m: f"{name}: {m}"
+    )
 
 
 def cu_seqlens(lengths):
@@ -153,9 +288,13 @@ def test_fixed_length_fp32_matches_reference(case):
     assert rng_state.dtype == torch.int64 and rng_state.shape == (2,)
 
     dout = randn(*q.shape)
-    ref_kwargs = dict(softmax_scale=opts.get("scale"), causal=opts.get("causal", False),
-                      window_size=opts.get("window", (-1, -1)), softcap=opts.get("softcap", 0.0),
-                      alibi_slopes=alibi)
+    ref_kwargs = dict(
+        softmax_scale=opts.get("scale"),
+        causal=opts.get("causal", False),
+        window_size=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap", 0.0),
+        alibi_slopes=alibi,
+    )
     out_ref, lse_ref, grads_ref = reference_with_grads(q, k, v, dout, **ref_kwargs)
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
@@ -215,8 +354,9 @@ def test_strided_views_of_packed_qkv():
     q, k, v = qkv.unbind(dim=2)
     assert not q.is_contiguous()
     out, lse, _, _ = call_fwd(q, k, v, causal=True, softcap=3.0)
-    out_c, lse_c, _, _ = call_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
-                                  softcap=3.0)
+    out_c, lse_c, _, _ = call_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), causal=True, softcap=3.0
+    )
     torch.testing.assert_close(out, out_c, atol=0, rtol=0)
     torch.testing.assert_close(lse, lse_c, atol=0, rtol=0)
 
@@ -229,8 +369,9 @@ def test_strided_views_of_packed_qkv():
     out, lse, _, _ = call_fwd(q_t, k, v, causal=True)
     out_buf[..., :head_dim] = out
     grads = call_bwd(dout, q_t, k, v, out_buf[..., :head_dim], lse, causal=True)
-    grads_c = call_bwd(dout.contiguous(), q_t.contiguous(), k.contiguous(), v.contiguous(), out,
-                       lse, causal=True)
+    grads_c = call_bwd(
+        dout.contiguous(), q_t.contiguous(), k.contiguous(), v.contiguous(), out, lse, causal=True
+    )
     for ours, expected in zip(grads, grads_c):
         torch.testing.assert_close(ours, expected, atol=0, rtol=0)
     _, _, grads_ref = reference_with_grads(q_t, k, v, dout, causal=True)
@@ -277,8 +418,12 @@ def test_low_precision_within_criterion(dtype, case):
     alibi = make_alibi(opts.pop("alibi", None), batch, nheads)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype=dtype)
     dout = randn(*q.shape, dtype=dtype)
-    ref_kwargs = dict(causal=opts.get("causal", False), window_size=opts.get("window", (-1, -1)),
-                      softcap=opts.get("softcap", 0.0), alibi_slopes=alibi)
+    ref_kwargs = dict(
+        causal=opts.get("causal", False),
+        window_size=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap", 0.0),
+        alibi_slopes=alibi,
+    )
     out_ref, lse_ref, grads_ref = reference_with_grads(q, k, v, dout, **ref_kwargs)
     out_same, _, grads_same = reference_with_grads(q, k, v, dout, compute_dtype=dtype, **ref_kwargs)
 
@@ -334,19 +479,27 @@ def test_varlen_fp32_matches_reference(case):
     dout = randn(*q.shape)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out_ref, lse_ref = ref.varlen_attention_ref(
-        *leaves, cu_q, cu_k, max_seqlen_k=max_k, causal=opts.get("causal", False),
-        window_size=opts.get("window", (-1, -1)), softcap=opts.get("softcap", 0.0),
-        alibi_slopes=alibi)
+        *leaves,
+        cu_q,
+        cu_k,
+        max_seqlen_k=max_k,
+        causal=opts.get("causal", False),
+        window_size=opts.get("window", (-1, -1)),
+        softcap=opts.get("softcap", 0.0),
+        alibi_slopes=alibi,
+    )
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
     if q.shape[0] == 0 or k.shape[0] == 0:
-        dq, dk, dv = call_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                     alibi=alibi, **opts)
+        dq, dk, dv = call_varlen_bwd(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi=alibi, **opts
+        )
         assert dq.shape == q.shape and dk.shape == k.shape
         return
     out_ref.backward(dout.double())
-    dq, dk, dv = call_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi=alibi,
-                                 **opts)
+    dq, dk, dv = call_varlen_bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi=alibi, **opts
+    )
     for name, ours, leaf in zip(("dq", "dk", "dv"), (dq, dk, dv), leaves):
         assert_close64(ours, leaf.grad, FP32_GRAD_TOL, name)
 
@@ -413,11 +566,19 @@ def test_varlen_paged_kv(page_size):
             v_cache[block, :count] = v[src]
 
     for opts in (dict(causal=True), dict(window=(9, 2), softcap=3.0)):
-        out, lse, _, _ = call_varlen_fwd(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k,
-                                         block_table=block_table, **opts)
+        out, lse, _, _ = call_varlen_fwd(
+            q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, block_table=block_table, **opts
+        )
         out_ref, lse_ref = ref.varlen_attention_ref(
-            q.double(), k.double(), v.double(), cu_q, cu_k, causal=opts.get("causal", False),
-            window_size=opts.get("window", (-1, -1)), softcap=opts.get("softcap", 0.0))
+            q.double(),
+            k.double(),
+            v.double(),
+            cu_q,
+            cu_k,
+            causal=opts.get("causal", False),
+            window_size=opts.get("window", (-1, -1)),
+            softcap=opts.get("softcap", 0.0),
+        )
         assert_close64(out, out_ref, FP32_TOL, "out")
         assert_close64(lse, lse_ref, FP32_TOL, "lse")
 
@@ -439,8 +600,9 @@ def test_dropout_mask_output_and_backward(dropout_p, causal):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = 2, 67, 93, 4, 2, 32
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
     seed, offset = (1 << 40) + 12345, 96
-    out, lse, probs, rng_state = call_fwd(q, k, v, dropout_p=dropout_p, causal=causal,
-                                          return_softmax=True, seed=seed, offset=offset)
+    out, lse, probs, rng_state = call_fwd(
+        q, k, v, dropout_p=dropout_p, causal=causal, return_softmax=True, seed=seed, offset=offset
+    )
     assert rng_state.tolist() == [seed, offset]
     assert probs.shape == (batch, nheads, seqlen_q, seqlen_k) and probs.dtype == q.dtype
 
@@ -455,7 +617,8 @@ def test_dropout_mask_output_and_backward(dropout_p, causal):
 
     dout = randn(*q.shape)
     out_ref, lse_ref, grads_ref = reference_with_grads(
-        q, k, v, dout, causal=causal, dropout_p=dropout_p, keep_mask=keep)
+        q, k, v, dout, causal=causal, dropout_p=dropout_p, keep_mask=keep
+    )
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
     # |S_dmask| holds the undropped softmax numerators of flash-attn's
@@ -465,8 +628,9 @@ def test_dropout_mask_output_and_backward(dropout_p, causal):
     for b in range(batch):
         s_dmask.check_entry(probs[b], scores[b], width, keep[b])
 
-    grads = call_bwd(dout, q, k, v, out, lse, dropout_p=dropout_p, causal=causal,
-                     rng_state=rng_state)
+    grads = call_bwd(
+        dout, q, k, v, out, lse, dropout_p=dropout_p, causal=causal, rng_state=rng_state
+    )
     for name, ours, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close64(ours, expected, FP32_GRAD_TOL, name)
 
@@ -481,8 +645,17 @@ def test_dropout_with_every_feature():
     keep = ref.dropout_keep_mask_batch(5, 9, batch, nheads, seqlen_q, seqlen_k, dropout_p)
     dout = randn(*q.shape)
     out_ref, lse_ref, grads_ref = reference_with_grads(
-        q, k, v, dout, softmax_scale=0.2, window_size=(10, 5), softcap=2.0, alibi_slopes=alibi,
-        dropout_p=dropout_p, keep_mask=keep)
+        q,
+        k,
+        v,
+        dout,
+        softmax_scale=0.2,
+        window_size=(10, 5),
+        softcap=2.0,
+        alibi_slopes=alibi,
+        dropout_p=dropout_p,
+        keep_mask=keep,
+    )
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
     grads = call_bwd(dout, q, k, v, out, lse, rng_state=rng_state, **opts)
@@ -501,8 +674,16 @@ def test_dropout_seed_offset_and_rng_state():
     assert not torch.equal(base[2] >= 0, other_offset[2] >= 0)
     assert not torch.equal(base[2] >= 0, other_seed[2] >= 0)
     # rng_state overrides the seed / offset values, and is returned as given.
-    overridden = call_fwd(q, k, v, dropout_p=0.3, return_softmax=True, seed=123, offset=456,
-                          rng_state=torch.tensor([7, 3], dtype=torch.int64))
+    overridden = call_fwd(
+        q,
+        k,
+        v,
+        dropout_p=0.3,
+        return_softmax=True,
+        seed=123,
+        offset=456,
+        rng_state=torch.tensor([7, 3], dtype=torch.int64),
+    )
     torch.testing.assert_close(overridden[0], base[0], atol=0, rtol=0)
     assert overridden[3].tolist() == [7, 3]
     # Seeds above 2^63 travel as negative int64 values.
@@ -522,8 +703,9 @@ def test_return_softmax_without_dropout():
     scores = s_dmask.final_scores(q, k, window=(-1, 0))
     width = flash_attn_cuda._get_block_size_n(q.device, 16, False, True)
     recovered = s_dmask.probs_from_numerators(probs, scores, width)
-    torch.testing.assert_close(recovered.sum(-1), torch.ones(2, 2, 20, dtype=torch.float64),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        recovered.sum(-1), torch.ones(2, 2, 20, dtype=torch.float64), atol=1e-5, rtol=0
+    )
     for b in range(2):
         s_dmask.check_entry(probs[b], scores[b], width)
 
@@ -534,8 +716,19 @@ def test_varlen_dropout():
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, nheads, nheads_k, head_dim)
     seed, offset = 99, 1 << 20
     out, lse, probs, rng_state = call_varlen_fwd(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, causal=True,
-        return_softmax=True, seed=seed, offset=offset)
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p=dropout_p,
+        causal=True,
+        return_softmax=True,
+        seed=seed,
+        offset=offset,
+    )
     assert probs.shape == (len(lens_q), nheads, max_q, max_k)
     keeps = ref.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, dropout_p)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
@@ -546,13 +739,27 @@ def test_varlen_dropout():
 
     dout = randn(*q.shape)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out_ref, lse_ref = ref.varlen_attention_ref(*leaves, cu_q, cu_k, causal=True,
-                                                dropout_p=dropout_p, keep_masks=keeps)
+    out_ref, lse_ref = ref.varlen_attention_ref(
+        *leaves, cu_q, cu_k, causal=True, dropout_p=dropout_p, keep_masks=keeps
+    )
     assert_close64(out, out_ref, FP32_TOL, "out")
     assert_close64(lse, lse_ref, FP32_TOL, "lse")
     out_ref.backward(dout.double())
-    grads = call_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                            dropout_p=dropout_p, causal=True, rng_state=rng_state)
+    grads = call_varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p=dropout_p,
+        causal=True,
+        rng_state=rng_state,
+    )
     for name, ours, leaf in zip(("dq", "dk", "dv"), grads, leaves):
         assert_close64(ours, leaf.grad, FP32_GRAD_TOL, name)
 
@@ -583,7 +790,11 @@ BAD_FWD = [
     (_fixed(q=randn(1, 4, 2, 16).double()), {}, "q must have dtype"),
     (_fixed(k=randn(1, 5, 2, 16).half()), {}, "k must have the same dtype as q"),
     (_fixed(q=randn(1, 4, 2, 12), k=randn(1, 5, 2, 12), v=randn(1, 5, 2, 12)), {}, "multiple of 8"),
-    (_fixed(q=randn(1, 4, 2, 264), k=randn(1, 5, 2, 264), v=randn(1, 5, 2, 264)), {}, "multiple of 8"),
+    (
+        _fixed(q=randn(1, 4, 2, 264), k=randn(1, 5, 2, 264), v=randn(1, 5, 2, 264)),
+        {},
+        "multiple of 8",
+    ),
     (_fixed(q=randn(1, 4, 3, 16)), {}, "divisible"),
     (_fixed(v=randn(1, 6, 2, 16)), {}, "v must have the shape of k"),
     (_fixed(k=randn(2, 5, 2, 16), v=randn(2, 5, 2, 16)), {}, "k must have shape"),
@@ -595,8 +806,16 @@ BAD_FWD = [
     (_fixed(), dict(alibi=torch.rand(2).double()), "alibi_slopes must have dtype float32"),
     (_fixed(), dict(alibi=torch.rand(3)), "alibi_slopes must have shape"),
     (_fixed(), dict(alibi=torch.rand(2, 2)), "alibi_slopes must have shape"),
-    (_fixed(), dict(alibi=torch.rand(4)[::2]), "alibi_slopes must have a contiguous last dimension"),
-    (_fixed(), dict(rng_state=torch.tensor([1, 2], dtype=torch.int32)), "rng_state must have dtype int64"),
+    (
+        _fixed(),
+        dict(alibi=torch.rand(4)[::2]),
+        "alibi_slopes must have a contiguous last dimension",
+    ),
+    (
+        _fixed(),
+        dict(rng_state=torch.tensor([1, 2], dtype=torch.int32)),
+        "rng_state must have dtype int64",
+    ),
     (_fixed(), dict(rng_state=torch.tensor([1, 2, 3])), "2 elements"),
 ]
 
@@ -648,11 +867,20 @@ def test_varlen_argument_errors():
     with pytest.raises(RuntimeError, match="block_table must have shape"):
         call_varlen_fwd(q, k_paged, k_paged, cu_q, cu_k, max_q, max_k, block_table=table[:1])
     with pytest.raises(RuntimeError, match="not a valid block index"):
-        call_varlen_fwd(q, k_paged, k_paged, cu_q, cu_k, max_q, max_k,
-                        block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32))
+        call_varlen_fwd(
+            q,
+            k_paged,
+            k_paged,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32),
+        )
     with pytest.raises(RuntimeError, match="columns"):
         call_varlen_fwd(q, k_paged, k_paged, cu_q, cu_k, max_q, max_k, block_table=table[:, :1])
     out, lse, _, _ = call_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k)
     with pytest.raises(RuntimeError, match=r"softmax_lse must have shape \(nheads, total_q\)"):
-        call_varlen_bwd(randn(*q.shape), q, k, v, out, lse.t().contiguous(), cu_q, cu_k, max_q,
-                        max_k)
+        call_varlen_bwd(
+            randn(*q.shape), q, k, v, out, lse.t().contiguous(), cu_q, cu_k, max_q, max_k
+        )

@@ -80,7 +80,7 @@ def reference_kvcache(
     nheads_k = k_cache.shape[2]
     capacity = cache_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     left, right = window_size_left, window_size_right
     if causal:
         right = 0
@@ -103,7 +103,9 @@ def reference_kvcache(
                 cos, sin = rotary_cos.to(compute_dtype), rotary_sin.to(compute_dtype)
                 k_pos = (end + torch.arange(seqlen_new)).unsqueeze(0)
                 k_new = apply_rotary(k_new, cos, sin, k_pos, rotary_interleaved)
-                q_pos = end + (torch.arange(seqlen_q) if per_row else torch.zeros(seqlen_q, dtype=torch.long))
+                q_pos = end + (
+                    torch.arange(seqlen_q) if per_row else torch.zeros(seqlen_q, dtype=torch.long)
+                )
                 q_b = apply_rotary(q_b, cos, sin, q_pos.unsqueeze(0), rotary_interleaved)
             keys = torch.cat([keys, k_new[0]], 0)
             values = torch.cat([values, v[b].to(compute_dtype)], 0)
@@ -134,8 +136,19 @@ def reference_kvcache(
     return out, lse
 
 
-def expected_caches(k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
-                    cache_batch_idx=None, block_table=None, rotary_interleaved=True, **_):
+def expected_caches(
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    rotary_cos,
+    rotary_sin,
+    cache_batch_idx=None,
+    block_table=None,
+    rotary_interleaved=True,
+    **_,
+):
     """The caches after the append (new keys rotated in fp32, rounded once to the
     dtype) and a mask of the rows the append writes."""
     k_after, v_after = k_cache.clone(), v_cache.clone()
@@ -146,8 +159,13 @@ def expected_caches(k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_si
         idx = cache_index(b, positions, k_cache, cache_batch_idx, block_table)
         k_new = k[b : b + 1]
         if rotary_cos is not None:
-            k_new = apply_rotary(k_new, rotary_cos.float(), rotary_sin.float(),
-                                 positions.unsqueeze(0), rotary_interleaved)
+            k_new = apply_rotary(
+                k_new,
+                rotary_cos.float(),
+                rotary_sin.float(),
+                positions.unsqueeze(0),
+                rotary_interleaved,
+            )
         k_after[idx] = k_new[0].to(k_cache.dtype)
         v_after[idx] = v[b]
         written[idx] = True
@@ -163,10 +181,24 @@ def random_lengths(batch, low, high):
     return torch.randint(low, high + 1, (batch,), dtype=torch.int32)
 
 
-def make_inputs(batch=3, seqlen_q=4, capacity=29, nheads=4, nheads_k=2, head_dim=32,
-                dtype=torch.float32, seqlen_new=0, rotary=None, rotary_dim=None,
-                batch_cache=None, cache_batch_idx=None, leftpad=False, page_size=None,
-                causal=False, window=(-1, -1)):
+def make_inputs(
+    batch=3,
+    seqlen_q=4,
+    capacity=29,
+    nheads=4,
+    nheads_k=2,
+    head_dim=32,
+    dtype=torch.float32,
+    seqlen_new=0,
+    rotary=None,
+    rotary_dim=None,
+    batch_cache=None,
+    cache_batch_idx=None,
+    leftpad=False,
+    page_size=None,
+    causal=False,
+    window=(-1, -1),
+):
     """Arguments of fwd_kvcache as a dict (schema names). rotary: None, 'interleaved', 'neox'."""
     if page_size is not None:
         capacity = page_size * math.ceil(capacity / page_size)
@@ -174,11 +206,27 @@ def make_inputs(batch=3, seqlen_q=4, capacity=29, nheads=4, nheads_k=2, head_dim
     q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
     k_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype)
     v_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype)
-    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=None, v=None, cache_seqlens=None,
-                rotary_cos=None, rotary_sin=None, cache_batch_idx=cache_batch_idx,
-                cache_leftpad=None, block_table=None, alibi_slopes=None,
-                softmax_scale=head_dim ** -0.5, causal=causal, window_size_left=window[0],
-                window_size_right=window[1], softcap=0.0, rotary_interleaved=True, num_splits=0)
+    args = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=None,
+        v=None,
+        cache_seqlens=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=None,
+        block_table=None,
+        alibi_slopes=None,
+        softmax_scale=head_dim**-0.5,
+        causal=causal,
+        window_size_left=window[0],
+        window_size_right=window[1],
+        softcap=0.0,
+        rotary_interleaved=True,
+        num_splits=0,
+    )
     # Leave room for the new tokens and, with rotary, for q's positions.
     room = max(seqlen_new, seqlen_q if rotary else 0)
     args["cache_seqlens"] = random_lengths(batch, 0, capacity - room)
@@ -193,8 +241,9 @@ def make_inputs(batch=3, seqlen_q=4, capacity=29, nheads=4, nheads_k=2, head_dim
         args["rotary_interleaved"] = rotary == "interleaved"
     if leftpad:
         ends = args["cache_seqlens"]
-        args["cache_leftpad"] = torch.stack(
-            [torch.randint(0, int(e) + 1, ()) for e in ends]).to(torch.int32)
+        args["cache_leftpad"] = torch.stack([torch.randint(0, int(e) + 1, ()) for e in ends]).to(
+            torch.int32
+        )
     if page_size is not None:
         page_cache(args, page_size)
     return args
@@ -249,8 +298,10 @@ def check_against_reference(args, out, lse):
 
 def check_caches(args, k_cache_after, v_cache_after):
     k_expected, v_expected, written = expected_caches(**args)
-    for got, expected, before in ((k_cache_after, k_expected, args["k_cache"]),
-                                  (v_cache_after, v_expected, args["v_cache"])):
+    for got, expected, before in (
+        (k_cache_after, k_expected, args["k_cache"]),
+        (v_cache_after, v_expected, args["v_cache"]),
+    ):
         rtol = 1e-6 if got.dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got[written], expected[written], atol=1e-6, rtol=rtol)
         # Nothing outside the appended rows may change.
@@ -276,9 +327,19 @@ MODES = {  # seqlen_new, rotary
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
 def test_matches_reference(dtype, causal, mode, page_size, heads):
     seqlen_new, rotary = MODES[mode]
-    args = make_inputs(batch=3, seqlen_q=5, capacity=26, nheads=heads[0],
-                       nheads_k=heads[1], head_dim=32, dtype=dtype, seqlen_new=seqlen_new,
-                       rotary=rotary, page_size=page_size, causal=causal)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=5,
+        capacity=26,
+        nheads=heads[0],
+        nheads_k=heads[1],
+        head_dim=32,
+        dtype=dtype,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        page_size=page_size,
+        causal=causal,
+    )
     out, lse, k_after, v_after = run(args)
     check_against_reference(args, out, lse)
     if seqlen_new:
@@ -292,9 +353,19 @@ def test_matches_reference(dtype, causal, mode, page_size, heads):
 @pytest.mark.parametrize("rotary_dim", [16, 48])
 @pytest.mark.parametrize("page_size", [None, 5], ids=["contiguous", "paged5"])
 def test_cache_contents_after_append(dtype, rotary, rotary_dim, page_size):
-    args = make_inputs(batch=3, seqlen_q=2, capacity=31, nheads=4, nheads_k=2, head_dim=48,
-                       dtype=dtype, seqlen_new=6, rotary=rotary, rotary_dim=rotary_dim,
-                       page_size=page_size)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=2,
+        capacity=31,
+        nheads=4,
+        nheads_k=2,
+        head_dim=48,
+        dtype=dtype,
+        seqlen_new=6,
+        rotary=rotary,
+        rotary_dim=rotary_dim,
+        page_size=page_size,
+    )
     out, lse, k_after, v_after = run(args)
     check_caches(args, k_after, v_after)
     check_against_reference(args, out, lse)
@@ -304,8 +375,18 @@ def test_cache_contents_after_append(dtype, rotary, rotary_dim, page_size):
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
 def test_paged_matches_contiguous(dtype, page_size):
     capacity = max(40, 2 * page_size) if page_size == 256 else page_size * math.ceil(40 / page_size)
-    args = make_inputs(batch=2, seqlen_q=3, capacity=capacity, nheads=4, nheads_k=2,
-                       head_dim=32, dtype=dtype, seqlen_new=3, rotary="neox", causal=True)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=3,
+        capacity=capacity,
+        nheads=4,
+        nheads_k=2,
+        head_dim=32,
+        dtype=dtype,
+        seqlen_new=3,
+        rotary="neox",
+        causal=True,
+    )
     if page_size == 256:  # exercise lengths that cross a page boundary
         args["cache_seqlens"] = torch.tensor([254, 17], dtype=torch.int32)
     paged = dict(args)
@@ -334,9 +415,17 @@ def test_paged_ignores_unused_block_table_entries():
 @pytest.mark.parametrize("seqlen_new", [0, 4])
 def test_cache_batch_idx(dtype, seqlen_new):
     cache_batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32)
-    args = make_inputs(batch=3, seqlen_q=4, capacity=23, batch_cache=5,
-                       cache_batch_idx=cache_batch_idx, dtype=dtype, seqlen_new=seqlen_new,
-                       rotary="interleaved" if seqlen_new else None, causal=True)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=4,
+        capacity=23,
+        batch_cache=5,
+        cache_batch_idx=cache_batch_idx,
+        dtype=dtype,
+        seqlen_new=seqlen_new,
+        rotary="interleaved" if seqlen_new else None,
+        causal=True,
+    )
     out, lse, k_after, v_after = run(args)
     check_against_reference(args, out, lse)
     if seqlen_new:
@@ -351,8 +440,16 @@ def test_cache_batch_idx(dtype, seqlen_new):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_cache_leftpad(causal, mode, dtype):
     seqlen_new, rotary = MODES[mode]
-    args = make_inputs(batch=4, seqlen_q=3, capacity=27, dtype=dtype, seqlen_new=seqlen_new,
-                       rotary=rotary, leftpad=True, causal=causal)
+    args = make_inputs(
+        batch=4,
+        seqlen_q=3,
+        capacity=27,
+        dtype=dtype,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        leftpad=True,
+        causal=causal,
+    )
     # One sequence padded up to its end: only new tokens (if any) are seen.
     args["cache_leftpad"][1] = args["cache_seqlens"][1]
     out, lse, k_after, v_after = run(args)
@@ -379,9 +476,17 @@ WINDOWS = {
 @pytest.mark.parametrize("window", list(WINDOWS))
 def test_causal_and_local(seqlen_q, window):
     causal, (left, right) = WINDOWS[window]
-    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=37, nheads=4, nheads_k=2,
-                       seqlen_new=seqlen_q, rotary="interleaved", causal=causal,
-                       window=(left, right))
+    args = make_inputs(
+        batch=3,
+        seqlen_q=seqlen_q,
+        capacity=37,
+        nheads=4,
+        nheads_k=2,
+        seqlen_new=seqlen_q,
+        rotary="interleaved",
+        causal=causal,
+        window=(left, right),
+    )
     out, lse, k_after, v_after = run(args)
     check_against_reference(args, out, lse)
     check_caches(args, k_after, v_after)
@@ -410,8 +515,9 @@ def test_cache_seqlens_none_attends_whole_cache():
 
 
 def test_num_splits_does_not_change_results():
-    args = make_inputs(batch=3, seqlen_q=4, capacity=45, seqlen_new=4, rotary="neox",
-                       causal=True, page_size=7)
+    args = make_inputs(
+        batch=3, seqlen_q=4, capacity=45, seqlen_new=4, rotary="neox", causal=True, page_size=7
+    )
     results = [run(args, num_splits=n) for n in (0, 1, 2, 7, 64)]
     for other in results[1:]:
         for got, first in zip(other, results[0]):
@@ -422,8 +528,9 @@ def test_num_splits_does_not_change_results():
 @pytest.mark.parametrize("alibi", [None, "per_head", "per_batch_head"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap_and_alibi(softcap, alibi, causal):
-    args = make_inputs(batch=3, seqlen_q=4, capacity=30, nheads=4, nheads_k=2,
-                       seqlen_new=2, causal=causal)
+    args = make_inputs(
+        batch=3, seqlen_q=4, capacity=30, nheads=4, nheads_k=2, seqlen_new=2, causal=causal
+    )
     args["softcap"] = softcap
     if alibi == "per_head":
         args["alibi_slopes"] = torch.rand(4) * 0.5
@@ -434,8 +541,16 @@ def test_softcap_and_alibi(softcap, alibi, causal):
 
 
 def test_fp16():
-    args = make_inputs(batch=2, seqlen_q=3, capacity=21, dtype=torch.float16, seqlen_new=3,
-                       rotary="neox", causal=True, page_size=4)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=3,
+        capacity=21,
+        dtype=torch.float16,
+        seqlen_new=3,
+        rotary="neox",
+        causal=True,
+        page_size=4,
+    )
     out, lse, k_after, v_after = run(args)
     check_against_reference(args, out, lse)
     check_caches(args, k_after, v_after)
@@ -446,12 +561,27 @@ def test_strided_views_append_into_shared_storage():
     qkv = torch.randn(batch, seqlen_new, nheads + 2 * nheads_k, head_dim)
     q, k, v = qkv.split([nheads, nheads_k, nheads_k], dim=2)
     kv_cache = torch.randn(batch, capacity, 2, nheads_k, head_dim)
-    args = dict(q=q, k_cache=kv_cache[:, :, 0], v_cache=kv_cache[:, :, 1], k=k, v=v,
-                cache_seqlens=torch.tensor([5, 13], dtype=torch.int32), rotary_cos=None,
-                rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                alibi_slopes=None, softmax_scale=head_dim ** -0.5, causal=True,
-                window_size_left=-1, window_size_right=-1, softcap=0.0,
-                rotary_interleaved=False, num_splits=0)
+    args = dict(
+        q=q,
+        k_cache=kv_cache[:, :, 0],
+        v_cache=kv_cache[:, :, 1],
+        k=k,
+        v=v,
+        cache_seqlens=torch.tensor([5, 13], dtype=torch.int32),
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        alibi_slopes=None,
+        softmax_scale=head_dim**-0.5,
+        causal=True,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        rotary_interleaved=False,
+        num_splits=0,
+    )
     before = {name: args[name].clone() for name in ("k_cache", "v_cache")}
     reference_args = dict(args, **before)
     out, lse = fwd_kvcache(**args)  # appends through the views into kv_cache
@@ -465,8 +595,9 @@ def test_strided_views_append_into_shared_storage():
 
 def bad_input_cases():
     def base(**kw):
-        return make_inputs(batch=2, seqlen_q=2, capacity=16, nheads=4, nheads_k=2,
-                           head_dim=32, seqlen_new=2, **kw)
+        return make_inputs(
+            batch=2, seqlen_q=2, capacity=16, nheads=4, nheads_k=2, head_dim=32, seqlen_new=2, **kw
+        )
 
     def with_(args, **changes):
         args.update(changes)
@@ -474,52 +605,184 @@ def bad_input_cases():
 
     a = base()
     yield "q_dtype", with_(base(), q=a["q"].double()), r"q must have dtype"
-    yield "k_cache_dtype", with_(base(), k_cache=a["k_cache"].bfloat16()), r"k_cache must have the dtype of q"
-    yield "v_cache_dtype", with_(base(), v_cache=a["v_cache"].half()), r"v_cache must have the dtype of q"
+    yield (
+        "k_cache_dtype",
+        with_(base(), k_cache=a["k_cache"].bfloat16()),
+        r"k_cache must have the dtype of q",
+    )
+    yield (
+        "v_cache_dtype",
+        with_(base(), v_cache=a["v_cache"].half()),
+        r"v_cache must have the dtype of q",
+    )
     yield "k_dtype", with_(base(), k=a["k"].bfloat16()), r"k must have the dtype of q"
     yield "head_dim", with_(base(), q=torch.randn(2, 2, 4, 12)), r"head_dim"
     yield "head_dim_big", with_(base(), q=torch.randn(2, 2, 4, 264)), r"head_dim"
     yield "heads", with_(base(), q=torch.randn(2, 2, 3, 32)), r"multiple of nheads_k"
     yield "q_rank", with_(base(), q=torch.randn(2, 4, 32)), r"q must be 4-D"
-    yield "cache_head_dim", with_(base(), v_cache=torch.randn(2, 16, 2, 40)), r"v_cache must have shape"
-    yield "q_last_dim_strided", with_(base(), q=torch.randn(2, 2, 4, 64)[..., ::2]), r"q must have a contiguous last dimension"
+    yield (
+        "cache_head_dim",
+        with_(base(), v_cache=torch.randn(2, 16, 2, 40)),
+        r"v_cache must have shape",
+    )
+    yield (
+        "q_last_dim_strided",
+        with_(base(), q=torch.randn(2, 2, 4, 64)[..., ::2]),
+        r"q must have a contiguous last dimension",
+    )
     yield "k_without_v", with_(base(), v=None), r"k and v .* must be given together"
     yield "v_without_k", with_(base(), k=None), r"k and v .* must be given together"
-    yield "k_shape", with_(base(), k=torch.randn(2, 2, 4, 32), v=torch.randn(2, 2, 4, 32)), r"k must have shape"
-    yield "seqlen_q_longer_than_cache", with_(base(), q=torch.randn(2, 17, 4, 32)), r"seqlen_q \(17\) must be at most the cache length \(16\)"
-    yield "k_without_cache_seqlens", with_(base(), cache_seqlens=None), r"cache_seqlens must be given with k"
-    yield "cache_seqlens_dtype", with_(base(), cache_seqlens=a["cache_seqlens"].long()), r"cache_seqlens must have dtype torch.int32"
-    yield "cache_seqlens_shape", with_(base(), cache_seqlens=torch.zeros(3, dtype=torch.int32)), r"cache_seqlens must have shape \(batch,\)"
-    yield "cache_seqlens_overflow", with_(base(), cache_seqlens=torch.tensor([3, 15], dtype=torch.int32)), r"cache_seqlens\[1\] \+ seqlen_new"
-    yield "cache_seqlens_negative", with_(base(), cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), r"cache_seqlens\[0\] = -1"
-    yield "cache_batch_idx_dtype", with_(base(), cache_batch_idx=torch.tensor([0, 1])), r"cache_batch_idx must have dtype torch.int32"
-    yield "cache_batch_idx_range", with_(base(), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), r"cache_batch_idx\[1\] = 2 must be in \[0, 2\)"
-    yield "cache_batch_idx_shape", with_(base(), cache_batch_idx=torch.tensor([0], dtype=torch.int32)), r"cache_batch_idx must have shape"
-    yield "small_cache_batch", with_(base(), k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), r"k_cache must hold at least batch"
+    yield (
+        "k_shape",
+        with_(base(), k=torch.randn(2, 2, 4, 32), v=torch.randn(2, 2, 4, 32)),
+        r"k must have shape",
+    )
+    yield (
+        "seqlen_q_longer_than_cache",
+        with_(base(), q=torch.randn(2, 17, 4, 32)),
+        r"seqlen_q \(17\) must be at most the cache length \(16\)",
+    )
+    yield (
+        "k_without_cache_seqlens",
+        with_(base(), cache_seqlens=None),
+        r"cache_seqlens must be given with k",
+    )
+    yield (
+        "cache_seqlens_dtype",
+        with_(base(), cache_seqlens=a["cache_seqlens"].long()),
+        r"cache_seqlens must have dtype torch.int32",
+    )
+    yield (
+        "cache_seqlens_shape",
+        with_(base(), cache_seqlens=torch.zeros(3, dtype=torch.int32)),
+        r"cache_seqlens must have shape \(batch,\)",
+    )
+    yield (
+        "cache_seqlens_overflow",
+        with_(base(), cache_seqlens=torch.tensor([3, 15], dtype=torch.int32)),
+        r"cache_seqlens\[1\] \+ seqlen_new",
+    )
+    yield (
+        "cache_seqlens_negative",
+        with_(base(), cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)),
+        r"cache_seqlens\[0\] = -1",
+    )
+    yield (
+        "cache_batch_idx_dtype",
+        with_(base(), cache_batch_idx=torch.tensor([0, 1])),
+        r"cache_batch_idx must have dtype torch.int32",
+    )
+    yield (
+        "cache_batch_idx_range",
+        with_(base(), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
+        r"cache_batch_idx\[1\] = 2 must be in \[0, 2\)",
+    )
+    yield (
+        "cache_batch_idx_shape",
+        with_(base(), cache_batch_idx=torch.tensor([0], dtype=torch.int32)),
+        r"cache_batch_idx must have shape",
+    )
+    yield (
+        "small_cache_batch",
+        with_(base(), k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]),
+        r"k_cache must hold at least batch",
+    )
     leftpad = with_(base(), cache_leftpad=torch.tensor([0, 9], dtype=torch.int32))
     leftpad["cache_seqlens"] = torch.tensor([3, 5], dtype=torch.int32)
     yield "leftpad_past_end", leftpad, r"cache_leftpad\[1\] = 9"
-    yield "leftpad_dtype", with_(base(), cache_leftpad=torch.tensor([0, 1])), r"cache_leftpad must have dtype torch.int32"
+    yield (
+        "leftpad_dtype",
+        with_(base(), cache_leftpad=torch.tensor([0, 1])),
+        r"cache_leftpad must have dtype torch.int32",
+    )
     paged = base(page_size=4)
-    yield "block_table_dtype", with_(base(page_size=4), block_table=paged["block_table"].long()), r"block_table must have dtype torch.int32"
-    yield "block_table_shape", with_(base(page_size=4), block_table=paged["block_table"][:1]), r"block_table must have shape \(batch, max_blocks_per_seq\)"
-    yield "block_table_with_batch_idx", with_(base(page_size=4), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), r"cache_batch_idx cannot be used together with block_table"
-    yield "block_table_with_leftpad", with_(base(page_size=4), cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)), r"cache_leftpad cannot be used together with block_table"
-    yield "block_table_range", with_(base(page_size=4), block_table=torch.full((2, 4), 99, dtype=torch.int32)), r"block_table\[0, 0\] = 99"
-    yield "block_table_not_paged_cache", with_(base(page_size=4), k_cache=torch.randn(8, 4, 2, 16)), r"k_cache must have shape \(num_blocks, page_size"
-    yield "block_table_paged_v_shape", with_(base(page_size=4), v_cache=torch.randn(8, 2, 2, 32)), r"v_cache must have shape"
+    yield (
+        "block_table_dtype",
+        with_(base(page_size=4), block_table=paged["block_table"].long()),
+        r"block_table must have dtype torch.int32",
+    )
+    yield (
+        "block_table_shape",
+        with_(base(page_size=4), block_table=paged["block_table"][:1]),
+        r"block_table must have shape \(batch, max_blocks_per_seq\)",
+    )
+    yield (
+        "block_table_with_batch_idx",
+        with_(base(page_size=4), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
+        r"cache_batch_idx cannot be used together with block_table",
+    )
+    yield (
+        "block_table_with_leftpad",
+        with_(base(page_size=4), cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)),
+        r"cache_leftpad cannot be used together with block_table",
+    )
+    yield (
+        "block_table_range",
+        with_(base(page_size=4), block_table=torch.full((2, 4), 99, dtype=torch.int32)),
+        r"block_table\[0, 0\] = 99",
+    )
+    yield (
+        "block_table_not_paged_cache",
+        with_(base(page_size=4), k_cache=torch.randn(8, 4, 2, 16)),
+        r"k_cache must have shape \(num_blocks, page_size",
+    )
+    yield (
+        "block_table_paged_v_shape",
+        with_(base(page_size=4), v_cache=torch.randn(8, 2, 2, 32)),
+        r"v_cache must have shape",
+    )
     rot = base(rotary="neox")
-    yield "rotary_cos_without_sin", with_(base(rotary="neox"), rotary_sin=None), r"rotary_cos and rotary_sin must be given together"
-    yield "rotary_without_k", with_(base(rotary="neox"), k=None, v=None), r"rotary_cos / rotary_sin need k / v"
-    yield "rotary_dim_too_big", with_(base(rotary="neox"), rotary_cos=torch.rand(16, 20), rotary_sin=torch.rand(16, 20)), r"rotary_dim .* must be in \[2, head_dim = 32\]"
-    yield "rotary_shape_mismatch", with_(base(rotary="neox"), rotary_sin=rot["rotary_sin"][:, :4]), r"rotary_sin must have shape"
-    yield "rotary_too_short", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"][:10], rotary_sin=rot["rotary_sin"][:10]), r"rotary_cos / rotary_sin must have at least as many rows"
+    yield (
+        "rotary_cos_without_sin",
+        with_(base(rotary="neox"), rotary_sin=None),
+        r"rotary_cos and rotary_sin must be given together",
+    )
+    yield (
+        "rotary_without_k",
+        with_(base(rotary="neox"), k=None, v=None),
+        r"rotary_cos / rotary_sin need k / v",
+    )
+    yield (
+        "rotary_dim_too_big",
+        with_(base(rotary="neox"), rotary_cos=torch.rand(16, 20), rotary_sin=torch.rand(16, 20)),
+        r"rotary_dim .* must be in \[2, head_dim = 32\]",
+    )
+    yield (
+        "rotary_shape_mismatch",
+        with_(base(rotary="neox"), rotary_sin=rot["rotary_sin"][:, :4]),
+        r"rotary_sin must have shape",
+    )
+    yield (
+        "rotary_too_short",
+        with_(
+            base(rotary="neox"),
+            rotary_cos=rot["rotary_cos"][:10],
+            rotary_sin=rot["rotary_sin"][:10],
+        ),
+        r"rotary_cos / rotary_sin must have at least as many rows",
+    )
     past_table = with_(base(rotary="neox"), q=torch.randn(2, 8, 4, 32), causal=True)
     past_table["cache_seqlens"] = torch.tensor([14, 0], dtype=torch.int32)
     yield "rotary_q_position_past_table", past_table, r"batch 0 needs position 21"
-    yield "rotary_dtype", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"].double()), r"rotary_cos must have the dtype of q"
-    yield "rotary_rank", with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"].flatten(), rotary_sin=rot["rotary_sin"].flatten()), r"rotary_cos must be 2-D"
-    yield "alibi_dtype", with_(base(), alibi_slopes=torch.rand(4, dtype=torch.float64)), r"alibi_slopes must have dtype torch.float32"
+    yield (
+        "rotary_dtype",
+        with_(base(rotary="neox"), rotary_cos=rot["rotary_cos"].double()),
+        r"rotary_cos must have the dtype of q",
+    )
+    yield (
+        "rotary_rank",
+        with_(
+            base(rotary="neox"),
+            rotary_cos=rot["rotary_cos"].flatten(),
+            rotary_sin=rot["rotary_sin"].flatten(),
+        ),
+        r"rotary_cos must be 2-D",
+    )
+    yield (
+        "alibi_dtype",
+        with_(base(), alibi_slopes=torch.rand(4, dtype=torch.float64)),
+        r"alibi_slopes must have dtype torch.float32",
+    )
     yield "alibi_shape", with_(base(), alibi_slopes=torch.rand(3)), r"alibi_slopes must have shape"
 
 

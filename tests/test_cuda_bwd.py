@@ -12,14 +12,31 @@ import reference
 from reference import assert_within_criterion, attention_ref, varlen_attention_ref
 
 import flash_attn_cuda  # registers the ops
-from cuda_inputs import (DEVICE, DTYPES, HEAD_DIMS, many_short_sequences, poison_allocator,
-                         random_cu_seqlens, random_qkv, rows_of_sequences_of_length)
+from cuda_inputs import (
+    DEVICE,
+    DTYPES,
+    HEAD_DIMS,
+    many_short_sequences,
+    poison_allocator,
+    random_cu_seqlens,
+    random_qkv,
+    rows_of_sequences_of_length,
+)
 
 pytestmark = pytest.mark.cuda
 
 SEQLEN_PAIRS = [
-    (1, 1), (2, 2), (1, 129), (17, 17), (113, 203), (127, 128), (128, 127), (129, 129),
-    (255, 17), (17, 255), (1023, 1024),
+    (1, 1),
+    (2, 2),
+    (1, 129),
+    (17, 17),
+    (113, 203),
+    (127, 128),
+    (128, 127),
+    (129, 129),
+    (255, 17),
+    (17, 255),
+    (1023, 1024),
 ]
 GRAD_FACTOR = 3.0
 # Absolute slack for gradients that are exactly zero in exact arithmetic (a
@@ -42,19 +59,59 @@ def bwd_kernel(request, monkeypatch):
     return request.param
 
 
-def run_fwd_bwd(q, k, v, dout, *, causal=False, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0, softmax_scale=None, seed=0, offset=0,
-                deterministic=False):
+def run_fwd_bwd(
+    q,
+    k,
+    v,
+    dout,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    seed=0,
+    offset=0,
+    deterministic=False,
+):
     """The forward op, then the backward op on its out / lse / rng_state."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     out, lse, _, rng_state = torch.ops.flash_attn.fwd(
-        q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
-        False, seed, offset, None)
+        q,
+        k,
+        v,
+        alibi_slopes,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        False,
+        seed,
+        offset,
+        None,
+    )
     poison_allocator()
     dq, dk, dv = torch.ops.flash_attn.bwd(
-        dout, q, k, v, out, lse, alibi_slopes, dropout_p, softmax_scale, causal, window[0],
-        window[1], softcap, deterministic, rng_state)
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        alibi_slopes,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        deterministic,
+        rng_state,
+    )
     return (dq, dk, dv), (out, lse, rng_state)
 
 
@@ -116,8 +173,9 @@ def check_grads(q, k, v, dout, grads, ref_fn=attention_ref, **ref_kwargs):
         assert ours.shape == ref_exact.shape, f"{name}: shape {ours.shape} != {ref_exact.shape}"
         assert ours.dtype == q.dtype
         assert not ours.isnan().any(), f"{name} has NaN (unwritten or poisoned element)"
-        assert_within_criterion(ours, ref_exact, ref_same, factor=GRAD_FACTOR, atol=GRAD_ATOL,
-                                name=name)
+        assert_within_criterion(
+            ours, ref_exact, ref_same, factor=GRAD_FACTOR, atol=GRAD_ATOL, name=name
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,11 +286,13 @@ def test_bwd_dropout_matches_reference_mask(dtype, head_dim, causal, dropout_p, 
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     dout = torch.randn_like(q)
     seed, offset = 1234567891234, 77
-    grads, (_, _, rng_state) = run_fwd_bwd(q, k, v, dout, causal=causal, dropout_p=dropout_p,
-                                           seed=seed, offset=offset)
+    grads, (_, _, rng_state) = run_fwd_bwd(
+        q, k, v, dout, causal=causal, dropout_p=dropout_p, seed=seed, offset=offset
+    )
     assert rng_state.tolist() == [seed, offset]
-    keep = reference.dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k,
-                                             dropout_p).to(DEVICE)
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
     check_grads(q, k, v, dout, grads, causal=causal, dropout_p=dropout_p, keep_mask=keep)
 
 
@@ -245,24 +305,87 @@ def test_bwd_dropout_with_softcap_alibi_window(dtype):
     seed, offset = 99, 3
     kwargs = dict(window=(40, 7), softcap=8.0, alibi_slopes=slopes, dropout_p=0.25)
     grads, _ = run_fwd_bwd(q, k, v, dout, seed=seed, offset=offset, **kwargs)
-    keep = reference.dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k,
-                                             0.25).to(DEVICE)
-    check_grads(q, k, v, dout, grads, window_size=(40, 7), softcap=8.0, alibi_slopes=slopes,
-                dropout_p=0.25, keep_mask=keep)
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, 0.25
+    ).to(DEVICE)
+    check_grads(
+        q,
+        k,
+        v,
+        dout,
+        grads,
+        window_size=(40, 7),
+        softcap=8.0,
+        alibi_slopes=slopes,
+        dropout_p=0.25,
+        keep_mask=keep,
+    )
 
 
-def run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, *, causal=False,
-                       window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                       seed=0, offset=0, deterministic=False):
+def run_varlen_fwd_bwd(
+    q,
+    k,
+    v,
+    dout,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    seed=0,
+    offset=0,
+    deterministic=False,
+):
     scale = q.shape[-1] ** -0.5
     cu_q_dev, cu_k_dev = cu_q.to(DEVICE), cu_k.to(DEVICE)
     out, lse, _, rng_state = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q_dev, cu_k_dev, None, alibi_slopes, max_q, max_k, dropout_p, scale, causal,
-        window[0], window[1], softcap, False, seed, offset, None)
+        q,
+        k,
+        v,
+        cu_q_dev,
+        cu_k_dev,
+        None,
+        alibi_slopes,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        False,
+        seed,
+        offset,
+        None,
+    )
     poison_allocator()
     return torch.ops.flash_attn.varlen_bwd(
-        dout, q, k, v, out, lse, cu_q_dev, cu_k_dev, alibi_slopes, max_q, max_k, dropout_p,
-        scale, causal, window[0], window[1], softcap, deterministic, rng_state)
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q_dev,
+        cu_k_dev,
+        alibi_slopes,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        deterministic,
+        rng_state,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -292,8 +415,19 @@ def test_varlen_bwd(dtype, head_dim, causal, features, bwd_kernel):
         kwargs = dict(window=(33, 20))
         ref_kwargs = dict(window_size=(33, 20))
     grads = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=causal, **kwargs)
-    check_grads(q, k, v, dout, grads, ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=causal, **ref_kwargs)
+    check_grads(
+        q,
+        k,
+        v,
+        dout,
+        grads,
+        ref_fn=varlen_attention_ref,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=max_k,
+        causal=causal,
+        **ref_kwargs,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -308,9 +442,19 @@ def test_varlen_bwd_rows_outside_sequences_are_zero(dtype, bwd_kernel):
     dq, dk, dv = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, 50, 69, causal=True)
     for grad, cu in ((dq, cu_q), (dk, cu_k), (dv, cu_k)):
         assert torch.equal(grad[: int(cu[0])], torch.zeros_like(grad[: int(cu[0])]))
-        assert torch.equal(grad[int(cu[-1]):], torch.zeros_like(grad[int(cu[-1]):]))
-    check_grads(q, k, v, dout, (dq, dk, dv), ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_k=69, causal=True)
+        assert torch.equal(grad[int(cu[-1]) :], torch.zeros_like(grad[int(cu[-1]) :]))
+    check_grads(
+        q,
+        k,
+        v,
+        dout,
+        (dq, dk, dv),
+        ref_fn=varlen_attention_ref,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=69,
+        causal=True,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -328,10 +472,14 @@ def test_varlen_bwd_ignores_rows_outside_sequences(dtype, head_dim, causal, bwd_
     k = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
     dout = torch.randn_like(q)
-    for t, cu, total in ((q, cu_q, total_q), (dout, cu_q, total_q), (k, cu_k, total_k),
-                         (v, cu_k, total_k)):
-        t[int(cu[1]):int(cu[2])] = float("nan")  # all of sequence 1
-        t[int(cu[-1]):total] = float("inf")  # the padding
+    for t, cu, total in (
+        (q, cu_q, total_q),
+        (dout, cu_q, total_q),
+        (k, cu_k, total_k),
+        (v, cu_k, total_k),
+    ):
+        t[int(cu[1]) : int(cu[2])] = float("nan")  # all of sequence 1
+        t[int(cu[-1]) : total] = float("inf")  # the padding
     dq, dk, dv = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, 130, 200, causal=causal)
     for b in (0, 2):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
@@ -347,21 +495,38 @@ def test_bwd_matches_cpu(dtype, dropout_p, nheads_k, bwd_kernel):
     q, k, v = random_qkv(2, 150, 193, 4, nheads_k, 64, dtype)
     dout = torch.randn_like(q)
     slopes = torch.rand(4, device=DEVICE) * 0.2
-    kwargs = dict(causal=True, softcap=20.0, alibi_slopes=slopes, dropout_p=dropout_p,
-                  seed=777, offset=4)
+    kwargs = dict(
+        causal=True, softcap=20.0, alibi_slopes=slopes, dropout_p=dropout_p, seed=777, offset=4
+    )
     cuda_grads, (out, lse, rng_state) = run_fwd_bwd(q, k, v, dout, **kwargs)
     cpu_grads = torch.ops.flash_attn.bwd(
-        dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu(), slopes.cpu(), dropout_p,
-        64 ** -0.5, True, -1, -1, 20.0, False, rng_state.cpu())
+        dout.cpu(),
+        q.cpu(),
+        k.cpu(),
+        v.cpu(),
+        out.cpu(),
+        lse.cpu(),
+        slopes.cpu(),
+        dropout_p,
+        64**-0.5,
+        True,
+        -1,
+        -1,
+        20.0,
+        False,
+        rng_state.cpu(),
+    )
     keep = None
     if dropout_p > 0:
         keep = reference.dropout_keep_mask_batch(777, 4, 2, 4, 150, 193, dropout_p).to(DEVICE)
-    ref_kwargs = dict(causal=True, softcap=20.0, alibi_slopes=slopes, dropout_p=dropout_p,
-                      keep_mask=keep)
+    ref_kwargs = dict(
+        causal=True, softcap=20.0, alibi_slopes=slopes, dropout_p=dropout_p, keep_mask=keep
+    )
     exact = reference_grads(q, k, v, dout, torch.float32, **ref_kwargs)
     same = reference_grads(q, k, v, dout, dtype, **ref_kwargs)
-    for name, ours, cpu, ref_exact, ref_same in zip(("dq", "dk", "dv"), cuda_grads, cpu_grads,
-                                                    exact, same):
+    for name, ours, cpu, ref_exact, ref_same in zip(
+        ("dq", "dk", "dv"), cuda_grads, cpu_grads, exact, same
+    ):
         baseline = reference.max_abs_err(ref_same, ref_exact)
         # Both paths accumulate in fp32 from the same rounded inputs (and the
         # same dropout mask): they differ by about the output's own rounding.
@@ -405,14 +570,26 @@ def test_varlen_bwd_deterministic_is_bitwise_reproducible(bwd_kernel):
     k = torch.randn(int(cu_k[-1]), 2, 64, device=DEVICE, dtype=torch.float16)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
-    first = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True,
-                               deterministic=True)
-    second = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True,
-                                deterministic=True)
+    first = run_varlen_fwd_bwd(
+        q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True, deterministic=True
+    )
+    second = run_varlen_fwd_bwd(
+        q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True, deterministic=True
+    )
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    check_grads(q, k, v, dout, first, ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=True)
+    check_grads(
+        q,
+        k,
+        v,
+        dout,
+        first,
+        ref_fn=varlen_attention_ref,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=max_k,
+        causal=True,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -434,10 +611,21 @@ def test_varlen_bwd_sequences_around_a_query_block(dtype, head_dim, deterministi
     k = torch.randn(int(cu_k[-1]), 2, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
     dout = torch.randn_like(q)
-    grads = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True,
-                               deterministic=deterministic)
-    check_grads(q, k, v, dout, grads, ref_fn=varlen_attention_ref, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_k=max_k, causal=True)
+    grads = run_varlen_fwd_bwd(
+        q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=True, deterministic=deterministic
+    )
+    check_grads(
+        q,
+        k,
+        v,
+        dout,
+        grads,
+        ref_fn=varlen_attention_ref,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_k=max_k,
+        causal=True,
+    )
 
 
 def test_bwd_default_path_repeats_within_rounding(bwd_kernel):
@@ -492,16 +680,33 @@ def test_varlen_bwd_more_sequences_than_grid_yz(causal, features, bwd_kernel):
     on y and z together (csrc/cuda/core/grid_heads_batch.h). Every sequence is
     checked."""
     batch, nheads, nheads_k, head_dim, max_len = 70000, 2, 1, 64, 8
-    cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, torch.bfloat16,
-                                       max_len)
+    cu, q, k, v = many_short_sequences(batch, nheads, nheads_k, head_dim, torch.bfloat16, max_len)
     dout = torch.randn_like(q)
     softcap = 5.0 if features == "softcap" else 0.0
-    grads = run_varlen_fwd_bwd(q, k, v, dout, cu, cu, max_len, max_len, causal=causal,
-                               softcap=softcap, deterministic=features == "deterministic")
+    grads = run_varlen_fwd_bwd(
+        q,
+        k,
+        v,
+        dout,
+        cu,
+        cu,
+        max_len,
+        max_len,
+        causal=causal,
+        softcap=softcap,
+        deterministic=features == "deterministic",
+    )
     for length in range(1, max_len + 1):
         rows = rows_of_sequences_of_length(cu, length, max_len)
-        check_grads(q[rows], k[rows], v[rows], dout[rows], tuple(g[rows] for g in grads),
-                    causal=causal, softcap=softcap)
+        check_grads(
+            q[rows],
+            k[rows],
+            v[rows],
+            dout[rows],
+            tuple(g[rows] for g in grads),
+            causal=causal,
+            softcap=softcap,
+        )
 
 
 def test_bwd_tensor_over_2_pow_31_elements():
@@ -545,8 +750,9 @@ def test_bwd_torch_compile_training_matches_eager():
         q, k, v = proj(x).view(batch, seqlen, 3, nheads, head_dim).unbind(2)
         dense = flash_attn_func(q, k, v, causal=True, deterministic=True)
         tq, tk, tv = (t.reshape(-1, nheads, head_dim) for t in (q, k, v))
-        varlen = flash_attn_varlen_func(tq, tk, tv, cu, cu, 77, 77, window_size=(9, 3),
-                                        deterministic=True)
+        varlen = flash_attn_varlen_func(
+            tq, tk, tv, cu, cu, 77, 77, window_size=(9, 3), deterministic=True
+        )
         return dense.float().square().mean() + varlen.float().square().mean()
 
     x = torch.randn(1, 128, width, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

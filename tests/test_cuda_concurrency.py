@@ -126,12 +126,15 @@ def _bits(t):
 
 def assert_bitwise_equal(got, want, what):
     assert got.shape == want.shape and got.dtype == want.dtype, (
-        f"{what}: {tuple(got.shape)} {got.dtype} vs serial {tuple(want.shape)} {want.dtype}")
+        f"{what}: {tuple(got.shape)} {got.dtype} vs serial {tuple(want.shape)} {want.dtype}"
+    )
     if not torch.equal(_bits(got), _bits(want)):
         diff = (got.float() - want.float()).abs()
         diff = diff[~diff.isnan()]
-        raise AssertionError(f"{what} differs from the serial call: {int((_bits(got) != _bits(want)).sum())} "
-                             f"bytes differ, max |diff| {diff.max().item() if diff.numel() else 'nan'}")
+        raise AssertionError(
+            f"{what} differs from the serial call: {int((_bits(got) != _bits(want)).sum())} "
+            f"bytes differ, max |diff| {diff.max().item() if diff.numel() else 'nan'}"
+        )
 
 
 def check_concurrent_matches_serial(lanes, mode, iterations=ITERATIONS):
@@ -144,7 +147,9 @@ def check_concurrent_matches_serial(lanes, mode, iterations=ITERATIONS):
         for iteration, got in enumerate(lane_results):
             assert len(got) == len(want) == len(lane.names)
             for name, g, w in zip(lane.names, got, want):
-                assert_bitwise_equal(g, w, f"{mode}: lane {lane_index}, iteration {iteration}, {name}")
+                assert_bitwise_equal(
+                    g, w, f"{mode}: lane {lane_index}, iteration {iteration}, {name}"
+                )
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +165,8 @@ def fixed_length_lane(head_dim, causal, seqlen_q, seqlen_k, nheads=4, nheads_k=2
 
     def run():
         out, lse, _ = flash_attn_cuda.flash_attn_func(
-            q, k, v, causal=causal, deterministic=True, return_attn_probs=True)
+            q, k, v, causal=causal, deterministic=True, return_attn_probs=True
+        )
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         return out.detach(), lse, dq, dk, dv
 
@@ -174,8 +180,10 @@ def test_flash_attn_func_concurrent(head_dim, causal, mode):
     # Lanes of different shapes, so that a result written to the wrong place
     # shows: one that fills the GPU and one of a few blocks, whose blocks run
     # beside the first one's.
-    lanes = [fixed_length_lane(head_dim, causal, 1000, 1023, nheads=8, nheads_k=2, batch=4),
-             fixed_length_lane(head_dim, causal, 173, 301)]
+    lanes = [
+        fixed_length_lane(head_dim, causal, 1000, 1023, nheads=8, nheads_k=2, batch=4),
+        fixed_length_lane(head_dim, causal, 173, 301),
+    ]
     check_concurrent_matches_serial(lanes, mode)
 
 
@@ -196,8 +204,17 @@ def varlen_lane(head_dim, causal, batch, max_len, nheads=4, nheads_k=2):
 
     def run():
         out, lse, _ = flash_attn_cuda.flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, deterministic=True,
-            return_attn_probs=True)
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            causal=causal,
+            deterministic=True,
+            return_attn_probs=True,
+        )
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         return out.detach(), lse, dq, dk, dv
 
@@ -208,8 +225,10 @@ def varlen_lane(head_dim, causal, batch, max_len, nheads=4, nheads_k=2):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_flash_attn_varlen_func_concurrent(head_dim, causal, mode):
-    lanes = [varlen_lane(head_dim, causal, batch=6, max_len=900, nheads=8),
-             varlen_lane(head_dim, causal, batch=3, max_len=257, nheads=2, nheads_k=1)]
+    lanes = [
+        varlen_lane(head_dim, causal, batch=6, max_len=900, nheads=8),
+        varlen_lane(head_dim, causal, batch=3, max_len=257, nheads=2, nheads_k=1),
+    ]
     check_concurrent_matches_serial(lanes, mode)
 
 
@@ -218,19 +237,30 @@ def test_flash_attn_varlen_func_concurrent(head_dim, causal, mode):
 # ---------------------------------------------------------------------------
 
 
-def kvcache_lane(head_dim, paged, num_splits, batch, seqlen_cache, nheads=8, nheads_k=2,
-                 seqlen_q=1, seqlen_new=1, page_size=64):
+def kvcache_lane(
+    head_dim,
+    paged,
+    num_splits,
+    batch,
+    seqlen_cache,
+    nheads=8,
+    nheads_k=2,
+    seqlen_q=1,
+    seqlen_new=1,
+    page_size=64,
+):
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=DTYPE)
     k_new = torch.randn(batch, seqlen_new, nheads_k, head_dim, device=DEVICE, dtype=DTYPE)
     v_new = torch.randn_like(k_new)
     # Room for the append: each sequence's valid rows end before the cache does.
-    cache_seqlens = torch.randint(1, seqlen_cache - seqlen_new + 1, (batch,), dtype=torch.int32,
-                                  device=DEVICE)
+    cache_seqlens = torch.randint(
+        1, seqlen_cache - seqlen_new + 1, (batch,), dtype=torch.int32, device=DEVICE
+    )
     if paged:
         pages_per_seq = seqlen_cache // page_size
         num_pages = batch * pages_per_seq + 3  # some pages belong to no sequence
         k_cache = torch.randn(num_pages, page_size, nheads_k, head_dim, device=DEVICE, dtype=DTYPE)
-        block_table = torch.randperm(num_pages, device=DEVICE)[:batch * pages_per_seq]
+        block_table = torch.randperm(num_pages, device=DEVICE)[: batch * pages_per_seq]
         block_table = block_table.to(torch.int32).reshape(batch, pages_per_seq)
     else:
         k_cache = torch.randn(batch, seqlen_cache, nheads_k, head_dim, device=DEVICE, dtype=DTYPE)
@@ -242,12 +272,24 @@ def kvcache_lane(head_dim, paged, num_splits, batch, seqlen_cache, nheads=8, nhe
         # calling stream, like the call.
         k_cache_call, v_cache_call = k_cache.clone(), v_cache.clone()
         out, lse = flash_attn_cuda.flash_attn_with_kvcache(
-            q, k_cache_call, v_cache_call, k=k_new, v=v_new, cache_seqlens=cache_seqlens,
-            block_table=block_table, causal=True, num_splits=num_splits, return_softmax_lse=True)
+            q,
+            k_cache_call,
+            v_cache_call,
+            k=k_new,
+            v=v_new,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=True,
+            num_splits=num_splits,
+            return_softmax_lse=True,
+        )
         return out, lse, k_cache_call, v_cache_call
 
-    return Lane(run, [q, k_new, v_new, cache_seqlens, k_cache, v_cache, block_table],
-                ["out", "lse", "k_cache", "v_cache"])
+    return Lane(
+        run,
+        [q, k_new, v_new, cache_seqlens, k_cache, v_cache, block_table],
+        ["out", "lse", "k_cache", "v_cache"],
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -255,9 +297,20 @@ def kvcache_lane(head_dim, paged, num_splits, batch, seqlen_cache, nheads=8, nhe
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_flash_attn_with_kvcache_concurrent(head_dim, paged, num_splits, mode):
-    lanes = [kvcache_lane(head_dim, paged, num_splits, batch=8, seqlen_cache=4096),
-             kvcache_lane(head_dim, paged, num_splits, batch=3, seqlen_cache=512, nheads=4,
-                          nheads_k=4, seqlen_q=3, seqlen_new=3)]
+    lanes = [
+        kvcache_lane(head_dim, paged, num_splits, batch=8, seqlen_cache=4096),
+        kvcache_lane(
+            head_dim,
+            paged,
+            num_splits,
+            batch=3,
+            seqlen_cache=512,
+            nheads=4,
+            nheads_k=4,
+            seqlen_q=3,
+            seqlen_new=3,
+        ),
+    ]
     check_concurrent_matches_serial(lanes, mode)
 
 
@@ -265,6 +318,8 @@ def test_flash_attn_with_kvcache_concurrent(head_dim, paged, num_splits, mode):
 def test_mixed_calls_concurrent(mode):
     """A forward + backward lane next to a decoding lane: different kernels,
     and their workspaces, at the same time."""
-    lanes = [fixed_length_lane(128, True, 300, 300),
-             kvcache_lane(128, True, 0, batch=4, seqlen_cache=2048)]
+    lanes = [
+        fixed_length_lane(128, True, 300, 300),
+        kvcache_lane(128, True, 0, batch=4, seqlen_cache=2048),
+    ]
     check_concurrent_matches_serial(lanes, mode)

@@ -121,22 +121,28 @@ def run_seeds(seeds, record_property=None):
         if problems:
             failures.append((c, problems))
     elapsed = time.perf_counter() - started
-    summary = (f"{len(seeds)} cases in {elapsed:.1f} s (CPU op {timings['cpu_op']:.1f} s, CUDA ops "
-               f"{timings['cuda_op']:.1f} s, references {timings['references']:.1f} s); "
-               f"{len(left_out)} left out by this build; {len(failures)} mismatched")
+    summary = (
+        f"{len(seeds)} cases in {elapsed:.1f} s (CPU op {timings['cpu_op']:.1f} s, CUDA ops "
+        f"{timings['cuda_op']:.1f} s, references {timings['references']:.1f} s); "
+        f"{len(left_out)} left out by this build; {len(failures)} mismatched"
+    )
     print(summary)
     if record_property is not None:
         record_property("differential_summary", summary)
         record_property("left_out", len(left_out))
     if failures:
-        lines = [f"{len(failures)} of {len(seeds)} cases mismatched "
-                 f"({len(left_out)} left out by this build):"]
+        lines = [
+            f"{len(failures)} of {len(seeds)} cases mismatched "
+            f"({len(left_out)} left out by this build):"
+        ]
         for c, problems in failures:
             lines.append("  " + dc.describe(c))
             lines.extend("      " + p for p in problems[:6])
         seeds_text = ",".join(str(c["seed"]) for c, _ in failures)
-        lines.append(f"rerun them alone: FLASH_ATTN_DIFF_SEEDS={seeds_text} "
-                     "python3 -m pytest -q tests/test_cuda_differential.py -k seeds")
+        lines.append(
+            f"rerun them alone: FLASH_ATTN_DIFF_SEEDS={seeds_text} "
+            "python3 -m pytest -q tests/test_cuda_differential.py -k seeds"
+        )
         pytest.fail("\n".join(lines), pytrace=False)
     if left_out and len(left_out) == len(seeds):
         pytest.skip(f"all {len(seeds)} cases left out by this build, e.g. {left_out[0][1]}")
@@ -179,8 +185,9 @@ def test_draw_is_a_function_of_the_seed():
     for i in range(0, 600, 20):
         seed = dc.base_seed() + i
         assert dc.draw_case(seed) == dc.draw_case(seed)
-        assert _same_tensors(dc.build_inputs(dc.draw_case(seed)),
-                             dc.build_inputs(dc.draw_case(seed))), seed
+        assert _same_tensors(
+            dc.build_inputs(dc.draw_case(seed)), dc.build_inputs(dc.draw_case(seed))
+        ), seed
     assert dc.draw_case(1) != dc.draw_case(2)
 
 
@@ -192,9 +199,11 @@ def test_drawn_cases_are_valid_and_cover_every_feature():
     print("feature coverage over", len(cases), "cases:")
     for name, n in sorted(counts.items()):
         print(f"  {name}: {n}")
-    short = {name: counts[name] for name in dc.REQUIRED_FEATURES
-             if counts[name] < (dc.MIN_COVERAGE_RARE if name in dc.RARE_FEATURES
-                                else dc.MIN_COVERAGE)}
+    short = {
+        name: counts[name]
+        for name in dc.REQUIRED_FEATURES
+        if counts[name] < (dc.MIN_COVERAGE_RARE if name in dc.RARE_FEATURES else dc.MIN_COVERAGE)
+    }
     assert not short, f"features drawn too rarely: {short}"
 
 
@@ -206,8 +215,10 @@ def cpu_sample():
     tags = {c["seed"]: dc.features(c) for c in candidates}
     covered, picked = set(), []
     for _ in range(CPU_SAMPLE):
-        best = max((c for c in candidates if c not in picked),
-                   key=lambda c: (len(tags[c["seed"]] - covered), -c["seed"]))
+        best = max(
+            (c for c in candidates if c not in picked),
+            key=lambda c: (len(tags[c["seed"]] - covered), -c["seed"]),
+        )
         picked.append(best)
         covered |= tags[best["seed"]]
     return picked

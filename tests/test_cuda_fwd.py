@@ -13,14 +13,32 @@ import s_dmask
 from reference import assert_within_criterion, attention_ref
 
 import flash_attn_cuda  # registers the ops
-from cuda_inputs import (DEVICE, DTYPES, HEAD_DIMS, many_short_sequences, poison_allocator,
-                         random_cu_seqlens, random_qkv, rows_of_sequences_of_length)
+from cuda_inputs import (
+    DEVICE,
+    DTYPES,
+    HEAD_DIMS,
+    many_short_sequences,
+    poison_allocator,
+    random_cu_seqlens,
+    random_qkv,
+    rows_of_sequences_of_length,
+)
 
 pytestmark = pytest.mark.cuda
 
 SEQLEN_PAIRS = [
-    (1, 1), (2, 2), (1, 129), (17, 17), (113, 203), (127, 128), (128, 127), (129, 129),
-    (255, 17), (17, 255), (1023, 1024), (2049, 2049),
+    (1, 1),
+    (2, 2),
+    (1, 129),
+    (17, 17),
+    (113, 203),
+    (127, 128),
+    (128, 127),
+    (129, 129),
+    (255, 17),
+    (17, 255),
+    (1023, 1024),
+    (2049, 2049),
 ]
 
 
@@ -50,14 +68,40 @@ def sm90_auto_choice(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
 
 
-def run_fwd(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-            dropout_p=0.0, softmax_scale=None, return_softmax=False, seed=0, offset=0):
+def run_fwd(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    return_softmax=False,
+    seed=0,
+    offset=0,
+):
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     poison_allocator()
     return torch.ops.flash_attn.fwd(
-        q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
-        return_softmax, seed, offset, None)
+        q,
+        k,
+        v,
+        alibi_slopes,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        return_softmax,
+        seed,
+        offset,
+        None,
+    )
 
 
 def forward_kernel_names(q, k, v, **kwargs):
@@ -67,10 +111,13 @@ def forward_kernel_names(q, k, v, **kwargs):
     return {event.name for event in prof.events()}
 
 
-@pytest.mark.parametrize("head_dim,min_keys_sm90,min_blocks_per_sm",
-                         [(64, 512, 8), (96, 512, 4), (128, 256, 4), (256, 0, 0)])
-def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, min_blocks_per_sm, sm90_auto_choice,
-                                   monkeypatch):
+@pytest.mark.parametrize(
+    "head_dim,min_keys_sm90,min_blocks_per_sm",
+    [(64, 512, 8), (96, 512, 4), (128, 256, 4), (256, 0, 0)],
+)
+def test_fwd_kernel_choice_on_sm90(
+    head_dim, min_keys_sm90, min_blocks_per_sm, sm90_auto_choice, monkeypatch
+):
     uses_sm90 = lambda names: any("flash_fwd_sm90_kernel" in name for name in names)
     q, k, v = random_qkv(1, 256, 512, 2, 2, head_dim, torch.bfloat16)
     _, k_short, v_short = random_qkv(1, 256, 128, 2, 2, head_dim, torch.bfloat16)
@@ -87,7 +134,8 @@ def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, min_blocks_per_sm, s
     assert uses_sm90(forward_kernel_names(q_many, k_many, v_many, causal=True))
     q_four, k_four, v_four = random_qkv(sms, 256, 128, 2, 2, head_dim, torch.bfloat16)
     assert uses_sm90(forward_kernel_names(q_four, k_four, v_four)) == (
-        128 >= min_keys_sm90 or min_blocks_per_sm <= 4)
+        128 >= min_keys_sm90 or min_blocks_per_sm <= 4
+    )
     # Softcap and ALiBi take the Hopper kernel by the same rule; dropout stays
     # on the SM80 kernel.
     slopes = torch.rand(2, device=DEVICE) * 0.3
@@ -95,7 +143,8 @@ def test_fwd_kernel_choice_on_sm90(head_dim, min_keys_sm90, min_blocks_per_sm, s
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True, alibi_slopes=slopes))
     assert uses_sm90(forward_kernel_names(q_many, k_many, v_many, softcap=5.0))
     assert uses_sm90(forward_kernel_names(q, k_short, v_short, softcap=5.0)) == (
-        128 >= min_keys_sm90)
+        128 >= min_keys_sm90
+    )
     assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0, dropout_p=0.1))
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
     assert uses_sm90(forward_kernel_names(q, k_short, v_short))
@@ -162,8 +211,7 @@ def test_fwd_softcap_alibi(dtype, head_dim, softcap, alibi, causal, fwd_kernel):
     elif alibi == "batch_heads":
         slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
     out, lse, _, _ = run_fwd(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
-    check_against_reference(q, k, v, out, lse, causal=causal, softcap=softcap,
-                            alibi_slopes=slopes)
+    check_against_reference(q, k, v, out, lse, causal=causal, softcap=softcap, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224, 256])
@@ -180,8 +228,9 @@ def test_fwd_softcap_alibi_other_head_dims(head_dim, window, seqlen_q, seqlen_k,
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, 2, head_dim, torch.bfloat16)
     slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
     out, lse, _, _ = run_fwd(q, k, v, window=window, softcap=15.0, alibi_slopes=slopes)
-    check_against_reference(q, k, v, out, lse, window_size=window, softcap=15.0,
-                            alibi_slopes=slopes)
+    check_against_reference(
+        q, k, v, out, lse, window_size=window, softcap=15.0, alibi_slopes=slopes
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -197,10 +246,20 @@ def test_fwd_negative_softmax_scale(head_dim, features, spread, window, fwd_kern
     q, k = (q.float() * spread).bfloat16(), (k.float() * spread).bfloat16()
     softcap = 30.0 if features == "softcap" else 0.0
     slopes = torch.rand(4, device=DEVICE) * 0.3 if features == "alibi" else None
-    out, lse, _, _ = run_fwd(q, k, v, window=window, softcap=softcap, alibi_slopes=slopes,
-                             softmax_scale=-0.1)
-    check_against_reference(q, k, v, out, lse, softmax_scale=-0.1, window_size=window,
-                            softcap=softcap, alibi_slopes=slopes)
+    out, lse, _, _ = run_fwd(
+        q, k, v, window=window, softcap=softcap, alibi_slopes=slopes, softmax_scale=-0.1
+    )
+    check_against_reference(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        softmax_scale=-0.1,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=slopes,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -235,26 +294,45 @@ def test_varlen_fwd(dtype, head_dim, causal, softcap, alibi, fwd_kernel):
     k = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn(total_k, nheads_k, head_dim, device=DEVICE, dtype=dtype)
     slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3 if alibi else None
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, slopes, max_q, max_k, 0.0, scale,
-        causal, -1, -1, softcap, False, 0, 0, None)
+        q,
+        k,
+        v,
+        cu_q.to(DEVICE),
+        cu_k.to(DEVICE),
+        None,
+        slopes,
+        max_q,
+        max_k,
+        0.0,
+        scale,
+        causal,
+        -1,
+        -1,
+        softcap,
+        False,
+        0,
+        0,
+        None,
+    )
     assert not out.isnan().any()
     for b in range(batch):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
         sb = slopes[b] if alibi else None
-        ref_out, ref_lse = attention_ref(qb, kb, vb, causal=causal, softcap=softcap,
-                                         alibi_slopes=sb, compute_dtype=torch.float32)
-        same_out, _ = attention_ref(qb, kb, vb, causal=causal, softcap=softcap, alibi_slopes=sb,
-                                    compute_dtype=dtype)
+        ref_out, ref_lse = attention_ref(
+            qb, kb, vb, causal=causal, softcap=softcap, alibi_slopes=sb, compute_dtype=torch.float32
+        )
+        same_out, _ = attention_ref(
+            qb, kb, vb, causal=causal, softcap=softcap, alibi_slopes=sb, compute_dtype=dtype
+        )
         assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
         lse_b = lse[:, qs:qe]
         finite = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isinf(lse_b), ~finite)
-        torch.testing.assert_close(lse_b[finite], ref_lse[0][finite].float(), atol=2e-3,
-                                   rtol=1e-3)
+        torch.testing.assert_close(lse_b[finite], ref_lse[0][finite].float(), atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -276,8 +354,26 @@ def test_varlen_fwd_ignores_rows_outside_sequences(dtype, head_dim, causal, fwd_
         t[377:] = float("inf")  # the padding
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, 130, 200, 0.0, head_dim ** -0.5,
-        causal, -1, -1, 0.0, False, 0, 0, None)
+        q,
+        k,
+        v,
+        cu_q.to(DEVICE),
+        cu_k.to(DEVICE),
+        None,
+        None,
+        130,
+        200,
+        0.0,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+    )
     for b in (0, 2):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
@@ -305,8 +401,9 @@ def test_fwd_more_query_blocks_than_sms(dtype, head_dim, fwd_kernel):
     check_varlen_against_reference(cu_q, cu_k, max_q, max_k, 4, 2, head_dim, dtype)
 
 
-def check_varlen_against_reference(cu_q, cu_k, max_q, max_k, nheads, nheads_k, head_dim, dtype,
-                                   causal=False):
+def check_varlen_against_reference(
+    cu_q, cu_k, max_q, max_k, nheads, nheads_k, head_dim, dtype, causal=False
+):
     """The varlen forward on random inputs of these sequence lengths, each
     sequence against the reference on its own rows."""
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
@@ -314,8 +411,26 @@ def check_varlen_against_reference(cu_q, cu_k, max_q, max_k, nheads, nheads_k, h
     v = torch.randn_like(k)
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, None, max_q, max_k, 0.0,
-        head_dim ** -0.5, causal, -1, -1, 0.0, False, 0, 0, None)
+        q,
+        k,
+        v,
+        cu_q.to(DEVICE),
+        cu_k.to(DEVICE),
+        None,
+        None,
+        max_q,
+        max_k,
+        0.0,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+    )
     for b in range(len(cu_q) - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]
@@ -324,16 +439,19 @@ def check_varlen_against_reference(cu_q, cu_k, max_q, max_k, nheads, nheads_k, h
         assert_within_criterion(out[None, qs:qe], ref_out, same_out, name=f"out[batch {b}]")
         finite = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isinf(lse[:, qs:qe]), ~finite)
-        torch.testing.assert_close(lse[:, qs:qe][finite], ref_lse[0][finite].float(), atol=2e-3,
-                                   rtol=1e-3)
+        torch.testing.assert_close(
+            lse[:, qs:qe][finite], ref_lse[0][finite].float(), atol=2e-3, rtol=1e-3
+        )
 
 
 def counter_kernel_ran(names):
     """Whether the Hopper forward ran on the persistent grid that takes its
     tiles from a counter (the kernel's second template argument; the third
     says whether it has the score mods)."""
-    grids = (re.search(r"flash_fwd_sm90_kernel<.*>, (true|false), (?:true|false)>", name)
-             for name in names)
+    grids = (
+        re.search(r"flash_fwd_sm90_kernel<.*>, (true|false), (?:true|false)>", name)
+        for name in names
+    )
     return any(grid is not None and grid.group(1) == "true" for grid in grids)
 
 
@@ -379,16 +497,35 @@ def test_fwd_counter_grid_choice_on_sm90(head_dim, sm90_auto_choice):
     assert not counter_kernel_ran(forward_kernel_names(q, k, v))  # fixed shares
     _, k_long, v_long = random_qkv(batch, 2048, 2049, 8, 8, head_dim, torch.bfloat16)
     assert not counter_kernel_ran(forward_kernel_names(q, k_long, v_long, causal=True))
-    assert counter_kernel_ran(forward_kernel_names(q, k_long, v_long, window=(1000, 0))) == \
-        takes_counter
+    assert (
+        counter_kernel_ran(forward_kernel_names(q, k_long, v_long, window=(1000, 0)))
+        == takes_counter
+    )
     q_few, k_few, v_few = random_qkv(1, 2048, 2048, 8, 8, head_dim, torch.bfloat16)
     assert not counter_kernel_ran(forward_kernel_names(q_few, k_few, v_few, causal=True))
     # A varlen batch's sequences differ in length: the counter, non-causal too.
     cu = torch.arange(0, (batch + 1) * 2048, 2048, dtype=torch.int32, device=DEVICE)
     packed = [t.reshape(-1, 8, head_dim) for t in (q, k, v)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.flash_attn.varlen_fwd(*packed, cu, cu, None, None, 2048, 2048, 0.0,
-                                        head_dim ** -0.5, False, -1, -1, 0.0, False, 0, 0, None)
+        torch.ops.flash_attn.varlen_fwd(
+            *packed,
+            cu,
+            cu,
+            None,
+            None,
+            2048,
+            2048,
+            0.0,
+            head_dim**-0.5,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
         torch.cuda.synchronize()
     assert counter_kernel_ran({event.name for event in prof.events()}) == takes_counter
 
@@ -405,15 +542,20 @@ def test_fwd_zeroes_a_tile_counter_only_for_the_counter_grid(head_dim, sm90_auto
     batch = sms // 8 + 1  # at least 2 query blocks x 8 heads x batch > SMs
     for seqlen in (256, 2048):
         q, k, v = random_qkv(batch, seqlen, seqlen, 8, 8, head_dim, torch.bfloat16)
-        torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1, 0.0, False,
-                                 0, 0, None)  # warm-up: first-call allocations stay out
+        torch.ops.flash_attn.fwd(
+            q, k, v, None, 0.0, head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None
+        )  # warm-up: first-call allocations stay out
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1, 0.0,
-                                     False, 0, 0, None)
+            torch.ops.flash_attn.fwd(
+                q, k, v, None, 0.0, head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None
+            )
             torch.cuda.synchronize()
-        on_gpu = [event.name for event in prof.events()
-                  if event.device_type == torch.autograd.DeviceType.CUDA]
+        on_gpu = [
+            event.name
+            for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+        ]
         counter_ran = counter_kernel_ran(on_gpu)
         counter_grid_lengths = {64: (2048,), 128: (256, 2048)}.get(head_dim, ())
         assert counter_ran == (seqlen in counter_grid_lengths), on_gpu
@@ -477,8 +619,26 @@ def test_varlen_fwd_more_tiles_than_grid_x(head_dim, causal, sm90_auto_choice):
     v = torch.randn_like(k)
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q, cu_k, None, None, seqlen_q, seqlen_k, 0.0, head_dim ** -0.5, causal, -1,
-        -1, 0.0, False, 0, 0, None)
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        None,
+        seqlen_q,
+        seqlen_k,
+        0.0,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+    )
     first = (slice(0, seqlen_q), slice(0, seqlen_k), slice(0, 4))  # all 32 heads: 1 GB of scores
     last = (slice(seqlen_q, None), slice(seqlen_k, None), slice(None))
     for rows, keys, heads in (first, last):
@@ -518,25 +678,48 @@ def test_varlen_fwd_more_sequences_than_grid_yz(causal, features, fwd_kernel):
         table[:, 0] = pages.int()
     poison_allocator()
     out, lse, probs, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k_in, v_in, cu.to(DEVICE), cu.to(DEVICE), table, None, max_len, max_len, 0.0,
-        head_dim ** -0.5, causal, -1, -1, softcap, features == "return_softmax", 0, 0, None)
+        q,
+        k_in,
+        v_in,
+        cu.to(DEVICE),
+        cu.to(DEVICE),
+        table,
+        None,
+        max_len,
+        max_len,
+        0.0,
+        head_dim**-0.5,
+        causal,
+        -1,
+        -1,
+        softcap,
+        features == "return_softmax",
+        0,
+        0,
+        None,
+    )
     for length in range(1, max_len + 1):
         rows = rows_of_sequences_of_length(cu, length, max_len)
         qb, kb, vb = q[rows], k[rows], v[rows]
-        check_against_reference(qb, kb, vb, out[rows], lse[:, rows].permute(1, 0, 2),
-                                causal=causal, softcap=softcap)
+        check_against_reference(
+            qb, kb, vb, out[rows], lse[:, rows].permute(1, 0, 2), causal=causal, softcap=softcap
+        )
         if features == "return_softmax":
             # Numerators of flash-attn's convention (tests/s_dmask.py): these
             # rows fit one key block, so exp(s - row max); 0 where masked.
-            scores = torch.einsum("bqhd,bkhd->bhqk", qb.float(),
-                                  kb.float().repeat_interleave(nheads // nheads_k, dim=2))
+            scores = torch.einsum(
+                "bqhd,bkhd->bhqk",
+                qb.float(),
+                kb.float().repeat_interleave(nheads // nheads_k, dim=2),
+            )
             visible = reference.visible_mask(length, length, -1, 0 if causal else -1, DEVICE)
-            scores = (scores * head_dim ** -0.5).masked_fill(~visible, float("-inf"))
+            scores = (scores * head_dim**-0.5).masked_fill(~visible, float("-inf"))
             assert length <= flash_attn_cuda._get_block_size_n(DEVICE, head_dim, False, causal)
             ref_numerators = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
             seqs = torch.arange(length - 1, batch, max_len, device=DEVICE)
-            torch.testing.assert_close(probs[seqs, :, :length, :length].float(), ref_numerators,
-                                       atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(
+                probs[seqs, :, :length, :length].float(), ref_numerators, atol=1e-2, rtol=1e-2
+            )
 
 
 def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
@@ -557,8 +740,8 @@ def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
             table[b, i] = block
             start = int(cu_k[b]) + i * page_size
             count = min(page_size, n - i * page_size)
-            k_cache[block, :count] = k[start:start + count]
-            v_cache[block, :count] = v[start:start + count]
+            k_cache[block, :count] = k[start : start + count]
+            v_cache[block, :count] = v[start : start + count]
     return k_cache, v_cache, table
 
 
@@ -576,10 +759,12 @@ def paged_kernel(fwd_kernel, page_size, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 5, 8, 16, 48, 256])
-@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
-                                                   (False, (40, 7), 5.0)])
-def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal, window, softcap,
-                                             fwd_kernel, monkeypatch):
+@pytest.mark.parametrize(
+    "causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (40, 7), 5.0)]
+)
+def test_varlen_fwd_paged_matches_contiguous(
+    dtype, head_dim, page_size, causal, window, softcap, fwd_kernel, monkeypatch
+):
     """Paged K/V (block_table) in the varlen forward, read in place by both
     kernels: the same output and lse as the contiguous keys on the same
     kernel, bitwise, and the CPU path's within rounding. Unused table entries
@@ -594,18 +779,34 @@ def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal,
     k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
     k_cache, v_cache, table = scatter_into_pages(k, v, cu_k, page_size)
-    args = (None, max_q, max_k, 0.0, head_dim ** -0.5, causal, window[0], window[1], softcap,
-            False, 0, 0, None)
+    args = (
+        None,
+        max_q,
+        max_k,
+        0.0,
+        head_dim**-0.5,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        False,
+        0,
+        0,
+        None,
+    )
     poison_allocator()
     out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, *args)
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, *args
+    )
     poison_allocator()
     out_paged, lse_paged, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args)
+        q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args
+    )
     assert torch.equal(out_paged, out)
     assert torch.equal(lse_paged, lse)
     out_cpu, lse_cpu, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, table, *args)
+        q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, table, *args
+    )
     torch.testing.assert_close(out_paged.cpu(), out_cpu, atol=2e-2, rtol=2e-2)
     finite = torch.isfinite(lse_cpu)
     assert torch.equal(torch.isinf(lse_paged.cpu()), ~finite)
@@ -615,8 +816,9 @@ def test_varlen_fwd_paged_matches_contiguous(dtype, head_dim, page_size, causal,
 @pytest.mark.parametrize("page_size", [5, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_fwd_paged_never_reads_unused_rows(page_size, head_dim, causal, fwd_kernel,
-                                                  monkeypatch):
+def test_varlen_fwd_paged_never_reads_unused_rows(
+    page_size, head_dim, causal, fwd_kernel, monkeypatch
+):
     """NaN and Inf in every cache row that is not a used key (the tail of each
     sequence's last page, the spare pages) and past seqused_k: the output and
     lse are bitwise those of a clean cache, on both kernels (FA3's issue
@@ -642,10 +844,30 @@ def test_varlen_fwd_paged_never_reads_unused_rows(page_size, head_dim, causal, f
     results = []
     for kc, vc in ((k_cache, v_cache), (bad_k, bad_v)):
         poison_allocator()
-        results.append(torch.ops.flash_attn.varlen_fwd(
-            q, kc, vc, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), None, max_q, max_k,
-            0.0, head_dim ** -0.5, causal, -1, -1, 0.0, False, 0, 0, None,
-            seqused_k=used.to(DEVICE))[:2])
+        results.append(
+            torch.ops.flash_attn.varlen_fwd(
+                q,
+                kc,
+                vc,
+                cu_q.to(DEVICE),
+                cu_k.to(DEVICE),
+                table.to(DEVICE),
+                None,
+                max_q,
+                max_k,
+                0.0,
+                head_dim**-0.5,
+                causal,
+                -1,
+                -1,
+                0.0,
+                False,
+                0,
+                0,
+                None,
+                seqused_k=used.to(DEVICE),
+            )[:2]
+        )
     assert torch.isfinite(results[1][0]).all()
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
@@ -660,10 +882,30 @@ def test_varlen_fwd_paged_cuda_graph_replay():
     k_cache = torch.randn(8, page_size, nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]], dtype=torch.int32, device=DEVICE)
+
     def call():
         return torch.ops.flash_attn.varlen_fwd(
-            q, k_cache, v_cache, cu_q, cu_k, table, None, 4, 40, 0.0, head_dim ** -0.5, True,
-            -1, 0, 0.0, False, 0, 0, None)[0]
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k,
+            table,
+            None,
+            4,
+            40,
+            0.0,
+            head_dim**-0.5,
+            True,
+            -1,
+            0,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )[0]
+
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -682,13 +924,14 @@ def test_fwd_dropout_matches_reference_mask(dtype, causal, dropout_p):
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 97, 133
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, 64, dtype)
     seed, offset = 1234567891234, 77
-    out, lse, probs, rng_state = run_fwd(q, k, v, causal=causal, dropout_p=dropout_p,
-                                         return_softmax=True, seed=seed, offset=offset)
+    out, lse, probs, rng_state = run_fwd(
+        q, k, v, causal=causal, dropout_p=dropout_p, return_softmax=True, seed=seed, offset=offset
+    )
     assert rng_state.tolist() == [seed, offset]
-    keep = reference.dropout_keep_mask_batch(seed, offset, batch, nheads, seqlen_q, seqlen_k,
-                                             dropout_p).to(DEVICE)
-    check_against_reference(q, k, v, out, lse, causal=causal, dropout_p=dropout_p,
-                            keep_mask=keep)
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
+    check_against_reference(q, k, v, out, lse, causal=causal, dropout_p=dropout_p, keep_mask=keep)
     # return_softmax encodes dropped entries as negative probabilities.
     visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
     dropped_visible = (probs < 0) & visible
@@ -725,7 +968,8 @@ def test_fwd_deterministic_and_matches_cpu(dtype):
     second = run_fwd(q, k, v, causal=True)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     cpu_out, cpu_lse, _, _ = torch.ops.flash_attn.fwd(
-        q.cpu(), k.cpu(), v.cpu(), None, 0.0, 128 ** -0.5, True, -1, -1, 0.0, False, 0, 0, None)
+        q.cpu(), k.cpu(), v.cpu(), None, 0.0, 128**-0.5, True, -1, -1, 0.0, False, 0, 0, None
+    )
     ref_out, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float32)
     # Both paths accumulate in fp32 from the same rounded inputs: they agree to
     # within the output's own rounding.
@@ -734,8 +978,9 @@ def test_fwd_deterministic_and_matches_cpu(dtype):
     assert (first[0].float() - ref_out).abs().max() < 5e-2
 
 
-@pytest.mark.parametrize("batch,seqlen,nheads,nheads_k,head_dim",
-                         [(2, 256, 4, 4, 64), (4, 1000, 8, 2, 128)])
+@pytest.mark.parametrize(
+    "batch,seqlen,nheads,nheads_k,head_dim", [(2, 256, 4, 4, 64), (4, 1000, 8, 2, 128)]
+)
 def test_fwd_cuda_graph_replay(batch, seqlen, nheads, nheads_k, head_dim):
     """A captured causal forward replays on new inputs. The second shape runs
     on sm90 the grid that takes its query blocks from a counter, which each
@@ -751,8 +996,9 @@ def test_fwd_cuda_graph_replay(batch, seqlen, nheads, nheads_k, head_dim):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = torch.ops.flash_attn.fwd(static_q, k, v, None, 0.0, head_dim ** -0.5, True,
-                                             -1, -1, 0.0, False, 0, 0, None)[0]
+        graph_out = torch.ops.flash_attn.fwd(
+            static_q, k, v, None, 0.0, head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None
+        )[0]
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, eager_out)
@@ -768,8 +1014,7 @@ def test_fwd_torch_compile_matches_eager():
     from flash_attn_cuda import flash_attn_func
 
     q, k, v = random_qkv(2, 128, 128, 4, 4, 64, torch.bfloat16)
-    compiled = torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True),
-                             fullgraph=True)
+    compiled = torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True), fullgraph=True)
     assert torch.equal(compiled(q, k, v), flash_attn_func(q, k, v, causal=True))
 
 
@@ -779,8 +1024,9 @@ def test_fwd_batch_heads_over_65535(causal, fwd_kernel):
     q, k, v = random_qkv(batch, 3, 5, nheads, nheads, 32, torch.float16)
     out, lse, _, _ = run_fwd(q, k, v, causal=causal)
     for b in (0, batch // 2, batch - 1):
-        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1], lse[b:b + 1],
-                                causal=causal)
+        check_against_reference(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], out[b : b + 1], lse[b : b + 1], causal=causal
+        )
 
 
 def test_fwd_tensor_over_2_pow_31_elements():
@@ -792,11 +1038,13 @@ def test_fwd_tensor_over_2_pow_31_elements():
     batch = (1 << 31) // (seqlen * nheads * head_dim) + 1
     q, k, v = random_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, torch.bfloat16)
     assert q.numel() > 1 << 31
-    out, lse, _, _ = torch.ops.flash_attn.fwd(q, k, v, None, 0.0, head_dim ** -0.5, True, -1, -1,
-                                             0.0, False, 0, 0, None)
+    out, lse, _, _ = torch.ops.flash_attn.fwd(
+        q, k, v, None, 0.0, head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None
+    )
     for b in (0, batch - 1):
-        check_against_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], out[b:b + 1],
-                                lse[b:b + 1], causal=True)
+        check_against_reference(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], out[b : b + 1], lse[b : b + 1], causal=True
+        )
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 10), (10, 0), (0, 0)])

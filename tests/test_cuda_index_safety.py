@@ -102,8 +102,11 @@ def _good_call_still_works():
     q, k, v = (torch.randn(2, 33, 2, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
     out = flash_attn_cuda.flash_attn_func(q, k, v, causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-        is_causal=True).transpose(1, 2)
+        q.transpose(1, 2).float(),
+        k.transpose(1, 2).float(),
+        v.transpose(1, 2).float(),
+        is_causal=True,
+    ).transpose(1, 2)
     assert (out.float() - ref).abs().max().item() < 2e-2
     check_index_errors()  # nothing recorded
 
@@ -111,11 +114,30 @@ def _good_call_still_works():
 # ----------------------------------------------------------------------------- varlen
 
 
-def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 block_table=None, causal=False, seqused_k=None):
+def _varlen_call(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    block_table=None,
+    causal=False,
+    seqused_k=None,
+):
     return flash_attn_cuda.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        block_table=block_table, seqused_k=seqused_k)
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        block_table=block_table,
+        seqused_k=seqused_k,
+    )
 
 
 def _packed(rows, nheads=2):
@@ -124,17 +146,27 @@ def _packed(rows, nheads=2):
 
 VARLEN_CASES = {
     # The report: a write past the output.
-    "past_rows": (dict(cu_q=[0, 100, 4096], cu_k=[0, 100, 4096], max_q=4096, max_k=4096),
-                  "cu_seqlens_q[2] = 4096 exceeds the number of rows of its tensor (256)"),
-    "past_rows_k_only": (dict(cu_q=[0, 100, 200], cu_k=[0, 100, 300], max_q=128, max_k=256),
-                         "cu_seqlens_k[2] = 300 exceeds the number of rows"),
-    "decreasing": (dict(cu_q=[0, 120, 60], cu_k=[0, 120, 60], max_q=128, max_k=128),
-                   "cu_seqlens_q must be non-decreasing"),
-    "first_negative": (dict(cu_q=[-64, 100, 200], cu_k=[0, 100, 200], max_q=256, max_k=256),
-                       "cu_seqlens_q[0] must be >= 0, got -64"),
-    "longer_than_max": (dict(cu_q=[0, 100, 150], cu_k=[0, 100, 150], max_q=64, max_k=128),
-                        "sequence 0 has length 100 according to cu_seqlens_q, more than the "
-                        "max_seqlen given for it (64)"),
+    "past_rows": (
+        dict(cu_q=[0, 100, 4096], cu_k=[0, 100, 4096], max_q=4096, max_k=4096),
+        "cu_seqlens_q[2] = 4096 exceeds the number of rows of its tensor (256)",
+    ),
+    "past_rows_k_only": (
+        dict(cu_q=[0, 100, 200], cu_k=[0, 100, 300], max_q=128, max_k=256),
+        "cu_seqlens_k[2] = 300 exceeds the number of rows",
+    ),
+    "decreasing": (
+        dict(cu_q=[0, 120, 60], cu_k=[0, 120, 60], max_q=128, max_k=128),
+        "cu_seqlens_q must be non-decreasing",
+    ),
+    "first_negative": (
+        dict(cu_q=[-64, 100, 200], cu_k=[0, 100, 200], max_q=256, max_k=256),
+        "cu_seqlens_q[0] must be >= 0, got -64",
+    ),
+    "longer_than_max": (
+        dict(cu_q=[0, 100, 150], cu_k=[0, 100, 150], max_q=64, max_k=128),
+        "sequence 0 has length 100 according to cu_seqlens_q, more than the "
+        "max_seqlen given for it (64)",
+    ),
 }
 
 
@@ -143,9 +175,16 @@ VARLEN_CASES = {
 def test_varlen_forward_bad_cu_seqlens(case, causal):
     spec, pattern = VARLEN_CASES[case]
     q, k, v = _packed(256)
-    kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=_int32(spec["cu_q"]),
-                  cu_seqlens_k=_int32(spec["cu_k"]), max_seqlen_q=spec["max_q"],
-                  max_seqlen_k=spec["max_k"], causal=causal)
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=_int32(spec["cu_q"]),
+        cu_seqlens_k=_int32(spec["cu_k"]),
+        max_seqlen_q=spec["max_q"],
+        max_seqlen_k=spec["max_k"],
+        causal=causal,
+    )
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
 
@@ -157,20 +196,48 @@ def test_varlen_backward_bad_cu_seqlens(case):
 
     def backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k):
         return torch.ops.flash_attn.varlen_bwd(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, spec["max_q"],
-            spec["max_k"], 0.0, HEAD_DIM ** -0.5, False, -1, -1, 0.0, False, None)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            None,
+            spec["max_q"],
+            spec["max_k"],
+            0.0,
+            HEAD_DIM**-0.5,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            None,
+        )
 
     out = torch.randn_like(q)
     lse = torch.randn(q.shape[1], q.shape[0], device="cuda", dtype=torch.float32)
-    kwargs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=torch.randn_like(q),
-                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse,
+        dout=torch.randn_like(q),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )
     _expect_cuda_error(backward, kwargs, pattern)
 
 
 # seqused_k[b] must lie in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]; one bad value per case.
 SEQUSED_CASES = {
-    "past_sequence": ([64, 200], "seqused_k[1] = 200 must be in [0, 100] (the keys cu_seqlens_k "
-                                 "gives sequence 1)"),
+    "past_sequence": (
+        [64, 200],
+        "seqused_k[1] = 200 must be in [0, 100] (the keys cu_seqlens_k gives sequence 1)",
+    ),
     "negative": ([-3, 100], "seqused_k[0] = -3 must be in [0, 100]"),
 }
 
@@ -181,8 +248,17 @@ def test_varlen_forward_bad_seqused_k(case, causal):
     used, pattern = SEQUSED_CASES[case]
     q, k, v = _packed(256)
     cu = _int32([0, 100, 200])
-    kwargs = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=128,
-                  max_seqlen_k=128, causal=causal, seqused_k=_int32(used))
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=128,
+        max_seqlen_k=128,
+        causal=causal,
+        seqused_k=_int32(used),
+    )
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
 
@@ -193,35 +269,75 @@ def test_varlen_backward_bad_seqused_k(case):
 
     def backward(q, k, v, out, lse, dout, cu_seqlens, seqused_k):
         return torch.ops.flash_attn.varlen_bwd(
-            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, None, 128, 128, 0.0,
-            HEAD_DIM ** -0.5, False, -1, -1, 0.0, False, None, seqused_k=seqused_k)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens,
+            cu_seqlens,
+            None,
+            128,
+            128,
+            0.0,
+            HEAD_DIM**-0.5,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            None,
+            seqused_k=seqused_k,
+        )
 
     lse = torch.randn(q.shape[1], q.shape[0], device="cuda", dtype=torch.float32)
-    kwargs = dict(q=q, k=k, v=v, out=torch.randn_like(q), lse=lse, dout=torch.randn_like(q),
-                  cu_seqlens=_int32([0, 100, 200]), seqused_k=_int32(used))
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        out=torch.randn_like(q),
+        lse=lse,
+        dout=torch.randn_like(q),
+        cu_seqlens=_int32([0, 100, 200]),
+        seqused_k=_int32(used),
+    )
     _expect_cuda_error(backward, kwargs, pattern)
 
 
 def _paged_varlen(table, cu_k, max_k, pages=4, page_size=16):
-    q, = _packed(64)[:1]
+    (q,) = _packed(64)[:1]
     k_cache = torch.randn(pages, page_size, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
-    return dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=_int32([0, 32, 64]),
-                cu_seqlens_k=_int32(cu_k), max_seqlen_q=32, max_seqlen_k=max_k,
-                block_table=_int32(table))
+    return dict(
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        cu_seqlens_q=_int32([0, 32, 64]),
+        cu_seqlens_k=_int32(cu_k),
+        max_seqlen_q=32,
+        max_seqlen_k=max_k,
+        block_table=_int32(table),
+    )
 
 
 @pytest.mark.parametrize("case", ["entry_past_pool", "negative_entry", "table_too_narrow"])
 def test_paged_varlen_bad_block_table(case):
     if case == "entry_past_pool":
-        kwargs, pattern = _paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32), \
-            "block_table[1, 1] = 1000 is not a valid block index in [0, 4)"
+        kwargs, pattern = (
+            _paged_varlen([[0, 1], [2, 1000]], [0, 32, 64], 32),
+            "block_table[1, 1] = 1000 is not a valid block index in [0, 4)",
+        )
     elif case == "negative_entry":
-        kwargs, pattern = _paged_varlen([[0, -3], [2, 3]], [0, 32, 64], 32), \
-            "block_table[0, 1] = -3 is not a valid block index"
+        kwargs, pattern = (
+            _paged_varlen([[0, -3], [2, 3]], [0, 32, 64], 32),
+            "block_table[0, 1] = -3 is not a valid block index",
+        )
     else:
-        kwargs, pattern = _paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48), \
-            "sequence 1 has 48 keys, which need 3 blocks of page_size 16, but block_table has only 2"
+        kwargs, pattern = (
+            _paged_varlen([[0, 1], [2, 3]], [0, 32, 80], 48),
+            "sequence 1 has 48 keys, which need 3 blocks of page_size 16, but block_table has only 2",
+        )
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
 
@@ -252,13 +368,36 @@ def _guarded_cache(shape, sentinel=7.0):
     return buffer, cache
 
 
-def _kvcache_call(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                  cache_batch_idx=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                  causal=False, num_splits=0):
+def _kvcache_call(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    cache_seqlens=None,
+    block_table=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    causal=False,
+    num_splits=0,
+):
     return flash_attn_cuda.flash_attn_with_kvcache(
-        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, causal=causal, num_splits=num_splits)
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        causal=causal,
+        num_splits=num_splits,
+    )
 
 
 def _kvcache_case(case):
@@ -272,12 +411,15 @@ def _kvcache_case(case):
             pattern = "block_table[0, 1] = 1000 is not a valid block index in [0, 4)"
         elif case == "seqlens_past_table":
             kwargs = dict(block_table=_int32([[0]]), cache_seqlens=_int32([257]))
-            pattern = "cache_seqlens[0] = 257 must be in [0, 256] (the cache length: the rows " \
-                      "block_table addresses"
+            pattern = (
+                "cache_seqlens[0] = 257 must be in [0, 256] (the cache length: the rows "
+                "block_table addresses"
+            )
         else:
             new = torch.randn(1, 1, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
-            kwargs = dict(block_table=_int32([[0]]), cache_seqlens=_int32([256]), k=new,
-                          v=new.clone())
+            kwargs = dict(
+                block_table=_int32([[0]]), cache_seqlens=_int32([256]), k=new, v=new.clone()
+            )
             pattern = "cache_seqlens[0] + seqlen_new = 256 + 1 must fit in the cache"
     else:
         batch = 2
@@ -298,8 +440,9 @@ def _kvcache_case(case):
             kwargs = dict(cache_seqlens=_int32([3, 5]), cache_batch_idx=_int32([7, 0]))
             pattern = "cache_batch_idx[0] = 7 must be in [0, 2)"
         elif case == "batch_idx_negative_with_append":
-            kwargs = dict(cache_seqlens=_int32([3, 5]), cache_batch_idx=_int32([0, -1]), k=new,
-                          v=new.clone())
+            kwargs = dict(
+                cache_seqlens=_int32([3, 5]), cache_batch_idx=_int32([0, -1]), k=new, v=new.clone()
+            )
             pattern = "cache_batch_idx[1] = -1 must be in [0, 2)"
         elif case == "leftpad_past_seqlens":
             kwargs = dict(cache_seqlens=_int32([10, 5]), cache_leftpad=_int32([0, 6]))
@@ -310,9 +453,14 @@ def _kvcache_case(case):
             # rows, though the 4 new keys (positions 124..127) fit.
             q = torch.randn(batch, 8, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
             angle = torch.rand(128, HEAD_DIM // 4, device="cuda") * math.pi
-            kwargs = dict(cache_seqlens=_int32([124, 0]), k=new, v=new.clone(),
-                          rotary_cos=angle.cos().to(DTYPE), rotary_sin=angle.sin().to(DTYPE),
-                          causal=True)
+            kwargs = dict(
+                cache_seqlens=_int32([124, 0]),
+                k=new,
+                v=new.clone(),
+                rotary_cos=angle.cos().to(DTYPE),
+                rotary_sin=angle.sin().to(DTYPE),
+                causal=True,
+            )
             pattern = "rotary_cos / rotary_sin have 128 rows, but batch 0 needs position 131"
         else:
             raise AssertionError(case)
@@ -320,10 +468,18 @@ def _kvcache_case(case):
     return kwargs, (k_buf, v_buf), pattern
 
 
-KVCACHE_CASES = ["table_entry_1000", "seqlens_past_table", "append_past_table",
-                 "append_past_contiguous", "seqlens_past_cache", "seqlens_negative",
-                 "batch_idx_7", "batch_idx_negative_with_append", "leftpad_past_seqlens",
-                 "rotary_past_tables"]
+KVCACHE_CASES = [
+    "table_entry_1000",
+    "seqlens_past_table",
+    "append_past_table",
+    "append_past_contiguous",
+    "seqlens_past_cache",
+    "seqlens_negative",
+    "batch_idx_7",
+    "batch_idx_negative_with_append",
+    "leftpad_past_seqlens",
+    "rotary_past_tables",
+]
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])

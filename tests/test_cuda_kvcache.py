@@ -40,8 +40,10 @@ MODES = {  # seqlen_new, rotary
 
 
 def to_device(args, device=DEVICE):
-    return {name: value.to(device) if isinstance(value, torch.Tensor) else value
-            for name, value in args.items()}
+    return {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in args.items()
+    }
 
 
 def poison_allocator(nbytes=1 << 26):
@@ -109,18 +111,37 @@ def check_all(args, got, seqlen_new, rotary):
 @pytest.mark.parametrize("seqlen_q", [1, 3, 16])
 def test_matches_reference(dtype, causal, mode, heads, seqlen_q):
     seqlen_new, rotary = MODES[mode]
-    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=301, nheads=heads[0],
-                       nheads_k=heads[1], head_dim=128, dtype=dtype, seqlen_new=seqlen_new,
-                       rotary=rotary, causal=causal)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=seqlen_q,
+        capacity=301,
+        nheads=heads[0],
+        nheads_k=heads[1],
+        head_dim=128,
+        dtype=dtype,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        causal=causal,
+    )
     check_all(args, run_cuda(args), seqlen_new, rotary)
 
 
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_head_dims(head_dim, dtype):
-    args = make_inputs(batch=2, seqlen_q=2, capacity=203, nheads=8, nheads_k=2,
-                       head_dim=head_dim, dtype=dtype, seqlen_new=2, rotary="neox",
-                       rotary_dim=head_dim // 2 if head_dim % 4 == 0 else head_dim, causal=True)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=2,
+        capacity=203,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=dtype,
+        seqlen_new=2,
+        rotary="neox",
+        rotary_dim=head_dim // 2 if head_dim % 4 == 0 else head_dim,
+        causal=True,
+    )
     check_all(args, run_cuda(args), 2, "neox")
 
 
@@ -132,9 +153,18 @@ def test_kernel_variant_boundary(head_dim, seqlen_q, num_splits):
     # split-KV kernel's decode variant (warps along the keys) takes up to 16
     # rows at head dims 64 and 128, 32 at 96 and 256; more rows go to the
     # 64-row variant. Both sides of each boundary, with and without splits.
-    args = make_inputs(batch=2, seqlen_q=seqlen_q, capacity=333, nheads=16, nheads_k=2,
-                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=seqlen_q,
-                       rotary="neox", causal=True)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=seqlen_q,
+        capacity=333,
+        nheads=16,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_q,
+        rotary="neox",
+        causal=True,
+    )
     check_all(args, run_cuda(args, num_splits=num_splits), seqlen_q, "neox")
 
 
@@ -146,15 +176,27 @@ def test_long_runs_one_block_per_sm(head_dim, num_splits):
     # (splitkv_launch_smem_bytes), whose extra bytes the kernel never touches.
     tile = {64: 128, 128: 64, 256: 32}[head_dim]
     capacity = 128 * tile * num_splits + 37
-    args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=8, nheads_k=2,
-                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
+    args = make_inputs(
+        batch=2,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+        rotary="neox",
+    )
     args["cache_seqlens"] = torch.tensor([capacity - 1, capacity // 3], dtype=torch.int32)
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
 
 
 @pytest.mark.parametrize("num_splits", [0, 1])
-@pytest.mark.parametrize("capacity,waves", [(300, 2), (1100, 2), (4200, 2), (4200, 5)],
-                         ids=["few_tiles", "17_tiles", "66_tiles", "66_tiles_5_waves"])
+@pytest.mark.parametrize(
+    "capacity,waves",
+    [(300, 2), (1100, 2), (4200, 2), (4200, 5)],
+    ids=["few_tiles", "17_tiles", "66_tiles", "66_tiles_5_waves"],
+)
 def test_grid_beyond_two_blocks_per_sm(num_splits, capacity, waves):
     # More (batch, kv head) items over a contiguous cache than two blocks per
     # SM hold at once: items of fewer than 16 key tiles run two blocks per SM
@@ -165,8 +207,17 @@ def test_grid_beyond_two_blocks_per_sm(num_splits, capacity, waves):
     # (append_in_attention_fits).
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (waves * sm_count) // 8 + 1  # 8 kv heads: (waves x SMs) items and a few more
-    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
-                       head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
+    args = make_inputs(
+        batch=batch,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=32,
+        nheads_k=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+        rotary="neox",
+    )
     args["cache_seqlens"] = torch.randint(1, capacity, (batch,), dtype=torch.int32)
     check_all(args, run_cuda(args, num_splits=num_splits), 1, "neox")
 
@@ -206,14 +257,24 @@ def test_persistent_grid(case, num_splits):
     seqlen_new = options.get("seqlen_new", 0)
     rotary = options.get("rotary")
     batch_cache = batch + 3 if options.get("batch_idx") else None
-    cache_batch_idx = (torch.randperm(batch_cache)[:batch].to(torch.int32)
-                       if options.get("batch_idx") else None)
-    args = make_inputs(batch=batch, seqlen_q=options.get("seqlen_q", 1), capacity=capacity,
-                       nheads=4 * nheads_k, nheads_k=nheads_k, head_dim=head_dim,
-                       dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary,
-                       batch_cache=batch_cache, cache_batch_idx=cache_batch_idx,
-                       causal=options.get("causal", False),
-                       window=options.get("window", (-1, -1)))
+    cache_batch_idx = (
+        torch.randperm(batch_cache)[:batch].to(torch.int32) if options.get("batch_idx") else None
+    )
+    args = make_inputs(
+        batch=batch,
+        seqlen_q=options.get("seqlen_q", 1),
+        capacity=capacity,
+        nheads=4 * nheads_k,
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        batch_cache=batch_cache,
+        cache_batch_idx=cache_batch_idx,
+        causal=options.get("causal", False),
+        window=options.get("window", (-1, -1)),
+    )
     room = max(seqlen_new, args["q"].shape[1] if rotary else 0)
     lengths = torch.randint(0, capacity - room + 1, (batch,), dtype=torch.int32)
     lengths[:6] = torch.tensor([0, 1, 2, 0, capacity - room, 63], dtype=torch.int32)
@@ -230,16 +291,27 @@ def test_persistent_grid(case, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("batch, nheads_k", [(3, 2), (2, 8), (3, 1), (5, 3)],
-                         ids=["clusters_6", "clusters_16", "odd_3", "odd_15"])
+@pytest.mark.parametrize(
+    "batch, nheads_k",
+    [(3, 2), (2, 8), (3, 1), (5, 3)],
+    ids=["clusters_6", "clusters_16", "odd_3", "odd_15"],
+)
 def test_cluster_launch(batch, nheads_k, num_splits):
     # On sm90 the decode variant over a contiguous cache is launched in
     # clusters of 2 blocks along (batch, kv head) when batch * nheads_k is
     # even, and without clusters when it is odd (splitkv_cluster_x); both
     # must give the same results. Before sm90 there are no clusters.
     capacity = 700
-    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=4 * nheads_k,
-                       nheads_k=nheads_k, head_dim=128, dtype=torch.bfloat16, seqlen_new=1)
+    args = make_inputs(
+        batch=batch,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=4 * nheads_k,
+        nheads_k=nheads_k,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+    )
     args["cache_seqlens"] = torch.randint(1, capacity - 1, (batch,), dtype=torch.int32)
     check_all(args, run_cuda(args, num_splits=num_splits), 1, None)
 
@@ -253,12 +325,22 @@ def test_row_max_moves_at_chosen_tiles(profile, num_splits):
     # falling scores move it in every tile, and one large score at key 5 moves
     # it only in the last tile (or last split).
     capacity, head_dim = 1500, 128
-    args = make_inputs(batch=2, seqlen_q=1, capacity=capacity, nheads=8, nheads_k=2,
-                       head_dim=head_dim, dtype=torch.bfloat16)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
     direction = torch.randint(0, 2, (head_dim,)).float() * 2 - 1
     position = torch.arange(capacity, dtype=torch.float32) / capacity
-    strength = {"rising": 4 * position, "falling": 4 * (1 - position),
-                "late_spike": torch.zeros(capacity).index_fill_(0, torch.tensor([5]), 8.0)}[profile]
+    strength = {
+        "rising": 4 * position,
+        "falling": 4 * (1 - position),
+        "late_spike": torch.zeros(capacity).index_fill_(0, torch.tensor([5]), 8.0),
+    }[profile]
     keys = strength[None, :, None, None] * direction + 0.1 * torch.randn(2, capacity, 2, head_dim)
     args["q"] = (0.1 * direction).expand(2, 1, 8, head_dim).to(torch.bfloat16).contiguous()
     args["k_cache"] = keys.to(torch.bfloat16)
@@ -270,9 +352,19 @@ def test_row_max_moves_at_chosen_tiles(profile, num_splits):
 @pytest.mark.parametrize("rotary_dim", [16, 48, 64])
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
 def test_cache_contents_after_append(rotary, rotary_dim, page_size):
-    args = make_inputs(batch=3, seqlen_q=2, capacity=131, nheads=4, nheads_k=2, head_dim=64,
-                       dtype=torch.bfloat16, seqlen_new=6, rotary=rotary, rotary_dim=rotary_dim,
-                       page_size=page_size)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=2,
+        capacity=131,
+        nheads=4,
+        nheads_k=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        seqlen_new=6,
+        rotary=rotary,
+        rotary_dim=rotary_dim,
+        page_size=page_size,
+    )
     check_all(args, run_cuda(args), 6, rotary)
 
 
@@ -292,12 +384,23 @@ def test_append_in_attention_and_before(seqlen_new, rotary, page_size, num_split
     # write a part; one entry's new rows (or its q positions) reach the
     # cache's end.
     capacity = 600
-    args = make_inputs(batch=4, seqlen_q=2, capacity=capacity, nheads=8, nheads_k=2,
-                       head_dim=128, dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary,
-                       page_size=page_size, causal=True)
+    args = make_inputs(
+        batch=4,
+        seqlen_q=2,
+        capacity=capacity,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        page_size=page_size,
+        causal=True,
+    )
     capacity = args["block_table"].shape[1] * page_size if page_size else capacity
     args["cache_seqlens"] = torch.tensor(
-        [128 - seqlen_new // 2, 0, 317, capacity - max(seqlen_new, 2)], dtype=torch.int32)
+        [128 - seqlen_new // 2, 0, 317, capacity - max(seqlen_new, 2)], dtype=torch.int32
+    )
     check_all(args, run_cuda(args, num_splits=num_splits), seqlen_new, rotary)
 
 
@@ -309,8 +412,9 @@ def unaligned_copy(table):
 
 
 @pytest.mark.parametrize("rotary", ["interleaved", "neox"])
-@pytest.mark.parametrize("case", ["dim32", "dim40", "dim8", "tables_unaligned",
-                                  "window_sees_new", "window_hides_new"])
+@pytest.mark.parametrize(
+    "case", ["dim32", "dim40", "dim8", "tables_unaligned", "window_sees_new", "window_hides_new"]
+)
 def test_append_in_attention_rules(rotary, case):
     # The attention kernel rotates 16-element units it copied 16 bytes at a
     # time, and loads only the new keys of the tiles it attends to: rotary
@@ -321,9 +425,19 @@ def test_append_in_attention_rules(rotary, case):
     # that leave part of each head unrotated.
     rotary_dim = {"dim32": 32, "dim40": 40, "dim8": 8}.get(case, 64)
     window = {"window_sees_new": (5, 0), "window_hides_new": (2, 0)}.get(case, (-1, -1))
-    args = make_inputs(batch=3, seqlen_q=1, capacity=300, nheads=8, nheads_k=2, head_dim=128,
-                       dtype=torch.bfloat16, seqlen_new=6, rotary=rotary, rotary_dim=rotary_dim,
-                       window=window)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=1,
+        capacity=300,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=6,
+        rotary=rotary,
+        rotary_dim=rotary_dim,
+        window=window,
+    )
     args["cache_seqlens"] = torch.tensor([0, 61, 294], dtype=torch.int32)
     overrides = {}
     if case == "tables_unaligned":
@@ -340,8 +454,18 @@ def test_append_in_attention_rules(rotary, case):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_matches_contiguous(dtype, page_size, num_splits):
     capacity = 2 * 256 if page_size == 256 else page_size * math.ceil(300 / page_size)
-    args = make_inputs(batch=3, seqlen_q=2, capacity=capacity, nheads=16, nheads_k=4,
-                       head_dim=128, dtype=dtype, seqlen_new=2, rotary="neox", causal=True)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=2,
+        capacity=capacity,
+        nheads=16,
+        nheads_k=4,
+        head_dim=128,
+        dtype=dtype,
+        seqlen_new=2,
+        rotary="neox",
+        causal=True,
+    )
     # Lengths crossing page and tile boundaries, one reaching the last page.
     args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
     paged = dict(args)
@@ -366,10 +490,20 @@ def test_decode_batch_default_splits(page_size):
     the rounding of the split merge, not bit for bit (test_paged_matches_contiguous
     compares bits at equal split counts)."""
     capacity = 2048
-    args = make_inputs(batch=8, seqlen_q=1, capacity=capacity, nheads=32, nheads_k=8,
-                       head_dim=128, dtype=torch.bfloat16, seqlen_new=1, rotary="neox")
-    args["cache_seqlens"] = torch.tensor([capacity - 1, 0, 700, 1500, 64, 1023, 1919, 333],
-                                         dtype=torch.int32)
+    args = make_inputs(
+        batch=8,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=32,
+        nheads_k=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+        rotary="neox",
+    )
+    args["cache_seqlens"] = torch.tensor(
+        [capacity - 1, 0, 700, 1500, 64, 1023, 1919, 333], dtype=torch.int32
+    )
     paged = dict(args)
     page_cache(paged, page_size)
     contiguous = run_cuda(args)
@@ -386,9 +520,18 @@ def test_any_page_size(page_size, num_splits):
     one, so a page boundary may fall anywhere in a thread's rows of a tile.
     Append and rotary write through the same table."""
     capacity = page_size * math.ceil(300 / page_size)
-    args = make_inputs(batch=3, seqlen_q=2, capacity=capacity, nheads=16, nheads_k=4,
-                       head_dim=128, dtype=torch.bfloat16, seqlen_new=2, rotary="neox",
-                       causal=True)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=2,
+        capacity=capacity,
+        nheads=16,
+        nheads_k=4,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=2,
+        rotary="neox",
+        causal=True,
+    )
     args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
     paged = dict(args)
     page_cache(paged, page_size)
@@ -407,9 +550,18 @@ def test_any_page_size(page_size, num_splits):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("capacity", [63, 1000, 2049])
 def test_num_splits_agree(dtype, causal, capacity):
-    args = make_inputs(batch=2, seqlen_q=4, capacity=capacity, nheads=32, nheads_k=8,
-                       head_dim=128, dtype=dtype, seqlen_new=4, rotary="interleaved",
-                       causal=causal)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=4,
+        capacity=capacity,
+        nheads=32,
+        nheads_k=8,
+        head_dim=128,
+        dtype=dtype,
+        seqlen_new=4,
+        rotary="interleaved",
+        causal=causal,
+    )
     results = {n: run_cuda(args, num_splits=n) for n in (0, 1, 2, 3, 8, 128)}
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     first = results[1]
@@ -426,9 +578,18 @@ def test_many_splits_every_head_dim(head_dim):
     # The combine kernel spreads a row's splits over groups of threads whose
     # count depends on the head dim (96: 5 groups, 160: 3, 256: 2); 60+ splits
     # also take its path for more splits than one round of loads covers.
-    args = make_inputs(batch=1, seqlen_q=1, capacity=2000, nheads=8, nheads_k=2,
-                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=0, rotary=None,
-                       causal=False)
+    args = make_inputs(
+        batch=1,
+        seqlen_q=1,
+        capacity=2000,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=0,
+        rotary=None,
+        causal=False,
+    )
     args["cache_seqlens"] = torch.tensor([1999], dtype=torch.int32)
     single = run_cuda(args, num_splits=1)
     many = run_cuda(args, num_splits=128)
@@ -439,8 +600,17 @@ def test_many_splits_every_head_dim(head_dim):
 
 @pytest.mark.parametrize("seqlen_new", [0, 2])
 def test_per_batch_lengths_with_empty_sequence(seqlen_new):
-    args = make_inputs(batch=4, seqlen_q=3, capacity=333, nheads=8, nheads_k=2, head_dim=64,
-                       dtype=torch.bfloat16, seqlen_new=seqlen_new, causal=True)
+    args = make_inputs(
+        batch=4,
+        seqlen_q=3,
+        capacity=333,
+        nheads=8,
+        nheads_k=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_new,
+        causal=True,
+    )
     args["cache_seqlens"] = torch.tensor([0, 1, 129, 331 - seqlen_new], dtype=torch.int32)
     for num_splits in (1, 4):
         got = run_cuda(args, num_splits=num_splits)
@@ -451,8 +621,9 @@ def test_per_batch_lengths_with_empty_sequence(seqlen_new):
 
 
 def test_cache_seqlens_none_attends_whole_cache():
-    args = make_inputs(batch=2, seqlen_q=3, capacity=190, head_dim=64, dtype=torch.bfloat16,
-                       causal=True)
+    args = make_inputs(
+        batch=2, seqlen_q=3, capacity=190, head_dim=64, dtype=torch.bfloat16, causal=True
+    )
     args["cache_seqlens"] = None
     got = run_cuda(args)
     check_all(args, got, 0, None)
@@ -465,10 +636,20 @@ def test_cache_seqlens_none_attends_whole_cache():
 @pytest.mark.parametrize("seqlen_new", [0, 4])
 def test_cache_batch_idx(seqlen_new):
     cache_batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32)
-    args = make_inputs(batch=3, seqlen_q=4, capacity=223, batch_cache=5, nheads=8, nheads_k=4,
-                       head_dim=128, cache_batch_idx=cache_batch_idx, dtype=torch.bfloat16,
-                       seqlen_new=seqlen_new, rotary="interleaved" if seqlen_new else None,
-                       causal=True)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=4,
+        capacity=223,
+        batch_cache=5,
+        nheads=8,
+        nheads_k=4,
+        head_dim=128,
+        cache_batch_idx=cache_batch_idx,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_new,
+        rotary="interleaved" if seqlen_new else None,
+        causal=True,
+    )
     got = run_cuda(args)
     check_all(args, got, seqlen_new, "interleaved" if seqlen_new else None)
     for unused in (1, 3):
@@ -481,9 +662,19 @@ def test_cache_batch_idx(seqlen_new):
 @pytest.mark.parametrize("num_splits", [1, 0])
 def test_cache_leftpad(causal, mode, num_splits):
     seqlen_new, rotary = MODES[mode]
-    args = make_inputs(batch=4, seqlen_q=3, capacity=270, nheads=8, nheads_k=2, head_dim=64,
-                       dtype=torch.bfloat16, seqlen_new=seqlen_new, rotary=rotary, leftpad=True,
-                       causal=causal)
+    args = make_inputs(
+        batch=4,
+        seqlen_q=3,
+        capacity=270,
+        nheads=8,
+        nheads_k=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        leftpad=True,
+        causal=causal,
+    )
     args["cache_leftpad"][1] = args["cache_seqlens"][1]
     args["num_splits"] = num_splits
     check_all(args, run_cuda(args), seqlen_new, rotary)
@@ -507,28 +698,50 @@ WINDOWS = {
 @pytest.mark.parametrize("window", list(WINDOWS))
 def test_causal_and_local(seqlen_q, window):
     causal, (left, right) = WINDOWS[window]
-    args = make_inputs(batch=3, seqlen_q=seqlen_q, capacity=400, nheads=8, nheads_k=2,
-                       head_dim=64, dtype=torch.bfloat16, seqlen_new=seqlen_q,
-                       rotary="interleaved", causal=causal, window=(left, right))
+    args = make_inputs(
+        batch=3,
+        seqlen_q=seqlen_q,
+        capacity=400,
+        nheads=8,
+        nheads_k=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        seqlen_new=seqlen_q,
+        rotary="interleaved",
+        causal=causal,
+        window=(left, right),
+    )
     for num_splits in (1, 3):
-        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
-                  seqlen_q, "interleaved")
+        check_all(
+            dict(args, num_splits=num_splits),
+            run_cuda(args, num_splits=num_splits),
+            seqlen_q,
+            "interleaved",
+        )
 
 
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("alibi", [None, "per_head", "per_batch_head"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softcap_and_alibi(softcap, alibi, causal):
-    args = make_inputs(batch=3, seqlen_q=4, capacity=300, nheads=8, nheads_k=2, head_dim=128,
-                       dtype=torch.bfloat16, seqlen_new=2, causal=causal)
+    args = make_inputs(
+        batch=3,
+        seqlen_q=4,
+        capacity=300,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=2,
+        causal=causal,
+    )
     args["softcap"] = softcap
     if alibi == "per_head":
         args["alibi_slopes"] = torch.rand(8) * 0.5
     elif alibi == "per_batch_head":
         args["alibi_slopes"] = torch.rand(3, 8) * 0.5
     for num_splits in (1, 4):
-        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
-                  2, None)
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits), 2, None)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
@@ -537,28 +750,53 @@ def test_negative_softmax_scale(softcap, causal):
     """A negative scale (legal, if odd) flips which score is a row's max; the
     kernels that fold the scale into exp2 would track the wrong one, so such a
     call takes the variant that scales each score first."""
-    args = make_inputs(batch=2, seqlen_q=3, capacity=300, nheads=8, nheads_k=2, head_dim=128,
-                       dtype=torch.bfloat16, seqlen_new=2, causal=causal)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=3,
+        capacity=300,
+        nheads=8,
+        nheads_k=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        seqlen_new=2,
+        causal=causal,
+    )
     args["softcap"] = softcap
     args["softmax_scale"] = -0.3
     for num_splits in (1, 4):
-        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits),
-                  2, None)
+        check_all(dict(args, num_splits=num_splits), run_cuda(args, num_splits=num_splits), 2, None)
 
 
 def test_strided_views_append_into_shared_storage():
     batch, capacity, nheads, nheads_k, head_dim, seqlen_new = 2, 224, 8, 2, 64, 3
-    qkv = torch.randn(batch, seqlen_new, nheads + 2 * nheads_k, head_dim, dtype=torch.bfloat16,
-                      device=DEVICE)
+    qkv = torch.randn(
+        batch, seqlen_new, nheads + 2 * nheads_k, head_dim, dtype=torch.bfloat16, device=DEVICE
+    )
     q, k, v = qkv.split([nheads, nheads_k, nheads_k], dim=2)
-    kv_cache = torch.randn(batch, capacity, 2, nheads_k, head_dim, dtype=torch.bfloat16,
-                           device=DEVICE)
-    args = dict(q=q, k_cache=kv_cache[:, :, 0], v_cache=kv_cache[:, :, 1], k=k, v=v,
-                cache_seqlens=torch.tensor([5, 130], dtype=torch.int32, device=DEVICE),
-                rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None,
-                block_table=None, alibi_slopes=None, softmax_scale=head_dim ** -0.5,
-                causal=True, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                rotary_interleaved=False, num_splits=0)
+    kv_cache = torch.randn(
+        batch, capacity, 2, nheads_k, head_dim, dtype=torch.bfloat16, device=DEVICE
+    )
+    args = dict(
+        q=q,
+        k_cache=kv_cache[:, :, 0],
+        v_cache=kv_cache[:, :, 1],
+        k=k,
+        v=v,
+        cache_seqlens=torch.tensor([5, 130], dtype=torch.int32, device=DEVICE),
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        alibi_slopes=None,
+        softmax_scale=head_dim**-0.5,
+        causal=True,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        rotary_interleaved=False,
+        num_splits=0,
+    )
     before = {name: args[name].clone() for name in ("k_cache", "v_cache")}
     reference_args = to_device(dict(args, **before), "cpu")
     out, lse = fwd_kvcache(**args)
@@ -575,9 +813,18 @@ def test_inputs_written_by_the_kernel_just_before(last_writer):
     with NaN first, so that an early read shows), the next step's q is this
     step's output, and nothing synchronises between the steps."""
     batch, capacity, nheads, nheads_k, head_dim, steps = 3, 300, 16, 4, 128, 4
-    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=nheads,
-                       nheads_k=nheads_k, head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1,
-                       rotary="neox", causal=True)
+    args = make_inputs(
+        batch=batch,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+        rotary="neox",
+        causal=True,
+    )
     args["cache_seqlens"] = torch.tensor([0, 37, 250], dtype=torch.int32)
     call = to_device(args)
     snapshots, outputs = [], []
@@ -590,9 +837,15 @@ def test_inputs_written_by_the_kernel_just_before(last_writer):
             "k": call["k"] * 1.5 - 0.25,
             "cache_seqlens": call["cache_seqlens"] + (1 if step else 0),
         }
-        snapshots.append(dict({name: value.clone() if isinstance(value, torch.Tensor) else value
-                               for name, value in call.items()},
-                              **{name: value.clone() for name, value in next_inputs.items()}))
+        snapshots.append(
+            dict(
+                {
+                    name: value.clone() if isinstance(value, torch.Tensor) else value
+                    for name, value in call.items()
+                },
+                **{name: value.clone() for name, value in next_inputs.items()},
+            )
+        )
         for name, value in next_inputs.items():
             if name == last_writer:
                 continue
@@ -604,8 +857,11 @@ def test_inputs_written_by_the_kernel_just_before(last_writer):
             call["k_cache"].fill_(float("nan"))
             call["k_cache"].copy_(fresh)
         else:
-            target = torch.full_like(next_inputs[last_writer], float("nan")) \
-                if last_writer != "cache_seqlens" else torch.full_like(next_inputs[last_writer], -7)
+            target = (
+                torch.full_like(next_inputs[last_writer], float("nan"))
+                if last_writer != "cache_seqlens"
+                else torch.full_like(next_inputs[last_writer], -7)
+            )
             target.copy_(next_inputs[last_writer])
             call[last_writer] = target
         out, lse = fwd_kvcache(**call)
@@ -623,17 +879,28 @@ def test_inputs_written_by_the_kernel_just_before(last_writer):
 
 def test_cuda_graph_replay_with_changing_lengths():
     batch, capacity, nheads, nheads_k, head_dim = 4, 512, 16, 4, 128
-    args = make_inputs(batch=batch, seqlen_q=1, capacity=capacity, nheads=nheads,
-                       nheads_k=nheads_k, head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=1,
-                       rotary="neox", causal=True, page_size=16)
+    args = make_inputs(
+        batch=batch,
+        seqlen_q=1,
+        capacity=capacity,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=1,
+        rotary="neox",
+        causal=True,
+        page_size=16,
+    )
     static = to_device(args)
     static["cache_seqlens"] = torch.tensor([3, 100, 250, 17], dtype=torch.int32, device=DEVICE)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up outside the graph
-            fwd_kvcache(**dict(static, k_cache=static["k_cache"].clone(),
-                               v_cache=static["v_cache"].clone()))
+            fwd_kvcache(
+                **dict(static, k_cache=static["k_cache"].clone(), v_cache=static["v_cache"].clone())
+            )
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -643,8 +910,9 @@ def test_cuda_graph_replay_with_changing_lengths():
         static["q"].copy_(torch.randn_like(static["q"]))
         static["k"].copy_(torch.randn_like(static["k"]))
         static["v"].copy_(torch.randn_like(static["v"]))
-        static["cache_seqlens"].add_(torch.tensor([1, 7, 30, 2 * step + 1], dtype=torch.int32,
-                                                  device=DEVICE))
+        static["cache_seqlens"].add_(
+            torch.tensor([1, 7, 30, 2 * step + 1], dtype=torch.int32, device=DEVICE)
+        )
         host_before = to_device(static, "cpu")
         graph.replay()
         torch.cuda.synchronize()
@@ -654,14 +922,34 @@ def test_cuda_graph_replay_with_changing_lengths():
 
 @pytest.mark.parametrize("head_dim", [64, 36])
 def test_flash_attn_with_kvcache_api(head_dim):
-    args = make_inputs(batch=2, seqlen_q=2, capacity=257, nheads=8, nheads_k=2,
-                       head_dim=head_dim, dtype=torch.bfloat16, seqlen_new=2, rotary="neox",
-                       rotary_dim=32, causal=True)
+    args = make_inputs(
+        batch=2,
+        seqlen_q=2,
+        capacity=257,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seqlen_new=2,
+        rotary="neox",
+        rotary_dim=32,
+        causal=True,
+    )
     dev = to_device(args)
     k_cache, v_cache = dev["k_cache"].clone(), dev["v_cache"].clone()
     out, lse = flash_attn_cuda.flash_attn_with_kvcache(
-        dev["q"], k_cache, v_cache, k=dev["k"], v=dev["v"], rotary_cos=dev["rotary_cos"],
-        rotary_sin=dev["rotary_sin"], cache_seqlens=dev["cache_seqlens"], causal=True,
-        rotary_interleaved=False, num_splits=3, return_softmax_lse=True)
+        dev["q"],
+        k_cache,
+        v_cache,
+        k=dev["k"],
+        v=dev["v"],
+        rotary_cos=dev["rotary_cos"],
+        rotary_sin=dev["rotary_sin"],
+        cache_seqlens=dev["cache_seqlens"],
+        causal=True,
+        rotary_interleaved=False,
+        num_splits=3,
+        return_softmax_lse=True,
+    )
     check_against_reference(args, out.cpu(), lse.cpu())
     check_caches(args, k_cache.cpu(), v_cache.cpu())

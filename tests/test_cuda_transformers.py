@@ -33,20 +33,35 @@ FAMILIES = ["llama", "mistral", "gemma2"]
 
 def _config(family):
     common = dict(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
-        eos_token_id=None, initializer_range=0.05, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
     )
     if family == "llama":
-        return transformers.LlamaConfig(num_key_value_heads=2, **common), \
-            transformers.LlamaForCausalLM
+        return transformers.LlamaConfig(
+            num_key_value_heads=2, **common
+        ), transformers.LlamaForCausalLM
     if family == "mistral":
-        return transformers.MistralConfig(num_key_value_heads=1, sliding_window=48, **common), \
-            transformers.MistralForCausalLM
+        return transformers.MistralConfig(
+            num_key_value_heads=1, sliding_window=48, **common
+        ), transformers.MistralForCausalLM
     return transformers.Gemma2Config(
-        num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
-        final_logit_softcapping=30.0, sliding_window=48,
-        layer_types=["sliding_attention", "full_attention"], **common,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        sliding_window=48,
+        layer_types=["sliding_attention", "full_attention"],
+        **common,
     ), transformers.Gemma2ForCausalLM
 
 
@@ -113,8 +128,15 @@ def test_logits_packed(pair):
     expected = _run(ref, "eager", **inputs)
     sdpa = _run(low, "sdpa", **inputs)
     _check(_run(low, NAME, **inputs), sdpa, expected, 2, "packed logits (position_ids)")
-    ours = _run(low, NAME, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                max_length_k=max(lengths), **inputs)
+    ours = _run(
+        low,
+        NAME,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+        **inputs,
+    )
     _check(ours, sdpa, expected, 2, "packed logits (cu_seq_lens)")
 
 
@@ -141,14 +163,19 @@ def _greedy_gap(low, ref, impl, ids, mask, new_tokens):
     """The largest amount by which a greedily chosen token's reference logit falls
     below the reference's best logit at that step (0 when every choice is the argmax)."""
     low.set_attn_implementation(impl)
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     with torch.no_grad():
         out = low.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1]:])], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1] :])], dim=1)
     logits = _run(ref, "eager", input_ids=out, attention_mask=full_mask)
-    step_logits = logits[:, ids.shape[1] - 1:-1]
-    chosen = step_logits.gather(-1, out[:, ids.shape[1]:, None]).squeeze(-1)
+    step_logits = logits[:, ids.shape[1] - 1 : -1]
+    chosen = step_logits.gather(-1, out[:, ids.shape[1] :, None]).squeeze(-1)
     return (step_logits.max(-1).values - chosen).max().item()
 
 
@@ -158,8 +185,15 @@ def test_greedy_generation(pair):
     gap_ours = _greedy_gap(low, ref, NAME, ids, mask, 24)
     gap_sdpa = _greedy_gap(low, ref, "sdpa", ids, mask, 24)
     # bf16 logits off by e can pick a token up to 2e below the best one.
-    err = (_run(low, "sdpa", input_ids=ids, attention_mask=mask)
-           - _run(ref, "eager", input_ids=ids, attention_mask=mask))[mask.bool()].abs().max().item()
+    err = (
+        (
+            _run(low, "sdpa", input_ids=ids, attention_mask=mask)
+            - _run(ref, "eager", input_ids=ids, attention_mask=mask)
+        )[mask.bool()]
+        .abs()
+        .max()
+        .item()
+    )
     assert gap_ours <= max(2 * gap_sdpa, 4 * err) + 1e-3, (gap_ours, gap_sdpa, err)
 
 
@@ -191,18 +225,28 @@ def _step_ms(model, impl, ids, steps=5):
 
 def test_training_step_time(record_property):
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
-        eos_token_id=None, pad_token_id=0)
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                       dtype=DTYPE).cuda()
+    model = transformers.LlamaForCausalLM._from_config(
+        config, attn_implementation="sdpa", dtype=DTYPE
+    ).cuda()
     ids = torch.randint(2, 32000, (2, 4096), device="cuda")
     times = {impl: _step_ms(model, impl, ids) for impl in ("sdpa", NAME)}
     name = torch.cuda.get_device_name()
-    print(f"\ntraining step (Llama 4x2048, 16 heads, bf16, batch 2 x seq 4096) on {name}: "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
-          + f"; sdpa / {NAME} = {times['sdpa'] / times[NAME]:.2f}")
+    print(
+        f"\ntraining step (Llama 4x2048, 16 heads, bf16, batch 2 x seq 4096) on {name}: "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items())
+        + f"; sdpa / {NAME} = {times['sdpa'] / times[NAME]:.2f}"
+    )
     for impl, ms in times.items():
         record_property(f"train_step_ms_{impl}", round(ms, 2))
     assert all(t > 0 for t in times.values())

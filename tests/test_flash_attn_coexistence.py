@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # in the flash_attn namespace plus a fake kernel. The bodies only return
 # tensors of the right shapes; the point is the registration.
 STAND_IN = textwrap.dedent(
-    '''
+    """
     import torch
 
     @torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=(), device_types="cpu")
@@ -69,11 +69,11 @@ STAND_IN = textwrap.dedent(
     )
     def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return dout.clone()
-    '''
+    """
 )
 
 RUN = textwrap.dedent(
-    '''
+    """
     import importlib, sys
     import torch
     for name in sys.argv[1].split(","):
@@ -111,7 +111,7 @@ RUN = textwrap.dedent(
     torch.testing.assert_close(f(x), torch.ops.flash_attn.fwd(
         x, x, x, None, 0.0, 0.2, False, -1, -1, 0.0, False, 0, 0, None)[0] + x)
     print("OK")
-    '''
+    """
 )
 
 
@@ -134,7 +134,10 @@ def test_both_import_orders(stand_in_dir, order):
     )
     result = subprocess.run(
         [sys.executable, str(stand_in_dir / "run_check.py"), order],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("OK")

@@ -43,6 +43,7 @@ DEVICE_DIMS = [
     pytest.param("cuda", torch.float16, 192, 128, marks=CUDA),
 ]
 
+
 def rand(*shape, device, dtype, requires_grad=False):
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
 
@@ -58,8 +59,9 @@ def check_lse(lse, lse_exact, lse_same):
     if lse_same.dtype == torch.float32:
         torch.testing.assert_close(lse[finite].double(), lse_exact[finite], atol=2e-5, rtol=2e-5)
     else:
-        assert_within_criterion(lse[finite], lse_exact[finite], lse_same[finite].double(),
-                                atol=1e-4, name="lse")
+        assert_within_criterion(
+            lse[finite], lse_exact[finite], lse_same[finite].double(), atol=1e-4, name="lse"
+        )
 
 
 # --------------------------------------------------------------- fixed length
@@ -82,10 +84,12 @@ def fixed_inputs(device, dtype, d_qk, d_v, case):
     k = rand(batch, seqlen_k, nheads_k, d_qk, device=device, dtype=dtype, requires_grad=True)
     v = rand(batch, seqlen_k, nheads_k, d_v, device=device, dtype=dtype, requires_grad=True)
     dout = torch.randn(batch, seqlen_q, nheads, d_v, device=device, dtype=dtype)
-    kwargs = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
-                  softcap=case.get("softcap", 0.0),
-                  alibi_slopes=torch.rand(batch, nheads, device=device) if case.get("alibi")
-                  else None)
+    kwargs = dict(
+        causal=case.get("causal", False),
+        window_size=case.get("window", (-1, -1)),
+        softcap=case.get("softcap", 0.0),
+        alibi_slopes=torch.rand(batch, nheads, device=device) if case.get("alibi") else None,
+    )
     sink = None
     if case.get("sink"):
         sink = (torch.randn(nheads) * 2).to(device)
@@ -160,8 +164,9 @@ VARLEN_CASES = {
 
 
 def cu_seqlens(lengths, device):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                        device=device)
+    return torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
 
 
 @pytest.mark.parametrize("device,dtype,d_qk,d_v", DEVICE_DIMS)
@@ -176,16 +181,28 @@ def test_varlen_matches_reference(device, dtype, d_qk, d_v, case):
     k = rand(total_k, nheads_k, d_qk, device=device, dtype=dtype, requires_grad=True)
     v = rand(total_k, nheads_k, d_v, device=device, dtype=dtype, requires_grad=True)
     dout = torch.randn(total_q, nheads, d_v, device=device, dtype=dtype)
-    kwargs = dict(causal=spec.get("causal", False), window_size=spec.get("window", (-1, -1)),
-                  softcap=spec.get("softcap", 0.0))
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                         return_attn_probs=True, **kwargs)
+    kwargs = dict(
+        causal=spec.get("causal", False),
+        window_size=spec.get("window", (-1, -1)),
+        softcap=spec.get("softcap", 0.0),
+    )
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **kwargs
+    )
     assert out.shape == (total_q, nheads, d_v)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
     def ref(q, k, v, compute_dtype):
-        return varlen_attention_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), max_seqlen_k=max_k,
-                                    compute_dtype=compute_dtype, **kwargs)
+        return varlen_attention_ref(
+            q,
+            k,
+            v,
+            cu_q.cpu(),
+            cu_k.cpu(),
+            max_seqlen_k=max_k,
+            compute_dtype=compute_dtype,
+            **kwargs,
+        )
 
     check_against_reference(ref, (q, k, v), dout, dtype, out, lse, (dq, dk, dv))
 
@@ -217,8 +234,9 @@ def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
     k_cache = rand(rows, capacity, nheads_k, d_qk, device=device, dtype=dtype)
     v_cache = rand(rows, capacity, nheads_k, d_v, device=device, dtype=dtype)
     seqlens = torch.tensor([5, 37, capacity - append], dtype=torch.int32)
-    batch_idx = (torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
-                 if spec.get("batch_idx") else None)
+    batch_idx = (
+        torch.tensor([2, 0, 3], dtype=torch.int32, device=device) if spec.get("batch_idx") else None
+    )
     k_new = v_new = None
     if append:
         k_new = rand(batch, append, nheads_k, d_qk, device=device, dtype=dtype)
@@ -245,10 +263,18 @@ def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
         v_call[order] = v_cache.reshape(-1, page_size, nheads_k, d_v)
         table = order.view(rows, pages)[:batch].to(torch.int32)
         untouched = (v_call.clone(), order.view(rows, pages)[batch:])
-    out, lse = flash_attn_with_kvcache(q, k_call, v_call, k_new, v_new,
-                                       cache_seqlens=seqlens.to(device), block_table=table,
-                                       cache_batch_idx=batch_idx, return_softmax_lse=True,
-                                       **kwargs)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k_call,
+        v_call,
+        k_new,
+        v_new,
+        cache_seqlens=seqlens.to(device),
+        block_table=table,
+        cache_batch_idx=batch_idx,
+        return_softmax_lse=True,
+        **kwargs,
+    )
     assert out.shape == (batch, seqlen_q, nheads, d_v)
     if table is not None:
         # The pages of the unused cache row and the two spare pages keep their values.
@@ -267,8 +293,13 @@ def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
         outs, lses = [], []
         for b in range(batch):
             r, n = int(cache_rows[b]), int(used[b])
-            o, lse_b = attention_ref(q[b : b + 1], k_after[r : r + 1, :n], v_after[r : r + 1, :n],
-                                 compute_dtype=compute_dtype, **kwargs)
+            o, lse_b = attention_ref(
+                q[b : b + 1],
+                k_after[r : r + 1, :n],
+                v_after[r : r + 1, :n],
+                compute_dtype=compute_dtype,
+                **kwargs,
+            )
             outs.append(o)
             lses.append(lse_b)
         return torch.cat(outs), torch.cat(lses)
@@ -281,6 +312,7 @@ def test_kvcache_matches_reference(device, dtype, d_qk, d_v, case, page_size):
 
 # ------------------------------------------------------------------- opcheck
 
+
 def _dtype_dims(device):
     return (torch.float32, 40, 24) if device == "cpu" else (torch.bfloat16, 64, 32)
 
@@ -291,7 +323,7 @@ def test_opcheck_fixed_length(device):
     q = rand(2, 17, 4, d_qk, device=device, dtype=dtype)
     k = rand(2, 23, 2, d_qk, device=device, dtype=dtype)
     v = rand(2, 23, 2, d_v, device=device, dtype=dtype)
-    args = (0.0, d_qk ** -0.5, True, -1, 0, 0.0)
+    args = (0.0, d_qk**-0.5, True, -1, 0, 0.0)
     fwd_args = (q, k, v, None, *args, False, 0, 0, None)
     opcheck(ops.fwd.default, fwd_args)
     opcheck(ops.fwd_out.default, fwd_args, {"out": q.new_empty(2, 17, 4, d_v)})
@@ -313,14 +345,28 @@ def test_opcheck_varlen(device):
     q = rand(17, 4, d_qk, device=device, dtype=dtype)
     k = rand(23, 2, d_qk, device=device, dtype=dtype)
     v = rand(23, 2, d_v, device=device, dtype=dtype)
-    args = (0.0, d_qk ** -0.5, True, -1, 0, 0.0)
+    args = (0.0, d_qk**-0.5, True, -1, 0, 0.0)
     fwd_args = (q, k, v, cu_q, cu_k, None, None, 12, 14, *args, False, 0, 0, None)
     opcheck(ops.varlen_fwd.default, fwd_args)
     opcheck(ops.varlen_fwd_out.default, fwd_args, {"out": q.new_empty(17, 4, d_v)})
     out, lse, _, rng = ops.varlen_fwd(*fwd_args)
     assert out.shape == (17, 4, d_v)
-    bwd_args = (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, None, 12, 14, *args,
-                False, rng)
+    bwd_args = (
+        torch.randn_like(out),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        None,
+        12,
+        14,
+        *args,
+        False,
+        rng,
+    )
     opcheck(ops.varlen_bwd.default, bwd_args)
 
 
@@ -333,8 +379,27 @@ def test_opcheck_kvcache(device):
     k_new = rand(2, 1, 2, d_qk, device=device, dtype=dtype)
     v_new = rand(2, 1, 2, d_v, device=device, dtype=dtype)
     seqlens = torch.tensor([3, 39], dtype=torch.int32, device=device)
-    kv_args = (q, k_cache, v_cache, k_new, v_new, seqlens, None, None, None, None, None, None,
-               d_qk ** -0.5, True, -1, -1, 0.0, True, 0)
+    kv_args = (
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        seqlens,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        d_qk**-0.5,
+        True,
+        -1,
+        -1,
+        0.0,
+        True,
+        0,
+    )
     opcheck(ops.fwd_kvcache.default, kv_args)
     opcheck(ops.fwd_kvcache_out.default, kv_args, {"out": q.new_empty(2, 1, 4, d_v)})
 
@@ -376,11 +441,49 @@ def test_d_v_larger_than_d_qk_is_refused(device):
     cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 7, 14], dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match=op_message):
-        ops.varlen_fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, None, None,
-                       5, 7, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None)
+        ops.varlen_fwd(
+            q.flatten(0, 1),
+            k.flatten(0, 1),
+            v.flatten(0, 1),
+            cu,
+            cu_k,
+            None,
+            None,
+            5,
+            7,
+            0.0,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
     with pytest.raises(RuntimeError, match=r"d_v = 48\) must not exceed .*\(d_qk = 32\)"):
-        ops.fwd_kvcache(q, k, v, None, None, None, None, None, None, None, None, None, 1.0,
-                        False, -1, -1, 0.0, False, 0)
+        ops.fwd_kvcache(
+            q,
+            k,
+            v,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+        )
     py_message = r"d_v = 48\) must not exceed the head dim of q and k \(d_qk = 32\)"
     with pytest.raises(ValueError, match=py_message):
         flash_attn_func(q, k, v)
@@ -399,20 +502,68 @@ def test_bad_d_v_shapes(device):
     q = rand(2, 5, 4, 32, device=device, dtype=dtype)
     k = rand(2, 7, 2, 32, device=device, dtype=dtype)
     with pytest.raises(RuntimeError, match=r"d_v = 12\) must be a multiple of 8"):
-        ops.fwd(q, k, rand(2, 7, 2, 12, device=device, dtype=dtype), None, 0.0, 1.0, False, -1,
-                -1, 0.0, False, 0, 0, None)
+        ops.fwd(
+            q,
+            k,
+            rand(2, 7, 2, 12, device=device, dtype=dtype),
+            None,
+            0.0,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
     with pytest.raises(RuntimeError, match="v must have the shape of k"):
-        ops.fwd(q, k, rand(2, 6, 2, 16, device=device, dtype=dtype), None, 0.0, 1.0, False, -1,
-                -1, 0.0, False, 0, 0, None)
+        ops.fwd(
+            q,
+            k,
+            rand(2, 6, 2, 16, device=device, dtype=dtype),
+            None,
+            0.0,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
     v = rand(2, 7, 2, 16, device=device, dtype=dtype)
     out, lse, _, rng = ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None)
     with pytest.raises(RuntimeError, match="dout must have the shape of q with the head dim of v"):
-        ops.bwd(torch.randn_like(q), q, k, v, out, lse, None, 0.0, 1.0, False, -1, -1, 0.0,
-                False, rng)
+        ops.bwd(
+            torch.randn_like(q), q, k, v, out, lse, None, 0.0, 1.0, False, -1, -1, 0.0, False, rng
+        )
     with pytest.raises(RuntimeError, match=r"out must have shape"):
-        ops.fwd_out(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None,
-                    out=torch.empty_like(q))
+        ops.fwd_out(
+            q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None, out=torch.empty_like(q)
+        )
     with pytest.raises(RuntimeError, match="v must have the head dim of v_cache"):
-        ops.fwd_kvcache(q, k, v, k[:, :1], rand(2, 1, 2, 24, device=device, dtype=dtype),
-                        torch.tensor([1, 1], dtype=torch.int32, device=device), None, None, None,
-                        None, None, None, 1.0, False, -1, -1, 0.0, False, 0)
+        ops.fwd_kvcache(
+            q,
+            k,
+            v,
+            k[:, :1],
+            rand(2, 1, 2, 24, device=device, dtype=dtype),
+            torch.tensor([1, 1], dtype=torch.int32, device=device),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+        )

@@ -43,6 +43,9 @@ def test_cpu_path_raises_at_the_call():
     message the CUDA path reports."""
     q = torch.randn(8, 2, 32)
     cu = torch.tensor([0, 6, 3], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be non-decreasing, got "
-                                           r"cu_seqlens_q\[1\] = 6 > cu_seqlens_q\[2\] = 3"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cu_seqlens_q must be non-decreasing, got "
+        r"cu_seqlens_q\[1\] = 6 > cu_seqlens_q\[2\] = 3",
+    ):
         flash_attn_cuda.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)

@@ -9,8 +9,9 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("generate_instantiations",
-                                                  CUDA_DIR / "generate_instantiations.py")
+    spec = importlib.util.spec_from_file_location(
+        "generate_instantiations", CUDA_DIR / "generate_instantiations.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,6 +31,8 @@ def test_extended_wgmma_switch_comes_before_any_include():
     for kernel, head_dims in generator.EXTENDED_WGMMA_HEAD_DIMS.items():
         for head_dim in head_dims:
             for dtype in generator.DTYPES:
-                text = (CUDA_DIR / "instantiations" / f"flash_{kernel}_hdim{head_dim}_{dtype}.cu").read_text()
+                text = (
+                    CUDA_DIR / "instantiations" / f"flash_{kernel}_hdim{head_dim}_{dtype}.cu"
+                ).read_text()
                 define = text.index("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")
                 assert define < text.index("#include")

@@ -22,8 +22,12 @@ import torch
 import flash_attn_cuda  # noqa: F401  (registers the ops and their fake kernels)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-ALL_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                  "test_aot_dispatch_dynamic")
+ALL_TEST_UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
 
 ops = torch.ops.flash_attn
 
@@ -36,8 +40,18 @@ def rand(*shape, device, dtype=torch.bfloat16):
     return torch.randn(*shape, dtype=dtype, device=device)
 
 
-def fwd_args(device, *, alibi=False, dropout_p=0.0, rng_state=None, return_softmax=False,
-             causal=False, window=(-1, -1), softcap=0.0, packed=False):
+def fwd_args(
+    device,
+    *,
+    alibi=False,
+    dropout_p=0.0,
+    rng_state=None,
+    return_softmax=False,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    packed=False,
+):
     batch, nheads = 2, 4
     if packed:
         # Strided views of one packed tensor: the outputs are still contiguous.
@@ -47,8 +61,22 @@ def fwd_args(device, *, alibi=False, dropout_p=0.0, rng_state=None, return_softm
         k = rand(batch, 23, 2, 32, device=device)
         v = rand(batch, 23, 2, 32, device=device)
     slopes = torch.rand(batch, nheads, device=device) if alibi else None
-    return (q, k, v, slopes, dropout_p, 32 ** -0.5, causal, window[0], window[1], softcap,
-            return_softmax, 1234, 7, rng_state)
+    return (
+        q,
+        k,
+        v,
+        slopes,
+        dropout_p,
+        32**-0.5,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        return_softmax,
+        1234,
+        7,
+        rng_state,
+    )
 
 
 FWD_CASES = {
@@ -76,8 +104,8 @@ def test_fwd(device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "case", ["plain", "causal_alibi_softcap", "dropout_rng_state_tensor",
-             "strided_views_of_packed_qkv"]
+    "case",
+    ["plain", "causal_alibi_softcap", "dropout_rng_state_tensor", "strided_views_of_packed_qkv"],
 )
 def test_bwd(device, case):
     args = fwd_args(device, **_resolve(FWD_CASES[case], device))
@@ -86,8 +114,23 @@ def test_bwd(device, case):
     dout = torch.randn_like(out)
     opcheck(
         ops.bwd.default,
-        (dout, q, k, v, out, softmax_lse, slopes, dropout_p, scale, causal, left, right,
-         softcap, False, rng_state if dropout_p > 0 else None),
+        (
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            slopes,
+            dropout_p,
+            scale,
+            causal,
+            left,
+            right,
+            softcap,
+            False,
+            rng_state if dropout_p > 0 else None,
+        ),
     )
 
 
@@ -119,8 +162,27 @@ def test_varlen_fwd(device, case):
     dropout_p = 0.3 if case == "dropout_probs" else 0.0
     opcheck(
         ops.varlen_fwd.default,
-        (q, k, v, cu_q, cu_k, block_table, slopes, max_q, max_k, dropout_p, 32 ** -0.5,
-         case == "alibi_causal", -1, -1, 0.0, case == "dropout_probs", 5, 0, None),
+        (
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            block_table,
+            slopes,
+            max_q,
+            max_k,
+            dropout_p,
+            32**-0.5,
+            case == "alibi_causal",
+            -1,
+            -1,
+            0.0,
+            case == "dropout_probs",
+            5,
+            0,
+            None,
+        ),
     )
 
 
@@ -132,13 +194,49 @@ def test_varlen_bwd(device, case):
     dropout_p = 0.1 if case != "plain" else 0.0
     causal = case != "plain"
     out, softmax_lse, _, rng_state = ops.varlen_fwd(
-        q, k, v, cu_q, cu_k, None, slopes, max_q, max_k, dropout_p, 0.2, causal, -1, -1, 0.0,
-        False, 11, 0, None,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        slopes,
+        max_q,
+        max_k,
+        dropout_p,
+        0.2,
+        causal,
+        -1,
+        -1,
+        0.0,
+        False,
+        11,
+        0,
+        None,
     )
     opcheck(
         ops.varlen_bwd.default,
-        (torch.randn_like(out), q, k, v, out, softmax_lse, cu_q, cu_k, slopes, max_q, max_k,
-         dropout_p, 0.2, causal, -1, -1, 0.0, True, rng_state if dropout_p > 0 else None),
+        (
+            torch.randn_like(out),
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_q,
+            cu_k,
+            slopes,
+            max_q,
+            max_k,
+            dropout_p,
+            0.2,
+            causal,
+            -1,
+            -1,
+            0.0,
+            True,
+            rng_state if dropout_p > 0 else None,
+        ),
     )
 
 
@@ -169,9 +267,27 @@ def kvcache_args(device, *, append=False, rotary=False, paged=False, optional_in
         cache_batch_idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
         cache_leftpad = torch.tensor([1, 0], dtype=torch.int32, device=device)
         alibi_slopes = torch.rand(nheads, device=device)
-    return (q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, head_dim ** -0.5, True, -1, -1, 0.0,
-            True, 0)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        rotary_cos,
+        rotary_sin,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        alibi_slopes,
+        head_dim**-0.5,
+        True,
+        -1,
+        -1,
+        0.0,
+        True,
+        0,
+    )
 
 
 KVCACHE_CASES = {
@@ -200,8 +316,27 @@ def test_varlen_fwd_seqused_k(device, case):
     used = torch.tensor([4, 0, 19], dtype=torch.int32, device=device)
     opcheck(
         ops.varlen_fwd.default,
-        (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32 ** -0.5, True, -1, -1,
-         0.0, False, 5, 0, None),
+        (
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            block_table,
+            None,
+            max_q,
+            max_k,
+            0.0,
+            32**-0.5,
+            True,
+            -1,
+            -1,
+            0.0,
+            False,
+            5,
+            0,
+            None,
+        ),
         kwargs={"seqused_k": used},
     )
 
@@ -211,13 +346,50 @@ def test_varlen_bwd_seqused_k(device):
     q, k, v, cu_q, cu_k, _, max_q, max_k = varlen_inputs(device)
     used = torch.tensor([9, 3, 0], dtype=torch.int32, device=device)
     out, softmax_lse, _, _ = ops.varlen_fwd(
-        q, k, v, cu_q, cu_k, None, None, max_q, max_k, 0.0, 0.2, True, -1, -1, 0.0, False, 0, 0,
-        None, seqused_k=used,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        None,
+        max_q,
+        max_k,
+        0.0,
+        0.2,
+        True,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+        seqused_k=used,
     )
     opcheck(
         ops.varlen_bwd.default,
-        (torch.randn_like(out), q, k, v, out, softmax_lse, cu_q, cu_k, None, max_q, max_k, 0.0,
-         0.2, True, -1, -1, 0.0, True, None),
+        (
+            torch.randn_like(out),
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_q,
+            cu_k,
+            None,
+            max_q,
+            max_k,
+            0.0,
+            0.2,
+            True,
+            -1,
+            -1,
+            0.0,
+            True,
+            None,
+        ),
         kwargs={"seqused_k": used},
     )
 
@@ -239,8 +411,27 @@ def test_varlen_fwd_out(device, case):
         kwargs["seqused_k"] = torch.tensor([1, 14, 7], dtype=torch.int32, device=device)
     opcheck(
         ops.varlen_fwd_out.default,
-        (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32 ** -0.5, True, -1, -1,
-         0.0, False, 5, 0, None),
+        (
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            block_table,
+            None,
+            max_q,
+            max_k,
+            0.0,
+            32**-0.5,
+            True,
+            -1,
+            -1,
+            0.0,
+            False,
+            5,
+            0,
+            None,
+        ),
         kwargs=kwargs,
     )
 

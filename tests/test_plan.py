@@ -22,12 +22,30 @@ ops = torch.ops.flash_attn
 ROOT = Path(__file__).resolve().parents[1]
 
 # Device descriptions: (cc, SMs, shared memory per block opt-in / per SM).
-H100 = dict(cc_major=9, cc_minor=0, num_sms=132, smem_per_block_optin=232448,
-            smem_per_sm=233472, reserved_smem_per_block=1024)
-A100 = dict(cc_major=8, cc_minor=0, num_sms=108, smem_per_block_optin=166912,
-            smem_per_sm=167936, reserved_smem_per_block=1024)
-L40 = dict(cc_major=8, cc_minor=9, num_sms=142, smem_per_block_optin=101376,
-           smem_per_sm=102400, reserved_smem_per_block=1024)
+H100 = dict(
+    cc_major=9,
+    cc_minor=0,
+    num_sms=132,
+    smem_per_block_optin=232448,
+    smem_per_sm=233472,
+    reserved_smem_per_block=1024,
+)
+A100 = dict(
+    cc_major=8,
+    cc_minor=0,
+    num_sms=108,
+    smem_per_block_optin=166912,
+    smem_per_sm=167936,
+    reserved_smem_per_block=1024,
+)
+L40 = dict(
+    cc_major=8,
+    cc_minor=9,
+    num_sms=142,
+    smem_per_block_optin=101376,
+    smem_per_sm=102400,
+    reserved_smem_per_block=1024,
+)
 
 
 def parse(line):
@@ -41,18 +59,21 @@ def parse(line):
 
 
 def fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, device=H100, **kw):
-    return parse(ops._plan_fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
-                               **device, **kw))
+    return parse(
+        ops._plan_fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, **device, **kw)
+    )
 
 
 def bwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, device=H100, **kw):
-    return parse(ops._plan_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim,
-                               **device, **kw))
+    return parse(
+        ops._plan_bwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, **device, **kw)
+    )
 
 
 def decode(batch, seqlen_q, cache, nheads, nheads_k, head_dim, device=H100, **kw):
-    return parse(ops._plan_decode(batch, seqlen_q, cache, nheads, nheads_k, head_dim,
-                                  **device, **kw))
+    return parse(
+        ops._plan_decode(batch, seqlen_q, cache, nheads, nheads_k, head_dim, **device, **kw)
+    )
 
 
 def fwd_tile_table():
@@ -70,6 +91,7 @@ FWD_TABLE = fwd_tile_table()
 
 # ---------------------------------------------------------------- forward
 
+
 def test_hopper_forward_for_long_causal_d128_on_sm90():
     plan = fwd(2, 8192, 8192, 16, 16, 128, causal=True)
     assert plan["kernel"] == "sm90" and plan["variant"] == "plain"
@@ -84,7 +106,10 @@ def test_sm80_forward_on_sm80():
     row = FWD_TABLE[128]
     assert plan["kernel"] == "sm80" and plan["choice"] == "sm80"
     assert (plan["block_m"], plan["block_n"], plan["warps"]) == (
-        row["kBlockM"], row["kBlockN"], row["kNWarps"])
+        row["kBlockM"],
+        row["kBlockN"],
+        row["kNWarps"],
+    )
     assert plan["grid_kind"] == "heads_batch"
     assert plan["grid"] == "%dx16x2" % (8192 // row["kBlockM"])
     assert "not an sm90 device" in plan["reason"]
@@ -109,8 +134,9 @@ def test_min_seqlen_k_threshold(head_dim):
         assert below["kernel"] == "sm80" and "fwd_sm90_by_shape" in below["reason"]
 
 
-@pytest.mark.parametrize("head_dim", [d for d in sorted(FWD_TABLE)
-                                      if FWD_TABLE[d]["kMinBlocksPerSmSm90"] > 0])
+@pytest.mark.parametrize(
+    "head_dim", [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kMinBlocksPerSmSm90"] > 0]
+)
 def test_min_blocks_per_sm_threshold(head_dim):
     """Below the key threshold: from kMinBlocksPerSmSm90 128-row query blocks per SM on."""
     row = FWD_TABLE[head_dim]
@@ -200,6 +226,7 @@ def test_empty_forward():
 
 # --------------------------------------------------------------- backward
 
+
 def test_backward_kernels():
     long = (2, 4096, 4096, 16, 16, 128)
     plan = bwd(*long)
@@ -234,11 +261,14 @@ def test_deterministic_dq_splits():
 
 # ----------------------------------------------------------------- decode
 
+
 def wave_rule_splits(base, slots, cap):
     """The split count rule of choose_kv_splits, in Python."""
+
     def fill(splits):
         waves = base * splits / slots
         return waves / math.ceil(waves)
+
     if fill(1) >= 0.95:
         return 1
     best = max(fill(s) for s in range(1, cap + 1))
@@ -294,21 +324,27 @@ def test_decode_append_in_attention():
     assert decode(*base)["append_in_attention"] == 0
     # Longer appends, unaligned or odd rotary tables, softcap: the pre-kernel.
     assert decode(*base, seqlen_new=17)["append_in_attention"] == 0
-    assert decode(*base, seqlen_new=1, rotary_dim=128,
-                  rotary_aligned=False)["append_in_attention"] == 0
+    assert (
+        decode(*base, seqlen_new=1, rotary_dim=128, rotary_aligned=False)["append_in_attention"]
+        == 0
+    )
     assert decode(*base, seqlen_new=1, rotary_dim=24)["append_in_attention"] == 0
     assert decode(*base, seqlen_new=1, softcap=30.0)["append_in_attention"] == 0
 
 
 # ------------------------------------------------ the plan against a real GPU
 
+
 def current_device():
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return dict(cc_major=props.major, cc_minor=props.minor,
-                num_sms=props.multi_processor_count,
-                smem_per_block_optin=props.shared_memory_per_block_optin,
-                smem_per_sm=props.shared_memory_per_multiprocessor,
-                reserved_smem_per_block=1024)
+    return dict(
+        cc_major=props.major,
+        cc_minor=props.minor,
+        num_sms=props.multi_processor_count,
+        smem_per_block_optin=props.shared_memory_per_block_optin,
+        smem_per_sm=props.shared_memory_per_multiprocessor,
+        reserved_smem_per_block=1024,
+    )
 
 
 def launched_kernels(fn):
@@ -323,12 +359,15 @@ def launched_kernels(fn):
 def test_plan_matches_launched_forward(seqlen, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     sm90a = "sm_90a" in flash_attn_cuda.build_info
-    q, k, v = (torch.randn(2, seqlen, 8, 128, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
-    plan = fwd(2, seqlen, seqlen, 8, 8, 128, device=current_device(), causal=True,
-               sm90a_built=sm90a)
-    names = launched_kernels(lambda: ops.fwd(q, k, v, None, 0.0, 128 ** -0.5, True, -1, 0, 0.0,
-                                             False, 0, 0, None))
+    q, k, v = (
+        torch.randn(2, seqlen, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+    plan = fwd(
+        2, seqlen, seqlen, 8, 8, 128, device=current_device(), causal=True, sm90a_built=sm90a
+    )
+    names = launched_kernels(
+        lambda: ops.fwd(q, k, v, None, 0.0, 128**-0.5, True, -1, 0, 0.0, False, 0, 0, None)
+    )
     fwd_names = [n for n in names if "flash_fwd" in n]
     assert fwd_names, names
     assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
@@ -341,8 +380,28 @@ def test_plan_matches_launched_decode():
     v_cache = torch.randn_like(k_cache)
     seqlens = torch.full((1,), 16384, device="cuda", dtype=torch.int32)
     plan = decode(1, 1, 16384, 32, 8, 128, device=current_device())
-    names = launched_kernels(lambda: ops.fwd_kvcache(
-        q, k_cache, v_cache, None, None, seqlens, None, None, None, None, None, None,
-        128 ** -0.5, True, -1, 0, 0.0, False, 0))
+    names = launched_kernels(
+        lambda: ops.fwd_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            None,
+            None,
+            seqlens,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            128**-0.5,
+            True,
+            -1,
+            0,
+            0.0,
+            False,
+            0,
+        )
+    )
     combined = any("combine" in n for n in names)
     assert combined == (plan["splits"] > 1), (plan, names)

@@ -4,8 +4,10 @@ turns a CUDA test into a skip."""
 
 from conftest import LEFT_OUT_MESSAGE, REDUCED_KERNEL_SET_MARK, left_out_reason
 
-REFUSAL = (f"flash_attn_cuda: head_dim 64 in bf16 needs the compiled head dim 64, {LEFT_OUT_MESSAGE}; "
-           "rebuild with FLASH_ATTN_CUDA_HDIMS and FLASH_ATTN_CUDA_DTYPES including it")
+REFUSAL = (
+    f"flash_attn_cuda: head_dim 64 in bf16 needs the compiled head dim 64, {LEFT_OUT_MESSAGE}; "
+    "rebuild with FLASH_ATTN_CUDA_HDIMS and FLASH_ATTN_CUDA_DTYPES including it"
+)
 REDUCED = f"cuda 13.0; archs sm_90; hdims 128; dtypes bf16; torch 2.x; {REDUCED_KERNEL_SET_MARK}"
 FULL = "cuda 13.0; archs sm_90; hdims 32,64,96,128,160,192,224,256; dtypes fp16,bf16; torch 2.x"
 
@@ -20,7 +22,10 @@ def test_refusal_on_a_full_build_stays_a_failure():
 
 
 def test_other_errors_stay_failures():
-    assert left_out_reason(RuntimeError("flash_attn_cuda: q must be on a CUDA device"), REDUCED) is None
+    assert (
+        left_out_reason(RuntimeError("flash_attn_cuda: q must be on a CUDA device"), REDUCED)
+        is None
+    )
     assert left_out_reason(ValueError(REFUSAL), REDUCED) is None
     assert left_out_reason(AssertionError(REFUSAL), REDUCED) is None
 

@@ -55,8 +55,14 @@ def _bhsd(batch, nheads, seqlen, head_dim, dtype, device="cpu"):
 def _ref_bhsd(q, k, v, causal, scale=None, dtype=torch.float64, keep_mask=None, dropout_p=0.0):
     """attention_ref on BHSD tensors; returns (out BHSD, lse (B, H, Sq))."""
     out, lse = ref.attention_ref(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-        causal=causal, compute_dtype=dtype, keep_mask=keep_mask, dropout_p=dropout_p,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        softmax_scale=scale,
+        causal=causal,
+        compute_dtype=dtype,
+        keep_mask=keep_mask,
+        dropout_p=dropout_p,
     )
     return out.transpose(1, 2), lse
 
@@ -111,9 +117,11 @@ def _spy(monkeypatch):
     """Counts calls of each override; must run before the kernels are installed."""
     calls = {}
     for name, fn in list(sdpa._OVERRIDES.items()):
+
         def counting(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
+
         monkeypatch.setitem(sdpa._OVERRIDES, name, counting)
     return calls
 
@@ -199,7 +207,11 @@ SDPA_CASES = [
 @pytest.mark.parametrize("case", SDPA_CASES)
 def test_sdpa_forward_backward_direct(case, dtype):
     batch, h, hk, sq, sk, d, causal = case
-    q, k, v = _bhsd(batch, h, sq, d, dtype), _bhsd(batch, hk, sk, d, dtype), _bhsd(batch, hk, sk, d, dtype)
+    q, k, v = (
+        _bhsd(batch, h, sq, d, dtype),
+        _bhsd(batch, hk, sk, d, dtype),
+        _bhsd(batch, hk, sk, d, dtype),
+    )
     res = sdpa.scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
     assert len(res) == 9
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, debug = res
@@ -271,8 +283,22 @@ def test_flash_attention_forward_dense_window(head_dim):
     ref.assert_within_criterion(out, exp64, exp32)
     dout = torch.randn_like(out)
     grads = sdpa.flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, 37, 37, 0.0, False, rng_state, unused,
-        window_size_left=5, window_size_right=3,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        None,
+        37,
+        37,
+        0.0,
+        False,
+        rng_state,
+        unused,
+        window_size_left=5,
+        window_size_right=3,
     )
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref.attention_ref(*leaves, window_size=(5, 3))[0].backward(dout.double())
@@ -299,7 +325,9 @@ def test_flash_attention_forward_backward_varlen(causal):
     )
     assert lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
     exp64, _ = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal)
-    exp32, _ = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal, compute_dtype=torch.float32)
+    exp32, _ = ref.varlen_attention_ref(
+        q, k, v, cu_q, cu_k, causal=causal, compute_dtype=torch.float32
+    )
     ref.assert_within_criterion(out, exp64, exp32)
     dout = torch.randn_like(out)
     grads = sdpa.flash_attention_backward(
@@ -333,7 +361,16 @@ def test_flash_attention_forward_seqused_k():
     assert torch.all(out[10:] == 0) and torch.all(torch.isinf(lse[:, 10:]))
     with pytest.raises(UnsupportedAttentionCall, match="seqused_k"):
         sdpa.flash_attention_forward(
-            q, k, v, cu_q, cu_k, 6, 12, 0.0, False, False,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            6,
+            12,
+            0.0,
+            False,
+            False,
             seqused_k=torch.tensor([3, 8, 0], dtype=torch.int32),
         )
 
@@ -347,8 +384,19 @@ def test_flash_attention_forward_paged():
     block_table = torch.tensor([[5, 2, 0], [1, 7, 3]], dtype=torch.int32)
     used = torch.tensor(lengths_k, dtype=torch.int32)
     out, lse, *_ = sdpa.flash_attention_forward(
-        q, k_cache, v_cache, cu_q, None, 5, 48, 0.0, True, False, seqused_k=used,
-        block_table=block_table, num_splits=3,
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        None,
+        5,
+        48,
+        0.0,
+        True,
+        False,
+        seqused_k=used,
+        block_table=block_table,
+        num_splits=3,
     )
     keys = [k_cache[block_table[b]].reshape(-1, h, d)[:n] for b, n in enumerate(lengths_k)]
     vals = [v_cache[block_table[b]].reshape(-1, h, d)[:n] for b, n in enumerate(lengths_k)]
@@ -357,7 +405,13 @@ def test_flash_attention_forward_paged():
         q, torch.cat(keys), torch.cat(vals), cu_q, cu_k, max_seqlen_k=48, causal=True
     )
     exp32, _ = ref.varlen_attention_ref(
-        q, torch.cat(keys), torch.cat(vals), cu_q, cu_k, max_seqlen_k=48, causal=True,
+        q,
+        torch.cat(keys),
+        torch.cat(vals),
+        cu_q,
+        cu_k,
+        max_seqlen_k=48,
+        causal=True,
         compute_dtype=torch.float32,
     )
     ref.assert_within_criterion(out, exp64, exp32)
@@ -369,7 +423,9 @@ def test_no_dropout_inplace_writes_out():
     lse = sdpa.flash_attention_forward_no_dropout_inplace(
         out, q, k, v, cu_q, cu_k, 9, 9, 0.0, True, False, window_size_left=-1, window_size_right=0
     )
-    expected, expected_lse, *_ = sdpa.flash_attention_forward(q, k, v, cu_q, cu_k, 9, 9, 0.0, True, False)
+    expected, expected_lse, *_ = sdpa.flash_attention_forward(
+        q, k, v, cu_q, cu_k, 9, 9, 0.0, True, False
+    )
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
 
@@ -381,8 +437,10 @@ def test_no_dropout_inplace_writes_out():
 
 def test_dropout_rng_state_replays_mask():
     p, causal = 0.3, True
-    q, k, v = _bhsd(2, 4, 23, 32, torch.float32), _bhsd(2, 2, 23, 32, torch.float32), _bhsd(
-        2, 2, 23, 32, torch.float32
+    q, k, v = (
+        _bhsd(2, 4, 23, 32, torch.float32),
+        _bhsd(2, 2, 23, 32, torch.float32),
+        _bhsd(2, 2, 23, 32, torch.float32),
     )
     out, lse, _, _, _, _, rng_state, unused, _ = sdpa.scaled_dot_product_flash_attention(
         q, k, v, p, causal
@@ -404,8 +462,10 @@ def test_dropout_matches_our_own_op_with_the_same_seed():
     """Same torch seed: the override draws the same [seed, offset] as
     flash_attn_func, so forward and gradients agree with autograd through it."""
     p = 0.2
-    q, k, v = _bhsd(1, 4, 31, 64, torch.float32), _bhsd(1, 4, 40, 64, torch.float32), _bhsd(
-        1, 4, 40, 64, torch.float32
+    q, k, v = (
+        _bhsd(1, 4, 31, 64, torch.float32),
+        _bhsd(1, 4, 40, 64, torch.float32),
+        _bhsd(1, 4, 40, 64, torch.float32),
     )
     torch.manual_seed(1234)
     out, lse, _, _, _, _, rng_state, unused, _ = sdpa.scaled_dot_product_flash_attention(q, k, v, p)
@@ -427,7 +487,9 @@ def test_dropout_matches_our_own_op_with_the_same_seed():
 
 def test_backward_accepts_int64_and_split_seed_offset():
     q, k, v = (_bhsd(1, 2, 9, 32, torch.float32) for _ in range(3))
-    out, lse, _, _, _, _, rng_state, unused, _ = sdpa.scaled_dot_product_flash_attention(q, k, v, 0.5)
+    out, lse, _, _, _, _, rng_state, unused, _ = sdpa.scaled_dot_product_flash_attention(
+        q, k, v, 0.5
+    )
     dout = torch.randn_like(out)
     args = (dout, q, k, v, out, lse, None, None, 9, 9, 0.5, False)
     expected = sdpa.scaled_dot_product_flash_attention_backward(*args, rng_state, unused)
@@ -454,8 +516,12 @@ def test_autograd_through_aten_sdpa_op(cpu_kernels, dropout_p):
     if dropout_p:
         seed, offset = _seed_offset(rng_state)
         keep = ref.dropout_keep_mask_batch(seed, offset, 2, 4, 21, 21, dropout_p)
-    out64, grads64 = _ref_grads(q, k, v, dout, True, torch.float64, keep_mask=keep, dropout_p=dropout_p)
-    out32, grads32 = _ref_grads(q, k, v, dout, True, torch.float32, keep_mask=keep, dropout_p=dropout_p)
+    out64, grads64 = _ref_grads(
+        q, k, v, dout, True, torch.float64, keep_mask=keep, dropout_p=dropout_p
+    )
+    out32, grads32 = _ref_grads(
+        q, k, v, dout, True, torch.float32, keep_mask=keep, dropout_p=dropout_p
+    )
     ref.assert_within_criterion(out.detach(), out64, out32)
     for t, g64, g32 in zip((q, k, v), grads64, grads32):
         ref.assert_within_criterion(t.grad, g64, g32, factor=3.0, atol=1e-4)
@@ -550,18 +616,29 @@ def test_errors_name_the_argument():
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
     with pytest.raises(UnsupportedAttentionCall, match="block_table"):
         sdpa.flash_attention_forward(
-            qs, ks, vs, None, None, 8, 8, 0.0, False, False,
+            qs,
+            ks,
+            vs,
+            None,
+            None,
+            8,
+            8,
+            0.0,
+            False,
+            False,
             block_table=torch.zeros(1, 1, dtype=torch.int32),
         )
     slopes = torch.rand(2)
     grad_q = qs.detach().requires_grad_()
     with pytest.raises(UnsupportedAttentionCall, match="alibi_slopes"):
-        sdpa.flash_attention_forward(grad_q, ks, vs, None, None, 8, 8, 0.0, False, False,
-                                     alibi_slopes=slopes)
+        sdpa.flash_attention_forward(
+            grad_q, ks, vs, None, None, 8, 8, 0.0, False, False, alibi_slopes=slopes
+        )
     # Without gradients ALiBi is served.
     with torch.no_grad():
-        got = sdpa.flash_attention_forward(grad_q, ks, vs, None, None, 8, 8, 0.0, False, False,
-                                           alibi_slopes=slopes)[0]
+        got = sdpa.flash_attention_forward(
+            grad_q, ks, vs, None, None, 8, 8, 0.0, False, False, alibi_slopes=slopes
+        )[0]
     exp64, _ = ref.attention_ref(qs, ks, vs, alibi_slopes=slopes)
     exp32, _ = ref.attention_ref(qs, ks, vs, alibi_slopes=slopes, compute_dtype=torch.float32)
     ref.assert_within_criterion(got, exp64, exp32)
@@ -723,10 +800,16 @@ def test_cuda_varlen_attn_matches_builtin(window, dtype, monkeypatch):
         out, grads = run()
     finally:
         torch.nn.attention.restore_flash_attention_impl()
-    assert calls.get("_flash_attention_forward") == 1 and calls.get("_flash_attention_backward") == 1
+    assert (
+        calls.get("_flash_attention_forward") == 1 and calls.get("_flash_attention_backward") == 1
+    )
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     exp = ref.varlen_attention_ref(
-        *leaves, cu.cpu(), cu.cpu(), causal=window == (-1, 0), window_size=window,
+        *leaves,
+        cu.cpu(),
+        cu.cpu(),
+        causal=window == (-1, 0),
+        window_size=window,
         compute_dtype=torch.float32,
     )[0]
     exp.backward(dout.float())

@@ -87,15 +87,18 @@ HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 
 def truncated(k, v, cu_k, used):
     """k / v rows and offsets of the used keys only (what the reference sees)."""
-    index = torch.cat([torch.arange(int(cu_k[b]), int(cu_k[b]) + int(n))
-                       for b, n in enumerate(used.tolist())] + [torch.zeros(0, dtype=torch.long)])
+    index = torch.cat(
+        [torch.arange(int(cu_k[b]), int(cu_k[b]) + int(n)) for b, n in enumerate(used.tolist())]
+        + [torch.zeros(0, dtype=torch.long)]
+    )
     index = index.to(k.device)
     return k.index_select(0, index), v.index_select(0, index), cu_seqlens(used.tolist(), k.device)
 
 
 def unused_rows(cu_k, used):
-    return [r for b, n in enumerate(used.tolist())
-            for r in range(int(cu_k[b]) + n, int(cu_k[b + 1]))]
+    return [
+        r for b, n in enumerate(used.tolist()) for r in range(int(cu_k[b]) + n, int(cu_k[b + 1]))
+    ]
 
 
 def seqused_inputs(device, nheads, nheads_k, head_dim=64):
@@ -115,8 +118,7 @@ def test_seqused_k_forward_backward_match_truncated_reference(device, causal, he
     nheads, nheads_k = HEADS[heads]
     q, k, v, cu_q, cu_k, used, max_q, max_k = seqused_inputs(device, nheads, nheads_k)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
-                                 seqused_k=used)
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal, seqused_k=used)
     dout = torch.randn_like(out)
     out.backward(dout)
 
@@ -125,16 +127,24 @@ def test_seqused_k_forward_backward_match_truncated_reference(device, causal, he
         k_used, v_used, cu_used = truncated(ref_leaves[1], ref_leaves[2], cu_k, used)
         # The window normalises against the max_seqlen_k the call passed.
         out_ref, lse_ref = ref.varlen_attention_ref(
-            ref_leaves[0], k_used, v_used, cu_q, cu_used, max_seqlen_k=max_k, causal=causal,
-            compute_dtype=compute_dtype)
+            ref_leaves[0],
+            k_used,
+            v_used,
+            cu_q,
+            cu_used,
+            max_seqlen_k=max_k,
+            causal=causal,
+            compute_dtype=compute_dtype,
+        )
         out_ref.backward(dout.to(compute_dtype))
         return out_ref.detach(), lse_ref, [t.grad for t in ref_leaves]
 
     exact, lse_exact, grads_exact = reference(torch.float64)
     same, _, grads_same = reference(q.dtype)
     check_output(out, exact, same)
-    _, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                       seqused_k=used, return_attn_probs=True)
+    _, lse, _ = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, seqused_k=used, return_attn_probs=True
+    )
     inf = torch.isinf(lse_exact)
     assert torch.equal(torch.isinf(lse), inf)
     torch.testing.assert_close(lse[~inf].double(), lse_exact[~inf], atol=2e-2, rtol=0)
@@ -156,8 +166,9 @@ def test_seqused_k_never_reads_unused_rows(device, causal):
     for kk, vv in ((k, v), (k_bad, v_bad)):
         leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
         # deterministic: the two backward passes must agree bitwise on CUDA too.
-        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
-                                     deterministic=True, seqused_k=used)
+        out = flash_attn_varlen_func(
+            *leaves, cu_q, cu_k, max_q, max_k, causal=causal, deterministic=True, seqused_k=used
+        )
         out.backward(dout)
         results.append([out.detach()] + [t.grad for t in leaves])
     for name, clean, planted in zip(("out", "dq", "dk", "dv"), *results):
@@ -177,7 +188,7 @@ def paged_from_packed(k, v, cu_k, lengths, page_size, fill_unused):
     k_cache = fill_unused(torch.empty(shape, dtype=k.dtype, device=k.device))
     v_cache = fill_unused(torch.empty(shape, dtype=v.dtype, device=v.device))
     order = torch.randperm(num_blocks).tolist()
-    spare = order[sum(pages):]
+    spare = order[sum(pages) :]
     table = torch.empty(batch, max_blocks, dtype=torch.int32)
     for b, n in enumerate(lengths):
         for i in range(max_blocks):
@@ -200,22 +211,34 @@ def test_paged_varlen_seqused_k(device, causal, cu_k_given, page_size):
     q, k, v, cu_q, cu_k, used, max_q, max_k = seqused_inputs(device, 8, 2, head_dim=128)
     # NaN / Inf in every cache row that is not a used key: the last used page's
     # tail, the table's spare columns and the pool's spare pages.
-    k_cache, v_cache, table = paged_from_packed(k, v, cu_k, used.tolist(), page_size,
-                                                fill_non_finite)
+    k_cache, v_cache, table = paged_from_packed(
+        k, v, cu_k, used.tolist(), page_size, fill_non_finite
+    )
     with torch.no_grad():
-        out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k if cu_k_given else None,
-                                     max_q, max_k, causal=causal, block_table=table,
-                                     seqused_k=used)
-        contiguous = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                            seqused_k=used)
+        out = flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k if cu_k_given else None,
+            max_q,
+            max_k,
+            causal=causal,
+            block_table=table,
+            seqused_k=used,
+        )
+        contiguous = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, seqused_k=used
+        )
     k_used, v_used, cu_used = truncated(k, v, cu_k, used)
-    exact, _ = ref.varlen_attention_ref(q, k_used, v_used, cu_q, cu_used, max_seqlen_k=max_k,
-                                        causal=causal)
-    same, _ = ref.varlen_attention_ref(q, k_used, v_used, cu_q, cu_used, max_seqlen_k=max_k,
-                                       causal=causal, compute_dtype=q.dtype)
+    exact, _ = ref.varlen_attention_ref(
+        q, k_used, v_used, cu_q, cu_used, max_seqlen_k=max_k, causal=causal
+    )
+    same, _ = ref.varlen_attention_ref(
+        q, k_used, v_used, cu_q, cu_used, max_seqlen_k=max_k, causal=causal, compute_dtype=q.dtype
+    )
     check_output(out, exact, same)
-    torch.testing.assert_close(out, contiguous, atol=3e-2 if device == "cuda" else 1e-6,
-                               rtol=0)
+    torch.testing.assert_close(out, contiguous, atol=3e-2 if device == "cuda" else 1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,14 +254,13 @@ def test_plain_varlen_never_reads_past_a_sequence(device):
     v = torch.randn_like(k)
     total = sum(lens_k)
     with torch.no_grad():
-        clean = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                       causal=True)
+        clean = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         for b in range(len(lens_q)):
-            others = [r for r in range(total + tail)
-                      if not int(cu_k[b]) <= r < int(cu_k[b + 1])]
+            others = [r for r in range(total + tail) if not int(cu_k[b]) <= r < int(cu_k[b + 1])]
             kb, vb = plant_non_finite(k.clone(), others), plant_non_finite(v.clone(), others)
-            out = flash_attn_varlen_func(q, kb, vb, cu_q, cu_k, max(lens_q), max(lens_k),
-                                         causal=True)
+            out = flash_attn_varlen_func(
+                q, kb, vb, cu_q, cu_k, max(lens_q), max(lens_k), causal=True
+            )
             rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
             assert torch.isfinite(out[rows]).all(), f"sequence {b} read another's keys"
             assert torch.equal(out[rows], clean[rows]), f"sequence {b}"
@@ -265,16 +287,33 @@ def _calls(device, head_dim):
     seqlens = int32([5, 0, 40], device)
     return {
         "func": (lambda out=None: flash_attn_func(q, k, v, causal=True, out=out), q.shape),
-        "varlen_seqused": (lambda out=None: flash_attn_varlen_func(
-            vq, vk, vv, cu_q, cu_k, max_q, max_k, causal=True, seqused_k=used, out=out),
-            vq.shape),
-        "varlen_paged": (lambda out=None: flash_attn_varlen_func(
-            vq, kc, vc, cu_q, None, max_q, max_k, block_table=table, seqused_k=used, out=out),
-            vq.shape),
+        "varlen_seqused": (
+            lambda out=None: flash_attn_varlen_func(
+                vq, vk, vv, cu_q, cu_k, max_q, max_k, causal=True, seqused_k=used, out=out
+            ),
+            vq.shape,
+        ),
+        "varlen_paged": (
+            lambda out=None: flash_attn_varlen_func(
+                vq, kc, vc, cu_q, None, max_q, max_k, block_table=table, seqused_k=used, out=out
+            ),
+            vq.shape,
+        ),
         # The append is idempotent: every call writes the same rows.
-        "kvcache": (lambda out=None: flash_attn_with_kvcache(
-            dq, k_cache, v_cache, new, new.clone(), cache_seqlens=seqlens, causal=True,
-            num_splits=1, out=out), dq.shape),
+        "kvcache": (
+            lambda out=None: flash_attn_with_kvcache(
+                dq,
+                k_cache,
+                v_cache,
+                new,
+                new.clone(),
+                cache_seqlens=seqlens,
+                causal=True,
+                num_splits=1,
+                out=out,
+            ),
+            dq.shape,
+        ),
     }
 
 
@@ -299,8 +338,9 @@ def test_out_may_be_a_strided_view(device, name):
     call, shape = _calls(device, 64)[name]
     with torch.no_grad():
         expected = call()
-        buffer = torch.full(shape[:-2] + (shape[-2] + 3, shape[-1]), 7.0, device=device,
-                            dtype=dtype_on(device))
+        buffer = torch.full(
+            shape[:-2] + (shape[-2] + 3, shape[-1]), 7.0, device=device, dtype=dtype_on(device)
+        )
         out = buffer[..., 1:-2, :]
         assert not out.is_contiguous()
         assert call(out=out) is out
@@ -341,8 +381,9 @@ def test_out_allocates_no_output(name):
 # ----------------------------------------------------------------------------- KV cache
 
 
-def kvcache_inputs(device, batch, lengths, capacity, seqlen_q=2, nheads=8, nheads_k=2,
-                   head_dim=128):
+def kvcache_inputs(
+    device, batch, lengths, capacity, seqlen_q=2, nheads=8, nheads_k=2, head_dim=128
+):
     dtype = dtype_on(device)
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device=device, dtype=dtype)
     k_cache = torch.randn(batch, capacity, nheads_k, head_dim, device=device, dtype=dtype)
@@ -362,8 +403,11 @@ def to_pages(cache, table, num_blocks, fill):
     """(batch, capacity, ...) -> a pool of num_blocks pages laid out by table;
     the pages no sequence owns are filled by `fill`."""
     page_size = cache.shape[1] // table.shape[1]
-    pool = fill(torch.empty((num_blocks, page_size) + tuple(cache.shape[2:]), dtype=cache.dtype,
-                            device=cache.device))
+    pool = fill(
+        torch.empty(
+            (num_blocks, page_size) + tuple(cache.shape[2:]), dtype=cache.dtype, device=cache.device
+        )
+    )
     pool[table.long().flatten()] = cache.reshape(-1, page_size, *cache.shape[2:])
     return pool
 
@@ -381,8 +425,14 @@ def test_kvcache_never_reads_past_cache_seqlens(device, paged, num_splits, seqle
     lengths = [37, 2 * page_size, 0, capacity - seqlen_new, 1]
     batch = len(lengths)
     q, k_cache, v_cache, seqlens = kvcache_inputs(device, batch, lengths, capacity)
-    new = [torch.randn(batch, seqlen_new, 2, q.shape[-1], device=device, dtype=q.dtype)
-           for _ in range(2)] if seqlen_new else [None, None]
+    new = (
+        [
+            torch.randn(batch, seqlen_new, 2, q.shape[-1], device=device, dtype=q.dtype)
+            for _ in range(2)
+        ]
+        if seqlen_new
+        else [None, None]
+    )
     # Past each length (the appended rows are written over): NaN / Inf. Paged,
     # that is the last used page's tail and every page of the table's columns
     # past it; the pool's spare pages hold NaN / Inf too.
@@ -395,9 +445,17 @@ def test_kvcache_never_reads_past_cache_seqlens(device, paged, num_splits, seqle
     for kc, vc, fill in ((k_cache, v_cache, fill_random), (bad_k, bad_v, fill_non_finite)):
         if paged:
             kc, vc = (to_pages(c, table, num_blocks, fill) for c in (kc, vc))
-        out = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), new[0], new[1],
-                                      cache_seqlens=seqlens, block_table=table if paged else None,
-                                      causal=True, num_splits=num_splits)
+        out = flash_attn_with_kvcache(
+            q,
+            kc.clone(),
+            vc.clone(),
+            new[0],
+            new[1],
+            cache_seqlens=seqlens,
+            block_table=table if paged else None,
+            causal=True,
+            num_splits=num_splits,
+        )
         results.append(out)
     clean, planted = results
     assert torch.isfinite(planted).all(), "a planted NaN / Inf reached the output"
@@ -415,10 +473,12 @@ def test_kvcache_never_reads_before_cache_leftpad(device):
         rows = list(range(0, p)) + list(range(n, capacity))
         plant_non_finite(bad_k[b], rows)
         plant_non_finite(bad_v[b], rows)
-    clean = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                    cache_leftpad=pad, num_splits=1)
-    planted = flash_attn_with_kvcache(q, bad_k, bad_v, cache_seqlens=seqlens,
-                                      cache_leftpad=pad, num_splits=1)
+    clean = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=pad, num_splits=1
+    )
+    planted = flash_attn_with_kvcache(
+        q, bad_k, bad_v, cache_seqlens=seqlens, cache_leftpad=pad, num_splits=1
+    )
     assert torch.isfinite(planted).all() and torch.equal(planted, clean)
 
 
@@ -439,25 +499,39 @@ def test_kvcache_batch_invariance(device, paged, seqlen_q):
         if paged:
             table, num_blocks = page_order(q.shape[0], capacity, PAGE_SIZE, device)
             kc, vc = (to_pages(c, table, num_blocks, fill_random) for c in (kc, vc))
-        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=int32(lengths, device),
-                                       block_table=table, causal=True, num_splits=1,
-                                       return_softmax_lse=True)
+        return flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            cache_seqlens=int32(lengths, device),
+            block_table=table,
+            causal=True,
+            num_splits=1,
+            return_softmax_lse=True,
+        )
 
     alone_out, alone_lse = run(q0, k0, v0, [length])
     for batch, place in ((3, 1), (9, 8), (9, 0)):
-        qo, ko, vo, _ = kvcache_inputs(device, batch - 1, [0] * (batch - 1), capacity,
-                                       seqlen_q=seqlen_q)
+        qo, ko, vo, _ = kvcache_inputs(
+            device, batch - 1, [0] * (batch - 1), capacity, seqlen_q=seqlen_q
+        )
         lengths = torch.randint(0, capacity + 1, (batch - 1,)).tolist()
-        q, kc, vc = (torch.cat([o[:place], t, o[place:]])
-                     for o, t in ((qo, q0), (ko, k0), (vo, v0)))
+        q, kc, vc = (
+            torch.cat([o[:place], t, o[place:]]) for o, t in ((qo, q0), (ko, k0), (vo, v0))
+        )
         out, lse = run(q, kc, vc, lengths[:place] + [length] + lengths[place:])
         assert torch.equal(out[place], alone_out[0]), f"batch {batch}, place {place}"
         assert torch.equal(lse[place], alone_lse[0]), f"batch {batch}, place {place}"
 
 
-@pytest.fixture(params=[None, pytest.param("sm80", marks=pytest.mark.cuda),
-                        pytest.param("sm90", marks=pytest.mark.cuda)],
-                ids=["default", "sm80", "sm90"])
+@pytest.fixture(
+    params=[
+        None,
+        pytest.param("sm80", marks=pytest.mark.cuda),
+        pytest.param("sm90", marks=pytest.mark.cuda),
+    ],
+    ids=["default", "sm80", "sm90"],
+)
 def fwd_kernel(request, monkeypatch):
     """The CUDA forward kernel, fixed: the automatic choice goes by the batch's
     shape, so only a fixed choice is batch invariant on CUDA."""
@@ -484,12 +558,22 @@ def test_varlen_batch_invariance(device, paged, fwd_kernel):
         cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
         with torch.no_grad():
             if not paged:
-                return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                              causal=True), cu_q
+                return flash_attn_varlen_func(
+                    q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True
+                ), cu_q
             kc, vc, table = paged_from_packed(k, v, cu_k, lens_k, PAGE_SIZE, fill_random)
-            return flash_attn_varlen_func(q, kc, vc, cu_q, None, max(lens_q), max(lens_k),
-                                          causal=True, block_table=table,
-                                          seqused_k=int32(lens_k, device)), cu_q
+            return flash_attn_varlen_func(
+                q,
+                kc,
+                vc,
+                cu_q,
+                None,
+                max(lens_q),
+                max(lens_k),
+                causal=True,
+                block_table=table,
+                seqused_k=int32(lens_k, device),
+            ), cu_q
 
     alone, _ = run([45], [300], [q0], [k0], [v0])
     for count, place in ((2, 1), (6, 3), (6, 0)):
@@ -498,10 +582,13 @@ def test_varlen_batch_invariance(device, paged, fwd_kernel):
         qs = [torch.randn(n, nheads, head_dim, device=device, dtype=dtype) for n in lens_q]
         ks = [torch.randn(n, nheads_k, head_dim, device=device, dtype=dtype) for n in lens_k]
         vs = [torch.randn_like(t) for t in ks]
-        out, cu_q = run(lens_q[:place] + [45] + lens_q[place:],
-                        lens_k[:place] + [300] + lens_k[place:],
-                        qs[:place] + [q0] + qs[place:], ks[:place] + [k0] + ks[place:],
-                        vs[:place] + [v0] + vs[place:])
+        out, cu_q = run(
+            lens_q[:place] + [45] + lens_q[place:],
+            lens_k[:place] + [300] + lens_k[place:],
+            qs[:place] + [q0] + qs[place:],
+            ks[:place] + [k0] + ks[place:],
+            vs[:place] + [v0] + vs[place:],
+        )
         rows = slice(int(cu_q[place]), int(cu_q[place + 1]))
         assert torch.equal(out[rows], alone), f"{count + 1} sequences, place {place}"
 
@@ -517,21 +604,75 @@ def test_fake_kernels_shapes():
         k = torch.empty(40, 2, 32, dtype=torch.bfloat16)
         cu = torch.empty(4, dtype=torch.int32)
         used = torch.empty(3, dtype=torch.int32)
-        args = (q, k, k, cu, cu, None, None, 19, 19, 0.0, 0.2, True, -1, -1, 0.0, False, 0, 0,
-                None)
+        args = (q, k, k, cu, cu, None, None, 19, 19, 0.0, 0.2, True, -1, -1, 0.0, False, 0, 0, None)
         out, lse, s_dmask, rng = ops.varlen_fwd(*args, seqused_k=used)
         assert out.shape == q.shape and lse.shape == (4, 25) and lse.dtype == torch.float32
         assert s_dmask.shape == (0,) and rng.shape == (2,)
         results = ops.varlen_fwd_out(*args, seqused_k=used, out=torch.empty_like(q))
         assert [t.shape for t in results] == [(4, 25), (0,), (2,)]
-        dq, dk, dv = ops.varlen_bwd(q, q, k, k, q, lse, cu, cu, None, 19, 19, 0.0, 0.2, True,
-                                    -1, -1, 0.0, False, None, seqused_k=used)
+        dq, dk, dv = ops.varlen_bwd(
+            q,
+            q,
+            k,
+            k,
+            q,
+            lse,
+            cu,
+            cu,
+            None,
+            19,
+            19,
+            0.0,
+            0.2,
+            True,
+            -1,
+            -1,
+            0.0,
+            False,
+            None,
+            seqused_k=used,
+        )
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
         qf = torch.empty(2, 7, 4, 32, dtype=torch.bfloat16)
         kf = torch.empty(2, 9, 2, 32, dtype=torch.bfloat16)
-        lse, s_dmask, rng = ops.fwd_out(qf, kf, kf, None, 0.0, 0.2, False, -1, -1, 0.0, False,
-                                        0, 0, None, out=torch.empty_like(qf))
+        lse, s_dmask, rng = ops.fwd_out(
+            qf,
+            kf,
+            kf,
+            None,
+            0.0,
+            0.2,
+            False,
+            -1,
+            -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+            out=torch.empty_like(qf),
+        )
         assert lse.shape == (2, 4, 7) and s_dmask.shape == (0,)
-        lse = ops.fwd_kvcache_out(qf, kf, kf, None, None, None, None, None, None, None, None,
-                                  None, 0.2, True, -1, -1, 0.0, True, 1, out=torch.empty_like(qf))
+        lse = ops.fwd_kvcache_out(
+            qf,
+            kf,
+            kf,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            0.2,
+            True,
+            -1,
+            -1,
+            0.0,
+            True,
+            1,
+            out=torch.empty_like(qf),
+        )
         assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32

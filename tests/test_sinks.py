@@ -52,6 +52,7 @@ DEVICE_DTYPES = [
     pytest.param("cuda", torch.bfloat16, 128, marks=CUDA),
 ]
 
+
 def random_sink(nheads, device, requires_grad=False):
     """Sinks spread over the scores' range and beyond: some heads barely
     notice theirs, one is dominated by it, one sink sits far below."""
@@ -132,22 +133,27 @@ def test_fixed_length_matches_reference(device, dtype, head_dim, case):
     if dtype == torch.float32:
         torch.testing.assert_close(d_sink.double(), d_sink_ref, **FP32_GRAD_TOL)
     else:
-        assert_within_criterion(d_sink, d_sink_ref, d_sink_same, factor=3.0, atol=1e-4,
-                                name="d_sink")
+        assert_within_criterion(
+            d_sink, d_sink_ref, d_sink_same, factor=3.0, atol=1e-4, name="d_sink"
+        )
 
 
-@pytest.mark.parametrize("device,dtype", [
-    ("cpu", torch.float32),
-    pytest.param("cuda", torch.bfloat16, marks=CUDA),
-])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param("cuda", torch.bfloat16, marks=CUDA),
+    ],
+)
 def test_rows_that_see_no_key(device, dtype):
     """Output 0 and lse = the head's sink, exactly; those rows add nothing to d_sink."""
     batch, seqlen_q, seqlen_k, nheads = 2, 9, 5, 3
-    q, k, v = (rand(batch, s, nheads, 64, device=device, dtype=dtype, requires_grad=True)
-               for s in (seqlen_q, seqlen_k, seqlen_k))
+    q, k, v = (
+        rand(batch, s, nheads, 64, device=device, dtype=dtype, requires_grad=True)
+        for s in (seqlen_q, seqlen_k, seqlen_k)
+    )
     sink = random_sink(nheads, device, requires_grad=True)
-    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True,
-                                  learnable_sink=sink)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, learnable_sink=sink)
     empty = seqlen_q - seqlen_k  # rows 0 .. 3 see no key under bottom-right causal
     assert (out[:, :empty] == 0).all()
     expected = sink.detach().view(1, nheads, 1).expand(batch, nheads, empty)
@@ -155,8 +161,8 @@ def test_rows_that_see_no_key(device, dtype):
     dout = torch.randn_like(out)
     (d_sink,) = torch.autograd.grad(out, sink, dout)
     (d_sink_kept,) = torch.autograd.grad(
-        flash_attn_func(q[:, empty:], k, v, causal=True, learnable_sink=sink), sink,
-        dout[:, empty:])
+        flash_attn_func(q[:, empty:], k, v, causal=True, learnable_sink=sink), sink, dout[:, empty:]
+    )
     # On CUDA the two calls may tile the kept rows differently (bf16 outputs).
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(d_sink, d_sink_kept, **tol)
@@ -170,8 +176,9 @@ def test_sink_only_rescales(device):
     q, k, v = (rand(2, 31, 4, 64, device=device, dtype=dtype) for _ in range(3))
     sink = random_sink(4, device)
     out0, lse0, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    out1, lse1, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True,
-                                    learnable_sink=sink)
+    out1, lse1, _ = flash_attn_func(
+        q, k, v, causal=True, return_attn_probs=True, learnable_sink=sink
+    )
     lse_expected = torch.logaddexp(lse0.double(), sink.double().view(1, -1, 1))
     torch.testing.assert_close(lse1.double(), lse_expected, atol=2e-5, rtol=2e-5)
     keep = torch.exp(lse0.double() - lse_expected).transpose(1, 2).unsqueeze(-1)
@@ -183,7 +190,8 @@ def test_sink_only_rescales(device):
 def test_deterministic_d_sink_is_bitwise_reproducible(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v, sink, dout, kwargs, _ = fixed_length_run(
-        device, dtype, 64, dict(seqlens=(300, 300), causal=True, heads=(8, 2)))
+        device, dtype, 64, dict(seqlens=(300, 300), causal=True, heads=(8, 2))
+    )
     results = []
     for _ in range(3):
         out = flash_attn_func(q, k, v, deterministic=True, learnable_sink=sink, **kwargs)
@@ -217,8 +225,9 @@ def test_packed_variants(device):
     expected = flash_attn_varlen_func(*packed.unbind(1), cu, cu, 19, 19, learnable_sink=sink)
     got = flash_attn_varlen_qkvpacked_func(packed, cu, 19, learnable_sink=sink)
     assert torch.equal(got, expected)
-    got_kv = flash_attn_varlen_kvpacked_func(packed[:, 0], packed[:, 1:], cu, cu, 19, 19,
-                                             learnable_sink=sink)
+    got_kv = flash_attn_varlen_kvpacked_func(
+        packed[:, 0], packed[:, 1:], cu, cu, 19, 19, learnable_sink=sink
+    )
     assert torch.equal(got_kv, expected)
 
 
@@ -227,8 +236,7 @@ def test_sink_without_grad_and_no_grad_mode(device):
     """A sink that needs no gradient leaves d_sink out; under no_grad the
     direct op path gives the same result as the autograd.Function."""
     dtype = torch.float32 if device == "cpu" else torch.float16
-    q, k, v = (rand(1, 21, 2, 32, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (rand(1, 21, 2, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     sink = random_sink(2, device)
     out = flash_attn_func(q, k, v, learnable_sink=sink)
     with torch.no_grad():
@@ -250,24 +258,50 @@ def test_dropout_cpu():
     the lse that includes the sink; forward and backward match the reference
     with that keep mask."""
     batch, seqlen_q, seqlen_k, nheads, d, p = 2, 37, 45, 4, 32, 0.17
-    q, k, v = (rand(batch, s, nheads, d, device="cpu", dtype=torch.float32, requires_grad=True)
-               for s in (seqlen_q, seqlen_k, seqlen_k))
+    q, k, v = (
+        rand(batch, s, nheads, d, device="cpu", dtype=torch.float32, requires_grad=True)
+        for s in (seqlen_q, seqlen_k, seqlen_k)
+    )
     sink = random_sink(nheads, "cpu", requires_grad=True)
-    scale = d ** -0.5
-    args = (q.detach(), k.detach(), v.detach(), None, p, scale, True, -1, -1, 0.0, True, 1234, 5,
-            None)
+    scale = d**-0.5
+    args = (
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        None,
+        p,
+        scale,
+        True,
+        -1,
+        -1,
+        0.0,
+        True,
+        1234,
+        5,
+        None,
+    )
     out_plain, lse_plain, probs_plain, _ = ops.fwd(*args)
     out, lse, probs, _ = ops.fwd(*args, learnable_sink=sink.detach())
     assert torch.equal(probs, probs_plain)
     keep = reference.dropout_keep_mask_batch(1234, 5, batch, nheads, seqlen_q, seqlen_k, p)
-    scores = s_dmask.final_scores(q.detach(), k.detach(), softmax_scale=scale,
-                                  window=reference.normalize_window(True, -1, -1, seqlen_k))
+    scores = s_dmask.final_scores(
+        q.detach(),
+        k.detach(),
+        softmax_scale=scale,
+        window=reference.normalize_window(True, -1, -1, seqlen_k),
+    )
     block_n = flash_attn_cuda._get_block_size_n("cpu", d, True, True)
     visible = torch.isfinite(scores)
     assert torch.equal(~torch.signbit(probs)[visible], keep[visible])
-    out_ref, lse_ref = attention_ref(q.detach(), k.detach(), v.detach(), causal=True,
-                                     dropout_p=p, keep_mask=keep,
-                                     learnable_sink=sink.detach())
+    out_ref, lse_ref = attention_ref(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        causal=True,
+        dropout_p=p,
+        keep_mask=keep,
+        learnable_sink=sink.detach(),
+    )
     torch.testing.assert_close(out.double(), out_ref, **FP32_TOL)
     torch.testing.assert_close(lse.double(), lse_ref, **FP32_TOL)
     factor = torch.exp(s_dmask.block_running_max(scores, block_n) - lse.double()[..., None])
@@ -277,14 +311,16 @@ def test_dropout_cpu():
 
     # The public function, whose seed is drawn inside: the keep mask is read
     # back from S_dmask's signs.
-    out, lse, probs = flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True,
-                                      learnable_sink=sink)
+    out, lse, probs = flash_attn_func(
+        q, k, v, dropout_p=p, causal=True, return_attn_probs=True, learnable_sink=sink
+    )
     keep = ~torch.signbit(probs)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v, sink), dout)
     inputs = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
-    out_ref, _ = attention_ref(*inputs[:3], causal=True, dropout_p=p, keep_mask=keep,
-                               learnable_sink=inputs[3])
+    out_ref, _ = attention_ref(
+        *inputs[:3], causal=True, dropout_p=p, keep_mask=keep, learnable_sink=inputs[3]
+    )
     grads_ref = torch.autograd.grad(out_ref, inputs, dout.double())
     torch.testing.assert_close(out.double(), out_ref, **FP32_TOL)
     for name, ours, exact in zip(("dq", "dk", "dv", "d_sink"), grads, grads_ref):
@@ -297,8 +333,9 @@ def test_dropout_cpu():
 VARLEN_CASES = {
     "plain": dict(lens_q=[5, 17, 1], lens_k=[9, 17, 30]),
     "causal_empty_sequence": dict(lens_q=[12, 0, 33], lens_k=[7, 4, 33], causal=True),
-    "local_softcap_gqa": dict(lens_q=[40, 3], lens_k=[40, 64], window=(6, 2), softcap=4.0,
-                              heads=(6, 2)),
+    "local_softcap_gqa": dict(
+        lens_q=[40, 3], lens_k=[40, 64], window=(6, 2), softcap=4.0, heads=(6, 2)
+    ),
     "alibi_causal": dict(lens_q=[20, 130], lens_k=[25, 128], causal=True, alibi=True),
 }
 
@@ -321,27 +358,37 @@ def test_varlen_matches_reference(device, dtype, head_dim, case):
     v = rand(total_k, nheads_k, head_dim, device=device, dtype=dtype, requires_grad=True)
     alibi = torch.rand(len(c["lens_q"]), nheads, device=device) if c.get("alibi") else None
     sink = random_sink(nheads, device, requires_grad=True)
-    kwargs = dict(causal=c.get("causal", False), window_size=c.get("window", (-1, -1)),
-                  softcap=c.get("softcap", 0.0), alibi_slopes=alibi)
+    kwargs = dict(
+        causal=c.get("causal", False),
+        window_size=c.get("window", (-1, -1)),
+        softcap=c.get("softcap", 0.0),
+        alibi_slopes=alibi,
+    )
     max_q, max_k = max(c["lens_q"]), max(c["lens_k"])
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
-                                         return_attn_probs=True, learnable_sink=sink, **kwargs)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, learnable_sink=sink, **kwargs
+    )
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v, sink), dout)
 
     def ref(compute_dtype):
         inputs = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v, sink)]
-        o, lse_ = varlen_attention_ref(*inputs[:3], cu_q.cpu(), cu_k.cpu(), max_k,
-                                       compute_dtype=compute_dtype, learnable_sink=inputs[3],
-                                       **kwargs)
+        o, lse_ = varlen_attention_ref(
+            *inputs[:3],
+            cu_q.cpu(),
+            cu_k.cpu(),
+            max_k,
+            compute_dtype=compute_dtype,
+            learnable_sink=inputs[3],
+            **kwargs,
+        )
         return o, lse_, torch.autograd.grad(o, inputs, dout.to(compute_dtype))
 
     out_ref, lse_ref, grads_ref = ref(torch.float64)
     out_same, lse_same, grads_same = ref(dtype)
     check_close(out, out_ref, out_same, "out")
     check_lse(lse, lse_ref, lse_same)
-    for name, ours, exact, same in zip(("dq", "dk", "dv", "d_sink"), grads, grads_ref,
-                                       grads_same):
+    for name, ours, exact, same in zip(("dq", "dk", "dv", "d_sink"), grads, grads_ref, grads_same):
         check_close(ours, exact, same, name, grad=True)
 
 
@@ -356,8 +403,9 @@ def test_varlen_rows_outside_every_sequence(device):
     q = rand(24, nheads, 64, device=device, dtype=dtype)
     k, v = (rand(30, nheads, 64, device=device, dtype=dtype) for _ in range(2))
     sink = random_sink(nheads, device)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 11, 14, causal=True,
-                                         return_attn_probs=True, learnable_sink=sink)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 11, 14, causal=True, return_attn_probs=True, learnable_sink=sink
+    )
     dout = torch.randn_like(out)
     d = (dout.float() * out.float()).sum(-1).t()
     # Unused rows with any content: garbage (NaN) must not reach d_sink.
@@ -367,16 +415,18 @@ def test_varlen_rows_outside_every_sequence(device):
         d_garbage[:, rows] = float("nan")
     got = ops.sink_grad(lse_garbage, d_garbage, sink, cu_q)
     used = slice(2, 20)
-    expected = -(torch.exp(sink.double()[:, None] - lse[:, used].double())
-                 * d[:, used].double()).sum(1)
+    expected = -(
+        torch.exp(sink.double()[:, None] - lse[:, used].double()) * d[:, used].double()
+    ).sum(1)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ KV cache
 
 
-def kvcache_reference(q, k_cache, v_cache, cache_seqlens, sink, *, causal, window, softcap,
-                      alibi, compute_dtype):
+def kvcache_reference(
+    q, k_cache, v_cache, cache_seqlens, sink, *, causal, window, softcap, alibi, compute_dtype
+):
     """Attention over each sequence's cache rows [0, cache_seqlens[b]) (the
     caches after the call's append), the window normalised against the
     capacity as fwd_kvcache does."""
@@ -385,11 +435,18 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, sink, *, causal, windo
     outs, lses = [], []
     for b in range(q.shape[0]):
         n = int(cache_seqlens[b])
-        o, lse = attention_ref(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n],
-                               causal=False, window_size=(left, right), softcap=softcap,
-                               alibi_slopes=None if alibi is None else alibi[b : b + 1],
-                               compute_dtype=compute_dtype, normalize=False,
-                               learnable_sink=sink)
+        o, lse = attention_ref(
+            q[b : b + 1],
+            k_cache[b : b + 1, :n],
+            v_cache[b : b + 1, :n],
+            causal=False,
+            window_size=(left, right),
+            softcap=softcap,
+            alibi_slopes=None if alibi is None else alibi[b : b + 1],
+            compute_dtype=compute_dtype,
+            normalize=False,
+            learnable_sink=sink,
+        )
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -419,32 +476,51 @@ def kvcache_case(device, dtype, head_dim, case, page_size=None, num_splits=0):
         v_new = rand(batch, append, nheads_k, head_dim, device=device, dtype=dtype)
     alibi = torch.rand(batch, nheads, device=device) if case.get("alibi") else None
     sink = random_sink(nheads, device)
-    kwargs = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
-                  softcap=case.get("softcap", 0.0), alibi_slopes=alibi, num_splits=num_splits)
+    kwargs = dict(
+        causal=case.get("causal", False),
+        window_size=case.get("window", (-1, -1)),
+        softcap=case.get("softcap", 0.0),
+        alibi_slopes=alibi,
+        num_splits=num_splits,
+    )
     k_call, v_call, table = k_cache.clone(), v_cache.clone(), None
     if page_size is not None:
         pages = capacity // page_size
         order = torch.randperm(batch * pages + 2, device=device)[: batch * pages]
-        k_paged = rand(batch * pages + 2, page_size, nheads_k, head_dim, device=device,
-                       dtype=dtype)
+        k_paged = rand(batch * pages + 2, page_size, nheads_k, head_dim, device=device, dtype=dtype)
         v_paged = torch.randn_like(k_paged)
         k_paged[order] = k_cache.reshape(-1, page_size, nheads_k, head_dim)
         v_paged[order] = v_cache.reshape(-1, page_size, nheads_k, head_dim)
         k_call, v_call = k_paged, v_paged
         table = order.view(batch, pages).to(torch.int32)
-    out, lse = flash_attn_with_kvcache(q, k_call, v_call, k_new, v_new,
-                                       cache_seqlens=seqlens.to(device), block_table=table,
-                                       return_softmax_lse=True, learnable_sink=sink, **kwargs)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k_call,
+        v_call,
+        k_new,
+        v_new,
+        cache_seqlens=seqlens.to(device),
+        block_table=table,
+        return_softmax_lse=True,
+        learnable_sink=sink,
+        **kwargs,
+    )
     if table is not None:
         k_call = k_call[table.long()].reshape(batch, capacity, nheads_k, head_dim)
         v_call = v_call[table.long()].reshape(batch, capacity, nheads_k, head_dim)
     used = seqlens + append
-    ref_kwargs = dict(causal=kwargs["causal"], window=kwargs["window_size"],
-                      softcap=kwargs["softcap"], alibi=alibi)
-    out_ref, lse_ref = kvcache_reference(q, k_call, v_call, used, sink, **ref_kwargs,
-                                         compute_dtype=torch.float64)
-    out_same, lse_same = kvcache_reference(q, k_call, v_call, used, sink, **ref_kwargs,
-                                           compute_dtype=dtype)
+    ref_kwargs = dict(
+        causal=kwargs["causal"],
+        window=kwargs["window_size"],
+        softcap=kwargs["softcap"],
+        alibi=alibi,
+    )
+    out_ref, lse_ref = kvcache_reference(
+        q, k_call, v_call, used, sink, **ref_kwargs, compute_dtype=torch.float64
+    )
+    out_same, lse_same = kvcache_reference(
+        q, k_call, v_call, used, sink, **ref_kwargs, compute_dtype=dtype
+    )
     check_close(out, out_ref, out_same, "out")
     check_lse(lse, lse_ref, lse_same)
 
@@ -472,8 +548,9 @@ def test_kvcache_row_without_keys(device):
     k_cache, v_cache = (rand(2, 32, 2, 64, device=device, dtype=dtype) for _ in range(2))
     sink = random_sink(4, device)
     seqlens = torch.tensor([0, 9], dtype=torch.int32, device=device)
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                       return_softmax_lse=True, learnable_sink=sink)
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=True, learnable_sink=sink
+    )
     assert (out[0] == 0).all()
     assert torch.equal(lse[0, :, 0], sink)
 
@@ -521,13 +598,14 @@ def test_sink_grad_op(device):
 
 # ------------------------------------------------------------------- opcheck
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_forwards(device):
     dtype = torch.bfloat16
     sink = random_sink(4, device)
     q = rand(2, 17, 4, 32, device=device, dtype=dtype)
     k, v = (rand(2, 23, 2, 32, device=device, dtype=dtype) for _ in range(2))
-    fwd_args = (q, k, v, None, 0.0, 32 ** -0.5, True, -1, -1, 0.0, False, 0, 0, None)
+    fwd_args = (q, k, v, None, 0.0, 32**-0.5, True, -1, -1, 0.0, False, 0, 0, None)
     opcheck(ops.fwd.default, fwd_args, {"learnable_sink": sink})
     opcheck(ops.fwd_out.default, fwd_args, {"out": torch.empty_like(q), "learnable_sink": sink})
 
@@ -535,20 +613,62 @@ def test_opcheck_forwards(device):
     cu_k = torch.tensor([0, 9, 23], dtype=torch.int32, device=device)
     vq = rand(17, 4, 32, device=device, dtype=dtype)
     vk, vv = (rand(23, 2, 32, device=device, dtype=dtype) for _ in range(2))
-    varlen_args = (vq, vk, vv, cu_q, cu_k, None, None, 12, 14, 0.0, 32 ** -0.5, True, -1, -1,
-                   0.0, False, 0, 0, None)
+    varlen_args = (
+        vq,
+        vk,
+        vv,
+        cu_q,
+        cu_k,
+        None,
+        None,
+        12,
+        14,
+        0.0,
+        32**-0.5,
+        True,
+        -1,
+        -1,
+        0.0,
+        False,
+        0,
+        0,
+        None,
+    )
     opcheck(ops.varlen_fwd.default, varlen_args, {"learnable_sink": sink})
-    opcheck(ops.varlen_fwd_out.default, varlen_args,
-            {"out": torch.empty_like(vq), "learnable_sink": sink})
+    opcheck(
+        ops.varlen_fwd_out.default,
+        varlen_args,
+        {"out": torch.empty_like(vq), "learnable_sink": sink},
+    )
 
     kq = rand(2, 1, 4, 32, device=device, dtype=dtype)
     k_cache, v_cache = (rand(2, 40, 2, 32, device=device, dtype=dtype) for _ in range(2))
     seqlens = torch.tensor([3, 40], dtype=torch.int32, device=device)
-    kv_args = (kq, k_cache, v_cache, None, None, seqlens, None, None, None, None, None, None,
-               32 ** -0.5, True, -1, -1, 0.0, True, 0)
+    kv_args = (
+        kq,
+        k_cache,
+        v_cache,
+        None,
+        None,
+        seqlens,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        32**-0.5,
+        True,
+        -1,
+        -1,
+        0.0,
+        True,
+        0,
+    )
     opcheck(ops.fwd_kvcache.default, kv_args, {"learnable_sink": sink})
-    opcheck(ops.fwd_kvcache_out.default, kv_args,
-            {"out": torch.empty_like(kq), "learnable_sink": sink})
+    opcheck(
+        ops.fwd_kvcache_out.default, kv_args, {"out": torch.empty_like(kq), "learnable_sink": sink}
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -568,14 +688,16 @@ def test_backward_ops_hand_out_d(device, varlen):
     layout (what sink_grad reads), and the gradients do not change."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     batch, seqlen, nheads, head_dim = 2, 37, 4, 64
-    q, k, v, dout = (torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=dtype)
-                     for _ in range(4))
-    args = (0.0, head_dim ** -0.5, True, -1, 0, 0.0)
+    q, k, v, dout = (
+        torch.randn(batch, seqlen, nheads, head_dim, device=device, dtype=dtype) for _ in range(4)
+    )
+    args = (0.0, head_dim**-0.5, True, -1, 0, 0.0)
     if varlen:
         q, k, v, dout = (t.reshape(batch * seqlen, nheads, head_dim) for t in (q, k, v, dout))
         cu = torch.tensor([0, 30, batch * seqlen], dtype=torch.int32, device=device)
-        out, lse, _, rng = ops.varlen_fwd(q, k, v, cu, cu, None, None, 44, 44, *args[:6],
-                                          False, 0, 0, None)
+        out, lse, _, rng = ops.varlen_fwd(
+            q, k, v, cu, cu, None, None, 44, 44, *args[:6], False, 0, 0, None
+        )
         bwd_args = (dout, q, k, v, out, lse, cu, cu, None, 44, 44, *args, False, rng)
         bwd = ops.varlen_bwd
         expected = (dout.float() * out.float()).sum(-1).t()
@@ -609,8 +731,9 @@ def test_compile_fullgraph_with_backward(device):
     def inputs():
         torch.manual_seed(0)
         q = rand(2, 19, 4, 32, device=device, dtype=dtype, requires_grad=True)
-        k, v = (rand(2, 19, 2, 32, device=device, dtype=dtype, requires_grad=True)
-                for _ in range(2))
+        k, v = (
+            rand(2, 19, 2, 32, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+        )
         return q, k, v, random_sink(4, device, requires_grad=True)
 
     assert_compiled_matches_eager(attention, inputs)
@@ -620,12 +743,18 @@ def test_compile_fullgraph_with_backward(device):
 
 
 BAD_SINKS = {
-    "dtype": (lambda n, dev: torch.zeros(n, dtype=torch.bfloat16, device=dev),
-              "learnable_sink must have dtype float32"),
-    "kv_heads": (lambda n, dev: torch.zeros(2, device=dev),
-                 r"learnable_sink must have shape \(nheads,\) = \(4,\)"),
-    "2d": (lambda n, dev: torch.zeros(1, n, device=dev),
-           r"learnable_sink must have shape \(nheads,\) = \(4,\)"),
+    "dtype": (
+        lambda n, dev: torch.zeros(n, dtype=torch.bfloat16, device=dev),
+        "learnable_sink must have dtype float32",
+    ),
+    "kv_heads": (
+        lambda n, dev: torch.zeros(2, device=dev),
+        r"learnable_sink must have shape \(nheads,\) = \(4,\)",
+    ),
+    "2d": (
+        lambda n, dev: torch.zeros(1, n, device=dev),
+        r"learnable_sink must have shape \(nheads,\) = \(4,\)",
+    ),
 }
 
 
@@ -640,12 +769,19 @@ def test_bad_learnable_sink(device, bad):
     with pytest.raises(RuntimeError, match="flash_attn: " + message):
         flash_attn_func(q, k, v, learnable_sink=sink)
     with pytest.raises(RuntimeError, match="flash_attn: " + message):
-        ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None,
-                learnable_sink=sink)
+        ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None, learnable_sink=sink)
     cu = torch.tensor([0, 17, 34], dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="flash_attn: " + message):
-        flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1)[:34], v.flatten(0, 1)[:34], cu,
-                               cu, 17, 17, learnable_sink=sink)
+        flash_attn_varlen_func(
+            q.flatten(0, 1),
+            k.flatten(0, 1)[:34],
+            v.flatten(0, 1)[:34],
+            cu,
+            cu,
+            17,
+            17,
+            learnable_sink=sink,
+        )
     with pytest.raises(RuntimeError, match="fwd_kvcache: " + message):
         flash_attn_with_kvcache(q, k, v, learnable_sink=sink)
 
@@ -657,11 +793,30 @@ def test_learnable_sink_on_another_device():
     with pytest.raises(ValueError, match="learnable_sink must be on the same device as q"):
         flash_attn_func(q, k, v, learnable_sink=sink)
     with pytest.raises(RuntimeError, match="learnable_sink must be on the same device as q"):
-        ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None,
-                learnable_sink=sink)
+        ops.fwd(q, k, v, None, 0.0, 1.0, False, -1, -1, 0.0, False, 0, 0, None, learnable_sink=sink)
     with pytest.raises(RuntimeError, match="learnable_sink must be on the same device as q"):
-        ops.fwd_kvcache(q, k, v, None, None, None, None, None, None, None, None, None, 1.0,
-                        False, -1, -1, 0.0, True, 0, learnable_sink=sink)
+        ops.fwd_kvcache(
+            q,
+            k,
+            v,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1.0,
+            False,
+            -1,
+            -1,
+            0.0,
+            True,
+            0,
+            learnable_sink=sink,
+        )
 
 
 def test_out_with_sink_requiring_grad_is_refused():
@@ -681,8 +836,9 @@ def test_math_constants():
     k = torch.zeros(1, 1, 1, 8)
     k[..., 0] = s * math.sqrt(8)
     v = torch.ones(1, 1, 1, 8)
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True,
-                                  learnable_sink=torch.tensor([sink]))
+    out, lse, _ = flash_attn_func(
+        q, k, v, return_attn_probs=True, learnable_sink=torch.tensor([sink])
+    )
     p = math.exp(s) / (math.exp(s) + math.exp(sink))
     torch.testing.assert_close(out, torch.full_like(out, p))
     torch.testing.assert_close(lse, torch.full_like(lse, math.log(math.exp(s) + math.exp(sink))))

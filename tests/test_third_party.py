@@ -38,7 +38,9 @@ def _build_requires():
 
 
 def _load_setup():
-    spec = importlib.util.spec_from_file_location("flash_attn_cuda_setup_under_test", ROOT / "setup.py")
+    spec = importlib.util.spec_from_file_location(
+        "flash_attn_cuda_setup_under_test", ROOT / "setup.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # setup.py only builds when run as a script
     return module
@@ -87,7 +89,9 @@ def test_third_party_readme_names_the_matching_cutlass_release():
     readme = (ROOT / "third_party" / "README.md").read_text()
     release = ".".join(_pinned_version().split(".")[:3])
     assert f"nvidia-cutlass=={_pinned_version()}" in readme
-    assert f"v{release}" in readme, f"third_party/README.md does not name the CUTLASS tag v{release}"
+    assert f"v{release}" in readme, (
+        f"third_party/README.md does not name the CUTLASS tag v{release}"
+    )
 
 
 def test_setup_reads_the_pin():
@@ -147,10 +151,11 @@ def test_cutlass_dir_overrides_the_checkout(setup_py, monkeypatch, tmp_path):
         setup_py._find_cutlass()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cutlass_library") is None,
-                    reason="the nvidia-cutlass wheel is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("cutlass_library") is None,
+    reason="the nvidia-cutlass wheel is not installed",
+)
 def test_setup_finds_the_installed_wheel(setup_py):
     include, source = setup_py._find_cutlass()
     assert source.startswith("nvidia-cutlass") and source.endswith("wheel")
     assert setup_py._cutlass_version(Path(include)) is not None
-

@@ -33,9 +33,17 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def _config(family, **overrides):
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
-        bos_token_id=1, eos_token_id=None, initializer_range=0.1, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
     )
     if family == "llama":
         common.update(num_key_value_heads=2)  # GQA 2:1
@@ -47,9 +55,14 @@ def _config(family, **overrides):
         return transformers.MistralConfig(**common), transformers.MistralForCausalLM
     if family == "gemma2":
         common.update(
-            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=30.0,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh",
         )
         common.update(overrides)
         return transformers.Gemma2Config(**common), transformers.Gemma2ForCausalLM
@@ -164,15 +177,23 @@ def test_logits_packed(models, family):
     alone = torch.cat(
         [_logits(model, "eager", input_ids=part) for part in ids.split(lengths, dim=1)], dim=1
     )
-    eager_packed = _logits(model, "eager", input_ids=ids, position_ids=position_ids,
-                           use_cache=False)
+    eager_packed = _logits(
+        model, "eager", input_ids=ids, position_ids=position_ids, use_cache=False
+    )
     torch.testing.assert_close(eager_packed, alone, atol=ATOL, rtol=RTOL)
-    from_positions = _logits(model, NAME, input_ids=ids, position_ids=position_ids,
-                             use_cache=False)
+    from_positions = _logits(model, NAME, input_ids=ids, position_ids=position_ids, use_cache=False)
     torch.testing.assert_close(from_positions, alone, atol=ATOL, rtol=RTOL)
-    from_cu = _logits(model, NAME, input_ids=ids, position_ids=position_ids, use_cache=False,
-                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                      max_length_k=max(lengths))
+    from_cu = _logits(
+        model,
+        NAME,
+        input_ids=ids,
+        position_ids=position_ids,
+        use_cache=False,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+    )
     torch.testing.assert_close(from_cu, alone, atol=ATOL, rtol=RTOL)
 
 
@@ -188,8 +209,9 @@ def _grads(model, impl, **inputs):
     loss = model(**inputs).loss
     loss.backward()
     model.eval()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -197,8 +219,9 @@ def test_training_step_gradients_padded(models, family):
     # Right padding, as in training: no loss term reads the output of a padded row.
     ids, mask = _padded_batch("right")
     labels = ids.masked_fill(mask == 0, -100)
-    loss_ref, ref = _grads(models[family], "eager", input_ids=ids, attention_mask=mask,
-                           labels=labels)
+    loss_ref, ref = _grads(
+        models[family], "eager", input_ids=ids, attention_mask=mask, labels=labels
+    )
     loss, ours = _grads(models[family], NAME, input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(loss, loss_ref, atol=ATOL, rtol=RTOL)
     assert ours.keys() == ref.keys() and ref
@@ -252,11 +275,17 @@ def test_dropout_in_training_only():
 
 def _generate(model, impl, ids, mask, new_tokens, **kwargs):
     model.set_attn_implementation(impl)
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                              **kwargs)
+        return model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, **kwargs
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -290,21 +319,24 @@ def test_continuous_batching(models):
         pytest.skip("this transformers' generate_batch takes no continuous_batching_config")
     prompts = [torch.randint(2, VOCAB, (n,)) for n in (5, 9, 3)]
     expected = [
-        _generate(model, "eager", p[None], torch.ones(1, len(p), dtype=torch.long), 6)[0, len(p):]
+        _generate(model, "eager", p[None], torch.ones(1, len(p), dtype=torch.long), 6)[0, len(p) :]
         for p in prompts
     ]
     model.set_attn_implementation(NAME)
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     # The page size's keyword was block_size before page_size (transformers 5.17 has
     # only block_size); pass whichever this version takes.
     params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
     page_kw = "page_size" if "page_size" in params else "block_size"
-    cb_config = ContinuousBatchingConfig(**{page_kw: 16}, num_blocks=16, max_batch_tokens=64,
-                                         max_memory_percent=0.01)
+    cb_config = ContinuousBatchingConfig(
+        **{page_kw: 16}, num_blocks=16, max_batch_tokens=64, max_memory_percent=0.01
+    )
     try:
-        out = model.generate_batch(inputs=[p.tolist() for p in prompts],
-                                   generation_config=config, continuous_batching_config=cb_config)
+        out = model.generate_batch(
+            inputs=[p.tolist() for p in prompts],
+            generation_config=config,
+            continuous_batching_config=cb_config,
+        )
     except ValueError as exc:
         # Older transformers (5.17 among them) set the CUDA device from the model's
         # device in the generation thread whenever CUDA is present, which raises for
@@ -352,11 +384,13 @@ def test_bidirectional_padding_every_query_row():
     mask[0, 6:] = False
     mask[2, :3] = False
     out, weights = fa_transformers.attention_forward(
-        _Module(is_causal=False), q, k, v, mask, scaling=0.2, softcap=3.0)
+        _Module(is_causal=False), q, k, v, mask, scaling=0.2, softcap=3.0
+    )
     assert weights is None
     allowed = mask[:, None, :].expand(3, 9, 9)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, allowed, 0.2, 3.0),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _reference(q, k, v, allowed, 0.2, 3.0), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sliding_window_both_directions():
@@ -365,9 +399,11 @@ def test_sliding_window_both_directions():
     dist = i[:, None] - i[None, :]
     for causal, allowed in ((True, (dist >= 0) & (dist < 4)), (False, dist.abs() <= 4)):
         out, _ = fa_transformers.attention_forward(
-            _Module(is_causal=causal), q, k, v, None, scaling=0.3, sliding_window=4)
-        torch.testing.assert_close(out.double(), _reference(q, k, v, allowed.expand(3, 12, 12), 0.3),
-                                   atol=1e-5, rtol=1e-5)
+            _Module(is_causal=causal), q, k, v, None, scaling=0.3, sliding_window=4
+        )
+        torch.testing.assert_close(
+            out.double(), _reference(q, k, v, allowed.expand(3, 12, 12), 0.3), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_smaller_value_head_dim():
@@ -375,8 +411,9 @@ def test_smaller_value_head_dim():
     out, _ = fa_transformers.attention_forward(_Module(), q, k, v, None, scaling=0.25)
     assert out.shape == (3, 9, 4, 16)
     causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, causal, 0.25), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _reference(q, k, v, causal, 0.25), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_chunk_of_queries_against_left_padded_cache():
@@ -388,8 +425,9 @@ def test_chunk_of_queries_against_left_padded_cache():
     out, _ = fa_transformers.attention_forward(_Module(), q, k, v, mask, scaling=0.2)
     qi = torch.arange(7, 10)[:, None]
     allowed = (torch.arange(10)[None, :] <= qi)[None] & mask[:, None, :]
-    torch.testing.assert_close(out.double(), _reference(q, k, v, allowed, 0.2), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _reference(q, k, v, allowed, 0.2), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_paged_cache_branch_appends_and_attends():
@@ -415,12 +453,26 @@ def test_paged_cache_branch_appends_and_attends():
         kb = torch.cat([gather(k_cache, b, n), k_new[0, :, b][None]])
         vb = torch.cat([gather(v_cache, b, n), v_new[0, :, b][None]])
         allowed = torch.ones(1, 1, n + 1, dtype=torch.bool)
-        expected.append(_reference(q[:, :, b:b + 1], kb.transpose(0, 1)[None],
-                                   vb.transpose(0, 1)[None], allowed, 0.2))
+        expected.append(
+            _reference(
+                q[:, :, b : b + 1], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], allowed, 0.2
+            )
+        )
     out, _ = fa_transformers.attention_forward(
-        _Module(), q, k_new, v_new, None, scaling=0.2, block_table=block_table,
-        k_cache=k_cache, v_cache=v_cache, cu_seq_lens_q=torch.arange(4, dtype=torch.int32),
-        cu_seq_lens_k=cu_k, max_length_q=1, max_length_k=8)
+        _Module(),
+        q,
+        k_new,
+        v_new,
+        None,
+        scaling=0.2,
+        block_table=block_table,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seq_lens_q=torch.arange(4, dtype=torch.int32),
+        cu_seq_lens_k=cu_k,
+        max_length_q=1,
+        max_length_k=8,
+    )
     assert out.shape == (1, 3, h, d)
     torch.testing.assert_close(out.double(), torch.cat(expected, dim=1), atol=1e-5, rtol=1e-5)
     for b, n in enumerate(lens_before):  # the new keys were written into the pages
@@ -435,8 +487,9 @@ def test_attention_sinks_s_aux():
     mask[1, :2] = False  # left padding: the varlen path
     causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(3, 9, 9)
     for padding in (None, mask):
-        out, _ = fa_transformers.attention_forward(_Module(), q, k, v, padding, scaling=0.3,
-                                                   s_aux=sinks)
+        out, _ = fa_transformers.attention_forward(
+            _Module(), q, k, v, padding, scaling=0.3, s_aux=sinks
+        )
         allowed = causal if padding is None else causal & padding[:, None, :]
         rep = q.shape[1] // k.shape[1]
         kk, vv = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))
@@ -446,12 +499,10 @@ def test_attention_sinks_s_aux():
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         expected = torch.einsum("bhqk,bhkd->bqhd", p, vv)
         rows = slice(None) if padding is None else slice(2, None)
-        torch.testing.assert_close(out.double()[1, rows], expected[1, rows], atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(out.double()[1, rows], expected[1, rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.double()[[0, 2]], expected[[0, 2]], atol=1e-5, rtol=1e-5)
     # The gradient reaches the model's parameter in its own dtype.
-    out, _ = fa_transformers.attention_forward(_Module(), q, k, v, None, scaling=0.3,
-                                               s_aux=sinks)
+    out, _ = fa_transformers.attention_forward(_Module(), q, k, v, None, scaling=0.3, s_aux=sinks)
     out.sum().backward()
     assert sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
 
@@ -462,15 +513,28 @@ def test_gpt_oss_sinks_logits_and_gradients():
     contain "flash", so this registers a name without it."""
     name = fa_transformers.register("fa_cuda_sinks")
     config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-        eos_token_id=None, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.1, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.1,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(1234)
     model = transformers.GptOssForCausalLM._from_config(
-        config, attn_implementation="eager", dtype=torch.float32).eval()
+        config, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "sinks"):
@@ -496,7 +560,9 @@ def test_unservable_calls_are_refused():
     with pytest.raises(ValueError, match="s_aux"):
         fa_transformers.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="2-D"):
-        fa_transformers.attention_forward(_Module(), q, k, v, torch.ones(3, 1, 9, 9, dtype=torch.bool))
+        fa_transformers.attention_forward(
+            _Module(), q, k, v, torch.ones(3, 1, 9, 9, dtype=torch.bool)
+        )
 
 
 def test_mask_function():
@@ -530,9 +596,20 @@ def test_benchmark_e2e_quick_cpu(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "benchmark_e2e.py"), "--device", "cpu",
-         "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=root,
+        [
+            sys.executable,
+            os.path.join(root, "benchmarks", "benchmark_e2e.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "e2e.json").read_text())

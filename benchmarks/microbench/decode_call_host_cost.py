@@ -25,8 +25,10 @@ BATCH, HEADS, HEAD_DIM, PROMPT, LAYERS, STEPS = 8, 16, 128, 512, 4, 128
 
 def us_per_step(call, grow, steps=STEPS):
     def cache():
-        return [torch.randn(BATCH, HEADS, PROMPT, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-                for _ in range(LAYERS)]
+        return [
+            torch.randn(BATCH, HEADS, PROMPT, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+            for _ in range(LAYERS)
+        ]
 
     keys, values = cache(), cache()
     q = torch.randn(BATCH, 1, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE).transpose(1, 2)
@@ -54,8 +56,7 @@ def sdpa(q, k, v):
 
 
 def fa_func(q, k, v):
-    return flash_attn_cuda.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2))
+    return flash_attn_cuda.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
 def main():

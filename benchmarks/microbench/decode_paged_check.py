@@ -46,32 +46,45 @@ def main():
     for batch, seqlen_k in SHAPES:
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=DEVICE)
-        k_cache = torch.randn(batch, seqlen_k, NHEADS_K, HEAD_DIM, device=DEVICE,
-                              dtype=torch.bfloat16)
+        k_cache = torch.randn(
+            batch, seqlen_k, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16
+        )
         v_cache = torch.randn_like(k_cache)
-        times = {"contiguous": median_us(
-            lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens), flush)}
+        times = {
+            "contiguous": median_us(
+                lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens), flush
+            )
+        }
         for page_size in (16, 256):
             num_pages = batch * seqlen_k // page_size
             k_pages = k_cache.view(num_pages, page_size, NHEADS_K, HEAD_DIM)
             v_pages = v_cache.view(num_pages, page_size, NHEADS_K, HEAD_DIM)
-            for order, table in (("seq", torch.arange(num_pages, device=DEVICE)),
-                                 ("rand", torch.randperm(num_pages, device=DEVICE))):
+            for order, table in (
+                ("seq", torch.arange(num_pages, device=DEVICE)),
+                ("rand", torch.randperm(num_pages, device=DEVICE)),
+            ):
                 table = table.to(torch.int32).view(batch, -1)
                 times[f"paged{page_size}_{order}"] = median_us(
-                    lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
-                                                    block_table=table), flush)
+                    lambda: flash_attn_with_kvcache(
+                        q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table
+                    ),
+                    flush,
+                )
         q_bhsd = q.transpose(1, 2)
         k_bhsd = k_cache.transpose(1, 2).contiguous()
         v_bhsd = v_cache.transpose(1, 2).contiguous()
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             times["sdpa_cudnn"] = median_us(
                 lambda: F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, enable_gqa=True),
-                flush)
+                flush,
+            )
         del k_bhsd, v_bhsd, k_cache, v_cache
         torch.cuda.empty_cache()
-        print(f"batch {batch} seqlen_k {seqlen_k}: "
-              + "  ".join(f"{name} {us:.1f}" for name, us in times.items()), flush=True)
+        print(
+            f"batch {batch} seqlen_k {seqlen_k}: "
+            + "  ".join(f"{name} {us:.1f}" for name, us in times.items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

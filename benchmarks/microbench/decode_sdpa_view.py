@@ -11,6 +11,7 @@ and prints max |SDPA - ours| on the view (X_view_err).
 
   python benchmarks/microbench/decode_sdpa_view.py
 """
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,8 +19,16 @@ from triton.testing import do_bench
 
 import flash_attn_cuda as fa
 
-CELLS = [(1, 32768), (4, 65536), (16, 4096), (16, 16384), (16, 65536), (16, 131072),
-         (64, 4096), (64, 32768)]
+CELLS = [
+    (1, 32768),
+    (4, 65536),
+    (16, 4096),
+    (16, 16384),
+    (16, 65536),
+    (16, 131072),
+    (64, 4096),
+    (64, 32768),
+]
 BACKENDS = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
 
 
@@ -45,6 +54,7 @@ def main():
         k_view, v_view = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         for name, backend in BACKENDS:
             with sdpa_kernel(backend):
+
                 def sdpa_view():
                     return F.scaled_dot_product_attention(q_heads, k_view, v_view, enable_gqa=True)
 
@@ -56,10 +66,16 @@ def main():
         for name, backend in BACKENDS:
             with sdpa_kernel(backend):
                 result[f"{name}_hm"] = time_us(
-                    lambda: F.scaled_dot_product_attention(q_copy, k_copy, v_copy, enable_gqa=True))
-        print(f"b{b}/{sk // 1024}k " + " ".join(
-            f"{key}={value}" if key.endswith("err") else f"{key}={value:.1f}"
-            for key, value in result.items()), flush=True)
+                    lambda: F.scaled_dot_product_attention(q_copy, k_copy, v_copy, enable_gqa=True)
+                )
+        print(
+            f"b{b}/{sk // 1024}k "
+            + " ".join(
+                f"{key}={value}" if key.endswith("err") else f"{key}={value:.1f}"
+                for key, value in result.items()
+            ),
+            flush=True,
+        )
         del k_cache, v_cache, k_copy, v_copy, k_view, v_view
         torch.cuda.empty_cache()
 

@@ -54,8 +54,10 @@ def parse_args():
     args = p.parse_args()
     if args.cells:
         splits = [int(s) for s in args.splits.split(",")]
-        args.cases = [(int(b), int(sk), splits)
-                      for b, sk in (cell.split("x") for cell in args.cells.split(","))]
+        args.cases = [
+            (int(b), int(sk), splits)
+            for b, sk in (cell.split("x") for cell in args.cells.split(","))
+        ]
     else:
         args.cases = CASES
     return args
@@ -77,8 +79,10 @@ def main():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q_hm, k_hm, v_hm, enable_gqa=True)
 
-        arms = [(f"s{s}", lambda s=s: attn(q, k, v, cache_seqlens=seqlens, num_splits=s))
-                for s in splits]
+        arms = [
+            (f"s{s}", lambda s=s: attn(q, k, v, cache_seqlens=seqlens, num_splits=s))
+            for s in splits
+        ]
         if args.seqlens_forms:
             arms.append(("seqlens=None", lambda: attn(q, k, v)))
             arms.append(("seqlens=int", lambda: attn(q, k, v, cache_seqlens=seqlen_k)))

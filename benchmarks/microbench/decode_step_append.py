@@ -54,11 +54,20 @@ def step_calls(batch, seqlen_k):
     attend = flash_attn_cuda.flash_attn_with_kvcache
     return {
         "attention": lambda: attend(q, k_cache, v_cache, cache_seqlens=cache_seqlens),
-        "+append": lambda: attend(q, k_cache, v_cache, k=k_new, v=v_new,
-                                  cache_seqlens=cache_seqlens),
-        "+append+rotary": lambda: attend(q, k_cache, v_cache, k=k_new, v=v_new,
-                                         rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False,
-                                         cache_seqlens=cache_seqlens),
+        "+append": lambda: attend(
+            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens
+        ),
+        "+append+rotary": lambda: attend(
+            q,
+            k_cache,
+            v_cache,
+            k=k_new,
+            v=v_new,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            rotary_interleaved=False,
+            cache_seqlens=cache_seqlens,
+        ),
     }
 
 
@@ -79,8 +88,10 @@ def main():
                 if args.graphs:
                     entry += f" (graph {graph_median_us(fn):7.1f})"
                 entries.append(entry)
-            print(f"round {round_index + 1}  b{batch:<3d} x {seqlen_k:6d}: " + " | ".join(entries),
-                  flush=True)
+            print(
+                f"round {round_index + 1}  b{batch:<3d} x {seqlen_k:6d}: " + " | ".join(entries),
+                flush=True,
+            )
             del calls
             torch.cuda.empty_cache()
 

@@ -48,8 +48,9 @@ def decode_case(batch: int, seqlen_k: int, paged: bool):
     seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device="cuda")
     if paged:
         pages_per_seq = seqlen_k // page
-        k_cache = torch.randn(batch * pages_per_seq, page, nheads_k, d, device="cuda",
-                              dtype=torch.bfloat16)
+        k_cache = torch.randn(
+            batch * pages_per_seq, page, nheads_k, d, device="cuda", dtype=torch.bfloat16
+        )
         table = torch.randperm(batch * pages_per_seq, device="cuda", dtype=torch.int32)
         table = table.view(batch, pages_per_seq)
     else:
@@ -58,8 +59,9 @@ def decode_case(batch: int, seqlen_k: int, paged: bool):
     v_cache = torch.randn_like(k_cache)
 
     def call():
-        return flash_attn_cuda.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                       block_table=table)
+        return flash_attn_cuda.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table
+        )
 
     def host_item():
         limit = seqlens.max().item()
@@ -76,13 +78,14 @@ def varlen_step_case(total: int, nseq: int):
     cu[1:] = lengths.cumsum(0)
     cu = cu.cuda()
     max_len = int(lengths.max())
-    q, k, v = (torch.randn(total, nheads, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(total, nheads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     grad = torch.randn(total, nheads, d, device="cuda", dtype=torch.bfloat16)
 
     def call():
-        out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
-                                                     causal=True)
+        out = flash_attn_cuda.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
         out.backward(grad)
 
     def host_item():
@@ -99,8 +102,13 @@ def measure(call, host_item, calls: int) -> dict:
     sync = wall_us(call, calls)
     flash_attn_cuda.set_sync_index_checks(False)
     item = wall_us(host_item, calls)
-    return {"deferred_us": deferred, "sync_us": sync, "host_item_us": item,
-            "sync_over_deferred": sync / deferred, "host_item_over_deferred": item / deferred}
+    return {
+        "deferred_us": deferred,
+        "sync_us": sync,
+        "host_item_us": item,
+        "sync_over_deferred": sync / deferred,
+        "host_item_over_deferred": item / deferred,
+    }
 
 
 def main() -> None:
@@ -112,19 +120,32 @@ def main() -> None:
         for batch in (1, 4, 16, 64):
             for seqlen_k in (4096, 16384):
                 call, item = decode_case(batch, seqlen_k, paged)
-                row = {"case": "decode", "paged": paged, "batch": batch, "seqlen_k": seqlen_k,
-                       **measure(call, item, calls=200)}
+                row = {
+                    "case": "decode",
+                    "paged": paged,
+                    "batch": batch,
+                    "seqlen_k": seqlen_k,
+                    **measure(call, item, calls=200),
+                }
                 rows.append(row)
                 print(json.dumps(row))
     for total, nseq in ((16384, 8), (16384, 64)):
         call, item = varlen_step_case(total, nseq)
-        row = {"case": "varlen_fwd_bwd_causal", "total_tokens": total, "sequences": nseq,
-               **measure(call, item, calls=20)}
+        row = {
+            "case": "varlen_fwd_bwd_causal",
+            "total_tokens": total,
+            "sequences": nseq,
+            **measure(call, item, calls=20),
+        }
         rows.append(row)
         print(json.dumps(row))
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "shapes": "decode: sq1 GQA 32:8 d128 bf16, pages of 256; "
-            "varlen: 16 heads d128 bf16 causal fwd+bwd"}
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shapes": "decode: sq1 GQA 32:8 d128 bf16, pages of 256; "
+        "varlen: 16 heads d128 bf16 causal fwd+bwd",
+    }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -45,14 +45,12 @@ def interleaved(fn_a, fn_b, rounds, iters=20):
 def training_inputs(seqlen):
     batch = max(1, 16384 // seqlen)
     shape = (batch, seqlen, HEADS, HEAD_DIM)
-    q, k, v = (torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
     return q, k, v, torch.randn(shape, device=DEVICE, dtype=DTYPE)
 
 
 def sink_training():
-    for seqlen, causal in ((1024, False), (1024, True), (4096, False), (4096, True),
-                           (8192, False)):
+    for seqlen, causal in ((1024, False), (1024, True), (4096, False), (4096, True), (8192, False)):
         q, k, v, dout = training_inputs(seqlen)
         sink = torch.randn(HEADS, device=DEVICE, dtype=torch.float32, requires_grad=True)
 
@@ -65,8 +63,11 @@ def sink_training():
 
         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
             plain, with_sink = interleaved(lambda: fn(None), lambda: fn(sink), rounds=5)
-            print(f"d{HEAD_DIM} s{seqlen} causal={causal} {name:8s} no sink {plain:7.3f} ms  "
-                  f"sink {with_sink:7.3f} ms  ratio {with_sink / plain:.3f}", flush=True)
+            print(
+                f"d{HEAD_DIM} s{seqlen} causal={causal} {name:8s} no sink {plain:7.3f} ms  "
+                f"sink {with_sink:7.3f} ms  ratio {with_sink / plain:.3f}",
+                flush=True,
+            )
 
 
 def sink_decode():
@@ -77,14 +78,19 @@ def sink_decode():
         lens = torch.full((batch,), seqlen_k, device=DEVICE, dtype=torch.int32)
         sink = torch.randn(32, device=DEVICE, dtype=torch.float32)
         for num_splits in (1, 0):
+
             def step(s, n=num_splits):
-                flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=n,
-                                        learnable_sink=s)
+                flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lens, num_splits=n, learnable_sink=s
+                )
 
             plain, with_sink = interleaved(lambda: step(None), lambda: step(sink), 5, iters=50)
-            print(f"decode b{batch} sk{seqlen_k} num_splits={num_splits}: no sink "
-                  f"{plain * 1e3:7.1f} us  sink {with_sink * 1e3:7.1f} us  "
-                  f"ratio {with_sink / plain:.3f}", flush=True)
+            print(
+                f"decode b{batch} sk{seqlen_k} num_splits={num_splits}: no sink "
+                f"{plain * 1e3:7.1f} us  sink {with_sink * 1e3:7.1f} us  "
+                f"ratio {with_sink / plain:.3f}",
+                flush=True,
+            )
 
 
 def dropout_cliff():
@@ -100,8 +106,11 @@ def dropout_cliff():
 
         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
             plain, dropped = interleaved(lambda: fn(0.0), lambda: fn(0.1), rounds=3)
-            print(f"dropout d{HEAD_DIM} s{seqlen} causal={causal} {name:8s} p=0 {plain:7.3f} ms"
-                  f"  p=0.1 {dropped:7.3f} ms  ratio {dropped / plain:.3f}", flush=True)
+            print(
+                f"dropout d{HEAD_DIM} s{seqlen} causal={causal} {name:8s} p=0 {plain:7.3f} ms"
+                f"  p=0.1 {dropped:7.3f} ms  ratio {dropped / plain:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

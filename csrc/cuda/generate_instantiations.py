@@ -75,9 +75,14 @@ def write_instantiations(out_dir: Path) -> None:
             for kernel, template in (("fwd", FWD_TEMPLATE), ("bwd", BWD_TEMPLATE)):
                 extended = head_dim in EXTENDED_WGMMA_HEAD_DIMS[kernel]
                 path = out_dir / f"flash_{kernel}_hdim{head_dim}_{dtype}.cu"
-                path.write_text(template.format(
-                    head_dim=head_dim, element=element, is_bf16=is_bf16,
-                    extended_wgmma=EXTENDED_WGMMA_DEFINE if extended else ""))
+                path.write_text(
+                    template.format(
+                        head_dim=head_dim,
+                        element=element,
+                        is_bf16=is_bf16,
+                        extended_wgmma=EXTENDED_WGMMA_DEFINE if extended else "",
+                    )
+                )
             path = out_dir / f"flash_fwd_splitkv_hdim{head_dim}_{dtype}.cu"
             path.write_text(
                 SPLITKV_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)

@@ -150,7 +150,9 @@ def _to_torch_rng_state(rng_state: torch.Tensor):
 
 
 def _from_torch_rng_state(
-    op: str, dropout_p: float, philox_seed: Optional[torch.Tensor],
+    op: str,
+    dropout_p: float,
+    philox_seed: Optional[torch.Tensor],
     philox_offset: Optional[torch.Tensor],
 ) -> Optional[torch.Tensor]:
     """torch's dropout state as our int64 [seed, offset]; None without dropout."""
@@ -161,9 +163,7 @@ def _from_torch_rng_state(
     if philox_seed.numel() == 2 and philox_seed.dtype in (torch.uint64, torch.int64):
         return philox_seed.reshape(2).view(torch.int64)
     if (
-        philox_seed.numel() == 1
-        and philox_offset is not None
-        and philox_offset.numel() == 1
+        philox_seed.numel() == 1 and philox_offset is not None and philox_offset.numel() == 1
     ):  # a separate seed and offset (torch's older convention)
         return torch.stack([philox_seed.reshape(()), philox_offset.reshape(())]).to(torch.int64)
     raise _unsupported(
@@ -233,8 +233,19 @@ def _forward_dense(q, k, v, dropout_p, causal, scale, left, right, alibi_slopes)
     torch's kernels return as debug_attn_mask, so it serves as one."""
     head_dim = q.shape[-1]
     out, lse, s_dmask, rng_state = torch.ops.flash_attn.fwd(
-        _prepare(q), _prepare(k), _prepare(v), alibi_slopes, float(dropout_p),
-        _softmax_scale(scale, head_dim), bool(causal), left, right, 0.0, False, 0, 0,
+        _prepare(q),
+        _prepare(k),
+        _prepare(v),
+        alibi_slopes,
+        float(dropout_p),
+        _softmax_scale(scale, head_dim),
+        bool(causal),
+        left,
+        right,
+        0.0,
+        False,
+        0,
+        0,
         _draw_rng_state(dropout_p, q.device),
     )
     return _unpad_head_dim(out, head_dim), lse, rng_state, s_dmask
@@ -243,9 +254,21 @@ def _forward_dense(q, k, v, dropout_p, causal, scale, left, right, alibi_slopes)
 def _backward_dense(dout, q, k, v, out, lse, dropout_p, causal, scale, left, right, rng_state):
     head_dim = q.shape[-1]
     dq, dk, dv = torch.ops.flash_attn.bwd(
-        _prepare(dout), _prepare(q), _prepare(k), _prepare(v), _prepare(out),
-        lse.contiguous(), None, float(dropout_p), _softmax_scale(scale, head_dim), bool(causal),
-        left, right, 0.0, torch.are_deterministic_algorithms_enabled(), rng_state,
+        _prepare(dout),
+        _prepare(q),
+        _prepare(k),
+        _prepare(v),
+        _prepare(out),
+        lse.contiguous(),
+        None,
+        float(dropout_p),
+        _softmax_scale(scale, head_dim),
+        bool(causal),
+        left,
+        right,
+        0.0,
+        torch.are_deterministic_algorithms_enabled(),
+        rng_state,
     )
     return tuple(_unpad_head_dim(g, head_dim) for g in (dq, dk, dv))
 
@@ -259,7 +282,8 @@ def _keys_in_use(op, k, v, cu_seq_k, seqused_k):
         raise _unsupported(op, "seqused_k needs cum_seq_k (the start of each sequence's keys)")
     if seqused_k.dim() != 1 or seqused_k.numel() != cu_seq_k.numel() - 1:
         raise _unsupported(
-            op, f"seqused_k must have shape (batch,) = ({cu_seq_k.numel() - 1},), got "
+            op,
+            f"seqused_k must have shape (batch,) = ({cu_seq_k.numel() - 1},), got "
             f"{tuple(seqused_k.shape)}",
         )
     starts = cu_seq_k[:-1].long()
@@ -278,8 +302,22 @@ def _keys_in_use(op, k, v, cu_seq_k, seqused_k):
 
 
 def _forward_varlen(
-    op, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, causal, scale, left, right,
-    alibi_slopes, seqused_k, block_table,
+    op,
+    q,
+    k,
+    v,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    causal,
+    scale,
+    left,
+    right,
+    alibi_slopes,
+    seqused_k,
+    block_table,
 ):
     if block_table is not None:
         if seqused_k is not None:  # paged keys: only the lengths matter
@@ -289,27 +327,73 @@ def _forward_varlen(
     elif seqused_k is not None:
         k, v, cu_seq_k = _keys_in_use(op, k, v, cu_seq_k, seqused_k)
     if cu_seq_k is None:
-        raise _unsupported(op, "cum_seq_k is required with cum_seq_q (or block_table with "
-                           "seqused_k)")
+        raise _unsupported(
+            op, "cum_seq_k is required with cum_seq_q (or block_table with seqused_k)"
+        )
     head_dim = q.shape[-1]
     out, lse, s_dmask, rng_state = torch.ops.flash_attn.varlen_fwd(
-        _prepare(q), _prepare(k), _prepare(v), cu_seq_q, cu_seq_k, block_table, alibi_slopes,
-        int(max_q), int(max_k), float(dropout_p), _softmax_scale(scale, head_dim), bool(causal),
-        left, right, 0.0, False, 0, 0, _draw_rng_state(dropout_p, q.device),
+        _prepare(q),
+        _prepare(k),
+        _prepare(v),
+        cu_seq_q,
+        cu_seq_k,
+        block_table,
+        alibi_slopes,
+        int(max_q),
+        int(max_k),
+        float(dropout_p),
+        _softmax_scale(scale, head_dim),
+        bool(causal),
+        left,
+        right,
+        0.0,
+        False,
+        0,
+        0,
+        _draw_rng_state(dropout_p, q.device),
     )
     return _unpad_head_dim(out, head_dim), lse, rng_state, s_dmask
 
 
 def _backward_varlen(
-    dout, q, k, v, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, causal, scale, left,
-    right, rng_state,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    causal,
+    scale,
+    left,
+    right,
+    rng_state,
 ):
     head_dim = q.shape[-1]
     dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
-        _prepare(dout), _prepare(q), _prepare(k), _prepare(v), _prepare(out), lse.contiguous(),
-        cu_seq_q, cu_seq_k, None, int(max_q), int(max_k), float(dropout_p),
-        _softmax_scale(scale, head_dim), bool(causal), left, right, 0.0,
-        torch.are_deterministic_algorithms_enabled(), rng_state,
+        _prepare(dout),
+        _prepare(q),
+        _prepare(k),
+        _prepare(v),
+        _prepare(out),
+        lse.contiguous(),
+        cu_seq_q,
+        cu_seq_k,
+        None,
+        int(max_q),
+        int(max_k),
+        float(dropout_p),
+        _softmax_scale(scale, head_dim),
+        bool(causal),
+        left,
+        right,
+        0.0,
+        torch.are_deterministic_algorithms_enabled(),
+        rng_state,
     )
     return tuple(_unpad_head_dim(g, head_dim) for g in (dq, dk, dv))
 
@@ -345,8 +429,8 @@ def scaled_dot_product_flash_attention(
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise _unsupported(
-                op, f"{name} must be 4-D (batch, nheads, seqlen, head_dim), got shape "
-                f"{tuple(t.shape)}",
+                op,
+                f"{name} must be 4-D (batch, nheads, seqlen, head_dim), got shape {tuple(t.shape)}",
             )
     _check_qkv(op, query, key, value)
     out, lse, rng_state, debug_mask = _forward_dense(
@@ -354,8 +438,15 @@ def scaled_dot_product_flash_attention(
     )
     seed_offset, unused = _to_torch_rng_state(rng_state)
     return (
-        _in_layout_of(_bshd(out), query), lse, None, None, query.shape[2], key.shape[2],
-        seed_offset, unused, debug_mask,
+        _in_layout_of(_bshd(out), query),
+        lse,
+        None,
+        None,
+        query.shape[2],
+        key.shape[2],
+        seed_offset,
+        unused,
+        debug_mask,
     )
 
 
@@ -391,8 +482,18 @@ def scaled_dot_product_flash_attention_backward(
     _check_qkv(op, query, key, value)
     rng_state = _from_torch_rng_state(op, dropout_p, philox_seed, philox_offset)
     dq, dk, dv = _backward_dense(
-        _bshd(grad_out), _bshd(query), _bshd(key), _bshd(value), _bshd(out), logsumexp,
-        dropout_p, is_causal, scale, -1, -1, rng_state,
+        _bshd(grad_out),
+        _bshd(query),
+        _bshd(key),
+        _bshd(value),
+        _bshd(out),
+        logsumexp,
+        dropout_p,
+        is_causal,
+        scale,
+        -1,
+        -1,
+        rng_state,
     )
     return (
         _in_layout_of(_bshd(dq), query),
@@ -443,7 +544,8 @@ def flash_attention_forward(
     if cum_seq_q is None:
         if query.dim() != 4:
             raise _unsupported(
-                op, "query must be 4-D (batch, seqlen, nheads, head_dim) without cum_seq_q, "
+                op,
+                "query must be 4-D (batch, seqlen, nheads, head_dim) without cum_seq_q, "
                 f"got shape {tuple(query.shape)}",
             )
         if block_table is not None or seqused_k is not None:
@@ -454,8 +556,22 @@ def flash_attention_forward(
         )
     else:
         out, lse, rng_state, debug_mask = _forward_varlen(
-            op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-            scale, left, right, alibi_slopes, seqused_k, block_table,
+            op,
+            query,
+            key,
+            value,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            scale,
+            left,
+            right,
+            alibi_slopes,
+            seqused_k,
+            block_table,
         )
     del num_splits  # a speed hint only
     seed_offset, unused = _to_torch_rng_state(rng_state)
@@ -482,8 +598,17 @@ def flash_attention_forward_no_dropout_inplace(
     if dropout_p != 0.0:
         raise _unsupported(op, f"dropout_p must be 0, got {dropout_p}")
     result, lse, _, _, _ = flash_attention_forward(
-        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 0.0, is_causal,
-        return_debug_mask, **kwargs,
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        0.0,
+        is_causal,
+        return_debug_mask,
+        **kwargs,
     )
     out.copy_(result)
     return lse
@@ -523,15 +648,39 @@ def flash_attention_backward(
     left, right = _window(window_size_left), _window(window_size_right)
     if cum_seq_q is None:
         grads = _backward_dense(
-            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale, left,
-            right, state,
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            dropout_p,
+            is_causal,
+            scale,
+            left,
+            right,
+            state,
         )
     else:
         if cum_seq_k is None:
             raise _unsupported(op, "cum_seq_k is required with cum_seq_q")
         grads = _backward_varlen(
-            grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-            dropout_p, is_causal, scale, left, right, state,
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            scale,
+            left,
+            right,
+            state,
         )
     return tuple(_in_layout_of(g, t) for g, t in zip(grads, (query, key, value)))
 

@@ -239,7 +239,10 @@ def attention_forward(
     if deterministic is None:
         deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     common = dict(
-        softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
+        softmax_scale=scaling,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
     )
     if s_aux is not None:
         if s_aux.dim() != 1 or s_aux.shape[0] != query.shape[1]:
@@ -262,8 +265,9 @@ def attention_forward(
     if half is not None:
         q, k, v = q.to(half), k.to(half), v.to(half)
 
-    out = _dispatch(q, k, v, attention_mask, batch, seqlen_q, dropout, deterministic, common,
-                    kwargs)
+    out = _dispatch(
+        q, k, v, attention_mask, batch, seqlen_q, dropout, deterministic, common, kwargs
+    )
     return out, None
 
 
@@ -283,8 +287,14 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
         # cu_seq_lens_k counts the new token; the cache holds one fewer before the append.
         cache_seqlens = cu_k[1 : n + 1] - cu_k[:n] - 1
         out = flash_attn_with_kvcache(
-            qs, k_cache, v_cache, ks, vs, cache_seqlens=cache_seqlens,
-            block_table=_as_int32(block_table), **common,
+            qs,
+            k_cache,
+            v_cache,
+            ks,
+            vs,
+            cache_seqlens=cache_seqlens,
+            block_table=_as_int32(block_table),
+            **common,
         )
         return out.reshape(batch, -1, nheads, out.shape[-1])
 
@@ -300,7 +310,12 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
             q.reshape(-1, nheads, head_dim),
             k.reshape(-1, *k.shape[-2:]),
             v.reshape(-1, *v.shape[-2:]),
-            _as_int32(cu_q), _as_int32(cu_k), max_q, max_k, **train, **common,
+            _as_int32(cu_q),
+            _as_int32(cu_k),
+            max_q,
+            max_k,
+            **train,
+            **common,
         )
         return out.reshape(batch, -1, nheads, out.shape[-1])
 
@@ -313,7 +328,12 @@ def _dispatch(q, k, v, mask, batch, seqlen_q, dropout, deterministic, common, kw
                 q.reshape(-1, nheads, head_dim),
                 k.reshape(-1, *k.shape[-2:]),
                 v.reshape(-1, *v.shape[-2:]),
-                cu, cu, max_len, max_len, **train, **common,
+                cu,
+                cu,
+                max_len,
+                max_len,
+                **train,
+                **common,
             )
             return out.reshape(batch, seqlen_q, nheads, out.shape[-1])
 
@@ -345,8 +365,7 @@ def _padded(q, k, v, mask, batch, seqlen_q, common, train):
         # Every query row is computed (encoders, cross-attention): each attends
         # to its own sequence's valid keys.
         idx_q = None
-        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
-                            device=q.device)
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
         max_q = seqlen_q
         q_packed = q.reshape(batch * seqlen_q, nheads, head_dim)
     elif seqlen_q == 1:
@@ -360,8 +379,11 @@ def _padded(q, k, v, mask, batch, seqlen_q, common, train):
         # padded rows are dropped (the output there is zero).
         mask_q = mask if seqlen_q == kv_len else mask[:, -seqlen_q:]
         lens_q = mask_q.sum(dim=1, dtype=torch.int32)
-        idx_q = idx_k if seqlen_q == kv_len else (
-            torch.nonzero(mask_q.flatten(), as_tuple=False).flatten())
+        idx_q = (
+            idx_k
+            if seqlen_q == kv_len
+            else (torch.nonzero(mask_q.flatten(), as_tuple=False).flatten())
+        )
         cu_q = cu_k if seqlen_q == kv_len else _cu_seqlens(lens_q)
         max_q = max_k if seqlen_q == kv_len else int(lens_q.max())
         q_packed = q.reshape(batch * seqlen_q, nheads, head_dim).index_select(0, idx_q)

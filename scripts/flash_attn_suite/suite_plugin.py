@@ -47,10 +47,16 @@ COUNTS_FILE = "collected.json"
 
 def pytest_addoption(parser):
     group = parser.getgroup("flash_attn_suite")
-    group.addoption("--suite-sample", type=int, default=0,
-                    help="keep about this many cases in all, spread over the test functions (0: all)")
+    group.addoption(
+        "--suite-sample",
+        type=int,
+        default=0,
+        help="keep about this many cases in all, spread over the test functions (0: all)",
+    )
     group.addoption("--suite-seed", type=int, default=0, help="which sample --suite-sample takes")
-    group.addoption("--suite-out", default=None, help="folder for summary.md, summary.json, failures.txt")
+    group.addoption(
+        "--suite-out", default=None, help="folder for summary.md, summary.json, failures.txt"
+    )
 
 
 def _function_of(nodeid):
@@ -104,18 +110,25 @@ def pytest_report_header(config):
     lines = []
     fake = getattr(config, "_suite_fake_capability", None)
     if fake is not None:
-        lines.append(f"flash_attn_suite: no CUDA GPU; torch.cuda.get_device_capability answers {fake} "
-                     "so that the test file imports (its tests will fail here)")
+        lines.append(
+            f"flash_attn_suite: no CUDA GPU; torch.cuda.get_device_capability answers {fake} "
+            "so that the test file imports (its tests will fail here)"
+        )
     try:
         import flash_attn
         import flash_attn_cuda
-        lines.append(f"flash_attn_suite: flash_attn -> {os.path.dirname(flash_attn.__file__)} "
-                     f"(shim over flash_attn_cuda {flash_attn_cuda.__version__}: {flash_attn_cuda.build_info})")
+
+        lines.append(
+            f"flash_attn_suite: flash_attn -> {os.path.dirname(flash_attn.__file__)} "
+            f"(shim over flash_attn_cuda {flash_attn_cuda.__version__}: {flash_attn_cuda.build_info})"
+        )
     except ImportError as exc:
         lines.append(f"flash_attn_suite: cannot import the shim or flash_attn_cuda: {exc}")
     sample = config.getoption("--suite-sample")
     if sample:
-        lines.append(f"flash_attn_suite: sample of about {sample} cases, seed {config.getoption('--suite-seed')}")
+        lines.append(
+            f"flash_attn_suite: sample of about {sample} cases, seed {config.getoption('--suite-seed')}"
+        )
     return lines
 
 
@@ -162,9 +175,12 @@ def _left_out_reason(excinfo):
     except ImportError:
         return None
     if not isinstance(excinfo.value, RuntimeError) or REDUCED_KERNEL_SET_MARK not in (
-            flash_attn_cuda.build_info or ""):
+        flash_attn_cuda.build_info or ""
+    ):
         return None
-    return next((line.strip() for line in str(excinfo.value).splitlines() if LEFT_OUT_MESSAGE in line), None)
+    return next(
+        (line.strip() for line in str(excinfo.value).splitlines() if LEFT_OUT_MESSAGE in line), None
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -240,13 +256,19 @@ def _summary(config):
     for function in functions:
         tally = per_function[function]
         selected = counts["selected"].get(function, sum(tally.values()))
-        row = {"function": function, "collected": counts["collected"].get(function, 0), "selected": selected}
+        row = {
+            "function": function,
+            "collected": counts["collected"].get(function, 0),
+            "selected": selected,
+        }
         row.update({o: tally.get(o, 0) for o in OUTCOMES})
         row["not_run"] = max(0, selected - sum(tally.values()))
         rows.append(row)
-    failures = {nodeid: config._suite_messages.get(nodeid, "")
-                for nodeid, outcome in sorted(config._suite_results.items())
-                if outcome in ("failed", "error", "crashed", "xpassed")}
+    failures = {
+        nodeid: config._suite_messages.get(nodeid, "")
+        for nodeid, outcome in sorted(config._suite_results.items())
+        if outcome in ("failed", "error", "crashed", "xpassed")
+    }
     skip_reasons = defaultdict(Counter)
     for nodeid, outcome in config._suite_results.items():
         if outcome == "skipped":
@@ -256,8 +278,12 @@ def _summary(config):
 
 def _table(rows):
     columns = ["function", "collected", "selected", *OUTCOMES, "not_run"]
-    columns = [c for c in columns if c in ("function", "collected", "selected", "passed", "failed")
-               or any(row[c] for row in rows)]
+    columns = [
+        c
+        for c in columns
+        if c in ("function", "collected", "selected", "passed", "failed")
+        or any(row[c] for row in rows)
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     total = {c: sum(row[c] for row in rows) for c in columns if c != "function"}
     for row in rows + [dict(total, function="**total**")]:
@@ -273,7 +299,9 @@ def pytest_sessionfinish(session, exitstatus):
     rows, failures, skip_reasons = _summary(config)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(f"# flash-attn test suite against flash_attn_cuda\n\npytest exit status: {int(exitstatus)}\n")
+        f.write(
+            f"# flash-attn test suite against flash_attn_cuda\n\npytest exit status: {int(exitstatus)}\n"
+        )
         not_run = sum(row["not_run"] for row in rows)
         if not_run:
             f.write(f"\nThe run was cut short: {not_run} selected cases did not run (not_run).\n")
@@ -284,8 +312,16 @@ def pytest_sessionfinish(session, exitstatus):
                 for reason, n in reasons.most_common():
                     f.write(f"- {function}: {n} x {reason}\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({"exit_status": int(exitstatus), "functions": rows, "failures": failures,
-                   "skip_reasons": {f: dict(r) for f, r in skip_reasons.items()}}, f, indent=1)
+        json.dump(
+            {
+                "exit_status": int(exitstatus),
+                "functions": rows,
+                "failures": failures,
+                "skip_reasons": {f: dict(r) for f, r in skip_reasons.items()},
+            },
+            f,
+            indent=1,
+        )
     with open(os.path.join(out, "failures.txt"), "w") as f:
         for nodeid, message in failures.items():
             f.write(f"{nodeid}\n    {message}\n")

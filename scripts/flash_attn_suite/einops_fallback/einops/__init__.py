@@ -96,8 +96,10 @@ def _decompose(tensor, left, sizes):
                 raise ValueError(f"cannot split a dim of size {dim_size} into {group}")
             sizes[unknown[0]] = dim_size // known
         elif known != dim_size:
-            raise ValueError(f"axes {group} of sizes {[sizes[n] for n in group]} do not "
-                             f"make up the dim of size {dim_size}")
+            raise ValueError(
+                f"axes {group} of sizes {[sizes[n] for n in group]} do not "
+                f"make up the dim of size {dim_size}"
+            )
         axes += group
     return tensor.reshape([sizes[n] for n in axes]), axes, left
 

@@ -26,8 +26,16 @@ def _positions(x, seqlen_offsets, cu_seqlens):
     return pos + int(seqlen_offsets)
 
 
-def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
-                     cu_seqlens=None, max_seqlen=None):
+def apply_rotary_emb(
+    x,
+    cos,
+    sin,
+    interleaved=False,
+    inplace=False,
+    seqlen_offsets=0,
+    cu_seqlens=None,
+    max_seqlen=None,
+):
     """Rotates the first rotary_dim = 2 * cos.shape[-1] features of every head.
 
     Args:
