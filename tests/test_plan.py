@@ -251,12 +251,36 @@ def test_backward_large_smem_tile():
 
 
 def test_deterministic_dq_splits():
-    # About two blocks per SM over (batch, heads), at most one per key block.
-    plan = bwd(1, 8192, 8192, 16, 16, 128, deterministic=True)
-    assert plan["splits"] == math.ceil(2 * 132 / 16)
+    # The SM80 kernel: about two blocks per SM over (batch, heads), at most
+    # one per key block.
+    sm80 = {"kernel_override": "sm80", "deterministic": True}
+    plan = bwd(1, 8192, 8192, 16, 16, 128, **sm80)
+    assert plan["splits"] == math.ceil(2 * 132 / 16) and plan["ordered_dq"] == 0
     assert plan["grid"] == "%dx16x1" % plan["splits"]
-    assert bwd(1, 8192, 256, 16, 16, 128, deterministic=True)["splits"] == 256 // 128
-    assert bwd(64, 1024, 1024, 32, 32, 128, deterministic=True)["splits"] == 1
+    assert bwd(1, 8192, 256, 16, 16, 128, **sm80)["splits"] == 256 // 128
+    assert bwd(64, 1024, 1024, 32, 32, 128, **sm80)["splits"] == 1
+
+
+def test_deterministic_ordered_dq_on_hopper():
+    # The Hopper kernel keeps one block per key block and orders the dQ
+    # additions by key block, with or without a causal mask.
+    for causal in (False, True):
+        plan = bwd(1, 8192, 8192, 16, 16, 128, causal=causal, deterministic=True)
+        assert plan["kernel"] == "sm90" and plan["ordered_dq"] == 1
+        assert plan["splits"] == 1 and plan["grid"] == "64x16x1"
+    # A left window bound: a query block's first contributor is not key block
+    # 0, so the Hopper kernel takes dQ splits.
+    plan = bwd(
+        1, 8192, 8192, 16, 16, 128, window_size_left=512, window_size_right=0, deterministic=True
+    )
+    assert plan["kernel"] == "sm90" and plan["ordered_dq"] == 0
+    assert plan["splits"] == math.ceil(2 * 132 / 16)
+    # Softcap / ALiBi: the ordered kernel is a variant of the plain one only.
+    plan = bwd(1, 8192, 8192, 16, 16, 128, softcap=30.0, deterministic=True)
+    assert plan["variant"] == "score_mods" and plan["ordered_dq"] == 0
+    # Not deterministic: neither.
+    plan = bwd(1, 8192, 8192, 16, 16, 128)
+    assert plan["ordered_dq"] == 0 and plan["splits"] == 1
 
 
 # ----------------------------------------------------------------- decode

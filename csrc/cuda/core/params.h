@@ -130,6 +130,12 @@ struct BwdParams : FwdParams {
   int64_t dq_accum_rows_per_head;
   int num_splits;
   bool deterministic;
+  // Deterministic on the Hopper kernel (else null): per (batch, head, query
+  // block of the Hopper tile), how many key blocks have added their dQ; key
+  // block n adds when it reads n (BwdSm90DQOrder). Zeroed, int32,
+  // batch x nheads x dq_semaphore_m_blocks.
+  int* dq_semaphore;
+  int dq_semaphore_m_blocks;
   // Shared memory one block may opt in to on this device: picks the
   // large-shared-memory tile where the table has one (bwd_tile_config.h).
   int smem_per_block_optin;

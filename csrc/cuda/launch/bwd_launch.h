@@ -87,14 +87,21 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
 
 // The Hopper main kernel; the plan checked that the device's blocks hold its
 // shared memory and that TMA can describe the inputs.
-template <typename Element, int kHeadDim, bool kWithScoreMods>
+template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false>
 void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
   if (!BwdSm90Tma<Sm90Traits>::can_load(params)) {
     throw std::runtime_error(
         "flash_attn_cuda: the backward plan disagrees with the Hopper kernel's TMA rule");
   }
-  launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits, kWithScoreMods>, grid,
+  // The dQ order counters are per query block of this kernel's tile.
+  if (kOrderedDQ &&
+      (params.dq_semaphore == nullptr ||
+       int64_t(params.dq_semaphore_m_blocks) * Sm90Traits::kBlockM < params.seqlen_q)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: the dQ order counters do not cover the Hopper kernel's query blocks");
+  }
+  launch_with_dynamic_smem(&flash_bwd_sm90_kernel<Sm90Traits, kWithScoreMods, kOrderedDQ>, grid,
                            dim3(Sm90Traits::kNLaunchThreads), Sm90Traits::kSmemSize, stream, params,
                            BwdSm90Tma<Sm90Traits>::make(params));
 }
@@ -128,8 +135,12 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
           "plan.h sizes the Hopper backward's shared memory as its traits do");
       // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
       // (only the SM80 kernels draw its keep mask) and other scales do not.
+      // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
+      // plain kernel.
       if (plan.variant == FwdVariant::kScoreMods) {
         launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream);
+      } else if (plan.ordered_dq) {
+        launch_bwd_sm90_main<Element, kHeadDim, false, true>(params, grid, stream);
       } else {
         launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream);
       }

@@ -252,7 +252,8 @@ BwdTileRow bwd_tile_row(int compiled_head_dim) {
   }
 }
 
-// Deterministic dQ: each of num_splits thread blocks per (batch, head) owns one
+// Deterministic dQ on the SM80 kernel (and on the Hopper one under a left
+// window bound): each of num_splits thread blocks per (batch, head) owns one
 // fp32 slice and walks its key blocks in order, so every element's additions
 // happen in a fixed order; the slices are summed in order afterwards. Enough
 // splits to keep about two blocks per SM, never more than there are key blocks.
@@ -261,6 +262,12 @@ int deterministic_dq_splits(int batch, int nheads, int max_seqlen_k, int block_n
   const int64_t heads_total = std::max<int64_t>(int64_t(batch) * nheads, 1);
   const int64_t wanted = (2 * int64_t(sm_count) + heads_total - 1) / heads_total;
   return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::max(num_n_blocks, 1)));
+}
+
+void use_dq_splits(BwdPlan& plan, const BwdParams& params, const DeviceDesc& device) {
+  plan.num_splits = deterministic_dq_splits(params.batch, params.nheads, params.seqlen_k,
+                                            plan.block_n, device.num_sms);
+  plan.grid_x = plan.num_splits;
 }
 
 }  // namespace
@@ -277,11 +284,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   const BwdTileRow row = bwd_tile_row(compiled);
   plan.block_m = row.block_m;
   plan.block_n = row.block_n;
-  plan.num_splits = params.deterministic
-                        ? deterministic_dq_splits(params.batch, params.nheads, params.seqlen_k,
-                                                  row.block_n, device.num_sms)
-                        : 1;
-  plan.grid_x = params.deterministic ? plan.num_splits : ceil_div(params.seqlen_k, row.block_n);
+  plan.grid_x = ceil_div(params.seqlen_k, row.block_n);
   plan.grid_y = params.nheads;
   plan.grid_z = params.batch;
 
@@ -313,11 +316,22 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
     plan.block_m = row.block_m_sm90;
     plan.reason = "Hopper kernel";
+    // Deterministic: key blocks add their dQ in key-block order, one block
+    // per key block as in the default mode (BwdSm90DQOrder; PERF_LOG
+    // 2026-11-28, ordered dQ). The order a query block's semaphore counts is
+    // the key blocks' own only when every query block's first contributor is
+    // key block 0, that is with no left window bound; the ordered kernel is
+    // a variant of the plain one. Otherwise dQ splits.
+    if (params.deterministic) {
+      plan.ordered_dq = params.window_left < 0 && !score_mods;
+      if (!plan.ordered_dq) use_dq_splits(plan, params, device);
+    }
     return plan;
   }
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.kernel = BwdKernel::kSm80;
   plan.reason = sm80_reason;
+  if (params.deterministic) use_dq_splits(plan, params, device);
   // The large-shared-memory tile: plain variant only, where the device has room.
   if (!score_extras && row.large_smem_exists &&
       device.smem_per_block_optin >=
@@ -598,8 +612,9 @@ std::string describe(const BwdPlan& plan) {
   std::ostringstream out;
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
       << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
-      << " block_n=" << plan.block_n << " splits=" << plan.num_splits << " grid=" << plan.grid_x
-      << "x" << plan.grid_y << "x" << plan.grid_z << " reason: " << plan.reason;
+      << " block_n=" << plan.block_n << " splits=" << plan.num_splits
+      << " ordered_dq=" << int(plan.ordered_dq) << " grid=" << plan.grid_x << "x" << plan.grid_y
+      << "x" << plan.grid_z << " reason: " << plan.reason;
   return out.str();
 }
 

@@ -128,8 +128,12 @@ struct BwdPlan {
   KernelChoice choice = KernelChoice::kSm80;
   int block_m = 0;     // the main kernel's query block
   int block_n = 0;     // its key block: one thread block per key block (or per dQ split)
-  int num_splits = 1;  // deterministic: slices of the dQ accumulator, each a grid column
-  int64_t grid_x = 0;  // key blocks, or num_splits when deterministic
+  int num_splits = 1;  // deterministic, not ordered_dq: slices of the dQ accumulator, each a
+                       // grid column
+  // deterministic on the Hopper kernel: key blocks add their dQ in key-block
+  // order, kept by a semaphore per query block (params.dq_semaphore).
+  bool ordered_dq = false;
+  int64_t grid_x = 0;  // key blocks, or num_splits when deterministic with splits
   int grid_y = 1;      // heads
   int grid_z = 1;      // batch
   const char* reason = "";

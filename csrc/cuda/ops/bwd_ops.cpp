@@ -80,10 +80,12 @@ struct BwdWorkspace {
   at::Tensor dq_accum;
   at::Tensor dk_accum;  // the kv heads' sums or the per-head shares (see below)
   at::Tensor dv_accum;
+  at::Tensor dq_semaphore;  // plan.ordered_dq only
 };
 
-BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse,
-                                at::IntArrayRef dkv_accum_shape, int compiled_head_dim,
+BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
+                                const at::Tensor& softmax_lse, at::IntArrayRef dkv_accum_shape,
+                                int compiled_head_dim,
                                 const std::optional<at::Tensor>& softmax_d_out) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
   BwdWorkspace ws;
@@ -100,6 +102,17 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const at::Tensor& softmax_lse
   params.softmax_d_ptr = ws.softmax_d.data_ptr<float>();
   params.dq_accum_ptr = ws.dq_accum.data_ptr<float>();
   params.dq_accum_split_stride = ws.dq_accum.stride(0);
+  params.dq_semaphore = nullptr;
+  params.dq_semaphore_m_blocks = 0;
+  if (plan.ordered_dq) {
+    // One counter per (batch, head, query block of the plan's tile); varlen
+    // sequences are at most seqlen_q (max_seqlen_q) long.
+    params.dq_semaphore_m_blocks = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
+    ws.dq_semaphore =
+        at::zeros({int64_t(params.batch) * params.nheads * params.dq_semaphore_m_blocks},
+                  softmax_lse.options().dtype(at::kInt));
+    params.dq_semaphore = ws.dq_semaphore.data_ptr<int>();
+  }
   params.dk_accum_ptr = nullptr;
   params.dv_accum_ptr = nullptr;
   params.dk_sum_ptr = nullptr;
@@ -190,9 +203,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
-  const BwdWorkspace workspace =
-      make_bwd_workspace(params, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled},
-                         compiled, softmax_d);
+  const BwdWorkspace workspace = make_bwd_workspace(
+      params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
+      softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
 }
@@ -265,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
   const BwdWorkspace workspace = make_bwd_workspace(
-      params, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
+      params, plan, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};

@@ -1,6 +1,7 @@
 // The outputs of the Hopper backward's MMA warpgroups (bwd_kernel_sm90.h):
 //   - BwdSm90DQAccumulator: each query block's dQ added into the fp32 dQ
-//     accumulator (bwd_accum_layout.h), as soon as it lands;
+//     accumulator (bwd_accum_layout.h), as soon as it lands, or, in
+//     deterministic mode, once BwdSm90DQOrder says it is this key block's turn;
 //   - BwdSm90Epilogue: a key block's dK and dV, once its walk over the query
 //     blocks is done, stored through shared memory (over K and V), then K / V
 //     handed back to the producer.
@@ -16,6 +17,7 @@
 #include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/gpu_semaphore.h"
 #include "cuda/core/params.h"
 #include "cuda/core/tile_ops_sm90.h"
 
@@ -30,15 +32,21 @@ struct BwdSm90EpilogueBarrier {
   }
 };
 
+// The threads that meet on kDQTurn / kDQAdded: both MMA warpgroups and the
+// dQ order warp.
+constexpr uint32_t kBwdSm90DQOrderThreads = 256 + 32;
+
 // This thread's chunk of the dQ accumulator for one key block: every key
-// block adds into the same dQ rows; in deterministic mode the block is the
-// only writer of its split slice, so the order is fixed.
-template <typename Traits>
+// block adds into the same dQ rows. In deterministic mode the order is fixed
+// either by a split slice of its own (the block is its only writer) or, with
+// kOrdered, by BwdSm90DQOrder: the block adds only on its turn.
+template <typename Traits, bool kOrdered = false>
 struct BwdSm90DQAccumulator {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static_assert(Traits::kDQChunks == 1 && Traits::kDQChunkCols == kHeadDim,
                 "dQ is one chunk of the whole head dim");
+  static_assert(Traits::kNThreads == 256, "kBwdSm90DQOrderThreads counts two MMA warpgroups");
 
   float* const dq_accum_thread;
 
@@ -50,8 +58,49 @@ struct BwdSm90DQAccumulator {
   // acc_dq: (MMA,MMA_M,MMA_N) of the dQ MMA, query block m_block.
   template <typename TensorAcc>
   __forceinline__ __device__ void add(const TensorAcc& acc_dq, int m_block) const {
+    if constexpr (kOrdered) {
+      cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQOrderThreads,
+                                                   uint32_t(BwdSm90NamedBarrier::kDQTurn));
+    }
     atomic_add_fragment<Traits::kNThreads>(
         acc_dq, dq_accum_thread + accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0));
+    if constexpr (kOrdered) {
+      cutlass::arch::NamedBarrier::arrive(kBwdSm90DQOrderThreads,
+                                          uint32_t(BwdSm90NamedBarrier::kDQAdded));
+    }
+  }
+};
+
+// Deterministic mode with ordered dQ (plan.ordered_dq): one warp of
+// the producer warpgroup keeps the dQ additions of a (batch, head)'s key
+// blocks into each query block in key-block order. It walks the key block's
+// query blocks as the MMA warpgroups do; for each it waits until the query
+// block's counter reads this key block's index (every lower key block has
+// added: with no left window bound, each query block's contributors are key
+// blocks 0, 1, ..., plan.cpp), opens the turn (kDQTurn), waits until the MMA
+// warpgroups' reductions are issued (kDQAdded) and publishes them. Its waits
+// run ahead of the MMA warpgroups, which meet kDQTurn only once their dQ
+// product has landed: a key block waits for its predecessors once, at its
+// first query block, and the blocks of a pair then run an addition apart.
+struct BwdSm90DQOrder {
+  int* const counters;  // (query blocks) of this (batch, head)
+
+  __forceinline__ __device__ BwdSm90DQOrder(const BwdParams& params, int batch, int head)
+      : counters(params.dq_semaphore +
+                 (int64_t(batch) * params.nheads + head) * params.dq_semaphore_m_blocks) {}
+
+  // The order warp's walk over one key block's query blocks, from the last
+  // down as BwdSm90MainloopMma::mma's.
+  __forceinline__ __device__ void order(const BwdKeyBlock& block, int lane) const {
+    for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min; --m_block) {
+      if (lane == 0) semaphore_wait_for(counters + m_block, block.n_block);
+      __syncwarp();
+      cutlass::arch::NamedBarrier::arrive(kBwdSm90DQOrderThreads,
+                                          uint32_t(BwdSm90NamedBarrier::kDQTurn));
+      cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQOrderThreads,
+                                                   uint32_t(BwdSm90NamedBarrier::kDQAdded));
+      if (lane == 0) semaphore_release_increment(counters + m_block);
+    }
   }
 };
 

@@ -67,12 +67,19 @@ using namespace cute;
 // (softcapped_p_and_ds_transposed: the softcap's derivative comes from the
 // kept score, which P overwrites), so its exponentials no longer run under
 // the dP^T product; ALiBi alone keeps that overlap, as the plain rule.
-template <typename Traits, bool kWithScoreMods = false>
+//
+// kOrderedDQ (deterministic mode, plan.ordered_dq; plain variant only): one
+// key block per thread block, whose dQ additions wait for their turn
+// (BwdSm90DQOrder). A template flag, not a run-time branch, so that the
+// default kernel keeps its code: the order warp's code beside the load
+// warps' spilled theirs (PERF_LOG 2026-11-28, ordered dQ).
+template <typename Traits, bool kWithScoreMods = false, bool kOrderedDQ = false>
 __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     flash_bwd_sm90_kernel(const BwdParams params, const __grid_constant__ BwdSm90Tma<Traits> tma) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   static_assert(Traits::kNThreads == 256, "two MMA warpgroups");
   static_assert(Traits::kNLaunchThreads == Traits::kNThreads + 128, "and one producer warpgroup");
+  static_assert(!(kOrderedDQ && kWithScoreMods), "ordered dQ is a variant of the plain kernel");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -86,7 +93,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
   const BwdSm90TileScheduler<kBlockN, kStages> scheduler(binfo.seqlen_k);
-  const int split = params.deterministic ? blockIdx.x : 0;
+  // Deterministic with dQ splits: this block's slice (BwdSm90DQAccumulator).
+  const int split = !kOrderedDQ && params.deterministic ? blockIdx.x : 0;
   auto& barriers = Storage::barriers();
 
   if (tidx == 0) {
@@ -104,10 +112,20 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
   if (tidx < 128) {
     // The producer warpgroup: warp 0's lane 0 issues the TMA copies, warp 1
-    // loads the row statistics.
+    // loads the row statistics, warp 2 orders the dQ additions in
+    // deterministic mode.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     const int warp = tidx / 32;
     const int lane = tidx % 32;
+    if constexpr (kOrderedDQ) {
+      if (warp == 2) {
+        // One key block per thread block (plan.cpp).
+        const BwdSm90DQOrder dq_order(params, batch, head);
+        dq_order.order(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, blockIdx.x),
+                       lane);
+        return;
+      }
+    }
     if (warp > 1) return;
     const BwdSm90MainloopLoad<Traits> mainloop_load(params, tma, binfo, head, batch);
     for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
@@ -132,7 +150,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
     const BwdKeyBlock block =
         bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block);
-    const BwdSm90DQAccumulator<Traits> dq_accum(params, binfo, block, split, mma_tidx);
+    const BwdSm90DQAccumulator<Traits, kOrderedDQ> dq_accum(params, binfo, block, split, mma_tidx);
     Tensor acc_dk = partition_fragment_C(
         mainloop.tiled_mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});  // (MMA,MMA_M,MMA_N)
     Tensor acc_dv = partition_fragment_C(

@@ -16,10 +16,18 @@ namespace flash {
 
 using namespace cute;
 
-// Named barriers of the MMA warpgroups (ids after those CUTLASS reserves):
+// Named barriers (ids after those CUTLASS reserves). Of the MMA warpgroups:
 // both warpgroups' dS is in shared memory; the epilogue's staging of dK / dV;
-// a varlen block's rows of another sequence are zeroed.
-enum class BwdSm90NamedBarrier : uint32_t { kDSWritten = 0, kEpilogue = 1, kZeroTails = 2 };
+// a varlen block's rows of another sequence are zeroed. Of the MMA
+// warpgroups and the dQ order warp (deterministic mode, BwdSm90DQOrder):
+// this key block's turn to add a query block's dQ has come; its dQ is added.
+enum class BwdSm90NamedBarrier : uint32_t {
+  kDSWritten = 0,
+  kEpilogue = 1,
+  kZeroTails = 2,
+  kDQTurn = 3,
+  kDQAdded = 4,
+};
 
 // The block's dynamic shared memory: Q and dO (kStages buffers each), K, V,
 // dS and (split design) P^T (two buffers each), the row statistics of each
