@@ -27,7 +27,8 @@ same input x (batch, seqlen, dim) and the same output gradient (one seed).
    ops are ours (or torch's with --builtin). The output and x's gradient are
    gathered back into sequence order (``context_parallel_unshard``); the
    weights' gradients are summed over the ranks in fp32.
-3. DESIGN.md's correctness criterion, per tensor, against the fp32 reference:
+3. The correctness criterion (docs/architecture.md), per tensor, against the
+   fp32 reference:
    ``max|cp - ref32| <= 2 * max|torch_same_dtype - ref32| + 1e-5`` for the
    output, and 3x (plus 1e-5) for the gradients (x and every weight). With the
    provider, the run also fails when our overrides of

@@ -18,13 +18,13 @@ strided views of them). The pieces:
 * compare(case, inputs, got, other, refs): the mismatches between two results
   (CUDA against CPU, or the CPU op against the float64 reference) as strings.
 
-Tolerances (DESIGN.md's criterion, adapted to two implementations that both
-accumulate in fp32 from the same low-precision inputs):
+Tolerances (the correctness criterion of docs/architecture.md, adapted to two
+implementations that both accumulate in fp32 from the same low-precision inputs):
 
 * out / S_dmask: max|a - b| <= 2 * max|same_dtype - ref64| + ulp(max|ref64|):
   each side is within the criterion of the exact result, and the two final
   roundings to fp16 / bf16 may land one ulp apart.
-* dq / dk / dv: the same with factor 3 (DESIGN.md) and 1e-4 of absolute
+* dq / dk / dv: the same with factor 3 (docs/architecture.md) and 1e-4 of absolute
   slack for gradients that are exactly zero in exact arithmetic.
 * dq / dk / dv also get twice the part of the gradient that comes from
   FlashAttention-2's backward taking D = rowsum(dO * O) from the output
@@ -860,7 +860,7 @@ def _varlen_inputs(c, g):
     inputs["dout"] = _randn(g, (total_q, c["nheads"], c["head_dim"]), dtype_of(c))
     if c["poison"]:
         # Key / value rows outside every sequence are NaN: no result may read
-        # them (DESIGN.md: keys past a sequence's used length).
+        # them (docs/serving.md: keys past the used length).
         outside_k = torch.ones(total_k, dtype=torch.bool)
         outside_k[int(cu_k[0]) : int(cu_k[-1])] = False
         _, k, v = views(c, bases)

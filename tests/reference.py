@@ -2,7 +2,7 @@
 
 Nothing here calls the extension: the window rule, softcap, ALiBi, GQA,
 dropout and the Philox4x32-10 keep mask are restated from the op contract
-(DESIGN.md, "The op contract") so that the kernels are checked against a
+(docs/architecture.md, "The op contract") so that the kernels are checked against a
 second, plain implementation.
 
 Layouts follow the ops: q (batch, seqlen_q, nheads, head_dim), k / v
@@ -305,7 +305,7 @@ def dropout_keep_masks_varlen(seed, offset, cu_seqlens_q, cu_seqlens_k, nheads, 
 
 
 # ---------------------------------------------------------------------------
-# Comparison criterion (DESIGN.md, "Correctness criterion")
+# Comparison criterion (docs/architecture.md, "The correctness criterion")
 # ---------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ first), so
 
 This module restates that reading from the convention alone, in float64, so
 that the tests check this package's S_dmask the way a flash-attn test would.
-Scores follow the op contract (DESIGN.md): scale, softcap, ALiBi, then the
+Scores follow the op contract (docs/architecture.md): scale, softcap, ALiBi, then the
 window mask; tests/reference.py holds the window and ALiBi rules.
 """
 

@@ -2,7 +2,8 @@
 against the float64 reference in reference.py.
 
 fp32 inputs are held to a tight tolerance (the kernels accumulate in fp32);
-fp16 / bf16 inputs to the DESIGN.md criterion relative to torch doing the same
+fp16 / bf16 inputs to the correctness criterion (docs/architecture.md) relative
+to torch doing the same
 math in that dtype. Backward results are compared with torch.autograd through
 the float64 reference, for every feature that has a backward.
 """
@@ -399,7 +400,7 @@ def test_backward_is_deterministic_and_thread_independent():
 
 
 # ---------------------------------------------------------------------------
-# fp16 / bf16: the DESIGN.md criterion
+# fp16 / bf16: the correctness criterion (docs/architecture.md)
 # ---------------------------------------------------------------------------
 
 LOW_PRECISION_CASES = [

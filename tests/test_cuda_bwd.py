@@ -1,6 +1,6 @@
-"""CUDA backward kernel against an fp32 reference (DESIGN.md criterion: dq, dk,
-dv within 3x of the same-dtype torch error), against the CPU path, and for
-reproducibility.
+"""CUDA backward kernel against an fp32 reference (the criterion of
+docs/architecture.md: dq, dk, dv within 3x of the same-dtype torch error), against the
+CPU path, and for reproducibility.
 
 Every test here needs a GPU and is skipped with a reason without one.
 """

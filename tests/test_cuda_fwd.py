@@ -1,4 +1,4 @@
-"""CUDA forward kernel against an fp32 reference (DESIGN.md criterion).
+"""CUDA forward kernel against an fp32 reference (the criterion of docs/architecture.md).
 
 Every test here needs a GPU and is skipped with a reason without one.
 """

@@ -3,8 +3,8 @@
 Inputs are drawn on the CPU with the helpers of test_cpu_kvcache.py, then the
 CUDA op runs on device copies and the CPU op on host copies of the same
 tensors (each on its own clone of the caches, which both ops write in place).
-Outputs are held to the DESIGN.md criterion against the float64 reference and
-compared with the CPU op; the caches after the append are compared with the
+Outputs are held to the correctness criterion (docs/architecture.md) against the
+float64 reference and compared with the CPU op; the caches after the append are compared with the
 expected contents and with the CPU op's.
 
 Every test here needs a GPU and is skipped with a reason without one.

@@ -1,11 +1,12 @@
 """transformers (v5) on flash_attn_cuda's CUDA kernels, against transformers' "sdpa".
 
 The CPU checks of tests/test_transformers_integration.py on the GPU, in bf16, judged by
-DESIGN.md's criterion: the same model with fp32 weights and eager attention is the
-reference, and "flash_attn_cuda" in bf16 may be at most 2x (logits) or 3x (gradients)
-as far from it as "sdpa" in bf16 is, plus a small slack. Greedy generation is judged
-by how far below the reference's best logit each chosen token is. One test reports a
-training step's time (run with -rP to see it). Skipped without a GPU or transformers.
+the correctness criterion (docs/architecture.md): the same model with fp32 weights and
+eager attention is the reference, and "flash_attn_cuda" in bf16 may be at most 2x
+(logits) or 3x (gradients) as far from it as "sdpa" in bf16 is, plus a small slack.
+Greedy generation is judged by how far below the reference's best logit each chosen
+token is. One test reports a training step's time (run with -rP to see it). Skipped
+without a GPU or transformers.
 """
 
 import copy

@@ -4,7 +4,7 @@ CPU tests (run everywhere): the provider is registered and never active on its
 own; activate / restore put our kernels into the dispatcher and take them out;
 each override (flash_attn_cuda.integrations.sdpa) is called directly on CPU
 tensors and compared with attention in float64 (tests/reference.py) under the
-project's criterion (DESIGN.md); torch's own autograd formulas and varlen_attn
+project's criterion (docs/architecture.md); torch's own autograd formulas and varlen_attn
 run on the overrides registered for the CPU key (where these aten ops have no
 kernel of their own); dropout state round-trips through torch's uint64
 rng_state; calls the ops cannot serve raise UnsupportedAttentionCall.

@@ -1,7 +1,7 @@
 """Attention sinks (learnable_sink) against the float64 reference.
 
 Row i of head h normalises with one more logit, the head's sink, in its
-softmax denominator (DESIGN.md, "The op contract"); the sink has no value
+softmax denominator (docs/architecture.md, "The op contract"); the sink has no value
 row, the returned lse includes it, a row that sees no key gets output 0 and
 lse = sink, and d sink_h = -sum_i exp(sink_h - lse_i) * rowsum(dO_i * O_i).
 Every case runs on the CPU path and, with a GPU, on the CUDA kernels (the

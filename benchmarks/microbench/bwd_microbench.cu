@@ -12,7 +12,7 @@
 //     benchmarks/microbench/bwd_microbench.cu -o bwd_d128
 //   ./bwd_d128 [seqlen] [causal 0/1]
 //
-// Without the tile macros the head dim's entry of csrc/cuda/bwd_tile_config.h
+// Without the tile macros the head dim's entry of csrc/cuda/bwd/bwd_tile_config.h
 // is timed. -DWITH_EXTRAS=1 times the softcap/ALiBi/dropout variant of the
 // main kernel (run with the plain score rule, so only its cost shows).
 #include <algorithm>
@@ -23,12 +23,12 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/bwd_tile_config.h"
-#include "cuda/cuda_check.h"
-#include "cuda/flash_bwd_aux_kernels.h"
-#include "cuda/flash_bwd_kernel.h"
-#include "cuda/flash_fwd_kernel.h"
-#include "cuda/tile_config.h"
+#include "cuda/bwd/bwd_aux_kernels.h"
+#include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/bwd/sm80/bwd_kernel_sm80.h"
+#include "cuda/core/cuda_check.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
 #include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
@@ -65,8 +65,7 @@ using TableConfig = flash::BwdTileConfig<HEAD_DIM>;
 
 using Element = cutlass::bfloat16_t;
 using Traits = flash::BwdKernelTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV,
-                                      ATOM_DQ, bool(DOUBLE_BUFFER), bool(DQ_BEFORE_DK),
-                                      Element>;
+                                      ATOM_DQ, bool(DOUBLE_BUFFER), bool(DQ_BEFORE_DK), Element>;
 using FwdConfig = flash::FwdTileConfig<HEAD_DIM>;
 using FwdTraits = flash::FwdKernelTraits<HEAD_DIM, FwdConfig::kBlockM, FwdConfig::kBlockN,
                                          FwdConfig::kNWarps, Element>;
@@ -103,7 +102,8 @@ int main(int argc, char** argv) {
   const dim3 dq_grid((seqlen + BLOCK_M - 1) / BLOCK_M, nheads, batch);
   auto run_main = [&] { kernel<<<grid, Traits::kNThreads, kSmemSize>>>(params); };
   auto run_backward = [&] {
-    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM>
+        <<<dot_grid, flash::kBwdAuxThreads>>>(params);
     cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
     run_main();
     flash::flash_bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kNThreads>>>(params);
@@ -116,12 +116,13 @@ int main(int argc, char** argv) {
   // head dim must print the same numbers up to fp32 summation order, and a
   // wrong tile shape shows up here rather than as a fast number.
   double checksums[3];
-  const Element* outputs[3] = {static_cast<Element*>(params.dq_ptr), static_cast<Element*>(params.dk_ptr),
-                         static_cast<Element*>(params.dv_ptr)};
+  const Element* outputs[3] = {static_cast<Element*>(params.dq_ptr),
+                               static_cast<Element*>(params.dk_ptr),
+                               static_cast<Element*>(params.dv_ptr)};
   std::vector<Element> host(std::min<int64_t>(elems, 1 << 20));
   for (int t = 0; t < 3; ++t) {
-    FA_CUDA_CHECK(cudaMemcpy(host.data(), outputs[t], host.size() * sizeof(Element),
-                             cudaMemcpyDeviceToHost));
+    FA_CUDA_CHECK(
+        cudaMemcpy(host.data(), outputs[t], host.size() * sizeof(Element), cudaMemcpyDeviceToHost));
     double abs_sum = 0;
     for (const Element& x : host) {
       if (!std::isfinite(float(x))) {
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
       "%d blocks/SM | mean |dq|,|dk|,|dv| %.6e %.6e %.6e\n",
       HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, ATOM_SDP, ATOM_DKV, ATOM_DQ, int(DOUBLE_BUFFER),
       int(DQ_BEFORE_DK), WITH_EXTRAS, seqlen, causal, total_ms, flops / total_ms * 1e-9, main_ms,
-      flops / main_ms * 1e-9, attributes.numRegs, int(attributes.localSizeBytes),
-      kSmemSize / 1024, blocks_per_sm, checksums[0], checksums[1], checksums[2]);
+      flops / main_ms * 1e-9, attributes.numRegs, int(attributes.localSizeBytes), kSmemSize / 1024,
+      blocks_per_sm, checksums[0], checksums[1], checksums[2]);
   return 0;
 }

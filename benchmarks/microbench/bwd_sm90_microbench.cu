@@ -1,4 +1,4 @@
-// The Hopper (wgmma) backward main kernel (flash_bwd_sm90_kernel.h) against
+// The Hopper (wgmma) backward main kernel (bwd_kernel_sm90.h) against
 // the SM80 one, without torch: the forward produces O and the lse,
 // then each backward runs as the launcher runs it (D = rowsum(dO * O), dQ
 // accumulator zeroing, main kernel, dQ conversion with the kernel's own
@@ -20,13 +20,13 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/bwd_tile_config.h"
-#include "cuda/cuda_check.h"
-#include "cuda/flash_bwd_aux_kernels.h"
-#include "cuda/flash_bwd_kernel.h"
-#include "cuda/flash_bwd_launch.h"
-#include "cuda/flash_fwd_kernel.h"
-#include "cuda/tile_config.h"
+#include "cuda/bwd/bwd_aux_kernels.h"
+#include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/bwd/sm80/bwd_kernel_sm80.h"
+#include "cuda/core/cuda_check.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
+#include "cuda/launch/bwd_launch.h"
 #include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   const int nheads = 2048 / HEAD_DIM;
   const int batch = std::max(1, 16384 / seqlen);
   flash::BwdParams params = make_bwd_problem<Element>(batch, seqlen, nheads, HEAD_DIM,
-                                                     Config::kBlockM, causal, window_left);
+                                                      Config::kBlockM, causal, window_left);
   const int64_t elems = int64_t(batch) * seqlen * nheads * HEAD_DIM;
   float* dq_accum = params.dq_accum_ptr;
   const int64_t dq_accum_elems = params.dq_accum_split_stride;
@@ -71,26 +71,29 @@ int main(int argc, char** argv) {
   auto ref_kernel = &flash::flash_bwd_dq_dk_dv_kernel<RefTraits, false>;
   FA_CUDA_CHECK(cudaFuncSetAttribute(ref_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      RefTraits::kSmemSize));
+  // What plan_bwd checks before it picks the Hopper kernel.
   int smem_optin = 0;
   FA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  params.smem_per_block_optin = smem_optin;
+  if (smem_optin < Traits::kSmemSize || !flash::BwdSm90Tma<Traits>::can_load(params)) {
+    printf("no Hopper kernel takes this problem\n");
+    return 1;
+  }
   auto run_ref_main = [&] {
     ref_kernel<<<grid, RefTraits::kNThreads, RefTraits::kSmemSize>>>(params);
   };
   auto run_sm90_main = [&] {
-    if (!flash::launch_bwd_sm90_main<Element, HEAD_DIM>(params, grid, nullptr)) {
-      printf("no Hopper kernel takes this problem\n");
-      exit(1);
-    }
+    flash::launch_bwd_sm90_main<Element, HEAD_DIM, false>(params, grid, nullptr);
   };
   auto run_ref = [&] {
-    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM>
+        <<<dot_grid, flash::kBwdAuxThreads>>>(params);
     cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
     run_ref_main();
     flash::flash_bwd_convert_dq_kernel<RefTraits><<<dq_grid, RefTraits::kNThreads>>>(params);
   };
   auto run_sm90 = [&] {
-    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM><<<dot_grid, flash::kBwdAuxThreads>>>(params);
+    flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM>
+        <<<dot_grid, flash::kBwdAuxThreads>>>(params);
     cudaMemsetAsync(dq_accum, 0, dq_accum_elems * sizeof(float));
     run_sm90_main();
     flash::flash_bwd_convert_dq_kernel<Traits><<<dq_grid_sm90, Traits::kNThreads>>>(params);
@@ -105,8 +108,8 @@ int main(int argc, char** argv) {
   for (int t = 0; t < 3; ++t) {
     ref[t].resize(elems);
     got[t].resize(elems);
-    FA_CUDA_CHECK(cudaMemcpy(ref[t].data(), outputs[t], elems * sizeof(Element),
-                             cudaMemcpyDeviceToHost));
+    FA_CUDA_CHECK(
+        cudaMemcpy(ref[t].data(), outputs[t], elems * sizeof(Element), cudaMemcpyDeviceToHost));
   }
   // The Hopper kernel's outputs against the reference, from poisoned
   // buffers.
@@ -118,8 +121,8 @@ int main(int argc, char** argv) {
     FA_CUDA_CHECK(cudaDeviceSynchronize());
     bool ok = true;
     for (int t = 0; t < 3; ++t) {
-      FA_CUDA_CHECK(cudaMemcpy(got[t].data(), outputs[t], elems * sizeof(Element),
-                               cudaMemcpyDeviceToHost));
+      FA_CUDA_CHECK(
+          cudaMemcpy(got[t].data(), outputs[t], elems * sizeof(Element), cudaMemcpyDeviceToHost));
       max_diff[t] = 0;
       max_ref[t] = 0;
       for (int64_t i = 0; i < elems; ++i) {
@@ -150,7 +153,7 @@ int main(int argc, char** argv) {
       "sm80 %.3f sm90 %.3f ms (%.2fx)\n",
       HEAD_DIM, Traits::kBlockM, Config::kBlockN, seqlen, causal, window_left,
       ok ? "match" : "MISMATCH", max_diff[0], max_diff[1], max_diff[2], max_ref[0], max_ref[1],
-      max_ref[2], ref_ms, flops / ref_ms * 1e-9, sm90_ms, flops / sm90_ms * 1e-9,
-      ref_ms / sm90_ms, ref_main_ms, sm90_main_ms, ref_main_ms / sm90_main_ms);
+      max_ref[2], ref_ms, flops / ref_ms * 1e-9, sm90_ms, flops / sm90_ms * 1e-9, ref_ms / sm90_ms,
+      ref_main_ms, sm90_main_ms, ref_main_ms / sm90_main_ms);
   return ok ? 0 : 1;
 }

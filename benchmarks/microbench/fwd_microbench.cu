@@ -1,7 +1,7 @@
 // Times one forward-kernel configuration without torch, for tile-shape
 // experiments: each configuration is its own binary, so several compile in
 // parallel in about a minute each. The numbers that settled the tile table
-// (csrc/cuda/tile_config.h) come from benchmarks/microbench/run_tile_sweep.sh.
+// (csrc/cuda/fwd/fwd_tile_config.h) come from benchmarks/microbench/run_tile_sweep.sh.
 //
 //   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -I csrc -I <cutlass>/include \
 //     -gencode arch=compute_90,code=sm_90 -DHEAD_DIM=128 -DBLOCK_M=128 -DBLOCK_N=64 -DWARPS=4 \
@@ -9,15 +9,15 @@
 //   ./fwd_d128 [seqlen] [causal 0/1]
 // -DWITH_EXTRAS=1 times the softcap/ALiBi/dropout variant of the kernel (run
 // with the plain score rule, so only the cost of carrying the extras shows).
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_check.h"
-#include "cuda/flash_fwd_kernel.h"
+#include "cuda/core/cuda_check.h"
+#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
 #include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
@@ -76,8 +76,8 @@ int main(int argc, char** argv) {
   params.is_bf16 = true;
 
   auto kernel = &flash::flash_fwd_kernel<Traits, WITH_EXTRAS != 0>;
-  FA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemSize));
+  FA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemSize));
   const dim3 grid((seqlen + BLOCK_M - 1) / BLOCK_M, nheads, batch);
   for (int i = 0; i < 10; ++i) kernel<<<grid, Traits::kNThreads, Traits::kSmemSize>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());

@@ -16,11 +16,11 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_check.h"
-#include "cuda/flash_fwd_kernel.h"
-#include "cuda/flash_fwd_launch.h"
-#include "cuda/fwd_tile_schedule.h"
-#include "cuda/tile_config.h"
+#include "cuda/core/cuda_check.h"
+#include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
+#include "cuda/fwd/sm80/fwd_kernel_sm80.h"
+#include "cuda/launch/fwd_launch.h"
 #include "microbench_util.cuh"
 
 #ifndef HEAD_DIM
@@ -58,18 +58,23 @@ Diff compare(const Element* o, const Element* o_ref, const float* lse, const flo
   FA_CUDA_CHECK(cudaMemcpy(h_o.data(), o, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
   FA_CUDA_CHECK(cudaMemcpy(h_ref.data(), o_ref, q_elems * sizeof(Element), cudaMemcpyDeviceToHost));
   FA_CUDA_CHECK(cudaMemcpy(h_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
-  FA_CUDA_CHECK(cudaMemcpy(h_lse_ref.data(), lse_ref, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+  FA_CUDA_CHECK(
+      cudaMemcpy(h_lse_ref.data(), lse_ref, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
   Diff diff;
   for (int64_t i = 0; i < q_elems; ++i) {
     const double d = std::fabs(double(float(h_o[i])) - double(float(h_ref[i])));
-    if (!(d <= 1e30)) ++diff.bad;  // NaN
-    else diff.max_o = std::max(diff.max_o, d);
+    if (!(d <= 1e30))
+      ++diff.bad;  // NaN
+    else
+      diff.max_o = std::max(diff.max_o, d);
   }
   for (int64_t i = 0; i < lse_elems; ++i) {
     if (std::isinf(h_lse_ref[i]) && h_lse[i] == h_lse_ref[i]) continue;
     const double d = std::fabs(double(h_lse[i]) - double(h_lse_ref[i]));
-    if (!(d <= 1e30)) ++diff.bad;
-    else diff.max_lse = std::max(diff.max_lse, d);
+    if (!(d <= 1e30))
+      ++diff.bad;
+    else
+      diff.max_lse = std::max(diff.max_lse, d);
   }
   return diff;
 }
@@ -124,7 +129,8 @@ int main(int argc, char** argv) {
   FA_CUDA_CHECK(cudaFuncSetAttribute(ref_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      RefTraits::kSmemSize));
   const dim3 ref_grid((seqlen_q + RefTraits::kBlockM - 1) / RefTraits::kBlockM, nheads, batch);
-  const double ref_ms = time_ms(ref_kernel, ref_grid, RefTraits::kNThreads, RefTraits::kSmemSize, params);
+  const double ref_ms =
+      time_ms(ref_kernel, ref_grid, RefTraits::kNThreads, RefTraits::kSmemSize, params);
 
   params.o_ptr = o;
   params.softmax_lse_ptr = lse;
@@ -182,21 +188,23 @@ int main(int argc, char** argv) {
 
   double visible = 0;  // exact count of visible (row, key) pairs, for FLOPs
   for (int r = 0; r < seqlen_q; ++r) {
-    const flash::KeyRange kr = flash::visible_key_range(r, r + 1, seqlen_q, seqlen_k, window_left,
-                                                        causal ? 0 : -1);
+    const flash::KeyRange kr =
+        flash::visible_key_range(r, r + 1, seqlen_q, seqlen_k, window_left, causal ? 0 : -1);
     visible += kr.end - kr.begin;
   }
   const double flops = 4.0 * batch * nheads * visible * HEAD_DIM;
-  printf("d=%d M=%d N=%d sq=%d sk=%d causal=%d wl=%d: max|dO|=%.3g max|dlse|=%.3g nan=%lld | "
-         "sm90 (%d blocks) %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx",
-         HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, diff.max_o,
-         diff.max_lse, (long long)diff.bad, grid.x, ms, flops / ms * 1e-9, ref_ms,
-         flops / ref_ms * 1e-9, ref_ms / ms);
+  printf(
+      "d=%d M=%d N=%d sq=%d sk=%d causal=%d wl=%d: max|dO|=%.3g max|dlse|=%.3g nan=%lld | "
+      "sm90 (%d blocks) %.3f ms %.1f TFLOP/s | sm80 %.3f ms %.1f TFLOP/s | %.3fx",
+      HEAD_DIM, BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, causal, window_left, diff.max_o, diff.max_lse,
+      (long long)diff.bad, grid.x, ms, flops / ms * 1e-9, ref_ms, flops / ref_ms * 1e-9,
+      ref_ms / ms);
   if (with_counter) {
-    printf(" | counter (%d blocks): max|dO|=%.3g max|dlse|=%.3g nan=%lld %.3f ms %.1f TFLOP/s, "
-           "%.3fx the grid without",
-           num_sms, counter_diff.max_o, counter_diff.max_lse, (long long)counter_diff.bad,
-           counter_ms, flops / counter_ms * 1e-9, ms / counter_ms);
+    printf(
+        " | counter (%d blocks): max|dO|=%.3g max|dlse|=%.3g nan=%lld %.3f ms %.1f TFLOP/s, "
+        "%.3fx the grid without",
+        num_sms, counter_diff.max_o, counter_diff.max_lse, (long long)counter_diff.bad, counter_ms,
+        flops / counter_ms * 1e-9, ms / counter_ms);
   }
   printf("\n");
   auto ok = [](const Diff& d) { return d.bad == 0 && d.max_o < 2e-2 && d.max_lse < 1e-3; };

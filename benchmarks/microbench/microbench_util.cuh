@@ -9,9 +9,9 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/bwd_accum_layout.h"
-#include "cuda/cuda_check.h"
-#include "cuda/params.h"
+#include "cuda/bwd/bwd_accum_layout.h"
+#include "cuda/core/cuda_check.h"
+#include "cuda/core/params.h"
 
 // Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
 // on tensor cores than real data.
@@ -91,8 +91,7 @@ flash::BwdParams make_bwd_problem(int batch, int seqlen, int nheads, int head_di
   params.dq_accum_split_stride = dq_accum_elems;  // one slice: its size
   params.dq_accum_rows_per_head = dq_accum_rows;
   params.num_splits = 1;
-  const flash::QKVStrides strides{int64_t(seqlen) * nheads * head_dim, nheads * head_dim,
-                                  head_dim};
+  const flash::QKVStrides strides{int64_t(seqlen) * nheads * head_dim, nheads * head_dim, head_dim};
   params.q = params.k = params.v = params.o = strides;
   params.dout = params.dq = params.dk = params.dv = strides;
   params.batch = batch;

@@ -67,7 +67,8 @@ KvcacheShape check_fwd_kvcache_args(
 //   the rotary tables hold every position used: end[b] + seqlen_new - 1 for the
 //   new keys and end[b] + seqlen_q - 1 (rotary_q_per_row) or end[b] for q.
 // The rules and messages are those the CUDA kernels apply and record
-// (csrc/cuda/index_guards.h, index_error_message.h), checked in this order.
+// (csrc/cuda/core/index_guards.h, csrc/api/index_error_message.h), checked in
+// this order.
 void check_kvcache_contents_host(const KvcacheShape& shape,
                                  const std::optional<at::Tensor>& cache_seqlens,
                                  const std::optional<at::Tensor>& cache_batch_idx,

@@ -4,7 +4,7 @@
 //
 // The CPU path reads the values on the host and raises at once. The CUDA
 // kernels cannot raise: each one that derives an index from such a value
-// clamps it into the extent the host knows (csrc/cuda/index_guards.h) and
+// clamps it into the extent the host knows (csrc/cuda/core/index_guards.h) and
 // records the first bad value it met in an IndexErrorRecord that the host
 // turns into the same message (csrc/api/index_error_message.h).
 #pragma once

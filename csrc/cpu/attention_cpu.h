@@ -82,7 +82,8 @@ struct AttentionProblem {
 // key block j = col / kProbsBlockN are relative to the row's max over blocks
 // j, j + 1, ... (flash-attn 2.x's convention). It must equal
 // flash_attn_cuda._get_block_size_n(...) and the CUDA kernel's
-// kReturnProbsBlockN (csrc/cuda/return_probs.h), whatever the device or head dim.
+// kReturnProbsBlockN (csrc/cuda/fwd/return_probs.h), whatever the device or
+// head dim.
 constexpr int kProbsBlockN = 64;
 
 struct ForwardOutputs {

@@ -5,9 +5,9 @@
 // SplitKvTileLoader copies one tile (and locates the rows of a paged one),
 // SplitKvItemAdvance moves the stream to the block's next item with keys, and
 // SplitKvProducer issues the stream's next tile. The stream's position, the
-// copy partitions and the paged rows are the kernel's locals, which the roles
-// refer to, as the lambdas they replace did: with them held in the roles
-// (and with the three roles one type) the kernel's machine code changed.
+// copy partitions and the paged rows stay the kernel's locals, which the roles
+// refer to: held in the roles (or with the three roles one type), they change
+// the kernel's machine code.
 #pragma once
 
 #include <cstdint>
@@ -182,8 +182,8 @@ struct SplitKvTileLoader {
     // `appending` is there.
     const int new_rows_from =
         kAppends && appending ? it.seqlen_k - params.seqlen_new - n_block * kBlockN : rows_in_tile;
-    // copy_row reads tKVcKV and params through these (not through `this`),
-    // as it did as a lambda in the kernel.
+    // copy_row reads tKVcKV and params through these local references, not
+    // through `this`: through `this`, the kernel compiles differently.
     auto& tKVcKV_ = tKVcKV;
     const KvcacheParams& params_ = params;
     auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
@@ -224,8 +224,8 @@ struct SplitKvTileLoader {
 };
 
 // The stream to the next item with keys, or past the last item. Fields are
-// the kernel's stream position, in the order the lambda it replaces
-// captured them.
+// the kernel's stream position, by reference; keep their order, since the
+// order of a role's references can change the machine code (SplitKvProducer).
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvItemAdvance {
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
@@ -255,9 +255,9 @@ struct SplitKvItemAdvance {
   }
 };
 
-// A block of one item has no next item. It refers to nothing else, as the
-// lambda did (its other captures were in a discarded `if constexpr` branch):
-// referring to them made the kernels of one item compile differently.
+// A block of one item has no next item. It refers to nothing else: referring
+// to the stream's other locals, which it never uses, makes the kernels of one
+// item compile differently.
 template <typename Traits, CacheLayout kLayout, bool kAppends>
 struct SplitKvItemAdvance<Traits, kLayout, false, kAppends> {
   using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN>;
@@ -291,8 +291,8 @@ struct SplitKvProducer {
   using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
   using ItemAdvance = SplitKvItemAdvance<Traits, kLayout, kSeveralItems, kAppends>;
 
-  // load_n_block first: in the lambda's capture order (load_item first) the
-  // kernels of one item compiled differently.
+  // load_n_block first: with load_item first, the kernels of one item compile
+  // differently.
   int& load_n_block;
   int& load_item;
   const int& num_items;

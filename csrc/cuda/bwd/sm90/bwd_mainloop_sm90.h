@@ -256,9 +256,8 @@ struct BwdSm90MainloopMma {
 
   // dK and dV of one key block, accumulated over the query blocks that see
   // it; each block's dQ goes to dq_accum. (highest is compared here, where
-  // both sides are loop values as in the lambda-era kernel: compared inside
-  // query_block against its parameter, the operands swapped and the SASS
-  // moved.)
+  // both sides are loop values: compared inside query_block against its
+  // parameter, the operands swap and the SASS changes.)
   template <typename TensorAcc, typename DQAccum>
   __forceinline__ __device__ void mma(const BwdKeyBlock& block, int round, QStages& q_stages,
                                       TensorAcc& acc_dk, TensorAcc& acc_dv,
