@@ -5,11 +5,11 @@
     python benchmarks/benchmark_attention.py            # the whole grid, several minutes
 
 On a GPU it measures flash_attn_cuda against F.scaled_dot_product_attention pinned
-to each of its backends (flash, cuDNN, memory-efficient, math) and flex_attention
-under torch.compile. Without a GPU it measures flash_attn_cuda's CPU path against
-SDPA on the CPU. Results go to results.json and PNG plots in --out (default
-benchmarks/results/<device name>/). benchmarks/README.md explains every option
-and column.
+to each of its backends (flash, cuDNN, memory-efficient, math), flex_attention
+under torch.compile and, where flash_attn.cute imports, FlashAttention-4. Without
+a GPU it measures flash_attn_cuda's CPU path against SDPA on the CPU. Results go
+to results.json and PNG plots in --out (default benchmarks/results/<device name>/).
+benchmarks/README.md explains every option and column.
 """
 
 from __future__ import annotations
@@ -45,14 +45,28 @@ SDPA_BACKENDS = {
     "sdpa_math": "MATH",
 }
 GPU_PROVIDERS = [OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex"]
+# FlashAttention-4 (flash_attn.cute), an anchor that is never a dependency: it joins
+# the GPU default providers only where it imports (see gpu_default_providers).
+FA4 = "fa4"
 # Measured only when named in --providers: this project's backward with
-# deterministic=True (the cost of bitwise-reproducible gradients).
+# deterministic=True (the cost of bitwise-reproducible gradients). FA4's
+# deterministic backward, its anchor, comes along wherever FA4 imports.
 OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
-GPU_OPTIONAL_PROVIDERS = [OURS_DETERMINISTIC]
+FA4_DETERMINISTIC = "fa4_deterministic"
+# Known on a GPU beyond GPU_PROVIDERS: FA4 (a default where it imports) and the
+# deterministic backwards.
+GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC]
 CPU_PROVIDERS = [OURS, "sdpa_cpu"]
+DETERMINISTIC_PROVIDERS = {OURS_DETERMINISTIC, FA4_DETERMINISTIC}
+# The row a provider's ratio is taken against: a deterministic anchor against our
+# deterministic backward, every other provider against our default kernels.
+REFERENCE_OF = {FA4_DETERMINISTIC: OURS_DETERMINISTIC}
+# FA4 is a training anchor: no KV-cache call, and its memory is not the question.
+TRAIN_ONLY = {FA4, FA4_DETERMINISTIC}
 # flex_attention would need one compile per decode shape for little insight;
 # decode has no backward, so the deterministic variant is the plain one.
-DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC}
+DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC} | TRAIN_ONLY
+MEMORY_EXCLUDED = TRAIN_ONLY
 
 MODES = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each mode as a multiple of the forward pass (flash-attn's convention).
@@ -137,6 +151,18 @@ class Grid:
     prefill_nheads_k: int = 8
     prefill_headdim: int = 128
     prefill_dtype: str = "bf16"
+    # nheads / nheads_k of every training shape (1: MHA; 4: GQA 4:1, e.g. 16 query
+    # heads over 4 kv heads at head dim 128).
+    kv_ratios: list = field(default_factory=lambda: [1])
+    # GQA shapes on top of those: (headdim, ratio) pairs, at gqa_seqlens (None: every seqlen).
+    gqa_cells: list = field(default_factory=list)
+    gqa_seqlens: Optional[list] = None
+
+    def train_kv_ratios(self, headdim: int, seqlen: int) -> list:
+        ratios = list(self.kv_ratios)
+        if self.gqa_seqlens is None or seqlen in self.gqa_seqlens:
+            ratios += [r for d, r in self.gqa_cells if d == headdim and r not in ratios]
+        return ratios
 
 
 def pow2_range(lo: int, hi: int) -> list:
@@ -164,6 +190,8 @@ def gpu_grid(quick: bool) -> Grid:
             memory_seqlens=[8192, 32768],
             prefill_shapes=[(4, 512, 4096), (4, 2048, 16384)],
             prefill_page_sizes=[1, 16, 64, 256],
+            gqa_cells=[(128, 4)],
+            gqa_seqlens=[8192],
         )
     return Grid(
         dtypes=["bf16", "fp16"],
@@ -179,6 +207,8 @@ def gpu_grid(quick: bool) -> Grid:
         memory_seqlens=pow2_range(1024, 65536),
         prefill_shapes=[(4, 512, 4096), (4, 2048, 16384), (8, 128, 8192), (2, 4096, 4096)],
         prefill_page_sizes=[1, 16, 64, 256],
+        # The issue's GQA training cells: 16 query heads over 4 kv heads.
+        gqa_cells=[(128, 4)],
     )
 
 
@@ -251,6 +281,9 @@ def standin_grid() -> Grid:
         prefill_shapes=[(2, 16, 64), (1, 32, 128), (2, 8, 100)],
         prefill_page_sizes=[1, 16],
         prefill_dtype="fp32",
+        # Two query heads over one kv head: walks the GQA training path.
+        gqa_cells=[(32, 2)],
+        gqa_seqlens=[64],
     )
 
 
@@ -324,6 +357,56 @@ def ours_op(name: str, device: torch.device):
     if device.type == "cuda" and getattr(module, "cuda_built", True) is False:
         raise Unavailable("flash_attn_cuda was built without its CUDA kernels")
     return op
+
+
+_fa4_cache: dict = {}
+
+
+def load_fa4():
+    """(flash_attn.cute.flash_attn_func, None) when FlashAttention-4 imports, else (None, reason).
+
+    Imported here and nowhere else: FA4 is an anchor of this benchmark, never a
+    dependency of the package."""
+    if "result" not in _fa4_cache:
+        try:
+            from flash_attn.cute import flash_attn_func
+
+            _fa4_cache["result"] = (flash_attn_func, None)
+        except Exception as exc:  # not staged here, or a broken install: rows say which
+            _fa4_cache["result"] = (
+                None,
+                f"FA4 unavailable: from flash_attn.cute import flash_attn_func failed: "
+                f"{first_line(exc)} (benchmarks/README.md says how to stage it)",
+            )
+    return _fa4_cache["result"]
+
+
+def fa4_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("flash-attn-4")
+    except Exception:
+        module = sys.modules.get("flash_attn")
+        return getattr(module, "__version__", None)
+
+
+def gpu_default_providers() -> list:
+    """The GPU providers measured without --providers: FA4 only where it imports, so
+    that a machine without it gets no column of errors."""
+    fa4, _ = load_fa4()
+    return GPU_PROVIDERS + ([FA4] if fa4 is not None else [])
+
+
+def with_paired_anchors(providers: list) -> list:
+    """FA4's deterministic backward follows ours wherever FA4 imports: ours alone
+    would have nothing to be held against."""
+    if OURS_DETERMINISTIC not in providers or FA4_DETERMINISTIC in providers:
+        return providers
+    if load_fa4()[0] is None:
+        return providers
+    i = providers.index(OURS_DETERMINISTIC)
+    return providers[: i + 1] + [FA4_DETERMINISTIC] + providers[i + 1 :]
 
 
 # ----------------------------------------------------------------------------
@@ -636,6 +719,26 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
     gqa = h != hk
+
+    if provider in (FA4, FA4_DETERMINISTIC):
+        attn, error = load_fa4()
+        if attn is None:
+            raise Unavailable(error)
+        deterministic = provider == FA4_DETERMINISTIC
+        q = random_tensor((b, sq, h, d), dtype, device, with_grad)
+        k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+        v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+
+        def fa4_forward():
+            # It returns (out, lse); GQA is its k / v with fewer heads, as for ours.
+            result = attn(q, k, v, causal=shape.causal, deterministic=deterministic)
+            return result[0] if isinstance(result, (tuple, list)) else result
+
+        prepared = Prepared(forward=fa4_forward, grad_inputs=(q, k, v))
+        # Besides catching a wrong anchor, the check's forward and backward calls
+        # compile FA4's kernels for this shape before any timing starts.
+        prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
+        return prepared
 
     if provider in (OURS, OURS_DETERMINISTIC):
         attn = ours_op("flash_attn_func", device)
@@ -1090,6 +1193,11 @@ class Run:
             argv=sys.argv[1:],
             started=time.strftime("%Y-%m-%d %H:%M:%S"),
         )
+        if TRAIN_ONLY & set(providers):
+            fa4, error = load_fa4()
+            self.meta["fa4"] = fa4_version() if fa4 is not None else None
+            if fa4 is None:
+                self.meta["fa4_error"] = error
         if args.cpu_standin:
             self.meta["note"] = "CPU stand-in of the GPU protocol: numbers are meaningless"
         elif device.type == "cpu":
@@ -1235,6 +1343,11 @@ class Run:
                         row["note"] = join_notes(
                             row["note"], f"compile + first timing {first_s:.1f}s"
                         )
+                    elif provider in TRAIN_ONLY and mode == modes[0]:
+                        # FA4 compiles in the build's check, before the timed calls.
+                        row["note"] = join_notes(
+                            row["note"], f"inputs + check + JIT compile {build_s:.1f}s"
+                        )
                 except (Unavailable, FellBack) as exc:
                     row["error"] = str(exc)
                 except Exception as exc:
@@ -1288,19 +1401,29 @@ class Run:
         g = self.grid
         for dtype in g.dtypes:
             for headdim in g.headdims:
-                for causal in g.causals:
-                    for seqlen in g.seqlens:
-                        nheads = max(1, g.hidden // headdim)
-                        yield Shape(
-                            dtype,
-                            max(1, g.tokens // seqlen),
-                            seqlen,
-                            seqlen,
-                            nheads,
-                            nheads,
-                            headdim,
-                            causal,
-                        )
+                nheads = max(1, g.hidden // headdim)
+                ratios = []
+                for seqlen in g.seqlens:
+                    ratios += [r for r in g.train_kv_ratios(headdim, seqlen) if r not in ratios]
+                # A ratio that does not divide the head count has no shape here.
+                for ratio in [r for r in ratios if r >= 1 and nheads % r == 0]:
+                    for causal in g.causals:
+                        for seqlen in g.seqlens:
+                            if ratio not in g.train_kv_ratios(headdim, seqlen):
+                                continue
+                            yield Shape(
+                                dtype,
+                                max(1, g.tokens // seqlen),
+                                seqlen,
+                                seqlen,
+                                nheads,
+                                nheads // ratio,
+                                headdim,
+                                causal,
+                            )
+
+    def memory_providers(self) -> list:
+        return [p for p in self.providers if p not in MEMORY_EXCLUDED]
 
     def decode_cases(self):
         g = self.grid
@@ -1366,7 +1489,7 @@ class Run:
         if "decode" in self.args.regimes:
             total += sum(len(cases) for _, cases in self.decode_cases())
         if "memory" in self.args.regimes:
-            total += sum(1 for _ in self.memory_shapes()) * len(self.providers)
+            total += sum(1 for _ in self.memory_shapes()) * len(self.memory_providers())
         if "paged_prefill" in self.args.regimes:
             total += sum(len(cases) for _, cases in self.prefill_cases())
         return total
@@ -1389,7 +1512,7 @@ class Run:
         self.write_json()
 
     def train_modes(self, provider: str) -> list:
-        if provider == OURS_DETERMINISTIC:
+        if provider in DETERMINISTIC_PROVIDERS:
             # Its forward is the plain one; only the backward differs.
             return [m for m in self.grid.modes if m != "fwd"]
         return self.grid.modes
@@ -1400,6 +1523,7 @@ class Run:
             label = (
                 f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
                 f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}"
+                + (f":{shape.nheads_k}" if shape.nheads_k != shape.nheads else "")
             )
             for provider in self.providers:
                 if not self.train_modes(provider):
@@ -1509,7 +1633,7 @@ class Run:
             label = f"memory s={shape.seqlen_q} b={shape.batch} h={shape.nheads} d={shape.headdim}"
             elem = DTYPES[shape.dtype].itemsize
             input_bytes = 4 * shape.batch * shape.seqlen_q * shape.nheads * shape.headdim * elem
-            for provider in self.providers:
+            for provider in self.memory_providers():
                 self.run_provider(
                     "memory",
                     shape,
@@ -1525,6 +1649,12 @@ class Run:
 def join_notes(*notes) -> Optional[str]:
     kept = [n for n in notes if n]
     return "; ".join(kept) if kept else None
+
+
+def kv_group(row: dict) -> int:
+    """nheads / nheads_k of a row: 1 for MHA, 4 for GQA 4:1."""
+    nheads, nheads_k = row.get("nheads"), row.get("nheads_k")
+    return nheads // nheads_k if nheads and nheads_k else 1
 
 
 def provider_label(row: dict) -> str:
@@ -1588,23 +1718,24 @@ def print_tables(meta: dict, rows: list) -> None:
     train = [r for r in rows if r.get("regime") == "train"]
     groups = {}
     for r in train:
-        groups.setdefault((r["dtype"], r["headdim"], r["causal"], r["mode"]), {}).setdefault(
+        group = kv_group(r)
+        groups.setdefault((r["dtype"], r["headdim"], group, r["causal"], r["mode"]), {}).setdefault(
             (r["seqlen_q"], r["batch"], r["nheads"]), {}
         )[r["provider"]] = r
     ratio_log = {p: [] for p in others}
-    for (dtype, headdim, causal, mode), by_shape in groups.items():
+    for (dtype, headdim, group, causal, mode), by_shape in groups.items():
         header = (
             ["seqlen", "batch", "nheads"]
             + providers
-            + [f"x{p}" for p in others if OURS in providers]
+            + [f"x{p}" for p in others if REFERENCE_OF.get(p, OURS) in providers]
         )
         lines = []
         for (seqlen, batch, nheads), by_provider in sorted(by_shape.items()):
             line = [seqlen, batch, nheads]
             line += [_cell(by_provider.get(p), "tflops", flop_scale, ".1f") for p in providers]
-            if OURS in providers:
-                ours = by_provider.get(OURS)
-                for p in others:
+            for p in others:
+                if REFERENCE_OF.get(p, OURS) in providers:
+                    ours = by_provider.get(REFERENCE_OF.get(p, OURS))
                     other = by_provider.get(p)
                     ratio = None
                     if (
@@ -1619,9 +1750,11 @@ def print_tables(meta: dict, rows: list) -> None:
                         ratio_log[p].append(ratio)
                     line.append(_fmt(ratio, ".2f"))
             lines.append(line)
+        against = "".join(f"; x{p} against {REFERENCE_OF[p]}" for p in others if p in REFERENCE_OF)
         _print_table(
-            f"train {dtype} headdim={headdim} {'causal' if causal else 'non-causal'} {mode}: {flop_unit}"
-            f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster)",
+            f"train {dtype} headdim={headdim}{f' GQA {group}:1' if group != 1 else ''} "
+            f"{'causal' if causal else 'non-causal'} {mode}: {flop_unit}"
+            f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster{against})",
             header,
             lines,
         )
@@ -1670,9 +1803,10 @@ def print_tables(meta: dict, rows: list) -> None:
         by_seqlen = {}
         for r in memory:
             by_seqlen.setdefault(r["seqlen_q"], {})[r["provider"]] = r
-        header = ["seqlen"] + providers
+        measured = [p for p in providers if any(r["provider"] == p for r in memory)]
+        header = ["seqlen"] + measured
         lines = [
-            [s] + [_cell(by_p.get(p), "peak_mem_bytes", 1 / MIB, ".0f") for p in providers]
+            [s] + [_cell(by_p.get(p), "peak_mem_bytes", 1 / MIB, ".0f") for p in measured]
             for s, by_p in sorted(by_seqlen.items())
         ]
         sample = memory[0]
@@ -1730,8 +1864,9 @@ def print_tables(meta: dict, rows: list) -> None:
         print(f"training summary ({OURS} speed relative to each provider, geometric mean):")
         for p, values in summary:
             geo = math.exp(sum(math.log(x) for x in values) / len(values))
+            against = f" (against {REFERENCE_OF[p]})" if p in REFERENCE_OF else ""
             print(
-                f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f})"
+                f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f}){against}"
             )
 
     errors = {}
@@ -1744,12 +1879,16 @@ def print_tables(meta: dict, rows: list) -> None:
         print("errors and skipped cases (provider: count x message):")
         for (provider, message), n in sorted(errors.items()):
             print(f"  {provider}: {n} x {message}")
-    warned = [r for r in rows if r.get("warning")]
-    if warned:
+    warned = {}
+    for r in rows:
+        if r.get("warning"):
+            warned.setdefault(r["provider"], []).append(r)
+    for provider, bad in warned.items():
+        # An anchor that disagrees with SDPA makes its ratios meaningless.
         print()
         print(
-            f"WARNING: {len(warned)} {OURS} rows differ from their reference (SDPA; for "
-            f"paged_prefill the contiguous call) beyond tolerance, e.g.: {warned[0]['warning']}"
+            f"WARNING: {len(bad)} {provider} rows differ from their reference (SDPA; for "
+            f"paged_prefill the contiguous call) beyond tolerance, e.g.: {bad[0]['warning']}"
         )
 
 
@@ -1863,7 +2002,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="developer check: walk the GPU providers and regimes on the CPU with tiny "
         "shapes (numbers meaningless)",
     )
+    add_grid_options(p)
     return p
+
+
+def add_grid_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gqa-ratios",
+        default=None,
+        help="comma list of nheads/nheads_k ratios measured at every training shape, "
+        "1 = MHA (default: 1, plus GQA 4:1 at head dim 128 on a GPU)",
+    )
 
 
 def select(args) -> tuple:
@@ -1883,9 +2032,15 @@ def select(args) -> tuple:
             ["train", "decode", "paged_prefill"],
         )
 
-    providers = parse_list(args.providers) or list(known)
+    if use_gpu:
+        defaults = gpu_default_providers()
+    else:
+        # The stand-in walks GPU code paths on CPU tensors, which FA4 does not take.
+        defaults = list(known)
+    providers = parse_list(args.providers) or defaults
     if device.type == "cuda" or args.cpu_standin:
-        known = known + GPU_OPTIONAL_PROVIDERS
+        known = known + [p for p in GPU_OPTIONAL_PROVIDERS if p not in known]
+        providers = with_paired_anchors(providers)
     unknown = [p for p in providers if p not in known]
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown} on {device.type}; choose from {known}")
@@ -1908,8 +2063,15 @@ def select(args) -> tuple:
             raise SystemExit(f"unknown mode(s) {bad}; choose from {MODES}")
     if args.seqlens:
         grid.seqlens = parse_list(args.seqlens, int)
+        grid.gqa_seqlens = None
     if args.causal:
         grid.causals = parse_bool_choice(args.causal)
+    if args.gqa_ratios:
+        grid.kv_ratios = parse_list(args.gqa_ratios, int)
+        grid.gqa_cells = []
+        bad = [r for r in grid.kv_ratios if r < 1]
+        if bad:
+            raise SystemExit(f"--gqa-ratios must be positive, got {bad}")
     if args.decode_seqlens_q:
         grid.decode_seqlens_q = parse_list(args.decode_seqlens_q, int)
     if args.decode_seqlens_k:
@@ -1959,6 +2121,12 @@ def main(argv=None) -> int:
     )
     if run.meta.get("flash_attn_cuda_error"):
         print(f"  {OURS} unavailable: {run.meta['flash_attn_cuda_error']}", flush=True)
+    if device.type == "cuda" and FA4 not in providers:
+        reason = load_fa4()[1]
+        if reason:
+            print(f"  {FA4} not measured: {reason}", flush=True)
+    elif run.meta.get("fa4"):
+        print(f"  {FA4}: flash-attn-4 {run.meta['fa4']}", flush=True)
     run.run()
     print_tables(run.meta, run.rows)
     out_json = os.path.join(args.out, "results.json")

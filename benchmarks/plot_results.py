@@ -6,7 +6,8 @@
 Writes PNGs next to the JSON (or into --out):
   headline.png                           bf16 (or the first dtype), head dim 128 (or nearest):
                                          fwd and fwd_bwd, non-causal and causal
-  train_d<D>_<mode>_<causal|noncausal>.png   TFLOP/s against seqlen, one subplot per dtype
+  train_d<D>[_gqa<G>]_<mode>_<causal|noncausal>.png   TFLOP/s against seqlen, one subplot
+                                         per dtype (_gqa4: nheads / nheads_k = 4)
   decode_sq<N>.png                       microseconds and GB/s against seqlen_k, per batch
   memory.png                             peak memory of fwd+bwd against seqlen
 """
@@ -23,6 +24,8 @@ OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
 PROVIDER_ORDER = [
     OURS,
     OURS_DETERMINISTIC,
+    "fa4",
+    "fa4_deterministic",
     "sdpa_flash",
     "sdpa_cudnn",
     "sdpa_efficient",
@@ -33,6 +36,8 @@ PROVIDER_ORDER = [
 PROVIDER_STYLE = {
     OURS: dict(color="tab:red", marker="o", linewidth=2.4),
     OURS_DETERMINISTIC: dict(color="tab:red", marker="o", markerfacecolor="none", linestyle="--"),
+    "fa4": dict(color="black", marker="P"),
+    "fa4_deterministic": dict(color="black", marker="P", markerfacecolor="none", linestyle="--"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),
     "sdpa_cudnn": dict(color="tab:green", marker="^"),
     "sdpa_efficient": dict(color="tab:purple", marker="v"),
@@ -71,6 +76,12 @@ def _order(labels) -> list:
         return (PROVIDER_ORDER.index(base) if base in PROVIDER_ORDER else 99, label)
 
     return sorted(labels, key=key)
+
+
+def _group(row: dict) -> int:
+    """nheads / nheads_k: 1 for MHA, 4 for GQA 4:1."""
+    nheads, nheads_k = row.get("nheads"), row.get("nheads_k")
+    return nheads // nheads_k if nheads and nheads_k else 1
 
 
 def _ok(row: dict) -> bool:
@@ -114,14 +125,15 @@ def plot_train(plt, meta, rows, out_dir) -> list:
     value, ylabel = _throughput(meta)
     dtypes = sorted({r["dtype"] for r in train})
     paths = []
-    keys = sorted({(r["headdim"], r["mode"], r["causal"]) for r in train})
-    for headdim, mode, causal in keys:
+    keys = sorted({(r["headdim"], _group(r), r["mode"], r["causal"]) for r in train})
+    for headdim, group, mode, causal in keys:
         fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
             subset = [
                 r
                 for r in train
                 if r["headdim"] == headdim
+                and _group(r) == group
                 and r["mode"] == mode
                 and r["causal"] == causal
                 and r["dtype"] == dtype
@@ -133,12 +145,15 @@ def plot_train(plt, meta, rows, out_dir) -> list:
                 value,
                 ylabel,
                 f"{dtype}, headdim {headdim}, {'causal' if causal else 'non-causal'}, {mode}\n"
-                f"batch*seqlen={_tokens(sample)}, nheads={sample.get('nheads')}",
+                f"batch*seqlen={_tokens(sample)}, nheads={sample.get('nheads')}"
+                + (f", nheads_k={sample.get('nheads_k')}" if group != 1 else ""),
             )
         fig.suptitle(_device_title(meta), fontsize=10)
         fig.tight_layout()
         path = os.path.join(
-            out_dir, f"train_d{headdim}_{mode}_{'causal' if causal else 'noncausal'}.png"
+            out_dir,
+            f"train_d{headdim}{f'_gqa{group}' if group != 1 else ''}_{mode}_"
+            f"{'causal' if causal else 'noncausal'}.png",
         )
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -153,7 +168,8 @@ def _tokens(row: dict):
 
 
 def plot_headline(plt, meta, rows, out_dir) -> list:
-    train = [r for r in rows if r.get("regime", "train") == "train"]
+    # MHA only: a GQA cell of the same seqlen would be a second point on each line.
+    train = [r for r in rows if r.get("regime", "train") == "train" and _group(r) == 1]
     if not train:
         return []
     value, ylabel = _throughput(meta)

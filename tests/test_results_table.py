@@ -121,6 +121,78 @@ def test_summary_of_a_small_run(tmp_path):
     assert "| 1 | 1 | 10.0 / 10.0 | 1.200-1.200x | 1.100-1.100x |" in text
 
 
+def _train_row(provider, ms, mode="bwd", causal=False, nheads_k=16, seqlen=4096):
+    return dict(
+        regime="train",
+        mode=mode,
+        headdim=128,
+        causal=causal,
+        dtype="bf16",
+        seqlen_q=seqlen,
+        seqlen_k=seqlen,
+        batch=16384 // seqlen,
+        nheads=16,
+        nheads_k=nheads_k,
+        provider=provider,
+        tflops=100.0 / ms,
+        ms=ms,
+    )
+
+
+def test_fa4_gqa_and_deterministic_rows(tmp_path):
+    rt = _results_table()
+    rows = []
+    for nheads_k, ours_ms in ((16, 1.0), (4, 0.8)):
+        for causal in (False, True):
+            for mode in ("fwd", "bwd"):
+                rows += [
+                    _train_row("flash_attn_cuda", ours_ms, mode, causal, nheads_k),
+                    _train_row("sdpa_cudnn", 1.1 * ours_ms, mode, causal, nheads_k),
+                    _train_row("fa4", 0.9 * ours_ms, mode, causal, nheads_k),
+                ]
+            # Deterministic backward: ours 1.05x (MHA) or 1.25x (GQA) our default; FA4's
+            # deterministic backward takes 1.2x the time of ours.
+            det = ours_ms * (1.05 if nheads_k == 16 else 1.25)
+            rows += [
+                _train_row("flash_attn_cuda_deterministic", det, "bwd", causal, nheads_k),
+                _train_row("fa4_deterministic", 1.2 * det, "bwd", causal, nheads_k),
+            ]
+    meta = {"gpu": "Test GPU", "commit": "abc1234", "started": "2026-01-02", "fa4": "4.0.0b36"}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+
+    cells = rt.train_cells(rows)
+    # GQA rows have cells of their own, not the MHA rows' of the same seqlen.
+    assert len(cells) == 2 * 2 * 2
+    full = rt.full_table(*rt.load(path))
+    assert "| xsdpa_cudnn | xfa4 | xfa4_deterministic | det/default |" in full
+    assert "| bwd | 128 | False | bf16 | 4096 | 100.0 | 1.10 | 0.90 | 1.20 | 1.05 |" in full
+    assert "| bwd | 128 GQA 4:1 | True | bf16 | 4096 | 125.0 | 1.10 | 0.90 | 1.20 | 1.25 |" in full
+    assert "| fwd | 128 | False | bf16 | 4096 | 100.0 | 1.10 | 0.90 | - | - |" in full
+    assert "xfa4_deterministic against flash_attn_cuda_deterministic" in full
+    assert "worst 1.25x (d128 GQA 4:1" in full
+
+    text = rt.summary(*rt.load(path), "results.json")
+    assert "plus GQA 4:1 at head dim 128 (16 query heads over 4 kv heads)" in text
+    assert "fa4 is FlashAttention-4 4.0.0b36" in text
+    # The summary keeps the cuDNN and FA4 anchors, never the deterministic one.
+    assert "| x sdpa_cudnn | x fa4 |" in text and "x fa4_deterministic |" not in text
+    assert "| backward | 128 | 100 / 100 | 1.10x (1.10-1.10) | 0.90x (0.90-0.90) |" in text
+    assert "| backward | 128 GQA 4:1 | 125 / 125 | 1.10x (1.10-1.10) | 0.90x (0.90-0.90) |" in text
+    assert "| backward | **all** |  | 1.10x (1.10-1.10) | 0.90x (0.90-0.90) |" in text
+    det = [ln for ln in text.splitlines() if ln.startswith("Deterministic backward")]
+    assert len(det) == 1
+    assert "worst 1.25x (d128 GQA 4:1" in det[0]
+    assert "x fa4_deterministic (its time / ours) 1.20x, min 1.20x" in det[0]
+
+
+def test_summary_without_new_rows_has_no_new_text():
+    rt = _results_table()
+    rows = [_train_row("flash_attn_cuda", 1.0), _train_row("sdpa_flash", 2.0)]
+    text = rt.summary({"gpu": "G"}, rows, "results.json")
+    assert "GQA" not in text and "Deterministic" not in text and "fa4" not in text
+
+
 @pytest.mark.parametrize("gpu", _gpu_folders(), ids=lambda p: p.name)
 def test_each_gpu_has_exactly_one_current_run(gpu):
     # context_parallel/ is the one other run a GPU folder may hold: the multi-GPU

@@ -1,0 +1,190 @@
+"""benchmarks/benchmark_attention.py without a GPU: the training grid's GQA cells and the
+FlashAttention-4 anchor.
+
+FA4 (flash_attn.cute) is never installed here, so its import failure is real, and the
+provider's path is walked with a stand-in module (SDPA behind FA4's signature) on the
+CPU stand-in grid.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """A fresh copy of the script per test: its import caches start empty."""
+    name = "benchmark_attention_under_test"
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "benchmarks" / "benchmark_attention.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up by name while the script runs.
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeFA4:
+    """flash_attn.cute.flash_attn_func's signature over SDPA; scale makes it wrong."""
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+        self.calls = []
+
+    def __call__(self, q, k, v, causal=False, softmax_scale=None, deterministic=False):
+        self.calls.append(dict(causal=causal, deterministic=deterministic, nheads_k=k.shape[2]))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=causal,
+            scale=softmax_scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        ).transpose(1, 2)
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return out * self.scale, lse
+
+
+def _shapes(bench, grid):
+    run = bench.Run.__new__(bench.Run)
+    run.grid = grid
+    return list(run.train_shapes())
+
+
+def test_full_gpu_grid_has_gqa_4_to_1_at_d128_only(bench):
+    shapes = _shapes(bench, bench.gpu_grid(quick=False))
+    gqa = [s for s in shapes if s.nheads != s.nheads_k]
+    mha = [s for s in shapes if s.nheads == s.nheads_k]
+    # 2 dtypes x 3 head dims x 2 causal x 6 seqlens, plus d128's 2 x 2 x 6 GQA cells.
+    assert len(mha) == 72 and len(gqa) == 24
+    assert {(s.headdim, s.nheads, s.nheads_k) for s in gqa} == {(128, 16, 4)}
+    assert {s.seqlen_q for s in gqa} == set(bench.pow2_range(512, 16384))
+    assert all(s.batch * s.seqlen_q == 16384 for s in shapes)
+
+
+def test_quick_gpu_grid_has_one_gqa_seqlen(bench):
+    gqa = [s for s in _shapes(bench, bench.gpu_grid(quick=True)) if s.nheads != s.nheads_k]
+    assert {(s.headdim, s.nheads_k, s.seqlen_q) for s in gqa} == {(128, 4, 8192)}
+    assert {s.causal for s in gqa} == {False, True}
+
+
+def test_gqa_ratios_option_replaces_the_default_cells(bench):
+    args = bench.build_parser().parse_args(
+        ["--cpu-standin", "--headdims", "32", "--gqa-ratios", "2", "--seqlens", "64"]
+    )
+    _, grid, _ = bench.select(args)
+    shapes = _shapes(bench, grid)
+    assert shapes and all(s.nheads_k == s.nheads // 2 for s in shapes)
+    with pytest.raises(SystemExit):
+        bench.select(bench.build_parser().parse_args(["--cpu-standin", "--gqa-ratios", "0"]))
+
+
+def test_fa4_that_does_not_import_is_no_default_and_says_why(bench):
+    fn, reason = bench.load_fa4()
+    if fn is not None:
+        pytest.skip("flash_attn.cute imports here")
+    assert "flash_attn.cute" in reason
+    assert bench.FA4 not in bench.gpu_default_providers()
+    shape = bench.Shape("fp32", 1, 16, 16, 2, 2, 32, False)
+    with pytest.raises(bench.Unavailable, match="flash_attn.cute"):
+        bench.build_train(bench.FA4, shape, torch.device("cpu"), True)
+    # No deterministic anchor to pair with ours.
+    assert bench.with_paired_anchors([bench.OURS_DETERMINISTIC]) == [bench.OURS_DETERMINISTIC]
+
+
+def test_fa4_that_imports_is_a_default_with_its_deterministic_pair(bench, monkeypatch):
+    monkeypatch.setattr(bench, "load_fa4", lambda: (FakeFA4(), None))
+    assert bench.gpu_default_providers()[-1] == bench.FA4
+    assert bench.with_paired_anchors([bench.OURS, bench.OURS_DETERMINISTIC, "sdpa_cudnn"]) == [
+        bench.OURS,
+        bench.OURS_DETERMINISTIC,
+        bench.FA4_DETERMINISTIC,
+        "sdpa_cudnn",
+    ]
+    assert bench.with_paired_anchors([bench.OURS]) == [bench.OURS]
+
+
+def _standin(bench, tmp_path, providers, extra=()):
+    out = tmp_path / "out"
+    argv = [
+        "--cpu-standin",
+        "--no-plots",
+        "--out",
+        str(out),
+        "--cpu-budget-s",
+        "0.002",
+        "--regimes",
+        "train,decode,memory",
+        "--seqlens",
+        "64",
+        "--decode-seqlens-k",
+        "256",
+        "--decode-batches",
+        "1",
+        "--providers",
+        ",".join(providers),
+        *extra,
+    ]
+    status = bench.main(argv)
+    return status, json.loads((out / "results.json").read_text())
+
+
+def test_fa4_rows_on_the_standin(bench, tmp_path, monkeypatch, capsys):
+    fake = FakeFA4()
+    monkeypatch.setattr(bench, "load_fa4", lambda: (fake, None))
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    status, data = _standin(
+        bench,
+        tmp_path,
+        [bench.OURS, bench.FA4, bench.OURS_DETERMINISTIC],
+        extra=["--gqa-ratios", "1,2"],
+    )
+    assert status == 0
+    rows = data["rows"]
+    fa4 = [r for r in rows if r["provider"] == bench.FA4]
+    det = [r for r in rows if r["provider"] == bench.FA4_DETERMINISTIC]
+    # Training only: FA4 has no KV-cache call and is no memory anchor.
+    assert fa4 and {r["regime"] for r in fa4 + det} == {"train"}
+    assert {r["mode"] for r in fa4} == {"fwd", "bwd", "fwd_bwd"}
+    assert {r["mode"] for r in det} == {"bwd", "fwd_bwd"}
+    assert not [r for r in fa4 + det if r["error"]]
+    assert all(r["max_abs_diff_vs_sdpa"] is not None for r in fa4 + det)
+    assert all(not r.get("warning") for r in fa4 + det)
+    assert {r["nheads"] // r["nheads_k"] for r in fa4} == {1, 2}
+    assert {c["deterministic"] for c in fake.calls} == {False, True}
+    assert {c["nheads_k"] for c in fake.calls} == {1, 2}
+    assert data["meta"].get("fa4_error") is None
+    printed = capsys.readouterr().out
+    assert "GQA 2:1" in printed
+    assert (
+        "vs fa4_deterministic" in printed and "(against flash_attn_cuda_deterministic)" in printed
+    )
+
+
+def test_a_wrong_fa4_is_flagged(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "load_fa4", lambda: (FakeFA4(scale=1.5), None))
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    status, data = _standin(bench, tmp_path, [bench.OURS, bench.FA4], extra=["--modes", "fwd"])
+    fa4 = [r for r in data["rows"] if r["provider"] == bench.FA4]
+    assert fa4 and all("differs from SDPA" in (r.get("warning") or "") for r in fa4)
+    # The exit status gates on this project's kernels; the anchor's warning is printed.
+    assert status == 0
+    assert "WARNING" in capsys.readouterr().out
+
+
+def test_fa4_unavailable_rows_carry_the_reason(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "load_fa4", lambda: (None, "FA4 unavailable: not staged"))
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    status, data = _standin(bench, tmp_path, [bench.OURS, bench.FA4], extra=["--modes", "fwd"])
+    fa4 = [r for r in data["rows"] if r["provider"] == bench.FA4]
+    assert fa4 and all(r["error"] == "FA4 unavailable: not staged" for r in fa4)
+    assert data["meta"]["fa4_error"] == "FA4 unavailable: not staged"
+    assert status == 0
