@@ -12,6 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/mask_rule.h"
+#include "common/score_features.h"
 #include "cuda/core/query_range.h"
 
 namespace flash {
@@ -23,7 +24,7 @@ using namespace cute;
 template <typename TensorS>
 __forceinline__ __device__ void apply_scale_and_softcap(TensorS& scores, float softmax_scale,
                                                         float softcap) {
-  if (softcap > 0.f) {
+  if (softcap_on(softcap)) {
     const float pre = softmax_scale / softcap;
     CUTE_UNROLL
     for (int i = 0; i < size(scores); ++i) scores(i) = softcap * tanhf(scores(i) * pre);
@@ -107,10 +108,10 @@ struct ScoreModsInUnits {
   // alibi_slope: the call's slope for this (batch, head), when it has ALiBi.
   __forceinline__ __device__ ScoreModsInUnits(float softmax_scale, float softcap, bool alibi,
                                               float slope)
-      : unit(softcap > 0.f ? softcap : softmax_scale),
-        tanh_prescale(softcap > 0.f ? softmax_scale / softcap : 0.f),
+      : unit(softcap_on(softcap) ? softcap : softmax_scale),
+        tanh_prescale(softcap_on(softcap) ? softmax_scale / softcap : 0.f),
         alibi_slope(alibi ? slope / unit : 0.f),
-        has_softcap(softcap > 0.f),
+        has_softcap(softcap_on(softcap)),
         has_alibi(alibi) {}
 
   __forceinline__ __device__ float exp_scale_log2() const { return unit * float(M_LOG2E); }

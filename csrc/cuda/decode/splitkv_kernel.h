@@ -64,7 +64,7 @@ using namespace cute;
 // and the wait for it cost a step more than its copies (PERF_LOG 2026-11-23
 // b82fd11); SplitKvAppend does it. The host leaves the persistent grid, whose
 // blocks would wait once per item, and the other cases of
-// append_in_attention_fits (flash_api_cuda.cpp) to the pre-kernel.
+// append_in_attention_fits (launch/plan.cpp) to the pre-kernel.
 //
 // Launched as a dependent grid (params.programmatic_launch), a block may be
 // running before the kernel ahead of it in the stream (the append / rotary

@@ -191,7 +191,7 @@ struct SplitKvScoreScale {
 
   __forceinline__ __device__ explicit SplitKvScoreScale(const KvcacheParams& params)
       : has_alibi(kWithScoreExtras && params.alibi_slopes != nullptr),
-        prescale_scores(kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
+        prescale_scores(kWithScoreExtras && (softcap_on(params.softcap) || has_alibi ||
                                              !scale_is_positive_normal(params.softmax_scale_log2))),
         exp_scale_log2(prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2),
         lse_scale(prescale_scores ? 1.f : params.softmax_scale) {}

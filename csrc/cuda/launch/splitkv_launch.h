@@ -37,7 +37,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
       int64_t(params.batch) * params.nheads_k * num_m_blocks * params.num_splits;
   const bool several_items = plan.grid_blocks < num_items;
   const dim3 grid(static_cast<unsigned>(several_items ? plan.grid_blocks : num_items));
-  const bool with_score_extras = splitkv_has_score_extras(params);
+  const bool with_score_extras = score_features_of(params).has_extras();
   // Only the decode variant's plain kernel has one instance per cache layout
   // (it carries the decode benchmarks; a contiguous cache skips the paged
   // path's per-row addressing: PERF_LOG 2026-11-23 47fdf30, 9ba5ee6), and over

@@ -206,11 +206,11 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   constexpr int kNRows = decltype(size<0>(tScS_rowcol))::value;
 
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
-  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
+  const bool prescale_scores = kWithScoreExtras && (softcap_on(params.softcap) || has_alibi);
   BwdPointwiseArgs pointwise{};
   pointwise.exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   pointwise.softcap = kWithScoreExtras ? params.softcap : 0.f;
-  pointwise.inv_softcap = pointwise.softcap > 0.f ? 1.f / pointwise.softcap : 0.f;
+  pointwise.inv_softcap = softcap_on(pointwise.softcap) ? 1.f / pointwise.softcap : 0.f;
   pointwise.has_alibi = has_alibi;
   pointwise.alibi_slope =
       has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f;

@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
           : params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head];
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
   const bool prescale_scores =
-      kWithScoreExtras &&
-      (params.softcap > 0.f || has_alibi || !scale_is_positive_normal(params.softmax_scale_log2));
+      kWithScoreExtras && (softcap_on(params.softcap) || has_alibi ||
+                           !scale_is_positive_normal(params.softmax_scale_log2));
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
