@@ -1,6 +1,6 @@
 // Host side of fwd_kvcache's attention: the split-KV kernel over the cache,
 // then (num_splits > 1) the combine kernel, for one (dtype, compiled head dim).
-// The append / rotary step runs before this (kvcache_append_rotary.h), or in
+// The append / rotary step runs before this (append_rotary_launch.h), or in
 // the split-KV kernel (plan.append_in_attention). The plan (plan_decode,
 // plan.h) picked the variant, split count, grid, clusters and shared memory;
 // the op copied the fields the kernels read into the params.
@@ -15,8 +15,8 @@
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_combine.h"
 #include "cuda/decode/splitkv_kernel.h"
+#include "cuda/decode/splitkv_kernel_traits.h"
 #include "cuda/decode/splitkv_tile_config.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/launch/dependent_launch.h"
 #include "cuda/launch/plan.h"
 

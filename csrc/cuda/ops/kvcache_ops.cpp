@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "api/head_dims.h"
-#include "cuda/decode/kvcache_append_rotary.h"
 #include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/launch/append_rotary_launch.h"
 #include "cuda/launch/launcher_registry.h"
 #include "cuda/launch/plan.h"
 #include "cuda/ops/op_common.h"
