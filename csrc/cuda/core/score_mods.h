@@ -1,7 +1,7 @@
 // What happens to a tile of raw Q K^T scores before the softmax, in contract
-// order: scale, softcap, ALiBi, then the causal / local / bounds mask. The
-// rule itself (which key a row sees, the ALiBi distance) lives in
-// ../common/mask_rule.h; this header applies it to a thread's fragment.
+// order: scale, softcap, ALiBi, then the causal / local / bounds mask
+// (mask.h). The ALiBi distance lives in common/mask_rule.h; this header
+// applies it to a thread's fragment.
 //
 // Fragments are (rows, cols) views of the accumulator; coord is the identity
 // tensor partitioned the same way, giving each element's (row, col) in the tile.
@@ -13,7 +13,6 @@
 
 #include "common/mask_rule.h"
 #include "common/score_features.h"
-#include "cuda/core/query_range.h"
 
 namespace flash {
 
@@ -125,50 +124,5 @@ struct ScoreModsInUnits {
     }
   }
 };
-
-// Each row's visible keys form one interval (the window rule), so the bounds
-// are computed once per row and each element costs two compares.
-template <typename TensorS, typename TensorC>
-__forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord, int row_base,
-                                           int col_base, int seqlen_q, int seqlen_k,
-                                           int window_left, int window_right) {
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(scores); ++mi) {
-    const int row = row_base + get<0>(coord(mi, 0));
-    const KeyRange visible =
-        visible_key_range(row, row + 1, seqlen_q, seqlen_k, window_left, window_right);
-    const int col_lo = visible.begin - col_base;
-    const int col_hi = visible.end - col_base;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int col = get<1>(coord(0, ni));
-      if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
-    }
-  }
-}
-
-// The same rule on a transposed tile, as the Hopper backward holds S^T: rows
-// are keys (row_base + coord row) and columns query rows (col_base + coord
-// col). A key's visible query rows form one interval too (query_range.h),
-// which also hides the query rows past seqlen_q.
-template <typename TensorS, typename TensorC>
-__forceinline__ __device__ void apply_mask_transposed(TensorS& scores, const TensorC& coord,
-                                                      int key_base, int query_base, int seqlen_q,
-                                                      int seqlen_k, int window_left,
-                                                      int window_right) {
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(scores); ++mi) {
-    const int key = key_base + get<0>(coord(mi, 0));
-    const QueryRange visible =
-        visible_query_range(key, key + 1, seqlen_q, seqlen_k, window_left, window_right);
-    const int query_lo = visible.begin - query_base;
-    const int query_hi = visible.end - query_base;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int query = get<1>(coord(0, ni));
-      if (query < query_lo || query >= query_hi) scores(mi, ni) = -INFINITY;
-    }
-  }
-}
 
 }  // namespace flash

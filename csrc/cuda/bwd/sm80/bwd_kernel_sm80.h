@@ -18,6 +18,7 @@
 #include "cuda/core/block_info.h"
 #include "cuda/core/dropout.h"
 #include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"

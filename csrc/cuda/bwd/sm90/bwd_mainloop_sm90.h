@@ -25,6 +25,7 @@
 #include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"

@@ -18,6 +18,7 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
