@@ -84,6 +84,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});            // (D, N)
   // (D, N)
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+  // P V reads V through this transposed view of the same bytes.
+  CUTE_STATIC_ASSERT_V(size<0>(sVt) == Int<kHeadDim>{});
+  CUTE_STATIC_ASSERT_V(size<1>(sVt) == Int<kBlockN>{});
 
   // Global -> shared copies (cp.async, 16 bytes per thread per access).
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
@@ -98,6 +101,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);            // (CPY, CPY_N, CPY_D)
   Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));    // (CPY_D)
   Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));  // (CPY_D)
+  // The copies, their coordinates and predicates index one tile alike.
+  CUTE_STATIC_ASSERT_V(size<1>(tKgK) == size<1>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<2>(tKgK) == size<2>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<1>(tKVcKV) == size<1>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<1>(tQcQ) == size<1>(tQsQ));
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
   const bool full_head_dim = params.head_dim == kHeadDim;
@@ -129,6 +137,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   // (MMA, MMA_M, MMA_D)
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
+  CUTE_STATIC_ASSERT_V(size<2>(tSrQ) == size<2>(tSrK));    // MMA_D of Q K^T
+  CUTE_STATIC_ASSERT_V(size<1>(tOrVt) == size<2>(acc_o));  // MMA_D of P V
 
   // Shared -> register copies (ldmatrix; transposed for V).
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -148,6 +158,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
   // ((2, MMA_M), (2, MMA_D))
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  // The softmax rescales the rows of O by the rows of S.
+  CUTE_STATIC_ASSERT_V(size<0>(tScS_rowcol) == size<0>(acc_o_rowcol));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
 
   // Scores go through scale/softcap/ALiBi in natural units when any of those
