@@ -187,7 +187,7 @@ struct KvcacheParams : FwdParams {
 };
 
 // The score rule of a call (score_features.h): the plans pick the kernel
-// variant by it, and the launchers check the plan against it.
+// variant by it, and the split-KV launcher its kernel instance.
 FA_HOST_DEVICE ScoreFeatures score_features_of(const FwdParams& params) {
   return score_features(params.softcap, params.alibi_slopes != nullptr, params.dropout_p,
                         params.softmax_scale_log2);
