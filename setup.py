@@ -526,6 +526,7 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
     building_cuda = config["cuda_home"] is not None
 
     sources = _sources("csrc/*.cpp") + _sources("csrc/api/*.cpp") + _sources("csrc/cpu/*.cpp")
+    sources += _sources("csrc/ops/*.cpp")  # ops of every device and build
     generated_dir = ROOT / "build" / "generated"
     include_dirs = [str(ROOT / "csrc"), str(generated_dir)]
     cxx_flags = ["-O3", f"-std={_host_cxx_standard()}"]

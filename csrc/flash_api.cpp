@@ -86,7 +86,7 @@ TORCH_LIBRARY(flash_attn, m) {
   // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
   // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -
   // lse_i) * D_i, fp32 (nheads,). One ATen implementation for every device
-  // (csrc/api/sink_grad.cpp); the backward ops need no sink argument.
+  // (csrc/ops/sink_grad.cpp); the backward ops need no sink argument.
   m.def(
       "sink_grad(Tensor softmax_lse, Tensor softmax_d, Tensor learnable_sink, "
       "Tensor? cu_seqlens_q=None) -> Tensor");

@@ -48,11 +48,7 @@ NOT_REFERENCES = {
 
 # Known stale references in files that another change restructures; empty this
 # once that change is merged. (file, name): why it is here.
-KNOWN_STALE = {
-    # splitkv_kernel.h:67, "append_in_attention_fits (flash_api_cuda.cpp)": the op
-    # moved to csrc/cuda/ops/kvcache_ops.cpp and the rule to launch/plan.cpp.
-    ("csrc/cuda/decode/splitkv_kernel.h", "flash_api_cuda.cpp"): "file being restructured",
-}
+KNOWN_STALE: dict = {}
 
 ROOTED_PATH = re.compile(
     r"(?<![\w/.-])((?:csrc|docs|benchmarks|tests|scripts|flash_attn_cuda|third_party|\.ci)"

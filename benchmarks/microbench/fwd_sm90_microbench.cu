@@ -138,7 +138,6 @@ int main(int argc, char** argv) {
   const auto tile_divisors = flash::fwd_sm90_tile_divisors(params, Traits::kBlockM);
   int num_sms = 0;
   FA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  params.num_sms = num_sms;
   // The Hopper kernel on the launcher's grid without a tile counter (fixed
   // shares without a causal / local bound, else one block per query block),
   // then, for a causal / local bound, on the persistent grid that takes its

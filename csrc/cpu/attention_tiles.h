@@ -12,6 +12,7 @@
 
 #include "common/mask_rule.h"
 #include "common/philox.h"
+#include "common/score_features.h"
 #include "cpu/attention_cpu.h"
 
 namespace flash::cpu {
@@ -196,7 +197,7 @@ struct ScoreRule {
   // = 1 - tanh^2 for the backward (1 where softcap is off).
   void apply(float* s, int lds, int row0, int rows, int col0, int cols,
              float* dscore_ddot = nullptr) const {
-    const float cap_in = softcap > 0.f ? softmax_scale / softcap : 0.f;
+    const float cap_in = softcap_on(softcap) ? softmax_scale / softcap : 0.f;
     for (int r = 0; r < rows; ++r) {
       float* sr = s + static_cast<int64_t>(r) * lds;
       float* gr = dscore_ddot != nullptr ? dscore_ddot + static_cast<int64_t>(r) * lds : nullptr;
@@ -204,7 +205,7 @@ struct ScoreRule {
       for (int c = 0; c < cols; ++c) {
         const int col = col0 + c;
         float score;
-        if (softcap > 0.f) {
+        if (softcap_on(softcap)) {
           const float t = std::tanh(sr[c] * cap_in);
           score = softcap * t;
           if (gr != nullptr) gr[c] = 1.f - t * t;

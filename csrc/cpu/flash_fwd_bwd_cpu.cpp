@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/score_features.h"
 #include "common/sink_norm.h"
 #include "cpu/attention_cpu.h"
 #include "cpu/attention_tiles.h"
@@ -302,7 +303,7 @@ void load_query_block(const AttentionProblem& p, const BackwardTensors& t, const
 void probabilities_and_dscores(const AttentionProblem& p, const ScoreRule& rule, int b, int h,
                                int m0, int rows, int n0, int cols, BackwardScratch& sc) {
   const int d = p.head_dim;
-  const bool use_softcap = p.softcap > 0.f;
+  const bool use_softcap = softcap_on(p.softcap);
   const bool use_dropout = p.dropout_p > 0.f;
   const float rescale = dropout_rescale(p);
   matmul_a_bt(sc.q.data(), d, sc.kt.data(), kBlockN, sc.s.data(), kBlockN, rows, cols, d);

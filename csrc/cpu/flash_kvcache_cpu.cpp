@@ -282,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   problem.v_strides = strides_of(v_cache_attn);
   problem.page_size = shape.paged ? shape.page_size : 0;
   problem.softmax_scale = static_cast<float>(softmax_scale);
-  problem.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  problem.softcap = static_cast<float>(softcap);  // softcap_on decides
   problem.alibi_slopes = slopes ? slopes->const_data_ptr<float>() : nullptr;
   problem.alibi_batch_stride = slopes && slopes->dim() == 2 ? slopes->stride(0) : 0;
   problem.window_left = window.left;

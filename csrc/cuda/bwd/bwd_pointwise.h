@@ -16,6 +16,7 @@
 
 #include "common/mask_rule.h"
 #include "common/philox.h"
+#include "common/score_features.h"
 #include "cuda/core/dropout.h"
 #include "cuda/core/score_mods.h"
 
@@ -172,6 +173,10 @@ __forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp
                                                    const DropoutState& dropout) {
   static_assert(decltype(size<0>(scores))::value == kNRows);
   static_assert(decltype(size<1, 0>(scores))::value == 2);
+  // softcap is never negative here (the backward ops refuse it), so 0 is
+  // softcap_on's "off". Tested as == 0, the slow path below stays one loop;
+  // as !softcap_on, the compiler splits it in two and the d128 score-extras
+  // kernel needs 344 bytes of stack instead of 128 (PERF_LOG 2026-11-28).
   if (!args.has_dropout && args.softcap == 0.f) {
     scores_to_p(scores, lse_log2, args.exp_scale_log2);
     p_to_ds(scores, dp, row_d);
@@ -203,7 +208,7 @@ __forceinline__ __device__ void scores_to_p_and_ds(TensorS& scores, TensorDP& dp
           dp_kept = keep ? dp_kept * args.dropout_rescale : 0.f;
         }
         float ds = p * (dp_kept - row_d[mi]);
-        if (args.softcap > 0.f && p > 0.f) {
+        if (softcap_on(args.softcap) && p > 0.f) {
           // s = softcap * tanh(.) + alibi: recover tanh from s rather than
           // keeping a second score tile in registers.
           float capped = s;

@@ -3,11 +3,11 @@
 // headers (they would cost minutes of compile time each).
 #pragma once
 
-#include <cfloat>
 #include <cstdint>
 
 #include "common/host_device.h"
 #include "common/index_error.h"
+#include "common/score_features.h"
 #include "cuda/core/int_divisor.h"
 
 namespace flash {
@@ -19,20 +19,6 @@ struct QKVStrides {
   int64_t batch_stride;
   int64_t row_stride;
   int64_t head_stride;
-};
-
-// Which kernel design runs a call, per pass (dropout and a scale that
-// scale_is_positive_normal turns away always run the SM80-design kernels;
-// softcap and ALiBi run on both). Set by the API layer: kSm80
-// on GPUs other than sm90; on sm90 kAuto, or what FLASH_ATTN_FWD_KERNEL /
-// FLASH_ATTN_BWD_KERNEL = sm80 / sm90 in the environment forces (the tests run
-// both kernels on every shape).
-enum class KernelChoice : uint8_t {
-  kSm80 = 0,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h; the zero value, so a params{}
-              // never asks for sm90a code
-  kAuto,      // the Hopper kernel where its tile table has an entry and (forward) the
-              // call is long enough (fwd_launch.h), else kSm80
-  kSm90,      // the Hopper kernel wherever its tile table has an entry
 };
 
 struct FwdParams {
@@ -72,7 +58,6 @@ struct FwdParams {
   IntDivisor page_size;
   int num_pages;
   int paged_max_seqlen_k;
-  int num_sms;  // the device's SMs: a persistent grid's size (0: one block per query block)
   // Room for one counter, or null: a causal / local persistent grid of the
   // Hopper forward takes its tiles past the first wave from it, and its
   // launcher zeroes it first.
@@ -101,8 +86,6 @@ struct FwdParams {
   const int64_t* rng_state;  // device pointer to [seed, offset]
 
   bool is_bf16;
-
-  KernelChoice fwd_kernel;
 
   // Where a kernel records a bad value of cu_seqlens / cache_seqlens /
   // block_table / ... that it clamped (index_guards.h); null: clamp only.
@@ -136,10 +119,6 @@ struct BwdParams : FwdParams {
   // batch x nheads x dq_semaphore_m_blocks.
   int* dq_semaphore;
   int dq_semaphore_m_blocks;
-  // Shared memory one block may opt in to on this device: picks the
-  // large-shared-memory tile where the table has one (bwd_tile_config.h).
-  int smem_per_block_optin;
-  KernelChoice bwd_kernel;
 
   // GQA/MQA, default mode (else null): each kv head's fp32 dK and dV sums,
   // zeroed, nheads_k x dkv_sum_rows_per_head rows (per batch entry unless
@@ -179,16 +158,6 @@ struct KvcacheParams : FwdParams {
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and
   // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
   int num_splits;
-  int splitkv_warps_n;  // kernel variant: warps side by side along a K/V tile's keys
-  // Dynamic shared memory to launch the split-KV kernel with: at least what
-  // its tiles need, more to keep a second block off the SM.
-  int splitkv_launch_smem;
-  // Thread blocks of the split-KV grid: one per work item (batch x kv head x
-  // query block x split), or fewer, each running several items in turn.
-  int splitkv_grid_blocks;
-  // sm90+: thread blocks per cluster along grid x (neighbouring kv heads of a
-  // batch entry, which share each key's span of the cache); 1: no cluster.
-  int splitkv_cluster_x;
   float* out_accum_ptr;
   float* lse_accum_ptr;
   // sm90+: each kernel of the call is launched as a programmatic dependent of
@@ -223,24 +192,11 @@ struct KvcacheParams : FwdParams {
   bool append_in_attention;
 };
 
-// Whether the plain score rule may fold the softmax scale into the exp2
-// multiplier: it tracks each row's max of the raw scores, which is the max
-// of the scaled ones only for a positive scale, and its exp2 lets a masked
-// -inf become 0 untested, which a scale the device flushes to 0 would make
-// NaN. Any other scale (a negative one is legal) takes the kernels'
-// variants that scale each score first (the score-extras variants), which
-// the launchers pick by this.
-FA_HOST_DEVICE bool scale_is_positive_normal(float softmax_scale_log2) {
-  return softmax_scale_log2 >= FLT_MIN;
-}
-
-// Whether a fwd_kvcache call needs the split-KV kernel variant with softcap /
-// ALiBi (or a scale that scale_is_positive_normal turns away). The launcher
-// picks the kernel by it, and the host reads it before sizing the grid: the
-// persistent grid exists for the plain variant only.
-inline bool splitkv_has_score_extras(const KvcacheParams& params) {
-  return params.softcap > 0.f || params.alibi_slopes != nullptr ||
-         !scale_is_positive_normal(params.softmax_scale_log2);
+// The score rule of a call (score_features.h): the plans pick the kernel
+// variant by it, and the split-KV launcher its kernel instance.
+FA_HOST_DEVICE ScoreFeatures score_features_of(const FwdParams& params) {
+  return score_features(params.softcap, params.alibi_slopes != nullptr, params.dropout_p,
+                        params.softmax_scale_log2);
 }
 
 }  // namespace flash

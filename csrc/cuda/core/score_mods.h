@@ -1,7 +1,7 @@
 // What happens to a tile of raw Q K^T scores before the softmax, in contract
-// order: scale, softcap, ALiBi, then the causal / local / bounds mask. The
-// rule itself (which key a row sees, the ALiBi distance) lives in
-// ../common/mask_rule.h; this header applies it to a thread's fragment.
+// order: scale, softcap, ALiBi, then the causal / local / bounds mask
+// (mask.h). The ALiBi distance lives in common/mask_rule.h; this header
+// applies it to a thread's fragment.
 //
 // Fragments are (rows, cols) views of the accumulator; coord is the identity
 // tensor partitioned the same way, giving each element's (row, col) in the tile.
@@ -12,7 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/mask_rule.h"
-#include "cuda/core/query_range.h"
+#include "common/score_features.h"
 
 namespace flash {
 
@@ -23,7 +23,7 @@ using namespace cute;
 template <typename TensorS>
 __forceinline__ __device__ void apply_scale_and_softcap(TensorS& scores, float softmax_scale,
                                                         float softcap) {
-  if (softcap > 0.f) {
+  if (softcap_on(softcap)) {
     const float pre = softmax_scale / softcap;
     CUTE_UNROLL
     for (int i = 0; i < size(scores); ++i) scores(i) = softcap * tanhf(scores(i) * pre);
@@ -107,10 +107,10 @@ struct ScoreModsInUnits {
   // alibi_slope: the call's slope for this (batch, head), when it has ALiBi.
   __forceinline__ __device__ ScoreModsInUnits(float softmax_scale, float softcap, bool alibi,
                                               float slope)
-      : unit(softcap > 0.f ? softcap : softmax_scale),
-        tanh_prescale(softcap > 0.f ? softmax_scale / softcap : 0.f),
+      : unit(softcap_on(softcap) ? softcap : softmax_scale),
+        tanh_prescale(softcap_on(softcap) ? softmax_scale / softcap : 0.f),
         alibi_slope(alibi ? slope / unit : 0.f),
-        has_softcap(softcap > 0.f),
+        has_softcap(softcap_on(softcap)),
         has_alibi(alibi) {}
 
   __forceinline__ __device__ float exp_scale_log2() const { return unit * float(M_LOG2E); }
@@ -124,50 +124,5 @@ struct ScoreModsInUnits {
     }
   }
 };
-
-// Each row's visible keys form one interval (the window rule), so the bounds
-// are computed once per row and each element costs two compares.
-template <typename TensorS, typename TensorC>
-__forceinline__ __device__ void apply_mask(TensorS& scores, const TensorC& coord, int row_base,
-                                           int col_base, int seqlen_q, int seqlen_k,
-                                           int window_left, int window_right) {
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(scores); ++mi) {
-    const int row = row_base + get<0>(coord(mi, 0));
-    const KeyRange visible =
-        visible_key_range(row, row + 1, seqlen_q, seqlen_k, window_left, window_right);
-    const int col_lo = visible.begin - col_base;
-    const int col_hi = visible.end - col_base;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int col = get<1>(coord(0, ni));
-      if (col < col_lo || col >= col_hi) scores(mi, ni) = -INFINITY;
-    }
-  }
-}
-
-// The same rule on a transposed tile, as the Hopper backward holds S^T: rows
-// are keys (row_base + coord row) and columns query rows (col_base + coord
-// col). A key's visible query rows form one interval too (query_range.h),
-// which also hides the query rows past seqlen_q.
-template <typename TensorS, typename TensorC>
-__forceinline__ __device__ void apply_mask_transposed(TensorS& scores, const TensorC& coord,
-                                                      int key_base, int query_base, int seqlen_q,
-                                                      int seqlen_k, int window_left,
-                                                      int window_right) {
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(scores); ++mi) {
-    const int key = key_base + get<0>(coord(mi, 0));
-    const QueryRange visible =
-        visible_query_range(key, key + 1, seqlen_q, seqlen_k, window_left, window_right);
-    const int query_lo = visible.begin - query_base;
-    const int query_hi = visible.end - query_base;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(scores); ++ni) {
-      const int query = get<1>(coord(0, ni));
-      if (query < query_lo || query >= query_hi) scores(mi, ni) = -INFINITY;
-    }
-  }
-}
 
 }  // namespace flash

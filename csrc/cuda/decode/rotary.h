@@ -1,6 +1,6 @@
 // The rotary embedding of fwd_kvcache, one 8-element (16-byte) chunk of a
 // head vector at a time (rotary_chunk, from global memory, any even
-// rotary_dim: the append / rotary pre-kernel, kvcache_append_rotary.cu) or
+// rotary_dim: the append / rotary pre-kernel, append_rotary_kernel.h) or
 // one 16-element unit in registers (rotate_unit: the split-KV kernel, which
 // rotates q and a decode step's new keys in shared memory itself,
 // splitkv_kernel.h). One pair rule for both (rotated_first /

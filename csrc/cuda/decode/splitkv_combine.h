@@ -19,10 +19,10 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/core/dependent_grid.h"
 #include "cuda/core/params.h"
 #include "cuda/core/softmax.h"
 #include "cuda/decode/splitkv_tile_config.h"
-#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 

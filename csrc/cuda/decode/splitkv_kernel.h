@@ -31,6 +31,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/mask_rule.h"
+#include "cuda/core/dependent_grid.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/softmax.h"
@@ -38,14 +39,13 @@
 #include "cuda/decode/rotary.h"
 #include "cuda/decode/splitkv_append.h"
 #include "cuda/decode/splitkv_epilogue.h"
+#include "cuda/decode/splitkv_kernel_traits.h"
 #include "cuda/decode/splitkv_mainloop.h"
 #include "cuda/decode/splitkv_merge_schedule.h"
 #include "cuda/decode/splitkv_producer.h"
 #include "cuda/decode/splitkv_scheduler.h"
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/decode/splitkv_work_item.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
-#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 
@@ -64,7 +64,7 @@ using namespace cute;
 // and the wait for it cost a step more than its copies (PERF_LOG 2026-11-23
 // b82fd11); SplitKvAppend does it. The host leaves the persistent grid, whose
 // blocks would wait once per item, and the other cases of
-// append_in_attention_fits (flash_api_cuda.cpp) to the pre-kernel.
+// append_in_attention_fits (launch/plan.cpp) to the pre-kernel.
 //
 // Launched as a dependent grid (params.programmatic_launch), a block may be
 // running before the kernel ahead of it in the stream (the append / rotary

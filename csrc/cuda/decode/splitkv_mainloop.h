@@ -191,7 +191,7 @@ struct SplitKvScoreScale {
 
   __forceinline__ __device__ explicit SplitKvScoreScale(const KvcacheParams& params)
       : has_alibi(kWithScoreExtras && params.alibi_slopes != nullptr),
-        prescale_scores(kWithScoreExtras && (params.softcap > 0.f || has_alibi ||
+        prescale_scores(kWithScoreExtras && (softcap_on(params.softcap) || has_alibi ||
                                              !scale_is_positive_normal(params.softmax_scale_log2))),
         exp_scale_log2(prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2),
         lse_scale(prescale_scores ? 1.f : params.softmax_scale) {}
@@ -286,6 +286,9 @@ struct SplitKvMma {
     // (MMA,MMA_M,MMA_K), K = the slab's keys
     Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
     Tensor tOsVt = w.smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
+    // The softmax rescales the rows of O by the rows of S; MMA_K of P V.
+    CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(acc_o_rowcol));
+    CUTE_STATIC_ASSERT_V(size<2>(tOrP) == size<2>(f.tOrVt));
     gemm_reg_smem(f.acc_o, tOrP, f.tOrVt, tOsVt, w.warp_mma, w.smem_tiled_copy_V,
                   w.smem_thr_copy_V);
   }

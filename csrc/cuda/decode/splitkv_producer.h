@@ -175,6 +175,8 @@ struct SplitKvTileLoader {
     constexpr bool kMaySkipNewRows = InPrologue::value;
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
+    // Rows are copied by the coordinates of the same partition.
+    CUTE_STATIC_ASSERT_V(size<1>(tKsK) == size<1>(tKVcKV) && size<2>(tKsK) == size<2>(tKVcKV));
     const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
     const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
     const int rows_in_tile = it.seqlen_k - n_block * kBlockN;

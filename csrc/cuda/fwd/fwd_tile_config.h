@@ -16,19 +16,20 @@ struct FwdTileConfig;
 // producer; block N 0 = the head dim stays on the SM80 kernel on sm90 too),
 // with the fewest keys (max seqlen_k) from which the Hopper kernel runs by
 // default. The Hopper kernel's grid that takes its tiles from a counter
-// (short causal / local / varlen calls, fwd_tile_schedule.h) runs 128 query
-// rows whatever block M says. d64 takes 192 rows (three MMA warpgroups)
-// elsewhere: its softmax is as long as its products, and with two warpgroups
-// each warp's instruction stream stalls on its own latencies; a third
-// warpgroup gives the schedulers another warp. On the counter grid 192 rows
-// lost at 512-1024 keys, so it keeps 128 (PERF_LOG 2026-11-24 ffeaa39).
+// (short causal / local / varlen calls, fwd_sm90_takes_tiles_from_counter in
+// launch/plan.cpp) runs 128 query rows whatever block M says. d64 takes 192
+// rows (three MMA warpgroups) elsewhere: its softmax is as long as its
+// products, and with two warpgroups each warp's instruction stream stalls on
+// its own latencies; a third warpgroup gives the schedulers another warp. On
+// the counter grid 192 rows lost at 512-1024 keys, so it keeps 128 (PERF_LOG
+// 2026-11-24 ffeaa39).
 // The extras' extra registers make some tiles that win on the plain path
 // spill heavily, so the extras variant of d32 and d160 keeps the smaller
 // tile (PERF_LOG 2026-11-22 fe18f62).
 // The Hopper kernel beats the SM80 one from d64 up at 4096-8192 keys, and
 // at d160-256 everywhere measured; below the key threshold it lost on short
 // calls of few query blocks (since then calls of many query blocks run it
-// below the threshold too: fwd_sm90_by_shape in fwd_tile_schedule.h). d32
+// below the threshold too: fwd_sm90_by_shape in launch/plan.cpp). d32
 // stays on SM80: little gain at long key counts, a loss at short ones. d64 /
 // d96 take 128-key tiles, faster than 64-key ones (PERF_LOG 2026-11-24
 // 4fb1ffe).

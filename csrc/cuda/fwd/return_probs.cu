@@ -7,6 +7,7 @@
 
 #include "common/mask_rule.h"
 #include "common/philox.h"
+#include "common/score_features.h"
 #include "cuda/core/block_info.h"
 #include "cuda/core/cuda_check.h"
 #include "cuda/core/grid_heads_batch.h"
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) return_probs_kernel(const FwdParams 
                                        ? paged_key_offset(params, batch, col, params.k)
                                        : int64_t(col) * params.k.row_stride;
         const float dot = dot_with_key(q_row, k_head + key_offset, params.head_dim);
-        float s = params.softcap > 0.f
+        float s = softcap_on(params.softcap)
                       ? params.softcap * tanhf(dot * params.softmax_scale / params.softcap)
                       : dot * params.softmax_scale;
         if (has_alibi) s += alibi_bias(slope, row, col, binfo.seqlen_q, binfo.seqlen_k);

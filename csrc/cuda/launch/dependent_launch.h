@@ -1,16 +1,17 @@
-// Kernel launch helpers.
+// Kernel launch helpers: the dynamic shared-memory opt-in, done once per
+// kernel and device, and launch_ex, which launches with the options of
+// LaunchOptions.
 //
 // Programmatic dependent launch (sm90 and newer): a kernel launched with
 // programmatic stream serialization may start while the kernel before it in
-// the stream still runs, and waits in wait_for_preceding_grid() until that
-// grid has finished and its writes are visible. The launch latency of each
-// kernel of a decode call (append / rotary, split-KV attention, combine)
-// then hides behind the kernel before it instead of adding to it. Before
-// sm90 the device functions are no-ops and the launch is an ordinary one.
-// The host enables the programmatic launch from the device's compute
-// capability, so the kernel must run as sm90 machine code there (setup.py
-// embeds no PTX that could be JIT-compiled from an older arch without the
-// wait).
+// the stream still runs, and waits in wait_for_preceding_grid()
+// (core/dependent_grid.h) until that grid has finished and its writes are
+// visible. The launch latency of each kernel of a decode call (append /
+// rotary, split-KV attention, combine) then hides behind the kernel before
+// it instead of adding to it. Before sm90 the launch is an ordinary one. The
+// host enables the programmatic launch from the device's compute capability,
+// so the kernel must run as sm90 machine code there (setup.py embeds no PTX
+// that could be JIT-compiled from an older arch without the wait).
 #pragma once
 
 #include <map>
@@ -22,22 +23,6 @@
 #include "cuda/core/cuda_check.h"
 
 namespace flash {
-
-// Called by the dependent kernel before it reads what the preceding grid wrote.
-__forceinline__ __device__ void wait_for_preceding_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Called by the preceding kernel: once every block has called it (or exited),
-// the dependent grid may be scheduled on free SM resources. Correctness does
-// not depend on where it is called; the dependent kernel still waits.
-__forceinline__ __device__ void allow_dependent_grid_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 // Dynamic shared memory granted so far per (kernel, device). The attribute is
 // a property of the function on a device, so it needs setting once, not on

@@ -23,19 +23,25 @@
 
 namespace flash {
 
-// One variant of the kernel (plain, or with softcap / ALiBi / dropout), each
-// with its own tile from the table.
+// The SM80 kernel, plain or with softcap / ALiBi / dropout / a scale that
+// is not positive and normal (kWithScoreExtras), on the tile and grid the
+// plan took from the table's row for that variant.
 template <typename Element, int kHeadDim, bool kWithScoreExtras>
-void launch_flash_fwd_variant(const FwdParams& params, cudaStream_t stream) {
+void launch_flash_fwd_sm80(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   using Config = FwdTileConfig<kHeadDim>;
   using Traits =
       FwdKernelTraits<kHeadDim, Config::kBlockM,
                       kWithScoreExtras ? Config::kBlockNExtras : Config::kBlockN,
                       kWithScoreExtras ? Config::kNWarpsExtras : Config::kNWarps, Element>;
-  const int num_m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN ||
+      plan.num_warps != Traits::kNWarps) {
+    throw std::runtime_error(
+        "flash_attn_cuda: the forward plan disagrees with the SM80 kernel's tile: " +
+        describe(plan));
+  }
   // Query blocks on x (no 65535 limit), (head, batch) pairs on y and z. The
   // kernel takes its block in the order of fwd_block_order.h.
-  const dim3 grid = grid_over_heads_batch(num_m_blocks, params.nheads, params.batch);
+  const dim3 grid = grid_over_heads_batch(plan.grid_x, params.nheads, params.batch);
   launch_with_dynamic_smem(&flash_fwd_kernel<Traits, kWithScoreExtras>, grid,
                            dim3(Traits::kNThreads), Traits::kSmemSize, stream, params);
 }
@@ -142,9 +148,9 @@ void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t st
       }
     case FwdKernel::kSm80:
       if (plan.variant == FwdVariant::kScoreExtras) {
-        launch_flash_fwd_variant<Element, kHeadDim, true>(params, stream);
+        launch_flash_fwd_sm80<Element, kHeadDim, true>(params, plan, stream);
       } else {
-        launch_flash_fwd_variant<Element, kHeadDim, false>(params, stream);
+        launch_flash_fwd_sm80<Element, kHeadDim, false>(params, plan, stream);
       }
       break;
   }

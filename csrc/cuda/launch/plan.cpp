@@ -109,24 +109,75 @@ FwdTileRow fwd_tile_row(int compiled_head_dim) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
 
+// Whether a call the Hopper kernel can take runs it rather than the SM80
+// kernel: from the tile table's key count on (kMinSeqlenKSm90), and below it
+// when there are many query blocks to spread, at least the table's
+// kMinBlocksPerSmSm90 of 128 rows per SM (the reasons beside the table).
+// Short calls of many query blocks ran faster on the Hopper kernel, short
+// calls of few slower (PERF_LOG 2026-11-25 76288cf).
+bool fwd_sm90_by_shape(const FwdParams& params, int num_sms, int min_seqlen_k,
+                       int min_blocks_per_sm) {
+  return params.seqlen_k >= min_seqlen_k ||
+         (num_sms > 0 && fwd_sm90_num_tiles(params) >= int64_t(min_blocks_per_sm) * num_sms);
+}
+
+// Whether the tiles do different work (a causal or local bound, or the
+// sequences of a varlen batch, whose lengths differ and whose longest sets
+// the grid), so that a persistent grid hands them out from a counter instead
+// of in fixed shares. On varlen batches fixed shares were slower than the
+// counter (up to 2048 keys) or one block per query block (PERF_LOG
+// 2026-11-24 9f57c38).
+bool fwd_tiles_differ_in_work(const FwdParams& params) {
+  return params.window_left >= 0 || params.window_right >= 0 || params.cu_seqlens_q != nullptr;
+}
+
+// The most keys one query block sees: with both window sides bounded, the
+// window plus the block's own rows; else up to every key.
+int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
+  if (params.window_left >= 0 && params.window_right >= 0) {
+    const int64_t window = int64_t(params.window_left) + params.window_right + kFwdSm90BlockM;
+    return window < params.seqlen_k ? window : params.seqlen_k;
+  }
+  return params.seqlen_k;
+}
+
+// Whether a forward that the Hopper kernel takes runs the grid that takes its
+// tiles past the first wave from params.tile_counter (fwd_kernel_sm90.h):
+// more tiles than SMs, of different work, each short enough that a tile's
+// prologue and epilogue are a large share of it, on the plain score rule
+// (softcap and ALiBi run the Hopper kernel's other grids, dropout the SM80
+// kernel; one kernel instantiation fewer per head dim). Against one block per
+// tile the counter wins at short key counts and fades by 4096 keys, hence the
+// cap of 2048 keys per tile (PERF_LOG 2026-11-24 30a90ef); past it, on varlen
+// batches too, one block per query block is faster (PERF_LOG 2026-11-24
+// 9f57c38).
+constexpr int64_t kFwdSm90MostKeysPerTileFromCounter = 2048;
+bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
+  const ScoreFeatures rule = score_features_of(params);
+  return !rule.has_mods() && !rule.dropout && fwd_tiles_differ_in_work(params) && num_sms > 0 &&
+         fwd_sm90_num_tiles(params) > num_sms &&
+         fwd_sm90_most_keys_per_tile(params) <= kFwdSm90MostKeysPerTileFromCounter;
+}
+
 // Why the Hopper forward does not take a call that its build and tile table
 // would allow, or null if it does.
-const char* fwd_sm90_refusal(const FwdParams& params, const DeviceDesc& device,
+const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const DeviceDesc& device,
                              const FwdTileRow& row, bool grid_fits, bool tma_ok) {
-  const bool dropout = params.dropout_p > 0.f;
-  if (params.fwd_kernel == KernelChoice::kSm80) {
+  const ScoreFeatures rule = score_features_of(params);
+  if (choice == KernelChoice::kSm80) {
     return device.cc_major == 9 && device.cc_minor == 0
                ? "FLASH_ATTN_FWD_KERNEL=sm80 forces the SM80 kernel"
                : "not an sm90 device: the SM80 kernel";
   }
-  if (params.fwd_kernel == KernelChoice::kAuto &&
-      !fwd_sm90_by_shape(params, row.min_seqlen_k_sm90, row.min_blocks_per_sm_sm90)) {
+  if (choice == KernelChoice::kAuto &&
+      !fwd_sm90_by_shape(params, device.num_sms, row.min_seqlen_k_sm90,
+                         row.min_blocks_per_sm_sm90)) {
     return "fewer keys than the table's kMinSeqlenKSm90 and fewer 128-row query blocks than "
            "kMinBlocksPerSmSm90 per SM (fwd_sm90_by_shape): the SM80 kernel";
   }
   if (!grid_fits) return "more tiles than a grid x holds: the SM80 kernel's 3-D grid";
-  if (dropout) return "dropout: only the SM80 kernels draw its keep mask";
-  if (!scale_is_positive_normal(params.softmax_scale_log2)) {
+  if (rule.dropout) return "dropout: only the SM80 kernels draw its keep mask";
+  if (!rule.scale_positive_normal) {
     return "softmax scale not positive and normal: the SM80 kernel's general variant";
   }
   if (params.block_table != nullptr && params.page_size.divisor % 8 != 0) {
@@ -139,13 +190,10 @@ const char* fwd_sm90_refusal(const FwdParams& params, const DeviceDesc& device,
 
 }  // namespace
 
-FwdPlan plan_fwd(const FwdParams& call, const DeviceDesc& device, KernelOverride override_kernel,
+FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
                  bool tma_ok) {
-  FwdParams params = call;
-  params.num_sms = device.num_sms;
-  params.fwd_kernel = kernel_choice(device, override_kernel);
   FwdPlan plan;
-  plan.choice = params.fwd_kernel;
+  plan.choice = kernel_choice(device, override_kernel);
   if (params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) {
     plan.reason = "no query row, head or batch entry: nothing to launch";
     return plan;
@@ -153,9 +201,9 @@ FwdPlan plan_fwd(const FwdParams& call, const DeviceDesc& device, KernelOverride
   plan.return_probs = params.p_ptr != nullptr;
   const int compiled = round_up_head_dim(params.head_dim);
   const FwdTileRow row = fwd_tile_row(compiled);
-  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const bool score_extras =
-      score_mods || params.dropout_p > 0.f || !scale_is_positive_normal(params.softmax_scale_log2);
+  const ScoreFeatures rule = score_features_of(params);
+  const bool score_mods = rule.has_mods();
+  const bool score_extras = rule.has_extras();
 
   const char* sm80_reason = nullptr;
   if (!device.sm90a_built) {
@@ -167,7 +215,7 @@ FwdPlan plan_fwd(const FwdParams& call, const DeviceDesc& device, KernelOverride
     const int64_t num_tiles = fwd_sm90_num_tiles(params, row.block_m_sm90);
     // Only the persistent grids walk more tiles than grid x holds.
     const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
-    sm80_reason = fwd_sm90_refusal(params, device, row, grid_fits, tma_ok);
+    sm80_reason = fwd_sm90_refusal(params, plan.choice, device, row, grid_fits, tma_ok);
     if (sm80_reason == nullptr) {
       plan.kernel = FwdKernel::kSm90;
       plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
@@ -175,7 +223,7 @@ FwdPlan plan_fwd(const FwdParams& call, const DeviceDesc& device, KernelOverride
       // The counter grid runs 128-row tiles and the plain rule only (one
       // instantiation fewer per head dim).
       if (fwd_sm90_persistent(compiled, kFwdSm90BlockM, row.block_n_sm90) && !score_mods &&
-          fwd_sm90_takes_tiles_from_counter(params)) {
+          fwd_sm90_takes_tiles_from_counter(params, device.num_sms)) {
         plan.grid = FwdGrid::kTileCounter;
         plan.block_m = kFwdSm90BlockM;
         plan.grid_x = device.num_sms;
@@ -288,10 +336,11 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   plan.grid_y = params.nheads;
   plan.grid_z = params.batch;
 
-  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const bool dropout = params.dropout_p > 0.f;
-  const bool scale_ok = scale_is_positive_normal(params.softmax_scale_log2);
-  const bool score_extras = score_mods || dropout || !scale_ok;
+  const ScoreFeatures rule = score_features_of(params);
+  const bool score_mods = rule.has_mods();
+  const bool dropout = rule.dropout;
+  const bool scale_ok = rule.scale_positive_normal;
+  const bool score_extras = rule.has_extras();
 
   const char* sm80_reason = nullptr;
   if (!device.sm90a_built) {

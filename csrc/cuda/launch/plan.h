@@ -51,7 +51,15 @@ const char* kernel_override_name(KernelOverride value);
 
 // The kernel design a pass may use on this device before the call's shape is
 // looked at: kSm80 on every device but sm90 (9.0); there, kAuto or what the
-// override forces.
+// override forces (the tests run both designs on every shape). Dropout and a
+// scale that scale_is_positive_normal turns away run the SM80 design whatever
+// the choice; softcap and ALiBi run on both.
+enum class KernelChoice : uint8_t {
+  kSm80,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h
+  kAuto,  // the Hopper kernel where its tile table has an entry and (forward)
+          // the call is long enough (fwd_sm90_by_shape), else kSm80
+  kSm90,  // the Hopper kernel wherever its tile table has an entry
+};
 KernelChoice kernel_choice(const DeviceDesc& device, KernelOverride override_kernel);
 
 // Whether TMA can describe the tensors of a call (16-byte aligned base,
@@ -172,7 +180,7 @@ struct DecodeShape {
   int head_dim = 0;        // as given; the plan rounds it up to the compiled one
   bool paged = false;
   int64_t requested_splits = 0;        // num_splits: 0 chooses
-  bool score_extras = false;           // splitkv_has_score_extras
+  bool score_extras = false;           // ScoreFeatures::has_extras
   bool appending = false;              // new keys / values to write into the cache
   int seqlen_new = 0;                  // their rows (0 unless appending)
   int rotary_dim = 0;                  // 0: no rotary
@@ -187,7 +195,7 @@ struct DecodePlan {
   int64_t num_m_blocks = 0;  // query blocks per (batch, kv head)
   int num_splits = 1;
   int64_t num_items = 0;    // work items: batch x kv heads x query blocks x splits
-  int launch_smem = 0;      // params.splitkv_launch_smem
+  int launch_smem = 0;      // the split-KV launch's dynamic shared memory
   int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
   int cluster_x = 1;
   bool append_in_attention = false;

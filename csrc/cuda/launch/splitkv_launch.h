@@ -1,6 +1,6 @@
 // Host side of fwd_kvcache's attention: the split-KV kernel over the cache,
 // then (num_splits > 1) the combine kernel, for one (dtype, compiled head dim).
-// The append / rotary step runs before this (kvcache_append_rotary.h), or in
+// The append / rotary step runs before this (append_rotary_launch.h), or in
 // the split-KV kernel (plan.append_in_attention). The plan (plan_decode,
 // plan.h) picked the variant, split count, grid, clusters and shared memory;
 // the op copied the fields the kernels read into the params.
@@ -15,8 +15,8 @@
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_combine.h"
 #include "cuda/decode/splitkv_kernel.h"
+#include "cuda/decode/splitkv_kernel_traits.h"
 #include "cuda/decode/splitkv_tile_config.h"
-#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
 #include "cuda/launch/dependent_launch.h"
 #include "cuda/launch/plan.h"
 
@@ -37,7 +37,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
       int64_t(params.batch) * params.nheads_k * num_m_blocks * params.num_splits;
   const bool several_items = plan.grid_blocks < num_items;
   const dim3 grid(static_cast<unsigned>(several_items ? plan.grid_blocks : num_items));
-  const bool with_score_extras = splitkv_has_score_extras(params);
+  const bool with_score_extras = score_features_of(params).has_extras();
   // Only the decode variant's plain kernel has one instance per cache layout
   // (it carries the decode benchmarks; a contiguous cache skips the paged
   // path's per-row addressing: PERF_LOG 2026-11-23 47fdf30, 9ba5ee6), and over

@@ -57,15 +57,13 @@ void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k
 }
 
 // The plan of a params whose shape, score rule and deterministic flag are
-// set, on the current device; records what the kernels read of it
-// (num_splits, the kernel choice, the device's shared memory per block).
+// set, on the current device; records the dQ accumulator's slices, which
+// the workspace and the kernels read, in the params.
 BwdPlan plan_for(BwdParams& params) {
   const DeviceDesc device = current_device_desc();
   const BwdPlan plan = plan_bwd(params, device, kernel_override_from_env("FLASH_ATTN_BWD_KERNEL"),
                                 bwd_tma_can_load(params));
   params.num_splits = plan.num_splits;
-  params.bwd_kernel = plan.choice;
-  params.smem_per_block_optin = device.smem_per_block_optin;
   return plan;
 }
 

@@ -48,19 +48,14 @@ void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k
   params.o = strides_of(out, varlen);
 }
 
-// The plan of a filled params on the current device; records the device's
-// SM count and the kernel choice in the params too.
-FwdPlan plan_for(FwdParams& params) {
-  const DeviceDesc device = current_device_desc();
-  const FwdPlan plan = plan_fwd(params, device, kernel_override_from_env("FLASH_ATTN_FWD_KERNEL"),
-                                fwd_tma_can_load(params));
-  params.fwd_kernel = plan.choice;
-  params.num_sms = device.num_sms;
-  return plan;
+// The plan of a filled params on the current device.
+FwdPlan plan_for(const FwdParams& params) {
+  return plan_fwd(params, current_device_desc(), kernel_override_from_env("FLASH_ATTN_FWD_KERNEL"),
+                  fwd_tma_can_load(params));
 }
 
 // Room for the tile counter of the Hopper forward's counter grid
-// (fwd_tile_schedule.h), where the plan picked that grid; the launcher zeroes
+// (FwdGrid::kTileCounter), where the plan picked that grid; the launcher zeroes
 // it on the stream. The caller keeps it alive across the launch.
 at::Tensor tile_counter_for(FwdParams& params, const FwdPlan& plan, const at::Tensor& q) {
   params.tile_counter = nullptr;

@@ -6,7 +6,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -14,8 +13,8 @@
 #include <vector>
 
 #include "api/head_dims.h"
-#include "cuda/decode/kvcache_append_rotary.h"
 #include "cuda/fwd/fwd_tile_config.h"
+#include "cuda/launch/append_rotary_launch.h"
 #include "cuda/launch/launcher_registry.h"
 #include "cuda/launch/plan.h"
 #include "cuda/ops/op_common.h"
@@ -112,36 +111,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const std::optional<at::Tensor> rotary_cos = contiguous_or_none(rotary_cos_in);
   const std::optional<at::Tensor> rotary_sin = contiguous_or_none(rotary_sin_in);
 
-  // The plan (plan_decode): variant, splits, grid, clusters, shared memory
-  // and where the append / rotary runs.
-  DecodeShape decode{};
-  decode.batch = shape.batch;
-  decode.nheads = shape.nheads;
-  decode.nheads_k = shape.nheads_k;
-  decode.seqlen_q = shape.seqlen_q;
-  decode.cache_capacity = shape.cache_capacity;
-  decode.head_dim = shape.head_dim;
-  decode.paged = block_table_in.has_value();
-  decode.requested_splits = num_splits;
-  // splitkv_has_score_extras of the params filled below (same conversions).
-  decode.score_extras = (softcap > 0 ? static_cast<float>(softcap) : 0.f) > 0.f ||
-                        alibi_slopes_in.has_value() ||
-                        !scale_is_positive_normal(static_cast<float>(softmax_scale * M_LOG2E));
-  decode.appending = appending;
-  decode.seqlen_new = appending ? shape.seqlen_new : 0;
-  decode.rotary_dim = rotating ? shape.rotary_dim : 0;
-  decode.rotary_tables_aligned = rotating &&
-                                 reinterpret_cast<uintptr_t>(rotary_cos->data_ptr()) % 16 == 0 &&
-                                 reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
-  decode.window_left = window.left;
-  const DeviceDesc device = current_device_desc();
-  DecodePlan plan = plan_decode(decode, device);
-  TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
-              int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
-              " is more than the kernel's grid holds (", 65535 * plan.block_m, ")");
-  TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
-              "fwd_kvcache (CUDA): batch * nheads_k is too large");
-
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const std::optional<at::Tensor> k_new =
       appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*k_in)) : std::nullopt;
@@ -189,19 +158,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.cu_seqlens_q = nullptr;
   params.cu_seqlens_k = nullptr;
   params.total_q = 0;
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  params.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  params.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
-  params.alibi_slopes = data_or_null<float>(alibi_slopes);
-  params.alibi_batch_stride =
-      alibi_slopes.has_value() && alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
-  params.window_left = window.left;
-  params.window_right = window.right;
-  params.dropout_p = 0.f;
-  params.dropout_threshold = 0;
-  params.dropout_rescale = 1.f;
-  params.rng_state = nullptr;
-  params.is_bf16 = is_bf16;
+  // No dropout: no rng_state.
+  set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, /*dropout_p=*/0.0,
+                   at::Tensor());
   // The split-KV kernel leaves the sink to the final normalisation: the
   // combine kernel's when num_splits > 1.
   set_learnable_sink(params, learnable_sink);
@@ -231,6 +190,32 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
 
   params.append_in_attention = false;
 
+  // The plan (plan_decode): variant, splits, grid, clusters, shared memory
+  // and where the append / rotary runs.
+  DecodeShape decode{};
+  decode.batch = shape.batch;
+  decode.nheads = shape.nheads;
+  decode.nheads_k = shape.nheads_k;
+  decode.seqlen_q = shape.seqlen_q;
+  decode.cache_capacity = shape.cache_capacity;
+  decode.head_dim = shape.head_dim;
+  decode.paged = block_table_in.has_value();
+  decode.requested_splits = num_splits;
+  decode.score_extras = score_features_of(params).has_extras();
+  decode.appending = appending;
+  decode.seqlen_new = appending ? shape.seqlen_new : 0;
+  decode.rotary_dim = rotating ? shape.rotary_dim : 0;
+  decode.rotary_tables_aligned = rotating &&
+                                 reinterpret_cast<uintptr_t>(rotary_cos->data_ptr()) % 16 == 0 &&
+                                 reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
+  decode.window_left = window.left;
+  const DecodePlan plan = plan_decode(decode, current_device_desc());
+  TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
+              int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
+              " is more than the kernel's grid holds (", 65535 * plan.block_m, ")");
+  TORCH_CHECK(int64_t(shape.batch) * shape.nheads_k <= std::numeric_limits<int>::max(),
+              "fwd_kvcache (CUDA): batch * nheads_k is too large");
+
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   params.programmatic_launch = plan.programmatic_launch;
   if (shape.seqlen_q == 0) {
@@ -242,17 +227,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(),
               "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", plan.num_items,
               " exceeds 2^31 - 1 thread blocks");
-  if (decode.score_extras != splitkv_has_score_extras(params)) {
-    // Only where ALiBi slopes of no element have no data: the kernels go by
-    // the params.
-    decode.score_extras = splitkv_has_score_extras(params);
-    plan = plan_decode(decode, device);
-  }
-  params.splitkv_warps_n = plan.warps_n;
   params.num_splits = plan.num_splits;
-  params.splitkv_launch_smem = plan.launch_smem;
-  params.splitkv_grid_blocks = static_cast<int>(plan.grid_blocks);
-  params.splitkv_cluster_x = plan.cluster_x;
   // The append and the rotation in the attention kernel itself where that
   // pays (plan_decode); otherwise the pre-kernel writes the cache and a
   // rotated copy of q first.

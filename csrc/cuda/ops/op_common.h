@@ -48,9 +48,10 @@ at::Tensor finish_output(const std::optional<at::Tensor>& out, const at::Tensor&
 // Fixed length: (batch, seqlen, heads, dim); varlen: (total, heads, dim).
 QKVStrides strides_of(const at::Tensor& t, bool varlen);
 
-// softmax_scale, softcap, window, ALiBi, dropout and the dtype of params.
-// rng_state_out may be undefined when dropout_p == 0 (params.rng_state is then
-// null; the kernels read it only with dropout).
+// softmax_scale, softcap, window, ALiBi, dropout and the dtype of params, for
+// every op: the score rule the plans read (score_features_of) and the
+// kernels apply. rng_state_out may be undefined when dropout_p == 0
+// (params.rng_state is then null; the kernels read it only with dropout).
 void set_score_params(FwdParams& params, const at::Tensor& q, double softmax_scale, double softcap,
                       const Window& window, const std::optional<at::Tensor>& alibi_slopes,
                       double dropout_p, const at::Tensor& rng_state_out);

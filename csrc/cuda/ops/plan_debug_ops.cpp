@@ -139,8 +139,9 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
   shape.head_dim = static_cast<int>(head_dim);
   shape.paged = paged;
   shape.requested_splits = num_splits;
-  shape.score_extras = static_cast<float>(softcap) > 0.f || alibi ||
-                       !scale_is_positive_normal(static_cast<float>(scale * M_LOG2E));
+  shape.score_extras = score_features(static_cast<float>(softcap), alibi, /*dropout_p=*/0.f,
+                                      static_cast<float>(scale * M_LOG2E))
+                           .has_extras();
   shape.appending = seqlen_new > 0;
   shape.seqlen_new = static_cast<int>(seqlen_new);
   shape.rotary_dim = static_cast<int>(rotary_dim);

@@ -18,6 +18,7 @@
 #include "cuda/core/block_info.h"
 #include "cuda/core/dropout.h"
 #include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"
@@ -136,10 +137,12 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   // S = Q K^T and dP = dO V^T.
   typename Traits::TiledMmaSdP tiled_mma_sdp;
   auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_D)
-  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_D)
-  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_D)
-  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_D)
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);       // (MMA, MMA_M, MMA_D)
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);       // (MMA, MMA_N, MMA_D)
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);    // (MMA, MMA_M, MMA_D)
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);      // (MMA, MMA_N, MMA_D)
+  CUTE_STATIC_ASSERT_V(size<2>(tSrQ) == size<2>(tSrK));     // MMA_D of Q K^T
+  CUTE_STATIC_ASSERT_V(size<2>(tdPrdO) == size<2>(tdPrV));  // MMA_D of dO V^T
   auto smem_tiled_copy_QdO = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
   auto smem_thr_copy_QdO = smem_tiled_copy_QdO.get_thread_slice(tidx);
   Tensor tSsQ = smem_thr_copy_QdO.partition_S(sQ);     // (CPY, CPY_M, CPY_D)
@@ -162,6 +165,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);  // (MMA, MMA_D, MMA_M)
   Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);  // (MMA, MMA_N, MMA_M)
   Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);    // (MMA, MMA_D, MMA_M)
+  CUTE_STATIC_ASSERT_V(size<2>(tdVrPt) == size<2>(tdVrdOt));         // MMA_M of P^T dO
+  CUTE_STATIC_ASSERT_V(size<2>(tdKrdSt) == size<2>(tdKrQt));         // MMA_M of dS^T Q
   auto smem_tiled_copy_PdSt =
       make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
   auto smem_thr_copy_PdSt = smem_tiled_copy_PdSt.get_thread_slice(tidx);
@@ -206,11 +211,11 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   constexpr int kNRows = decltype(size<0>(tScS_rowcol))::value;
 
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
-  const bool prescale_scores = kWithScoreExtras && (params.softcap > 0.f || has_alibi);
+  const bool prescale_scores = kWithScoreExtras && (softcap_on(params.softcap) || has_alibi);
   BwdPointwiseArgs pointwise{};
   pointwise.exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   pointwise.softcap = kWithScoreExtras ? params.softcap : 0.f;
-  pointwise.inv_softcap = pointwise.softcap > 0.f ? 1.f / pointwise.softcap : 0.f;
+  pointwise.inv_softcap = softcap_on(pointwise.softcap) ? 1.f / pointwise.softcap : 0.f;
   pointwise.has_alibi = has_alibi;
   pointwise.alibi_slope =
       has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f;

@@ -25,6 +25,7 @@
 #include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
 #include "cuda/core/tile_ops.h"
@@ -307,6 +308,9 @@ struct BwdSm90MainloopMma {
     convert_type_into(acc_s, tdVrPt);
     convert_type_into(acc_dp, tdKrdSt);
     Tensor tdSrdS = make_tensor(tdKrdSt.data(), acc_dp.layout());  // (MMA,MMA_M,MMA_N)
+    // dS^T as the dK operand and as the dS store: one register array.
+    CUTE_STATIC_ASSERT_V(size(tdKrdSt) == size(acc_dp));
+    CUTE_STATIC_ASSERT_V(size(tdVrPt) == size(acc_s));
     copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buffer));
 
     Tensor acc_dq = partition_fragment_C(
@@ -386,6 +390,9 @@ struct BwdSm90MainloopMma {
         make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));  // (ROW,COL)
     Tensor dp =
         make_tensor(acc_dp.data(), wgmma_acc_layout_as_rowcol(acc_dp.layout()));  // (ROW,COL)
+    // The mask and the pointwise P / dS read S^T's coordinates.
+    CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(tScS_rowcol));
+    CUTE_STATIC_ASSERT_V(size<1>(scores) == size<1>(tScS_rowcol));
     const int seqlen_q = binfo.seqlen_q;
     const int seqlen_k = binfo.seqlen_k;
     const float* row_lse = Storage::row_stats(stage);

@@ -13,6 +13,7 @@
 #include "cuda/core/block_info.h"
 #include "cuda/core/dropout.h"
 #include "cuda/core/grid_heads_batch.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -83,6 +84,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});            // (D, N)
   // (D, N)
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+  // P V reads V through this transposed view of the same bytes.
+  CUTE_STATIC_ASSERT_V(size<0>(sVt) == Int<kHeadDim>{});
+  CUTE_STATIC_ASSERT_V(size<1>(sVt) == Int<kBlockN>{});
 
   // Global -> shared copies (cp.async, 16 bytes per thread per access).
   typename Traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
@@ -97,6 +101,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);            // (CPY, CPY_N, CPY_D)
   Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));    // (CPY_D)
   Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));  // (CPY_D)
+  // The copies, their coordinates and predicates index one tile alike.
+  CUTE_STATIC_ASSERT_V(size<1>(tKgK) == size<1>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<2>(tKgK) == size<2>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<1>(tKVcKV) == size<1>(tKsK));
+  CUTE_STATIC_ASSERT_V(size<1>(tQcQ) == size<1>(tQsQ));
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
   const bool full_head_dim = params.head_dim == kHeadDim;
@@ -128,6 +137,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   // (MMA, MMA_M, MMA_D)
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
+  CUTE_STATIC_ASSERT_V(size<2>(tSrQ) == size<2>(tSrK));    // MMA_D of Q K^T
+  CUTE_STATIC_ASSERT_V(size<1>(tOrVt) == size<2>(acc_o));  // MMA_D of P V
 
   // Shared -> register copies (ldmatrix; transposed for V).
   auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -147,6 +158,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor tScS_rowcol = make_tensor(tScS.data(), acc_layout_as_rowcol(tScS.layout()));
   // ((2, MMA_M), (2, MMA_D))
   Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_layout_as_rowcol(acc_o.layout()));
+  // The softmax rescales the rows of O by the rows of S.
+  CUTE_STATIC_ASSERT_V(size<0>(tScS_rowcol) == size<0>(acc_o_rowcol));
   constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
 
   // Scores go through scale/softcap/ALiBi in natural units when any of those
@@ -157,8 +170,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
           : params.alibi_slopes[block.batch * params.alibi_batch_stride + block.head];
   const bool has_alibi = kWithScoreExtras && params.alibi_slopes != nullptr;
   const bool prescale_scores =
-      kWithScoreExtras &&
-      (params.softcap > 0.f || has_alibi || !scale_is_positive_normal(params.softmax_scale_log2));
+      kWithScoreExtras && (softcap_on(params.softcap) || has_alibi ||
+                           !scale_is_positive_normal(params.softmax_scale_log2));
   const float exp_scale_log2 = prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2;
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;

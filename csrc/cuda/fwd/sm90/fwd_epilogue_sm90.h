@@ -47,6 +47,7 @@ struct FwdSm90Epilogue {
                                         const ThrMmaO& thr_mma_o, const float (&lse)[kNRows],
                                         float* lse_rows, const TensorGO& gO, int rows_left) const {
     Tensor sO = Storage::o();  // (M,D)
+    CUTE_STATIC_ASSERT_V(size<0>(sO) == Int<kBlockM>{} && size<1>(sO) == Int<kHeadDim>{});
     NamedBarrier::arrive_and_wait(128, my_epilogue);
     stage_output<Traits>(
         acc_o, tiled_mma_o, thr_mma_o, sO,

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           const FwdTileDivisors tile_divisors) {
   static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
   static_assert(!(kTilesFromCounter && kWithScoreMods),
-                "the counter grid runs the plain score rule (fwd_sm90_takes_tiles_from_counter)");
+                "the counter grid runs the plain score rule (plan_fwd picks it so)");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Storage = FwdSm90SharedStorage<Traits>;
   using Mainloop = FwdSm90MainloopMma<Traits, kWithScoreMods>;

@@ -18,6 +18,7 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/mask.h"
 #include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -71,6 +72,9 @@ struct FwdSm90MainloopLoad {
     Tensor sQ = Storage::q();                                                        // (M,D)
     Tensor sK = Storage::k();                                                        // (N,D,stage)
     Tensor sV = Storage::v();                                                        // (N,D,stage)
+    // One TMA box per tile: a stage holds one global tile.
+    CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+    CUTE_STATIC_ASSERT_V(size<0>(sQ) == size<0>(gQ) && size<1>(sQ) == size<1>(gQ));
     // (TMA,TMA_M,TMA_D), (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
     auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -291,6 +295,12 @@ struct FwdSm90MainloopMma {
     // (ROW,COL) views of S and O
     Tensor scores = make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));
     Tensor acc_o_rowcol = make_tensor(acc_o.data(), wgmma_acc_layout_as_rowcol(acc_o.layout()));
+    // P is S converted element by element; the mask reads S's coordinates;
+    // the softmax rescales the rows of O by the rows of S.
+    CUTE_STATIC_ASSERT_V(size(tOrP) == size(acc_s));
+    CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(tScS_rowcol));
+    CUTE_STATIC_ASSERT_V(size<1>(scores) == size<1>(tScS_rowcol));
+    CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(acc_o_rowcol));
     OnlineSoftmax<kNRows> softmax;
 
     full_barrier(barriers.q_full).wait(stages.q_phase());

@@ -1,20 +1,31 @@
-#include "cuda/decode/kvcache_append_rotary.h"
+// The kernel of fwd_kvcache's append / rotary step, which runs before the
+// attention when the attention kernel does not do it itself
+// (params.append_in_attention): the new keys / values are written into the
+// cache at positions cache_seqlens[b] + i (through the block table when
+// paged), the keys rotated when rotary tables are given, and q rotated into
+// params.q_ptr. Rotation happens in fp32 with one rounding and no fused
+// multiply-add (rotary.h), so the cache holds the same bits as the CPU path.
+// Its launcher is launch/append_rotary_launch.cu.
+#pragma once
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "cuda/core/cuda_check.h"
+#include "cuda/core/dependent_grid.h"
+#include "cuda/core/params.h"
 #include "cuda/decode/rotary.h"
 #include "cuda/decode/splitkv_work_item.h"
-#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
-namespace {
+
+constexpr int kAppendRotaryThreads = 256;
+
+// The kernel's helpers, which nothing else calls.
+namespace append_rotary {
 
 constexpr int kElemsPerThread = kRotaryChunkElems;
-constexpr int kThreads = 256;
 
 // Copies (rotating when rotary_dim > 0) 8 consecutive elements of one head
 // vector.
@@ -28,7 +39,7 @@ __device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& ro
 // Batch entry b's cache length, left padding and cache entry, guarded
 // (index_guards.h): the positions written and read below stay in the cache
 // and the rotary tables.
-__device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
+inline __device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
   return guarded_kvcache_entry(
       p, b,
       {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k, p.cache_leftpad ? p.cache_leftpad[b] : 0,
@@ -86,8 +97,10 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
 // chunks of q to rotate. Both jobs share one launch because in a decode step
 // each kernel costs a few microseconds of launch and dependent loads, more
 // than its copies (PERF_LOG 2026-11-23 ae57aaa).
+}  // namespace append_rotary
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kAppendRotaryThreads)
     append_rotary_kernel(const KvcacheParams p, int64_t append_chunks, int64_t all_chunks) {
   // Launched as a dependent grid (params.programmatic_launch): q and the new
   // k / v may come from the kernel just before this one. The attention kernel
@@ -98,36 +111,9 @@ __global__ void __launch_bounds__(kThreads)
   wait_for_preceding_grid();
   const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index < append_chunks) {
-    append_chunk<T>(p, index);
+    append_rotary::append_chunk<T>(p, index);
   } else if (index < all_chunks) {
-    rotate_q_chunk<T>(p, index - append_chunks);
-  }
-}
-
-template <typename T>
-void launch(const KvcacheParams& p, cudaStream_t stream) {
-  const int chunks = p.head_dim / kElemsPerThread;
-  const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
-  const bool rotating_q = p.rotary_dim > 0 && p.seqlen_q > 0;
-  const int64_t append_chunks =
-      appending ? int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks : 0;
-  const int64_t q_chunks = rotating_q ? int64_t(p.batch) * p.seqlen_q * p.nheads * chunks : 0;
-  const int64_t all_chunks = append_chunks + q_chunks;
-  if (all_chunks == 0) return;
-  LaunchOptions options;
-  options.programmatic = p.programmatic_launch;
-  const dim3 grid(static_cast<unsigned>((all_chunks + kThreads - 1) / kThreads));
-  launch_ex(&append_rotary_kernel<T>, grid, dim3(kThreads), 0, stream, options, p, append_chunks,
-            all_chunks);
-}
-
-}  // namespace
-
-void launch_kvcache_append_rotary(const KvcacheParams& params, cudaStream_t stream) {
-  if (params.is_bf16) {
-    launch<__nv_bfloat16>(params, stream);
-  } else {
-    launch<__half>(params, stream);
+    append_rotary::rotate_q_chunk<T>(p, index - append_chunks);
   }
 }
 

@@ -1,0 +1,71 @@
+// Compile-time shape of the split-KV (decode) kernel for one (head dim, key
+// tile, warp layout, dtype): its slab-by-slab shared-memory layouts, the MMA
+// of one warp, and the copy atoms, which are the SM80 forward kernel's.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
+
+namespace flash {
+
+using namespace cute;
+
+// The split-KV (decode) kernel: kWarpsN warps side by side along the keys of a
+// K/V tile, kNWarps / kWarpsN along the query rows (splitkv_tile_config.h). Each
+// warp runs its own 16 x kSlabN MMAs on its slab of keys with its own online
+// softmax; the warps' partial rows are merged once, at the end. So the tiles
+// are laid out slab by slab: slab w of a K/V tile (keys w * kSlabN ...) and
+// row slab w of the Q tile are each one contiguous swizzled tile, which a warp
+// addresses on its own.
+template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_>
+struct SplitKvKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kWarpsM = kNWarps / kWarpsN;
+  static constexpr int kBlockM = 16 * kWarpsM;
+  static constexpr int kSlabN = kBlockN / kWarpsN;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStages = splitkv_stages(kWarpsN);
+  static_assert(kNWarps % kWarpsN == 0 && kBlockN % (16 * kWarpsN) == 0,
+                "whole warps per key slab, at least one k16 step of P V per slab");
+
+  // MMA atom, swizzle atom and copies as in the SM80 forward kernel's
+  // traits (of a 64-row tile, which no part used here depends on).
+  using FwdTraits = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, Element>;
+  using MmaAtom = typename FwdTraits::MmaAtom;
+  // One warp's MMA: 16 rows x 16 (k16 steps of P V read 16 keys).
+  using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+  using SmemLayoutAtom = typename FwdTraits::SmemLayoutAtom;
+  using SmemCopyAtom = typename FwdTraits::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename FwdTraits::SmemCopyAtomTransposed;
+  using GmemTiledCopyQKV = typename FwdTraits::GmemTiledCopyQKV;
+  static_assert(kBlockM % (kNThreads / FwdTraits::kGmemThreadsPerRow) == 0,
+                "the Q tile is a whole number of global-copy passes");
+
+  // A slab starts at a multiple of 512 elements, above the swizzle's bits, so
+  // the slab-by-slab tile and one slab seen alone swizzle alike.
+  using SmemLayoutQSlab = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<_16, Int<kHeadDim>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemLayoutQSlab{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKVSlab =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemLayoutKVSlab{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V slab seen as (head dim, key): the B operand of P V without moving data.
+  using SmemLayoutVtSlab = decltype(composition(
+      SmemLayoutKVSlab{}, make_layout(Shape<Int<kHeadDim>, Int<kSlabN>>{}, GenRowMajor{})));
+  using SmemLayoutVtSlabNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVtSlab{}));
+  static constexpr int kQSlabElems = 16 * kHeadDim;
+  static constexpr int kKVSlabElems = kSlabN * kHeadDim;
+  static_assert(kQSlabElems % 512 == 0 && kKVSlabElems % 512 == 0);
+
+  static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+};
+
+}  // namespace flash

@@ -1,0 +1,44 @@
+// Host side of fwd_kvcache's append / rotary step (append_rotary_kernel.h):
+// one thread per 8-element chunk of the new keys / values and of q.
+#include "cuda/launch/append_rotary_launch.h"
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda/decode/append_rotary_kernel.h"
+#include "cuda/launch/dependent_launch.h"
+
+namespace flash {
+namespace {
+
+template <typename T>
+void launch(const KvcacheParams& p, cudaStream_t stream) {
+  const int chunks = p.head_dim / kRotaryChunkElems;
+  const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
+  const bool rotating_q = p.rotary_dim > 0 && p.seqlen_q > 0;
+  const int64_t append_chunks =
+      appending ? int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks : 0;
+  const int64_t q_chunks = rotating_q ? int64_t(p.batch) * p.seqlen_q * p.nheads * chunks : 0;
+  const int64_t all_chunks = append_chunks + q_chunks;
+  if (all_chunks == 0) return;
+  LaunchOptions options;
+  options.programmatic = p.programmatic_launch;
+  const dim3 grid(
+      static_cast<unsigned>((all_chunks + kAppendRotaryThreads - 1) / kAppendRotaryThreads));
+  launch_ex(&append_rotary_kernel<T>, grid, dim3(kAppendRotaryThreads), 0, stream, options, p,
+            append_chunks, all_chunks);
+}
+
+}  // namespace
+
+void launch_kvcache_append_rotary(const KvcacheParams& params, cudaStream_t stream) {
+  if (params.is_bf16) {
+    launch<__nv_bfloat16>(params, stream);
+  } else {
+    launch<__half>(params, stream);
+  }
+}
+
+}  // namespace flash
