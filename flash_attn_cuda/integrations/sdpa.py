@@ -42,6 +42,7 @@ argument's name; it never falls back silently to another kernel.
 
 from __future__ import annotations
 
+import operator
 import re
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence
@@ -85,8 +86,16 @@ def _reject_unknown(op: str, extra: Dict[str, object]) -> None:
             )
 
 
-def _window(value: Optional[int]) -> int:
-    return -1 if value is None else int(value)
+def _window(value: Optional[int], name: str) -> int:
+    if value is None:
+        return -1
+    try:
+        return operator.index(value)
+    except TypeError:
+        # A fraction of a key has no meaning; truncating it would hide the caller's mistake.
+        raise TypeError(
+            f"{PROVIDER_NAME} provider: {name} must be an int (-1 for no bound), got {value!r}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -187,8 +196,8 @@ def _check_qkv(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             "query, key and value must share one head dim, got "
             f"{head_dim}, {key.shape[-1]} and {value.shape[-1]}",
         )
-    if head_dim > _MAX_HEAD_DIM:
-        raise _unsupported(op, f"head dim must be at most {_MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise _unsupported(op, f"head dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
 
 
 def _check_dropout(op: str, dropout_p: float) -> None:
@@ -541,7 +550,8 @@ def flash_attention_forward(
     _check_alibi_no_grad(op, alibi_slopes, (query, key, value))
     if block_table is None:
         _check_qkv(op, query, key, value)
-    left, right = _window(window_size_left), _window(window_size_right)
+    left = _window(window_size_left, "window_size_left")
+    right = _window(window_size_right, "window_size_right")
     if cum_seq_q is None:
         if query.dim() != 4:
             raise _unsupported(
@@ -646,7 +656,8 @@ def flash_attention_backward(
     _check_dropout(op, dropout_p)
     _check_qkv(op, query, key, value)
     state = _from_torch_rng_state(op, dropout_p, rng_state, unused)
-    left, right = _window(window_size_left), _window(window_size_right)
+    left = _window(window_size_left, "window_size_left")
+    right = _window(window_size_right, "window_size_right")
     if cum_seq_q is None:
         grads = _backward_dense(
             grad_out,
