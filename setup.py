@@ -71,9 +71,17 @@ DEFAULT_ARCHS = "80;90a"
 
 # CPU seconds of one compile job for one arch, from the per-file measurements in
 # MAX_JOBS.md (2-core machine): the instantiation files by kernel, the other .cu files,
-# and a C++ file with the torch headers. Each further arch adds a share of a file's
-# time (device code only: the host pass and the preprocessing run once).
-JOB_CPU_SECONDS = {"flash_bwd": 80, "flash_fwd_splitkv": 45, "flash_fwd": 50, "cu": 30, "cpp": 23}
+# a C++ file with the torch (and CUDA) headers, and one of a CPU-only build (13 files in
+# 85 s on 2 cores). Each further arch adds a share of a file's time (device code only:
+# the host pass and the preprocessing run once).
+JOB_CPU_SECONDS = {
+    "flash_bwd": 80,
+    "flash_fwd_splitkv": 45,
+    "flash_fwd": 50,
+    "cu": 30,
+    "cpp": 23,
+    "cpu_only_cpp": 13,
+}
 EXTRA_ARCH_SHARE = 0.6
 # Ends build_info when FLASH_ATTN_CUDA_HDIMS / _DTYPES left kernels out.
 REDUCED_KERNEL_SET_MARK = "reduced kernel set"
@@ -746,7 +754,10 @@ def _about(seconds: float) -> str:
 def _build_plan(config: dict[str, Any], sources: Sequence[str], building_cuda: bool) -> str:
     """What the build compiles, and about how long it takes at MAX_JOBS jobs."""
     n_archs = len(config["archs"]) if building_cuda else 1
-    job_seconds = [_job_cpu_seconds(s, n_archs) for s in sources]
+    if building_cuda:
+        job_seconds = [_job_cpu_seconds(s, n_archs) for s in sources]
+    else:
+        job_seconds = [JOB_CPU_SECONDS["cpu_only_cpp"]] * len(sources)
     cores = os.cpu_count() or 1
     max_jobs = os.environ.get("MAX_JOBS", "")
     parallel = max(1, min(int(max_jobs) if max_jobs.isdigit() else cores, cores))
@@ -814,7 +825,10 @@ def main() -> None:
             os.environ["MAX_JOBS"] = str(max_jobs)
     print(f"{summary}; MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')}", file=sys.stderr)
     # Once per pip call: pip runs setup.py again to read the metadata, before the build.
-    if any(command.startswith(("build", "bdist", "editable", "install", "develop")) for command in sys.argv):
+    if any(
+        command.startswith(("build", "bdist", "editable", "install", "develop"))
+        for command in sys.argv
+    ):
         _announce(_build_plan(config, extension.sources, building_cuda))
 
     packages = [PACKAGE] + sorted(
