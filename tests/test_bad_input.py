@@ -862,9 +862,7 @@ def test_sdpa_provider_head_dim_zero_and_fractional_windows():
     from flash_attn_cuda.integrations import sdpa
 
     bhsd = rand(1, 2, 8, 0, dtype=torch.float32)
-    with pytest.raises(
-        sdpa.UnsupportedAttentionCall, match=r"head dim must be in \[1, 256\], got 0"
-    ):
+    with pytest.raises(sdpa.UnsupportedAttentionCall, match=r"head dim must be at least 1, got 0"):
         sdpa.scaled_dot_product_flash_attention(bhsd, bhsd, bhsd, 0.0, False, False)
     bshd = rand(1, 8, 2, 32, dtype=torch.float32)
     for side in ("window_size_left", "window_size_right"):

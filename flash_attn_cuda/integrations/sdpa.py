@@ -196,8 +196,10 @@ def _check_qkv(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             "query, key and value must share one head dim, got "
             f"{head_dim}, {key.shape[-1]} and {value.shape[-1]}",
         )
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
-        raise _unsupported(op, f"head dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    if head_dim > _MAX_HEAD_DIM:
+        raise _unsupported(op, f"head dim must be at most {_MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim < 1:
+        raise _unsupported(op, f"head dim must be at least 1, got {head_dim}")
 
 
 def _check_dropout(op: str, dropout_p: float) -> None:
