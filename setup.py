@@ -7,8 +7,9 @@ built too when a CUDA toolkit is found (and FLASH_ATTN_SKIP_CUDA_BUILD is not
 Environment switches (see README.md and MAX_JOBS.md):
   FLASH_ATTN_SKIP_CUDA_BUILD=1     CPU-only build, even if nvcc is present.
   FLASH_ATTN_FORCE_CUDA_BUILD=1    fail instead of falling back to CPU-only.
-  FLASH_ATTN_CUDA_ARCHS="80;90a"   one -gencode per entry (default; "90a" is
-                                   sm_90a, which the Hopper forward kernel needs).
+  FLASH_ATTN_CUDA_ARCHS="80;90a"   one -gencode per entry ("90a" is sm_90a, which
+                                   the Hopper kernels need). Default: the archs of
+                                   the GPUs torch sees, else 80;90a.
   FLASH_ATTN_CUDA_HDIMS=64,128     head dims to instantiate (default: all).
   FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16).
   FLASH_ATTN_PTXAS_VERBOSE=1       print registers / spills per kernel.
@@ -64,8 +65,24 @@ VERSION = _package_version()
 ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 ALL_DTYPES = ("fp16", "bf16")
 # sm_90a (not sm_90): the Hopper forward kernel uses wgmma, which only the
-# arch-specific target has; sm_90a machine code runs on every sm90 GPU.
+# arch-specific target has; sm_90a machine code runs on every sm90 GPU. The default when
+# FLASH_ATTN_CUDA_ARCHS is unset and torch sees no GPU to build for.
 DEFAULT_ARCHS = "80;90a"
+
+# CPU seconds of one compile job for one arch, from the per-file measurements in
+# MAX_JOBS.md (2-core machine): the instantiation files by kernel, the other .cu files,
+# a C++ file with the torch (and CUDA) headers, and one of a CPU-only build (13 files in
+# 85 s on 2 cores). Each further arch adds a share of a file's time (device code only:
+# the host pass and the preprocessing run once).
+JOB_CPU_SECONDS = {
+    "flash_bwd": 80,
+    "flash_fwd_splitkv": 45,
+    "flash_fwd": 50,
+    "cu": 30,
+    "cpp": 23,
+    "cpu_only_cpp": 13,
+}
+EXTRA_ARCH_SHARE = 0.6
 # Ends build_info when FLASH_ATTN_CUDA_HDIMS / _DTYPES left kernels out.
 REDUCED_KERNEL_SET_MARK = "reduced kernel set"
 
@@ -93,10 +110,10 @@ def _split_list(value: str) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _parse_archs() -> list[str]:
-    """FLASH_ATTN_CUDA_ARCHS -> list like ["80", "90a"]."""
+def _parse_archs(default: str = DEFAULT_ARCHS) -> list[str]:
+    """FLASH_ATTN_CUDA_ARCHS (else `default`) -> list like ["80", "90a"]."""
     archs = []
-    for item in _split_list(os.environ.get("FLASH_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)):
+    for item in _split_list(os.environ.get("FLASH_ATTN_CUDA_ARCHS", default)):
         arch = item.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
         if not re.fullmatch(r"\d{2,3}[af]?", arch):
             _fail(
@@ -197,6 +214,73 @@ def _nvcc_version(cuda_home: str) -> str | None:
         return None
     match = re.search(r"release (\d+)\.(\d+)", text)
     return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def _nvcc_gpu_codes(cuda_home: str) -> set[str] | None:
+    """The machine-code targets this nvcc can compile for ({"sm_80", "sm_90", ...}), or
+    None when it does not say (an nvcc older than --list-gpu-code)."""
+    try:
+        text = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-code"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    codes = set(re.findall(r"\bsm_\d+[af]?\b", text))
+    return codes or None
+
+
+def _arch_for_capability(major: int, minor: int, nvcc_codes: set[str] | None) -> str | None:
+    """The arch to compile for a GPU of compute capability major.minor; None below sm80.
+
+    sm_80 machine code runs on every 8.x GPU (A10, RTX 30xx / 40xx, L4, L40), so one arch
+    serves them all. sm90 gets sm_90a, for the Hopper kernels. A newer GPU runs the sm80
+    kernel design, but sm_80 machine code does not run across a major version, and PTX
+    for an older arch would be wrong there (the plan launches the split-KV combine as a
+    programmatic dependent from sm90 on, which PTX for sm80 does not wait for). So it gets
+    machine code for its own arch, which this nvcc must be able to produce.
+    """
+    if major < 8:
+        return None
+    if major == 8:
+        return "80"
+    if (major, minor) == (9, 0):
+        return "90a"
+    native = f"{major}{minor}"
+    if nvcc_codes is not None and f"sm_{native}" not in nvcc_codes:
+        _fail(
+            f"a visible GPU is sm_{native}, which this nvcc cannot compile for (it knows "
+            f"{', '.join(sorted(nvcc_codes))}); use a newer CUDA toolkit, or set "
+            "FLASH_ATTN_CUDA_ARCHS to the archs to build"
+        )
+    return native
+
+
+def _visible_gpu_archs(torch: ModuleType, nvcc_codes: set[str] | None) -> list[tuple[str, str]]:
+    """[(arch, "GPU name (sm_XY)")] for each GPU torch sees, one entry per arch."""
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = [
+            (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+            for i in range(count)
+        ]
+    except Exception as exc:  # a driver problem: build as if no GPU were there
+        print(f"flash_attn_cuda: cannot query the GPUs ({exc})", file=sys.stderr)
+        return []
+    found: dict[str, str] = {}
+    for name, (major, minor) in gpus:
+        arch = _arch_for_capability(major, minor, nvcc_codes)
+        if arch is None:
+            print(
+                f"flash_attn_cuda: {name} (sm_{major}{minor}) is older than sm80: "
+                "no kernels for it",
+                file=sys.stderr,
+            )
+        elif arch not in found:
+            found[arch] = f"{name} (sm_{major}{minor})"
+    return sorted(found.items(), key=lambda item: int(item[0].rstrip("af")))
 
 
 def _find_cuda_home(torch_cuda_version: str | None) -> tuple[str | None, str | None]:
@@ -396,7 +480,7 @@ def _c_string(text: str) -> str:
 def _configure() -> dict[str, Any]:
     import torch
 
-    archs, hdims, dtypes = _parse_archs(), _parse_hdims(), _parse_dtypes()
+    hdims, dtypes = _parse_hdims(), _parse_dtypes()
 
     cuda_home, cpu_only_reason = None, None
     if _env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
@@ -405,6 +489,16 @@ def _configure() -> dict[str, Any]:
         cpu_only_reason = f"the installed torch {torch.__version__} is built without CUDA"
     else:
         cuda_home, cpu_only_reason = _find_cuda_home(torch.version.cuda)
+
+    # Only a CUDA build reads the archs: a CPU-only one needs neither a GPU nor nvcc.
+    archs, archs_source = _parse_archs(), "FLASH_ATTN_CUDA_ARCHS"
+    if cuda_home and "FLASH_ATTN_CUDA_ARCHS" not in os.environ:
+        visible = _visible_gpu_archs(torch, _nvcc_gpu_codes(cuda_home))
+        if visible:
+            archs = [arch for arch, _ in visible]
+            archs_source = "the visible GPUs: " + ", ".join(gpu for _, gpu in visible)
+        else:
+            archs_source = "the default: no GPU visible to build for"
 
     cutlass_include, cutlass_source, cutlass_version = None, None, None
     if cuda_home:
@@ -458,6 +552,7 @@ def _configure() -> dict[str, Any]:
         if cuda_home
         else [],
         "archs": archs,
+        "archs_source": archs_source,
         "hdims": hdims,
         "dtypes": dtypes,
     }
@@ -640,6 +735,72 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
     return extension, summary, building_cuda
 
 
+def _job_cpu_seconds(source: str, n_archs: int) -> float:
+    if not source.endswith(".cu"):
+        return JOB_CPU_SECONDS["cpp"]
+    name = Path(source).name
+    kind = next(
+        (k for k in ("flash_bwd", "flash_fwd_splitkv", "flash_fwd") if name.startswith(k + "_")),
+        "cu",
+    )
+    return JOB_CPU_SECONDS[kind] * (1 + EXTRA_ARCH_SHARE * (n_archs - 1))
+
+
+def _about(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(10, round(seconds, -1)):.0f} s"
+    return f"{round(seconds / 60)} min"
+
+
+def _build_plan(config: dict[str, Any], sources: Sequence[str], building_cuda: bool) -> str:
+    """What the build compiles, and about how long it takes at MAX_JOBS jobs."""
+    n_archs = len(config["archs"]) if building_cuda else 1
+    if building_cuda:
+        job_seconds = [_job_cpu_seconds(s, n_archs) for s in sources]
+    else:
+        job_seconds = [JOB_CPU_SECONDS["cpu_only_cpp"]] * len(sources)
+    cores = os.cpu_count() or 1
+    max_jobs = os.environ.get("MAX_JOBS", "")
+    parallel = max(1, min(int(max_jobs) if max_jobs.isdigit() else cores, cores))
+    wall = max(sum(job_seconds) / parallel, max(job_seconds, default=0))
+    if building_cuda:
+        kernels = sum(s.startswith("csrc/cuda/instantiations/") for s in sources)
+        what = (
+            f"{kernels} kernel files (archs {','.join('sm_' + a for a in config['archs'])}, from "
+            f"{config['archs_source']}; head dims {','.join(map(str, config['hdims']))}; "
+            f"dtypes {','.join(config['dtypes'])}) and {len(sources) - kernels} other files"
+        )
+    else:
+        what = f"{len(sources)} C++ files (CPU-only)"
+    plan = (
+        f"flash_attn_cuda: compiling {what}, {parallel} at a time: expect about {_about(wall)} "
+        f"({_about(sum(job_seconds))} of CPU time; MAX_JOBS.md has measured builds)."
+    )
+    if building_cuda and "FLASH_ATTN_CUDA_ARCHS" not in os.environ and n_archs > 1:
+        plan += (
+            " A shorter build: FLASH_ATTN_CUDA_ARCHS=90a for H100/H200 only, or 80 for "
+            "A100 and the other sm8x GPUs (README.md, 'Install')."
+        )
+    return plan
+
+
+def _announce(message: str) -> None:
+    """Prints to stderr and, where pip hides that, to the terminal.
+
+    pip shows a build's output only with -v or after a failure; a build that runs for
+    minutes should say so before it starts, so the plan also goes to the controlling
+    terminal, when there is one and stderr is not it.
+    """
+    print(message, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write("\n" + message + "\n")
+    except OSError:
+        pass
+
+
 def _build_ext_class(cpp_extension: ModuleType) -> type:
     base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
@@ -664,6 +825,12 @@ def main() -> None:
         if max_jobs is not None:
             os.environ["MAX_JOBS"] = str(max_jobs)
     print(f"{summary}; MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')}", file=sys.stderr)
+    # Once per pip call: pip runs setup.py again to read the metadata, before the build.
+    if any(
+        command.startswith(("build", "bdist", "editable", "install", "develop"))
+        for command in sys.argv
+    ):
+        _announce(_build_plan(config, extension.sources, building_cuda))
 
     packages = [PACKAGE] + sorted(
         str(Path(init).parent).replace(os.sep, ".")

@@ -1930,70 +1930,128 @@ def parse_bool_choice(text: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Defaults are written into each help string: most options default to None and take
+    # their value from the device's grid (gpu_grid / cpu_grid), which argparse cannot show.
     p = argparse.ArgumentParser(
-        description="Benchmark flash_attn_cuda against PyTorch SDPA backends and flex_attention.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Benchmark flash_attn_cuda against PyTorch SDPA backends and flex_attention. "
+        "Defaults below: GPU / CPU grid; --quick picks a smaller one.",
     )
     p.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
     p.add_argument(
         "--out",
         default=None,
-        help="output folder for results.json and PNGs (default benchmarks/out/<device>/, "
+        help="output folder for results.json and PNGs (default: benchmarks/out/<device>/, "
         "ignored by git: a run becomes a kept result only when it is copied to "
         "benchmarks/results/<device>/current/ on purpose)",
     )
-    p.add_argument("--regimes", default=None, help=f"comma list of {REGIMES}")
+    p.add_argument(
+        "--regimes",
+        default=None,
+        help=f"comma list of {REGIMES} (default: all / train,decode,paged_prefill)",
+    )
     p.add_argument(
         "--providers",
         default=None,
-        help=f"comma list; GPU: {GPU_PROVIDERS} (default), also {GPU_OPTIONAL_PROVIDERS}; CPU: {CPU_PROVIDERS}",
+        help=f"comma list (default: all of GPU {GPU_PROVIDERS} / CPU {CPU_PROVIDERS}); a GPU "
+        f"also has {GPU_OPTIONAL_PROVIDERS}",
     )
-    p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32 (training grid)")
-    p.add_argument("--headdims", default=None, help="comma list of head dims (training grid)")
-    p.add_argument("--modes", default=None, help=f"comma list of {MODES}")
-    p.add_argument("--seqlens", default=None, help="comma list of training seqlens")
-    p.add_argument("--causal", default=None, choices=["both", "true", "false"])
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma list of bf16, fp16, fp32, training grid (default: bf16,fp16 / fp32,bf16; "
+        "--quick: bf16 / fp32,bf16)",
+    )
+    p.add_argument(
+        "--headdims",
+        default=None,
+        help="comma list of head dims, training grid (default: 64,128,256 / 64,128; --quick: "
+        "128 / 64)",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma list of {MODES} (default: all; --quick on the CPU: fwd,fwd_bwd)",
+    )
+    p.add_argument(
+        "--seqlens",
+        default=None,
+        help="comma list of training seqlens (default: 512..16384 / 128..2048, powers of 2; "
+        "--quick: 2048,8192 / 128,256)",
+    )
+    p.add_argument(
+        "--causal",
+        default=None,
+        choices=["both", "true", "false"],
+        help="training grid (default: both)",
+    )
     p.add_argument(
         "--decode-paged",
         action="store_true",
-        help="also measure flash_attn_with_kvcache on a paged cache (page sizes 1, 16 and 256)",
+        help="also measure flash_attn_with_kvcache on a paged cache (page sizes: "
+        "--decode-page-sizes)",
     )
     p.add_argument(
         "--decode-page-sizes",
         default=None,
-        help="comma list of page sizes for --decode-paged (default 1,16,256)",
+        help="comma list of page sizes for --decode-paged (default: 1,16,256)",
     )
-    p.add_argument("--decode-seqlens-q", default=None, help="comma list (default 1,4)")
-    p.add_argument("--decode-seqlens-k", default=None, help="comma list (default 4096..131072)")
-    p.add_argument("--decode-batches", default=None, help="comma list (default 1,4,16,64)")
+    p.add_argument("--decode-seqlens-q", default=None, help="comma list (default: 1,4; --quick: 1)")
+    p.add_argument(
+        "--decode-seqlens-k",
+        default=None,
+        help="comma list (default: 4096..131072, powers of 2 / 1024,4096,16384; --quick: "
+        "8192,65536 / 2048)",
+    )
+    p.add_argument(
+        "--decode-batches",
+        default=None,
+        help="comma list (default: 1,4,16,64 / 1,4; --quick: 1,16 / 1)",
+    )
     p.add_argument(
         "--decode-rounds",
         type=int,
         default=None,
         help="rounds per decode and paged_prefill case, in rotated order; a case "
-        "reports their median (default 3 on a GPU, 1 on the CPU)",
+        "reports their median (default: 3 / 1)",
     )
     p.add_argument(
         "--prefill-shapes",
         default=None,
-        help="paged_prefill: comma list of BATCHxQ_CHUNKxCONTEXT (default on a GPU "
-        "4x512x4096,4x2048x16384,8x128x8192,2x4096x4096)",
+        help="paged_prefill: comma list of BATCHxQ_CHUNKxCONTEXT (default: "
+        "4x512x4096,4x2048x16384,8x128x8192,2x4096x4096 / 2x16x64,1x32x128; --quick: the "
+        "first two / 2x16x64)",
     )
     p.add_argument(
         "--prefill-page-sizes",
         default=None,
         help="paged_prefill: comma list of page sizes, each measured against the "
-        "contiguous call (default 1,16,256 on a GPU; 1,16 on the CPU)",
+        "contiguous call (default: 1,16,64,256 / 1,16)",
     )
-    p.add_argument("--memory-seqlens", default=None, help="comma list (default 1024..65536)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="GPU timing window per measurement")
+    p.add_argument(
+        "--memory-seqlens",
+        default=None,
+        help="comma list, GPU only (default: 1024..65536, powers of 2; --quick: 8192,32768)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto: the GPU when torch sees one (default: auto)",
+    )
+    p.add_argument(
+        "--warmup-ms", type=float, default=25.0, help="GPU warm-up per measurement (default: 25)"
+    )
+    p.add_argument(
+        "--rep-ms",
+        type=float,
+        default=100.0,
+        help="GPU timing window per measurement (default: 100)",
+    )
     p.add_argument(
         "--cpu-budget-s",
         type=float,
         default=None,
-        help="CPU timing window per measurement (default 0.15 with --quick, else 0.5)",
+        help="CPU timing window per measurement (default: 0.5; --quick: 0.15)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument(

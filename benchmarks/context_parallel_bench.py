@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import glob
 import json
 import os
 import platform
@@ -438,7 +439,9 @@ def main():
             if s % (2 * world):
                 raise SystemExit(f"--seqlen {s} must be divisible by 2 * nproc = {2 * world}")
 
-    if ROOT not in sys.path:
+    # The checkout when it is built in place, else the installed package (which an unbuilt
+    # checkout on sys.path would hide).
+    if glob.glob(os.path.join(ROOT, "flash_attn_cuda", "_C.*")) and ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import flash_attn_cuda  # noqa: F401  (registers the provider)
     from flash_attn_cuda.integrations import sdpa

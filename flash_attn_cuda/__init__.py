@@ -10,10 +10,58 @@ __version__ = "0.1.0"
 
 import torch  # noqa: F401  (the extension links against torch's libraries)
 
+
+def _no_extension_message() -> str | None:
+    """Why the import fails when this folder holds no built extension at all, or None
+    when one is there (and failed to load for another reason).
+
+    The usual case: `pip install .` from a checkout, then Python started in the checkout.
+    Python looks in the current directory first, so it finds the sources in
+    flash_attn_cuda/, not the installed copy, and `from . import _C` then fails with a
+    misleading "circular import".
+    """
+    import importlib.machinery
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(
+        os.path.exists(os.path.join(here, "_C" + suffix))
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES
+    ):
+        return None
+    parent = os.path.dirname(here)
+    installed = [
+        os.path.join(entry, __name__)
+        for entry in sys.path
+        if os.path.realpath(entry or os.curdir) != os.path.realpath(parent)
+        and os.path.isfile(os.path.join(entry or os.curdir, __name__, "__init__.py"))
+    ]
+    if os.path.isfile(os.path.join(parent, "setup.py")) and installed:
+        return (
+            f"flash_attn_cuda: imported from the source tree {here}, which has no built "
+            f"extension (_C), instead of the installed package at {installed[0]}: Python "
+            "searches the current directory (or the script's) first, so the sources shadow "
+            "the install. Run Python from another directory to use the installed package, or "
+            "build the extension in place with `pip install --no-build-isolation -e .` in "
+            f"{parent} (FLASH_ATTN_SKIP_CUDA_BUILD=1 for a CPU-only build)."
+        )
+    return (
+        f"flash_attn_cuda: {here} has no built extension (_C): the package has not been "
+        "built. Build it from the repository root with `pip install --no-build-isolation -e .` "
+        "(FLASH_ATTN_SKIP_CUDA_BUILD=1 for a CPU-only build), or install it with "
+        "`pip install --no-build-isolation .` and import it from another directory."
+    )
+
+
 try:
     # Registers the ops (torch.ops.flash_attn.*) and their CPU / CUDA kernels.
     from . import _C
 except ImportError as exc:  # pragma: no cover - depends on the build
+    message = _no_extension_message()
+    if message is not None:
+        # The original error ("cannot import name '_C' ... circular import") adds nothing.
+        raise ImportError(message) from None
     raise ImportError(
         "flash_attn_cuda: the compiled extension flash_attn_cuda._C could not be loaded "
         f"({exc}). Build it from the repository root with `pip install --no-build-isolation "

@@ -11,6 +11,7 @@ the packed tensor's gradient.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -107,6 +108,11 @@ def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
         raise ValueError(
             f"head dimension (last dim of q) must be at most {_MAX_HEAD_DIM}, got {q.shape[-1]}"
         )
+    # Zero would also reach the default softmax scale, 1 / sqrt(head dim).
+    if q.shape[-1] < 1:
+        raise ValueError(f"head dimension (last dim of q) must be at least 1, got {q.shape[-1]}")
+    if v is not None and isinstance(v, torch.Tensor) and v.shape[-1] < 1:
+        raise ValueError(f"head dimension of v (last dim) must be at least 1, got {v.shape[-1]}")
     # v may have a smaller head dim d_v than q and k (d_qk); padding both to a
     # multiple of 8 could hide a larger one from the op.
     if v is not None and isinstance(v, torch.Tensor) and v.shape[-1] > q.shape[-1]:
@@ -119,6 +125,8 @@ def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
 def _check_same_device(q: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     device = q.device
     for name, t in others.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if t is not None and t.device != device:
             raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
@@ -129,9 +137,19 @@ def _check_dropout_p(dropout_p: float) -> None:
 
 
 def _attention_window(causal: bool, window_size: Sequence[int]) -> Tuple[int, int]:
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__"):
+        raise TypeError(
+            "window_size must be a pair (left, right) of ints, -1 for an unbounded side, "
+            f"got {window_size!r} ({type(window_size).__name__})"
+        )
     if len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = int(window_size[0]), int(window_size[1])
+    try:
+        # operator.index takes ints (and integer numpy or 0-dim tensor values) but no
+        # floats: a window of 0.5 keys would otherwise be truncated without a word.
+        left, right = operator.index(window_size[0]), operator.index(window_size[1])
+    except TypeError:
+        raise TypeError(f"window_size must hold ints (left, right), got {window_size!r}") from None
     # Causal is the window's right side closed at the diagonal; the ops apply
     # the same rule, normalising here keeps the two flags from disagreeing.
     if causal:

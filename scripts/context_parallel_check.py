@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import glob
 import json
 import os
 import platform
@@ -82,8 +83,10 @@ from provenance import git_commit  # noqa: E402
 
 def import_provider():
     """flash_attn_cuda's SDPA module (importing the package registers the provider),
-    from the checkout when the package is built in place and not installed."""
-    if ROOT not in sys.path:
+    from the checkout when the package is built in place, else the installed one (an
+    unbuilt checkout on sys.path would hide it)."""
+    built_in_place = glob.glob(os.path.join(ROOT, "flash_attn_cuda", "_C.*"))
+    if built_in_place and ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import flash_attn_cuda  # noqa: F401
     from flash_attn_cuda.integrations import sdpa as module

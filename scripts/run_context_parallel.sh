@@ -47,7 +47,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # an offline machine's nvidia-cutlass wh
   python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
 fi
 [ -d .site ] && export PYTHONPATH=$ROOT/.site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# The checkout's package when it is (or is about to be) built in place, else the installed
+# one, which an unbuilt checkout on PYTHONPATH would hide.
+if [ "${BUILD:-0}" = 1 ] || ls flash_attn_cuda/_C.* >/dev/null 2>&1; then
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 # The scripts record FLASH_ATTN_CUDA_COMMIT when set, else git's HEAD (+"-dirty").
 COMMIT=${FLASH_ATTN_CUDA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo "unknown (no .git)")}

@@ -1,6 +1,12 @@
 """Shared pytest setup.
 
 * tests/ is put on sys.path so that test modules can `import reference`.
+* Run from a checkout whose flash_attn_cuda/ has no built extension (after
+  `pip install .`, not `-e .`), the tests use the installed package: the
+  checkout's folder is taken off sys.path, where it would shadow the install.
+  With no installed package either, the run stops with the package's message
+  on how to build it. PACKAGE_PARENT is the folder the tests import
+  flash_attn_cuda from, for the tests that start another Python.
 * Every test starts from its own seed (derived from its node id), so a failure
   reproduces when the test is rerun alone; FLASH_ATTN_TEST_SEED shifts all
   seeds to draw different inputs.
@@ -11,6 +17,8 @@
   of every kernel the same error stays a failure: nothing may be missing there.
 """
 
+import importlib.machinery
+import importlib.util
 import os
 import random
 import sys
@@ -22,6 +30,38 @@ import torch
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+ROOT = os.path.dirname(TESTS_DIR)
+
+
+def _built_in_place():
+    package = os.path.join(ROOT, "flash_attn_cuda")
+    return any(
+        os.path.exists(os.path.join(package, "_C" + suffix))
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES
+    )
+
+
+def _choose_package():
+    """(folder holding the flash_attn_cuda to test, why the run cannot start or None).
+
+    `python3 -m pytest` from the checkout puts the checkout first on sys.path. Without an
+    in-place build its flash_attn_cuda/ cannot load, and would hide an installed copy.
+    """
+    if not _built_in_place():
+        root = os.path.realpath(ROOT)
+        unshadowed = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec("flash_attn_cuda", unshadowed)
+        if spec is not None and spec.origin:
+            sys.path[:] = unshadowed
+            return os.path.dirname(os.path.dirname(spec.origin)), None
+    try:
+        import flash_attn_cuda
+    except ImportError as exc:
+        return None, str(exc)
+    return os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_cuda.__file__))), None
+
+
+PACKAGE_PARENT, _PACKAGE_ERROR = _choose_package()
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -59,6 +99,21 @@ def _build_info():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: the test needs a CUDA GPU; skipped without one")
+
+
+def pytest_sessionstart(session):
+    # Once, instead of the same ImportError in every test file that imports the package.
+    if _PACKAGE_ERROR is not None:
+        pytest.exit(_PACKAGE_ERROR, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_report_header(config):
+    if PACKAGE_PARENT is not None and os.path.realpath(PACKAGE_PARENT) != os.path.realpath(ROOT):
+        return (
+            f"flash_attn_cuda: the installed package in {PACKAGE_PARENT} (this checkout has "
+            "no in-place build)"
+        )
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

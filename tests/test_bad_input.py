@@ -1,4 +1,4 @@
-"""Bad input raises a clear error (RuntimeError or ValueError) naming the argument.
+"""Bad input raises a clear error (RuntimeError, ValueError or TypeError) naming the argument.
 
 Every case goes through the raw op (torch.ops.flash_attn.*), and the common
 ones also through the Python API. No case may crash the process: a crash fails
@@ -13,6 +13,8 @@ from flash_attn_cuda import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
 
@@ -766,3 +768,107 @@ def test_tensors_on_different_devices_reach_the_op():
         )
     with pytest.raises(ERRORS, match=r"k_cache must be on the same device as q"):
         ops.fwd_kvcache(**kvcache_kwargs(q=rand(2, 1, 4, 32, device="cuda")))
+
+
+# ---------------------------------------------------------------------------
+# window_size, head dim 0 and index tensors on every public function
+# ---------------------------------------------------------------------------
+
+
+def _varlen_qkv(d=32):
+    return rand(9, 4, d), rand(12, 2, d), rand(12, 2, d)
+
+
+CU_Q, CU_K = [0, 3, 9], [0, 5, 12]
+
+
+def _each_function(d=32, **kwargs):
+    """{name: call} of every public function with the same extra arguments."""
+    q, k, v = qkv(d=d)
+    vq, vk, vv = _varlen_qkv(d=d)
+    return {
+        "func": lambda: flash_attn_func(q, k, v, **kwargs),
+        "kvpacked": lambda: flash_attn_kvpacked_func(q, torch.stack([k, v], 2), **kwargs),
+        "qkvpacked": lambda: flash_attn_qkvpacked_func(torch.stack([q, q, q], 2), **kwargs),
+        "varlen": lambda: flash_attn_varlen_func(
+            vq, vk, vv, int32(CU_Q), int32(CU_K), 6, 7, **kwargs
+        ),
+        "varlen_kvpacked": lambda: flash_attn_varlen_kvpacked_func(
+            vq, torch.stack([vk, vv], 1), int32(CU_Q), int32(CU_K), 6, 7, **kwargs
+        ),
+        "varlen_qkvpacked": lambda: flash_attn_varlen_qkvpacked_func(
+            torch.stack([vq, vq, vq], 1), int32(CU_Q), 6, **kwargs
+        ),
+        "kvcache": lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, d), rand(2, 8, 2, d), rand(2, 8, 2, d), **kwargs
+        ),
+    }
+
+
+FUNCTIONS = sorted(_each_function())
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize(
+    "window_size, message",
+    [
+        (
+            16,
+            r"window_size must be a pair \(left, right\) of ints, -1 for an unbounded side, got 16 \(int\)",
+        ),
+        ((0.5, 1.7), r"window_size must hold ints \(left, right\), got \(0\.5, 1\.7\)"),
+        ((4, 2.0), r"window_size must hold ints \(left, right\), got \(4, 2\.0\)"),
+        (None, r"window_size must be a pair .* got None \(NoneType\)"),
+    ],
+    ids=["int", "floats", "one_float", "none"],
+)
+def test_window_size_must_be_a_pair_of_ints(function, window_size, message):
+    with pytest.raises(TypeError, match=message):
+        _each_function(window_size=window_size)[function]()
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_window_size_of_integer_values_is_taken(function):
+    # Not only Python ints: a list, and an integer tensor value, are pairs of ints too.
+    out = _each_function(window_size=[torch.tensor(3), -1])[function]()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_head_dim_zero(function):
+    with pytest.raises(
+        ValueError, match=r"head dimension \(last dim of q\) must be at least 1, got 0"
+    ):
+        _each_function(d=0)[function]()
+
+
+def test_head_dim_of_v_zero():
+    q, k, _ = qkv()
+    with pytest.raises(
+        ValueError, match=r"head dimension of v \(last dim\) must be at least 1, got 0"
+    ):
+        flash_attn_func(q, k, rand(2, 11, 2, 0))
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_as_a_list(which):
+    cu = {"cu_seqlens_q": int32(CU_Q), "cu_seqlens_k": int32(CU_K)}
+    cu[which] = CU_Q if which == "cu_seqlens_q" else CU_K
+    with pytest.raises(TypeError, match=rf"{which} must be a torch.Tensor or None, got list"):
+        flash_attn_varlen_func(*_varlen_qkv(), cu["cu_seqlens_q"], cu["cu_seqlens_k"], 6, 7)
+
+
+def test_sdpa_provider_head_dim_zero_and_fractional_windows():
+    from flash_attn_cuda.integrations import sdpa
+
+    bhsd = rand(1, 2, 8, 0, dtype=torch.float32)
+    with pytest.raises(sdpa.UnsupportedAttentionCall, match=r"head dim must be at least 1, got 0"):
+        sdpa.scaled_dot_product_flash_attention(bhsd, bhsd, bhsd, 0.0, False, False)
+    bshd = rand(1, 8, 2, 32, dtype=torch.float32)
+    for side in ("window_size_left", "window_size_right"):
+        with pytest.raises(
+            TypeError, match=rf"{side} must be an int \(-1 for no bound\), got 0\.5"
+        ):
+            sdpa.flash_attention_forward(
+                bshd, bshd, bshd, None, None, 8, 8, 0.0, False, False, **{side: 0.5}
+            )

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from conftest import PACKAGE_PARENT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "scripts", "context_parallel_check.py")
 BENCH = os.path.join(ROOT, "benchmarks", "context_parallel_bench.py")
@@ -33,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the torch build
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env.pop("WORLD_SIZE", None)
     return env
@@ -98,7 +100,7 @@ def test_check_fails_on_a_wrong_kernel(tmp_path):
     out = tmp_path / "check.json"
     code = f"""
 import runpy, sys
-sys.path.insert(0, {ROOT!r})
+sys.path.insert(0, {PACKAGE_PARENT!r})
 from flash_attn_cuda.integrations import sdpa
 fwd = sdpa._OVERRIDES["_scaled_dot_product_flash_attention"]
 def wrong(*args, **kwargs):

@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import PACKAGE_PARENT
 
 # Registers ops the way flash-attn 2.8's flash_attn_interface.py does: custom_op
 # in the flash_attn namespace plus a fake kernel. The bodies only return
@@ -130,7 +130,7 @@ def stand_in_dir(tmp_path):
 def test_both_import_orders(stand_in_dir, order):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(stand_in_dir), ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        [str(stand_in_dir), PACKAGE_PARENT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     result = subprocess.run(
         [sys.executable, str(stand_in_dir / "run_check.py"), order],

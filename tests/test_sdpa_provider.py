@@ -16,6 +16,7 @@ criterion; restore gives the built-in kernels back.
 """
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -41,6 +42,12 @@ needs_varlen = pytest.mark.skipif(
 )
 
 NAME = sdpa.PROVIDER_NAME
+
+# The CPU tests activate the provider on purpose where it serves no GPU; one test checks
+# the warning that gives.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:FLASH_ATTN_CUDA provider activated, but no CUDA GPU:UserWarning"
+)
 
 
 # ---------------------------------------------------------------------------
@@ -167,6 +174,49 @@ def test_activate_restore_round_trip():
     torch.nn.attention.activate_flash_attention_impl(NAME)
     torch.nn.attention.restore_flash_attention_impl()
     assert {op: _cuda_kernel_source(op) for op in sdpa.overridden_ops()} == before
+
+
+@needs_registry
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_activation_without_a_gpu_says_it_serves_nothing():
+    with pytest.warns(UserWarning, match=r"FLASH_ATTN_CUDA provider activated, but no CUDA GPU"):
+        torch.nn.attention.activate_flash_attention_impl(NAME)
+    torch.nn.attention.restore_flash_attention_impl()
+
+
+def _fake_gpus(monkeypatch, *capabilities):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU{i}")
+
+
+@pytest.mark.parametrize(
+    "capabilities, archs, reason",
+    [
+        ([(9, 0)], "sm_80,sm_90a", None),
+        ([(8, 6), (8, 9)], "sm_80", None),
+        ([(9, 0)], "sm_80", r"cuda:0 \(GPU0, sm_90\) has no kernels in this build \(archs sm_80\)"),
+        ([(8, 0), (10, 0)], "sm_90a", r"cuda:0 .*sm_80.* has no kernels.*cuda:1"),
+        ([(7, 5)], "sm_80", r"cuda:0 \(GPU0, sm_75\) is older than sm80"),
+    ],
+)
+def test_provider_names_the_gpus_a_build_cannot_serve(monkeypatch, capabilities, archs, reason):
+    _fake_gpus(monkeypatch, *capabilities)
+    monkeypatch.setattr(flash_attn_cuda, "cuda_built", True)
+    monkeypatch.setattr(flash_attn_cuda, "build_info", f"cuda 13.0; archs {archs}; hdims 128")
+    found = sdpa._cannot_serve()
+    if reason is None:
+        assert found is None
+    else:
+        assert found is not None and re.search(reason, found), found
+
+
+def test_provider_on_a_build_without_cuda_kernels(monkeypatch):
+    _fake_gpus(monkeypatch, (9, 0))
+    monkeypatch.setattr(flash_attn_cuda, "cuda_built", False)
+    monkeypatch.setattr(flash_attn_cuda, "build_info", "cpu-only (no nvcc found); torch 2.15")
+    assert "this build of flash_attn_cuda has no CUDA kernels (cpu-only" in sdpa._cannot_serve()
 
 
 def test_overrides_take_every_argument_of_the_installed_schema():

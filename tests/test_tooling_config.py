@@ -1,4 +1,5 @@
-"""The tooling configuration: .pre-commit-config.yaml, .clang-format, pyproject's [tool.ruff].
+"""The tooling configuration: .pre-commit-config.yaml, .clang-format, pyproject's [tool.ruff],
+and the lint step of .ci/run.
 
 CPU only, no network, and none of the tools needs to be installed: the files are read as
 text. PyYAML may be missing, so .pre-commit-config.yaml is read by a small line-based reader
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRE_COMMIT = ROOT / ".pre-commit-config.yaml"
 CLANG_FORMAT = ROOT / ".clang-format"
 PYPROJECT = ROOT / "pyproject.toml"
+CI_RUN = ROOT / ".ci" / "run"
 RESULTS = ROOT / "benchmarks" / "results"
 GENERATED = ROOT / "csrc" / "cuda" / "instantiations"
 HOOK_KEYS = ("id", "args", "files", "exclude", "types", "types_or")
@@ -157,3 +159,43 @@ def test_ruff_line_length_equals_clang_format_column_limit():
 def test_ruff_target_is_the_oldest_supported_python():
     requires = re.search(r'^requires-python\s*=\s*">=\s*3\.(\d+)"', PYPROJECT.read_text(), re.M)
     assert _ruff_settings()["target-version"] == f"py3{requires.group(1)}"
+
+
+def _ci_variable(name):
+    match = re.search(rf'^{name}="([^"]*)"$', CI_RUN.read_text(), re.M)
+    assert match, f'{CI_RUN.relative_to(ROOT)} sets no {name}="..." line'
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    "variable, hook_id, package",
+    [
+        ("RUFF_VERSION", "ruff-check", "ruff"),
+        ("CLANG_FORMAT_VERSION", "clang-format", "clang-format"),
+    ],
+)
+def test_ci_lints_with_the_versions_the_hooks_pin(variable, hook_id, package):
+    # One formatter version for CI and pre-commit: two versions can format one line two
+    # ways, and then CI and the hook would each reject the other's output.
+    version = _ci_variable(variable)
+    repo, _ = _hooks()[hook_id]
+    assert repo["rev"].removeprefix("v") == version, (
+        f".ci/run {variable}={version}, {PRE_COMMIT.name} {repo['repo']} rev {repo['rev']}"
+    )
+    assert f'"{package}==${{{variable}}}"' in CI_RUN.read_text(), (
+        f".ci/run does not install {package}==${{{variable}}}"
+    )
+
+
+def test_ci_lint_step_runs_before_the_build_and_skips_generated_files():
+    text = CI_RUN.read_text()
+    commands = [
+        "ruff check",
+        "ruff format --check",
+        "--dry-run --Werror",
+        "pip install --quiet --disable-pip-version-check --no-build-isolation -e .",
+    ]
+    positions = [text.find(command) for command in commands]
+    assert -1 not in positions, dict(zip(commands, positions))
+    assert positions == sorted(positions), "the lint commands must run before the build"
+    assert "-path csrc/cuda/instantiations -prune" in text

@@ -592,9 +592,11 @@ def test_benchmark_e2e_quick_cpu(tmp_path):
     import os
     import subprocess
 
+    from conftest import PACKAGE_PARENT
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [
             sys.executable,

@@ -42,6 +42,8 @@ argument's name; it never falls back silently to another kernel.
 
 from __future__ import annotations
 
+import operator
+import re
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -84,8 +86,16 @@ def _reject_unknown(op: str, extra: Dict[str, object]) -> None:
             )
 
 
-def _window(value: Optional[int]) -> int:
-    return -1 if value is None else int(value)
+def _window(value: Optional[int], name: str) -> int:
+    if value is None:
+        return -1
+    try:
+        return operator.index(value)
+    except TypeError:
+        # A fraction of a key has no meaning; truncating it would hide the caller's mistake.
+        raise TypeError(
+            f"{PROVIDER_NAME} provider: {name} must be an int (-1 for no bound), got {value!r}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -188,6 +198,8 @@ def _check_qkv(op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         )
     if head_dim > _MAX_HEAD_DIM:
         raise _unsupported(op, f"head dim must be at most {_MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim < 1:
+        raise _unsupported(op, f"head dim must be at least 1, got {head_dim}")
 
 
 def _check_dropout(op: str, dropout_p: float) -> None:
@@ -540,7 +552,8 @@ def flash_attention_forward(
     _check_alibi_no_grad(op, alibi_slopes, (query, key, value))
     if block_table is None:
         _check_qkv(op, query, key, value)
-    left, right = _window(window_size_left), _window(window_size_right)
+    left = _window(window_size_left, "window_size_left")
+    right = _window(window_size_right, "window_size_right")
     if cum_seq_q is None:
         if query.dim() != 4:
             raise _unsupported(
@@ -645,7 +658,8 @@ def flash_attention_backward(
     _check_dropout(op, dropout_p)
     _check_qkv(op, query, key, value)
     state = _from_torch_rng_state(op, dropout_p, rng_state, unused)
-    left, right = _window(window_size_left), _window(window_size_right)
+    left = _window(window_size_left, "window_size_left")
+    right = _window(window_size_right, "window_size_right")
     if cum_seq_q is None:
         grads = _backward_dense(
             grad_out,
@@ -738,8 +752,61 @@ def _install(dispatch_keys: Sequence[str] = ("CUDA",)) -> _ProviderHandle:
     return _ProviderHandle(libraries)
 
 
+def _arch_serves(arch: str, major: int, minor: int) -> bool:
+    # Machine code for sm_XY runs on GPUs of major X and minor >= Y; an arch-specific
+    # target (sm_90a) only on its own GPU. The build compiles no PTX (setup.py).
+    match = re.fullmatch(r"sm_(\d+)(\d)([af]?)", arch)
+    if match is None:
+        return False
+    arch_major, arch_minor, suffix = int(match.group(1)), int(match.group(2)), match.group(3)
+    if suffix:
+        return (arch_major, arch_minor) == (major, minor)
+    return arch_major == major and arch_minor <= minor
+
+
+def _cannot_serve() -> Optional[str]:
+    """Why activating the provider here would not bring our kernels to any SDPA call, or
+    None when it serves every visible GPU."""
+    import flash_attn_cuda
+
+    if not torch.cuda.is_available():
+        return (
+            "no CUDA GPU is visible (torch.cuda.is_available() is False); the provider "
+            "replaces the CUDA kernels of SDPA's flash backend, so calls on CPU tensors keep "
+            "torch's own kernels"
+        )
+    if not flash_attn_cuda.cuda_built:
+        return (
+            f"this build of flash_attn_cuda has no CUDA kernels ({flash_attn_cuda.build_info}), "
+            "so SDPA flash-attention calls on CUDA tensors will raise; rebuild with a CUDA "
+            "toolkit (README.md, 'Install')"
+        )
+    archs = re.search(r"archs ([\w,]+)", flash_attn_cuda.build_info or "")
+    built = archs.group(1).split(",") if archs else []
+    problems = []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        name = f"cuda:{index} ({torch.cuda.get_device_name(index)}, sm_{major}{minor})"
+        if major < 8:
+            problems.append(f"{name} is older than sm80, which the kernels need")
+        elif built and not any(_arch_serves(arch, major, minor) for arch in built):
+            problems.append(
+                f"{name} has no kernels in this build (archs {','.join(built)}); rebuild with "
+                f"FLASH_ATTN_CUDA_ARCHS including it"
+            )
+    if problems:
+        return "; ".join(problems) + ": SDPA flash-attention calls there will raise"
+    return None
+
+
 def _register_fn() -> _ProviderHandle:
-    # What torch.nn.attention.activate_flash_attention_impl calls.
+    # What torch.nn.attention.activate_flash_attention_impl calls. Where the kernels
+    # cannot serve, activation still installs them (a script that activates the provider
+    # may run on CPU machines too) but says so, instead of leaving the user to find out
+    # that nothing changed or that every call raises.
+    reason = _cannot_serve()
+    if reason is not None:
+        warnings.warn(f"{PROVIDER_NAME} provider activated, but {reason}.", stacklevel=3)
     return _install(("CUDA",))
 
 
