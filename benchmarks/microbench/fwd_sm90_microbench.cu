@@ -145,10 +145,7 @@ int main(int argc, char** argv) {
   // the launcher's key-count rule would pick).
   const int64_t num_tiles = flash::fwd_sm90_num_tiles(params, Traits::kBlockM);
   const bool more_tiles_than_sms = num_tiles > num_sms;
-  // plan.cpp's fwd_tiles_differ_in_work (private to the plan, which this
-  // single-file program does not link): windows or varlen make tiles differ.
-  const bool differ =
-      params.window_left >= 0 || params.window_right >= 0 || params.cu_seqlens_q != nullptr;
+  const bool differ = flash::fwd_tiles_differ_in_work(params);
   const dim3 grid(Traits::kPersistent && more_tiles_than_sms && !differ ? num_sms : num_tiles);
   const bool with_counter = Traits::kPersistent && more_tiles_than_sms && differ;
   unsigned long long* tile_counter;

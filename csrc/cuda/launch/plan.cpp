@@ -121,16 +121,6 @@ bool fwd_sm90_by_shape(const FwdParams& params, int num_sms, int min_seqlen_k,
          (num_sms > 0 && fwd_sm90_num_tiles(params) >= int64_t(min_blocks_per_sm) * num_sms);
 }
 
-// Whether the tiles do different work (a causal or local bound, or the
-// sequences of a varlen batch, whose lengths differ and whose longest sets
-// the grid), so that a persistent grid hands them out from a counter instead
-// of in fixed shares. On varlen batches fixed shares were slower than the
-// counter (up to 2048 keys) or one block per query block (PERF_LOG
-// 2026-11-24 9f57c38).
-bool fwd_tiles_differ_in_work(const FwdParams& params) {
-  return params.window_left >= 0 || params.window_right >= 0 || params.cu_seqlens_q != nullptr;
-}
-
 // The most keys one query block sees: with both window sides bounded, the
 // window plus the block's own rows; else up to every key.
 int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {

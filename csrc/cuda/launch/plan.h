@@ -120,6 +120,16 @@ constexpr bool fwd_sm90_persistent(int head_dim, int block_m, int block_n) {
          kSm90SmemPerBlock;
 }
 
+// Whether the tiles do different work (a causal or local bound, or the
+// sequences of a varlen batch, whose lengths differ and whose longest sets
+// the grid), so that a persistent grid hands them out from a counter instead
+// of in fixed shares. On varlen batches fixed shares were slower than the
+// counter (up to 2048 keys) or one block per query block (PERF_LOG
+// 2026-11-24 9f57c38).
+inline bool fwd_tiles_differ_in_work(const FwdParams& params) {
+  return params.window_left >= 0 || params.window_right >= 0 || params.cu_seqlens_q != nullptr;
+}
+
 // --------------------------------------------------------------- backward
 
 enum class BwdKernel : uint8_t {
