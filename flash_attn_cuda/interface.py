@@ -514,6 +514,24 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return grads + (None,) * 15 + (d_sink,)
 
 
+def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
+    """What the public functions return: flash-attn 2.x's (out, softmax_lse, S_dmask)
+    with return_attn_probs, FA3 / vLLM's (out, softmax_lse) with return_softmax_lse."""
+    if return_attn_probs:
+        return out, softmax_lse, s_dmask
+    if return_softmax_lse:
+        return out, softmax_lse
+    return out
+
+
+def _check_return_flags(return_attn_probs: bool, return_softmax_lse: bool) -> None:
+    if return_attn_probs and return_softmax_lse:
+        raise ValueError(
+            "return_attn_probs=True and return_softmax_lse=True ask for two different results "
+            "((out, softmax_lse, S_dmask) and (out, softmax_lse)): pass one of them"
+        )
+
+
 def _attention(
     q,
     k,
@@ -528,6 +546,7 @@ def _attention(
     return_attn_probs,
     out=None,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
     _check_head_dim(q, v)
     _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
@@ -560,7 +579,7 @@ def _attention(
             learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
-        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+        return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
     softmax_scale = _default_softmax_scale(softmax_scale, q.shape[-1])
     # As in flash-attn: the probabilities are only materialised when there is a
     # dropout pattern to report; otherwise S_dmask is empty.
@@ -584,7 +603,7 @@ def _attention(
             learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, v.shape[-1])
-        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+        return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
     q, k, v, alibi_slopes, learnable_sink = _distinct(q, k, v, alibi_slopes, learnable_sink)
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
         q,
@@ -601,7 +620,7 @@ def _attention(
         _draw_rng_state(dropout_p, q.device),
         learnable_sink,
     )
-    return (out, softmax_lse, s_dmask) if return_attn_probs else out
+    return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
 
 def _varlen_attention(
@@ -624,6 +643,7 @@ def _varlen_attention(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -682,7 +702,7 @@ def _varlen_attention(
             learnable_sink=learnable_sink,
         )
         out = _copy_back(out, target)
-        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+        return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
     if not _grad_needed(q, k, v, alibi_slopes, learnable_sink):
         head_dim_v = v.shape[-1]
         out, softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd(
@@ -709,7 +729,7 @@ def _varlen_attention(
             learnable_sink=learnable_sink,
         )
         out = _unpad_head_dim(out, head_dim_v)
-        return (out, softmax_lse, s_dmask) if return_attn_probs else out
+        return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink) = (
         _distinct(
             q,
@@ -744,13 +764,14 @@ def _varlen_attention(
         seqused_k,
         learnable_sink,
     )
-    return (out, softmax_lse, s_dmask) if return_attn_probs else out
+    return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
 
 _RETURNS_DOC = """
     Returns:
-        out when return_attn_probs is False, otherwise the tuple
-        (out, softmax_lse, S_dmask):
+        out; with return_attn_probs the tuple (out, softmax_lse, S_dmask)
+        (flash-attn 2.x); with return_softmax_lse the pair (out, softmax_lse)
+        (FA3 and vLLM's flash_attn_varlen_func):
         out: {out_layout}, same dtype as q.
         softmax_lse: fp32 {lse_layout}, the natural-log log-sum-exp of each row
             of scaled (and softcapped, ALiBi-biased, masked) scores, the sink
@@ -795,6 +816,8 @@ _COMMON_ARGS_DOC = """
         deterministic: make the backward pass bitwise reproducible (the
             forward pass always is).
         return_attn_probs: also return softmax_lse and S_dmask (see below).
+        return_softmax_lse: keyword-only; also return softmax_lse, without
+            S_dmask (see below). At most one of the two may be True.
 """
 
 _SINK_ARG_DOC = """        learnable_sink: optional keyword-only fp32 tensor of shape (nheads,)
@@ -833,7 +856,9 @@ def flash_attn_func(
     *,
     out=None,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_ndim(k, "k", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
     _check_ndim(v, "v", 4, "(batch_size, seqlen_k, nheads_k, headdim)")
@@ -851,6 +876,7 @@ def flash_attn_func(
         return_attn_probs,
         out,
         learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 
@@ -892,7 +918,9 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
     _check_packed(kv, "kv", 2, 2, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=2)
@@ -909,6 +937,7 @@ def flash_attn_kvpacked_func(
         deterministic,
         return_attn_probs,
         learnable_sink=learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 
@@ -945,7 +974,9 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_packed(qkv, "qkv", 2, 3, "(batch_size, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
     return _attention(
@@ -961,6 +992,7 @@ def flash_attn_qkvpacked_func(
         deterministic,
         return_attn_probs,
         learnable_sink=learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 
@@ -1015,7 +1047,9 @@ def flash_attn_varlen_func(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     kv_layout = (
         "(total_k, nheads_k, headdim)"
@@ -1045,6 +1079,7 @@ def flash_attn_varlen_func(
         seqused_k,
         out,
         learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 
@@ -1110,7 +1145,9 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     _check_packed(kv, "kv", 1, 2, "(total_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(dim=1)
@@ -1132,6 +1169,7 @@ def flash_attn_varlen_kvpacked_func(
         return_attn_probs,
         None,
         learnable_sink=learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 
@@ -1170,7 +1208,9 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    return_softmax_lse=False,
 ):
+    _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_packed(qkv, "qkv", 1, 3, "(total, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=1)
     return _varlen_attention(
@@ -1191,6 +1231,7 @@ def flash_attn_varlen_qkvpacked_func(
         return_attn_probs,
         None,
         learnable_sink=learnable_sink,
+        return_softmax_lse=return_softmax_lse,
     )
 
 

@@ -252,12 +252,17 @@ def test_package_exports():
 # The additions after flash-attn 2.8's parameters: serving (docs/serving.md)
 # and attention sinks (tests/test_sinks.py), keyword-only.
 EXPECTED_KEYWORD_ONLY = {
-    "flash_attn_func": [("out", None), ("learnable_sink", None)],
-    "flash_attn_kvpacked_func": [("learnable_sink", None)],
-    "flash_attn_qkvpacked_func": [("learnable_sink", None)],
-    "flash_attn_varlen_func": [("seqused_k", None), ("out", None), ("learnable_sink", None)],
-    "flash_attn_varlen_kvpacked_func": [("learnable_sink", None)],
-    "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None)],
+    "flash_attn_func": [("out", None), ("learnable_sink", None), ("return_softmax_lse", False)],
+    "flash_attn_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
+    "flash_attn_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
+    "flash_attn_varlen_func": [
+        ("seqused_k", None),
+        ("out", None),
+        ("learnable_sink", None),
+        ("return_softmax_lse", False),
+    ],
+    "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
+    "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_with_kvcache": [("out", None), ("learnable_sink", None)],
 }
 
@@ -372,6 +377,75 @@ def test_return_attn_probs_without_dropout(device):
     # As in flash-attn, probabilities are only returned together with a dropout pattern.
     assert s_dmask.numel() == 0
     assert not softmax_lse.requires_grad
+
+
+def _call_each_api(device, dtype, **kw):
+    """Every fixed-length and varlen function on the same attention (2 sequences of
+    9 queries over 11 keys, GQA 4:2, d32), with keyword arguments kw."""
+    q, k, v = make_qkv(2, 9, 11, 4, 2, 32, dtype, device)
+    cu_q = torch.tensor([0, 9, 18], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 11, 22], dtype=torch.int32, device=device)
+    qv, kv_, vv = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    varlen = (cu_q, cu_k, 9, 11)
+    q_self, k_self, v_self = make_qkv(2, 9, 9, 2, 2, 32, dtype, device)
+    cu_self = cu_q
+    return {
+        "flash_attn_func": flash_attn_func(q, k, v, **kw),
+        "flash_attn_kvpacked_func": flash_attn_kvpacked_func(q, torch.stack((k, v), 2), **kw),
+        "flash_attn_qkvpacked_func": flash_attn_qkvpacked_func(
+            torch.stack((q_self, k_self, v_self), 2), **kw
+        ),
+        "flash_attn_varlen_func": flash_attn_varlen_func(qv, kv_, vv, *varlen, **kw),
+        "flash_attn_varlen_kvpacked_func": flash_attn_varlen_kvpacked_func(
+            qv, torch.stack((kv_, vv), 1), *varlen, **kw
+        ),
+        "flash_attn_varlen_qkvpacked_func": flash_attn_varlen_qkvpacked_func(
+            torch.stack((q_self, k_self, v_self), 2).flatten(0, 1), cu_self, 9, **kw
+        ),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_return_softmax_lse(device, dropout_p):
+    # FA3 / vLLM's flag: (out, softmax_lse), the same two tensors that flash-attn 2.x's
+    # return_attn_probs gives first, for every function (same seed: same dropout mask).
+    kw = {"causal": True, "dropout_p": dropout_p}
+    torch.manual_seed(7)
+    pairs = _call_each_api(device, torch.bfloat16, return_softmax_lse=True, **kw)
+    torch.manual_seed(7)
+    triples = _call_each_api(device, torch.bfloat16, return_attn_probs=True, **kw)
+    torch.manual_seed(7)
+    plain = _call_each_api(device, torch.bfloat16, **kw)
+    for name, pair in pairs.items():
+        assert isinstance(pair, tuple) and len(pair) == 2, name
+        out, lse = pair
+        assert torch.equal(out, triples[name][0]), name
+        assert torch.equal(lse, triples[name][1]), name
+        assert torch.equal(out, plain[name]), name
+        assert lse.dtype == torch.float32 and not lse.requires_grad, name
+        expected = (2, 4, 9) if "varlen" not in name else (4, 18)
+        if "qkvpacked" in name:
+            expected = (2, 2, 9) if "varlen" not in name else (2, 18)
+        assert tuple(lse.shape) == expected, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_return_softmax_lse_with_grad(device):
+    # Through the autograd.Function: out differentiable, the lse not, as with return_attn_probs.
+    q, k, v = make_qkv(2, 9, 11, 4, 2, 32, torch.bfloat16, device)
+    q_, k_, v_ = leaves(q, k, v)
+    out, lse = flash_attn_func(q_, k_, v_, causal=True, return_softmax_lse=True)
+    ref_out = flash_attn_func(*leaves(q, k, v), causal=True)
+    assert torch.equal(out, ref_out) and not lse.requires_grad
+    out.float().sum().backward()
+    assert q_.grad is not None and torch.isfinite(q_.grad.float()).all()
+
+
+def test_return_softmax_lse_and_attn_probs_exclude_each_other():
+    q, k, v = make_qkv(1, 4, 4, 2, 2, 32, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="return_attn_probs=True and return_softmax_lse=True"):
+        flash_attn_func(q, k, v, return_attn_probs=True, return_softmax_lse=True)
 
 
 def keep_mask_from_s_dmask(s_dmask):
