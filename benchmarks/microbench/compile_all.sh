@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Compiles every benchmarks/microbench/*.cu to an object file, one at a time,
+# Compiles every benchmarks/microbench/*.cu to an object file, JOBS at a time,
 # with each file's default macros, so that a change in csrc/ that breaks a
 # microbenchmark fails CI instead of the next tile sweep. Objects only: no GPU
 # is needed, and nothing is linked or run.
 #   benchmarks/microbench/compile_all.sh [FILE.cu ...]   (default: all of them)
-# Overridable: NVCC (default nvcc), ARCH (default 90a: compiles the SM80 and the
-# Hopper kernels both), CUTLASS_INCLUDE (default: the nvidia-cutlass wheel's).
+# Overridable: JOBS (default: the cores), NVCC (default nvcc), ARCH (default 90a:
+# compiles the SM80 and the Hopper kernels both), CUTLASS_INCLUDE (default: the
+# nvidia-cutlass wheel's).
 # Without nvcc it fails, unless FLASH_ATTN_FORCE_CUDA_BUILD=0 (a CPU-only
 # check), when it says so and skips.
 set -euo pipefail
@@ -39,15 +40,32 @@ else
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-failed=()
-for file in "${files[@]}"; do
-  start=$SECONDS
+# Files compile side by side, JOBS at a time (default: the cores; each nvcc of a
+# kernel-sized file takes 3-5 GB), so CI's two cores halve the step.
+jobs=${JOBS:-$(nproc)}
+compile_one() {  # file: prints its line, exit status 1 when it fails
+  local file=$1 start=$SECONDS
   if "$nvcc" "${flags[@]}" -c "$file" -o "$out/$(basename "$file" .cu).o"; then
     echo "compiled $file ($((SECONDS - start)) s)"
   else
     echo "FAILED   $file ($((SECONDS - start)) s)" >&2
-    failed+=("$file")
+    touch "$out/$(basename "$file" .cu).failed"
+    return 1
   fi
+}
+running=0
+for file in "${files[@]}"; do
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  compile_one "$file" &
+  running=$((running + 1))
+done
+wait || true
+failed=()
+for file in "${files[@]}"; do
+  [ -e "$out/$(basename "$file" .cu).failed" ] && failed+=("$file")
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "compile_all.sh: ${#failed[@]} of ${#files[@]} microbenchmarks do not compile: ${failed[*]}" >&2
