@@ -443,13 +443,13 @@ def test_compile_fullgraph(device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("partial_dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [1, 3, 4, 6, 12, 36, 128, 130, 256, 512])
-@pytest.mark.parametrize("num_splits", [1, 4, 7, 64, 255, 256])
+@pytest.mark.parametrize("head_dim", [1, 3, 6, 36, 128, 130, 512])
+@pytest.mark.parametrize("num_splits", [1, 7, 64, 256])
 def test_cuda_matches_cpu(partial_dtype, out_dtype, head_dim, num_splits):
     from cuda_inputs import poison_allocator
 
     out_partial, lse_partial = random_partials(
-        num_splits, (3, 37), 5, head_dim, "cuda", partial_dtype
+        num_splits, (2, 9), 5, head_dim, "cuda", partial_dtype
     )
     lse_partial[num_splits // 2, :, ::3] = -math.inf
     lse_partial[-1, 1] = math.inf
