@@ -90,6 +90,20 @@ TORCH_LIBRARY(flash_attn, m) {
   m.def(
       "sink_grad(Tensor softmax_lse, Tensor softmax_d, Tensor learnable_sink, "
       "Tensor? cu_seqlens_q=None) -> Tensor");
+  // The merge of partial attention results by their log-sum-exp
+  // (flash_attn_combine: cascade attention, context parallelism, split-KV done
+  // by the caller; the rule and its edge cases in csrc/common/lse_combine_rule.h).
+  // out_partial: fp32 / fp16 / bf16 (num_splits, batch, seqlen, nheads,
+  // head_dim), or varlen (num_splits, total, nheads, head_dim); lse_partial:
+  // fp32 (num_splits, batch, seqlen, nheads), or (num_splits, total, nheads);
+  // any strides. Returns out (out_partial's shape without num_splits, dtype
+  // out_dtype, default out_partial's) and the fp32 lse (batch, seqlen, nheads)
+  // or (total, nheads), contiguous. combine_out writes out into the caller's
+  // tensor and returns the lse.
+  m.def(
+      "combine(Tensor out_partial, Tensor lse_partial, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor softmax_lse)");
+  m.def("combine_out(Tensor out_partial, Tensor lse_partial, *, Tensor(a!) out) -> Tensor");
   // The CUDA path's index checks (docs/memory_safety.md): raise what a kernel
   // recorded on `device`, after waiting for it; switch each call to waiting
   // for its own check (returns the previous setting).

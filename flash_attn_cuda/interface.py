@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "_get_block_size_n",
+    "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -1434,3 +1435,66 @@ def flash_attn_with_kvcache(
         if v_cache_used is not v_cache:
             v_cache.copy_(v_cache_used[..., :head_dim_v])
     return (out, softmax_lse) if return_softmax_lse else out
+
+
+_COMBINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges partial attention results over disjoint key sets by their log-sum-exp.
+
+    FlashAttention-3's ``flash_attn_combine``: for cascade attention, context
+    parallelism, or a split of the keys done by the caller. Each split i holds,
+    per query row, the attention output ``out_i`` over its own keys and the
+    natural-log ``lse_i`` of that softmax's denominator (what the forwards
+    return with ``return_softmax_lse`` / ``return_attn_probs``, with the lse
+    transposed to this layout). Per row::
+
+        m = max_i lse_i;  lse = m + log(sum_i exp(lse_i - m))
+        out = sum_i exp(lse_i - lse) * out_i
+
+    computed in fp32 whatever the dtypes. Edge cases: a split whose lse is
+    -inf or +inf (this package's value for a row that sees no key) saw no key
+    and contributes nothing, whatever its out row holds; a row whose splits
+    all saw no key gets out = 0 and lse = +inf, so the result can be a partial
+    of a further merge; a NaN lse in any split makes the row's out and lse
+    NaN. There is no backward pass.
+
+    Args:
+        out_partial: (num_splits, batch, seqlen, nheads, head_dim), or varlen
+            (num_splits, total, nheads, head_dim); float32, float16 or
+            bfloat16; any strides. 1 <= num_splits <= 256, head_dim >= 1.
+        lse_partial: float32 (num_splits, batch, seqlen, nheads), or varlen
+            (num_splits, total, nheads); any strides.
+        out: optional (batch, seqlen, nheads, head_dim) (varlen: (total,
+            nheads, head_dim)) tensor on out_partial's device, float32,
+            float16 or bfloat16, any strides: the result is written into it and
+            it is what the call returns.
+        out_dtype: dtype of the result when out is None: float32, float16 or
+            bfloat16; default out_partial's dtype (with out, its dtype, which
+            out_dtype must then match if given).
+
+    Returns:
+        (out, softmax_lse): out as described; softmax_lse float32 (batch,
+        seqlen, nheads) (varlen: (total, nheads)), contiguous.
+    """
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attn_combine: {name} must be a torch.Tensor, got {type(t)}")
+    if out_dtype is not None and out_dtype not in _COMBINE_DTYPES:
+        raise ValueError(
+            "flash_attn_combine: out_dtype must be torch.float32, torch.float16 or "
+            f"torch.bfloat16, got {out_dtype}"
+        )
+    if out is None:
+        return torch.ops.flash_attn.combine(out_partial, lse_partial, out_dtype)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"flash_attn_combine: out must be a torch.Tensor, got {type(out).__name__}")
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise ValueError(
+            f"flash_attn_combine: out has dtype {out.dtype} but out_dtype is {out_dtype}; "
+            "give one of them, or the same dtype"
+        )
+    _check_no_grad_for_out("flash_attn_combine", out_partial, lse_partial)
+    softmax_lse = torch.ops.flash_attn.combine_out(out_partial, lse_partial, out=out)
+    return out, softmax_lse

@@ -225,3 +225,22 @@ def _sink_grad_fake(
 ):
     # d learnable_sink: fp32 (nheads,), on the device of the lse.
     return softmax_lse.new_empty(learnable_sink.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_attn::combine")
+def _combine_fake(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+):
+    # out: out_partial's shape without num_splits, in out_dtype (default
+    # out_partial's); softmax_lse: fp32, lse_partial's shape without num_splits.
+    dtype = out_partial.dtype if out_dtype is None else out_dtype
+    out = out_partial.new_empty(out_partial.shape[1:], dtype=dtype)
+    return out, lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_attn::combine_out")
+def _combine_out_fake(out_partial: torch.Tensor, lse_partial: torch.Tensor, *, out: torch.Tensor):
+    # out is written in place (schema (a!)): the softmax_lse alone.
+    return lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32)

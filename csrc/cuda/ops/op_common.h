@@ -153,4 +153,12 @@ at::Tensor fwd_kvcache_out_cuda(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink);
 
+// flash_attn_combine (combine_ops.cpp).
+std::tuple<at::Tensor, at::Tensor> combine_cuda(const at::Tensor& out_partial,
+                                                const at::Tensor& lse_partial,
+                                                std::optional<at::ScalarType> out_dtype);
+
+at::Tensor combine_out_cuda(const at::Tensor& out_partial, const at::Tensor& lse_partial,
+                            const at::Tensor& out);
+
 }  // namespace flash
