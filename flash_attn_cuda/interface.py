@@ -258,12 +258,16 @@ def _check_no_grad_for_out(fn: str, *tensors: Optional[torch.Tensor]) -> None:
         )
 
 
-def _padded_target(out: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
+def _padded_target(out: torch.Tensor, padded_head_dim: int, keep: bool = False) -> torch.Tensor:
     # The buffer the op writes: out itself, or for a padded head dim a
-    # scratch copy of its shape with the padded last dim.
+    # scratch copy of its shape with the padded last dim, holding out's values
+    # when `keep` (rows the op leaves alone must come back unchanged).
     if out.shape[-1] == padded_head_dim:
         return out
-    return out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    target = out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    if keep:
+        target[..., : out.shape[-1]].copy_(out)
+    return target
 
 
 def _copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -396,6 +400,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state,
         seqused_k,
         learnable_sink,
+        seqused_q,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -421,6 +426,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         ctx.save_for_backward(
             q_padded,
@@ -434,6 +440,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
@@ -469,14 +476,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         ) = ctx.saved_tensors
         dout = _prepare(dout)
         sink_needs_grad = ctx.needs_input_grad[18]
         if not any(ctx.needs_input_grad[:3]):
             d_sink = None
             if sink_needs_grad:
+                # Rows past seqused_q have out 0 and lse +inf: they add 0.
                 d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
-            return (None,) * 18 + (d_sink,)
+            return (None,) * 18 + (d_sink, None)
         softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             dout,
@@ -500,6 +509,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             softmax_d=softmax_d,
+            seqused_q=seqused_q,
         )
         d_sink = None
         if sink_needs_grad:
@@ -511,7 +521,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink,)
+        return grads + (None,) * 15 + (d_sink, None)
 
 
 def _attention(
@@ -624,6 +634,7 @@ def _varlen_attention(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -646,6 +657,7 @@ def _varlen_attention(
         block_table=block_table,
         seqused_k=seqused_k,
         learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
     )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
@@ -656,7 +668,9 @@ def _varlen_attention(
         _check_out(out, fn, q, q.shape[:-1] + v.shape[-1:], "(total_q, nheads, headdim)")
         _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
-        target = _padded_target(out, v_padded.shape[-1])
+        # With seqused_q the rows past it keep the caller's values (as FA3):
+        # a padded scratch target starts from them, since it is copied back.
+        target = _padded_target(out, v_padded.shape[-1], keep=seqused_q is not None)
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
             q_padded,
             k_padded,
@@ -680,6 +694,7 @@ def _varlen_attention(
             seqused_k=seqused_k,
             out=target,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _copy_back(out, target)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
@@ -707,21 +722,32 @@ def _varlen_attention(
             _draw_rng_state(dropout_p, q.device),
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return (out, softmax_lse, s_dmask) if return_attn_probs else out
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink) = (
-        _distinct(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            alibi_slopes,
-            block_table,
-            seqused_k,
-            learnable_sink,
-        )
+    (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
+    ) = _distinct(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -743,6 +769,7 @@ def _varlen_attention(
         _draw_rng_state(dropout_p, q.device),
         seqused_k,
         learnable_sink,
+        seqused_q,
     )
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
@@ -1015,6 +1042,7 @@ def flash_attn_varlen_func(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
 ):
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
     kv_layout = (
@@ -1045,6 +1073,7 @@ def flash_attn_varlen_func(
         seqused_k,
         out,
         learnable_sink,
+        seqused_q,
     )
 
 
@@ -1083,6 +1112,15 @@ flash_attn_varlen_func.__doc__ = (
             its pages), at most max_seqlen_k and the rows its block_table
             row addresses; cu_seqlens_k is then not used for the keys and
             may be None.
+        seqused_q: optional keyword-only int32 (batch_size,), as in FA3:
+            sequence b uses only its first seqused_q[b] query rows (rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b] + seqused_q[b]); the rest of
+            its rows of q are never read. Causal and local windows align to
+            the used lengths (seqused_q[b], and seqused_k[b] or the keys
+            cu_seqlens_k gives). Each value must lie in [0, cu_seqlens_q[b +
+            1] - cu_seqlens_q[b]]. The rows past it get out 0, lse +inf and
+            dq 0, and add nothing to dk / dv; with out= they keep the
+            caller's values (no write, as FA3), so read only the used rows.
 """
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(
