@@ -255,7 +255,12 @@ EXPECTED_KEYWORD_ONLY = {
     "flash_attn_func": [("out", None), ("learnable_sink", None)],
     "flash_attn_kvpacked_func": [("learnable_sink", None)],
     "flash_attn_qkvpacked_func": [("learnable_sink", None)],
-    "flash_attn_varlen_func": [("seqused_k", None), ("out", None), ("learnable_sink", None)],
+    "flash_attn_varlen_func": [
+        ("seqused_k", None),
+        ("out", None),
+        ("learnable_sink", None),
+        ("seqused_q", None),
+    ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None)],
     "flash_attn_with_kvcache": [("out", None), ("learnable_sink", None)],
