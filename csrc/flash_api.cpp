@@ -11,6 +11,10 @@
 //   * seqused_k (varlen, optional int32 (batch,)): sequence b uses only its
 //     first seqused_k[b] keys; with block_table it gives each sequence's keys
 //     (cu_seqlens_k is then checked but not used for them).
+//   * seqused_q (varlen, optional int32 (batch,), last so that older callers
+//     keep working): sequence b uses only its first seqused_q[b] query rows;
+//     causal / local windows align to the used lengths. The other rows get
+//     out 0 (a caller's out= keeps them as they are), lse +inf, dq 0, D 0.
 //   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
@@ -41,15 +45,15 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, int max_seqlen_q, "
       "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
       "int window_size_left, int window_size_right, float softcap, bool deterministic, "
-      "Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!)? softmax_d=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!)? softmax_d=None, "
+      "Tensor? seqused_q=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
@@ -74,7 +78,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None) -> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "

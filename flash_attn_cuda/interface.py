@@ -259,12 +259,16 @@ def _check_no_grad_for_out(fn: str, *tensors: Optional[torch.Tensor]) -> None:
         )
 
 
-def _padded_target(out: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
+def _padded_target(out: torch.Tensor, padded_head_dim: int, keep: bool = False) -> torch.Tensor:
     # The buffer the op writes: out itself, or for a padded head dim a
-    # scratch copy of its shape with the padded last dim.
+    # scratch copy of its shape with the padded last dim, holding out's values
+    # when `keep` (rows the op leaves alone must come back unchanged).
     if out.shape[-1] == padded_head_dim:
         return out
-    return out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    target = out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    if keep:
+        target[..., : out.shape[-1]].copy_(out)
+    return target
 
 
 def _copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -397,6 +401,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state,
         seqused_k,
         learnable_sink,
+        seqused_q,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -422,6 +427,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         ctx.save_for_backward(
             q_padded,
@@ -435,6 +441,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
@@ -470,14 +477,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         ) = ctx.saved_tensors
         dout = _prepare(dout)
         sink_needs_grad = ctx.needs_input_grad[18]
         if not any(ctx.needs_input_grad[:3]):
             d_sink = None
             if sink_needs_grad:
+                # Rows past seqused_q have out 0 and lse +inf: they add 0.
                 d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
-            return (None,) * 18 + (d_sink,)
+            return (None,) * 18 + (d_sink, None)
         softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             dout,
@@ -501,6 +510,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             softmax_d=softmax_d,
+            seqused_q=seqused_q,
         )
         d_sink = None
         if sink_needs_grad:
@@ -512,7 +522,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink,)
+        return grads + (None,) * 15 + (d_sink, None)
 
 
 def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
@@ -644,6 +654,7 @@ def _varlen_attention(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
     return_softmax_lse=False,
 ):
     fn = "flash_attn_varlen_func"
@@ -667,6 +678,7 @@ def _varlen_attention(
         block_table=block_table,
         seqused_k=seqused_k,
         learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
     )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
@@ -677,7 +689,9 @@ def _varlen_attention(
         _check_out(out, fn, q, q.shape[:-1] + v.shape[-1:], "(total_q, nheads, headdim)")
         _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
-        target = _padded_target(out, v_padded.shape[-1])
+        # With seqused_q the rows past it keep the caller's values (as FA3):
+        # a padded scratch target starts from them, since it is copied back.
+        target = _padded_target(out, v_padded.shape[-1], keep=seqused_q is not None)
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
             q_padded,
             k_padded,
@@ -701,6 +715,7 @@ def _varlen_attention(
             seqused_k=seqused_k,
             out=target,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -728,21 +743,32 @@ def _varlen_attention(
             _draw_rng_state(dropout_p, q.device),
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink) = (
-        _distinct(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            alibi_slopes,
-            block_table,
-            seqused_k,
-            learnable_sink,
-        )
+    (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
+    ) = _distinct(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -764,6 +790,7 @@ def _varlen_attention(
         _draw_rng_state(dropout_p, q.device),
         seqused_k,
         learnable_sink,
+        seqused_q,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -1048,6 +1075,7 @@ def flash_attn_varlen_func(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
     return_softmax_lse=False,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
@@ -1080,6 +1108,7 @@ def flash_attn_varlen_func(
         seqused_k,
         out,
         learnable_sink,
+        seqused_q,
         return_softmax_lse=return_softmax_lse,
     )
 
@@ -1119,6 +1148,15 @@ flash_attn_varlen_func.__doc__ = (
             its pages), at most max_seqlen_k and the rows its block_table
             row addresses; cu_seqlens_k is then not used for the keys and
             may be None.
+        seqused_q: optional keyword-only int32 (batch_size,), as in FA3:
+            sequence b uses only its first seqused_q[b] query rows (rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b] + seqused_q[b]); the rest of
+            its rows of q are never read. Causal and local windows align to
+            the used lengths (seqused_q[b], and seqused_k[b] or the keys
+            cu_seqlens_k gives). Each value must lie in [0, cu_seqlens_q[b +
+            1] - cu_seqlens_q[b]]. The rows past it get out 0, lse +inf and
+            dq 0, and add nothing to dk / dv; with out= they keep the
+            caller's values (no write, as FA3), so read only the used rows.
 """
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(

@@ -119,6 +119,7 @@ def _varlen_fwd_fake(
     *,
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(
         q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
@@ -144,9 +145,12 @@ def _varlen_fwd_out_fake(
     seqused_k: Optional[torch.Tensor] = None,
     out: torch.Tensor,
     learnable_sink: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
-    return _varlen_fwd_fake(*args, seqused_k=seqused_k, learnable_sink=learnable_sink)[1:]
+    return _varlen_fwd_fake(
+        *args, seqused_k=seqused_k, learnable_sink=learnable_sink, seqused_q=seqused_q
+    )[1:]
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -173,6 +177,7 @@ def _varlen_bwd_fake(
     *,
     seqused_k: Optional[torch.Tensor] = None,
     softmax_d: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 

@@ -268,6 +268,7 @@ EXPECTED_KEYWORD_ONLY = {
         ("seqused_k", None),
         ("out", None),
         ("learnable_sink", None),
+        ("seqused_q", None),
         ("return_softmax_lse", False),
     ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],

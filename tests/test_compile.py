@@ -217,6 +217,29 @@ def test_seqused_k_compiles(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_seqused_q_compiles(device):
+    def attention(q, k, v, cu_q, cu_k, used_k, used_q):
+        return flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used_k, seqused_q=used_q
+        )
+
+    inputs = _varlen_seqused_inputs(device, requires_grad=True)
+    used_q = torch.tensor([4, 1, 0], dtype=torch.int32, device=device)
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    out = compiled(*inputs, used_q)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs[:3])
+    eager = attention(*inputs, used_q)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), inputs[:3])
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    for ours, ref in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    # Query rows past seqused_q: out 0 and no gradient (sequence 0's rows 4..6,
+    # all of sequence 2's).
+    rows = [4, 5, 6] + list(range(8, 20))
+    assert (out[rows] == 0).all() and (grads[0][rows] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_out_compiles(device, backend):
     """out= in the three functions that take it: written in place under

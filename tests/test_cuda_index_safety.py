@@ -305,6 +305,68 @@ def test_varlen_backward_bad_seqused_k(case):
     _expect_cuda_error(backward, kwargs, pattern)
 
 
+# seqused_q[b] must lie in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]: recorded by
+# BlockInfo's guard in every kernel that reads it, as seqused_k.
+SEQUSED_Q_CASES = {
+    "past_sequence": (
+        [64, 200],
+        "seqused_q[1] = 200 must be in [0, 100] (the query rows cu_seqlens_q gives sequence 1)",
+    ),
+    "negative": ([-3, 100], "seqused_q[0] = -3 must be in [0, 100]"),
+}
+
+
+def _varlen_call_seqused_q(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, seqused_q):
+    return flash_attn_cuda.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, 128, 128, causal=causal, seqused_q=seqused_q
+    )
+
+
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(SEQUSED_Q_CASES))
+def test_varlen_forward_bad_seqused_q(case, causal, kernel, monkeypatch):
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", kernel)
+    used, pattern = SEQUSED_Q_CASES[case]
+    q, k, v = _packed(256)
+    cu = _int32([0, 100, 200])
+    kwargs = dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, seqused_q=_int32(used)
+    )
+    _expect_cuda_error(_varlen_call_seqused_q, kwargs, pattern)
+
+
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("case", sorted(SEQUSED_Q_CASES))
+def test_varlen_backward_bad_seqused_q(case, kernel, monkeypatch):
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", kernel)
+    used, pattern = SEQUSED_Q_CASES[case]
+    q, k, v = _packed(256)
+
+    def backward(q, k, v, out, lse, dout, cu_seqlens, seqused_q):
+        return torch.ops.flash_attn.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, None, 128, 128, 0.0,
+            HEAD_DIM**-0.5, False, -1, -1, 0.0, False, None, seqused_q=seqused_q,
+        )  # fmt: skip
+
+    lse = torch.randn(q.shape[1], q.shape[0], device="cuda", dtype=torch.float32)
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        out=torch.randn_like(q),
+        lse=lse,
+        dout=torch.randn_like(q),
+        cu_seqlens=_int32([0, 100, 200]),
+        seqused_q=_int32(used),
+    )
+    _expect_cuda_error(backward, kwargs, pattern)
+
+
 def _paged_varlen(table, cu_k, max_k, pages=4, page_size=16):
     (q,) = _packed(64)[:1]
     k_cache = torch.randn(pages, page_size, 2, HEAD_DIM, device="cuda", dtype=DTYPE)

@@ -17,6 +17,7 @@ const char* arg_name(IndexArg arg) {
     case IndexArg::kBlockTable: return "block_table";
     case IndexArg::kRotaryTables: return "rotary_cos / rotary_sin";
     case IndexArg::kSequsedK: return "seqused_k";
+    case IndexArg::kSequsedQ: return "seqused_q";
     case IndexArg::kNone: break;
   }
   return "an index tensor";
@@ -101,6 +102,8 @@ std::string index_error_message(const IndexErrorRecord& r) {
       if (r.col) {
         os << "with block_table: the smaller of max_seqlen_k and the rows a block_table row "
               "addresses, max_blocks_per_seq * page_size";
+      } else if (static_cast<IndexArg>(r.arg) == IndexArg::kSequsedQ) {
+        os << "the query rows cu_seqlens_q gives sequence " << r.seq;
       } else {
         os << "the keys cu_seqlens_k gives sequence " << r.seq;
       }

@@ -1,4 +1,4 @@
-// A bad value inside an index tensor (cu_seqlens, seqused_k, cache_seqlens,
+// A bad value inside an index tensor (cu_seqlens, seqused_q / seqused_k, cache_seqlens,
 // block_table, cache_batch_idx, cache_leftpad), described as plain data so that the CPU
 // checks and the CUDA kernels report it the same way (docs/memory_safety.md).
 //
@@ -28,7 +28,7 @@ enum class IndexRule : int32_t {
   kLeftpad,          // cache_leftpad[seq] = value outside [0, bound = cache_seqlens[seq]]
   kCacheBatchIdx,    // cache_batch_idx[seq] = value outside [0, bound = batch of the cache)
   kRotaryPosition,   // sequence seq needs rotary position value >= bound = rows of the tables
-  kSeqused,          // seqused_k[seq] = value outside [0, bound]; col: 1 when paged
+  kSeqused,          // seqused_k / seqused_q[seq] = value outside [0, bound]; col: 1 when paged
 };
 
 // Which argument held the value (the message names it).
@@ -42,6 +42,7 @@ enum class IndexArg : int32_t {
   kBlockTable,
   kRotaryTables,
   kSequsedK,
+  kSequsedQ,
 };
 
 // Which op family: the message starts with its prefix ("flash_attn" for the

@@ -1,5 +1,5 @@
 // The guards on every index a kernel derives from a value inside an index
-// tensor (cu_seqlens, seqused_k, cache_seqlens, cache_leftpad,
+// tensor (cu_seqlens, seqused_k, seqused_q, cache_seqlens, cache_leftpad,
 // cache_batch_idx, block_table). Each one checks the value against an extent
 // the host knows (rows of the packed tensors, a sequence's keys, the cache
 // length, the batch of the cache, the pages in the pool, the rows of the
@@ -64,10 +64,10 @@ __forceinline__ __device__ SequenceRows guarded_sequence_rows(const int* cu_seql
   return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen);
 }
 
-__device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, int seq,
-                                                        int used, int bound, bool paged) {
-  report_index_error(sink, IndexRule::kSeqused, IndexArg::kSequsedK, IndexOp::kVarlen, seq,
-                     paged ? 1 : 0, used, bound, 0);
+__device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, IndexArg arg,
+                                                        int seq, int used, int bound, bool paged) {
+  report_index_error(sink, IndexRule::kSeqused, arg, IndexOp::kVarlen, seq, paged ? 1 : 0, used,
+                     bound, 0);
   return min(max(used, 0), bound);
 }
 
@@ -78,7 +78,16 @@ __forceinline__ __device__ int guarded_seqused_k(const int* seqused_k, int seq, 
                                                  bool paged, const IndexErrorSink& sink) {
   const int used = seqused_k[seq];
   if (used >= 0 && used <= bound) return used;
-  return report_and_clamp_seqused(sink, seq, used, bound, paged);
+  return report_and_clamp_seqused(sink, IndexArg::kSequsedK, seq, used, bound, paged);
+}
+
+// seqused_q[seq]: the query rows sequence `seq` uses, in [0, bound] (the rows
+// its cu_seqlens_q entries give it, already guarded).
+__forceinline__ __device__ int guarded_seqused_q(const int* seqused_q, int seq, int bound,
+                                                 const IndexErrorSink& sink) {
+  const int used = seqused_q[seq];
+  if (used >= 0 && used <= bound) return used;
+  return report_and_clamp_seqused(sink, IndexArg::kSequsedQ, seq, used, bound, /*paged=*/false);
 }
 
 // One batch entry's values of a fwd_kvcache call: the cache length before

@@ -44,6 +44,10 @@ struct FwdParams {
   // Varlen only, or null: int32 (batch); sequence b's keys are its first
   // seqused_k[b] rows from cu_seqlens_k[b] (BlockInfo reads it, guarded).
   const int* seqused_k;
+  // Varlen only, or null: int32 (batch); sequence b's query rows are its
+  // first seqused_q[b] rows from cu_seqlens_q[b] (BlockInfo reads it,
+  // guarded); the op layer gives the rest their values (out 0, lse +inf).
+  const int* seqused_q;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
   int total_k;  // varlen: rows of k and v; paged: num_pages * page_size
   // Paged K/V (varlen forward only), or null: k_ptr / v_ptr are caches of
