@@ -59,8 +59,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
-      "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None) "
-      "-> (Tensor out, Tensor softmax_lse)");
+      "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None, "
+      "Tensor? rotary_seqlens=None) -> (Tensor out, Tensor softmax_lse)");
   // The forwards that write the attention output into the caller's `out`
   // instead of a new tensor; they return the other results. (An op that
   // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
@@ -86,7 +86,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor(c!) out, "
-      "Tensor? learnable_sink=None) -> Tensor softmax_lse");
+      "Tensor? learnable_sink=None, Tensor? rotary_seqlens=None) -> Tensor softmax_lse");
   // The gradient of the attention sinks, from the forward's softmax_lse and
   // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
   // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -

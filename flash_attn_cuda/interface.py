@@ -1320,6 +1320,7 @@ def flash_attn_with_kvcache(
     *,
     out=None,
     learnable_sink=None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -1332,7 +1333,10 @@ def flash_attn_with_kvcache(
     With rotary_cos / rotary_sin, rotary embeddings are applied to the new
     keys at their cache positions and to q: with causal or local attention
     query row i is rotated as position cache_seqlens[b] + i, otherwise every
-    query row is rotated as position cache_seqlens[b].
+    query row is rotated as position cache_seqlens[b]. With rotary_seqlens,
+    rotary_seqlens[b] takes the place of cache_seqlens[b] in these positions
+    (new key i at rotary_seqlens[b] + i), as in FA3; the cache rows written
+    stay at cache_seqlens[b] + i.
 
     Masking, GQA / MQA, softcap and ALiBi follow flash_attn_func, with
     seqlen_k the number of valid cache rows of each sequence (after the
@@ -1355,12 +1359,14 @@ def flash_attn_with_kvcache(
             each sequence's cache before the append. None means the whole cache
             is valid.
         cache_batch_idx: optional int32 (batch_size,): the cache entry each
-            batch element uses; default 0, 1, ..., batch_size - 1.
+            batch element uses; default 0, 1, ..., batch_size - 1. With
+            block_table it selects the row of block_table (as in FA3).
         cache_leftpad: optional int32 (batch_size,): the first valid cache row
-            of each sequence; default 0.
+            of each sequence (its logical row with block_table); default 0.
         block_table: optional int32 (batch_size, max_num_blocks_per_seq) for a
             paged cache: position p of sequence b lives in page
-            block_table[b, p // page_block_size].
+            block_table[b, p // page_block_size]. With cache_batch_idx it may
+            have any number of rows, and row cache_batch_idx[b] serves b.
         softmax_scale: factor applied to q.k; None means 1 / sqrt(headdim).
         causal: causal mask aligned to the bottom-right corner.
         window_size: (left, right) local attention; -1 leaves a side unbounded.
@@ -1382,6 +1388,9 @@ def flash_attn_with_kvcache(
         learnable_sink: optional keyword-only fp32 (nheads,): attention
             sinks, as in flash_attn_func (forward only here). softmax_lse
             includes them.
+        rotary_seqlens: optional keyword-only int32 (batch_size,): the
+            rotary position of the first new key and of query row 0 of each
+            sequence, instead of cache_seqlens; needs rotary_cos / rotary_sin.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
@@ -1411,6 +1420,7 @@ def flash_attn_with_kvcache(
         block_table=block_table,
         alibi_slopes=alibi_slopes,
         learnable_sink=learnable_sink,
+        rotary_seqlens=rotary_seqlens,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
     if out is not None:
@@ -1459,11 +1469,13 @@ def flash_attn_with_kvcache(
         num_splits,
     )
     if out is None:
-        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, learnable_sink=learnable_sink)
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
+            *args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
+        )
     else:
         target = _padded_target(out, v_cache_used.shape[-1])
         softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
-            *args, out=target, learnable_sink=learnable_sink
+            *args, out=target, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
         )
         out = _copy_back(out, target)
     out = _unpad_head_dim(out, head_dim_v)

@@ -205,6 +205,7 @@ def _fwd_kvcache_fake(
     num_splits: int,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
 ):
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
@@ -215,10 +216,15 @@ def _fwd_kvcache_fake(
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(*args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None):
+def _fwd_kvcache_out_fake(
+    *args,
+    out: torch.Tensor,
+    learnable_sink: Optional[torch.Tensor] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
+):
     # fwd_kvcache's arguments plus out; the caches and out are written in place
     # ((a!), (b!), (c!)): the softmax_lse alone.
-    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink)[1]
+    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens)[1]
 
 
 @torch.library.register_fake("flash_attn::sink_grad")

@@ -273,7 +273,11 @@ EXPECTED_KEYWORD_ONLY = {
     ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
-    "flash_attn_with_kvcache": [("out", None), ("learnable_sink", None)],
+    "flash_attn_with_kvcache": [
+        ("out", None),
+        ("learnable_sink", None),
+        ("rotary_seqlens", None),
+    ],
 }
 
 

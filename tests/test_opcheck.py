@@ -478,6 +478,27 @@ def test_varlen_fwd_out(device, case):
     )
 
 
+def kvcache_fa3_shapes_args(device):
+    """A paged cache with cache_leftpad and cache_batch_idx, and rotary_seqlens (kwargs)."""
+    args = list(kvcache_args(device, append=True, rotary=True, paged=True))
+    args[8] = torch.tensor([1, 0], dtype=torch.int32, device=device)  # cache_batch_idx
+    args[9] = torch.tensor([1, 3], dtype=torch.int32, device=device)  # cache_leftpad
+    rotary_seqlens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    return tuple(args), {"rotary_seqlens": rotary_seqlens}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_fa3_shapes(device):
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    opcheck(ops.fwd_kvcache.default, args, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_out_fa3_shapes(device):
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["read_only", "append_rotary_paged"])
 def test_fwd_kvcache_out(device, case):

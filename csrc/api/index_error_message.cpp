@@ -18,6 +18,7 @@ const char* arg_name(IndexArg arg) {
     case IndexArg::kRotaryTables: return "rotary_cos / rotary_sin";
     case IndexArg::kSequsedK: return "seqused_k";
     case IndexArg::kSequsedQ: return "seqused_q";
+    case IndexArg::kRotarySeqlens: return "rotary_seqlens";
     case IndexArg::kNone: break;
   }
   return "an index tensor";
@@ -91,11 +92,19 @@ std::string index_error_message(const IndexErrorRecord& r) {
       break;
     case IndexRule::kCacheBatchIdx:
       os << "cache_batch_idx[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound
-         << ") (the batch size of k_cache)";
+         << ") ("
+         << (r.col ? "the rows of block_table, which it selects with a paged cache"
+                   : "the batch size of k_cache")
+         << ")";
       break;
     case IndexRule::kRotaryPosition:
       os << "rotary_cos / rotary_sin have " << r.bound << " rows, but batch " << r.seq
          << " needs position " << r.value;
+      if (r.col)
+        os << " (its positions start at rotary_seqlens[" << r.seq << "] = " << r.extra << ")";
+      break;
+    case IndexRule::kRotarySeqlen:
+      os << name << "[" << r.seq << "] = " << r.value << " must be >= 0";
       break;
     case IndexRule::kSeqused:
       os << name << "[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound << "] (";

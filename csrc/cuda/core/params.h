@@ -145,14 +145,20 @@ struct BwdParams : FwdParams {
 // sequence's rows). Key j of batch b is cache position cache_leftpad[b] + j,
 // for j < cache_seqlens[b] + seqlen_new - cache_leftpad[b].
 struct KvcacheParams : FwdParams {
-  const int* cache_seqlens;    // null: every sequence fills the cache
-  const int* cache_leftpad;    // null: no left padding
-  const int* cache_batch_idx;  // null: batch entry b uses cache entry b
-  const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
+  const int* cache_seqlens;  // null: every sequence fills the cache
+  const int* cache_leftpad;  // null: no left padding
+  // null: batch entry b uses cache entry b. Paged: the block_table row of b
+  // (FA3's rule), as for a contiguous cache the cache entry.
+  const int* cache_batch_idx;
+  const int* block_table;  // null: contiguous cache; else (table rows, blocks) int32
   int64_t block_table_batch_stride;
+  // null: the rotary position of new key i and (causal / local) query row i
+  // is cache_seqlens[b] + i; else rotary_seqlens[b] + i.
+  const int* rotary_seqlens;
   IntDivisor page_size;  // paged only: rows per page (a multiple of 16)
   // Extents the guards hold the index values to (index_guards.h): entries of
-  // a contiguous cache, pages of a paged one, rows of the rotary tables.
+  // a contiguous cache (rows of the block table when paged), pages of a paged
+  // one, rows of the rotary tables.
   int batch_cache;
   int num_pages;
   int seqlen_rotary;
