@@ -444,6 +444,7 @@ def _kvcache_call(
     rotary_sin=None,
     causal=False,
     num_splits=0,
+    rotary_seqlens=None,
 ):
     return flash_attn_cuda.flash_attn_with_kvcache(
         q,
@@ -459,13 +460,26 @@ def _kvcache_call(
         rotary_sin=rotary_sin,
         causal=causal,
         num_splits=num_splits,
+        rotary_seqlens=rotary_seqlens,
     )
+
+
+def _rotary_tables(rows):
+    angle = torch.rand(rows, HEAD_DIM // 4, device="cuda") * math.pi
+    return dict(rotary_cos=angle.cos().to(DTYPE), rotary_sin=angle.sin().to(DTYPE))
 
 
 def _kvcache_case(case):
     """(kwargs, the sentinel buffers, expected message part) of one issue case."""
     q = torch.randn(1, 1, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
-    if case in ("table_entry_1000", "seqlens_past_table", "append_past_table"):
+    paged_cases = (
+        "table_entry_1000",
+        "seqlens_past_table",
+        "append_past_table",
+        "paged_batch_idx_past_table",
+        "paged_batch_idx_negative_with_append",
+    )
+    if case in paged_cases:
         k_buf, k_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         v_buf, v_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         if case == "table_entry_1000":
@@ -477,12 +491,34 @@ def _kvcache_case(case):
                 "cache_seqlens[0] = 257 must be in [0, 256] (the cache length: the rows "
                 "block_table addresses"
             )
-        else:
+        elif case == "append_past_table":
             new = torch.randn(1, 1, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
             kwargs = dict(
                 block_table=_int32([[0]]), cache_seqlens=_int32([256]), k=new, v=new.clone()
             )
             pattern = "cache_seqlens[0] + seqlen_new = 256 + 1 must fit in the cache"
+        elif case == "paged_batch_idx_past_table":
+            # With a paged cache cache_batch_idx picks a row of block_table (FA3's
+            # rule): its bound is the table's rows (2), not the pool's pages (4).
+            kwargs = dict(
+                block_table=_int32([[0], [1]]),
+                cache_seqlens=_int32([10]),
+                cache_batch_idx=_int32([2]),
+            )
+            pattern = (
+                "cache_batch_idx[0] = 2 must be in [0, 2) (the rows of block_table, "
+                "which it selects with a paged cache)"
+            )
+        else:
+            new = torch.randn(1, 1, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+            kwargs = dict(
+                block_table=_int32([[0], [1]]),
+                cache_seqlens=_int32([10]),
+                cache_batch_idx=_int32([-1]),
+                k=new,
+                v=new.clone(),
+            )
+            pattern = "cache_batch_idx[0] = -1 must be in [0, 2) (the rows of block_table"
     else:
         batch = 2
         q = torch.randn(batch, 1, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -524,6 +560,29 @@ def _kvcache_case(case):
                 causal=True,
             )
             pattern = "rotary_cos / rotary_sin have 128 rows, but batch 0 needs position 131"
+        elif case == "rotary_seqlens_negative":
+            kwargs = dict(
+                cache_seqlens=_int32([3, 5]),
+                k=new,
+                v=new.clone(),
+                rotary_seqlens=_int32([0, -2]),
+                **_rotary_tables(128),
+            )
+            pattern = "rotary_seqlens[1] = -2 must be >= 0"
+        elif case == "rotary_seqlens_past_tables":
+            # The cache rows (3..6) fit; the rotary positions of the 4 new keys,
+            # 125..128, do not fit the 128 table rows.
+            kwargs = dict(
+                cache_seqlens=_int32([3, 5]),
+                k=new,
+                v=new.clone(),
+                rotary_seqlens=_int32([125, 0]),
+                **_rotary_tables(128),
+            )
+            pattern = (
+                "rotary_cos / rotary_sin have 128 rows, but batch 0 needs position 128 "
+                "(its positions start at rotary_seqlens[0] = 125)"
+            )
         else:
             raise AssertionError(case)
     kwargs.update(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -541,6 +600,10 @@ KVCACHE_CASES = [
     "batch_idx_negative_with_append",
     "leftpad_past_seqlens",
     "rotary_past_tables",
+    "rotary_seqlens_negative",
+    "rotary_seqlens_past_tables",
+    "paged_batch_idx_past_table",
+    "paged_batch_idx_negative_with_append",
 ]
 
 
