@@ -11,6 +11,10 @@
 //   * seqused_k (varlen, optional int32 (batch,)): sequence b uses only its
 //     first seqused_k[b] keys; with block_table it gives each sequence's keys
 //     (cu_seqlens_k is then checked but not used for them).
+//   * seqused_q (varlen, optional int32 (batch,), last so that older callers
+//     keep working): sequence b uses only its first seqused_q[b] query rows;
+//     causal / local windows align to the used lengths. The other rows get
+//     out 0 (a caller's out= keeps them as they are), lse +inf, dq 0, D 0.
 //   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
@@ -41,22 +45,22 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? alibi_slopes, int max_seqlen_q, "
       "int max_seqlen_k, float dropout_p, float softmax_scale, bool causal, "
       "int window_size_left, int window_size_right, float softcap, bool deterministic, "
-      "Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!)? softmax_d=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!)? softmax_d=None, "
+      "Tensor? seqused_q=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
-      "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None) "
-      "-> (Tensor out, Tensor softmax_lse)");
+      "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None, "
+      "Tensor? rotary_seqlens=None) -> (Tensor out, Tensor softmax_lse)");
   // The forwards that write the attention output into the caller's `out`
   // instead of a new tensor; they return the other results. (An op that
   // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
@@ -74,14 +78,15 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None) -> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? cache_seqlens, Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor(c!) out, "
-      "Tensor? learnable_sink=None) -> Tensor softmax_lse");
+      "Tensor? learnable_sink=None, Tensor? rotary_seqlens=None) -> Tensor softmax_lse");
   // The gradient of the attention sinks, from the forward's softmax_lse and
   // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
   // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -
@@ -90,6 +95,20 @@ TORCH_LIBRARY(flash_attn, m) {
   m.def(
       "sink_grad(Tensor softmax_lse, Tensor softmax_d, Tensor learnable_sink, "
       "Tensor? cu_seqlens_q=None) -> Tensor");
+  // The merge of partial attention results by their log-sum-exp
+  // (flash_attn_combine: cascade attention, context parallelism, split-KV done
+  // by the caller; the rule and its edge cases in csrc/common/lse_combine_rule.h).
+  // out_partial: fp32 / fp16 / bf16 (num_splits, batch, seqlen, nheads,
+  // head_dim), or varlen (num_splits, total, nheads, head_dim); lse_partial:
+  // fp32 (num_splits, batch, seqlen, nheads), or (num_splits, total, nheads);
+  // any strides. Returns out (out_partial's shape without num_splits, dtype
+  // out_dtype, default out_partial's) and the fp32 lse (batch, seqlen, nheads)
+  // or (total, nheads), contiguous. combine_out writes out into the caller's
+  // tensor and returns the lse.
+  m.def(
+      "combine(Tensor out_partial, Tensor lse_partial, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor softmax_lse)");
+  m.def("combine_out(Tensor out_partial, Tensor lse_partial, *, Tensor(a!) out) -> Tensor");
   // The CUDA path's index checks (docs/memory_safety.md): raise what a kernel
   // recorded on `device`, after waiting for it; switch each call to waiting
   // for its own check (returns the previous setting).

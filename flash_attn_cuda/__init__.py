@@ -74,6 +74,7 @@ from . import ops as _ops  # noqa: E402,F401  (registers the fake kernels)
 from .index_checks import check_index_errors, set_sync_index_checks  # noqa: E402
 from .interface import (  # noqa: E402
     _get_block_size_n,
+    flash_attn_combine,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -99,6 +100,7 @@ __all__ = [
     "build_info",
     "check_index_errors",
     "cuda_built",
+    "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "_get_block_size_n",
+    "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -258,12 +259,16 @@ def _check_no_grad_for_out(fn: str, *tensors: Optional[torch.Tensor]) -> None:
         )
 
 
-def _padded_target(out: torch.Tensor, padded_head_dim: int) -> torch.Tensor:
+def _padded_target(out: torch.Tensor, padded_head_dim: int, keep: bool = False) -> torch.Tensor:
     # The buffer the op writes: out itself, or for a padded head dim a
-    # scratch copy of its shape with the padded last dim.
+    # scratch copy of its shape with the padded last dim, holding out's values
+    # when `keep` (rows the op leaves alone must come back unchanged).
     if out.shape[-1] == padded_head_dim:
         return out
-    return out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    target = out.new_empty(tuple(out.shape[:-1]) + (padded_head_dim,))
+    if keep:
+        target[..., : out.shape[-1]].copy_(out)
+    return target
 
 
 def _copy_back(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -396,6 +401,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state,
         seqused_k,
         learnable_sink,
+        seqused_q,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -421,6 +427,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         ctx.save_for_backward(
             q_padded,
@@ -434,6 +441,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         )
         ctx.paged = block_table is not None
         ctx.head_dim = head_dim
@@ -469,14 +477,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             alibi_slopes,
             seqused_k,
             learnable_sink,
+            seqused_q,
         ) = ctx.saved_tensors
         dout = _prepare(dout)
         sink_needs_grad = ctx.needs_input_grad[18]
         if not any(ctx.needs_input_grad[:3]):
             d_sink = None
             if sink_needs_grad:
+                # Rows past seqused_q have out 0 and lse +inf: they add 0.
                 d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
-            return (None,) * 18 + (d_sink,)
+            return (None,) * 18 + (d_sink, None)
         softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             dout,
@@ -500,6 +510,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             rng_state,
             seqused_k=seqused_k,
             softmax_d=softmax_d,
+            seqused_q=seqused_q,
         )
         d_sink = None
         if sink_needs_grad:
@@ -511,7 +522,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink,)
+        return grads + (None,) * 15 + (d_sink, None)
 
 
 def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
@@ -643,6 +654,7 @@ def _varlen_attention(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
     return_softmax_lse=False,
 ):
     fn = "flash_attn_varlen_func"
@@ -666,6 +678,7 @@ def _varlen_attention(
         block_table=block_table,
         seqused_k=seqused_k,
         learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
     )
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
@@ -676,7 +689,9 @@ def _varlen_attention(
         _check_out(out, fn, q, q.shape[:-1] + v.shape[-1:], "(total_q, nheads, headdim)")
         _check_no_grad_for_out(fn, q, k, v, learnable_sink)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
-        target = _padded_target(out, v_padded.shape[-1])
+        # With seqused_q the rows past it keep the caller's values (as FA3):
+        # a padded scratch target starts from them, since it is copied back.
+        target = _padded_target(out, v_padded.shape[-1], keep=seqused_q is not None)
         softmax_lse, s_dmask, _ = torch.ops.flash_attn.varlen_fwd_out(
             q_padded,
             k_padded,
@@ -700,6 +715,7 @@ def _varlen_attention(
             seqused_k=seqused_k,
             out=target,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -727,21 +743,32 @@ def _varlen_attention(
             _draw_rng_state(dropout_p, q.device),
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
+            seqused_q=seqused_q,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k, learnable_sink) = (
-        _distinct(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            alibi_slopes,
-            block_table,
-            seqused_k,
-            learnable_sink,
-        )
+    (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
+    ) = _distinct(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        block_table,
+        seqused_k,
+        learnable_sink,
+        seqused_q,
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -763,6 +790,7 @@ def _varlen_attention(
         _draw_rng_state(dropout_p, q.device),
         seqused_k,
         learnable_sink,
+        seqused_q,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -1047,6 +1075,7 @@ def flash_attn_varlen_func(
     seqused_k=None,
     out=None,
     learnable_sink=None,
+    seqused_q=None,
     return_softmax_lse=False,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
@@ -1079,6 +1108,7 @@ def flash_attn_varlen_func(
         seqused_k,
         out,
         learnable_sink,
+        seqused_q,
         return_softmax_lse=return_softmax_lse,
     )
 
@@ -1118,6 +1148,15 @@ flash_attn_varlen_func.__doc__ = (
             its pages), at most max_seqlen_k and the rows its block_table
             row addresses; cu_seqlens_k is then not used for the keys and
             may be None.
+        seqused_q: optional keyword-only int32 (batch_size,), as in FA3:
+            sequence b uses only its first seqused_q[b] query rows (rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b] + seqused_q[b]); the rest of
+            its rows of q are never read. Causal and local windows align to
+            the used lengths (seqused_q[b], and seqused_k[b] or the keys
+            cu_seqlens_k gives). Each value must lie in [0, cu_seqlens_q[b +
+            1] - cu_seqlens_q[b]]. The rows past it get out 0, lse +inf and
+            dq 0, and add nothing to dk / dv; with out= they keep the
+            caller's values (no write, as FA3), so read only the used rows.
 """
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(
@@ -1281,6 +1320,7 @@ def flash_attn_with_kvcache(
     *,
     out=None,
     learnable_sink=None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -1293,7 +1333,10 @@ def flash_attn_with_kvcache(
     With rotary_cos / rotary_sin, rotary embeddings are applied to the new
     keys at their cache positions and to q: with causal or local attention
     query row i is rotated as position cache_seqlens[b] + i, otherwise every
-    query row is rotated as position cache_seqlens[b].
+    query row is rotated as position cache_seqlens[b]. With rotary_seqlens,
+    rotary_seqlens[b] takes the place of cache_seqlens[b] in these positions
+    (new key i at rotary_seqlens[b] + i), as in FA3; the cache rows written
+    stay at cache_seqlens[b] + i.
 
     Masking, GQA / MQA, softcap and ALiBi follow flash_attn_func, with
     seqlen_k the number of valid cache rows of each sequence (after the
@@ -1316,12 +1359,14 @@ def flash_attn_with_kvcache(
             each sequence's cache before the append. None means the whole cache
             is valid.
         cache_batch_idx: optional int32 (batch_size,): the cache entry each
-            batch element uses; default 0, 1, ..., batch_size - 1.
+            batch element uses; default 0, 1, ..., batch_size - 1. With
+            block_table it selects the row of block_table (as in FA3).
         cache_leftpad: optional int32 (batch_size,): the first valid cache row
-            of each sequence; default 0.
+            of each sequence (its logical row with block_table); default 0.
         block_table: optional int32 (batch_size, max_num_blocks_per_seq) for a
             paged cache: position p of sequence b lives in page
-            block_table[b, p // page_block_size].
+            block_table[b, p // page_block_size]. With cache_batch_idx it may
+            have any number of rows, and row cache_batch_idx[b] serves b.
         softmax_scale: factor applied to q.k; None means 1 / sqrt(headdim).
         causal: causal mask aligned to the bottom-right corner.
         window_size: (left, right) local attention; -1 leaves a side unbounded.
@@ -1343,6 +1388,9 @@ def flash_attn_with_kvcache(
         learnable_sink: optional keyword-only fp32 (nheads,): attention
             sinks, as in flash_attn_func (forward only here). softmax_lse
             includes them.
+        rotary_seqlens: optional keyword-only int32 (batch_size,): the
+            rotary position of the first new key and of query row 0 of each
+            sequence, instead of cache_seqlens; needs rotary_cos / rotary_sin.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
@@ -1372,6 +1420,7 @@ def flash_attn_with_kvcache(
         block_table=block_table,
         alibi_slopes=alibi_slopes,
         learnable_sink=learnable_sink,
+        rotary_seqlens=rotary_seqlens,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
     )
     if out is not None:
@@ -1420,11 +1469,13 @@ def flash_attn_with_kvcache(
         num_splits,
     )
     if out is None:
-        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, learnable_sink=learnable_sink)
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
+            *args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
+        )
     else:
         target = _padded_target(out, v_cache_used.shape[-1])
         softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
-            *args, out=target, learnable_sink=learnable_sink
+            *args, out=target, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
         )
         out = _copy_back(out, target)
     out = _unpad_head_dim(out, head_dim_v)
@@ -1434,3 +1485,66 @@ def flash_attn_with_kvcache(
         if v_cache_used is not v_cache:
             v_cache.copy_(v_cache_used[..., :head_dim_v])
     return (out, softmax_lse) if return_softmax_lse else out
+
+
+_COMBINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges partial attention results over disjoint key sets by their log-sum-exp.
+
+    FlashAttention-3's ``flash_attn_combine``: for cascade attention, context
+    parallelism, or a split of the keys done by the caller. Each split i holds,
+    per query row, the attention output ``out_i`` over its own keys and the
+    natural-log ``lse_i`` of that softmax's denominator (what the forwards
+    return with ``return_softmax_lse`` / ``return_attn_probs``, with the lse
+    transposed to this layout). Per row::
+
+        m = max_i lse_i;  lse = m + log(sum_i exp(lse_i - m))
+        out = sum_i exp(lse_i - lse) * out_i
+
+    computed in fp32 whatever the dtypes. Edge cases: a split whose lse is
+    -inf or +inf (this package's value for a row that sees no key) saw no key
+    and contributes nothing, whatever its out row holds; a row whose splits
+    all saw no key gets out = 0 and lse = +inf, so the result can be a partial
+    of a further merge; a NaN lse in any split makes the row's out and lse
+    NaN. There is no backward pass.
+
+    Args:
+        out_partial: (num_splits, batch, seqlen, nheads, head_dim), or varlen
+            (num_splits, total, nheads, head_dim); float32, float16 or
+            bfloat16; any strides. 1 <= num_splits <= 256, head_dim >= 1.
+        lse_partial: float32 (num_splits, batch, seqlen, nheads), or varlen
+            (num_splits, total, nheads); any strides.
+        out: optional (batch, seqlen, nheads, head_dim) (varlen: (total,
+            nheads, head_dim)) tensor on out_partial's device, float32,
+            float16 or bfloat16, any strides: the result is written into it and
+            it is what the call returns.
+        out_dtype: dtype of the result when out is None: float32, float16 or
+            bfloat16; default out_partial's dtype (with out, its dtype, which
+            out_dtype must then match if given).
+
+    Returns:
+        (out, softmax_lse): out as described; softmax_lse float32 (batch,
+        seqlen, nheads) (varlen: (total, nheads)), contiguous.
+    """
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attn_combine: {name} must be a torch.Tensor, got {type(t)}")
+    if out_dtype is not None and out_dtype not in _COMBINE_DTYPES:
+        raise ValueError(
+            "flash_attn_combine: out_dtype must be torch.float32, torch.float16 or "
+            f"torch.bfloat16, got {out_dtype}"
+        )
+    if out is None:
+        return torch.ops.flash_attn.combine(out_partial, lse_partial, out_dtype)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"flash_attn_combine: out must be a torch.Tensor, got {type(out).__name__}")
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise ValueError(
+            f"flash_attn_combine: out has dtype {out.dtype} but out_dtype is {out_dtype}; "
+            "give one of them, or the same dtype"
+        )
+    _check_no_grad_for_out("flash_attn_combine", out_partial, lse_partial)
+    softmax_lse = torch.ops.flash_attn.combine_out(out_partial, lse_partial, out=out)
+    return out, softmax_lse

@@ -119,6 +119,7 @@ def _varlen_fwd_fake(
     *,
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(
         q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
@@ -144,9 +145,12 @@ def _varlen_fwd_out_fake(
     seqused_k: Optional[torch.Tensor] = None,
     out: torch.Tensor,
     learnable_sink: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
-    return _varlen_fwd_fake(*args, seqused_k=seqused_k, learnable_sink=learnable_sink)[1:]
+    return _varlen_fwd_fake(
+        *args, seqused_k=seqused_k, learnable_sink=learnable_sink, seqused_q=seqused_q
+    )[1:]
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -173,6 +177,7 @@ def _varlen_bwd_fake(
     *,
     seqused_k: Optional[torch.Tensor] = None,
     softmax_d: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
 ):
     return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
@@ -200,6 +205,7 @@ def _fwd_kvcache_fake(
     num_splits: int,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
 ):
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
@@ -210,10 +216,15 @@ def _fwd_kvcache_fake(
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(*args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None):
+def _fwd_kvcache_out_fake(
+    *args,
+    out: torch.Tensor,
+    learnable_sink: Optional[torch.Tensor] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
+):
     # fwd_kvcache's arguments plus out; the caches and out are written in place
     # ((a!), (b!), (c!)): the softmax_lse alone.
-    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink)[1]
+    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens)[1]
 
 
 @torch.library.register_fake("flash_attn::sink_grad")
@@ -225,3 +236,22 @@ def _sink_grad_fake(
 ):
     # d learnable_sink: fp32 (nheads,), on the device of the lse.
     return softmax_lse.new_empty(learnable_sink.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_attn::combine")
+def _combine_fake(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+):
+    # out: out_partial's shape without num_splits, in out_dtype (default
+    # out_partial's); softmax_lse: fp32, lse_partial's shape without num_splits.
+    dtype = out_partial.dtype if out_dtype is None else out_dtype
+    out = out_partial.new_empty(out_partial.shape[1:], dtype=dtype)
+    return out, lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_attn::combine_out")
+def _combine_out_fake(out_partial: torch.Tensor, lse_partial: torch.Tensor, *, out: torch.Tensor):
+    # out is written in place (schema (a!)): the softmax_lse alone.
+    return lse_partial.new_empty(lse_partial.shape[1:], dtype=torch.float32)

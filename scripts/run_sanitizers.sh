@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over the small forward, backward and KV-cache
+# compute-sanitizer memcheck and racecheck over the small forward, backward, KV-cache and combine
 # call sets in scripts/sanitize_*.py, and memcheck over calls with bad index
 # values (sanitize_index.py: every guarded index must stay inside its tensor).
 # Exits non-zero on any reported error.
@@ -24,6 +24,7 @@ sanitize sanitize_fwd sanitize_fwd_sm90 FLASH_ATTN_FWD_KERNEL=sm90
 sanitize sanitize_bwd sanitize_bwd_sm80 FLASH_ATTN_BWD_KERNEL=sm80
 sanitize sanitize_bwd sanitize_bwd_sm90 FLASH_ATTN_BWD_KERNEL=sm90
 sanitize sanitize_kvcache sanitize_kvcache
+sanitize sanitize_combine sanitize_combine
 TOOLS=memcheck sanitize sanitize_index sanitize_index_sm80 FLASH_ATTN_FWD_KERNEL=sm80 FLASH_ATTN_BWD_KERNEL=sm80
 TOOLS=memcheck sanitize sanitize_index sanitize_index_sm90 FLASH_ATTN_FWD_KERNEL=sm90 FLASH_ATTN_BWD_KERNEL=sm90
 exit $status

@@ -4,7 +4,11 @@
 
 Runs every case of tests/test_cuda_index_safety.py once (the kernels clamp the
 bad value and record it; memcheck shows that no access leaves the tensors) and
-checks that each one is reported. Exits non-zero if a case is not reported.
+checks that each one is reported: bad cu_seqlens, seqused_k and seqused_q
+(forward and backward), paged varlen tables, and the KV-cache cases
+(KVCACHE_CASES: cache_seqlens, cache_leftpad, cache_batch_idx also with a paged
+cache, block_table, rotary positions and rotary_seqlens) at three num_splits. Exits non-zero if a
+case is not reported.
 """
 
 import os
@@ -31,6 +35,13 @@ def expect_reported(name, fn, kwargs, pattern):
             )
         return
     sys.exit(f"sanitize_index: {name}: not reported")
+
+
+def _varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q):
+    torch.ops.flash_attn.varlen_bwd(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, None, 128, 128, 0.0,
+        0.125, False, -1, -1, 0.0, False, None, seqused_q=seqused_q,
+    )  # fmt: skip
 
 
 def main():
@@ -121,6 +132,34 @@ def main():
             pass
         else:
             sys.exit(f"sanitize_index: varlen_bwd seqused_k {name}: not reported")
+    # seqused_q: the forward and the backward, each on both kernel families
+    # (run_sanitizers.sh runs this script with sm80 and with sm90 forced).
+    for name, (used, pattern) in sorted(cases.SEQUSED_Q_CASES.items()):
+        q, k, v = cases._packed(256)
+        cu = cases._int32([0, 100, 200])
+        seqused_q = cases._int32(used)
+        for causal in (False, True):
+            kwargs = dict(
+                q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, seqused_q=seqused_q
+            )
+            expect_reported(
+                f"varlen seqused_q {name} causal={causal}",
+                cases._varlen_call_seqused_q,
+                kwargs,
+                pattern,
+            )
+        kwargs = dict(
+            dout=torch.randn_like(q),
+            q=q,
+            k=k,
+            v=v,
+            out=torch.randn_like(q),
+            softmax_lse=torch.randn(q.shape[1], q.shape[0], device="cuda"),
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            seqused_q=seqused_q,
+        )
+        expect_reported(f"varlen_bwd seqused_q {name}", _varlen_bwd, kwargs, pattern)
     paged_seqused = cases._paged_varlen([[0, 1], [2, 3]], [0, 0, 0], 48)
     paged_seqused["seqused_k"] = cases._int32([40, 5])
     paged = {

@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python scripts/sanitize_kvcache.py
 
 Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
-packing, left padding, cache_batch_idx, split counts from one to many (the
+packing, left padding, cache_batch_idx (paged too: it picks the block_table
+row), rotary_seqlens, split counts from one to many (the
 combine kernel's thread groups differ per head dim: 64, 96, 128, 256), a
 long cache launched for one block per SM, the persistent grid, and a grid of
 several waves that appends and rotates in the attention kernel.
@@ -29,6 +30,7 @@ def call(
     page_size=None,
     leftpad=False,
     batch_idx=False,
+    rotary_seqlens=False,
     causal=False,
     num_splits=0,
 ):
@@ -53,12 +55,15 @@ def call(
         k_cache = torch.randn(num_pages, page_size, nheads_k, head_dim, device=dev, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
         block_table = torch.randperm(num_pages, device=dev, dtype=torch.int32)
-        block_table = block_table.view(batch_cache, pages_per_seq)[:batch].contiguous()
-    cache_batch_idx = (
-        torch.arange(batch, dtype=torch.int32, device=dev) + 1
-        if batch_idx and page_size is None
-        else None
-    )
+        block_table = block_table.view(batch_cache, pages_per_seq)
+        if not batch_idx:
+            block_table = block_table[:batch].contiguous()
+    cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=dev) + 1 if batch_idx else None
+    rotary_starts = None
+    if rotary_seqlens:
+        rotary_starts = torch.randint(
+            0, capacity - max(seqlen_new, seqlen_q) + 1, (batch,), dtype=torch.int32
+        ).to(dev)
     cache_leftpad = torch.minimum(lengths, torch.full_like(lengths, 3)).to(dev) if leftpad else None
     return torch.ops.flash_attn.fwd_kvcache(
         q,
@@ -80,6 +85,7 @@ def call(
         0.0,
         True,
         num_splits,
+        rotary_seqlens=rotary_starts,
     )
 
 
@@ -95,6 +101,12 @@ def main():
     call(2, 2, 203, 4, 1, 128, bf16, seqlen_new=2, rotary=True, page_size=16)
     call(2, 1, 513, 16, 4, 128, fp16, page_size=256, num_splits=5)
     call(2, 3, 77, 4, 4, 64, bf16, batch_idx=True, leftpad=True, causal=True)
+    # FA3's shapes: paged caches with left padding and cache_batch_idx, and
+    # rotary_seqlens, through the pre-kernel and the in-kernel append.
+    fa3 = dict(rotary=True, leftpad=True, batch_idx=True, rotary_seqlens=True)
+    call(3, 4, 131, 8, 2, 64, fp16, seqlen_new=3, causal=True, page_size=1, **fa3)
+    call(2, 1, 203, 32, 8, 128, bf16, seqlen_new=1, page_size=16, num_splits=1, **fa3)
+    call(2, 2, 300, 16, 4, 128, bf16, seqlen_new=2, page_size=64, num_splits=3, **fa3)
     # 128 key tiles per split over a contiguous cache: launched with shared
     # memory for one block per SM.
     call(1, 1, 8192 + 37, 8, 2, 128, bf16, num_splits=1)

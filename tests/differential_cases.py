@@ -293,6 +293,14 @@ def _draw_varlen(rng, c):
     if c["page_size"] is None:
         layouts.append("kvpacked")
     c["layout"] = "qkvpacked" if qkvpacked else rng.choice(layouts)
+    # Drawn last so that the draws above (and the cases of earlier seeds) stay
+    # as they were. Not with qkvpacked: its query rows are its key rows, so the
+    # NaN planted past seqused_q would land in keys the call reads.
+    c["seqused_q"] = None
+    if not qkvpacked and rng.random() < 0.2:
+        c["seqused_q"] = [
+            rng.choice([0, n]) if rng.random() < 0.25 else rng.randint(0, n) for n in c["seqlens_q"]
+        ]
 
 
 def _draw_kvcache(rng, c):
@@ -369,6 +377,30 @@ def _draw_kvcache(rng, c):
     r = rng.random()
     c["num_splits"] = 0 if r < 0.4 else 1 if r < 0.65 else rng.choice([2, 3, 4, 5, 8, 16, 64])
     c["dropout_p"], c["bwd"], c["deterministic"] = 0.0, False, False
+    # Drawn last, for the same reason as seqused_q in _draw_varlen.
+    if c["page_size"] is not None:
+        # FA3's call shapes on a paged cache (docs/serving.md): a table with more
+        # rows than the batch, of which cache_batch_idx picks some (distinct: an
+        # append into a shared row of pages would race), and left padding over
+        # the logical rows of the pages.
+        if rng.random() < 0.25:
+            c["batch_cache"] = batch + rng.randint(0, 3)
+            c["cache_batch_idx"] = rng.sample(range(c["batch_cache"]), batch)
+        if rng.random() < 0.25 and c["cache_seqlens"] is not None:
+            c["cache_leftpad"] = [
+                rng.choice([0, e]) if rng.random() < 0.2 else rng.randint(0, e)
+                for e in c["cache_seqlens"]
+            ]
+    c["rotary_seqlens"] = None
+    if c["rotary"] and rng.random() < 0.3:
+        # Rotary positions apart from the cache positions: new key i at
+        # rotary_seqlens[b] + i, and q row i there too under a window; the last
+        # one must stay inside the tables.
+        top = c["seqlen_rotary"] - max(new, c["seqlen_q"], 1)
+        c["rotary_seqlens"] = [
+            rng.choice([0, top]) if rng.random() < 0.2 else rng.randint(0, top)
+            for _ in range(batch)
+        ]
 
 
 # ---------------------------------------------------------------------------
@@ -395,6 +427,8 @@ def describe(c):
         )
         if c["page_size"] is not None:
             parts.append(f"paged={c['page_size']}/{c['table_fill']}")
+        if c.get("seqused_q") is not None:
+            parts.append(f"seqused_q={c['seqused_q']}")
     else:
         parts.append(
             f"b={c['batch']} sq={c['seqlen_q']} new={c['seqlen_new']} cap={c['capacity']} "
@@ -410,6 +444,8 @@ def describe(c):
             parts.append(f"leftpad={c['cache_leftpad']}")
         if c["rotary"]:
             parts.append(f"rotary={c['rotary']}:{c['rotary_dim']}")
+            if c.get("rotary_seqlens") is not None:
+                parts.append(f"rotary_seqlens={c['rotary_seqlens']}")
         if c["packed_cache"]:
             parts.append("packed_cache")
         parts.append(f"q={c['q_layout']} splits={c['num_splits']}")
@@ -456,6 +492,13 @@ def validate(c):
             bad.append("max_seqlen below a sequence length")
         if c["page_size"] is not None and c["bwd"]:
             bad.append("paged varlen has no backward")
+        used = c.get("seqused_q")
+        if used is not None and (
+            c["layout"] == "qkvpacked"
+            or len(used) != c["batch"]
+            or any(not 0 <= u <= n for u, n in zip(used, c["seqlens_q"]))
+        ):
+            bad.append("seqused_q out of range (or with qkvpacked)")
         if c["layout"] == "qkvpacked" and (
             c["seqlens_q"] != c["seqlens_k"]
             or h != hk
@@ -466,8 +509,6 @@ def validate(c):
     else:
         cap, new = c["capacity"], c["seqlen_new"] or 0
         if c["page_size"] is not None:
-            if c["cache_batch_idx"] is not None or c["cache_leftpad"] is not None:
-                bad.append("paged caches take neither cache_batch_idx nor cache_leftpad")
             if cap != c["page_size"] * c["pages_per_seq"]:
                 bad.append("capacity")
         if c["seqlen_new"] is not None and c["seqlen_q"] > cap:
@@ -489,6 +530,8 @@ def validate(c):
                 bad.append("cache_batch_idx out of range")
             if c["seqlen_new"] and len(set(idx)) != len(idx):
                 bad.append("two appends into one cache row")
+            if c["page_size"] is not None and len(set(idx)) != len(idx):
+                bad.append("two sequences on one row of pages")
         if c["rotary"]:
             if c["seqlen_new"] is None:
                 bad.append("rotary needs k / v")
@@ -497,6 +540,11 @@ def validate(c):
                 bad.append("rotary_dim")
             if c["seqlen_rotary"] < cap + max(c["seqlen_q"], 1):
                 bad.append("seqlen_rotary")
+            rs = c.get("rotary_seqlens")
+            if rs is not None and any(
+                not 0 <= p <= c["seqlen_rotary"] - max(new, c["seqlen_q"], 1) for p in rs
+            ):
+                bad.append("rotary_seqlens reach past the rotary tables")
         if c["num_splits"] < 0:
             bad.append("num_splits")
     return bad
@@ -581,6 +629,12 @@ def features(c):
         if c["page_size"] is not None:
             f.add("varlen:paged")
             f.add(f"varlen_page_size:{c['page_size']}")
+        if c.get("seqused_q") is not None:
+            f.add("varlen:seqused_q")
+            if c["bwd"]:
+                f.add("bwd:seqused_q")
+            if c["page_size"] is not None:
+                f.add("varlen:seqused_q+paged")
     else:
         f.add("kv:paged" if c["page_size"] is not None else "kv:contiguous")
         if c["page_size"] is not None:
@@ -609,6 +663,12 @@ def features(c):
             f.add("kv:cache_batch_idx")
         if c["cache_leftpad"] is not None:
             f.add("kv:cache_leftpad")
+        if c["page_size"] is not None and c["cache_batch_idx"] is not None:
+            f.add("kv:paged+cache_batch_idx")
+        if c["page_size"] is not None and c["cache_leftpad"] is not None:
+            f.add("kv:paged+cache_leftpad")
+        if c.get("rotary_seqlens") is not None:
+            f.add("kv:rotary_seqlens")
         if c["rotary"]:
             f.add(f"kv:rotary_{c['rotary']}")
             if c["rotary_dim"] < c["head_dim"]:
@@ -698,6 +758,8 @@ REQUIRED_FEATURES = (
         "varlen:rows_outside_poisoned",
         "varlen:max_seqlen_above_longest",
         "varlen:paged",
+        "varlen:seqused_q",
+        "bwd:seqused_q",
     ]
     + ["kv:paged", "kv:contiguous"]
     + [f"kv_page_size:{p}" for p in KV_PAGE_SIZES]
@@ -716,6 +778,9 @@ REQUIRED_FEATURES = (
         "kv:cache_full_after_append",
         "kv:cache_batch_idx",
         "kv:cache_leftpad",
+        "kv:paged+cache_batch_idx",
+        "kv:paged+cache_leftpad",
+        "kv:rotary_seqlens",
         "kv:rotary_interleaved",
         "kv:rotary_neox",
         "kv:rotary_partial",
@@ -866,9 +931,25 @@ def _varlen_inputs(c, g):
         _, k, v = views(c, bases)
         k[outside_k] = float("nan")
         v[outside_k] = float("nan")
+    if c.get("seqused_q") is not None:
+        # The query rows (and their dout) past seqused_q[b] are no query rows
+        # (docs/serving.md): NaN there must reach no result.
+        inputs["seqused_q"] = torch.tensor(c["seqused_q"], dtype=torch.int32)
+        q, _, _ = views(c, bases)
+        unused = _unused_q_rows(c, cu_q)
+        q[unused] = float("nan")
+        inputs["dout"][unused] = float("nan")
     if c["page_size"] is not None:
         inputs.update(_scatter_pages(c, g, inputs))
     return inputs
+
+
+def _unused_q_rows(c, cu_q):
+    """The rows of the packed queries past seqused_q[b] of their sequence."""
+    rows = [
+        torch.arange(int(cu_q[bi]) + u, int(cu_q[bi + 1])) for bi, u in enumerate(c["seqused_q"])
+    ]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def _scatter_pages(c, g, inputs):
@@ -931,13 +1012,26 @@ def _kvcache_inputs(c, g):
         inputs["cache_batch_idx"] = torch.tensor(c["cache_batch_idx"], dtype=torch.int32)
     if c["cache_leftpad"] is not None:
         inputs["cache_leftpad"] = torch.tensor(c["cache_leftpad"], dtype=torch.int32)
+    if c.get("rotary_seqlens") is not None:
+        inputs["rotary_seqlens"] = torch.tensor(c["rotary_seqlens"], dtype=torch.int32)
     if paged:
         pps = c["pages_per_seq"]
         order = torch.randperm(num_blocks, generator=g)
         table = order[: b * pps].view(b, pps).to(torch.int32).clone()
         if c["table_fill"] == "minus_one":
             for bi in range(b):
-                table[bi, _used_pages(c, bi) :] = -1
+                table[bi, _used_pages(c, bi) :] = -1  # row bi of the picked rows
+        # Entries the call may not read hold no valid page (int32 has no NaN): a
+        # read shows as an index error. Those are the rows cache_batch_idx does
+        # not pick and the pages wholly before the left padding.
+        bad_page = num_blocks + 1000
+        if c["cache_batch_idx"] is not None:
+            picked = table
+            table = torch.full((c["batch_cache"], pps), bad_page, dtype=torch.int32)
+            table[torch.tensor(c["cache_batch_idx"], dtype=torch.long)] = picked
+        if c["cache_leftpad"] is not None:
+            for bi, pad in enumerate(c["cache_leftpad"]):
+                table[_table_row(c, bi), : pad // c["page_size"]] = bad_page
         inputs["block_table"] = table
     inputs["alibi"] = _alibi(c, g, b)
     _poison_cache(c, inputs)
@@ -961,21 +1055,16 @@ def cache_views(c, base):
 
 def _poison_cache(c, inputs):
     """NaN in every cache row the call must not read before its append: past
-    the used length, before the left padding, cache rows no batch entry uses,
-    unused pages, the unused rows of the last page, and the rows the append is
-    about to write (a read of those before the append shows as NaN)."""
+    the used length, before the left padding (in pages too), cache rows no
+    batch entry uses, unused pages, the unused rows of the last page, and the
+    rows the append is about to write (a read of those before the append shows
+    as NaN)."""
     k_cache, v_cache = cache_views(c, inputs["cache_base"])
     read = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for bi in range(c["batch"]):
-        end = _end(c, bi)
-        if c["page_size"] is not None:
-            ps = c["page_size"]
-            for p in range(-(-end // ps)):
-                read[int(inputs["block_table"][bi, p]), : min(ps, end - p * ps)] = True
-        else:
-            row = bi if c["cache_batch_idx"] is None else c["cache_batch_idx"][bi]
-            pad = 0 if c["cache_leftpad"] is None else c["cache_leftpad"][bi]
-            read[row, pad:end] = True
+        pad = 0 if c["cache_leftpad"] is None else c["cache_leftpad"][bi]
+        for pos in range(pad, _end(c, bi)):
+            read[_cache_slot(c, inputs, bi, pos)] = True
     k_cache[~read] = float("nan")
     v_cache[~read] = float("nan")
 
@@ -991,10 +1080,15 @@ def written_mask(c, inputs):
     return mask
 
 
+def _table_row(c, bi):
+    """Batch entry bi's cache row, or its row of the block table."""
+    return bi if c["cache_batch_idx"] is None else c["cache_batch_idx"][bi]
+
+
 def _cache_slot(c, inputs, bi, pos):
+    row = _table_row(c, bi)
     if c["page_size"] is not None:
-        return int(inputs["block_table"][bi, pos // c["page_size"]]), pos % c["page_size"]
-    row = bi if c["cache_batch_idx"] is None else c["cache_batch_idx"][bi]
+        return int(inputs["block_table"][row, pos // c["page_size"]]), pos % c["page_size"]
     return row, pos
 
 
@@ -1113,6 +1207,7 @@ def _run_varlen(c, inputs, device):
         k, v = inputs["k_pages"].to(device), inputs["v_pages"].to(device)
         table = inputs["block_table"].to(device)
     cu_q, cu_k = inputs["cu_q"].to(device), inputs["cu_k"].to(device)
+    seqused_q = _on(inputs.get("seqused_q"), device)
     alibi = _on(inputs["alibi"], device)
     seed, offset, rng_state = _rng_args(c, device)
     score_args = (
@@ -1139,18 +1234,24 @@ def _run_varlen(c, inputs, device):
         seed,
         offset,
         rng_state,
+        seqused_q=seqused_q,
     )
     result = {"out": _host(out), "lse": _host(lse), "rng_state": _host(rng_used)}
     if c["return_softmax"]:
         result["s_dmask"] = _host(s_dmask)
     if c["bwd"]:
+        out_read = out
+        if seqused_q is not None:
+            # The backward may not read out past seqused_q either.
+            out_read = out.clone()
+            out_read[_unused_q_rows(c, inputs["cu_q"]).to(device)] = float("nan")
         _poison_allocator(device)
         dq, dk, dv = ops.varlen_bwd(
             inputs["dout"].to(device),
             q,
             k,
             v,
-            out,
+            out_read,
             lse,
             cu_q,
             cu_k,
@@ -1160,6 +1261,7 @@ def _run_varlen(c, inputs, device):
             *score_args,
             c["deterministic"],
             rng_used,
+            seqused_q=seqused_q,
         )
         result.update(dq=_host(dq), dk=_host(dk), dv=_host(dv))
     return result
@@ -1196,6 +1298,7 @@ def _run_kvcache(c, inputs, device):
         c["softcap"],
         c["rotary"] == "interleaved",
         c["num_splits"],
+        rotary_seqlens=get("rotary_seqlens"),
     )
     return {"out": _host(out), "lse": _host(lse), "cache_base": _host(cache_base)}
 
@@ -1347,6 +1450,7 @@ def _varlen_refs(c, inputs, device):
     q, k, v = views(c, bases)
     alibi = _on(inputs["alibi"], device)
     cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
+    used_q = _used_lengths_q(c)
     keep = None
     if c["dropout_p"] > 0:
         keep = [
@@ -1360,7 +1464,7 @@ def _varlen_refs(c, inputs, device):
                 c["dropout_p"],
                 device,
             )
-            for bi, (sq, sk) in enumerate(zip(c["seqlens_q"], c["seqlens_k"]))
+            for bi, (sq, sk) in enumerate(zip(used_q, c["seqlens_k"]))
         ]
 
     def fn(qq, kk, vv, compute_dtype):
@@ -1375,10 +1479,17 @@ def _varlen_refs(c, inputs, device):
             window_size=(c["window_left"], c["window_right"]),
             keep_masks=keep,
             compute_dtype=compute_dtype,
+            seqused_q=c.get("seqused_q"),
             **_score_kwargs(c, alibi),
         )
 
     return _attention_refs(c, fn, (q, k, v), inputs, device)
+
+
+def _used_lengths_q(c):
+    """The query rows each varlen sequence uses (seqused_q, else all)."""
+    used = c.get("seqused_q")
+    return c["seqlens_q"] if used is None else used
 
 
 def _kvcache_refs(c, inputs, device):
@@ -1402,7 +1513,7 @@ def _kvcache_refs(c, inputs, device):
             continue
         k_new = inputs["k_new"][bi : bi + 1].to(device)
         if cos is not None:
-            positions = (end + torch.arange(new, device=device)).unsqueeze(0)
+            positions = (_rotary_start(c, bi) + torch.arange(new, device=device)).unsqueeze(0)
             k_new = apply_rotary(k_new, cos, sin, positions, interleaved).to(dt)
         for i in range(new):
             slot = _cache_slot(c, inputs, bi, end + i)
@@ -1426,7 +1537,8 @@ def _kvcache_refs(c, inputs, device):
                 if per_row
                 else torch.zeros(sq, dtype=torch.long, device=device)
             )
-            q_b = apply_rotary(q_b, cos, sin, (end + offsets).unsqueeze(0), interleaved).to(dt)
+            start = _rotary_start(c, bi)
+            q_b = apply_rotary(q_b, cos, sin, (start + offsets).unsqueeze(0), interleaved).to(dt)
         slopes = None
         if alibi is not None:
             slopes = alibi if alibi.dim() == 1 else alibi[bi]
@@ -1449,6 +1561,13 @@ def _kvcache_refs(c, inputs, device):
         refs[f"out_{which}"] = _host(torch.cat(outs[which]))
         refs[f"lse_{which}"] = _host(torch.cat(lses[which]))
     return refs
+
+
+def _rotary_start(c, bi):
+    """The rotary position of batch entry bi's first new key (and of q):
+    rotary_seqlens[bi] when given, else its cache position."""
+    rs = c.get("rotary_seqlens")
+    return _end(c, bi) if rs is None else rs[bi]
 
 
 def reference_as_result(c, refs):
@@ -1638,7 +1757,8 @@ def _check_s_dmask(c, a, b, dt, extra=0.0):
     if a.shape != b.shape:
         return f"s_dmask: shape {tuple(a.shape)} against {tuple(b.shape)}"
     if c["kind"] == "varlen":
-        blocks = [(bi, sq, sk) for bi, (sq, sk) in enumerate(zip(c["seqlens_q"], c["seqlens_k"]))]
+        lengths = zip(_used_lengths_q(c), c["seqlens_k"])
+        blocks = [(bi, sq, sk) for bi, (sq, sk) in enumerate(lengths)]
         pairs = [(a[bi, :, :sq, :sk], b[bi, :, :sq, :sk]) for bi, sq, sk in blocks]
     else:
         pairs = [(a, b)]

@@ -152,15 +152,20 @@ def varlen_attention_ref(
     keep_masks=None,
     compute_dtype=torch.float64,
     learnable_sink=None,
+    seqused_q=None,
+    seqused_k=None,
 ):
     """Varlen attention by a loop over the sequences: q (total_q, nheads, d),
     k (total_k, nheads_k, d), v (total_k, nheads_k, d_v). The window is normalised against
     max_seqlen_k (default: the longest key sequence), as the ops do.
     keep_masks: None or a list of bool (nheads, seqlen_q_b, seqlen_k_b).
     learnable_sink: None or (nheads), as in attention_ref.
+    seqused_q / seqused_k: None or (batch) ints: sequence b is only its first
+    seqused_q[b] query rows / seqused_k[b] keys (FA3's semantics; the used
+    lengths are the sequence's lengths, for the causal / local alignment too).
 
     Returns (out (total_q, nheads, d), lse (nheads, total_q)). Rows outside
-    every sequence are 0 in out and +inf in lse.
+    every sequence, and rows past seqused_q[b], are 0 in out and +inf in lse.
     """
     cu_q = [int(x) for x in cu_seqlens_q]
     cu_k = [int(x) for x in cu_seqlens_k]
@@ -175,10 +180,16 @@ def varlen_attention_ref(
     out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=compute_dtype)  # v may have d_v < d
     lse = torch.full((nheads, q.shape[0]), float("inf"), dtype=compute_dtype, device=q.device)
     pieces_out, pieces_lse = [], []
+    end_q = [
+        cu_q[b + 1] if seqused_q is None else cu_q[b] + int(seqused_q[b]) for b in range(batch)
+    ]
+    end_k = [
+        cu_k[b + 1] if seqused_k is None else cu_k[b] + int(seqused_k[b]) for b in range(batch)
+    ]
     for b in range(batch):
-        qb = q[cu_q[b] : cu_q[b + 1]].unsqueeze(0)
-        kb = k[cu_k[b] : cu_k[b + 1]].unsqueeze(0)
-        vb = v[cu_k[b] : cu_k[b + 1]].unsqueeze(0)
+        qb = q[cu_q[b] : end_q[b]].unsqueeze(0)
+        kb = k[cu_k[b] : end_k[b]].unsqueeze(0)
+        vb = v[cu_k[b] : end_k[b]].unsqueeze(0)
         slopes = None
         if alibi_slopes is not None:
             slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
@@ -198,8 +209,8 @@ def varlen_attention_ref(
             normalize=False,
             learnable_sink=learnable_sink,
         )
-        pieces_out.append((cu_q[b], cu_q[b + 1], ob[0]))
-        pieces_lse.append((cu_q[b], cu_q[b + 1], lb[0]))
+        pieces_out.append((cu_q[b], end_q[b], ob[0]))
+        pieces_lse.append((cu_q[b], end_q[b], lb[0]))
     # Assemble without in-place writes so that autograd flows through.
     out_rows, lse_cols, cursor = [], [], 0
     for (start, end, ob), (_, _, lb) in zip(pieces_out, pieces_lse):

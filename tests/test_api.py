@@ -223,6 +223,13 @@ EXPECTED_SIGNATURES = {
         ("num_splits", 0),
         ("return_softmax_lse", False),
     ],
+    # FlashAttention-3's signature (flash-attn 2.8 has no combine).
+    "flash_attn_combine": [
+        ("out_partial", _REQUIRED),
+        ("lse_partial", _REQUIRED),
+        ("out", None),
+        ("out_dtype", None),
+    ],
 }
 
 
@@ -243,6 +250,8 @@ def test_package_exports():
         "fwd_out",
         "varlen_fwd_out",
         "fwd_kvcache_out",
+        "combine",
+        "combine_out",
     ):
         assert hasattr(torch.ops.flash_attn, op), op
 
@@ -259,11 +268,16 @@ EXPECTED_KEYWORD_ONLY = {
         ("seqused_k", None),
         ("out", None),
         ("learnable_sink", None),
+        ("seqused_q", None),
         ("return_softmax_lse", False),
     ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
-    "flash_attn_with_kvcache": [("out", None), ("learnable_sink", None)],
+    "flash_attn_with_kvcache": [
+        ("out", None),
+        ("learnable_sink", None),
+        ("rotary_seqlens", None),
+    ],
 }
 
 

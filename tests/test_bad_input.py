@@ -421,14 +421,14 @@ KVCACHE_CASES = {
         dict(k_cache=rand(8, 4, 2, 32), v_cache=rand(8, 4, 2, 32), block_table=int32([[0, 1]])),
         r"block_table must have shape",
     ),
-    "block_table_with_cache_batch_idx": (
+    "block_table_cache_batch_idx_past_table": (
         dict(
             k_cache=rand(8, 4, 2, 32),
             v_cache=rand(8, 4, 2, 32),
             block_table=int32([[0, 1, 2, 3], [4, 5, 6, 7]]),
-            cache_batch_idx=int32([0, 1]),
+            cache_batch_idx=int32([0, 2]),
         ),
-        r"cache_batch_idx cannot be used together with block_table",
+        r"cache_batch_idx\[1\] = 2 must be in \[0, 2\) \(the rows of block_table",
     ),
     "block_table_bad_index": (
         dict(

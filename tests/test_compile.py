@@ -178,6 +178,63 @@ def test_kvcache_compiles(device):
     assert torch.equal(compiled_args[1][0, 3], compiled_args[3][0, 0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvcache_fa3_shapes_compile(device):
+    """Paged cache with cache_leftpad and cache_batch_idx, and rotary_seqlens."""
+
+    def decode_step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, rot):
+        return flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=seqlens,
+            cache_batch_idx=batch_idx,
+            cache_leftpad=leftpad,
+            block_table=table,
+            causal=True,
+            return_softmax_lse=True,
+            rotary_seqlens=rot,
+        )
+
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+        def ints(*values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        angles = torch.rand(32, 8, generator=gen)
+        return (
+            rand(2, 1, 4, 32),
+            rand(9, 4, 2, 32),  # 9 pages of 4 rows
+            rand(9, 4, 2, 32),
+            rand(2, 1, 2, 32),
+            rand(2, 1, 2, 32),
+            angles.cos().to(device=device, dtype=torch.bfloat16),
+            angles.sin().to(device=device, dtype=torch.bfloat16),
+            ints(3, 6),  # cache_seqlens: room for the new row in 2 pages of 4
+            ints(2, 0),
+            ints(1, 4),
+            torch.randperm(9, generator=gen)[:6].view(3, 2).to(device=device, dtype=torch.int32),
+            ints(6, 2),
+        )
+
+    eager_args, compiled_args = inputs(), inputs()
+    eager_out, eager_lse = decode_step(*eager_args)
+    compiled = torch.compile(decode_step, backend="aot_eager", fullgraph=True)
+    out, lse = compiled(*compiled_args)
+    torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+    torch.testing.assert_close(compiled_args[1], eager_args[1], atol=0, rtol=0)
+    torch.testing.assert_close(compiled_args[2], eager_args[2], atol=0, rtol=0)
+
+
 def _varlen_seqused_inputs(device, requires_grad):
     lengths_q, lengths_k, used = [7, 1, 12], [9, 4, 12], [5, 0, 12]
 
@@ -214,6 +271,29 @@ def test_seqused_k_compiles(device):
     for ours, ref in zip(grads, eager_grads):
         torch.testing.assert_close(ours, ref, atol=0, rtol=0)
     assert (grads[1][5:9] == 0).all()  # sequence 0's keys past seqused_k[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seqused_q_compiles(device):
+    def attention(q, k, v, cu_q, cu_k, used_k, used_q):
+        return flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, 12, 12, causal=True, seqused_k=used_k, seqused_q=used_q
+        )
+
+    inputs = _varlen_seqused_inputs(device, requires_grad=True)
+    used_q = torch.tensor([4, 1, 0], dtype=torch.int32, device=device)
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    out = compiled(*inputs, used_q)
+    grads = torch.autograd.grad(out.float().square().sum(), inputs[:3])
+    eager = attention(*inputs, used_q)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), inputs[:3])
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    for ours, ref in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    # Query rows past seqused_q: out 0 and no gradient (sequence 0's rows 4..6,
+    # all of sequence 2's).
+    rows = [4, 5, 6] + list(range(8, 20))
+    assert (out[rows] == 0).all() and (grads[0][rows] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

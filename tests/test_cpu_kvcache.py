@@ -45,12 +45,20 @@ def cache_capacity(k_cache, block_table):
 
 
 def cache_index(b, positions, k_cache, cache_batch_idx, block_table):
-    """Index tuple of logical cache positions of batch entry b."""
+    """Index tuple of logical cache positions of batch entry b.
+
+    cache_batch_idx[b] picks b's cache row, or with block_table its table row (FA3).
+    """
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
     if block_table is not None:
         page_size = k_cache.shape[1]
-        return block_table[b].long()[positions // page_size], positions % page_size
-    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        return block_table[row].long()[positions // page_size], positions % page_size
     return torch.full_like(positions, row), positions
+
+
+def rotary_start(b, end, rotary_seqlens):
+    """Rotary position of b's first new key and query row 0: rotary_seqlens[b], else end."""
+    return end if rotary_seqlens is None else int(rotary_seqlens[b])
 
 
 def reference_kvcache(
@@ -73,6 +81,8 @@ def reference_kvcache(
     softcap=0.0,
     rotary_interleaved=True,
     num_splits=0,
+    learnable_sink=None,
+    rotary_seqlens=None,
     compute_dtype=torch.float64,
 ):
     """Returns (out, lse) in compute_dtype / float64, from the caches before the call."""
@@ -101,9 +111,10 @@ def reference_kvcache(
             k_new = k[b : b + 1].to(compute_dtype)
             if rotary_cos is not None:
                 cos, sin = rotary_cos.to(compute_dtype), rotary_sin.to(compute_dtype)
-                k_pos = (end + torch.arange(seqlen_new)).unsqueeze(0)
+                start = rotary_start(b, end, rotary_seqlens)
+                k_pos = (start + torch.arange(seqlen_new)).unsqueeze(0)
                 k_new = apply_rotary(k_new, cos, sin, k_pos, rotary_interleaved)
-                q_pos = end + (
+                q_pos = start + (
                     torch.arange(seqlen_q) if per_row else torch.zeros(seqlen_q, dtype=torch.long)
                 )
                 q_b = apply_rotary(q_b, cos, sin, q_pos.unsqueeze(0), rotary_interleaved)
@@ -147,6 +158,7 @@ def expected_caches(
     cache_batch_idx=None,
     block_table=None,
     rotary_interleaved=True,
+    rotary_seqlens=None,
     **_,
 ):
     """The caches after the append (new keys rotated in fp32, rounded once to the
@@ -159,11 +171,12 @@ def expected_caches(
         idx = cache_index(b, positions, k_cache, cache_batch_idx, block_table)
         k_new = k[b : b + 1]
         if rotary_cos is not None:
+            start = rotary_start(b, end, rotary_seqlens)
             k_new = apply_rotary(
                 k_new,
                 rotary_cos.float(),
                 rotary_sin.float(),
-                positions.unsqueeze(0),
+                (start + torch.arange(k.shape[1])).unsqueeze(0),
                 rotary_interleaved,
             )
         k_after[idx] = k_new[0].to(k_cache.dtype)
@@ -707,14 +720,46 @@ def bad_input_cases():
         r"block_table must have shape \(batch, max_blocks_per_seq\)",
     )
     yield (
-        "block_table_with_batch_idx",
-        with_(base(page_size=4), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
-        r"cache_batch_idx cannot be used together with block_table",
+        "block_table_batch_idx_past_table",
+        with_(base(page_size=4), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
+        r"cache_batch_idx\[1\] = 2 must be in \[0, 2\) \(the rows of block_table",
     )
     yield (
-        "block_table_with_leftpad",
-        with_(base(page_size=4), cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)),
-        r"cache_leftpad cannot be used together with block_table",
+        "block_table_batch_idx_table_rank",
+        with_(
+            base(page_size=4),
+            cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
+            block_table=paged["block_table"].flatten(),
+        ),
+        r"block_table must have shape \(table_rows, max_blocks_per_seq\)",
+    )
+    paged_pad = with_(base(page_size=4), cache_leftpad=torch.tensor([0, 7], dtype=torch.int32))
+    paged_pad["cache_seqlens"] = torch.tensor([3, 5], dtype=torch.int32)
+    yield "block_table_leftpad_past_end", paged_pad, r"cache_leftpad\[1\] = 7 must be in \[0, "
+    yield (
+        "rotary_seqlens_without_rotary",
+        with_(base(), rotary_seqlens=torch.tensor([0, 1], dtype=torch.int32)),
+        r"rotary_seqlens needs rotary_cos / rotary_sin",
+    )
+    yield (
+        "rotary_seqlens_dtype",
+        with_(base(rotary="neox"), rotary_seqlens=torch.tensor([0, 1])),
+        r"rotary_seqlens must have dtype torch.int32",
+    )
+    yield (
+        "rotary_seqlens_shape",
+        with_(base(rotary="neox"), rotary_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32)),
+        r"rotary_seqlens must have shape \(batch,\) = \(2,\)",
+    )
+    yield (
+        "rotary_seqlens_negative",
+        with_(base(rotary="neox"), rotary_seqlens=torch.tensor([0, -3], dtype=torch.int32)),
+        r"rotary_seqlens\[1\] = -3 must be >= 0",
+    )
+    yield (
+        "rotary_seqlens_past_table",
+        with_(base(rotary="neox"), rotary_seqlens=torch.tensor([15, 0], dtype=torch.int32)),
+        r"batch 0 needs position 16 \(its positions start at rotary_seqlens\[0\] = 15\)",
     )
     yield (
         "block_table_range",

@@ -3,8 +3,9 @@
 Case i of a run is differential_cases.draw_case(base + i), drawn from
 random.Random(base + i) alone (base from FLASH_ATTN_TEST_SEED, see
 differential_cases.base_seed): fixed-length forward (+ backward), varlen
-forward (+ backward, or paged), and fwd_kvcache (contiguous or paged caches,
-appends, rotary, cache_batch_idx, cache_leftpad, num_splits), over head dims,
+forward (+ backward, or paged; seqused_q), and fwd_kvcache (contiguous or paged
+caches, appends, rotary, rotary_seqlens, cache_batch_idx, cache_leftpad, the last
+two on paged caches too, num_splits), over head dims,
 dtypes, GQA / MQA, causal / local windows, softcap, ALiBi, dropout (both paths
 get the same Philox seed and offset, so their masks are the same), negative
 scales and strided views. The CPU op is the reference of each case; the

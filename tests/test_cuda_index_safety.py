@@ -305,6 +305,68 @@ def test_varlen_backward_bad_seqused_k(case):
     _expect_cuda_error(backward, kwargs, pattern)
 
 
+# seqused_q[b] must lie in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]: recorded by
+# BlockInfo's guard in every kernel that reads it, as seqused_k.
+SEQUSED_Q_CASES = {
+    "past_sequence": (
+        [64, 200],
+        "seqused_q[1] = 200 must be in [0, 100] (the query rows cu_seqlens_q gives sequence 1)",
+    ),
+    "negative": ([-3, 100], "seqused_q[0] = -3 must be in [0, 100]"),
+}
+
+
+def _varlen_call_seqused_q(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, seqused_q):
+    return flash_attn_cuda.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, 128, 128, causal=causal, seqused_q=seqused_q
+    )
+
+
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(SEQUSED_Q_CASES))
+def test_varlen_forward_bad_seqused_q(case, causal, kernel, monkeypatch):
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", kernel)
+    used, pattern = SEQUSED_Q_CASES[case]
+    q, k, v = _packed(256)
+    cu = _int32([0, 100, 200])
+    kwargs = dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, seqused_q=_int32(used)
+    )
+    _expect_cuda_error(_varlen_call_seqused_q, kwargs, pattern)
+
+
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("case", sorted(SEQUSED_Q_CASES))
+def test_varlen_backward_bad_seqused_q(case, kernel, monkeypatch):
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", kernel)
+    used, pattern = SEQUSED_Q_CASES[case]
+    q, k, v = _packed(256)
+
+    def backward(q, k, v, out, lse, dout, cu_seqlens, seqused_q):
+        return torch.ops.flash_attn.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, None, 128, 128, 0.0,
+            HEAD_DIM**-0.5, False, -1, -1, 0.0, False, None, seqused_q=seqused_q,
+        )  # fmt: skip
+
+    lse = torch.randn(q.shape[1], q.shape[0], device="cuda", dtype=torch.float32)
+    kwargs = dict(
+        q=q,
+        k=k,
+        v=v,
+        out=torch.randn_like(q),
+        lse=lse,
+        dout=torch.randn_like(q),
+        cu_seqlens=_int32([0, 100, 200]),
+        seqused_q=_int32(used),
+    )
+    _expect_cuda_error(backward, kwargs, pattern)
+
+
 def _paged_varlen(table, cu_k, max_k, pages=4, page_size=16):
     (q,) = _packed(64)[:1]
     k_cache = torch.randn(pages, page_size, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -382,6 +444,7 @@ def _kvcache_call(
     rotary_sin=None,
     causal=False,
     num_splits=0,
+    rotary_seqlens=None,
 ):
     return flash_attn_cuda.flash_attn_with_kvcache(
         q,
@@ -397,13 +460,26 @@ def _kvcache_call(
         rotary_sin=rotary_sin,
         causal=causal,
         num_splits=num_splits,
+        rotary_seqlens=rotary_seqlens,
     )
+
+
+def _rotary_tables(rows):
+    angle = torch.rand(rows, HEAD_DIM // 4, device="cuda") * math.pi
+    return dict(rotary_cos=angle.cos().to(DTYPE), rotary_sin=angle.sin().to(DTYPE))
 
 
 def _kvcache_case(case):
     """(kwargs, the sentinel buffers, expected message part) of one issue case."""
     q = torch.randn(1, 1, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
-    if case in ("table_entry_1000", "seqlens_past_table", "append_past_table"):
+    paged_cases = (
+        "table_entry_1000",
+        "seqlens_past_table",
+        "append_past_table",
+        "paged_batch_idx_past_table",
+        "paged_batch_idx_negative_with_append",
+    )
+    if case in paged_cases:
         k_buf, k_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         v_buf, v_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         if case == "table_entry_1000":
@@ -415,12 +491,34 @@ def _kvcache_case(case):
                 "cache_seqlens[0] = 257 must be in [0, 256] (the cache length: the rows "
                 "block_table addresses"
             )
-        else:
+        elif case == "append_past_table":
             new = torch.randn(1, 1, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
             kwargs = dict(
                 block_table=_int32([[0]]), cache_seqlens=_int32([256]), k=new, v=new.clone()
             )
             pattern = "cache_seqlens[0] + seqlen_new = 256 + 1 must fit in the cache"
+        elif case == "paged_batch_idx_past_table":
+            # With a paged cache cache_batch_idx picks a row of block_table (FA3's
+            # rule): its bound is the table's rows (2), not the pool's pages (4).
+            kwargs = dict(
+                block_table=_int32([[0], [1]]),
+                cache_seqlens=_int32([10]),
+                cache_batch_idx=_int32([2]),
+            )
+            pattern = (
+                "cache_batch_idx[0] = 2 must be in [0, 2) (the rows of block_table, "
+                "which it selects with a paged cache)"
+            )
+        else:
+            new = torch.randn(1, 1, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+            kwargs = dict(
+                block_table=_int32([[0], [1]]),
+                cache_seqlens=_int32([10]),
+                cache_batch_idx=_int32([-1]),
+                k=new,
+                v=new.clone(),
+            )
+            pattern = "cache_batch_idx[0] = -1 must be in [0, 2) (the rows of block_table"
     else:
         batch = 2
         q = torch.randn(batch, 1, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -462,6 +560,29 @@ def _kvcache_case(case):
                 causal=True,
             )
             pattern = "rotary_cos / rotary_sin have 128 rows, but batch 0 needs position 131"
+        elif case == "rotary_seqlens_negative":
+            kwargs = dict(
+                cache_seqlens=_int32([3, 5]),
+                k=new,
+                v=new.clone(),
+                rotary_seqlens=_int32([0, -2]),
+                **_rotary_tables(128),
+            )
+            pattern = "rotary_seqlens[1] = -2 must be >= 0"
+        elif case == "rotary_seqlens_past_tables":
+            # The cache rows (3..6) fit; the rotary positions of the 4 new keys,
+            # 125..128, do not fit the 128 table rows.
+            kwargs = dict(
+                cache_seqlens=_int32([3, 5]),
+                k=new,
+                v=new.clone(),
+                rotary_seqlens=_int32([125, 0]),
+                **_rotary_tables(128),
+            )
+            pattern = (
+                "rotary_cos / rotary_sin have 128 rows, but batch 0 needs position 128 "
+                "(its positions start at rotary_seqlens[0] = 125)"
+            )
         else:
             raise AssertionError(case)
     kwargs.update(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -479,6 +600,10 @@ KVCACHE_CASES = [
     "batch_idx_negative_with_append",
     "leftpad_past_seqlens",
     "rotary_past_tables",
+    "rotary_seqlens_negative",
+    "rotary_seqlens_past_tables",
+    "paged_batch_idx_past_table",
+    "paged_batch_idx_negative_with_append",
 ]
 
 

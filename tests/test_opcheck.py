@@ -394,6 +394,48 @@ def test_varlen_bwd_seqused_k(device):
     )
 
 
+# seqused_q (keyword-only, last, default None): sequence b uses its first
+# seqused_q[b] query rows; with seqused_k too, and on the *_out op.
+def _varlen_args(q, k, v, cu_q, cu_k, block_table, max_q, max_k):
+    return (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32**-0.5, True, -1, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["plain", "seqused_k", "paged", "out"])
+def test_varlen_fwd_seqused_q(device, case):
+    q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=case == "paged")
+    kwargs = {"seqused_q": torch.tensor([3, 0, 19], dtype=torch.int32, device=device)}
+    if case in ("seqused_k", "paged"):
+        kwargs["seqused_k"] = torch.tensor([4, 1, 11], dtype=torch.int32, device=device)
+    args = _varlen_args(q, k, v, cu_q, cu_k, block_table, max_q, max_k) + (0.0, False, 5, 0, None)
+    if case == "out":
+        kwargs["out"] = torch.zeros_like(q)
+        opcheck(ops.varlen_fwd_out.default, args, kwargs=kwargs)
+    else:
+        opcheck(ops.varlen_fwd.default, args, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_bwd_seqused_q(device):
+    q, k, v, cu_q, cu_k, _, max_q, max_k = varlen_inputs(device)
+    used_q = torch.tensor([2, 1, 0], dtype=torch.int32, device=device)
+    used_k = torch.tensor([9, 3, 0], dtype=torch.int32, device=device)
+    args = _varlen_args(q, k, v, cu_q, cu_k, None, max_q, max_k)
+    out, softmax_lse, _, _ = ops.varlen_fwd(
+        *args, 0.0, False, 0, 0, None, seqused_k=used_k, seqused_q=used_q
+    )
+    opcheck(
+        ops.varlen_bwd.default,
+        (torch.randn_like(out), q, k, v, out, softmax_lse, cu_q, cu_k, None, max_q, max_k, 0.0)
+        + (32**-0.5, True, -1, -1, 0.0, True, None),
+        kwargs={
+            "seqused_k": used_k,
+            "softmax_d": torch.empty_like(softmax_lse),
+            "seqused_q": used_q,
+        },
+    )
+
+
 # The *_out ops write the caller's `out` ((a!) / (c!)) and return the other results.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "dropout_seed_values_probs"])
@@ -434,6 +476,27 @@ def test_varlen_fwd_out(device, case):
         ),
         kwargs=kwargs,
     )
+
+
+def kvcache_fa3_shapes_args(device):
+    """A paged cache with cache_leftpad and cache_batch_idx, and rotary_seqlens (kwargs)."""
+    args = list(kvcache_args(device, append=True, rotary=True, paged=True))
+    args[8] = torch.tensor([1, 0], dtype=torch.int32, device=device)  # cache_batch_idx
+    args[9] = torch.tensor([1, 3], dtype=torch.int32, device=device)  # cache_leftpad
+    rotary_seqlens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    return tuple(args), {"rotary_seqlens": rotary_seqlens}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_fa3_shapes(device):
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    opcheck(ops.fwd_kvcache.default, args, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_out_fa3_shapes(device):
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
 
 
 @pytest.mark.parametrize("device", DEVICES)

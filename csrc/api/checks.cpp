@@ -143,16 +143,16 @@ void check_max_seqlen(int64_t max_seqlen, const char* name) {
   checked_int(max_seqlen, name);
 }
 
-void check_seqused_k(const std::optional<at::Tensor>& seqused_k, const at::Tensor& q,
-                     int64_t batch) {
-  if (!seqused_k.has_value()) return;
-  const at::Tensor& used = *seqused_k;
-  TORCH_CHECK(used.scalar_type() == at::kInt, "flash_attn: seqused_k must have dtype int32, got ",
+// seqused_k or seqused_q: int32 (batch,) on q's device.
+void check_seqused(const std::optional<at::Tensor>& seqused, const char* name, const at::Tensor& q,
+                   int64_t batch) {
+  if (!seqused.has_value()) return;
+  const at::Tensor& used = *seqused;
+  TORCH_CHECK(used.scalar_type() == at::kInt, "flash_attn: ", name, " must have dtype int32, got ",
               used.scalar_type());
-  check_same_device(used, "seqused_k", q);
-  TORCH_CHECK(used.dim() == 1 && used.size(0) == batch,
-              "flash_attn: seqused_k must have shape (batch,) = (", batch, ",), got ",
-              used.sizes());
+  check_same_device(used, name, q);
+  TORCH_CHECK(used.dim() == 1 && used.size(0) == batch, "flash_attn: ", name,
+              " must have shape (batch,) = (", batch, ",), got ", used.sizes());
 }
 
 // q (…, nheads, head_dim) against k and v; returns nothing, shapes are read by the callers.
@@ -255,10 +255,11 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
 VarlenShape check_varlen_fwd_args(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& seqused_q,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& rng_state,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   (void)softmax_scale;
   const bool paged = block_table.has_value();
   check_dim(q, "q", 3, "(total_q, nheads, head_dim)");
@@ -288,7 +289,8 @@ VarlenShape check_varlen_fwd_args(
               "), got ", cu_seqlens_k.numel());
   check_max_seqlen(max_seqlen_q, "max_seqlen_q");
   check_max_seqlen(max_seqlen_k, "max_seqlen_k");
-  check_seqused_k(seqused_k, q, batch);
+  check_seqused(seqused_k, "seqused_k", q, batch);
+  check_seqused(seqused_q, "seqused_q", q, batch);
 
   VarlenShape shape{};
   shape.batch = checked_int(batch, "batch");
@@ -332,14 +334,14 @@ VarlenShape check_varlen_bwd_args(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
-    double softcap, const std::optional<at::Tensor>& rng_state,
-    c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   const VarlenShape shape = check_varlen_fwd_args(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, seqused_k, alibi_slopes, max_seqlen_q,
-      max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right, softcap,
-      rng_state, allowed_dtypes);
+      q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, seqused_k, seqused_q, alibi_slopes,
+      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right,
+      softcap, rng_state, allowed_dtypes);
   check_grad_io(dout, out, q, shape.head_dim_v);
   check_lse(softmax_lse, q, {shape.nheads, shape.total_q}, "(nheads, total_q)");
   check_backward_dropout(dropout_p, rng_state);
@@ -382,6 +384,21 @@ void check_seqused_k_host(const at::Tensor& seqused_k, const at::Tensor& cu_seql
     if (values[b] < 0 || values[b] > bound) {
       raise_index_error(index_error(IndexRule::kSeqused, IndexArg::kSequsedK, IndexOp::kVarlen, b,
                                     paged ? 1 : 0, values[b], bound));
+    }
+  }
+}
+
+void check_seqused_q_host(const at::Tensor& seqused_q, const at::Tensor& cu_seqlens_q) {
+  TORCH_CHECK(seqused_q.device().is_cpu() && cu_seqlens_q.device().is_cpu(),
+              "flash_attn: seqused_q and cu_seqlens_q must be on the CPU for a host-side check");
+  const at::Tensor used = seqused_q.contiguous();
+  const int32_t* values = used.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  for (int64_t b = 0; b < used.numel(); ++b) {
+    const int64_t bound = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    if (values[b] < 0 || values[b] > bound) {
+      raise_index_error(index_error(IndexRule::kSeqused, IndexArg::kSequsedQ, IndexOp::kVarlen, b,
+                                    0, values[b], bound));
     }
   }
 }

@@ -69,27 +69,30 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
                         c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Varlen forward; block_table selects paged K/V; seqused_k (int32 (batch,))
-// limits each sequence to its first seqused_k[b] keys. Only shapes, dtypes and
+// limits each sequence to its first seqused_k[b] keys, seqused_q (int32
+// (batch,)) to its first seqused_q[b] query rows. Only shapes, dtypes and
 // devices are checked here: the contents of cu_seqlens / seqused_k /
-// block_table live on the device (see check_cu_seqlens_host,
-// check_seqused_k_host and check_block_table_host for host data).
+// seqused_q / block_table live on the device (see check_cu_seqlens_host,
+// check_seqused_k_host, check_seqused_q_host and check_block_table_host for
+// host data).
 VarlenShape check_varlen_fwd_args(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& alibi_slopes,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
-    int64_t window_size_left, int64_t window_size_right, double softcap,
-    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes);
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& seqused_q,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
+    double softcap, const std::optional<at::Tensor>& rng_state,
+    c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Varlen backward (never paged): softmax_lse is fp32 (nheads, total_q).
 VarlenShape check_varlen_bwd_args(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double dropout_p, double softmax_scale, int64_t window_size_left, int64_t window_size_right,
-    double softcap, const std::optional<at::Tensor>& rng_state,
-    c10::ArrayRef<at::ScalarType> allowed_dtypes);
+    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& alibi_slopes,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale,
+    int64_t window_size_left, int64_t window_size_right, double softcap,
+    const std::optional<at::Tensor>& rng_state, c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Host-side content checks of a CPU cu_seqlens tensor (already shape-checked):
 // first entry >= 0, non-decreasing, last entry <= total_rows (skipped when
@@ -106,6 +109,11 @@ void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int
 // check_cu_seqlens_host(cu_seqlens_k, ...).
 void check_seqused_k_host(const at::Tensor& seqused_k, const at::Tensor& cu_seqlens_k, bool paged,
                           int64_t paged_bound);
+
+// Host-side content check of a CPU seqused_q (already shape-checked): every
+// seqused_q[b] in [0, cu_seqlens_q[b + 1] - cu_seqlens_q[b]]. Run after
+// check_cu_seqlens_host(cu_seqlens_q, ...).
+void check_seqused_q_host(const at::Tensor& seqused_q, const at::Tensor& cu_seqlens_q);
 
 // Host-side content check of a CPU block_table: every entry a key of batch b
 // can reach (the first ceil(seqlen_k[b] / page_size) of its row) is in

@@ -30,7 +30,12 @@ void copy_appended_v_rows(const at::Tensor& v_cache, const at::Tensor& v_cache_p
   if (block_table.has_value()) {
     const at::Tensor slots =
         at::div(positions, shape.page_size, "floor").clamp(0, shape.max_blocks_per_seq - 1);
-    rows = block_table->to(at::kLong).gather(1, slots).clamp(0, shape.num_blocks - 1);
+    // (batch, max_blocks_per_seq): batch entry b's table row, cache_batch_idx[b] or b.
+    const at::Tensor table =
+        cache_batch_idx.has_value()
+            ? block_table->index_select(0, cache_batch_idx->clamp(0, shape.batch_cache - 1))
+            : *block_table;
+    rows = table.to(at::kLong).gather(1, slots).clamp(0, shape.num_blocks - 1);
     steps = at::remainder(positions, shape.page_size);
   } else {
     const at::Tensor batch_rows = cache_batch_idx.has_value()

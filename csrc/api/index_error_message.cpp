@@ -17,6 +17,8 @@ const char* arg_name(IndexArg arg) {
     case IndexArg::kBlockTable: return "block_table";
     case IndexArg::kRotaryTables: return "rotary_cos / rotary_sin";
     case IndexArg::kSequsedK: return "seqused_k";
+    case IndexArg::kSequsedQ: return "seqused_q";
+    case IndexArg::kRotarySeqlens: return "rotary_seqlens";
     case IndexArg::kNone: break;
   }
   return "an index tensor";
@@ -90,17 +92,27 @@ std::string index_error_message(const IndexErrorRecord& r) {
       break;
     case IndexRule::kCacheBatchIdx:
       os << "cache_batch_idx[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound
-         << ") (the batch size of k_cache)";
+         << ") ("
+         << (r.col ? "the rows of block_table, which it selects with a paged cache"
+                   : "the batch size of k_cache")
+         << ")";
       break;
     case IndexRule::kRotaryPosition:
       os << "rotary_cos / rotary_sin have " << r.bound << " rows, but batch " << r.seq
          << " needs position " << r.value;
+      if (r.col)
+        os << " (its positions start at rotary_seqlens[" << r.seq << "] = " << r.extra << ")";
+      break;
+    case IndexRule::kRotarySeqlen:
+      os << name << "[" << r.seq << "] = " << r.value << " must be >= 0";
       break;
     case IndexRule::kSeqused:
       os << name << "[" << r.seq << "] = " << r.value << " must be in [0, " << r.bound << "] (";
       if (r.col) {
         os << "with block_table: the smaller of max_seqlen_k and the rows a block_table row "
               "addresses, max_blocks_per_seq * page_size";
+      } else if (static_cast<IndexArg>(r.arg) == IndexArg::kSequsedQ) {
+        os << "the query rows cu_seqlens_q gives sequence " << r.seq;
       } else {
         os << "the keys cu_seqlens_k gives sequence " << r.seq;
       }

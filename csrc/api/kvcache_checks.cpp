@@ -72,8 +72,8 @@ KvcacheShape check_fwd_kvcache_args(
     const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
     const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
-    c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& alibi_slopes,
+    double softmax_scale, double softcap, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   KvcacheShape shape{};
 
   // dtypes
@@ -113,20 +113,24 @@ KvcacheShape check_fwd_kvcache_args(
               ") must be a multiple of nheads_k of k_cache (", shape.nheads_k, ")");
   shape.paged = block_table.has_value();
   if (shape.paged) {
-    TORCH_CHECK(!cache_batch_idx.has_value(),
-                "fwd_kvcache: cache_batch_idx cannot be used together with block_table (a paged "
-                "cache selects its pages through block_table)");
-    TORCH_CHECK(!cache_leftpad.has_value(),
-                "fwd_kvcache: cache_leftpad cannot be used together with block_table (paged "
-                "caches with left padding are not supported)");
     TORCH_CHECK(block_table->scalar_type() == at::kInt,
                 "fwd_kvcache: block_table must have dtype torch.int32, got ",
                 block_table->scalar_type());
     check_on_device_of_q(*block_table, q, "block_table");
-    TORCH_CHECK(
-        block_table->dim() == 2 && block_table->size(0) == shape.batch,
-        "fwd_kvcache: block_table must have shape (batch, max_blocks_per_seq) with batch = ",
-        shape.batch, ", got ", block_table->sizes());
+    // With cache_batch_idx, batch entry b uses block_table row
+    // cache_batch_idx[b] (FA3's kv_batch_idx indexes the page table), so the
+    // table may hold any number of sequences; without it, row b.
+    if (cache_batch_idx.has_value()) {
+      TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) >= 1,
+                  "fwd_kvcache: block_table must have shape (table_rows, max_blocks_per_seq) with "
+                  "table_rows >= 1 (cache_batch_idx selects its rows), got ",
+                  block_table->sizes());
+    } else {
+      TORCH_CHECK(
+          block_table->dim() == 2 && block_table->size(0) == shape.batch,
+          "fwd_kvcache: block_table must have shape (batch, max_blocks_per_seq) with batch = ",
+          shape.batch, ", got ", block_table->sizes());
+    }
     shape.num_blocks = static_cast<int>(k_cache.size(0));
     shape.page_size = static_cast<int>(k_cache.size(1));
     shape.max_blocks_per_seq = static_cast<int>(block_table->size(1));
@@ -141,7 +145,7 @@ KvcacheShape check_fwd_kvcache_args(
                 "k_cache", "(num_blocks, page_size, nheads_k, head_dim of q)");
     check_v_like_k(v_cache, k_cache, "v_cache", "k_cache", shape.head_dim);
     shape.cache_capacity = shape.max_blocks_per_seq * shape.page_size;
-    shape.batch_cache = shape.batch;
+    shape.batch_cache = static_cast<int>(block_table->size(0));
   } else {
     shape.batch_cache = static_cast<int>(k_cache.size(0));
     shape.cache_capacity = static_cast<int>(k_cache.size(1));
@@ -163,6 +167,7 @@ KvcacheShape check_fwd_kvcache_args(
   check_batch_vector(cache_seqlens, q, shape.batch, "cache_seqlens");
   check_batch_vector(cache_leftpad, q, shape.batch, "cache_leftpad");
   check_batch_vector(cache_batch_idx, q, shape.batch, "cache_batch_idx");
+  check_batch_vector(rotary_seqlens, q, shape.batch, "rotary_seqlens");
 
   // new keys / values
   TORCH_CHECK(k.has_value() == v.has_value(),
@@ -202,6 +207,9 @@ KvcacheShape check_fwd_kvcache_args(
   shape.seqlen_rotary = 0;
   TORCH_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
               "fwd_kvcache: rotary_cos and rotary_sin must be given together");
+  TORCH_CHECK(!rotary_seqlens.has_value() || rotary_cos.has_value(),
+              "fwd_kvcache: rotary_seqlens needs rotary_cos / rotary_sin (it gives the positions "
+              "at which they rotate q and the new keys)");
   if (rotary_cos.has_value()) {
     TORCH_CHECK(k.has_value(),
                 "fwd_kvcache: rotary_cos / rotary_sin need k / v (the rotary "
@@ -258,6 +266,7 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
                                  const std::optional<at::Tensor>& cache_batch_idx,
                                  const std::optional<at::Tensor>& cache_leftpad,
                                  const std::optional<at::Tensor>& block_table,
+                                 const std::optional<at::Tensor>& rotary_seqlens,
                                  bool rotary_q_per_row) {
   auto host_ints = [](const std::optional<at::Tensor>& t) -> at::Tensor {
     if (!t.has_value()) return at::Tensor();
@@ -268,6 +277,7 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
   const at::Tensor batch_idx = host_ints(cache_batch_idx);
   const at::Tensor leftpad = host_ints(cache_leftpad);
   const at::Tensor table = host_ints(block_table);
+  const at::Tensor rotary_starts = host_ints(rotary_seqlens);
 
   const IndexOp op = IndexOp::kKvcache;
   const int64_t paged = shape.paged ? 1 : 0;
@@ -281,38 +291,42 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
       raise_index_error(index_error(IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, b,
                                     paged, end, shape.cache_capacity, shape.seqlen_new));
     }
-    if (leftpad.defined()) {
-      const int64_t pad = leftpad.data_ptr<int32_t>()[b];
-      if (pad < 0 || pad > end) {
-        raise_index_error(
-            index_error(IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, b, 0, pad, end));
-      }
+    const int64_t pad = leftpad.defined() ? leftpad.data_ptr<int32_t>()[b] : 0;
+    if (pad < 0 || pad > end) {
+      raise_index_error(
+          index_error(IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, b, 0, pad, end));
     }
-    if (batch_idx.defined()) {
-      const int64_t row = batch_idx.data_ptr<int32_t>()[b];
-      if (row < 0 || row >= shape.batch_cache) {
-        raise_index_error(index_error(IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, b, 0,
-                                      row, shape.batch_cache));
-      }
+    const int64_t entry = batch_idx.defined() ? batch_idx.data_ptr<int32_t>()[b] : b;
+    if (entry < 0 || entry >= shape.batch_cache) {
+      raise_index_error(index_error(IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, b,
+                                    paged, entry, shape.batch_cache));
     }
     if (table.defined()) {
-      const int64_t used_rows = end + shape.seqlen_new;
-      const int64_t used_pages = (used_rows + shape.page_size - 1) / shape.page_size;
-      const int32_t* pages = table.data_ptr<int32_t>() + int64_t(b) * shape.max_blocks_per_seq;
-      for (int64_t p = 0; p < used_pages; ++p) {
+      // Only the pages of rows [leftpad, end + seqlen_new) are read or
+      // written: the pages before the left padding may hold anything.
+      const int64_t first_page = pad / shape.page_size;
+      const int64_t used_pages = (end + shape.seqlen_new + shape.page_size - 1) / shape.page_size;
+      const int32_t* pages = table.data_ptr<int32_t>() + entry * table.stride(0);
+      for (int64_t p = first_page; p < used_pages; ++p) {
         if (pages[p] < 0 || pages[p] >= shape.num_blocks) {
-          raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, b, p,
-                                        pages[p], shape.num_blocks));
+          raise_index_error(index_error(IndexRule::kPageOutOfPool, IndexArg::kBlockTable, op, entry,
+                                        p, pages[p], shape.num_blocks));
         }
       }
     }
     if (shape.rotary_dim > 0) {
-      const int64_t last_key = end + shape.seqlen_new - 1;
-      const int64_t last_query = rotary_q_per_row ? end + shape.seqlen_q - 1 : end;
+      const int64_t start = rotary_starts.defined() ? rotary_starts.data_ptr<int32_t>()[b] : end;
+      if (start < 0) {
+        raise_index_error(
+            index_error(IndexRule::kRotarySeqlen, IndexArg::kRotarySeqlens, op, b, 0, start, 0));
+      }
+      const int64_t last_key = start + shape.seqlen_new - 1;
+      const int64_t last_query = rotary_q_per_row ? start + shape.seqlen_q - 1 : start;
       const int64_t last_position = std::max(last_key, last_query);
       if (last_position >= shape.seqlen_rotary) {
-        raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b, 0,
-                                      last_position, shape.seqlen_rotary));
+        raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b,
+                                      rotary_starts.defined() ? 1 : 0, last_position,
+                                      shape.seqlen_rotary, start));
       }
     }
   }

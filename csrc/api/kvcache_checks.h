@@ -18,7 +18,7 @@ namespace flash {
 // Sizes of a kvcache problem. q is (batch, seqlen_q, nheads, head_dim); the
 // cache is (batch_cache, seqlen_cache, nheads_k, head_dim), or paged
 // (num_blocks, page_size, nheads_k, head_dim) with a block_table
-// (batch, max_blocks_per_seq). v_cache and the new v have head_dim_v <=
+// (table_rows, max_blocks_per_seq). v_cache and the new v have head_dim_v <=
 // head_dim as their last dim (api/head_dims.h says how the ops run it).
 struct KvcacheShape {
   int batch;
@@ -29,7 +29,9 @@ struct KvcacheShape {
   int head_dim_v;
   // Key rows one sequence can hold: seqlen_cache, or max_blocks_per_seq * page_size.
   int cache_capacity;
-  int batch_cache;  // k_cache.size(0) when not paged, else batch
+  // Cache entries cache_batch_idx selects from: k_cache.size(0) when not
+  // paged, else the rows of block_table (batch without cache_batch_idx).
+  int batch_cache;
   bool paged;
   int num_blocks;          // paged only
   int page_size;           // paged only
@@ -44,7 +46,10 @@ struct KvcacheShape {
 // with a stricter tiling requirement checks that itself. The rules of
 // flash-attn 2.x apply: k and v come together and need cache_seqlens (and then
 // seqlen_q <= cache length); rotary tables need k / v and at least as many rows
-// as the cache length; block_table excludes cache_batch_idx and cache_leftpad.
+// as the cache length. With block_table, cache_batch_idx[b] selects the table
+// row of batch entry b (FA3's rule; the table then may have any number of
+// rows), and cache_leftpad[b] the first logical row of that sequence, as for
+// a contiguous cache. rotary_seqlens (int32 (batch,)) needs the rotary tables.
 // q / caches / k / v need a contiguous last dim; the int32 index tensors and
 // the rotary tables may have any strides (a kernel that needs them contiguous
 // makes them so).
@@ -54,18 +59,21 @@ KvcacheShape check_fwd_kvcache_args(
     const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& rotary_cos,
     const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, double softcap,
-    c10::ArrayRef<at::ScalarType> allowed_dtypes);
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& alibi_slopes,
+    double softmax_scale, double softcap, c10::ArrayRef<at::ScalarType> allowed_dtypes);
 
 // Contents of the int32 index tensors, read on the host (each optional may be
 // empty; all must already be shape-checked and on the CPU). For every batch b,
 // with end[b] = cache_seqlens[b] (cache_capacity when absent):
-//   0 <= cache_leftpad[b] <= end[b], and end[b] + seqlen_new <= cache_capacity;
+//   0 <= end[b] <= cache_capacity, and end[b] + seqlen_new <= cache_capacity;
+//   0 <= cache_leftpad[b] <= end[b];
 //   cache_batch_idx[b] in [0, batch_cache);
-//   the block_table entries that rows [0, end[b] + seqlen_new) reach are in
-//   [0, num_blocks);
-//   the rotary tables hold every position used: end[b] + seqlen_new - 1 for the
-//   new keys and end[b] + seqlen_q - 1 (rotary_q_per_row) or end[b] for q.
+//   the entries of block_table row cache_batch_idx[b] (row b without it) that
+//   rows [cache_leftpad[b], end[b] + seqlen_new) reach are in [0, num_blocks);
+//   with rotary tables, start[b] = rotary_seqlens[b] (end[b] without it) is
+//   >= 0 and the tables hold every position used: start[b] + seqlen_new - 1
+//   for the new keys and start[b] + seqlen_q - 1 (rotary_q_per_row) or
+//   start[b] for q.
 // The rules and messages are those the CUDA kernels apply and record
 // (csrc/cuda/core/index_guards.h, csrc/api/index_error_message.h), checked in
 // this order.
@@ -74,6 +82,7 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
                                  const std::optional<at::Tensor>& cache_batch_idx,
                                  const std::optional<at::Tensor>& cache_leftpad,
                                  const std::optional<at::Tensor>& block_table,
+                                 const std::optional<at::Tensor>& rotary_seqlens,
                                  bool rotary_q_per_row);
 
 }  // namespace flash

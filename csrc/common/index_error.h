@@ -1,6 +1,7 @@
-// A bad value inside an index tensor (cu_seqlens, seqused_k, cache_seqlens,
-// block_table, cache_batch_idx, cache_leftpad), described as plain data so that the CPU
-// checks and the CUDA kernels report it the same way (docs/memory_safety.md).
+// A bad value inside an index tensor (cu_seqlens, seqused_q / seqused_k, cache_seqlens,
+// block_table, cache_batch_idx, cache_leftpad, rotary_seqlens), described as plain data
+// so that the CPU checks and the CUDA kernels report it the same way
+// (docs/memory_safety.md).
 //
 // The CPU path reads the values on the host and raises at once. The CUDA
 // kernels cannot raise: each one that derives an index from such a value
@@ -26,9 +27,12 @@ enum class IndexRule : int32_t {
   kCacheSeqlen,      // cache_seqlens[seq] = value outside [0, bound = cache length]
   kAppendPastCache,  // cache_seqlens[seq] + extra (new keys) = value + extra > bound
   kLeftpad,          // cache_leftpad[seq] = value outside [0, bound = cache_seqlens[seq]]
-  kCacheBatchIdx,    // cache_batch_idx[seq] = value outside [0, bound = batch of the cache)
-  kRotaryPosition,   // sequence seq needs rotary position value >= bound = rows of the tables
-  kSeqused,          // seqused_k[seq] = value outside [0, bound]; col: 1 when paged
+  kCacheBatchIdx,    // cache_batch_idx[seq] = value outside [0, bound = batch of the cache);
+                     // col: 1 when paged (bound = rows of block_table)
+  kRotaryPosition,   // sequence seq needs rotary position value >= bound = rows of the tables;
+                     // col: 1 when its positions start at rotary_seqlens[seq] = extra
+  kSeqused,          // seqused_k / seqused_q[seq] = value outside [0, bound]; col: 1 when paged
+  kRotarySeqlen,     // rotary_seqlens[seq] = value < 0
 };
 
 // Which argument held the value (the message names it).
@@ -42,6 +46,8 @@ enum class IndexArg : int32_t {
   kBlockTable,
   kRotaryTables,
   kSequsedK,
+  kSequsedQ,
+  kRotarySeqlens,
 };
 
 // Which op family: the message starts with its prefix ("flash_attn" for the

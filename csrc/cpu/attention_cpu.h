@@ -137,10 +137,13 @@ std::vector<SequenceSpan> fixed_length_sequences(int batch, int seqlen_q, int se
 // cu_seqlens_q / cu_seqlens_k: host int32 arrays of batch + 1 entries.
 // seqused_k: null, or host int32 (batch): sequence b's keys are its first
 // seqused_k[b] (the rest of its rows are never read).
+// seqused_q: null, or host int32 (batch): sequence b's query rows are its
+// first seqused_q[b] (the rest are neither read nor written: the caller gives
+// them their values).
 // block_table: null, or host int32 (batch, block_table_batch_stride) rows.
 std::vector<SequenceSpan> varlen_sequences(int batch, const int32_t* cu_seqlens_q,
                                            const int32_t* cu_seqlens_k, const int32_t* seqused_k,
-                                           const int32_t* block_table,
+                                           const int32_t* seqused_q, const int32_t* block_table,
                                            int64_t block_table_batch_stride);
 
 }  // namespace flash::cpu

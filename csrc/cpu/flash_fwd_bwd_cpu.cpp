@@ -462,12 +462,14 @@ std::vector<SequenceSpan> fixed_length_sequences(int batch, int seqlen_q, int se
 
 std::vector<SequenceSpan> varlen_sequences(int batch, const int32_t* cu_seqlens_q,
                                            const int32_t* cu_seqlens_k, const int32_t* seqused_k,
-                                           const int32_t* block_table,
+                                           const int32_t* seqused_q, const int32_t* block_table,
                                            int64_t block_table_batch_stride) {
   std::vector<SequenceSpan> sequences(batch);
   for (int b = 0; b < batch; ++b) {
     SequenceSpan& s = sequences[b];
-    s.seqlen_q = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    // The used lengths are the sequence's lengths, for the rows computed and
+    // for the bottom-right alignment of causal / local windows (as FA3).
+    s.seqlen_q = seqused_q != nullptr ? seqused_q[b] : cu_seqlens_q[b + 1] - cu_seqlens_q[b];
     s.seqlen_k = seqused_k != nullptr ? seqused_k[b] : cu_seqlens_k[b + 1] - cu_seqlens_k[b];
     s.q_batch = 0;
     s.q_first_row = cu_seqlens_q[b];

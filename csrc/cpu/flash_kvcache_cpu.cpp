@@ -25,21 +25,29 @@ struct CacheLayout {
   const KvcacheShape& shape;
   const int32_t* cache_seqlens;    // null: every sequence fills the cache
   const int32_t* cache_leftpad;    // null: no left padding
-  const int32_t* cache_batch_idx;  // null: batch entry b uses cache row b
+  const int32_t* cache_batch_idx;  // null: batch entry b uses cache row (or table row) b
   const int32_t* block_table;      // null: contiguous cache
   int64_t block_table_stride;
+  const int32_t* rotary_seqlens;  // null: rotary positions start at end(b)
 
   // One past the last filled position of batch b before the append; the new
   // tokens go to [end, end + seqlen_new).
   int64_t end(int b) const { return cache_seqlens ? cache_seqlens[b] : shape.cache_capacity; }
   int64_t leftpad(int b) const { return cache_leftpad ? cache_leftpad[b] : 0; }
+  // The cache entry of batch b: its row of a contiguous cache, or of the
+  // block table (FA3 indexes the page table with cache_batch_idx too).
   int64_t cache_row(int b) const { return cache_batch_idx ? cache_batch_idx[b] : b; }
+  // Rotary position of the first new key (and of query row 0).
+  int64_t rotary_start(int b) const { return rotary_seqlens ? rotary_seqlens[b] : end(b); }
+  const int32_t* table_row(int b) const {
+    return block_table ? block_table + cache_row(b) * block_table_stride : nullptr;
+  }
 
   // Element offset of (batch b, logical position pos, kv head h) in a cache
   // tensor with the given strides.
   int64_t offset(int b, int64_t pos, int h, const RowStrides& strides) const {
     if (block_table) {
-      const int64_t page = block_table[b * block_table_stride + pos / shape.page_size];
+      const int64_t page = table_row(b)[pos / shape.page_size];
       return page * strides.batch + (pos % shape.page_size) * strides.row + h * strides.head;
     }
     return cache_row(b) * strides.batch + pos * strides.row + h * strides.head;
@@ -105,8 +113,10 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
       T* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
       T* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
       if (rotary.rotary_dim > 0) {
-        // Rotary positions are absolute cache positions (left padding included).
-        copy_rotated(k_row, k_out, shape.head_dim, cos + pos * half, sin + pos * half,
+        // Rotary positions are absolute cache positions (left padding
+        // included), or start at rotary_seqlens[b] when given (FA3).
+        const int64_t rotary_pos = layout.rotary_start(b) + i;
+        copy_rotated(k_row, k_out, shape.head_dim, cos + rotary_pos * half, sin + rotary_pos * half,
                      rotary.rotary_dim, rotary.interleaved);
       } else {
         for (int d = 0; d < shape.head_dim; ++d) k_out[d] = k_row[d];
@@ -116,9 +126,10 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
   });
 }
 
-// q rotated at position end(b) + i when every row has its own position
-// (causal or local), else at end(b) for all rows: without a window the rows of
-// one step are treated as one position.
+// q rotated at position start(b) + i when every row has its own position
+// (causal or local), else at start(b) for all rows: without a window the rows
+// of one step are treated as one position. start(b) is rotary_seqlens[b], or
+// end(b) without it.
 template <typename T>
 at::Tensor rotate_q(const CacheLayout& layout, const at::Tensor& q, const Rotary& rotary,
                     bool per_row) {
@@ -138,7 +149,7 @@ at::Tensor rotate_q(const CacheLayout& layout, const at::Tensor& q, const Rotary
       const int h = static_cast<int>(index % shape.nheads);
       const int64_t i = (index / shape.nheads) % shape.seqlen_q;
       const int b = static_cast<int>(index / (int64_t(shape.nheads) * shape.seqlen_q));
-      const int64_t pos = layout.end(b) + (per_row ? i : 0);
+      const int64_t pos = layout.rotary_start(b) + (per_row ? i : 0);
       copy_rotated(src + b * src_strides.batch + i * src_strides.row + h * src_strides.head,
                    dst + b * dst_strides.batch + i * dst_strides.row + h * dst_strides.head,
                    shape.head_dim, cos + pos * half, sin + pos * half, rotary.rotary_dim,
@@ -174,12 +185,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
+    const std::optional<at::Tensor>& learnable_sink_in,
+    const std::optional<at::Tensor>& rotary_seqlens) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
-  const KvcacheShape shape =
-      check_fwd_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
-                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                             softmax_scale, softcap, {at::kFloat, at::kHalf, at::kBFloat16});
+  const KvcacheShape shape = check_fwd_kvcache_args(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, rotary_seqlens, alibi_slopes, softmax_scale, softcap,
+      {at::kFloat, at::kHalf, at::kBFloat16});
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("fwd_kvcache", learnable_sink_in, q, shape.nheads);
@@ -206,15 +218,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   const std::optional<at::Tensor> leftpad_host = contiguous_or_none(cache_leftpad);
   const std::optional<at::Tensor> batch_idx_host = contiguous_or_none(cache_batch_idx);
   const std::optional<at::Tensor> table_host = contiguous_or_none(block_table);
+  const std::optional<at::Tensor> rotary_seqlens_host = contiguous_or_none(rotary_seqlens);
   check_kvcache_contents_host(shape, seqlens_host, batch_idx_host, leftpad_host, table_host,
-                              rotary_q_per_row);
+                              rotary_seqlens_host, rotary_q_per_row);
 
-  const CacheLayout layout{shape,
-                           seqlens_host ? seqlens_host->const_data_ptr<int32_t>() : nullptr,
-                           leftpad_host ? leftpad_host->const_data_ptr<int32_t>() : nullptr,
-                           batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
-                           table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
-                           table_host ? table_host->stride(0) : 0};
+  const CacheLayout layout{
+      shape,
+      seqlens_host ? seqlens_host->const_data_ptr<int32_t>() : nullptr,
+      leftpad_host ? leftpad_host->const_data_ptr<int32_t>() : nullptr,
+      batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
+      table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
+      table_host ? table_host->stride(0) : 0,
+      rotary_seqlens_host ? rotary_seqlens_host->const_data_ptr<int32_t>() : nullptr};
 
   const std::optional<at::Tensor> cos_host = contiguous_or_none(rotary_cos);
   const std::optional<at::Tensor> sin_host = contiguous_or_none(rotary_sin);
@@ -270,8 +285,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     span.q_first_row = 0;
     span.kv_batch = layout.cache_row(b);
     span.kv_first_row = layout.leftpad(b);
-    span.block_table_row =
-        layout.block_table ? layout.block_table + b * layout.block_table_stride : nullptr;
+    span.block_table_row = layout.table_row(b);
     problem.sequences.push_back(span);
   }
   problem.q = q_attended.const_data_ptr();
@@ -309,11 +323,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink) {
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens) {
   return fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                               softmax_scale, causal, window_size_left, window_size_right, softcap,
-                              rotary_interleaved, num_splits, std::nullopt, learnable_sink);
+                              rotary_interleaved, num_splits, std::nullopt, learnable_sink,
+                              rotary_seqlens);
 }
 
 at::Tensor fwd_kvcache_out_cpu(
@@ -324,11 +340,13 @@ at::Tensor fwd_kvcache_out_cpu(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink) {
-  return std::get<1>(fwd_kvcache_cpu_into(
-      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
-      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink));
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens) {
+  return std::get<1>(fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
+                                          rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                                          alibi_slopes, softmax_scale, causal, window_size_left,
+                                          window_size_right, softcap, rotary_interleaved,
+                                          num_splits, out, learnable_sink, rotary_seqlens));
 }
 
 }  // namespace

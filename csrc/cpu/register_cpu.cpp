@@ -90,6 +90,15 @@ bool covers_all_rows(const at::Tensor& cu_seqlens, int64_t total_rows) {
   return cu[0] == 0 && cu[cu_seqlens.numel() - 1] == total_rows;
 }
 
+// Zeros the rows of a (total, ...) tensor before cu_seqlens[0] and from
+// cu_seqlens[batch] on: the rows outside every sequence (checked offsets).
+void zero_rows_outside_sequences(const at::Tensor& t, const at::Tensor& cu_seqlens) {
+  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  const int64_t first = cu[0], last = cu[cu_seqlens.numel() - 1];
+  t.narrow(0, 0, first).zero_();
+  t.narrow(0, last, t.size(0) - last).zero_();
+}
+
 // The forward of fwd and fwd_out: into out_given when there is one, else into
 // a new tensor.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
@@ -222,9 +231,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
+    const std::optional<at::Tensor>& learnable_sink_in,
+    const std::optional<at::Tensor>& seqused_q) {
   const VarlenShape shape =
-      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q,
                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                             window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
   const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
@@ -248,6 +258,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
                     : 0;
     check_seqused_k_host(used, cu_seqlens_k, shape.paged, paged_bound);
   }
+  const at::Tensor used_q = seqused_q.has_value() ? seqused_q->contiguous() : at::Tensor();
+  if (used_q.defined()) check_seqused_q_host(used_q, cu_seqlens_q);
   if (shape.paged) {
     check_block_table_host(*block_table, cu_seqlens_k, seqused_k, shape.num_blocks,
                            shape.page_size);
@@ -259,9 +271,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
   at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
                          : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
   at::Tensor lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
-  if (!covers_all_rows(cu_seqlens_q, shape.total_q)) {
-    out.zero_();
-    lse.fill_(std::numeric_limits<float>::infinity());
+  // The kernel writes the used rows of each sequence only. Rows outside
+  // every sequence, and rows past seqused_q[b], get out 0 and lse +inf (as a
+  // row that sees no key, so that exp(s - lse) and the sink's share
+  // exp(sink - lse) are 0 for any reader) -- except that the rows past
+  // seqused_q of a caller's `out` are left as they are, as FA3 does: a serving
+  // engine passes out= to avoid every write it does not need (padded query
+  // slots of a captured batch), and reads only the used rows.
+  const bool covers = covers_all_rows(cu_seqlens_q, shape.total_q);
+  if (!covers || used_q.defined()) lse.fill_(std::numeric_limits<float>::infinity());
+  if (!out_given.has_value()) {
+    if (!covers || used_q.defined()) out.zero_();
+  } else {
+    // A padded scratch buffer is copied back whole: start it from the
+    // caller's values so that the rows past seqused_q come back unchanged.
+    if (pad_v && used_q.defined()) out.narrow(-1, 0, shape.head_dim_v).copy_(*out_given);
+    if (!covers) zero_rows_outside_sequences(out, cu_seqlens_q);
   }
   at::Tensor probs = make_probs(return_softmax, q, shape.batch, shape.nheads, shape.max_seqlen_q,
                                 shape.max_seqlen_k);
@@ -272,6 +297,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
   problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
                                        cu_seqlens_k.data_ptr<int32_t>(),
                                        used.defined() ? used.data_ptr<int32_t>() : nullptr,
+                                       used_q.defined() ? used_q.data_ptr<int32_t>() : nullptr,
                                        shape.paged ? block_table->data_ptr<int32_t>() : nullptr,
                                        shape.paged ? block_table->stride(0) : 0);
   if (shape.paged) problem.page_size = shape.page_size;
@@ -293,12 +319,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& seqused_q) {
   return varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, return_softmax,
                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
-                             learnable_sink);
+                             learnable_sink, seqused_q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
@@ -309,11 +336,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink) {
-  auto [written, lse, probs, rng] = varlen_fwd_cpu_into(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink);
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q) {
+  auto [written, lse, probs, rng] =
+      varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                          window_size_left, window_size_right, softcap, return_softmax, philox_seed,
+                          philox_offset, rng_state, seqused_k, out, learnable_sink, seqused_q);
   return {lse, probs, rng};
 }
 
@@ -324,17 +352,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& softmax_d) {
+    const std::optional<at::Tensor>& softmax_d, const std::optional<at::Tensor>& seqused_q) {
   (void)deterministic;  // the CPU backward is always deterministic
-  const VarlenShape shape =
-      check_varlen_bwd_args(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                            window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+  const VarlenShape shape = check_varlen_bwd_args(
+      dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q,
+      alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+      window_size_right, softcap, rng_state, kCpuDtypes);
   check_softmax_d_out("flash_attn", softmax_d, softmax_lse);
   check_cu_seqlens_host(cu_seqlens_q, shape.total_q, shape.max_seqlen_q, IndexArg::kCuSeqlensQ);
   check_cu_seqlens_host(cu_seqlens_k, shape.total_k, shape.max_seqlen_k, IndexArg::kCuSeqlensK);
   const at::Tensor used = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   if (used.defined()) check_seqused_k_host(used, cu_seqlens_k, /*paged=*/false, 0);
+  const at::Tensor used_q = seqused_q.has_value() ? seqused_q->contiguous() : at::Tensor();
+  if (used_q.defined()) check_seqused_q_host(used_q, cu_seqlens_q);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(0, 0, rng_state);
@@ -346,7 +376,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v_run.sizes(), v.options());
-  if (!covers_all_rows(cu_seqlens_q, shape.total_q)) dq.zero_();
+  // Query rows outside every sequence, or past seqused_q[b], get no gradient;
+  // their D is 0 (sink_grad then takes nothing from them, whatever out held).
+  if (used_q.defined() || !covers_all_rows(cu_seqlens_q, shape.total_q)) dq.zero_();
+  if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
   // Key rows outside every sequence's used keys get no gradient.
   if (used.defined() || !covers_all_rows(cu_seqlens_k, shape.total_k)) {
     dk.zero_();
@@ -358,7 +391,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox);
   problem.sequences = varlen_sequences(
       shape.batch, cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
-      used.defined() ? used.data_ptr<int32_t>() : nullptr, nullptr, 0);
+      used.defined() ? used.data_ptr<int32_t>() : nullptr,
+      used_q.defined() ? used_q.data_ptr<int32_t>() : nullptr, nullptr, 0);
   BackwardTensors tensors;
   tensors.dout = dout_run.data_ptr();
   tensors.dout_strides = varlen_strides(dout_run);

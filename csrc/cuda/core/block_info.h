@@ -26,7 +26,16 @@ struct BlockInfo {
           guarded_sequence_rows(params.cu_seqlens_q, batch, params.total_q, params.seqlen_q,
                                 IndexArg::kCuSeqlensQ, params.index_errors);
       q_row_begin = q_rows.begin;
-      seqlen_q = q_rows.length;
+      // seqused_q shortens the queries to a prefix of the sequence's rows,
+      // and with it the bottom-right alignment of causal / local windows (as
+      // FA3: the used lengths are the sequence's lengths). Every kernel
+      // bounds its query loads, masks, epilogue writes and dQ / D rows by
+      // seqlen_q, so the rows after it are neither read nor written; the op
+      // layer gives them their values (fwd_ops.cpp, bwd_ops.cpp).
+      seqlen_q =
+          params.seqused_q == nullptr
+              ? q_rows.length
+              : guarded_seqused_q(params.seqused_q, batch, q_rows.length, params.index_errors);
       if (params.block_table != nullptr) {
         // Paged keys: located through the table (paged_rows.h), from row 0.
         k_row_begin = 0;

@@ -1,6 +1,6 @@
 // The guards on every index a kernel derives from a value inside an index
-// tensor (cu_seqlens, seqused_k, cache_seqlens, cache_leftpad,
-// cache_batch_idx, block_table). Each one checks the value against an extent
+// tensor (cu_seqlens, seqused_k, seqused_q, cache_seqlens, cache_leftpad,
+// cache_batch_idx, block_table, rotary_seqlens). Each one checks the value against an extent
 // the host knows (rows of the packed tensors, a sequence's keys, the cache
 // length, the batch of the cache, the pages in the pool, the rows of the
 // rotary tables), and where the value is bad records it
@@ -64,10 +64,10 @@ __forceinline__ __device__ SequenceRows guarded_sequence_rows(const int* cu_seql
   return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen);
 }
 
-__device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, int seq,
-                                                        int used, int bound, bool paged) {
-  report_index_error(sink, IndexRule::kSeqused, IndexArg::kSequsedK, IndexOp::kVarlen, seq,
-                     paged ? 1 : 0, used, bound, 0);
+__device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, IndexArg arg,
+                                                        int seq, int used, int bound, bool paged) {
+  report_index_error(sink, IndexRule::kSeqused, arg, IndexOp::kVarlen, seq, paged ? 1 : 0, used,
+                     bound, 0);
   return min(max(used, 0), bound);
 }
 
@@ -78,27 +78,45 @@ __forceinline__ __device__ int guarded_seqused_k(const int* seqused_k, int seq, 
                                                  bool paged, const IndexErrorSink& sink) {
   const int used = seqused_k[seq];
   if (used >= 0 && used <= bound) return used;
-  return report_and_clamp_seqused(sink, seq, used, bound, paged);
+  return report_and_clamp_seqused(sink, IndexArg::kSequsedK, seq, used, bound, paged);
+}
+
+// seqused_q[seq]: the query rows sequence `seq` uses, in [0, bound] (the rows
+// its cu_seqlens_q entries give it, already guarded).
+__forceinline__ __device__ int guarded_seqused_q(const int* seqused_q, int seq, int bound,
+                                                 const IndexErrorSink& sink) {
+  const int used = seqused_q[seq];
+  if (used >= 0 && used <= bound) return used;
+  return report_and_clamp_seqused(sink, IndexArg::kSequsedQ, seq, used, bound, /*paged=*/false);
 }
 
 // One batch entry's values of a fwd_kvcache call: the cache length before
-// the append, the left padding and the cache entry (contiguous cache).
+// the append, the left padding, the cache entry (its row of a contiguous
+// cache, or of the block table when paged) and the rotary position of its
+// first new key (rotary_seqlens[b], else the cache length).
 struct KvcacheEntryIndices {
   int cache_seqlen;
   int leftpad;
   int entry;
+  int rotary_start;
 };
 
-// The largest cache_seqlens value whose rows, appended keys and rotary
-// positions all fit (check_kvcache_contents_host's rules).
+// The largest rotary start whose new keys' and query rows' positions all
+// fit the rotary tables.
+__forceinline__ __device__ int kvcache_max_rotary_start(const KvcacheParams& params) {
+  const int query_rows = params.rotary_q_per_row ? params.seqlen_q : 1;
+  return max(params.seqlen_rotary - max(params.seqlen_new, query_rows), 0);
+}
+
+// The largest cache_seqlens value whose rows and appended keys fit, and,
+// when it is the rotary start too (no rotary_seqlens), whose rotary positions
+// fit (check_kvcache_contents_host's rules).
 __forceinline__ __device__ int kvcache_max_cache_seqlen(const KvcacheParams& params) {
-  int max_end = params.seqlen_k - params.seqlen_new;
-  if (params.rotary_dim > 0) {
-    const int query_rows = params.rotary_q_per_row ? params.seqlen_q : 1;
-    max_end = min(max_end, params.seqlen_rotary -
-                               (params.seqlen_new > query_rows ? params.seqlen_new : query_rows));
+  int max_end = max(params.seqlen_k - params.seqlen_new, 0);
+  if (params.rotary_dim > 0 && params.rotary_seqlens == nullptr) {
+    max_end = min(max_end, kvcache_max_rotary_start(params));
   }
-  return max(max_end, 0);
+  return max_end;
 }
 
 __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const KvcacheParams& params,
@@ -107,6 +125,7 @@ __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const Kv
   const IndexErrorSink& sink = params.index_errors;
   const IndexOp op = IndexOp::kKvcache;
   const int64_t paged = params.block_table != nullptr ? 1 : 0;
+  const int64_t from_rotary_seqlens = params.rotary_seqlens != nullptr ? 1 : 0;
   const int capacity = params.seqlen_k;
   const int64_t end = raw.cache_seqlen;
   if (end < 0 || end > capacity) {
@@ -119,31 +138,43 @@ __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const Kv
     report_index_error(sink, IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, seq, 0, raw.leftpad,
                        end, 0);
   } else if (raw.entry < 0 || raw.entry >= params.batch_cache) {
-    report_index_error(sink, IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, seq, 0,
+    report_index_error(sink, IndexRule::kCacheBatchIdx, IndexArg::kCacheBatchIdx, op, seq, paged,
                        raw.entry, params.batch_cache, 0);
+  } else if (raw.rotary_start < 0) {
+    report_index_error(sink, IndexRule::kRotarySeqlen, IndexArg::kRotarySeqlens, op, seq, 0,
+                       raw.rotary_start, 0, 0);
   } else {
-    const int64_t last_key = end + params.seqlen_new - 1;
-    const int64_t last_query = params.rotary_q_per_row ? end + params.seqlen_q - 1 : end;
-    report_index_error(sink, IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, seq, 0,
-                       last_key > last_query ? last_key : last_query, params.seqlen_rotary, 0);
+    const int64_t start = raw.rotary_start;
+    const int64_t last_key = start + params.seqlen_new - 1;
+    const int64_t last_query = params.rotary_q_per_row ? start + params.seqlen_q - 1 : start;
+    report_index_error(sink, IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, seq,
+                       from_rotary_seqlens, last_key > last_query ? last_key : last_query,
+                       params.seqlen_rotary, start);
   }
   KvcacheEntryIndices fixed;
   fixed.cache_seqlen = min(max(raw.cache_seqlen, 0), kvcache_max_cache_seqlen(params));
   fixed.leftpad = min(max(raw.leftpad, 0), fixed.cache_seqlen);
   fixed.entry = min(max(raw.entry, 0), params.batch_cache - 1);
+  fixed.rotary_start = params.rotary_seqlens != nullptr
+                           ? min(max(raw.rotary_start, 0), kvcache_max_rotary_start(params))
+                           : fixed.cache_seqlen;
   return fixed;
 }
 
 // Batch entry `seq`'s values as read from the index tensors (absent ones as
 // splitkv_item_inputs fills them: cache_seqlen unused without cache_seqlens,
-// leftpad 0, entry seq), guarded.
+// leftpad 0, entry seq, rotary_start unused without rotary_seqlens), guarded.
 __forceinline__ __device__ KvcacheEntryIndices guarded_kvcache_entry(const KvcacheParams& params,
                                                                      int seq,
                                                                      KvcacheEntryIndices raw) {
   if (params.cache_seqlens == nullptr) raw.cache_seqlen = params.seqlen_k;
+  if (params.rotary_seqlens == nullptr) raw.rotary_start = raw.cache_seqlen;
+  const bool rotary_ok =
+      params.rotary_dim == 0 ||
+      (raw.rotary_start >= 0 && raw.rotary_start <= kvcache_max_rotary_start(params));
   const bool ok = raw.cache_seqlen >= 0 && raw.cache_seqlen <= kvcache_max_cache_seqlen(params) &&
                   raw.leftpad >= 0 && raw.leftpad <= raw.cache_seqlen && raw.entry >= 0 &&
-                  raw.entry < params.batch_cache;
+                  raw.entry < params.batch_cache && rotary_ok;
   if (ok) return raw;
   return report_and_clamp_kvcache(params, seq, raw);
 }

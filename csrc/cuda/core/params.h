@@ -44,6 +44,10 @@ struct FwdParams {
   // Varlen only, or null: int32 (batch); sequence b's keys are its first
   // seqused_k[b] rows from cu_seqlens_k[b] (BlockInfo reads it, guarded).
   const int* seqused_k;
+  // Varlen only, or null: int32 (batch); sequence b's query rows are its
+  // first seqused_q[b] rows from cu_seqlens_q[b] (BlockInfo reads it,
+  // guarded); the op layer gives the rest their values (out 0, lse +inf).
+  const int* seqused_q;
   int total_q;  // varlen: rows of q; the lse is (nheads, total_q)
   int total_k;  // varlen: rows of k and v; paged: num_pages * page_size
   // Paged K/V (varlen forward only), or null: k_ptr / v_ptr are caches of
@@ -141,14 +145,20 @@ struct BwdParams : FwdParams {
 // sequence's rows). Key j of batch b is cache position cache_leftpad[b] + j,
 // for j < cache_seqlens[b] + seqlen_new - cache_leftpad[b].
 struct KvcacheParams : FwdParams {
-  const int* cache_seqlens;    // null: every sequence fills the cache
-  const int* cache_leftpad;    // null: no left padding
-  const int* cache_batch_idx;  // null: batch entry b uses cache entry b
-  const int* block_table;      // null: contiguous cache; else (batch, blocks) int32
+  const int* cache_seqlens;  // null: every sequence fills the cache
+  const int* cache_leftpad;  // null: no left padding
+  // null: batch entry b uses cache entry b. Paged: the block_table row of b
+  // (FA3's rule), as for a contiguous cache the cache entry.
+  const int* cache_batch_idx;
+  const int* block_table;  // null: contiguous cache; else (table rows, blocks) int32
   int64_t block_table_batch_stride;
+  // null: the rotary position of new key i and (causal / local) query row i
+  // is cache_seqlens[b] + i; else rotary_seqlens[b] + i.
+  const int* rotary_seqlens;
   IntDivisor page_size;  // paged only: rows per page (a multiple of 16)
   // Extents the guards hold the index values to (index_guards.h): entries of
-  // a contiguous cache, pages of a paged one, rows of the rotary tables.
+  // a contiguous cache (rows of the block table when paged), pages of a paged
+  // one, rows of the rotary tables.
   int batch_cache;
   int num_pages;
   int seqlen_rotary;

@@ -1,9 +1,10 @@
 // The kernel of fwd_kvcache's append / rotary step, which runs before the
 // attention when the attention kernel does not do it itself
 // (params.append_in_attention): the new keys / values are written into the
-// cache at positions cache_seqlens[b] + i (through the block table when
-// paged), the keys rotated when rotary tables are given, and q rotated into
-// params.q_ptr. Rotation happens in fp32 with one rounding and no fused
+// cache at positions cache_seqlens[b] + i (through the block table row
+// cache_batch_idx[b], else b, when paged), the keys rotated when rotary tables
+// are given (at rotary_seqlens[b] + i, else cache_seqlens[b] + i), and q
+// rotated into params.q_ptr. Rotation happens in fp32 with one rounding and no fused
 // multiply-add (rotary.h), so the cache holds the same bits as the CPU path.
 // Its launcher is launch/append_rotary_launch.cu.
 #pragma once
@@ -36,14 +37,14 @@ __device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& ro
       rotary_chunk(src, d0, rotary.cos_row, rotary.sin_row, rotary_dim, interleaved);
 }
 
-// Batch entry b's cache length, left padding and cache entry, guarded
-// (index_guards.h): the positions written and read below stay in the cache
-// and the rotary tables.
+// Batch entry b's cache length, left padding, cache entry and rotary start,
+// guarded (index_guards.h): the positions written and read below stay in the
+// cache and the rotary tables.
 inline __device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
   return guarded_kvcache_entry(
       p, b,
       {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k, p.cache_leftpad ? p.cache_leftpad[b] : 0,
-       p.cache_batch_idx ? p.cache_batch_idx[b] : b});
+       p.cache_batch_idx ? p.cache_batch_idx[b] : b, p.rotary_seqlens ? p.rotary_seqlens[b] : 0});
 }
 
 // Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
@@ -57,8 +58,9 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const KvcacheEntryIndices entry = entry_of(p, b);
   const int pos = entry.cache_seqlen + i;
 
-  const CacheRows cache{p.block_table ? p.block_table + b * p.block_table_batch_stride : nullptr,
-                        entry.entry, 0, p.page_size};
+  const CacheRows cache{
+      p.block_table ? p.block_table + entry.entry * p.block_table_batch_stride : nullptr,
+      entry.entry, 0, p.page_size};
   const CacheRowAt at = cache_row_at(p, b, cache, pos);
   const int64_t k_dst = cache_offset(at, h, p.k);
   const int64_t v_dst = cache_offset(at, h, p.v);
@@ -69,7 +71,7 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
   T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
   const RotaryRows<T> rotary =
-      rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos);
+      rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, entry.rotary_start + i);
   const int d0 = chunk * kElemsPerThread;
   copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
   copy_chunk(v_src, v_cache, d0, rotary, 0, false);
@@ -83,7 +85,7 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
   const int h = static_cast<int>((index / chunks) % p.nheads);
   const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
   const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads * p.seqlen_q));
-  const int pos = entry_of(p, b).cache_seqlen + (p.rotary_q_per_row ? i : 0);
+  const int pos = entry_of(p, b).rotary_start + (p.rotary_q_per_row ? i : 0);
   const T* src = static_cast<const T*>(p.q_unrotated_ptr) + b * p.q_unrotated.batch_stride +
                  int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
   T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +

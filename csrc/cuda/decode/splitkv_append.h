@@ -37,7 +37,7 @@ struct SplitKvAppend {
   const bool appending;
   const bool rotating;
   // Past the Q slot: table row r holds the cosines, then the sines, of
-  // position cache_seqlen + r (splitkv_append_smem_bytes), for the query rows
+  // position rotary_start + r (splitkv_append_smem_bytes), for the query rows
   // and the new keys.
   Element* const rotary_table_smem;
 
@@ -48,7 +48,7 @@ struct SplitKvAppend {
            int64_t(new_row) * strides.row_stride + int64_t(it.head_kv) * strides.head_stride;
   }
   // The appending kernel's own shared memory, past the Q slot: table row r
-  // holds the cosines, then the sines, of position cache_seqlen + r
+  // holds the cosines, then the sines, of position rotary_start + r
   // (splitkv_append_smem_bytes), for the query rows and the new keys.
   // The item's new keys that lie in its tiles (none in the splits before the
   // last ones). The host sends a call here only when every new key is
@@ -94,8 +94,7 @@ struct SplitKvAppend {
       const int last_query = unpack_row(it.row_begin + it.rows_left - 1, group).query;
       const int table_rows = max(params.rotary_q_per_row ? last_query + 1 : 1, params.seqlen_new);
       const int chunks_per_table = params.rotary_dim / 2 / kRotaryChunkElems;
-      const int64_t first_entry =
-          int64_t(it.cache.leftpad + first_new_key) * (params.rotary_dim / 2);
+      const int64_t first_entry = int64_t(it.rotary_start) * (params.rotary_dim / 2);
       for (int index = tidx; index < table_rows * 2 * chunks_per_table;
            index += Traits::kNThreads) {
         const int row = index / (2 * chunks_per_table);

@@ -155,7 +155,7 @@ struct SplitKvTileLoader {
       if (!row_shares_page[m]) {
         row_page[m] =
             key < it.seqlen_k
-                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.batch, page_index,
+                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index,
                                it.cache.block_table_row[page_index], params.num_pages)
                 : 0;
       }

@@ -77,8 +77,8 @@ constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool severa
 constexpr int kAppendInAttentionMaxRows = 16;
 
 // Rotary table rows that the appending kernel keeps in shared memory, for
-// positions cache_seqlen + [0, rows): the query rows of its block (one
-// position per query under a causal / local mask) and the new keys.
+// positions rotary_start + [0, rows) (rotary_start: rotary_seqlens[b], else cache_seqlens[b]): the
+// query rows of its block (one position per query under a causal / local mask) and the new keys.
 constexpr int splitkv_rotary_table_rows(int warps_n) {
   return splitkv_block_m(warps_n) > kAppendInAttentionMaxRows ? splitkv_block_m(warps_n)
                                                               : kAppendInAttentionMaxRows;

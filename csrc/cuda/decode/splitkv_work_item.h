@@ -30,7 +30,9 @@ __forceinline__ __device__ PackedRow unpack_row(int row, int group) {
 // contiguous cache, a block-table entry for a paged one). K and V share it.
 struct CacheRows {
   const int* block_table_row;  // null: contiguous cache
-  int entry;                   // contiguous: the cache entry of this batch element
+  // The cache entry of this batch element (cache_batch_idx[b], else b):
+  // contiguous, its row of the cache; paged, its row of the block table.
+  int entry;
   int leftpad;
   IntDivisor page_size;
 };
@@ -52,7 +54,7 @@ __forceinline__ __device__ CacheRowAt cache_row_at(const KvcacheParams& params, 
   if (cache.block_table_row == nullptr) return {cache.entry, position};
   int page_index, in_page;
   cache.page_size.divmod(position, page_index, in_page);
-  return {guarded_page(params.index_errors, IndexOp::kKvcache, batch, page_index,
+  return {guarded_page(params.index_errors, IndexOp::kKvcache, cache.entry, page_index,
                        cache.block_table_row[page_index], params.num_pages),
           in_page};
 }
@@ -73,6 +75,9 @@ struct SplitKvItem {
   int query_last;  // queries of the block's first and last packed rows
   int seqlen_k;    // keys of the batch entry after the append
   CacheRows cache;
+  // Rotary position of the first new key and of query 0 (rotary_seqlens[b],
+  // else the cache length before the append).
+  int rotary_start;
   // Key blocks [n_block_min, n_block_max): the split's share, cut to the ones
   // some row of the block can see. Empty when none is left.
   int n_block_min;
@@ -96,7 +101,8 @@ struct SplitKvItem {
 struct SplitKvItemInputs {
   int cache_seqlen;  // cache_seqlens[batch] (0 without cache_seqlens)
   int leftpad;
-  int entry;  // the batch entry's cache entry (contiguous cache)
+  int entry;         // the batch entry's cache entry (or block-table row)
+  int rotary_start;  // rotary_seqlens[batch] (0 without rotary_seqlens)
 };
 
 // Items are numbered (batch, kv head) fastest, then the query block, then the
@@ -113,10 +119,11 @@ __forceinline__ __device__ int splitkv_item_batch(const KvcacheParams& params, i
 __forceinline__ __device__ SplitKvItemInputs splitkv_item_inputs(const KvcacheParams& params,
                                                                  int item) {
   const int batch = splitkv_item_batch(params, item);
-  SplitKvItemInputs inputs{0, 0, batch};
+  SplitKvItemInputs inputs{0, 0, batch, 0};
   if (params.cache_seqlens) inputs.cache_seqlen = params.cache_seqlens[batch];
   if (params.cache_leftpad) inputs.leftpad = params.cache_leftpad[batch];
   if (params.cache_batch_idx) inputs.entry = params.cache_batch_idx[batch];
+  if (params.rotary_seqlens) inputs.rotary_start = params.rotary_seqlens[batch];
   return inputs;
 }
 
@@ -145,13 +152,15 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
 
   // Guarded (index_guards.h): every row, page and rotary position below
   // stays inside its tensor whatever the index tensors hold.
-  const KvcacheEntryIndices entry =
-      guarded_kvcache_entry(params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry});
+  const KvcacheEntryIndices entry = guarded_kvcache_entry(
+      params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start});
   const int cache_end = entry.cache_seqlen + params.seqlen_new;
   it.seqlen_k = cache_end - entry.leftpad;
-  it.cache = {params.block_table ? params.block_table + it.batch * params.block_table_batch_stride
-                                 : nullptr,
+  it.cache = {params.block_table
+                  ? params.block_table + int64_t(entry.entry) * params.block_table_batch_stride
+                  : nullptr,
               entry.entry, entry.leftpad, params.page_size};
+  it.rotary_start = entry.rotary_start;
 
   const KeyRange key_range =
       visible_key_range(it.query_first, it.query_last + 1, params.seqlen_q, it.seqlen_k,

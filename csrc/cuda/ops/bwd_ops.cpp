@@ -216,19 +216,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& softmax_d) {
+    const std::optional<at::Tensor>& softmax_d, const std::optional<at::Tensor>& seqused_q) {
   const VarlenShape shape = check_varlen_bwd_args(
       dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k, seqused_k,
-      alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
-      window_size_right, softcap, rng_state, kCudaDtypes);
+      seqused_q, alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+      window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
   check_softmax_d_out("flash_attn", softmax_d, softmax_lse_in);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   const BwdLauncher launcher = bwd_launcher_for(shape.head_dim, q_in.scalar_type());
 
-  // Zero-filled: rows outside every sequence, and a sequence's keys past
-  // seqused_k, get no gradient from the kernels.
+  // Zero-filled: rows outside every sequence, a sequence's keys past
+  // seqused_k and its query rows past seqused_q get no gradient from the
+  // kernels (BlockInfo bounds every loop and the dQ conversion by them).
   at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
   at::Tensor dv = at::zeros_like(dk);
@@ -249,6 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  const at::Tensor used_q = seqused_q.has_value() ? seqused_q->contiguous() : at::Tensor();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
@@ -267,6 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
+  params.seqused_q = used_q.defined() ? used_q.data_ptr<int>() : nullptr;
   params.total_q = shape.total_q;
   params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p, rng);
@@ -277,6 +280,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const BwdPlan plan = plan_for(params);
   const BwdWorkspace workspace = make_bwd_workspace(
       params, plan, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
+  // The D kernel writes the used rows only; the caller's softmax_d gets 0 in
+  // the rest, so that sink_grad takes nothing from them whatever out holds
+  // there. One fill of an (nheads, total_q) fp32 tensor.
+  if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};

@@ -27,7 +27,7 @@ namespace {
 TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
   // Boxed: the stub never looks at its arguments, so it takes them in any schema.
   for (const char* op_name : {"fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "fwd_out",
-                              "varlen_fwd_out", "fwd_kvcache_out"}) {
+                              "varlen_fwd_out", "fwd_kvcache_out", "combine", "combine_out"}) {
     m.impl(op_name, torch::CppFunction::makeFromBoxedFunction<&raise_built_without_cuda>());
   }
 }

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -139,11 +140,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
     int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
-  const VarlenShape shape =
-      check_varlen_fwd_args(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                            alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                            window_size_left, window_size_right, softcap, rng_state, kCudaDtypes);
+    const std::optional<at::Tensor>& learnable_sink_in,
+    const std::optional<at::Tensor>& seqused_q) {
+  const VarlenShape shape = check_varlen_fwd_args(
+      q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q,
+      alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
+      window_size_right, softcap, rng_state, kCudaDtypes);
   const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
     check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim_v)",
@@ -165,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
+  const at::Tensor used_q = seqused_q.has_value() ? seqused_q->contiguous() : at::Tensor();
   const at::Tensor table = shape.paged ? block_table->contiguous() : at::Tensor();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
@@ -173,6 +176,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
                          : output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
+  if (used_q.defined()) {
+    // The kernels compute and write only each sequence's first seqused_q[b]
+    // rows (BlockInfo). The rest get lse +inf (as a row that sees no key, so
+    // that exp(s - lse) and a sink's share exp(sink - lse) are 0 for any
+    // reader) and out 0, by filling before the launch: a memset runs at full
+    // write bandwidth, reads nothing and needs no row mask (seqused_q is on
+    // the device, and a masked fill after the kernel would read and write
+    // the whole tensor again); the alternative, the empty-row path of each
+    // kernel's epilogue (sm80, sm90), would put another row bound in every
+    // design. lse is (nheads, total_q) fp32, small beside out.
+    softmax_lse.fill_(std::numeric_limits<float>::infinity());
+    if (!out_given.has_value()) {
+      out.zero_();
+    } else if (!out.is_same(*out_given)) {
+      // A caller's out keeps its rows past seqused_q, as FA3 does: a serving
+      // engine passes out= to avoid every write it does not need (the padded
+      // query slots of a captured batch) and reads only the used rows. A
+      // scratch buffer (padded head dim, unaligned out) is copied back
+      // whole, so it starts from the caller's values.
+      out.narrow(-1, 0, shape.head_dim_v).copy_(*out_given);
+    }
+  }
   at::Tensor s_dmask =
       return_softmax
           ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q, shape.max_seqlen_k},
@@ -204,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
+  params.seqused_q = used_q.defined() ? used_q.data_ptr<int>() : nullptr;
   params.total_q = shape.total_q;
   params.total_k = shape.total_k;
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, dropout_p,
@@ -253,12 +279,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& seqused_q) {
   return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, return_softmax,
                               philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
-                              learnable_sink);
+                              learnable_sink, seqused_q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
@@ -269,11 +296,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q) {
   auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink);
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink,
+      seqused_q);
   return {softmax_lse, s_dmask, rng_state_out};
 }
 

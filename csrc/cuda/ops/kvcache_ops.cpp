@@ -70,11 +70,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
-  const KvcacheShape shape =
-      check_fwd_kvcache_args(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in,
-                             rotary_sin_in, cache_batch_idx_in, cache_leftpad_in, block_table_in,
-                             alibi_slopes_in, softmax_scale, softcap, kCudaDtypes);
+    const std::optional<at::Tensor>& learnable_sink_in,
+    const std::optional<at::Tensor>& rotary_seqlens_in) {
+  const KvcacheShape shape = check_fwd_kvcache_args(
+      q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in, rotary_sin_in,
+      cache_batch_idx_in, cache_leftpad_in, block_table_in, rotary_seqlens_in, alibi_slopes_in,
+      softmax_scale, softcap, kCudaDtypes);
   TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
   const std::vector<int64_t> q_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
   const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
@@ -123,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const std::optional<at::Tensor> cache_leftpad = contiguous_or_none(cache_leftpad_in);
   const std::optional<at::Tensor> cache_batch_idx = contiguous_or_none(cache_batch_idx_in);
   const std::optional<at::Tensor> block_table = contiguous_or_none(block_table_in);
+  const std::optional<at::Tensor> rotary_seqlens = contiguous_or_none(rotary_seqlens_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
 
   at::Tensor out =
@@ -170,6 +172,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.cache_batch_idx = data_or_null<int>(cache_batch_idx);
   params.block_table = data_or_null<int>(block_table);
   params.block_table_batch_stride = block_table.has_value() ? block_table->stride(0) : 0;
+  params.rotary_seqlens = data_or_null<int>(rotary_seqlens);
   params.page_size = IntDivisor(shape.paged ? shape.page_size : 1);
   params.batch_cache = shape.batch_cache;
   params.num_pages = shape.paged ? shape.num_blocks : 0;
@@ -270,11 +273,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink) {
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens) {
   return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                                softmax_scale, causal, window_size_left, window_size_right, softcap,
-                               rotary_interleaved, num_splits, std::nullopt, learnable_sink);
+                               rotary_interleaved, num_splits, std::nullopt, learnable_sink,
+                               rotary_seqlens);
 }
 
 at::Tensor fwd_kvcache_out_cuda(
@@ -285,11 +290,13 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink) {
-  return std::get<1>(fwd_kvcache_cuda_into(
-      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
-      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink));
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens) {
+  return std::get<1>(fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
+                                           rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                                           alibi_slopes, softmax_scale, causal, window_size_left,
+                                           window_size_right, softcap, rotary_interleaved,
+                                           num_splits, out, learnable_sink, rotary_seqlens));
 }
 
 }  // namespace flash

@@ -99,7 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink);
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& seqused_q);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -109,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink);
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -127,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     double dropout_p, double softmax_scale, bool causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& softmax_d);
+    const std::optional<at::Tensor>& softmax_d, const std::optional<at::Tensor>& seqused_q);
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -139,7 +140,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink);
+    int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens);
 
 at::Tensor fwd_kvcache_out_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -151,6 +153,15 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& block_table_in,
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
-    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink);
+    int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& rotary_seqlens);
+
+// flash_attn_combine (combine_ops.cpp).
+std::tuple<at::Tensor, at::Tensor> combine_cuda(const at::Tensor& out_partial,
+                                                const at::Tensor& lse_partial,
+                                                std::optional<at::ScalarType> out_dtype);
+
+at::Tensor combine_out_cuda(const at::Tensor& out_partial, const at::Tensor& lse_partial,
+                            const at::Tensor& out);
 
 }  // namespace flash

@@ -15,6 +15,8 @@ TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
   m.impl("fwd_out", &flash::fwd_out_cuda);
   m.impl("varlen_fwd_out", &flash::varlen_fwd_out_cuda);
   m.impl("fwd_kvcache_out", &flash::fwd_kvcache_out_cuda);
+  m.impl("combine", &flash::combine_cuda);
+  m.impl("combine_out", &flash::combine_out_cuda);
 }
 
 // The index checks' controls (index_error_state.h); the CPU path raises at
