@@ -79,29 +79,30 @@ def _git_files() -> list[str] | None:
     return [f for f in out.decode().split("\0") if f]
 
 
-def _ignored_folders() -> list[str]:
-    """The folders .gitignore anchors at the root (/benchmarks/out/, ...), and build/."""
-    folders = ["build/", ".git/"]
+def _ignored(path: str) -> bool:
+    """Whether .gitignore ignores a file of a tree without git (a copy on a test
+    machine): a folder pattern anchored at the root (/benchmarks/out/), or an
+    unanchored folder pattern (build/, *.egg-info/, .pytest_cache/) matching any
+    folder of the path."""
+    anchored, anywhere = [".git/"], ["build/", "__pycache__/"]
     gitignore = ROOT / ".gitignore"
     if gitignore.is_file():
         for line in gitignore.read_text().splitlines():
             line = line.strip()
-            if line.startswith("/") and line.endswith("/"):
-                folders.append(line[1:])
-    return folders
+            if line.endswith("/"):
+                (anchored if line.startswith("/") else anywhere).append(line.lstrip("/"))
+    folders = path.split("/")[:-1]
+    return any(path.startswith(d) for d in anchored) or any(
+        fnmatch.fnmatch(folder + "/", pattern) for folder in folders for pattern in anywhere
+    )
 
 
 @cache
 def _tree_files() -> list[str]:
     files = _git_files()
     if files is None:
-        ignored = _ignored_folders()
-        files = [
-            p.relative_to(ROOT).as_posix()
-            for p in ROOT.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts
-        ]
-        files = [f for f in files if not any(f.startswith(d) for d in ignored)]
+        files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file()]
+        files = [f for f in files if not _ignored(f)]
     return sorted(f for f in files if (ROOT / f).is_file())
 
 
@@ -153,7 +154,8 @@ def _clean(path: str) -> str:
 
 
 def _is_ignored(path: str) -> bool:
-    return any(path.startswith(d) or path + "/" == d for d in _ignored_folders())
+    """Whether a path named in the text is, or lies in, an ignored folder."""
+    return _ignored(path) or _ignored(path.rstrip("/") + "/-")
 
 
 def _cxx_comments(text: str) -> str:
