@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [build|test|bench|all]...   (default: all)
 #
 # Environment: FLASH_ATTN_CUDA_ARCHS (default: this GPU's arch), MAX_JOBS,
-# TESTS (pytest selection, default tests/test_cuda_*.py), BENCH_ARGS.
+# TESTS (pytest selection, default tests/test_cuda_*.py), WORKERS (default 4 per GPU), BENCH_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS_DIR=${RESULTS_DIR:-$PWD/gpu_check_out}
@@ -48,9 +48,16 @@ do_build() {
 }
 
 do_test() {
-  local selection=${TESTS:-tests/test_cuda_*.py}
+  local selection=${TESTS:-tests/test_cuda_*.py} ngpu workers=()
+  # Four pytest-xdist workers per GPU, spread by tests/conftest.py (FLASH_ATTN_TEST_GPUS).
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$ngpu" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    export FLASH_ATTN_TEST_GPUS=${FLASH_ATTN_TEST_GPUS:-$(seq -s, 0 $((ngpu - 1)))}
+    workers=(-n "${WORKERS:-$((4 * ngpu))}")
+  fi
   # shellcheck disable=SC2086
-  python3 -m pytest -q --maxfail=${MAXFAIL:-25} --no-header -rs $selection 2>&1 | tee "$RESULTS_DIR/tests.log" | tail -40
+  python3 -m pytest -q "${workers[@]}" --maxfail=${MAXFAIL:-25} --no-header -rs $selection 2>&1 |
+    tee "$RESULTS_DIR/tests.log" | grep -vE '^[.sx]+ +\[ *[0-9]+%\]$' | tail -40
 }
 
 do_bench() {

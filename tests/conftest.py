@@ -11,6 +11,9 @@
   reproduces when the test is rerun alone; FLASH_ATTN_TEST_SEED shifts all
   seeds to draw different inputs.
 * Tests marked `cuda` are skipped, with a reason, when no GPU is available.
+* FLASH_ATTN_TEST_GPUS=0,1 with pytest-xdist (`-n 8`) spreads the workers over those
+  GPUs, worker i on GPU i mod their count: a machine of several GPUs runs the CUDA
+  files in a fraction of the time (4 workers per GPU, as on one).
 * On a build with a reduced kernel set (FLASH_ATTN_CUDA_HDIMS / _DTYPES), a
   CUDA test whose call the build refuses because it left that head dim or
   dtype out is reported as skipped, with the refusal as its reason. On a build
@@ -31,6 +34,20 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 ROOT = os.path.dirname(TESTS_DIR)
+
+
+def worker_gpu(worker, gpus):
+    """The GPU an xdist worker ("gw5") takes from a list ("0,1"); None: leave it be."""
+    choices = [g.strip() for g in (gpus or "").split(",") if g.strip()]
+    if not worker or not worker.startswith("gw") or not choices:
+        return None
+    return choices[int(worker[2:]) % len(choices)]
+
+
+# Before anything initialises CUDA, which reads CUDA_VISIBLE_DEVICES once.
+_gpu = worker_gpu(os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("FLASH_ATTN_TEST_GPUS"))
+if _gpu is not None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpu
 
 
 def _built_in_place():
