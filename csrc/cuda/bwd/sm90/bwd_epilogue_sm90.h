@@ -1,7 +1,9 @@
 // The outputs of the Hopper backward's MMA warpgroups (bwd_kernel_sm90.h):
 //   - BwdSm90DQAccumulator: each query block's dQ added into the fp32 dQ
-//     accumulator (bwd_accum_layout.h), as soon as it lands, or, in
-//     deterministic mode, once BwdSm90DQOrder says it is this key block's turn;
+//     accumulator (bwd_accum_layout.h), as soon as it lands: staged in shared
+//     memory for BwdSm90DQWriter's bulk reduction (head dims up to 128), or
+//     by each thread's reductions; in deterministic mode with ordered dQ,
+//     by each thread once BwdSm90DQOrder says it is this key block's turn;
 //   - BwdSm90Epilogue: a key block's dK and dV, once its walk over the query
 //     blocks is done, stored through shared memory (over K and V), then K / V
 //     handed back to the producer.
@@ -17,6 +19,7 @@
 #include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/bulk_reduce_sm90.h"
 #include "cuda/core/gpu_semaphore.h"
 #include "cuda/core/params.h"
 #include "cuda/core/tile_ops_sm90.h"
@@ -36,28 +39,51 @@ struct BwdSm90EpilogueBarrier {
 // dQ order warp.
 constexpr uint32_t kBwdSm90DQOrderThreads = 256 + 32;
 
+// The threads that meet on kDQStagingFree / kDQStaged: both MMA warpgroups
+// and the dQ writer warp.
+constexpr uint32_t kBwdSm90DQWriterThreads = 256 + 32;
+
+// Whether a kernel variant adds dQ through the staging buffer: the ordered
+// variant's producer warp 2 keeps the order instead, and its MMA threads add.
+template <typename Traits, bool kOrdered>
+constexpr bool bwd_sm90_dq_staged() {
+  return Traits::kDQThroughSmem && !kOrdered;
+}
+
 // This thread's chunk of the dQ accumulator for one key block: every key
 // block adds into the same dQ rows. In deterministic mode the order is fixed
 // either by a split slice of its own (the block is its only writer) or, with
-// kOrdered, by BwdSm90DQOrder: the block adds only on its turn.
+// kOrdered, by BwdSm90DQOrder: the block adds only on its turn. Staged
+// (bwd_sm90_dq_staged), the thread stores its fragment at the same offsets
+// in the staging buffer and BwdSm90DQWriter adds the whole block.
 template <typename Traits, bool kOrdered = false>
 struct BwdSm90DQAccumulator {
+  using Storage = BwdSm90SharedStorage<Traits>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr bool kStaged = bwd_sm90_dq_staged<Traits, kOrdered>();
   static_assert(Traits::kDQChunks == 1 && Traits::kDQChunkCols == kHeadDim,
                 "dQ is one chunk of the whole head dim");
-  static_assert(Traits::kNThreads == 256, "kBwdSm90DQOrderThreads counts two MMA warpgroups");
+  static_assert(Traits::kNThreads == 256,
+                "kBwdSm90DQOrderThreads and kBwdSm90DQWriterThreads count two MMA warpgroups");
 
   float* const dq_accum_thread;
+  const int mma_tidx;
 
   __forceinline__ __device__ BwdSm90DQAccumulator(const BwdParams& params, const BlockInfo& binfo,
-                                                  const BwdKeyBlock& block, int split, int mma_tidx)
+                                                  const BwdKeyBlock& block, int split,
+                                                  int mma_tidx_)
       : dq_accum_thread(
-            dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, mma_tidx)) {}
+            dq_accum_thread_ptr<kBlockM, kHeadDim>(params, binfo, block, split, mma_tidx_)),
+        mma_tidx(mma_tidx_) {}
 
   // acc_dq: (MMA,MMA_M,MMA_N) of the dQ MMA, query block m_block.
   template <typename TensorAcc>
   __forceinline__ __device__ void add(const TensorAcc& acc_dq, int m_block) const {
+    if constexpr (kStaged) {
+      stage(acc_dq);
+      return;
+    }
     if constexpr (kOrdered) {
       cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQOrderThreads,
                                                    uint32_t(BwdSm90NamedBarrier::kDQTurn));
@@ -67,6 +93,68 @@ struct BwdSm90DQAccumulator {
     if constexpr (kOrdered) {
       cutlass::arch::NamedBarrier::arrive(kBwdSm90DQOrderThreads,
                                           uint32_t(BwdSm90NamedBarrier::kDQAdded));
+    }
+  }
+
+ private:
+  // The fragment into the staging buffer once the writer has read the last
+  // block's (16-byte stores: a warp's 32 are one contiguous 512-byte span, no
+  // bank conflict), then handed to the writer.
+  template <typename TensorAcc>
+  __forceinline__ __device__ void stage(const TensorAcc& acc_dq) const {
+    static_assert(decltype(size(acc_dq))::value % kAccumVec == 0);
+    float* thread_staging = Storage::dq_staging() + accum_thread_offset(mma_tidx);
+    cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQWriterThreads,
+                                                 uint32_t(BwdSm90NamedBarrier::kDQStagingFree));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += kAccumVec) {
+      *reinterpret_cast<float4*>(thread_staging + accum_value_offset<Traits::kNThreads>(i)) =
+          make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+    }
+    cutlass::arch::fence_view_async_shared();  // the bulk reduction reads through the async proxy
+    cutlass::arch::NamedBarrier::arrive(kBwdSm90DQWriterThreads,
+                                        uint32_t(BwdSm90NamedBarrier::kDQStaged));
+  }
+};
+
+// The dQ writer: one warp of the producer warpgroup (bwd_sm90_dq_staged
+// variants) walks the block's key blocks and their query blocks as the MMA
+// warpgroups do; for each query block it frees the staging buffer, waits
+// until both warpgroups have staged their dQ, and adds the block into the
+// accumulator with one bulk reduction (lane 0), which it lets finish reading
+// before freeing the buffer again. The MMA warps so never wait on the memory
+// pipe for dQ; they wait only if the last block's reduction has not yet
+// been read when their next dQ lands.
+template <typename Traits>
+struct BwdSm90DQWriter {
+  using Storage = BwdSm90SharedStorage<Traits>;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kBlockBytes = kBlockM * kHeadDim * int(sizeof(float));
+  static_assert(kBlockBytes == Traits::kSmemSizeDQ, "the staging buffer holds one query block");
+  static_assert(kBlockBytes % 16 == 0, "a bulk reduction moves whole 16-byte units");
+
+  float* const dq_accum_head;  // the (batch, head)'s rows of this block's slice
+
+  __forceinline__ __device__ BwdSm90DQWriter(const BwdParams& params, const BlockInfo& binfo,
+                                             int batch, int head, int split)
+      : dq_accum_head(params.dq_accum_ptr + split * params.dq_accum_split_stride +
+                      dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head)) {}
+
+  // One key block's query blocks, from the last down as BwdSm90MainloopMma::mma's.
+  __forceinline__ __device__ void write(const BwdKeyBlock& block, int lane) const {
+    for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min; --m_block) {
+      cutlass::arch::NamedBarrier::arrive(kBwdSm90DQWriterThreads,
+                                          uint32_t(BwdSm90NamedBarrier::kDQStagingFree));
+      cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQWriterThreads,
+                                                   uint32_t(BwdSm90NamedBarrier::kDQStaged));
+      if (lane == 0) {
+        bulk_reduce_add_f32(
+            dq_accum_head + accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0),
+            Storage::dq_staging(), kBlockBytes);
+        bulk_reduce_wait_read();
+      }
+      __syncwarp();
     }
   }
 };

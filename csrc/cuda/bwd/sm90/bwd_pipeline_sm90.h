@@ -21,17 +21,22 @@ using namespace cute;
 // a varlen block's rows of another sequence are zeroed. Of the MMA
 // warpgroups and the dQ order warp (deterministic mode, BwdSm90DQOrder):
 // this key block's turn to add a query block's dQ has come; its dQ is added.
+// Of the MMA warpgroups and the dQ writer warp (BwdSm90DQWriter): dQ's
+// staging buffer is free; it holds a query block's dQ.
 enum class BwdSm90NamedBarrier : uint32_t {
   kDSWritten = 0,
   kEpilogue = 1,
   kZeroTails = 2,
   kDQTurn = 3,
   kDQAdded = 4,
+  kDQStagingFree = 5,
+  kDQStaged = 6,
 };
 
 // The block's dynamic shared memory: Q and dO (kStages buffers each), K, V,
 // dS and (split design) P^T (two buffers each), the row statistics of each
-// Q / dO stage, then the mbarriers. Stateless: every view is an offset from
+// Q / dO stage, dQ's staging buffer (Traits::kDQThroughSmem), then the
+// mbarriers. Stateless: every view is an offset from
 // the block's one dynamic shared array, a constant address wherever a role
 // builds it (a base pointer kept in the roles moved the mbarrier address
 // arithmetic in the SASS).
@@ -42,7 +47,7 @@ struct BwdSm90SharedStorage {
   static_assert(Traits::kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
   static_assert(Traits::kSmemSizeTiles == 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV +
                                               Traits::kSmemSizedS + Traits::kSmemSizeP +
-                                              Traits::kSmemSizeRowStats,
+                                              Traits::kSmemSizeRowStats + Traits::kSmemSizeDQ,
                 "the views below tile the block's shared memory in this order");
 
   static __forceinline__ __device__ char* base() {
@@ -87,6 +92,12 @@ struct BwdSm90SharedStorage {
         reinterpret_cast<float*>(base() + 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV +
                                  Traits::kSmemSizedS + Traits::kSmemSizeP);
     return all + stage * 2 * kBlockM;
+  }
+  // dQ's staging buffer: one query block in the accumulator's order
+  // (bwd_accum_layout.h); 16-byte aligned, as every view before it is a
+  // multiple of 512 bytes.
+  static __forceinline__ __device__ float* dq_staging() {
+    return row_stats(0) + Traits::kSmemSizeRowStats / int(sizeof(float));
   }
   static __forceinline__ __device__ typename Traits::Barriers& barriers() {
     return *reinterpret_cast<typename Traits::Barriers*>(base() + Traits::kSmemSizeTiles);
