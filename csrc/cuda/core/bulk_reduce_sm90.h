@@ -38,4 +38,13 @@ __forceinline__ __device__ void bulk_reduce_wait_read() {
 #endif
 }
 
+// Until every committed bulk reduction of this thread is complete, its
+// additions performed: what a release that publishes them must follow
+// (gpu_semaphore.h).
+__forceinline__ __device__ void bulk_reduce_wait_done() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 }  // namespace flash

@@ -1,9 +1,10 @@
 // The outputs of the Hopper backward's MMA warpgroups (bwd_kernel_sm90.h):
 //   - BwdSm90DQAccumulator: each query block's dQ added into the fp32 dQ
-//     accumulator (bwd_accum_layout.h), as soon as it lands: staged in shared
-//     memory for BwdSm90DQWriter's bulk reduction (head dims up to 128), or
-//     by each thread's reductions; in deterministic mode with ordered dQ,
-//     by each thread once BwdSm90DQOrder says it is this key block's turn;
+//     accumulator (bwd_accum_layout.h): staged in shared memory for
+//     BwdSm90DQWriter's bulk reduction (head dims up to 128), which in
+//     deterministic mode with ordered dQ waits for this key block's turn; or
+//     by each thread's reductions, as soon as dQ lands or, ordered, once
+//     BwdSm90DQOrder says it is this key block's turn;
 //   - BwdSm90Epilogue: a key block's dK and dV, once its walk over the query
 //     blocks is done, stored through shared memory (over K and V), then K / V
 //     handed back to the producer.
@@ -43,25 +44,19 @@ constexpr uint32_t kBwdSm90DQOrderThreads = 256 + 32;
 // and the dQ writer warp.
 constexpr uint32_t kBwdSm90DQWriterThreads = 256 + 32;
 
-// Whether a kernel variant adds dQ through the staging buffer: the ordered
-// variant's producer warp 2 keeps the order instead, and its MMA threads add.
-template <typename Traits, bool kOrdered>
-constexpr bool bwd_sm90_dq_staged() {
-  return Traits::kDQThroughSmem && !kOrdered;
-}
-
 // This thread's chunk of the dQ accumulator for one key block: every key
 // block adds into the same dQ rows. In deterministic mode the order is fixed
 // either by a split slice of its own (the block is its only writer) or, with
-// kOrdered, by BwdSm90DQOrder: the block adds only on its turn. Staged
-// (bwd_sm90_dq_staged), the thread stores its fragment at the same offsets
-// in the staging buffer and BwdSm90DQWriter adds the whole block.
+// kOrdered, by the turns of BwdSm90DQOrder or BwdSm90DQWriter: the block adds
+// only on its turn. Staged (Traits::kDQThroughSmem), the thread stores its
+// fragment at the same offsets in the staging buffer and BwdSm90DQWriter
+// adds the whole block, on its turn where ordered.
 template <typename Traits, bool kOrdered = false>
 struct BwdSm90DQAccumulator {
   using Storage = BwdSm90SharedStorage<Traits>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  static constexpr bool kStaged = bwd_sm90_dq_staged<Traits, kOrdered>();
+  static constexpr bool kStaged = Traits::kDQThroughSmem;
   static_assert(Traits::kDQChunks == 1 && Traits::kDQChunkCols == kHeadDim,
                 "dQ is one chunk of the whole head dim");
   static_assert(Traits::kNThreads == 256,
@@ -117,15 +112,22 @@ struct BwdSm90DQAccumulator {
   }
 };
 
-// The dQ writer: one warp of the producer warpgroup (bwd_sm90_dq_staged
-// variants) walks the block's key blocks and their query blocks as the MMA
-// warpgroups do; for each query block it frees the staging buffer, waits
-// until both warpgroups have staged their dQ, and adds the block into the
-// accumulator with one bulk reduction (lane 0), which it lets finish reading
-// before freeing the buffer again. The MMA warps so never wait on the memory
-// pipe for dQ; they wait only if the last block's reduction has not yet
-// been read when their next dQ lands.
-template <typename Traits>
+// The dQ writer: one warp of the producer warpgroup (Traits::kDQThroughSmem)
+// walks the block's key blocks and their query blocks as the MMA warpgroups
+// do; for each query block it frees the staging buffer, waits until both
+// warpgroups have staged their dQ, and adds the block into the accumulator
+// with one bulk reduction (lane 0), which it lets finish reading before
+// freeing the buffer again. The MMA warps so never wait on the memory pipe
+// for dQ; they wait only if the last block's reduction has not yet been read
+// when their next dQ lands.
+//
+// kOrdered (deterministic mode, plan.ordered_dq): the order of
+// BwdSm90DQOrder, kept here instead of by the MMA warps: before the bulk
+// reduction the writer waits until the query block's counter reads this key
+// block's index, and once the additions are done (not only read) it
+// increments the counter. The MMA warps never wait for a turn, only for the
+// buffer (FA4 splits the roles the same way; PERF_LOG issue-53 hypothesis 3).
+template <typename Traits, bool kOrdered = false>
 struct BwdSm90DQWriter {
   using Storage = BwdSm90SharedStorage<Traits>;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -135,24 +137,36 @@ struct BwdSm90DQWriter {
   static_assert(kBlockBytes % 16 == 0, "a bulk reduction moves whole 16-byte units");
 
   float* const dq_accum_head;  // the (batch, head)'s rows of this block's slice
+  int* const counters;         // kOrdered: (query blocks) of this (batch, head)
 
   __forceinline__ __device__ BwdSm90DQWriter(const BwdParams& params, const BlockInfo& binfo,
                                              int batch, int head, int split)
       : dq_accum_head(params.dq_accum_ptr + split * params.dq_accum_split_stride +
-                      dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head)) {}
+                      dq_accum_offset<kBlockM, kHeadDim>(params, binfo, batch, head)),
+        counters(kOrdered ? params.dq_semaphore + (int64_t(batch) * params.nheads + head) *
+                                                      params.dq_semaphore_m_blocks
+                          : nullptr) {}
 
   // One key block's query blocks, from the last down as BwdSm90MainloopMma::mma's.
   __forceinline__ __device__ void write(const BwdKeyBlock& block, int lane) const {
     for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min; --m_block) {
       cutlass::arch::NamedBarrier::arrive(kBwdSm90DQWriterThreads,
                                           uint32_t(BwdSm90NamedBarrier::kDQStagingFree));
+      // Ordered: the turn is awaited while the MMA warps still compute this
+      // block's dQ.
+      if (kOrdered && lane == 0) semaphore_wait_for(counters + m_block, block.n_block);
       cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQWriterThreads,
                                                    uint32_t(BwdSm90NamedBarrier::kDQStaged));
       if (lane == 0) {
         bulk_reduce_add_f32(
             dq_accum_head + accum_tile_offset<kBlockM, kHeadDim, kHeadDim>(m_block, 0),
             Storage::dq_staging(), kBlockBytes);
-        bulk_reduce_wait_read();
+        if constexpr (kOrdered) {
+          bulk_reduce_wait_done();
+          semaphore_release_increment(counters + m_block);
+        } else {
+          bulk_reduce_wait_read();
+        }
       }
       __syncwarp();
     }

@@ -112,28 +112,28 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
   if (tidx < 128) {
     // The producer warpgroup: warp 0's lane 0 issues the TMA copies, warp 1
-    // loads the row statistics, warp 2 orders the dQ additions in
-    // deterministic mode, or else, at head dims up to 128, adds the staged
-    // dQ of each query block (BwdSm90DQWriter).
+    // loads the row statistics, warp 2 adds the staged dQ of each query block
+    // (BwdSm90DQWriter, head dims up to 128; in deterministic mode with
+    // ordered dQ, on the key block's turn) or else, ordered, keeps the order
+    // of the MMA warps' additions (BwdSm90DQOrder).
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     const int warp = tidx / 32;
     const int lane = tidx % 32;
-    if constexpr (kOrderedDQ) {
+    if constexpr (Traits::kDQThroughSmem) {
+      if (warp == 2) {
+        const BwdSm90DQWriter<Traits, kOrderedDQ> dq_writer(params, binfo, batch, head, split);
+        for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
+          dq_writer.write(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block),
+                          lane);
+        }
+        return;
+      }
+    } else if constexpr (kOrderedDQ) {
       if (warp == 2) {
         // One key block per thread block (plan.cpp).
         const BwdSm90DQOrder dq_order(params, batch, head);
         dq_order.order(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, blockIdx.x),
                        lane);
-        return;
-      }
-    }
-    if constexpr (bwd_sm90_dq_staged<Traits, kOrderedDQ>()) {
-      if (warp == 2) {
-        const BwdSm90DQWriter<Traits> dq_writer(params, binfo, batch, head, split);
-        for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
-          dq_writer.write(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block),
-                          lane);
-        }
         return;
       }
     }
