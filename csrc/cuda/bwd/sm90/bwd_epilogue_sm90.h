@@ -153,8 +153,11 @@ struct BwdSm90DQWriter {
       cutlass::arch::NamedBarrier::arrive(kBwdSm90DQWriterThreads,
                                           uint32_t(BwdSm90NamedBarrier::kDQStagingFree));
       // Ordered: the turn is awaited while the MMA warps still compute this
-      // block's dQ.
-      if (kOrdered && lane == 0) semaphore_wait_for(counters + m_block, block.n_block);
+      // block's dQ (the whole warp reconverges before the aligned barrier).
+      if constexpr (kOrdered) {
+        if (lane == 0) semaphore_wait_for(counters + m_block, block.n_block);
+        __syncwarp();
+      }
       cutlass::arch::NamedBarrier::arrive_and_wait(kBwdSm90DQWriterThreads,
                                                    uint32_t(BwdSm90NamedBarrier::kDQStaged));
       if (lane == 0) {
