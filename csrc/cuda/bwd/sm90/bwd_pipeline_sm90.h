@@ -134,9 +134,14 @@ struct BwdSm90WalkState {
 // The tile scheduler: a block walks key blocks blockIdx.x, blockIdx.x +
 // gridDim.x, ... (more than one only in deterministic mode, where the grid's
 // x is the number of dQ splits), and within each the query blocks that see
-// it, from the last down. The producer and the MMA warpgroups walk the same
-// sequence, each with a BwdSm90WalkState of its own.
-template <int kBlockN, int kStages>
+// it (bwd_sm90_walk_query_blocks). The producer and the MMA warpgroups walk
+// the same sequence, each with a BwdSm90WalkState of its own.
+//
+// kOrderedDQ (one key block per thread block): the last key block first,
+// block x taking key block gridDim.x - 1 - x, since with ordered dQ a key
+// block waits for the higher ones (bwd_sm90_dq_turn), which must therefore
+// start no later: blocks are launched in the order of their index.
+template <int kBlockN, int kStages, bool kOrderedDQ = false>
 struct BwdSm90TileScheduler {
   using WalkState = BwdSm90WalkState<kStages>;
   int num_n_blocks;
@@ -144,14 +149,35 @@ struct BwdSm90TileScheduler {
   __forceinline__ __device__ explicit BwdSm90TileScheduler(int seqlen_k)
       : num_n_blocks((seqlen_k + kBlockN - 1) / kBlockN) {}
 
-  static __forceinline__ __device__ WalkState first() { return {{}, 0, int(blockIdx.x)}; }
+  static __forceinline__ __device__ WalkState first() {
+    return {{}, 0, kOrderedDQ ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x)};
+  }
   __forceinline__ __device__ bool valid(const WalkState& walk) const {
     return walk.n_block < num_n_blocks;
   }
   static __forceinline__ __device__ void advance(WalkState& walk) {
-    walk.n_block += gridDim.x;
+    walk.n_block += gridDim.x;  // ordered: past every key block, gridDim.x covering them
     ++walk.round;
   }
 };
+
+// Calls visit(m_block, first) for the query blocks of a key block that see
+// it, first whether it is the walk's first: from the last down, or with
+// kAscending (ordered dQ) from the first up, so that under a causal mask a
+// key block starts on its own diagonal, where it is the first to add dQ
+// (bwd_sm90_dq_turn). Every role of the kernel walks the same order.
+template <bool kAscending, typename Visit>
+__forceinline__ __device__ void bwd_sm90_walk_query_blocks(int m_block_min, int m_block_max,
+                                                           Visit&& visit) {
+  if constexpr (kAscending) {
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      visit(m_block, m_block == m_block_min);
+    }
+  } else {
+    for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
+      visit(m_block, m_block == m_block_max - 1);
+    }
+  }
+}
 
 }  // namespace flash
