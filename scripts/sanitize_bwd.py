@@ -143,6 +143,11 @@ def main():
     # seen by no query (the window), with dK / dV staged in shared memory.
     fixed(4, 16, 1500, 16, 16, 64, bf16, window=(600, 0), deterministic=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)
+    # Ordered dQ (deterministic, no left window bound): the dQ writer's turns,
+    # non-causal over several key blocks, and causal varlen with an empty
+    # sequence and rows that see no key.
+    fixed(1, 300, 390, 2, 1, 64, bf16, deterministic=True)
+    varlen([130, 0, 65], [70, 9, 200], 2, 2, 128, bf16, causal=True, deterministic=True)
     # Softcap and ALiBi: the Hopper kernel's other variant on sm90.
     fixed(2, 300, 421, 4, 2, 64, bf16, causal=True, softcap=10.0, alibi=True)
     fixed(1, 200, 260, 2, 1, 128, fp16, window=(70, 20), alibi=True, deterministic=True)

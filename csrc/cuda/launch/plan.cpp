@@ -355,12 +355,12 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
     plan.block_m = row.block_m_sm90;
     plan.reason = "Hopper kernel";
-    // Deterministic: key blocks add their dQ in key-block order, one block
-    // per key block as in the default mode (BwdSm90DQOrder; PERF_LOG
-    // 2026-11-28, ordered dQ). The order a query block's semaphore counts is
-    // the key blocks' own only when every query block's first contributor is
-    // key block 0, that is with no left window bound; the ordered kernel is
-    // a variant of the plain one. Otherwise dQ splits.
+    // Deterministic: key blocks add their dQ in a fixed order, the last key
+    // block first, one block per key block as in the default mode
+    // (bwd_sm90_dq_turn; PERF_LOG 2026-11-28, ordered dQ). A query block's
+    // turns count its contributors only when they are key blocks 0 ..
+    // n - 1, that is with no left window bound; the ordered kernel is a
+    // variant of the plain one. Otherwise dQ splits.
     if (params.deterministic) {
       plan.ordered_dq = params.window_left < 0 && !score_mods;
       if (!plan.ordered_dq) use_dq_splits(plan, params, device);

@@ -169,8 +169,9 @@ constexpr int kBwdSm90BarrierBytes = 48;  // sizeof(BwdSm90Barriers<2>)
 constexpr int bwd_sm90_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
   const int ds = 2 * block_m * block_n * 2;
   const int p = block_n == 128 ? 0 : ds;  // the split design keeps P^T in shared memory
+  const int dq = block_n == 128 ? block_m * head_dim * 4 : 0;  // and dQ in registers
   return 2 * stages * block_m * head_dim * 2 + 2 * block_n * head_dim * 2 + ds + p +
-         stages * 2 * block_m * 4 + kBwdSm90BarrierBytes;
+         stages * 2 * block_m * 4 + dq + kBwdSm90BarrierBytes;
 }
 constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool double_buffer) {
   const int buffers = double_buffer ? 2 : 1;
