@@ -38,6 +38,10 @@ call's host cost shows. Variants:
 
 Writes e2e.json (the command, the git commit, the device, versions, the config
 and every row) to --out, default benchmarks/out/<device>/e2e/ (ignored by git).
+With --profile, one more generate and decode loop per variant runs under
+torch.profiler: its op table goes to profile_<regime>_<variant>.txt there, and the
+row gets the launches, memsets, synchronisations, allocations and attention ops
+per generated token (count and self CPU time).
 """
 
 from __future__ import annotations
@@ -102,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-batch", type=int, default=None, help="default 8")
     p.add_argument("--gen-prompt", type=int, default=None, help="prompt length (default 512)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens (default 128)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one more generate / decode loop per variant (torch.profiler): "
+        "a table per variant in --out, and per-token counts of the calls that cost host "
+        "time in the rows",
+    )
     p.add_argument(
         "--decode-loop",
         default=",".join(DECODE_VARIANTS),
@@ -302,10 +313,14 @@ def generation_row(model, variant, args, device, reference_tokens):
                 input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
 
+    profiled = {}
     with variant_context(variant):
         peak_memory_reset(device)
         seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
         peak = peak_memory_gib(device)
+        if args.profile:
+            path = os.path.join(args.out, f"profile_generate_{variant}.txt")
+            profiled = profile_run(run, device, path, args.gen_tokens)
     tokens = out["tokens"][:, args.gen_prompt :]
     if reference_tokens is None:
         reference_tokens = tokens
@@ -320,7 +335,56 @@ def generation_row(model, variant, args, device, reference_tokens):
         tokens_per_s=args.gen_batch * args.gen_tokens / seconds,
         peak_mem_gib=peak,
         same_tokens_as_first=same,
+        **profiled,
     ), reference_tokens
+
+
+# Calls whose count per generated token tells where host time goes: launches,
+# memsets, synchronisations and the attention ops of each path.
+PROFILED_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaMemsetAsync",
+    "cudaMemcpyAsync",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaGetDriverEntryPointByVersion",
+    "aten::_local_scalar_dense",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::fill_",
+    "aten::copy_",
+    "aten::_scaled_dot_product_flash_attention",
+    "flash_attn::fwd",
+    "flash_attn::fwd_kvcache",
+)
+
+
+def profile_run(run, device, path, tokens):
+    """One more run under torch.profiler: the table of its ops goes to `path`; returns
+    the calls of PROFILED_CALLS per token (count and self CPU us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=activities) as prof:
+        run()
+        sync(device)
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        if device.type == "cuda":
+            f.write("\n")
+            f.write(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+    per_token = {}
+    for event in averages:
+        if event.key in PROFILED_CALLS:
+            per_token[event.key] = dict(
+                count=event.count / tokens, self_cpu_us=event.self_cpu_time_total / tokens
+            )
+    return dict(profile_table=os.path.basename(path), per_token=per_token)
 
 
 def decode_loop_unavailable(variant, device):
@@ -396,10 +460,14 @@ def decode_loop_row(variant, args, device, dtype):
             for _ in range(steps):
                 step()
 
+    profiled = {}
     with variant_context(variant), torch.no_grad():
         peak_memory_reset(device)
         seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
         peak = peak_memory_gib(device)
+        if args.profile:
+            path = os.path.join(args.out, f"profile_decode_loop_{variant}.txt")
+            profiled = profile_run(run, device, path, steps)
     return dict(
         regime="decode_loop",
         variant=variant,
@@ -411,6 +479,7 @@ def decode_loop_row(variant, args, device, dtype):
         tokens_per_s=batch * steps / seconds,
         us_per_call=seconds / (steps * layers) * 1e6,
         peak_mem_gib=peak,
+        **profiled,
     )
 
 
@@ -487,6 +556,7 @@ def main(argv=None) -> int:
 
     fa_transformers.register()
     dtype = DTYPES[args.dtype]
+    os.makedirs(args.out, exist_ok=True)
     meta = describe(device, args, dtype)
     print(
         f"device: {meta['device']} ({device.type}); torch {meta['torch']}; "
@@ -545,7 +615,6 @@ def main(argv=None) -> int:
         print(f"  decode_loop {variant}: done", flush=True)
 
     print_table([r for r in rows if "error" not in r])
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "e2e.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
