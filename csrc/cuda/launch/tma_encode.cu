@@ -34,7 +34,8 @@ PFN_cuTensorMapEncodeTiled_v12000 resolve_encode() {
 }  // namespace
 
 // The name is flash_attn_cuTensorMapEncodeTiled here (the rename), with the C
-// linkage of cuda.h's declaration. A failed lookup is retried on the next call.
+// linkage of the driver header's declaration. A failed lookup is retried on the
+// next call.
 CUresult CUDAAPI cuTensorMapEncodeTiled(
     CUtensorMap* tensorMap, CUtensorMapDataType tensorDataType, cuuint32_t tensorRank,
     void* globalAddress, const cuuint64_t* globalDim, const cuuint64_t* globalStrides,
