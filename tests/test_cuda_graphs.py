@@ -253,25 +253,25 @@ def provider_active():
 
 @pytest.mark.parametrize("seqlen_q", [1, 64])
 def test_sdpa_provider_replays_like_eager(seqlen_q):
-    # transformers' SDPA decode: (batch, heads, seqlen, head_dim), GQA keys.
-    q = rand(BATCH, HEADS, seqlen_q, HEAD_DIM)
-    k, v = rand(BATCH, KV_HEADS, 200, HEAD_DIM), rand(BATCH, KV_HEADS, 200, HEAD_DIM)
-    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()
+    # transformers' SDPA decode: (batch, heads, seqlen, head_dim) views of
+    # (batch, seqlen, heads, head_dim) projections.
+    q = rand(BATCH, seqlen_q, HEADS, HEAD_DIM).transpose(1, 2)
+    k, v = rand(BATCH, HEADS, 200, HEAD_DIM), rand(BATCH, HEADS, 200, HEAD_DIM)
+    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()  # clone keeps q's strides
     result = {}
     causal = seqlen_q > 1
 
     def step():
-        result["out"] = F.scaled_dot_product_attention(
-            q_in, k_in, v_in, is_causal=causal, enable_gqa=True
-        )
+        result["out"] = F.scaled_dot_product_attention(q_in, k_in, v_in, is_causal=causal)
 
     with provider_active():
         graph = capture(step)
         q_new = rand(*q.shape)
         q_in.copy_(q_new)
         graph.replay()
-        expected = F.scaled_dot_product_attention(q_new, k, v, is_causal=causal, enable_gqa=True)
-    assert torch.equal(result["out"], expected)
+        replayed = result["out"].clone()
+        expected = F.scaled_dot_product_attention(q_in, k_in, v_in, is_causal=causal)
+    assert torch.equal(replayed, expected)
 
 
 def test_generation_calls_do_not_synchronise():
@@ -313,4 +313,19 @@ def test_generation_calls_do_not_synchronise():
                 raise AssertionError(f"{name} synchronised with the device: {exc}") from exc
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+
+
+def test_sdpa_provider_does_not_synchronise():
+    q = rand(BATCH, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    k, v = rand(BATCH, HEADS, 200, HEAD_DIM), rand(BATCH, HEADS, 200, HEAD_DIM)
+    with provider_active():
+        F.scaled_dot_product_attention(q, k, v)  # the first call sets up per-device state
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            F.scaled_dot_product_attention(q, k, v)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
