@@ -8,7 +8,6 @@
 #include <optional>
 #include <tuple>
 
-#include "api/head_dims.h"
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
@@ -158,23 +157,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk =
       at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim}, q_in.options());
-  at::Tensor dv = at::empty_like(dk);
+  at::Tensor dv =
+      at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim_v}, q_in.options());
   if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
     // No query sees a key: every gradient is zero, and so is every output row.
     dq.zero_();
     dk.zero_();
     dv.zero_();
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+    return {dq, dk, dv};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
-  // dv has d_qk columns until the return.
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
-  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
-  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
+  // d_v < d_qk: the kernels of d_qk read v, out and dout and write dv at
+  // their own width (FwdParams::head_dim_v).
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
@@ -191,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   params.seqlen_q = shape.seqlen_q;
   params.seqlen_k = shape.seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = nullptr;
   params.cu_seqlens_k = nullptr;
   params.total_q = 0;
@@ -205,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
       softmax_d);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+  return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -232,20 +233,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // kernels (BlockInfo bounds every loop and the dQ conversion by them).
   at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
-  at::Tensor dv = at::zeros_like(dk);
+  at::Tensor dv = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim_v}, q_in.options());
   if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
       shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+    return {dq, dk, dv};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
-  // dv has d_qk columns until the return.
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
-  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
-  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
+  // d_v < d_qk: v, out, dout and dv at their own width, as in bwd_cuda.
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
@@ -266,6 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   params.seqlen_q = shape.max_seqlen_q;
   params.seqlen_k = shape.max_seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
@@ -286,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+  return {dq, dk, dv};
 }
 
 }  // namespace flash
