@@ -3,10 +3,10 @@
     compute-sanitizer --tool memcheck  python scripts/sanitize_bwd.py
     compute-sanitizer --tool racecheck python scripts/sanitize_bwd.py
 
-Shapes are small and odd so that every partial tile, the padded head dim,
-a value head dim below the query / key one (dO, O and V read and dV written at d_v
-columns), GQA, varlen, softcap, ALiBi, dropout and the deterministic path run at
-least once; the calls without dropout run the Hopper backward kernel on an
+Shapes are small and odd so that every partial tile, the padded head dim, a
+value head dim below the query / key one (on the Hopper kernel dO, O and V read
+and dV written at d_v columns), GQA, varlen, softcap, ALiBi, dropout and the
+deterministic path run at least once; the calls without dropout run the Hopper backward kernel on an
 sm90 GPU unless FLASH_ATTN_BWD_KERNEL=sm80.
 """
 

@@ -3,7 +3,8 @@ read and written at d_v columns (docs/head_dims_dv_and_512.md, section 1,
 level 1).
 
 The kernel of d_qk runs the call; V (and dO, O) are read with their columns
-past d_v zero-filled, O (and dV) written at d_v columns, with no padded copy.
+past d_v zero-filled, O (and dV) written at d_v columns, with no padded copy
+(the SM80 backward alone runs on padded copies, BwdPlan::pad_v).
 A zero column of V, dO or O adds exact zeros everywhere, so each result equals
 the one of the same kernel on v (dout, out) zero-padded to d_qk, cropped:
 bitwise wherever the kernel's arithmetic has a fixed order (the forward, the

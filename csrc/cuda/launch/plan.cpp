@@ -369,6 +369,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.kernel = BwdKernel::kSm80;
+  plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
   if (params.deterministic) use_dq_splits(plan, params, device);
   // The large-shared-memory tile: plain variant only, where the device has room.

@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "api/head_dims.h"
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
@@ -135,6 +136,39 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
   return ws;
 }
 
+// BwdPlan::pad_v: the kernel the plan chose reads dO and V at d_qk columns,
+// so it runs on v, out and dout zero-padded to d_qk (api/head_dims.h) and
+// writes a d_qk-wide dv, which the op crops into the caller's dv (returned,
+// with the padded tensors, to keep them alive across the launch). Without
+// pad_v, nothing: the params keep the inputs at their own width.
+struct PaddedValues {
+  at::Tensor v, out, dout, dv;
+};
+PaddedValues pad_values_for_plan(BwdParams& params, const BwdPlan& plan, const at::Tensor& v,
+                                 const at::Tensor& out, const at::Tensor& dout,
+                                 const at::Tensor& dk, bool varlen) {
+  if (!plan.pad_v) return {};
+  PaddedValues padded{pad_head_dim(v, params.head_dim), pad_head_dim(out, params.head_dim),
+                      pad_head_dim(dout, params.head_dim), at::zeros_like(dk)};
+  params.v_ptr = padded.v.data_ptr();
+  params.o_ptr = padded.out.data_ptr();
+  params.do_ptr = padded.dout.data_ptr();
+  params.dv_ptr = padded.dv.data_ptr();
+  params.v = strides_of(padded.v, varlen);
+  params.o = strides_of(padded.out, varlen);
+  params.dout = strides_of(padded.dout, varlen);
+  params.dv = strides_of(padded.dv, varlen);
+  params.head_dim_v = params.head_dim;
+  return padded;
+}
+
+// The caller's dv: the kernel's own, or the first d_v columns of the padded one.
+at::Tensor finish_dv(const at::Tensor& dv, const PaddedValues& padded) {
+  if (!padded.dv.defined()) return dv;
+  dv.copy_(padded.dv.narrow(-1, 0, dv.size(-1)));
+  return dv;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -205,8 +239,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const BwdWorkspace workspace = make_bwd_workspace(
       params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
       softmax_d);
+  const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, false);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {dq, dk, dv};
+  return {dq, dk, finish_dv(dv, padded)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -285,9 +320,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // the rest, so that sink_grad takes nothing from them whatever out holds
   // there. One fill of an (nheads, total_q) fp32 tensor.
   if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
+  const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, true);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {dq, dk, dv};
+  return {dq, dk, finish_dv(dv, padded)};
 }
 
 }  // namespace flash

@@ -115,17 +115,12 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));             // (CPY_D)
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
-  // dO and V have head_dim_v columns; the rest of their tiles is zero-filled,
-  // so dP = dO V^T sums zeros there and dV's columns past it are not stored.
-  // Their predicates are evaluated at each copy: held in registers they
-  // spilled this kernel.
-  const auto tdOpdO = cols_below(tQcQ, params.head_dim_v);  // (CPY_D): dO's columns
-  const auto tVpV = cols_below(tKVcKV, params.head_dim_v);  // (CPY_D): V's columns
+  // dO and V are read with Q's and K's predicates, at head_dim columns: for
+  // d_v < d_qk the op pads them (BwdPlan::pad_v), since predicates of their
+  // own spilled this kernel (it is at its register limit).
   // Whole tiles inside the tensors (all but the last block of a sequence whose
-  // length is not a tile multiple) take the branch-free copy. One flag for
-  // Q / K and dO / V alike: d_v <= d_qk, so d_v at the compiled width means
-  // both are (a d_v below it predicates the Q and K copies too).
-  const bool head_dim_is_full = params.head_dim_v == kHeadDim;
+  // length is not a tile multiple) take the branch-free copy.
+  const bool head_dim_is_full = params.head_dim == kHeadDim;
 
   auto load_q_do = [&](int m_block, int buffer) {
     // (CPY, CPY_M, CPY_D)
@@ -136,7 +131,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
     const bool all_in_bounds = head_dim_is_full && rows_left >= kBlockM;
     copy_tile_predicated(gmem_tiled_copy, tQgQ(_, _, _, m_block), tQsQ_buf, tQcQ, tQpQ, rows_left,
                          all_in_bounds);
-    copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tdOpdO,
+    copy_tile_predicated(gmem_tiled_copy, tdOgdO(_, _, _, m_block), tdOsdO_buf, tQcQ, tQpQ,
                          rows_left, all_in_bounds);
     load_row_stats<kBlockM>(lse_rows + m_block * kBlockM, d_rows + m_block * kBlockM, rows_left,
                             smem_row_stats + buffer * 2 * kBlockM, tidx);
@@ -246,7 +241,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
     // Query blocks run from high to low.
     const bool kv_in_bounds = head_dim_is_full && cols_left >= kBlockN;
     copy_tile_predicated(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
-    copy_tile_predicated(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tVpV, cols_left, kv_in_bounds);
+    copy_tile_predicated(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
     load_q_do(m_block_max - 1, 0);
     cute::cp_async_fence();
 
