@@ -214,6 +214,32 @@ def test_bwd_equals_padded_and_reference(kernel, d_qk, d_v, heads, deterministic
 
 
 @pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+def test_bwd_score_features_equal_padded(kernel, d_qk, d_v):
+    """Softcap, ALiBi, a window, dropout (the SM80 kernel's score-extras
+    variant, on padded inputs there: BwdPlan::pad_v) and GQA, deterministic:
+    bitwise the gradients of the same call on zero-padded v."""
+    q = randn(1, 97, 8, d_qk).requires_grad_()
+    k = randn(1, 131, 2, d_qk).requires_grad_()
+    v = randn(1, 131, 2, d_v).requires_grad_()
+    v_wide = pad(v.detach(), d_qk).requires_grad_()
+    dout = randn(1, 97, 8, d_v)
+    kwargs = dict(
+        softcap=5.0,
+        alibi_slopes=torch.rand(8, device="cuda") * 0.3,
+        window_size=(50, 9),
+        dropout_p=0.1,
+        deterministic=True,
+    )
+    torch.manual_seed(11)
+    grads = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+    torch.manual_seed(11)
+    out_wide = flash_attn_func(q, k, v_wide, **kwargs)
+    padded = torch.autograd.grad(out_wide, (q, k, v_wide), pad(dout, d_qk))
+    for name, ours, theirs in zip(("dq", "dk", "dv"), grads, padded):
+        assert torch.equal(ours, theirs[..., : ours.shape[-1]]), name
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
 def test_varlen_bwd_matches_reference(kernel, d_qk, d_v):
     lengths = [30, 0, 77, 129]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
