@@ -64,15 +64,15 @@ bool fwd_tma_can_load(const FwdParams& p) {
     const int page_size = p.page_size.divisor;
     return page_size % 8 == 0 &&
            tma_can_describe(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k) &&
-           tma_can_describe(p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v);
+           tma_can_describe(p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v);
   }
   return tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
-         tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+         tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
 }
 
 bool bwd_tma_can_load(const BwdParams& p) {
   return fwd_tma_can_load(p) &&
-         tma_can_describe(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout);
+         tma_can_describe(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout);
 }
 
 // ---------------------------------------------------------------- forward
@@ -369,6 +369,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.kernel = BwdKernel::kSm80;
+  plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
   if (params.deterministic) use_dq_splits(plan, params, device);
   // The large-shared-memory tile: plain variant only, where the device has room.

@@ -154,6 +154,11 @@ struct BwdPlan {
   int64_t grid_x = 0;  // key blocks, or num_splits when deterministic with splits
   int grid_y = 1;      // heads
   int grid_z = 1;      // batch
+  // d_v < d_qk on the SM80 kernel, which reads dO and V at d_qk columns (at
+  // its register limit, column predicates of their own spilled it, ptxas
+  // sm_90a d128 / d192): the op hands it v, out and dout zero-padded to d_qk
+  // and crops dv (the Hopper kernel reads them at d_v columns).
+  bool pad_v = false;
   const char* reason = "";
 };
 

@@ -86,10 +86,10 @@ struct BwdSm90MainloopLoad {
     Tensor sK = Storage::k();  // (N,D)
     Tensor sV = Storage::v();  // (N,D)
     Tensor gK =
-        local_tile(tma_kv_of(tma.k, params, binfo, block.head_kv, batch),
+        local_tile(tma_kv_of(tma.k, params, binfo, block.head_kv, batch, params.head_dim),
                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
     Tensor gV =
-        local_tile(tma_kv_of(tma.v, params, binfo, block.head_kv, batch),
+        local_tile(tma_kv_of(tma.v, params, binfo, block.head_kv, batch, params.head_dim_v),
                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
     auto [tKgK, tKsK] =
         tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));  // (TMA), (TMA)
@@ -101,9 +101,9 @@ struct BwdSm90MainloopLoad {
 
     Tensor sQ = Storage::q();      // (M,D,PIPE)
     Tensor sdO = Storage::dout();  // (M,D,PIPE)
-    Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch),
+    Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch, params.head_dim),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
-    Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch),
+    Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch, params.head_dim_v),
                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
     auto [tQgQ, tQsQ] =
         tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA,m), (TMA,PIPE)
