@@ -1321,6 +1321,9 @@ def flash_attn_with_kvcache(
     out=None,
     learnable_sink=None,
     rotary_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -1391,13 +1394,39 @@ def flash_attn_with_kvcache(
         rotary_seqlens: optional keyword-only int32 (batch_size,): the
             rotary position of the first new key and of query row 0 of each
             sequence, instead of cache_seqlens; needs rotary_cos / rotary_sin.
+        cu_seqlens_q: optional keyword-only int32 (batch_size + 1,), FA3's
+            varlen query (chunked prefill, speculative decoding): q is then
+            (total_q, nheads, headdim) and sequence b's query rows are
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1]; needs max_seqlen_q. out
+            is (total_q, nheads, headdim) and softmax_lse (nheads, total_q).
+            Causal and local windows align to each sequence's own row count.
+        cu_seqlens_k_new: optional keyword-only int32 (batch_size + 1,): k
+            and v are then (total_k_new, nheads_k, headdim), and sequence b
+            appends rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] of
+            them after cache_seqlens[b] (zero rows allowed).
+        max_seqlen_q: keyword-only int, the most query rows of any sequence
+            (with cu_seqlens_q).
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
         with softmax_lse fp32 (batch_size, nheads, seqlen_q) when
         return_softmax_lse is True.
     """
-    _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    varlen_q = cu_seqlens_q is not None
+    if varlen_q:
+        _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+        if max_seqlen_q is None:
+            raise ValueError(
+                "flash_attn_with_kvcache: max_seqlen_q must be given with cu_seqlens_q"
+            )
+        max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    else:
+        _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    if cu_seqlens_k_new is not None and k is None:
+        raise ValueError(
+            "flash_attn_with_kvcache: cu_seqlens_k_new needs k / v (it gives each sequence's "
+            "rows of them), got k=None"
+        )
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim_v)")
     _check_head_dim(q, v_cache)
@@ -1422,6 +1451,8 @@ def flash_attn_with_kvcache(
         learnable_sink=learnable_sink,
         rotary_seqlens=rotary_seqlens,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k_new=cu_seqlens_k_new,
     )
     if out is not None:
         _check_out(
@@ -1429,14 +1460,15 @@ def flash_attn_with_kvcache(
             "flash_attn_with_kvcache",
             q,
             q.shape[:-1] + v_cache.shape[-1:],
-            "(batch_size, seqlen_q, nheads, headdim)",
+            "(total_q, nheads, headdim)" if varlen_q else "(batch_size, seqlen_q, nheads, headdim)",
         )
     window = _attention_window(causal, window_size)
     head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
     softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
         cache_seqlens = torch.full(
-            (q.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device
+            (batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device
         )
     q = _prepare(q)
     if k is not None:
@@ -1468,15 +1500,18 @@ def flash_attn_with_kvcache(
         rotary_interleaved,
         num_splits,
     )
-    if out is None:
-        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
-            *args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
+    kwargs = dict(learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens)
+    if varlen_q or cu_seqlens_k_new is not None:
+        # Only the varlen form passes these, so that the fixed-length call
+        # keeps its exact op call (and graph) of before.
+        kwargs.update(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q
         )
+    if out is None:
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, **kwargs)
     else:
         target = _padded_target(out, v_cache_used.shape[-1])
-        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
-            *args, out=target, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
-        )
+        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(*args, out=target, **kwargs)
         out = _copy_back(out, target)
     out = _unpad_head_dim(out, head_dim_v)
     if k is not None:

@@ -7,7 +7,8 @@ bad value and record it; memcheck shows that no access leaves the tensors) and
 checks that each one is reported: bad cu_seqlens, seqused_k and seqused_q
 (forward and backward), paged varlen tables, and the KV-cache cases
 (KVCACHE_CASES: cache_seqlens, cache_leftpad, cache_batch_idx also with a paged
-cache, block_table, rotary positions and rotary_seqlens) at three num_splits. Exits non-zero if a
+cache, block_table, rotary positions, rotary_seqlens, and the varlen form's
+cu_seqlens_q / cu_seqlens_k_new) at three num_splits. Exits non-zero if a
 case is not reported.
 """
 

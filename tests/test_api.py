@@ -277,6 +277,9 @@ EXPECTED_KEYWORD_ONLY = {
         ("out", None),
         ("learnable_sink", None),
         ("rotary_seqlens", None),
+        ("cu_seqlens_q", None),
+        ("cu_seqlens_k_new", None),
+        ("max_seqlen_q", None),
     ],
 }
 

@@ -499,6 +499,34 @@ def test_fwd_kvcache_out_fa3_shapes(device):
     opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
 
 
+def kvcache_varlen_args(device, varlen_new=True):
+    """FA3's varlen form over the paged cache of kvcache_fa3_shapes_args: q
+    (total_q, ...) with an empty sequence, varlen new keys (kwargs)."""
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    args = list(args)
+    args[0] = rand(5, 4, 32, device=device)  # sequences of 0 and 5 query rows
+    kwargs["cu_seqlens_q"] = torch.tensor([0, 0, 5], dtype=torch.int32, device=device)
+    kwargs["max_seqlen_q"] = 5
+    if varlen_new:
+        args[3] = rand(3, 2, 32, device=device)  # 1 and 2 new keys
+        args[4] = rand(3, 2, 32, device=device)
+        kwargs["cu_seqlens_k_new"] = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    return tuple(args), kwargs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen_new", [False, True], ids=["fixed_new", "varlen_new"])
+def test_fwd_kvcache_varlen(device, varlen_new):
+    args, kwargs = kvcache_varlen_args(device, varlen_new)
+    opcheck(ops.fwd_kvcache.default, args, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_out_varlen(device):
+    args, kwargs = kvcache_varlen_args(device)
+    opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["read_only", "append_rotary_paged"])
 def test_fwd_kvcache_out(device, case):

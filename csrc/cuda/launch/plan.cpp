@@ -557,7 +557,9 @@ constexpr int64_t kAppendInAttentionMaxWaves = 4;
 bool append_in_attention_fits(const DecodeShape& shape, const DecodePlan& plan,
                               const DeviceDesc& device) {
   const int warps_n = plan.warps_n;
-  if (warps_n == 1 || shape.score_extras || plan.num_m_blocks != 1 ||
+  // The varlen form appends in the pre-kernel: the in-kernel append assumes
+  // every sequence's rows from row 0 on, seqlen_new of them.
+  if (warps_n == 1 || shape.score_extras || shape.varlen || plan.num_m_blocks != 1 ||
       plan.grid_blocks != plan.num_items || shape.seqlen_new > kAppendInAttentionMaxRows) {
     return false;
   }

@@ -196,6 +196,9 @@ struct DecodeShape {
   int rotary_dim = 0;                  // 0: no rotary
   bool rotary_tables_aligned = false;  // cos and sin start on 16-byte boundaries
   int window_left = -1;                // normalised window
+  // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
+  // max_seqlen_q and each sequence has rows of its own.
+  bool varlen = false;
 };
 
 struct DecodePlan {
