@@ -21,6 +21,10 @@
 //     the new k / v are (total_k_new, nheads_k, headdim) and sequence b
 //     appends rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] after
 //     cache_seqlens[b]. Either may come without the other.
+//   * num_splits (varlen_fwd / varlen_fwd_out, FA3's): 1 runs the forward
+//     kernels as before, > 1 splits each sequence's keys that many ways (the
+//     split-KV kernel and an lse merge), 0 lets the plan choose. Speed only:
+//     the result meets the same criterion. The CPU path ignores it.
 //   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
@@ -51,7 +55,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
@@ -85,7 +89,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
       "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "

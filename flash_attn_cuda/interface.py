@@ -402,6 +402,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         seqused_k,
         learnable_sink,
         seqused_q,
+        num_splits,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -428,6 +429,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         ctx.save_for_backward(
             q_padded,
@@ -522,7 +524,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink, None)
+        return grads + (None,) * 15 + (d_sink, None, None)
 
 
 def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
@@ -656,6 +658,7 @@ def _varlen_attention(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
+    num_splits=1,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -716,6 +719,7 @@ def _varlen_attention(
             out=target,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -744,6 +748,7 @@ def _varlen_attention(
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -791,6 +796,7 @@ def _varlen_attention(
         seqused_k,
         learnable_sink,
         seqused_q,
+        num_splits,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -1077,6 +1083,7 @@ def flash_attn_varlen_func(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
+    num_splits=1,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
@@ -1110,6 +1117,7 @@ def flash_attn_varlen_func(
         learnable_sink,
         seqused_q,
         return_softmax_lse=return_softmax_lse,
+        num_splits=num_splits,
     )
 
 
@@ -1157,6 +1165,12 @@ flash_attn_varlen_func.__doc__ = (
             1] - cu_seqlens_q[b]]. The rows past it get out 0, lse +inf and
             dq 0, and add nothing to dk / dv; with out= they keep the
             caller's values (no write, as FA3), so read only the used rows.
+        num_splits: keyword-only, FA3's split of each sequence's keys in the
+            forward: 1 (default) does not split, > 1 splits that many ways
+            (at most 128) and merges by the lse, 0 lets the kernel choose
+            (it splits when few query blocks would leave SMs idle). Affects
+            speed only; calls with dropout, return_attn_probs or seqused_q
+            do not split.
 """
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(

@@ -120,6 +120,7 @@ def _varlen_fwd_fake(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(
         q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
@@ -146,10 +147,15 @@ def _varlen_fwd_out_fake(
     out: torch.Tensor,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
 ):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
     return _varlen_fwd_fake(
-        *args, seqused_k=seqused_k, learnable_sink=learnable_sink, seqused_q=seqused_q
+        *args,
+        seqused_k=seqused_k,
+        learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
+        num_splits=num_splits,
     )[1:]
 
 

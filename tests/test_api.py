@@ -270,6 +270,7 @@ EXPECTED_KEYWORD_ONLY = {
         ("learnable_sink", None),
         ("seqused_q", None),
         ("return_softmax_lse", False),
+        ("num_splits", 1),
     ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],

@@ -187,6 +187,18 @@ def test_varlen_fwd(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_varlen_fwd_num_splits(device, paged):
+    """FA3's num_splits: on CUDA the split-KV run of the varlen forward."""
+    q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=paged)
+    args = (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32**-0.5, True, -1, -1)
+    args += (0.0, False, 0, 0, None)
+    opcheck(ops.varlen_fwd.default, args, kwargs={"num_splits": 3})
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    opcheck(ops.varlen_fwd_out.default, args, kwargs={"num_splits": 3, "out": out})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "alibi_causal_dropout"])
 def test_varlen_bwd(device, case):
     q, k, v, cu_q, cu_k, _, max_q, max_k = varlen_inputs(device)

@@ -348,6 +348,12 @@ VarlenShape check_varlen_bwd_args(
   return shape;
 }
 
+void check_num_splits(int64_t num_splits) {
+  TORCH_CHECK(num_splits >= 0 && num_splits <= kMaxVarlenSplits,
+              "flash_attn: num_splits must be in [0, ", kMaxVarlenSplits,
+              "] (0 chooses, 1 does not split), got ", num_splits);
+}
+
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
                            IndexArg arg, IndexOp op) {
   TORCH_CHECK(cu_seqlens.device().is_cpu(),

@@ -170,6 +170,10 @@ struct KvcacheParams : FwdParams {
   // [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]) of new_k / new_v (batch
   // strides 0), and seqlen_new is their total_k_new rows.
   const int* cu_seqlens_k_new;
+  // FwdParams::cu_seqlens_k non-null: varlen_fwd's split run
+  // (ops/varlen_splitkv.cpp), whose keys and query rows are the varlen
+  // forward's (BlockInfo): the cache fields above are unused then, but for
+  // block_table / page_size / num_pages of paged keys.
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/mask_rule.h"
+#include "cuda/core/block_info.h"
 #include "cuda/core/index_guards.h"
 #include "cuda/core/int_divisor.h"
 #include "cuda/core/params.h"
@@ -157,11 +158,30 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
 
   // Guarded (index_guards.h): every row, page and rotary position below
   // stays inside its tensor whatever the index tensors hold. The varlen
-  // form's offsets are read here, not one item ahead: the fixed-length
-  // calls, which decode runs, keep their item inputs as they are.
-  const KvcacheSequence rows = guarded_kvcache_sequence(params, it.batch);
-  it.seqlen_q = rows.q.length;
-  it.q_row0 = rows.q.begin;
+  // offsets are read here, not one item ahead: the fixed-length calls, which
+  // decode runs, keep their item inputs as they are.
+  KvcacheEntryIndices entry;
+  int new_keys;
+  if (params.cu_seqlens_k != nullptr) {
+    // varlen_fwd's split run (ops/varlen_splitkv.cpp): the varlen forward's
+    // sequences as BlockInfo reads them (its guards and messages), keys at
+    // positions k_row_begin + j of the packed keys (batch stride 0), or of
+    // the sequence's row of pages; nothing to append.
+    const BlockInfo info(params, it.batch);
+    it.seqlen_q = info.seqlen_q;
+    it.q_row0 = static_cast<int>(info.q_row_begin);
+    const int key0 = static_cast<int>(info.k_row_begin);
+    entry = {key0 + info.seqlen_k, key0, it.batch, 0};
+    new_keys = 0;
+  } else {
+    const KvcacheSequence rows = guarded_kvcache_sequence(params, it.batch);
+    it.seqlen_q = rows.q.length;
+    it.q_row0 = rows.q.begin;
+    entry = guarded_kvcache_entry(
+        params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start},
+        {rows.new_keys.length, it.seqlen_q});
+    new_keys = rows.new_keys.length;
+  }
 
   const int group = params.nheads / params.nheads_k;
   const int rows_total = it.seqlen_q * group;
@@ -173,10 +193,7 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   it.query_first = it.row_begin / group;
   it.query_last = max(row_end - 1, it.row_begin) / group;
 
-  const KvcacheEntryIndices entry = guarded_kvcache_entry(
-      params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start},
-      {rows.new_keys.length, it.seqlen_q});
-  const int cache_end = entry.cache_seqlen + rows.new_keys.length;
+  const int cache_end = entry.cache_seqlen + new_keys;
   it.seqlen_k = cache_end - entry.leftpad;
   it.cache = {params.block_table
                   ? params.block_table + int64_t(entry.entry) * params.block_table_batch_stride

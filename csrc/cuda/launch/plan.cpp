@@ -610,6 +610,41 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   return plan;
 }
 
+DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& device) {
+  DecodePlan no_split;
+  no_split.num_splits = 1;
+  if (shape.requested_splits == 1) {
+    no_split.reason = "num_splits=1: the forward kernels, no split";
+    return no_split;
+  }
+  if (shape.dropout || shape.return_softmax || shape.seqused_q) {
+    no_split.reason = "dropout, return_softmax or seqused_q: only the forward kernels have them";
+    return no_split;
+  }
+  DecodeShape decode;
+  decode.batch = shape.batch;
+  decode.nheads = shape.nheads;
+  decode.nheads_k = shape.nheads_k;
+  decode.seqlen_q = shape.max_seqlen_q;
+  decode.cache_capacity = shape.max_seqlen_k;
+  decode.head_dim = shape.head_dim;
+  decode.paged = shape.paged;
+  decode.requested_splits = shape.requested_splits;
+  decode.score_extras = shape.score_extras;
+  decode.varlen = true;
+  const DecodePlan plan = plan_decode(decode, device);
+  if (plan.num_splits <= 1) {
+    no_split.reason = plan.reason;
+    return no_split;
+  }
+  if (shape.requested_splits == 0 && plan.num_m_blocks > 1) {
+    no_split.reason =
+        "num_splits=0: more query rows than one split-KV query block, the forward kernels";
+    return no_split;
+  }
+  return plan;
+}
+
 // ------------------------------------------------------------- description
 
 namespace {
