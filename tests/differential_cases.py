@@ -302,6 +302,9 @@ def _draw_varlen(rng, c):
         c["seqused_q"] = [
             rng.choice([0, n]) if rng.random() < 0.25 else rng.randint(0, n) for n in c["seqlens_q"]
         ]
+    # FA3's num_splits of the forward (drawn last, as above): the split-KV run
+    # where it applies, the forward kernels elsewhere.
+    c["num_splits"] = rng.choice([0, 2, 3, 8]) if rng.random() < 0.25 else 1
 
 
 def _draw_kvcache(rng, c):
@@ -444,6 +447,8 @@ def describe(c):
             parts.append(f"paged={c['page_size']}/{c['table_fill']}")
         if c.get("seqused_q") is not None:
             parts.append(f"seqused_q={c['seqused_q']}")
+        if c.get("num_splits", 1) != 1:
+            parts.append(f"splits={c['num_splits']}")
     else:
         parts.append(
             f"b={c['batch']} sq={c['seqlen_q']} new={c['seqlen_new']} cap={c['capacity']} "
@@ -654,6 +659,8 @@ def features(c):
                 f.add("bwd:seqused_q")
             if c["page_size"] is not None:
                 f.add("varlen:seqused_q+paged")
+        if c.get("num_splits", 1) != 1:
+            f.add("varlen:num_splits")
     else:
         f.add("kv:paged" if c["page_size"] is not None else "kv:contiguous")
         if c["page_size"] is not None:
@@ -784,6 +791,7 @@ REQUIRED_FEATURES = (
         "varlen:max_seqlen_above_longest",
         "varlen:paged",
         "varlen:seqused_q",
+        "varlen:num_splits",
         "bwd:seqused_q",
     ]
     + ["kv:paged", "kv:contiguous"]
@@ -1282,6 +1290,7 @@ def _run_varlen(c, inputs, device):
         offset,
         rng_state,
         seqused_q=seqused_q,
+        num_splits=c.get("num_splits", 1),
     )
     result = {"out": _host(out), "lse": _host(lse), "rng_state": _host(rng_used)}
     if c["return_softmax"]:

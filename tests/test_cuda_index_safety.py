@@ -125,6 +125,7 @@ def _varlen_call(
     block_table=None,
     causal=False,
     seqused_k=None,
+    num_splits=1,
 ):
     return flash_attn_cuda.flash_attn_varlen_func(
         q,
@@ -137,6 +138,7 @@ def _varlen_call(
         causal=causal,
         block_table=block_table,
         seqused_k=seqused_k,
+        num_splits=num_splits,
     )
 
 
@@ -170,9 +172,12 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(VARLEN_CASES))
-def test_varlen_forward_bad_cu_seqlens(case, causal):
+def test_varlen_forward_bad_cu_seqlens(case, causal, num_splits):
+    """Also in the split-KV run of the forward (num_splits=3), which reads
+    the sequences as the forward kernels do."""
     spec, pattern = VARLEN_CASES[case]
     q, k, v = _packed(256)
     kwargs = dict(
@@ -184,6 +189,7 @@ def test_varlen_forward_bad_cu_seqlens(case, causal):
         max_seqlen_q=spec["max_q"],
         max_seqlen_k=spec["max_k"],
         causal=causal,
+        num_splits=num_splits,
     )
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 

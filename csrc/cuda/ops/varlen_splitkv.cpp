@@ -26,6 +26,11 @@ void run_varlen_splitkv(const FwdParams& params, const DecodePlan& plan, const a
               " needs the split-KV kernel of the compiled head dim ", compiled,
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS including it");
 
+  TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(),
+              "flash_attn (CUDA): varlen_fwd with num_splits: batch * nheads_k * query blocks * "
+              "num_splits = ",
+              plan.num_items, " exceeds 2^31 - 1 thread blocks");
+
   KvcacheParams kv{};
   static_cast<FwdParams&>(kv) = params;
   // The split-KV kernel reads paged keys through its own table fields; the
