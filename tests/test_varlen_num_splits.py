@@ -51,9 +51,16 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, max_k, rows=None, **k
 
 
 # Decode-like and chunk-like sequences: an empty one, one query row, more
-# query rows than keys (causal rows that see no key), long keys.
+# query rows than keys (causal rows that see no key), long keys (on CUDA,
+# long enough to split many ways; shorter on the CPU, whose result does not
+# depend on the split, to keep the float64 reference quick).
 LENGTHS_Q = [1, 0, 3, 7, 1, 2]
-LENGTHS_K = [700, 5, 2, 300, 0, 1200]
+LENGTHS_K_CUDA = [700, 5, 2, 300, 0, 1200]
+LENGTHS_K_CPU = [70, 5, 2, 30, 0, 120]
+
+
+def lengths_k(device):
+    return LENGTHS_K_CUDA if device == "cuda" else LENGTHS_K_CPU
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -61,7 +68,8 @@ LENGTHS_K = [700, 5, 2, 300, 0, 1200]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_matches_reference(device, num_splits, causal):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    q, k, v, cu_q, cu_k = inputs(device, dtype, LENGTHS_Q, LENGTHS_K)
+    keys = lengths_k(device)
+    q, k, v, cu_q, cu_k = inputs(device, dtype, LENGTHS_Q, keys)
     out, lse, _ = flash_attn_varlen_func(
         q,
         k,
@@ -69,22 +77,31 @@ def test_matches_reference(device, num_splits, causal):
         cu_q,
         cu_k,
         max(LENGTHS_Q),
-        max(LENGTHS_K),
+        max(keys),
         causal=causal,
         return_attn_probs=True,
         num_splits=num_splits,
     )
-    check_against_reference(out, lse, q, k, v, cu_q, cu_k, max(LENGTHS_K), causal=causal)
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, max(lengths_k(device)), causal=causal)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_cpu_result_does_not_depend_on_num_splits(device):
     if device == "cuda":
         pytest.skip("the CUDA split changes the summation order (checked against the reference)")
-    q, k, v, cu_q, cu_k = inputs(device, torch.bfloat16, LENGTHS_Q, LENGTHS_K)
+    q, k, v, cu_q, cu_k = inputs(device, torch.bfloat16, LENGTHS_Q, lengths_k(device))
     results = [
         flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, 7, 1200, causal=True, return_softmax_lse=True, num_splits=n
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            7,
+            max(lengths_k(device)),
+            causal=True,
+            return_softmax_lse=True,
+            num_splits=n,
         )
         for n in (1, 0, 5)
     ]
@@ -98,7 +115,7 @@ def test_composes_with_score_features(device, num_splits):
     """GQA 4, (batch, nheads) ALiBi, softcap, a local window, sinks, d_v < d_qk."""
     dtype = torch.float32 if device == "cpu" else torch.float16
     q, k, v, cu_q, cu_k = inputs(
-        device, dtype, LENGTHS_Q, LENGTHS_K, heads=(8, 2), head_dim=128, head_dim_v=64
+        device, dtype, LENGTHS_Q, lengths_k(device), heads=(8, 2), head_dim=128, head_dim_v=64
     )
     batch = len(LENGTHS_Q)
     slopes = (torch.rand(batch, 8) * 0.2).to(device)
@@ -111,7 +128,7 @@ def test_composes_with_score_features(device, num_splits):
         cu_q,
         cu_k,
         7,
-        1200,
+        max(lengths_k(device)),
         alibi_slopes=slopes,
         learnable_sink=sink,
         return_softmax_lse=True,
@@ -119,7 +136,17 @@ def test_composes_with_score_features(device, num_splits):
         **kwargs,
     )
     check_against_reference(
-        out, lse, q, k, v, cu_q, cu_k, 1200, alibi_slopes=slopes, learnable_sink=sink, **kwargs
+        out,
+        lse,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(lengths_k(device)),
+        alibi_slopes=slopes,
+        learnable_sink=sink,
+        **kwargs,
     )
 
 
@@ -128,13 +155,13 @@ def test_composes_with_score_features(device, num_splits):
 def test_paged_and_seqused_k(device, page_size):
     """Paged keys (vLLM's call: cu_seqlens_k None, seqused_k), split 3 ways."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    q, k, v, cu_q, cu_k = inputs(device, dtype, LENGTHS_Q, LENGTHS_K)
-    used = [min(n, 1100) for n in LENGTHS_K]
-    pages_per_seq = math.ceil(max(LENGTHS_K) / page_size)
-    num_pages = len(LENGTHS_K) * pages_per_seq + 2
+    q, k, v, cu_q, cu_k = inputs(device, dtype, LENGTHS_Q, lengths_k(device))
+    used = [min(n, max(lengths_k(device)) - 10) for n in lengths_k(device)]
+    pages_per_seq = math.ceil(max(lengths_k(device)) / page_size)
+    num_pages = len(lengths_k(device)) * pages_per_seq + 2
     g = torch.Generator().manual_seed(1)
-    table = torch.randperm(num_pages, generator=g)[: len(LENGTHS_K) * pages_per_seq]
-    table = table.view(len(LENGTHS_K), pages_per_seq).to(torch.int32)
+    table = torch.randperm(num_pages, generator=g)[: len(lengths_k(device)) * pages_per_seq]
+    table = table.view(len(lengths_k(device)), pages_per_seq).to(torch.int32)
     k_pages = torch.full((num_pages, page_size, *k.shape[1:]), math.nan, dtype=dtype)
     v_pages = torch.full((num_pages, page_size, *v.shape[1:]), math.nan, dtype=dtype)
     for b, n in enumerate(used):
@@ -151,7 +178,7 @@ def test_paged_and_seqused_k(device, page_size):
         cu_q,
         None,
         7,
-        max(LENGTHS_K),
+        max(lengths_k(device)),
         causal=True,
         block_table=table.to(device),
         seqused_k=seqused_k,
@@ -159,7 +186,7 @@ def test_paged_and_seqused_k(device, page_size):
         num_splits=3,
     )
     check_against_reference(
-        out, lse, q, k, v, cu_q, cu_k, max(LENGTHS_K), causal=True, seqused_k=used
+        out, lse, q, k, v, cu_q, cu_k, max(lengths_k(device)), causal=True, seqused_k=used
     )
 
 
@@ -208,11 +235,20 @@ def test_bad_num_splits_names_the_argument():
 
 
 def test_compiles(device="cpu"):
-    q, k, v, cu_q, cu_k = inputs(device, torch.float32, LENGTHS_Q, LENGTHS_K)
+    q, k, v, cu_q, cu_k = inputs(device, torch.float32, LENGTHS_Q, lengths_k(device))
 
     def step(q, k, v, cu_q, cu_k):
         return flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, 7, 1200, causal=True, num_splits=0, return_softmax_lse=True
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            7,
+            max(lengths_k(device)),
+            causal=True,
+            num_splits=0,
+            return_softmax_lse=True,
         )
 
     eager = step(q, k, v, cu_q, cu_k)
