@@ -263,6 +263,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
     params.out_accum_ptr = split_accum.data_ptr<float>();
     params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
+    if (shape.varlen_q) {
+      // Rows of q outside every sequence have no work item: a partial lse of
+      // -inf merges them to out 0, lse +inf, as the CPU path gives them.
+      split_accum.narrow(0, partial_rows * compiled, partial_rows)
+          .fill_(-std::numeric_limits<float>::infinity());
+    }
   }
   launcher(params, plan, stream);
   end_index_checks(q);
