@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int group = params.nheads / params.nheads_k;
   const int seqlen_q = params.seqlen_q;
-  const SplitKvScheduler<kBlockM, kBlockN> scheduler(params, seqlen_q, group);
+  const SplitKvScheduler<kBlockM, kBlockN, !kSeveralItems> scheduler(params, seqlen_q, group);
   const int num_items = scheduler.num_items;
 
   static_assert(!(kAppends && kSeveralItems),

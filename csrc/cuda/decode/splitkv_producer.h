@@ -232,7 +232,7 @@ struct SplitKvTileLoader {
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvItemAdvance {
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
-  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN>;
+  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN, !kSeveralItems>;
   using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
 
   int& load_item;

@@ -143,7 +143,10 @@ __forceinline__ __device__ SplitKvItemInputs splitkv_item_inputs(const KvcachePa
 
 // Split s gets key blocks [s * n / splits, (s + 1) * n / splits): shares
 // differ by at most one block, and any split count is honoured as given.
-template <int kBlockM, int kBlockN>
+// kVarlen false: compiled for fixed-length calls only (the persistent grid,
+// which plan_decode never gives a varlen call: its items' rows would stay
+// in registers across items, and at head dim 256 they spilled).
+template <int kBlockM, int kBlockN, bool kVarlen = true>
 __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params, int item,
                                                     int num_m_blocks,
                                                     const SplitKvItemInputs& inputs) {
@@ -162,7 +165,13 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   // decode runs, keep their item inputs as they are.
   KvcacheEntryIndices entry;
   int new_keys;
-  if (params.cu_seqlens_k != nullptr) {
+  if constexpr (!kVarlen) {
+    it.seqlen_q = params.seqlen_q;
+    it.q_row0 = 0;
+    entry = guarded_kvcache_entry(
+        params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start});
+    new_keys = params.seqlen_new;
+  } else if (params.cu_seqlens_k != nullptr) {
     // varlen_fwd's split run (ops/varlen_splitkv.cpp): the varlen forward's
     // sequences as BlockInfo reads them (its guards and messages), keys at
     // positions k_row_begin + j of the packed keys (batch stride 0), or of

@@ -602,6 +602,9 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.grid_blocks =
       splitkv_grid_blocks(compiled, plan.warps_n, shape.paged, shape.score_extras,
                           shape.cache_capacity, plan.num_splits, plan.num_items, device);
+  // The persistent kernel is compiled for fixed-length calls only
+  // (splitkv_item's kVarlen): a varlen call gets a block per item.
+  if (shape.varlen) plan.grid_blocks = plan.num_items;
   plan.cluster_x =
       splitkv_cluster_x(plan.warps_n, shape.paged, int64_t(shape.batch) * shape.nheads_k,
                         plan.grid_blocks < plan.num_items, device);

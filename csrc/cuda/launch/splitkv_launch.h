@@ -43,10 +43,13 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   // path's per-row addressing: PERF_LOG 2026-11-23 47fdf30, 9ba5ee6), and over
   // a contiguous cache a persistent one (splitkv_grid_blocks); the others
   // serve both layouts with a block per item (six split-KV kernels per file).
-  if (several_items && (kWarpsN == 1 || with_score_extras || params.block_table != nullptr)) {
+  const bool varlen = params.cu_seqlens_q != nullptr || params.cu_seqlens_k_new != nullptr ||
+                      params.cu_seqlens_k != nullptr;
+  if (several_items &&
+      (kWarpsN == 1 || with_score_extras || params.block_table != nullptr || varlen)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: a persistent split-KV grid needs the decode variant's "
-        "plain kernel over a contiguous cache");
+        "plain kernel over a contiguous cache, in a fixed-length call");
   }
   // The append / rotary in the kernel (plan.append_in_attention) has
   // instances for the decode variant's plain kernels of one block per item.
@@ -56,7 +59,6 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: the params disagree with the decode plan");
   }
-  const bool varlen = params.cu_seqlens_q != nullptr || params.cu_seqlens_k_new != nullptr;
   if (plan.append_in_attention &&
       (several_items || kWarpsN == 1 || with_score_extras || num_m_blocks != 1 || varlen)) {
     throw std::runtime_error(
