@@ -15,6 +15,16 @@
 //     keep working): sequence b uses only its first seqused_q[b] query rows;
 //     causal / local windows align to the used lengths. The other rows get
 //     out 0 (a caller's out= keeps them as they are), lse +inf, dq 0, D 0.
+//   * fwd_kvcache's varlen form (FA3's, keyword-only): with cu_seqlens_q
+//     (int32 (batch + 1,)) and max_seqlen_q, q is (total_q, nheads, headdim),
+//     out likewise and softmax_lse (nheads, total_q); with cu_seqlens_k_new
+//     the new k / v are (total_k_new, nheads_k, headdim) and sequence b
+//     appends rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] after
+//     cache_seqlens[b]. Either may come without the other.
+//   * num_splits (varlen_fwd / varlen_fwd_out, FA3's): 1 runs the forward
+//     kernels as before, > 1 splits each sequence's keys that many ways (the
+//     split-KV kernel and an lse merge), 0 lets the plan choose. Speed only:
+//     the result meets the same criterion. The CPU path ignores it.
 //   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
@@ -45,7 +55,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
@@ -60,7 +70,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None, "
-      "Tensor? rotary_seqlens=None) -> (Tensor out, Tensor softmax_lse)");
+      "Tensor? rotary_seqlens=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k_new=None, "
+      "int? max_seqlen_q=None) -> (Tensor out, Tensor softmax_lse)");
   // The forwards that write the attention output into the caller's `out`
   // instead of a new tensor; they return the other results. (An op that
   // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
@@ -78,7 +89,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
       "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
@@ -86,7 +97,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, float softmax_scale, "
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor(c!) out, "
-      "Tensor? learnable_sink=None, Tensor? rotary_seqlens=None) -> Tensor softmax_lse");
+      "Tensor? learnable_sink=None, Tensor? rotary_seqlens=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k_new=None, int? max_seqlen_q=None) -> Tensor softmax_lse");
   // The gradient of the attention sinks, from the forward's softmax_lse and
   // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
   // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -

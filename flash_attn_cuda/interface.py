@@ -404,6 +404,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         seqused_k,
         learnable_sink,
         seqused_q,
+        num_splits,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
@@ -430,6 +431,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         ctx.save_for_backward(
             q_padded,
@@ -524,7 +526,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink, None)
+        return grads + (None,) * 15 + (d_sink, None, None)
 
 
 def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
@@ -658,6 +660,7 @@ def _varlen_attention(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
+    num_splits=1,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -718,6 +721,7 @@ def _varlen_attention(
             out=target,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -746,6 +750,7 @@ def _varlen_attention(
             seqused_k=seqused_k,
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
+            num_splits=num_splits,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -793,6 +798,7 @@ def _varlen_attention(
         seqused_k,
         learnable_sink,
         seqused_q,
+        num_splits,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -1079,6 +1085,7 @@ def flash_attn_varlen_func(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
+    num_splits=1,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
@@ -1112,6 +1119,7 @@ def flash_attn_varlen_func(
         learnable_sink,
         seqused_q,
         return_softmax_lse=return_softmax_lse,
+        num_splits=num_splits,
     )
 
 
@@ -1159,6 +1167,12 @@ flash_attn_varlen_func.__doc__ = (
             1] - cu_seqlens_q[b]]. The rows past it get out 0, lse +inf and
             dq 0, and add nothing to dk / dv; with out= they keep the
             caller's values (no write, as FA3), so read only the used rows.
+        num_splits: keyword-only, FA3's split of each sequence's keys in the
+            forward: 1 (default) does not split, > 1 splits that many ways
+            (at most 128) and merges by the lse, 0 lets the kernel choose
+            (it splits when few query blocks would leave SMs idle). Affects
+            speed only; calls with dropout, return_attn_probs or seqused_q
+            do not split.
 """
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(
@@ -1323,6 +1337,9 @@ def flash_attn_with_kvcache(
     out=None,
     learnable_sink=None,
     rotary_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -1393,13 +1410,39 @@ def flash_attn_with_kvcache(
         rotary_seqlens: optional keyword-only int32 (batch_size,): the
             rotary position of the first new key and of query row 0 of each
             sequence, instead of cache_seqlens; needs rotary_cos / rotary_sin.
+        cu_seqlens_q: optional keyword-only int32 (batch_size + 1,), FA3's
+            varlen query (chunked prefill, speculative decoding): q is then
+            (total_q, nheads, headdim) and sequence b's query rows are
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1]; needs max_seqlen_q. out
+            is (total_q, nheads, headdim) and softmax_lse (nheads, total_q).
+            Causal and local windows align to each sequence's own row count.
+        cu_seqlens_k_new: optional keyword-only int32 (batch_size + 1,): k
+            and v are then (total_k_new, nheads_k, headdim), and sequence b
+            appends rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] of
+            them after cache_seqlens[b] (zero rows allowed).
+        max_seqlen_q: keyword-only int, the most query rows of any sequence
+            (with cu_seqlens_q).
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
         with softmax_lse fp32 (batch_size, nheads, seqlen_q) when
         return_softmax_lse is True.
     """
-    _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    varlen_q = cu_seqlens_q is not None
+    if varlen_q:
+        _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
+        if max_seqlen_q is None:
+            raise ValueError(
+                "flash_attn_with_kvcache: max_seqlen_q must be given with cu_seqlens_q"
+            )
+        max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    else:
+        _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
+    if cu_seqlens_k_new is not None and k is None:
+        raise ValueError(
+            "flash_attn_with_kvcache: cu_seqlens_k_new needs k / v (it gives each sequence's "
+            "rows of them), got k=None"
+        )
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim_v)")
     _check_head_dim(q, v_cache)
@@ -1424,6 +1467,8 @@ def flash_attn_with_kvcache(
         learnable_sink=learnable_sink,
         rotary_seqlens=rotary_seqlens,
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k_new=cu_seqlens_k_new,
     )
     if out is not None:
         _check_out(
@@ -1431,14 +1476,15 @@ def flash_attn_with_kvcache(
             "flash_attn_with_kvcache",
             q,
             q.shape[:-1] + v_cache.shape[-1:],
-            "(batch_size, seqlen_q, nheads, headdim)",
+            "(total_q, nheads, headdim)" if varlen_q else "(batch_size, seqlen_q, nheads, headdim)",
         )
     window = _attention_window(causal, window_size)
     head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
     softmax_scale = _default_softmax_scale(softmax_scale, head_dim)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
         cache_seqlens = torch.full(
-            (q.shape[0],), cache_seqlens, dtype=torch.int32, device=k_cache.device
+            (batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device
         )
     q = _prepare(q)
     if k is not None:
@@ -1470,15 +1516,18 @@ def flash_attn_with_kvcache(
         rotary_interleaved,
         num_splits,
     )
-    if out is None:
-        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(
-            *args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
+    kwargs = dict(learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens)
+    if varlen_q or cu_seqlens_k_new is not None:
+        # Only the varlen form passes these, so that the fixed-length call
+        # keeps its exact op call (and graph) of before.
+        kwargs.update(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q
         )
+    if out is None:
+        out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, **kwargs)
     else:
         target = _padded_target(out, v_cache_used.shape[-1])
-        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(
-            *args, out=target, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens
-        )
+        softmax_lse = torch.ops.flash_attn.fwd_kvcache_out(*args, out=target, **kwargs)
         out = _copy_back(out, target)
     out = _unpad_head_dim(out, head_dim_v)
     if k is not None:

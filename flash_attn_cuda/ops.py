@@ -120,6 +120,7 @@ def _varlen_fwd_fake(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(
         q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
@@ -146,10 +147,15 @@ def _varlen_fwd_out_fake(
     out: torch.Tensor,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
+    num_splits: int = 1,
 ):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
     return _varlen_fwd_fake(
-        *args, seqused_k=seqused_k, learnable_sink=learnable_sink, seqused_q=seqused_q
+        *args,
+        seqused_k=seqused_k,
+        learnable_sink=learnable_sink,
+        seqused_q=seqused_q,
+        num_splits=num_splits,
     )[1:]
 
 
@@ -206,25 +212,27 @@ def _fwd_kvcache_fake(
     *,
     learnable_sink: Optional[torch.Tensor] = None,
     rotary_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ):
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
-    batch, seqlen_q, nheads, _ = q.shape
     out = _out_like(q, v_cache)
+    if cu_seqlens_q is not None:
+        # Varlen q (total_q, nheads, head_dim): lse (nheads, total_q).
+        total_q, nheads, _ = q.shape
+        return out, q.new_empty((nheads, total_q), dtype=torch.float32)
+    batch, seqlen_q, nheads, _ = q.shape
     softmax_lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, softmax_lse
 
 
 @torch.library.register_fake("flash_attn::fwd_kvcache_out")
-def _fwd_kvcache_out_fake(
-    *args,
-    out: torch.Tensor,
-    learnable_sink: Optional[torch.Tensor] = None,
-    rotary_seqlens: Optional[torch.Tensor] = None,
-):
+def _fwd_kvcache_out_fake(*args, out: torch.Tensor, **kwargs):
     # fwd_kvcache's arguments plus out; the caches and out are written in place
     # ((a!), (b!), (c!)): the softmax_lse alone.
-    return _fwd_kvcache_fake(*args, learnable_sink=learnable_sink, rotary_seqlens=rotary_seqlens)[1]
+    return _fwd_kvcache_fake(*args, **kwargs)[1]
 
 
 @torch.library.register_fake("flash_attn::sink_grad")

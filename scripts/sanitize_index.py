@@ -7,7 +7,9 @@ bad value and record it; memcheck shows that no access leaves the tensors) and
 checks that each one is reported: bad cu_seqlens, seqused_k and seqused_q
 (forward and backward), paged varlen tables, and the KV-cache cases
 (KVCACHE_CASES: cache_seqlens, cache_leftpad, cache_batch_idx also with a paged
-cache, block_table, rotary positions and rotary_seqlens) at three num_splits. Exits non-zero if a
+cache, block_table, rotary positions, rotary_seqlens, and the varlen form's
+cu_seqlens_q / cu_seqlens_k_new) at three num_splits; the varlen forward's bad
+offsets also with num_splits=3 (its split-KV run). Exits non-zero if a
 case is not reported.
 """
 
@@ -60,6 +62,10 @@ def main():
                 causal=causal,
             )
             expect_reported(f"varlen {name}", cases._varlen_call, kwargs, pattern)
+            # The forward's split-KV run (num_splits) over the same offsets.
+            expect_reported(
+                f"varlen {name} splits=3", cases._varlen_call, dict(kwargs, num_splits=3), pattern
+            )
             # The backward over the same offsets.
             out = torch.randn_like(q)
             lse = torch.randn(q.shape[1], q.shape[0], device="cuda")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -322,6 +323,9 @@ def _draw_varlen(rng, c):
         c["seqused_q"] = [
             rng.choice([0, n]) if rng.random() < 0.25 else rng.randint(0, n) for n in c["seqlens_q"]
         ]
+    # FA3's num_splits of the forward (drawn last, as above): the split-KV run
+    # where it applies, the forward kernels elsewhere.
+    c["num_splits"] = rng.choice([0, 2, 3, 8]) if rng.random() < 0.25 else 1
 
 
 def _draw_kvcache(rng, c):
@@ -422,6 +426,20 @@ def _draw_kvcache(rng, c):
             rng.choice([0, top]) if rng.random() < 0.2 else rng.randint(0, top)
             for _ in range(batch)
         ]
+    # FA3's varlen form (drawn last: earlier seeds keep their cases): q packed
+    # from each sequence's first q_lens[b] rows, the new keys from its first
+    # new_lens[b] (cu_seqlens_q / cu_seqlens_k_new), empty sequences included.
+    c["q_lens"] = c["new_lens"] = None
+    if rng.random() < 0.25:
+        sq = c["seqlen_q"]
+        c["q_lens"] = [
+            rng.choice([0, sq]) if rng.random() < 0.3 else rng.randint(0, sq) for _ in range(batch)
+        ]
+        if c["seqlen_new"] is not None and rng.random() < 0.7:
+            c["new_lens"] = [
+                rng.choice([0, new]) if rng.random() < 0.3 else rng.randint(0, new)
+                for _ in range(batch)
+            ]
 
 
 # ---------------------------------------------------------------------------
@@ -450,6 +468,8 @@ def describe(c):
             parts.append(f"paged={c['page_size']}/{c['table_fill']}")
         if c.get("seqused_q") is not None:
             parts.append(f"seqused_q={c['seqused_q']}")
+        if c.get("num_splits", 1) != 1:
+            parts.append(f"splits={c['num_splits']}")
     else:
         parts.append(
             f"b={c['batch']} sq={c['seqlen_q']} new={c['seqlen_new']} cap={c['capacity']} "
@@ -469,6 +489,10 @@ def describe(c):
                 parts.append(f"rotary_seqlens={c['rotary_seqlens']}")
         if c["packed_cache"]:
             parts.append("packed_cache")
+        if c.get("q_lens") is not None:
+            parts.append(f"varlen_q={c['q_lens']}")
+        if c.get("new_lens") is not None:
+            parts.append(f"varlen_new={c['new_lens']}")
         parts.append(f"q={c['q_layout']} splits={c['num_splits']}")
     parts.append(f"causal={int(c['causal'])} win=({c['window_left']},{c['window_right']})")
     parts.append(f"scale={c['softmax_scale']:.4g}")
@@ -663,6 +687,8 @@ def features(c):
                 f.add("bwd:seqused_q")
             if c["page_size"] is not None:
                 f.add("varlen:seqused_q+paged")
+        if c.get("num_splits", 1) != 1:
+            f.add("varlen:num_splits")
     else:
         f.add("kv:paged" if c["page_size"] is not None else "kv:contiguous")
         if c["page_size"] is not None:
@@ -697,6 +723,12 @@ def features(c):
             f.add("kv:paged+cache_leftpad")
         if c.get("rotary_seqlens") is not None:
             f.add("kv:rotary_seqlens")
+        if c.get("q_lens") is not None:
+            f.add("kv:varlen_q")
+            if 0 in c["q_lens"]:
+                f.add("kv:varlen_q_empty_sequence")
+        if c.get("new_lens") is not None:
+            f.add("kv:varlen_new")
         if c["rotary"]:
             f.add(f"kv:rotary_{c['rotary']}")
             if c["rotary_dim"] < c["head_dim"]:
@@ -788,6 +820,7 @@ REQUIRED_FEATURES = (
         "varlen:max_seqlen_above_longest",
         "varlen:paged",
         "varlen:seqused_q",
+        "varlen:num_splits",
         "bwd:seqused_q",
     ]
     + ["kv:paged", "kv:contiguous"]
@@ -810,6 +843,8 @@ REQUIRED_FEATURES = (
         "kv:paged+cache_batch_idx",
         "kv:paged+cache_leftpad",
         "kv:rotary_seqlens",
+        "kv:varlen_q",
+        "kv:varlen_new",
         "kv:rotary_interleaved",
         "kv:rotary_neox",
         "kv:rotary_partial",
@@ -1083,8 +1118,28 @@ def _end(c, bi):
     return c["capacity"] if c["cache_seqlens"] is None else c["cache_seqlens"][bi]
 
 
+def _new_len(c, bi):
+    """The rows batch entry bi appends: its share of varlen new keys, or seqlen_new."""
+    if c.get("new_lens") is not None:
+        return c["new_lens"][bi]
+    return c["seqlen_new"] or 0
+
+
+def _q_len(c, bi):
+    return c["seqlen_q"] if c.get("q_lens") is None else c["q_lens"][bi]
+
+
+def _pack(t, lengths):
+    """(batch, rows, ...) -> (sum(lengths), ...): each entry's first rows."""
+    return torch.cat([t[bi, :n] for bi, n in enumerate(lengths)])
+
+
+def _offsets(lengths):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+
+
 def _used_pages(c, bi):
-    return -(-(_end(c, bi) + (c["seqlen_new"] or 0)) // c["page_size"])
+    return -(-(_end(c, bi) + _new_len(c, bi)) // c["page_size"])
 
 
 def cache_views(c, base):
@@ -1123,7 +1178,7 @@ def written_mask(c, inputs):
     k_cache, _ = cache_views(c, inputs["cache_base"])
     mask = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for bi in range(c["batch"]):
-        for pos in range(_end(c, bi), _end(c, bi) + (c["seqlen_new"] or 0)):
+        for pos in range(_end(c, bi), _end(c, bi) + _new_len(c, bi)):
             mask[_cache_slot(c, inputs, bi, pos)] = True
     return mask
 
@@ -1283,6 +1338,7 @@ def _run_varlen(c, inputs, device):
         offset,
         rng_state,
         seqused_q=seqused_q,
+        num_splits=c.get("num_splits", 1),
     )
     result = {"out": _host(out), "lse": _host(lse), "rng_state": _host(rng_used)}
     if c["return_softmax"]:
@@ -1325,13 +1381,21 @@ def _run_kvcache(c, inputs, device):
     k_cache, v_cache = cache_views(c, cache_base)
     q = _kv_q(c, inputs["q_base"].to(device))
     get = lambda name: _on(inputs.get(name), device)
+    k_new, v_new = get("k_new"), get("v_new")
+    varlen = {}
+    if c.get("q_lens") is not None:
+        q = _pack(q, c["q_lens"])
+        varlen.update(cu_seqlens_q=_offsets(c["q_lens"]).to(device), max_seqlen_q=c["seqlen_q"])
+    if c.get("new_lens") is not None:
+        k_new, v_new = _pack(k_new, c["new_lens"]), _pack(v_new, c["new_lens"])
+        varlen["cu_seqlens_k_new"] = _offsets(c["new_lens"]).to(device)
     _poison_allocator(device)
     out, lse = ops.fwd_kvcache(
         q,
         k_cache,
         v_cache,
-        get("k_new"),
-        get("v_new"),
+        k_new,
+        v_new,
         get("cache_seqlens"),
         get("cos"),
         get("sin"),
@@ -1347,6 +1411,7 @@ def _run_kvcache(c, inputs, device):
         c["rotary"] == "interleaved",
         c["num_splits"],
         rotary_seqlens=get("rotary_seqlens"),
+        **varlen,
     )
     return {"out": _host(out), "lse": _host(lse), "cache_base": _host(cache_base)}
 
@@ -1545,7 +1610,6 @@ def _kvcache_refs(c, inputs, device):
     cache_base = inputs["cache_base"].to(device, copy=True)
     k_cache, v_cache = cache_views(c, cache_base)
     q = _kv_q(c, inputs["q_base"].to(device))
-    new = c["seqlen_new"] or 0
     cap = c["capacity"]
     left, right = normalize_window(c["causal"], c["window_left"], c["window_right"], cap)
     per_row = left >= 0 or right >= 0  # rotary q rows get their own positions
@@ -1557,9 +1621,10 @@ def _kvcache_refs(c, inputs, device):
     # The append: new keys rotated in fp32 at their positions, rounded once.
     for bi in range(c["batch"]):
         end = _end(c, bi)
+        new = _new_len(c, bi)
         if not new:
             continue
-        k_new = inputs["k_new"][bi : bi + 1].to(device)
+        k_new = inputs["k_new"][bi : bi + 1, :new].to(device)
         if cos is not None:
             positions = (_rotary_start(c, bi) + torch.arange(new, device=device)).unsqueeze(0)
             k_new = apply_rotary(k_new, cos, sin, positions, interleaved).to(dt)
@@ -1570,15 +1635,15 @@ def _kvcache_refs(c, inputs, device):
     refs = {"cache_base": _host(cache_base)}
     outs = {w: [] for w in COMPUTE}
     lses = {w: [] for w in COMPUTE}
-    sq = c["seqlen_q"]
     for bi in range(c["batch"]):
         end = _end(c, bi)
+        new, sq = _new_len(c, bi), _q_len(c, bi)
         pad = 0 if c["cache_leftpad"] is None else c["cache_leftpad"][bi]
         slots = [_cache_slot(c, inputs, bi, pos) for pos in range(pad, end + new)]
         rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=device)
         cols = torch.tensor([s[1] for s in slots], dtype=torch.long, device=device)
         keys, values = k_cache[rows, cols].unsqueeze(0), v_cache[rows, cols].unsqueeze(0)
-        q_b = q[bi : bi + 1]
+        q_b = q[bi : bi + 1, :sq]
         if cos is not None and sq:
             offsets = (
                 torch.arange(sq, device=device)
@@ -1606,8 +1671,13 @@ def _kvcache_refs(c, inputs, device):
             outs[which].append(out)
             lses[which].append(lse)
     for which in COMPUTE:
-        refs[f"out_{which}"] = _host(torch.cat(outs[which]))
-        refs[f"lse_{which}"] = _host(torch.cat(lses[which]))
+        if c.get("q_lens") is not None:
+            # The varlen layouts: out (total_q, nheads, d), lse (nheads, total_q).
+            refs[f"out_{which}"] = _host(torch.cat(outs[which], 1)[0])
+            refs[f"lse_{which}"] = _host(torch.cat(lses[which], 2)[0])
+        else:
+            refs[f"out_{which}"] = _host(torch.cat(outs[which]))
+            refs[f"lse_{which}"] = _host(torch.cat(lses[which]))
     return refs
 
 

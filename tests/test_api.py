@@ -270,6 +270,7 @@ EXPECTED_KEYWORD_ONLY = {
         ("learnable_sink", None),
         ("seqused_q", None),
         ("return_softmax_lse", False),
+        ("num_splits", 1),
     ],
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
@@ -277,6 +278,9 @@ EXPECTED_KEYWORD_ONLY = {
         ("out", None),
         ("learnable_sink", None),
         ("rotary_seqlens", None),
+        ("cu_seqlens_q", None),
+        ("cu_seqlens_k_new", None),
+        ("max_seqlen_q", None),
     ],
 }
 

@@ -235,6 +235,64 @@ def test_kvcache_fa3_shapes_compile(device):
     torch.testing.assert_close(compiled_args[2], eager_args[2], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvcache_varlen_compile(device):
+    """FA3's varlen form: chunked prefill / speculative decoding over a paged
+    cache, with an empty sequence and varlen new keys."""
+
+    def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, table, cu_q, cu_new):
+        return flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=seqlens,
+            block_table=table,
+            causal=True,
+            return_softmax_lse=True,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k_new=cu_new,
+            max_seqlen_q=4,
+        )
+
+    def inputs():
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+        def ints(*values):
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        angles = torch.rand(32, 8, generator=gen)
+        return (
+            rand(5, 4, 32),  # query rows 4, 0, 1
+            rand(9, 4, 2, 32),  # 9 pages of 4 rows
+            rand(9, 4, 2, 32),
+            rand(4, 2, 32),  # new keys 3, 0, 1
+            rand(4, 2, 32),
+            angles.cos().to(device=device, dtype=torch.bfloat16),
+            angles.sin().to(device=device, dtype=torch.bfloat16),
+            ints(2, 5, 0),
+            torch.randperm(9, generator=gen)[:6].view(3, 2).to(device=device, dtype=torch.int32),
+            ints(0, 4, 4, 5),
+            ints(0, 3, 3, 4),
+        )
+
+    eager_args, compiled_args = inputs(), inputs()
+    eager_out, eager_lse = step(*eager_args)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out, lse = compiled(*compiled_args)
+    assert out.shape == (5, 4, 32) and lse.shape == (4, 5)
+    torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, eager_lse, atol=0, rtol=0)
+    torch.testing.assert_close(compiled_args[1], eager_args[1], atol=0, rtol=0)
+    torch.testing.assert_close(compiled_args[2], eager_args[2], atol=0, rtol=0)
+
+
 def _varlen_seqused_inputs(device, requires_grad):
     lengths_q, lengths_k, used = [7, 1, 12], [9, 4, 12], [5, 0, 12]
 

@@ -125,6 +125,7 @@ def _varlen_call(
     block_table=None,
     causal=False,
     seqused_k=None,
+    num_splits=1,
 ):
     return flash_attn_cuda.flash_attn_varlen_func(
         q,
@@ -137,6 +138,7 @@ def _varlen_call(
         causal=causal,
         block_table=block_table,
         seqused_k=seqused_k,
+        num_splits=num_splits,
     )
 
 
@@ -170,9 +172,12 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(VARLEN_CASES))
-def test_varlen_forward_bad_cu_seqlens(case, causal):
+def test_varlen_forward_bad_cu_seqlens(case, causal, num_splits):
+    """Also in the split-KV run of the forward (num_splits=3), which reads
+    the sequences as the forward kernels do."""
     spec, pattern = VARLEN_CASES[case]
     q, k, v = _packed(256)
     kwargs = dict(
@@ -184,6 +189,7 @@ def test_varlen_forward_bad_cu_seqlens(case, causal):
         max_seqlen_q=spec["max_q"],
         max_seqlen_k=spec["max_k"],
         causal=causal,
+        num_splits=num_splits,
     )
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
@@ -445,6 +451,9 @@ def _kvcache_call(
     causal=False,
     num_splits=0,
     rotary_seqlens=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
 ):
     return flash_attn_cuda.flash_attn_with_kvcache(
         q,
@@ -461,6 +470,9 @@ def _kvcache_call(
         causal=causal,
         num_splits=num_splits,
         rotary_seqlens=rotary_seqlens,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        max_seqlen_q=max_seqlen_q,
     )
 
 
@@ -479,7 +491,46 @@ def _kvcache_case(case):
         "paged_batch_idx_past_table",
         "paged_batch_idx_negative_with_append",
     )
-    if case in paged_cases:
+    if case.startswith("varlen_"):
+        # FA3's varlen form: q (6 rows) and new keys (3 rows) split among 2
+        # sequences by their offsets, over a paged cache of 2 rows of 2 pages.
+        k_buf, k_cache = _guarded_cache((4, 64, 1, HEAD_DIM))
+        v_buf, v_cache = _guarded_cache((4, 64, 1, HEAD_DIM))
+        q = torch.randn(6, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
+        new = torch.randn(3, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+        kwargs = dict(
+            block_table=_int32([[0, 1], [2, 3]]),
+            cache_seqlens=_int32([10, 20]),
+            k=new,
+            v=new.clone(),
+            causal=True,
+            cu_seqlens_q=_int32([0, 2, 6]),
+            cu_seqlens_k_new=_int32([0, 1, 3]),
+            max_seqlen_q=4,
+        )
+        if case == "varlen_cu_q_past_rows":
+            kwargs["cu_seqlens_q"] = _int32([0, 3, 7])
+            pattern = "cu_seqlens_q[2] = 7 exceeds the number of rows of its tensor (6)"
+        elif case == "varlen_cu_q_decreasing":
+            kwargs["cu_seqlens_q"] = _int32([0, 4, 2])
+            pattern = (
+                "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[1] = 4 > cu_seqlens_q[2] = 2"
+            )
+        elif case == "varlen_cu_q_longer_than_max":
+            kwargs["max_seqlen_q"] = 3
+            pattern = "sequence 1 has length 4 according to cu_seqlens_q, more than the max_seqlen"
+        elif case == "varlen_cu_new_negative":
+            kwargs["cu_seqlens_k_new"] = _int32([-5, 1, 3])
+            pattern = "cu_seqlens_k_new[0] must be >= 0, got -5"
+        elif case == "varlen_cu_new_past_rows":
+            kwargs["cu_seqlens_k_new"] = _int32([0, 1, 1000])
+            pattern = "cu_seqlens_k_new[2] = 1000 exceeds the number of rows of its tensor (3)"
+        elif case == "varlen_append_past_cache":
+            kwargs["cache_seqlens"] = _int32([10, 127])
+            pattern = "cache_seqlens[1] + seqlen_new = 127 + 2 must fit in the cache"
+        else:
+            raise AssertionError(case)
+    elif case in paged_cases:
         k_buf, k_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         v_buf, v_cache = _guarded_cache((4, 256, 1, HEAD_DIM))
         if case == "table_entry_1000":
@@ -604,6 +655,12 @@ KVCACHE_CASES = [
     "rotary_seqlens_past_tables",
     "paged_batch_idx_past_table",
     "paged_batch_idx_negative_with_append",
+    "varlen_cu_q_past_rows",
+    "varlen_cu_q_decreasing",
+    "varlen_cu_q_longer_than_max",
+    "varlen_cu_new_negative",
+    "varlen_cu_new_past_rows",
+    "varlen_append_past_cache",
 ]
 
 

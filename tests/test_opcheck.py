@@ -187,6 +187,18 @@ def test_varlen_fwd(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_varlen_fwd_num_splits(device, paged):
+    """FA3's num_splits: on CUDA the split-KV run of the varlen forward."""
+    q, k, v, cu_q, cu_k, block_table, max_q, max_k = varlen_inputs(device, paged=paged)
+    args = (q, k, v, cu_q, cu_k, block_table, None, max_q, max_k, 0.0, 32**-0.5, True, -1, -1)
+    args += (0.0, False, 0, 0, None)
+    opcheck(ops.varlen_fwd.default, args, kwargs={"num_splits": 3})
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    opcheck(ops.varlen_fwd_out.default, args, kwargs={"num_splits": 3, "out": out})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "alibi_causal_dropout"])
 def test_varlen_bwd(device, case):
     q, k, v, cu_q, cu_k, _, max_q, max_k = varlen_inputs(device)
@@ -496,6 +508,34 @@ def test_fwd_kvcache_fa3_shapes(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fwd_kvcache_out_fa3_shapes(device):
     args, kwargs = kvcache_fa3_shapes_args(device)
+    opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
+
+
+def kvcache_varlen_args(device, varlen_new=True):
+    """FA3's varlen form over the paged cache of kvcache_fa3_shapes_args: q
+    (total_q, ...) with an empty sequence, varlen new keys (kwargs)."""
+    args, kwargs = kvcache_fa3_shapes_args(device)
+    args = list(args)
+    args[0] = rand(5, 4, 32, device=device)  # sequences of 0 and 5 query rows
+    kwargs["cu_seqlens_q"] = torch.tensor([0, 0, 5], dtype=torch.int32, device=device)
+    kwargs["max_seqlen_q"] = 5
+    if varlen_new:
+        args[3] = rand(3, 2, 32, device=device)  # 1 and 2 new keys
+        args[4] = rand(3, 2, 32, device=device)
+        kwargs["cu_seqlens_k_new"] = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    return tuple(args), kwargs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen_new", [False, True], ids=["fixed_new", "varlen_new"])
+def test_fwd_kvcache_varlen(device, varlen_new):
+    args, kwargs = kvcache_varlen_args(device, varlen_new)
+    opcheck(ops.fwd_kvcache.default, args, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fwd_kvcache_out_varlen(device):
+    args, kwargs = kvcache_varlen_args(device)
     opcheck(ops.fwd_kvcache_out.default, args, kwargs={**kwargs, "out": torch.empty_like(args[0])})
 
 

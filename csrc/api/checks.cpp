@@ -348,14 +348,19 @@ VarlenShape check_varlen_bwd_args(
   return shape;
 }
 
+void check_num_splits(int64_t num_splits) {
+  TORCH_CHECK(num_splits >= 0 && num_splits <= kMaxVarlenSplits,
+              "flash_attn: num_splits must be in [0, ", kMaxVarlenSplits,
+              "] (0 chooses, 1 does not split), got ", num_splits);
+}
+
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
-                           IndexArg arg) {
-  const char* name = arg == IndexArg::kCuSeqlensQ ? "cu_seqlens_q" : "cu_seqlens_k";
-  TORCH_CHECK(cu_seqlens.device().is_cpu(), "flash_attn: ", name,
-              " must be on the CPU for a host-side check");
+                           IndexArg arg, IndexOp op) {
+  TORCH_CHECK(cu_seqlens.device().is_cpu(),
+              "flash_attn: cu_seqlens must be on the CPU for a "
+              "host-side check");
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int64_t batch = cu_seqlens.numel() - 1;
-  const IndexOp op = IndexOp::kVarlen;
   if (cu[0] < 0)
     raise_index_error(index_error(IndexRule::kNegativeOffset, arg, op, 0, 0, cu[0], 0));
   for (int64_t b = 0; b < batch; ++b) {

@@ -99,8 +99,14 @@ VarlenShape check_varlen_bwd_args(
 // total_rows < 0, e.g. for paged keys), and every sequence no longer than
 // max_seqlen. The messages are index_error_message's, which the CUDA path
 // raises from what its kernels record (docs/memory_safety.md).
+// num_splits of the varlen forward (FA3's): 0 (the plan chooses), 1 (no
+// split) or more, at most kMaxVarlenSplits.
+constexpr int64_t kMaxVarlenSplits = 128;
+void check_num_splits(int64_t num_splits);
+
+// op: the op family the message names (fwd_kvcache's varlen form passes kKvcache).
 void check_cu_seqlens_host(const at::Tensor& cu_seqlens, int64_t total_rows, int64_t max_seqlen,
-                           IndexArg arg);
+                           IndexArg arg, IndexOp op = IndexOp::kVarlen);
 
 // Host-side content check of a CPU seqused_k (already shape-checked): every
 // seqused_k[b] in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]], or with paged

@@ -30,14 +30,16 @@ at::Tensor crop_head_dim(const at::Tensor& t, int64_t head_dim);
 // v_cache, into which the op's existing append writes the new rows; this copies
 // those rows (their first d_v columns) back into the caller's v_cache, which is
 // never padded. The new rows of batch b sit at positions cache_seqlens[b] + i,
-// i < seqlen_new, of cache row cache_batch_idx[b] (b without it) or, paged, of
-// the pages its block_table row (cache_batch_idx[b], else b) names. Positions and pages are clamped
-// into the tensors, not checked: a bad index value is the op's to report (docs/memory_safety.md),
-// and a clamped position copies the padded copy's row back onto the row it was made from. ATen
-// only, so no host read of the index tensors (CUDA graph capture stays possible).
+// i < seqlen_new (with cu_seqlens_k_new, b's count of them), of cache row cache_batch_idx[b] (b
+// without it) or, paged, of the pages its block_table row (cache_batch_idx[b], else b) names.
+// Positions and pages are clamped into the tensors, not checked: a bad index value is the op's to
+// report (docs/memory_safety.md), and a clamped position copies the padded copy's row back onto the
+// row it was made from. ATen only, so no host read of the index tensors (CUDA graph capture stays
+// possible).
 void copy_appended_v_rows(const at::Tensor& v_cache, const at::Tensor& v_cache_padded,
                           const KvcacheShape& shape, const at::Tensor& cache_seqlens,
                           const std::optional<at::Tensor>& cache_batch_idx,
-                          const std::optional<at::Tensor>& block_table);
+                          const std::optional<at::Tensor>& block_table,
+                          const std::optional<at::Tensor>& cu_seqlens_k_new);
 
 }  // namespace flash

@@ -19,6 +19,7 @@ const char* arg_name(IndexArg arg) {
     case IndexArg::kSequsedK: return "seqused_k";
     case IndexArg::kSequsedQ: return "seqused_q";
     case IndexArg::kRotarySeqlens: return "rotary_seqlens";
+    case IndexArg::kCuSeqlensKNew: return "cu_seqlens_k_new";
     case IndexArg::kNone: break;
   }
   return "an index tensor";

@@ -1,10 +1,12 @@
 #include "api/kvcache_checks.h"
 
+#include "api/checks.h"
 #include "api/index_error_message.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -64,7 +66,39 @@ void check_batch_vector(const std::optional<at::Tensor>& t, const at::Tensor& q,
               " must have shape (batch,) = (", batch, ",), got ", t->sizes());
 }
 
+// cu_seqlens_q / cu_seqlens_k_new: int32 (batch + 1,), contiguous, on q's device.
+void check_cu_seqlens_arg(const at::Tensor& cu, const at::Tensor& q, const char* name,
+                          const char* layout) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "fwd_kvcache: ", name,
+              " must have dtype torch.int32, got ", cu.scalar_type());
+  check_on_device_of_q(cu, q, name);
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "fwd_kvcache: ", name, " must have shape ", layout,
+              " with batch >= 1, got ", cu.sizes());
+  TORCH_CHECK(cu.is_contiguous(), "fwd_kvcache: ", name, " must be contiguous, got strides ",
+              cu.strides());
+}
+
+int checked_rows(int64_t rows, const char* what) {
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), "fwd_kvcache: ", what, " (", rows,
+              ") must be at most 2^31 - 1");
+  return static_cast<int>(rows);
+}
+
 }  // namespace
+
+std::vector<int64_t> kvcache_q_shape(const KvcacheShape& shape, int64_t head_dim) {
+  if (shape.varlen_q) return {shape.total_q, shape.nheads, head_dim};
+  return {shape.batch, shape.seqlen_q, shape.nheads, head_dim};
+}
+
+const char* kvcache_q_layout(const KvcacheShape& shape) {
+  return shape.varlen_q ? "(total_q, nheads, head_dim_v)" : "(batch, seqlen_q, nheads, head_dim_v)";
+}
+
+std::vector<int64_t> kvcache_lse_shape(const KvcacheShape& shape) {
+  if (shape.varlen_q) return {shape.nheads, shape.total_q};
+  return {shape.batch, shape.nheads, shape.seqlen_q};
+}
 
 KvcacheShape check_fwd_kvcache_args(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -73,7 +107,8 @@ KvcacheShape check_fwd_kvcache_args(
     const std::optional<at::Tensor>& rotary_sin, const std::optional<at::Tensor>& cache_batch_idx,
     const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& alibi_slopes,
-    double softmax_scale, double softcap, c10::ArrayRef<at::ScalarType> allowed_dtypes) {
+    double softmax_scale, double softcap, c10::ArrayRef<at::ScalarType> allowed_dtypes,
+    const KvcacheVarlenArgs& varlen) {
   KvcacheShape shape{};
 
   // dtypes
@@ -89,13 +124,35 @@ KvcacheShape check_fwd_kvcache_args(
   check_on_device_of_q(k_cache, q, "k_cache");
   check_on_device_of_q(v_cache, q, "v_cache");
 
-  // q
-  TORCH_CHECK(q.dim() == 4, "fwd_kvcache: q must be 4-D (batch, seqlen_q, nheads, head_dim), got ",
-              q.dim(), "-D with shape ", q.sizes());
-  shape.batch = static_cast<int>(q.size(0));
-  shape.seqlen_q = static_cast<int>(q.size(1));
-  shape.nheads = static_cast<int>(q.size(2));
-  shape.head_dim = static_cast<int>(q.size(3));
+  // q, fixed-length or varlen (cu_seqlens_q + max_seqlen_q)
+  shape.varlen_q = varlen.cu_seqlens_q.has_value();
+  if (shape.varlen_q) {
+    check_cu_seqlens_arg(*varlen.cu_seqlens_q, q, "cu_seqlens_q", "(batch + 1,)");
+    TORCH_CHECK(varlen.max_seqlen_q.has_value(),
+                "fwd_kvcache: max_seqlen_q must be given with cu_seqlens_q (the most query rows "
+                "of any sequence)");
+    TORCH_CHECK(q.dim() == 3,
+                "fwd_kvcache: with cu_seqlens_q, q must be 3-D (total_q, nheads, head_dim), got ",
+                q.dim(), "-D with shape ", q.sizes());
+    shape.batch = checked_rows(varlen.cu_seqlens_q->size(0) - 1, "the batch of cu_seqlens_q");
+    shape.total_q = checked_rows(q.size(0), "total_q (rows of q)");
+    // A bound, not a count: an engine may pass the largest step it captured.
+    TORCH_CHECK(*varlen.max_seqlen_q >= 0 && *varlen.max_seqlen_q <= (1 << 30),
+                "fwd_kvcache: max_seqlen_q must be in [0, 2^30], got ", *varlen.max_seqlen_q);
+    shape.seqlen_q = static_cast<int>(*varlen.max_seqlen_q);
+    shape.nheads = static_cast<int>(q.size(1));
+    shape.head_dim = static_cast<int>(q.size(2));
+  } else {
+    TORCH_CHECK(!varlen.max_seqlen_q.has_value(),
+                "fwd_kvcache: max_seqlen_q needs cu_seqlens_q (it bounds the varlen query rows)");
+    TORCH_CHECK(q.dim() == 4,
+                "fwd_kvcache: q must be 4-D (batch, seqlen_q, nheads, head_dim), got ", q.dim(),
+                "-D with shape ", q.sizes());
+    shape.batch = static_cast<int>(q.size(0));
+    shape.seqlen_q = static_cast<int>(q.size(1));
+    shape.nheads = static_cast<int>(q.size(2));
+    shape.head_dim = static_cast<int>(q.size(3));
+  }
   TORCH_CHECK(shape.batch > 0, "fwd_kvcache: q must have batch > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= 256,
@@ -174,6 +231,10 @@ KvcacheShape check_fwd_kvcache_args(
               "fwd_kvcache: k and v (the new tokens to append) must be given together, got ",
               k.has_value() ? "k without v" : "v without k");
   shape.seqlen_new = 0;
+  shape.varlen_new = varlen.cu_seqlens_k_new.has_value();
+  TORCH_CHECK(!shape.varlen_new || k.has_value(),
+              "fwd_kvcache: cu_seqlens_k_new needs k / v (it gives each sequence's rows of them), "
+              "got k = None");
   if (k.has_value()) {
     TORCH_CHECK(cache_seqlens.has_value(),
                 "fwd_kvcache: cache_seqlens must be given with k / v (it says where to append)");
@@ -183,13 +244,29 @@ KvcacheShape check_fwd_kvcache_args(
                 "), got ", v->scalar_type());
     check_on_device_of_q(*k, q, "k");
     check_on_device_of_q(*v, q, "v");
-    TORCH_CHECK(k->dim() == 4,
-                "fwd_kvcache: k must be 4-D (batch, seqlen_new, nheads_k, "
-                "head_dim), got shape ",
-                k->sizes());
-    shape.seqlen_new = static_cast<int>(k->size(1));
-    check_shape(*k, {shape.batch, shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
-                "(batch, seqlen_new, nheads_k, head_dim)");
+    if (shape.varlen_new) {
+      check_cu_seqlens_arg(*varlen.cu_seqlens_k_new, q, "cu_seqlens_k_new", "(batch + 1,)");
+      TORCH_CHECK(varlen.cu_seqlens_k_new->size(0) == shape.batch + 1,
+                  "fwd_kvcache: cu_seqlens_k_new must have shape (batch + 1,) = (", shape.batch + 1,
+                  ",), got ", varlen.cu_seqlens_k_new->sizes());
+      TORCH_CHECK(k->dim() == 3,
+                  "fwd_kvcache: with cu_seqlens_k_new, k must be 3-D (total_k_new, nheads_k, "
+                  "head_dim), got shape ",
+                  k->sizes());
+      shape.seqlen_new = checked_rows(k->size(0), "total_k_new (rows of k)");
+      check_shape(*k, {shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
+                  "(total_k_new, nheads_k, head_dim)");
+    } else {
+      TORCH_CHECK(k->dim() == 4,
+                  "fwd_kvcache: k must be 4-D (batch, seqlen_new, nheads_k, "
+                  "head_dim), got shape ",
+                  k->sizes(),
+                  " (a varlen k of (total_k_new, nheads_k, head_dim) needs "
+                  "cu_seqlens_k_new)");
+      shape.seqlen_new = static_cast<int>(k->size(1));
+      check_shape(*k, {shape.batch, shape.seqlen_new, shape.nheads_k, shape.head_dim}, "k",
+                  "(batch, seqlen_new, nheads_k, head_dim)");
+    }
     check_v_like_k(*v, *k, "v", "k", shape.head_dim);
     TORCH_CHECK(v->size(-1) == v_cache.size(-1),
                 "fwd_kvcache: v must have the head dim of v_cache (", v_cache.size(-1), "), got ",
@@ -198,8 +275,10 @@ KvcacheShape check_fwd_kvcache_args(
     check_last_dim_contiguous(*v, "v");
     TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity, "fwd_kvcache: with k / v, seqlen_q (",
                 shape.seqlen_q, ") must be at most the cache length (", shape.cache_capacity, ")");
-    TORCH_CHECK(shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: k has ", shape.seqlen_new,
-                " new tokens, more than the cache holds (", shape.cache_capacity, ")");
+    // Varlen new keys: each sequence's count is checked with its values.
+    TORCH_CHECK(shape.varlen_new || shape.seqlen_new <= shape.cache_capacity, "fwd_kvcache: k has ",
+                shape.seqlen_new, " new tokens, more than the cache holds (", shape.cache_capacity,
+                ")");
   }
 
   // rotary embedding of the new keys and of q
@@ -261,13 +340,12 @@ KvcacheShape check_fwd_kvcache_args(
   return shape;
 }
 
-void check_kvcache_contents_host(const KvcacheShape& shape,
-                                 const std::optional<at::Tensor>& cache_seqlens,
-                                 const std::optional<at::Tensor>& cache_batch_idx,
-                                 const std::optional<at::Tensor>& cache_leftpad,
-                                 const std::optional<at::Tensor>& block_table,
-                                 const std::optional<at::Tensor>& rotary_seqlens,
-                                 bool rotary_q_per_row) {
+void check_kvcache_contents_host(
+    const KvcacheShape& shape, const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, bool rotary_q_per_row) {
   auto host_ints = [](const std::optional<at::Tensor>& t) -> at::Tensor {
     if (!t.has_value()) return at::Tensor();
     TORCH_CHECK(t->device().is_cpu(), "check_kvcache_contents_host needs CPU tensors");
@@ -278,18 +356,34 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
   const at::Tensor leftpad = host_ints(cache_leftpad);
   const at::Tensor table = host_ints(block_table);
   const at::Tensor rotary_starts = host_ints(rotary_seqlens);
+  const at::Tensor cu_q = host_ints(cu_seqlens_q);
+  const at::Tensor cu_new = host_ints(cu_seqlens_k_new);
 
   const IndexOp op = IndexOp::kKvcache;
+  if (cu_q.defined()) {
+    check_cu_seqlens_host(cu_q, shape.total_q, shape.seqlen_q, IndexArg::kCuSeqlensQ, op);
+  }
+  if (cu_new.defined()) {
+    check_cu_seqlens_host(cu_new, shape.seqlen_new, std::numeric_limits<int32_t>::max(),
+                          IndexArg::kCuSeqlensKNew, op);
+  }
+  // Rows sequence b appends / attends with: varlen from the offsets (checked above).
+  auto rows_of = [](const at::Tensor& cu, int b, int fixed) -> int64_t {
+    return cu.defined() ? int64_t(cu.data_ptr<int32_t>()[b + 1]) - cu.data_ptr<int32_t>()[b]
+                        : fixed;
+  };
   const int64_t paged = shape.paged ? 1 : 0;
   for (int b = 0; b < shape.batch; ++b) {
+    const int64_t seqlen_new = rows_of(cu_new, b, shape.seqlen_new);
+    const int64_t seqlen_q = rows_of(cu_q, b, shape.seqlen_q);
     const int64_t end = seqlens.defined() ? seqlens.data_ptr<int32_t>()[b] : shape.cache_capacity;
     if (end < 0 || end > shape.cache_capacity) {
       raise_index_error(index_error(IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, b, paged,
                                     end, shape.cache_capacity));
     }
-    if (end + shape.seqlen_new > shape.cache_capacity) {
+    if (end + seqlen_new > shape.cache_capacity) {
       raise_index_error(index_error(IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, b,
-                                    paged, end, shape.cache_capacity, shape.seqlen_new));
+                                    paged, end, shape.cache_capacity, seqlen_new));
     }
     const int64_t pad = leftpad.defined() ? leftpad.data_ptr<int32_t>()[b] : 0;
     if (pad < 0 || pad > end) {
@@ -305,7 +399,7 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
       // Only the pages of rows [leftpad, end + seqlen_new) are read or
       // written: the pages before the left padding may hold anything.
       const int64_t first_page = pad / shape.page_size;
-      const int64_t used_pages = (end + shape.seqlen_new + shape.page_size - 1) / shape.page_size;
+      const int64_t used_pages = (end + seqlen_new + shape.page_size - 1) / shape.page_size;
       const int32_t* pages = table.data_ptr<int32_t>() + entry * table.stride(0);
       for (int64_t p = first_page; p < used_pages; ++p) {
         if (pages[p] < 0 || pages[p] >= shape.num_blocks) {
@@ -320,8 +414,8 @@ void check_kvcache_contents_host(const KvcacheShape& shape,
         raise_index_error(
             index_error(IndexRule::kRotarySeqlen, IndexArg::kRotarySeqlens, op, b, 0, start, 0));
       }
-      const int64_t last_key = start + shape.seqlen_new - 1;
-      const int64_t last_query = rotary_q_per_row ? start + shape.seqlen_q - 1 : start;
+      const int64_t last_key = start + seqlen_new - 1;
+      const int64_t last_query = rotary_q_per_row ? start + seqlen_q - 1 : start;
       const int64_t last_position = std::max(last_key, last_query);
       if (last_position >= shape.seqlen_rotary) {
         raise_index_error(index_error(IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, b,

@@ -1,7 +1,6 @@
-// A bad value inside an index tensor (cu_seqlens, seqused_q / seqused_k, cache_seqlens,
-// block_table, cache_batch_idx, cache_leftpad, rotary_seqlens), described as plain data
-// so that the CPU checks and the CUDA kernels report it the same way
-// (docs/memory_safety.md).
+// A bad value inside an index tensor (cu_seqlens, cu_seqlens_k_new, seqused_q / seqused_k,
+// cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_seqlens), described as plain
+// data so that the CPU checks and the CUDA kernels report it the same way (docs/memory_safety.md).
 //
 // The CPU path reads the values on the host and raises at once. The CUDA
 // kernels cannot raise: each one that derives an index from such a value
@@ -48,6 +47,7 @@ enum class IndexArg : int32_t {
   kSequsedK,
   kSequsedQ,
   kRotarySeqlens,
+  kCuSeqlensKNew,
 };
 
 // Which op family: the message starts with its prefix ("flash_attn" for the

@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -29,6 +31,18 @@ struct CacheLayout {
   const int32_t* block_table;      // null: contiguous cache
   int64_t block_table_stride;
   const int32_t* rotary_seqlens;  // null: rotary positions start at end(b)
+  // Varlen q / new keys (FA3): sequence b's query rows are q rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]), its new keys k / v rows
+  // [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]). Null: fixed lengths.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k_new;
+
+  int64_t seqlen_new(int b) const {
+    return cu_seqlens_k_new ? cu_seqlens_k_new[b + 1] - cu_seqlens_k_new[b] : shape.seqlen_new;
+  }
+  int64_t seqlen_q(int b) const {
+    return cu_seqlens_q ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : shape.seqlen_q;
+  }
 
   // One past the last filled position of batch b before the append; the new
   // tokens go to [end, end + seqlen_new).
@@ -54,7 +68,38 @@ struct CacheLayout {
   }
 };
 
-RowStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+// A 4-D (batch, row, head, dim) tensor, or a varlen 3-D (total, head, dim) one
+// (batch stride 0).
+RowStrides strides_of(const at::Tensor& t) {
+  if (t.dim() == 3) return {0, t.stride(0), t.stride(1)};
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Row `row` of a fixed-length (batch, rows_per_batch) tensor, or of a varlen
+// one (cu_seqlens non-null): the sequence b it belongs to, its index i in the
+// sequence and where it lives (batch, row) in the tensor. batch -1: the
+// varlen row lies outside every sequence (before cu_seqlens[0] or from
+// cu_seqlens[batch] on).
+struct SequenceRow {
+  int batch;
+  int64_t i;
+  int64_t tensor_batch;
+  int64_t tensor_row;
+};
+
+SequenceRow sequence_row(int64_t row, int64_t rows_per_batch, const int32_t* cu_seqlens,
+                         int batch) {
+  if (cu_seqlens == nullptr) {
+    const int b = static_cast<int>(row / rows_per_batch);
+    return {b, row - b * rows_per_batch, b, row - b * rows_per_batch};
+  }
+  // The last sequence whose first row is at or before `row` (the offsets are
+  // checked non-decreasing).
+  const int32_t* after = std::upper_bound(cu_seqlens, cu_seqlens + batch + 1, row);
+  const int b = static_cast<int>(after - cu_seqlens) - 1;
+  if (b < 0 || b >= batch) return {-1, 0, 0, row};
+  return {b, row - cu_seqlens[b], 0, row};
+}
 
 // Rotates the first rotary_dim entries of one head vector: pairs (2m, 2m+1)
 // when interleaved (GPT-J), else (m, m + rotary_dim / 2) (GPT-NeoX). The math
@@ -99,17 +144,25 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
   const T* sin = static_cast<const T*>(rotary.sin);
   const int64_t half = rotary.rotary_dim / 2;
 
-  const int64_t rows = int64_t(shape.batch) * shape.seqlen_new * shape.nheads_k;
+  // Fixed length: (batch, seqlen_new) rows; varlen: total_k_new rows, each
+  // of the sequence whose offsets hold it.
+  const int64_t rows_per_batch = layout.cu_seqlens_k_new ? 0 : shape.seqlen_new;
+  const int64_t rows =
+      (layout.cu_seqlens_k_new ? shape.seqlen_new : int64_t(shape.batch) * shape.seqlen_new) *
+      shape.nheads_k;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int h = static_cast<int>(index % shape.nheads_k);
-      const int64_t i = (index / shape.nheads_k) % shape.seqlen_new;
-      const int b = static_cast<int>(index / (int64_t(shape.nheads_k) * shape.seqlen_new));
+      const SequenceRow row = sequence_row(index / shape.nheads_k, rows_per_batch,
+                                           layout.cu_seqlens_k_new, shape.batch);
+      if (row.batch < 0) continue;  // a row of k / v outside every sequence
+      const int b = row.batch;
+      const int64_t i = row.i;
       const int64_t pos = layout.end(b) + i;
-      const T* k_row =
-          k_src + b * k_new_strides.batch + i * k_new_strides.row + h * k_new_strides.head;
-      const T* v_row =
-          v_src + b * v_new_strides.batch + i * v_new_strides.row + h * v_new_strides.head;
+      const T* k_row = k_src + row.tensor_batch * k_new_strides.batch +
+                       row.tensor_row * k_new_strides.row + h * k_new_strides.head;
+      const T* v_row = v_src + row.tensor_batch * v_new_strides.batch +
+                       row.tensor_row * v_new_strides.row + h * v_new_strides.head;
       T* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
       T* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
       if (rotary.rotary_dim > 0) {
@@ -143,17 +196,26 @@ at::Tensor rotate_q(const CacheLayout& layout, const at::Tensor& q, const Rotary
   const T* sin = static_cast<const T*>(rotary.sin);
   const int64_t half = rotary.rotary_dim / 2;
 
-  const int64_t rows = int64_t(shape.batch) * shape.seqlen_q * shape.nheads;
+  const int64_t rows_per_batch = layout.cu_seqlens_q ? 0 : shape.seqlen_q;
+  const int64_t rows =
+      (layout.cu_seqlens_q ? shape.total_q : int64_t(shape.batch) * shape.seqlen_q) * shape.nheads;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int h = static_cast<int>(index % shape.nheads);
-      const int64_t i = (index / shape.nheads) % shape.seqlen_q;
-      const int b = static_cast<int>(index / (int64_t(shape.nheads) * shape.seqlen_q));
-      const int64_t pos = layout.rotary_start(b) + (per_row ? i : 0);
-      copy_rotated(src + b * src_strides.batch + i * src_strides.row + h * src_strides.head,
-                   dst + b * dst_strides.batch + i * dst_strides.row + h * dst_strides.head,
-                   shape.head_dim, cos + pos * half, sin + pos * half, rotary.rotary_dim,
-                   rotary.interleaved);
+      const SequenceRow row =
+          sequence_row(index / shape.nheads, rows_per_batch, layout.cu_seqlens_q, shape.batch);
+      const int64_t src_offset = row.tensor_batch * src_strides.batch +
+                                 row.tensor_row * src_strides.row + h * src_strides.head;
+      const int64_t dst_offset = row.tensor_batch * dst_strides.batch +
+                                 row.tensor_row * dst_strides.row + h * dst_strides.head;
+      if (row.batch < 0) {
+        // A row of q outside every sequence is never attended; copy it as is.
+        for (int d = 0; d < shape.head_dim; ++d) dst[dst_offset + d] = src[src_offset + d];
+        continue;
+      }
+      const int64_t pos = layout.rotary_start(row.batch) + (per_row ? row.i : 0);
+      copy_rotated(src + src_offset, dst + dst_offset, shape.head_dim, cos + pos * half,
+                   sin + pos * half, rotary.rotary_dim, rotary.interleaved);
     }
   });
   return q_rotated;
@@ -186,18 +248,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
     const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& rotary_seqlens) {
+    const std::optional<at::Tensor>& rotary_seqlens, const KvcacheVarlenArgs& varlen) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
   const KvcacheShape shape = check_fwd_kvcache_args(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, rotary_seqlens, alibi_slopes, softmax_scale, softcap,
-      {at::kFloat, at::kHalf, at::kBFloat16});
+      {at::kFloat, at::kHalf, at::kBFloat16}, varlen);
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("fwd_kvcache", learnable_sink_in, q, shape.nheads);
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
+  const std::vector<int64_t> out_shape = kvcache_q_shape(shape, shape.head_dim_v);
   if (out_given.has_value()) {
-    check_out_arg("fwd_kvcache", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim_v)",
+    check_out_arg("fwd_kvcache", *out_given, q, out_shape, kvcache_q_layout(shape),
                   {&q, &k_cache, &v_cache, k ? &*k : nullptr, v ? &*v : nullptr});
   }
   // d_v < d_qk: the append and the attention use a zero-padded copy of
@@ -219,8 +281,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   const std::optional<at::Tensor> batch_idx_host = contiguous_or_none(cache_batch_idx);
   const std::optional<at::Tensor> table_host = contiguous_or_none(block_table);
   const std::optional<at::Tensor> rotary_seqlens_host = contiguous_or_none(rotary_seqlens);
+  const std::optional<at::Tensor> cu_q_host = contiguous_or_none(varlen.cu_seqlens_q);
+  const std::optional<at::Tensor> cu_new_host = contiguous_or_none(varlen.cu_seqlens_k_new);
   check_kvcache_contents_host(shape, seqlens_host, batch_idx_host, leftpad_host, table_host,
-                              rotary_seqlens_host, rotary_q_per_row);
+                              rotary_seqlens_host, cu_q_host, cu_new_host, rotary_q_per_row);
 
   const CacheLayout layout{
       shape,
@@ -229,7 +293,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
       batch_idx_host ? batch_idx_host->const_data_ptr<int32_t>() : nullptr,
       table_host ? table_host->const_data_ptr<int32_t>() : nullptr,
       table_host ? table_host->stride(0) : 0,
-      rotary_seqlens_host ? rotary_seqlens_host->const_data_ptr<int32_t>() : nullptr};
+      rotary_seqlens_host ? rotary_seqlens_host->const_data_ptr<int32_t>() : nullptr,
+      cu_q_host ? cu_q_host->const_data_ptr<int32_t>() : nullptr,
+      cu_new_host ? cu_new_host->const_data_ptr<int32_t>() : nullptr};
 
   const std::optional<at::Tensor> cos_host = contiguous_or_none(rotary_cos);
   const std::optional<at::Tensor> sin_host = contiguous_or_none(rotary_sin);
@@ -249,15 +315,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   });
 
   if (pad_v && k.has_value() && shape.seqlen_new > 0) {
-    copy_appended_v_rows(v_cache, v_cache_attn, shape, *cache_seqlens, cache_batch_idx,
-                         block_table);
+    copy_appended_v_rows(v_cache, v_cache_attn, shape, *cache_seqlens, cache_batch_idx, block_table,
+                         varlen.cu_seqlens_k_new);
   }
 
-  at::Tensor out =
-      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
-            : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
-  at::Tensor softmax_lse =
-      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor out = pad_v ? at::empty(kvcache_q_shape(shape, shape.head_dim), q.options())
+                         : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
+  at::Tensor softmax_lse = at::empty(kvcache_lse_shape(shape), q.options().dtype(at::kFloat));
   // The first d_v columns of a padded problem's out, in the caller's out when given.
   auto result = [&]() -> at::Tensor {
     if (!pad_v) return out;
@@ -266,6 +330,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     out_given->copy_(cropped);
     return *out_given;
   };
+  if (shape.varlen_q) {
+    // The kernel writes each sequence's rows; rows of q outside every
+    // sequence get out 0 and lse +inf, as varlen_fwd gives them.
+    const int32_t* cu = layout.cu_seqlens_q;
+    const int64_t first = cu[0], last = cu[shape.batch];
+    if (first > 0 || last < shape.total_q) {
+      softmax_lse.fill_(std::numeric_limits<float>::infinity());
+      out.narrow(0, 0, first).zero_();
+      out.narrow(0, last, shape.total_q - last).zero_();
+    }
+  }
   if (shape.seqlen_q == 0) return {result(), softmax_lse};
 
   const std::optional<at::Tensor> slopes = contiguous_or_none(alibi_slopes);
@@ -278,11 +353,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   problem.sequences.reserve(shape.batch);
   for (int b = 0; b < shape.batch; ++b) {
     SequenceSpan span{};
-    span.seqlen_q = shape.seqlen_q;
+    span.seqlen_q = static_cast<int>(layout.seqlen_q(b));
     // Keys are the filled rows from the left padding on, new tokens included.
-    span.seqlen_k = static_cast<int>(layout.end(b) - layout.leftpad(b) + shape.seqlen_new);
-    span.q_batch = b;
-    span.q_first_row = 0;
+    span.seqlen_k = static_cast<int>(layout.end(b) - layout.leftpad(b) + layout.seqlen_new(b));
+    span.q_batch = shape.varlen_q ? 0 : b;
+    span.q_first_row = shape.varlen_q ? layout.cu_seqlens_q[b] : 0;
     span.kv_batch = layout.cache_row(b);
     span.kv_first_row = layout.leftpad(b);
     span.block_table_row = layout.table_row(b);
@@ -308,7 +383,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   outputs.out = out.data_ptr();
   outputs.out_strides = strides_of(out);
   outputs.lse = softmax_lse.data_ptr<float>();
-  outputs.lse_strides = {softmax_lse.stride(0), softmax_lse.stride(2), softmax_lse.stride(1)};
+  outputs.lse_strides = shape.varlen_q ? RowStrides{0, softmax_lse.stride(1), softmax_lse.stride(0)}
+                                       : RowStrides{softmax_lse.stride(0), softmax_lse.stride(2),
+                                                    softmax_lse.stride(1)};
   outputs.probs = nullptr;
 
   attention_forward(problem, outputs);
@@ -324,12 +401,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens) {
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
   return fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                               softmax_scale, causal, window_size_left, window_size_right, softcap,
                               rotary_interleaved, num_splits, std::nullopt, learnable_sink,
-                              rotary_seqlens);
+                              rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q});
 }
 
 at::Tensor fwd_kvcache_out_cpu(
@@ -341,12 +419,13 @@ at::Tensor fwd_kvcache_out_cpu(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens) {
-  return std::get<1>(fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
-                                          rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-                                          alibi_slopes, softmax_scale, causal, window_size_left,
-                                          window_size_right, softcap, rotary_interleaved,
-                                          num_splits, out, learnable_sink, rotary_seqlens));
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+  return std::get<1>(fwd_kvcache_cpu_into(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink,
+      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}));
 }
 
 }  // namespace

@@ -320,7 +320,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q) {
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits) {
+  check_num_splits(num_splits);  // a GPU work-partitioning knob: the CPU result never depends on it
   return varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, return_softmax,
@@ -336,7 +337,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q) {
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
+    int64_t num_splits) {
+  check_num_splits(num_splits);
   auto [written, lse, probs, rng] =
       varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,

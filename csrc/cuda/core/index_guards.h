@@ -29,11 +29,10 @@ struct SequenceRows {
 
 __device__ __forceinline__ SequenceRows report_and_clamp_sequence(const IndexErrorSink& sink,
                                                                   IndexArg arg, int seq, int begin,
-                                                                  int end, int rows,
-                                                                  int max_seqlen) {
+                                                                  int end, int rows, int max_seqlen,
+                                                                  IndexOp op) {
   // The CPU check's order: the first offset's sign, then each sequence's
   // order and length, then the last offset against the rows.
-  const IndexOp op = IndexOp::kVarlen;
   if (begin < 0) {
     report_index_error(sink, IndexRule::kNegativeOffset, arg, op, seq, 0, begin, 0, 0);
   } else if (end < begin) {
@@ -51,17 +50,61 @@ __device__ __forceinline__ SequenceRows report_and_clamp_sequence(const IndexErr
 
 // Sequence `seq` of a varlen batch from its cu_seqlens: within the packed
 // tensor's rows and no longer than max_seqlen (the grid covers that many).
+// op: the op family the message names.
 __forceinline__ __device__ SequenceRows guarded_sequence_rows(const int* cu_seqlens, int seq,
                                                               int rows, int max_seqlen,
                                                               IndexArg arg,
-                                                              const IndexErrorSink& sink) {
+                                                              const IndexErrorSink& sink,
+                                                              IndexOp op = IndexOp::kVarlen) {
   const int begin = cu_seqlens[seq];
   const int end = cu_seqlens[seq + 1];
   // Short-circuit order keeps end - begin from overflowing.
   if (begin >= 0 && end >= begin && end - begin <= max_seqlen && end <= rows) {
     return {begin, end - begin};
   }
-  return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen);
+  return report_and_clamp_sequence(sink, arg, seq, begin, end, rows, max_seqlen, op);
+}
+
+// The sequence whose rows hold packed row `row` of a varlen tensor: the last
+// seq in [0, batch) with cu_seqlens[seq] <= row, or -1 (before the first
+// sequence). Bad offsets give some seq; the caller checks `row` against that
+// sequence's guarded rows.
+__forceinline__ __device__ int sequence_of_row(const int* cu_seqlens, int batch, int row) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu_seqlens[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return cu_seqlens[lo] <= row ? lo : -1;
+}
+
+// Batch entry `seq`'s rows of a fwd_kvcache call: its query rows (all
+// seqlen_q of its own, or its share of a varlen q) and its new keys (the
+// seqlen_new each, or its share of varlen new keys), guarded. Varlen new
+// keys have no length bound of their own: the cache's is checked with
+// cache_seqlens (guarded_kvcache_entry).
+struct KvcacheSequence {
+  SequenceRows q;
+  SequenceRows new_keys;
+};
+
+__forceinline__ __device__ KvcacheSequence guarded_kvcache_sequence(const KvcacheParams& params,
+                                                                    int seq) {
+  KvcacheSequence rows{{0, params.seqlen_q}, {0, params.seqlen_new}};
+  if (params.cu_seqlens_q != nullptr) {
+    rows.q = guarded_sequence_rows(params.cu_seqlens_q, seq, params.total_q, params.seqlen_q,
+                                   IndexArg::kCuSeqlensQ, params.index_errors, IndexOp::kKvcache);
+  }
+  if (params.cu_seqlens_k_new != nullptr) {
+    rows.new_keys =
+        guarded_sequence_rows(params.cu_seqlens_k_new, seq, params.seqlen_new, 0x7fffffff,
+                              IndexArg::kCuSeqlensKNew, params.index_errors, IndexOp::kKvcache);
+  }
+  return rows;
 }
 
 __device__ __forceinline__ int report_and_clamp_seqused(const IndexErrorSink& sink, IndexArg arg,
@@ -101,27 +144,37 @@ struct KvcacheEntryIndices {
   int rotary_start;
 };
 
+// The rows one batch entry appends and attends with: params.seqlen_new and
+// params.seqlen_q, or its own with the varlen form (guarded_kvcache_sequence).
+struct KvcacheRowCounts {
+  int seqlen_new;
+  int seqlen_q;
+};
+
 // The largest rotary start whose new keys' and query rows' positions all
 // fit the rotary tables.
-__forceinline__ __device__ int kvcache_max_rotary_start(const KvcacheParams& params) {
-  const int query_rows = params.rotary_q_per_row ? params.seqlen_q : 1;
-  return max(params.seqlen_rotary - max(params.seqlen_new, query_rows), 0);
+__forceinline__ __device__ int kvcache_max_rotary_start(const KvcacheParams& params,
+                                                        KvcacheRowCounts counts) {
+  const int query_rows = params.rotary_q_per_row ? counts.seqlen_q : 1;
+  return max(params.seqlen_rotary - max(counts.seqlen_new, query_rows), 0);
 }
 
 // The largest cache_seqlens value whose rows and appended keys fit, and,
 // when it is the rotary start too (no rotary_seqlens), whose rotary positions
 // fit (check_kvcache_contents_host's rules).
-__forceinline__ __device__ int kvcache_max_cache_seqlen(const KvcacheParams& params) {
-  int max_end = max(params.seqlen_k - params.seqlen_new, 0);
+__forceinline__ __device__ int kvcache_max_cache_seqlen(const KvcacheParams& params,
+                                                        KvcacheRowCounts counts) {
+  int max_end = max(params.seqlen_k - counts.seqlen_new, 0);
   if (params.rotary_dim > 0 && params.rotary_seqlens == nullptr) {
-    max_end = min(max_end, kvcache_max_rotary_start(params));
+    max_end = min(max_end, kvcache_max_rotary_start(params, counts));
   }
   return max_end;
 }
 
 __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const KvcacheParams& params,
                                                                         int seq,
-                                                                        KvcacheEntryIndices raw) {
+                                                                        KvcacheEntryIndices raw,
+                                                                        KvcacheRowCounts counts) {
   const IndexErrorSink& sink = params.index_errors;
   const IndexOp op = IndexOp::kKvcache;
   const int64_t paged = params.block_table != nullptr ? 1 : 0;
@@ -131,9 +184,9 @@ __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const Kv
   if (end < 0 || end > capacity) {
     report_index_error(sink, IndexRule::kCacheSeqlen, IndexArg::kCacheSeqlens, op, seq, paged, end,
                        capacity, 0);
-  } else if (end + params.seqlen_new > capacity) {
+  } else if (end + counts.seqlen_new > capacity) {
     report_index_error(sink, IndexRule::kAppendPastCache, IndexArg::kCacheSeqlens, op, seq, paged,
-                       end, capacity, params.seqlen_new);
+                       end, capacity, counts.seqlen_new);
   } else if (raw.leftpad < 0 || raw.leftpad > end) {
     report_index_error(sink, IndexRule::kLeftpad, IndexArg::kCacheLeftpad, op, seq, 0, raw.leftpad,
                        end, 0);
@@ -145,38 +198,48 @@ __device__ __forceinline__ KvcacheEntryIndices report_and_clamp_kvcache(const Kv
                        raw.rotary_start, 0, 0);
   } else {
     const int64_t start = raw.rotary_start;
-    const int64_t last_key = start + params.seqlen_new - 1;
-    const int64_t last_query = params.rotary_q_per_row ? start + params.seqlen_q - 1 : start;
+    const int64_t last_key = start + counts.seqlen_new - 1;
+    const int64_t last_query = params.rotary_q_per_row ? start + counts.seqlen_q - 1 : start;
     report_index_error(sink, IndexRule::kRotaryPosition, IndexArg::kRotaryTables, op, seq,
                        from_rotary_seqlens, last_key > last_query ? last_key : last_query,
                        params.seqlen_rotary, start);
   }
   KvcacheEntryIndices fixed;
-  fixed.cache_seqlen = min(max(raw.cache_seqlen, 0), kvcache_max_cache_seqlen(params));
+  fixed.cache_seqlen = min(max(raw.cache_seqlen, 0), kvcache_max_cache_seqlen(params, counts));
   fixed.leftpad = min(max(raw.leftpad, 0), fixed.cache_seqlen);
   fixed.entry = min(max(raw.entry, 0), params.batch_cache - 1);
   fixed.rotary_start = params.rotary_seqlens != nullptr
-                           ? min(max(raw.rotary_start, 0), kvcache_max_rotary_start(params))
+                           ? min(max(raw.rotary_start, 0), kvcache_max_rotary_start(params, counts))
                            : fixed.cache_seqlen;
   return fixed;
 }
 
 // Batch entry `seq`'s values as read from the index tensors (absent ones as
 // splitkv_item_inputs fills them: cache_seqlen unused without cache_seqlens,
-// leftpad 0, entry seq, rotary_start unused without rotary_seqlens), guarded.
+// leftpad 0, entry seq, rotary_start unused without rotary_seqlens), guarded
+// for the rows it appends and attends with (counts; the fixed-length call's
+// by default).
 __forceinline__ __device__ KvcacheEntryIndices guarded_kvcache_entry(const KvcacheParams& params,
                                                                      int seq,
-                                                                     KvcacheEntryIndices raw) {
+                                                                     KvcacheEntryIndices raw,
+                                                                     KvcacheRowCounts counts) {
   if (params.cache_seqlens == nullptr) raw.cache_seqlen = params.seqlen_k;
   if (params.rotary_seqlens == nullptr) raw.rotary_start = raw.cache_seqlen;
   const bool rotary_ok =
       params.rotary_dim == 0 ||
-      (raw.rotary_start >= 0 && raw.rotary_start <= kvcache_max_rotary_start(params));
-  const bool ok = raw.cache_seqlen >= 0 && raw.cache_seqlen <= kvcache_max_cache_seqlen(params) &&
+      (raw.rotary_start >= 0 && raw.rotary_start <= kvcache_max_rotary_start(params, counts));
+  const bool ok = raw.cache_seqlen >= 0 &&
+                  raw.cache_seqlen <= kvcache_max_cache_seqlen(params, counts) &&
                   raw.leftpad >= 0 && raw.leftpad <= raw.cache_seqlen && raw.entry >= 0 &&
                   raw.entry < params.batch_cache && rotary_ok;
   if (ok) return raw;
-  return report_and_clamp_kvcache(params, seq, raw);
+  return report_and_clamp_kvcache(params, seq, raw, counts);
+}
+
+__forceinline__ __device__ KvcacheEntryIndices guarded_kvcache_entry(const KvcacheParams& params,
+                                                                     int seq,
+                                                                     KvcacheEntryIndices raw) {
+  return guarded_kvcache_entry(params, seq, raw, {params.seqlen_new, params.seqlen_q});
 }
 
 __device__ __forceinline__ int report_and_clamp_page(const IndexErrorSink& sink, IndexOp op,

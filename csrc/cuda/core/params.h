@@ -167,6 +167,17 @@ struct KvcacheParams : FwdParams {
   int num_pages;
   int seqlen_rotary;
   int seqlen_new;  // rows appended by this call (already in the cache)
+  // FA3's varlen form. cu_seqlens_q (FwdParams, with total_q): batch entry
+  // b's query rows are rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
+  // out (batch strides 0), seqlen_q is max_seqlen_q and the lse is (nheads,
+  // total_q). cu_seqlens_k_new (null: seqlen_new rows each): b appends rows
+  // [cu_seqlens_k_new[b], cu_seqlens_k_new[b + 1]) of new_k / new_v (batch
+  // strides 0), and seqlen_new is their total_k_new rows.
+  const int* cu_seqlens_k_new;
+  // FwdParams::cu_seqlens_k non-null: varlen_fwd's split run
+  // (ops/varlen_splitkv.cpp), whose keys and query rows are the varlen
+  // forward's (BlockInfo): the cache fields above are unused then, but for
+  // block_table / page_size / num_pages of paged keys.
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and

@@ -38,24 +38,61 @@ __device__ void copy_chunk(const T* src, T* dst, int d0, const RotaryRows<T>& ro
 }
 
 // Batch entry b's cache length, left padding, cache entry and rotary start,
-// guarded (index_guards.h): the positions written and read below stay in the
-// cache and the rotary tables.
-inline __device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b) {
+// guarded (index_guards.h) for its rows: the positions written and read
+// below stay in the cache and the rotary tables.
+inline __device__ KvcacheEntryIndices entry_of(const KvcacheParams& p, int b,
+                                               const KvcacheSequence& rows) {
   return guarded_kvcache_entry(
       p, b,
       {p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k, p.cache_leftpad ? p.cache_leftpad[b] : 0,
-       p.cache_batch_idx ? p.cache_batch_idx[b] : b, p.rotary_seqlens ? p.rotary_seqlens[b] : 0});
+       p.cache_batch_idx ? p.cache_batch_idx[b] : b, p.rotary_seqlens ? p.rotary_seqlens[b] : 0},
+      {rows.new_keys.length, rows.q.length});
 }
 
-// Chunk `index` of the appended (batch, row, kv head) vectors of k and v.
+// Row `row` of a (batch, rows_per_batch) tensor, or of a varlen one (its
+// offsets `cu_seqlens` non-null): the batch entry b, the row's index i in it
+// (valid false: a varlen row outside every sequence), and b's guarded rows.
+struct RowOfSequence {
+  int b;
+  int i;
+  bool valid;
+  KvcacheSequence rows;
+};
+
+inline __device__ RowOfSequence row_of_sequence(const KvcacheParams& p, const int* cu_seqlens,
+                                                int rows_per_batch, int64_t row, bool of_q) {
+  RowOfSequence r;
+  if (cu_seqlens == nullptr) {
+    r.b = static_cast<int>(row / rows_per_batch);
+    r.i = static_cast<int>(row - int64_t(r.b) * rows_per_batch);
+    r.valid = true;
+    r.rows = guarded_kvcache_sequence(p, r.b);
+    return r;
+  }
+  r.b = sequence_of_row(cu_seqlens, p.batch, static_cast<int>(row));
+  r.valid = r.b >= 0;
+  r.b = max(r.b, 0);
+  r.rows = guarded_kvcache_sequence(p, r.b);
+  const SequenceRows& mine = of_q ? r.rows.q : r.rows.new_keys;
+  r.i = static_cast<int>(row) - mine.begin;
+  r.valid = r.valid && r.i >= 0 && r.i < mine.length;
+  return r;
+}
+
+// Chunk `index` of the appended (row, kv head) vectors of k and v: rows of
+// (batch, seqlen_new), or of the varlen (total_k_new) new keys.
 template <typename T>
 __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const int chunks = p.head_dim / kElemsPerThread;
   const int chunk = static_cast<int>(index % chunks);
   const int h = static_cast<int>((index / chunks) % p.nheads_k);
-  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads_k)) % p.seqlen_new);
-  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads_k * p.seqlen_new));
-  const KvcacheEntryIndices entry = entry_of(p, b);
+  const int64_t row = index / (int64_t(chunks) * p.nheads_k);
+  const RowOfSequence seq = row_of_sequence(p, p.cu_seqlens_k_new, p.seqlen_new, row, false);
+  if (!seq.valid) return;  // a row of k / v outside every sequence is not appended
+  const int b = seq.b, i = seq.i;
+  const int64_t src_batch = p.cu_seqlens_k_new != nullptr ? 0 : b;
+  const int64_t src_row = p.cu_seqlens_k_new != nullptr ? row : i;
+  const KvcacheEntryIndices entry = entry_of(p, b, seq.rows);
   const int pos = entry.cache_seqlen + i;
 
   const CacheRows cache{
@@ -64,10 +101,10 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const CacheRowAt at = cache_row_at(p, b, cache, pos);
   const int64_t k_dst = cache_offset(at, h, p.k);
   const int64_t v_dst = cache_offset(at, h, p.v);
-  const T* k_src = static_cast<const T*>(p.new_k_ptr) + b * p.new_k.batch_stride +
-                   int64_t(i) * p.new_k.row_stride + h * p.new_k.head_stride;
-  const T* v_src = static_cast<const T*>(p.new_v_ptr) + b * p.new_v.batch_stride +
-                   int64_t(i) * p.new_v.row_stride + h * p.new_v.head_stride;
+  const T* k_src = static_cast<const T*>(p.new_k_ptr) + src_batch * p.new_k.batch_stride +
+                   src_row * p.new_k.row_stride + h * p.new_k.head_stride;
+  const T* v_src = static_cast<const T*>(p.new_v_ptr) + src_batch * p.new_v.batch_stride +
+                   src_row * p.new_v.row_stride + h * p.new_v.head_stride;
   T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
   T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
   const RotaryRows<T> rotary =
@@ -78,19 +115,25 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   if (d0 < p.head_dim_v) copy_chunk(v_src, v_cache, d0, rotary, 0, false);
 }
 
-// Chunk `index` of the (batch, query row, head) vectors of q.
+// Chunk `index` of the (query row, head) vectors of q: rows of (batch,
+// seqlen_q), or of the varlen (total_q) q. A varlen row outside every
+// sequence is never attended: it is left unwritten.
 template <typename T>
 __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
   const int chunks = p.head_dim / kElemsPerThread;
   const int chunk = static_cast<int>(index % chunks);
   const int h = static_cast<int>((index / chunks) % p.nheads);
-  const int i = static_cast<int>((index / (int64_t(chunks) * p.nheads)) % p.seqlen_q);
-  const int b = static_cast<int>(index / (int64_t(chunks) * p.nheads * p.seqlen_q));
-  const int pos = entry_of(p, b).rotary_start + (p.rotary_q_per_row ? i : 0);
-  const T* src = static_cast<const T*>(p.q_unrotated_ptr) + b * p.q_unrotated.batch_stride +
-                 int64_t(i) * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
-  T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + b * p.q.batch_stride +
-           int64_t(i) * p.q.row_stride + h * p.q.head_stride;
+  const int64_t row = index / (int64_t(chunks) * p.nheads);
+  const RowOfSequence seq = row_of_sequence(p, p.cu_seqlens_q, p.seqlen_q, row, true);
+  if (!seq.valid) return;
+  const int b = seq.b, i = seq.i;
+  const int64_t q_batch = p.cu_seqlens_q != nullptr ? 0 : b;
+  const int64_t q_row = p.cu_seqlens_q != nullptr ? row : i;
+  const int pos = entry_of(p, b, seq.rows).rotary_start + (p.rotary_q_per_row ? i : 0);
+  const T* src = static_cast<const T*>(p.q_unrotated_ptr) + q_batch * p.q_unrotated.batch_stride +
+                 q_row * p.q_unrotated.row_stride + h * p.q_unrotated.head_stride;
+  T* dst = const_cast<T*>(static_cast<const T*>(p.q_ptr)) + q_batch * p.q.batch_stride +
+           q_row * p.q.row_stride + h * p.q.head_stride;
   copy_chunk(src, dst, chunk * kElemsPerThread,
              rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, pos), p.rotary_dim,
              p.rotary_interleaved);

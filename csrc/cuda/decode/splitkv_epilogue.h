@@ -20,6 +20,7 @@ namespace flash {
 // while a block of several items goes on to its next item.
 struct SplitKvMergeTarget {
   int batch, head_kv, split, row_begin, rows_left;
+  int q_row0;  // the batch entry's first row of q / out (varlen q), else 0
 };
 
 template <typename Traits, bool kSeveralItems>
@@ -117,12 +118,17 @@ struct SplitKvEpilogue {
         sum.z += weight * part.z;
         sum.w += weight * part.w;
       }
+      // The lse is (batch, nheads, seqlen_q), or (nheads, total_q) for a
+      // varlen q, whose out has batch stride 0.
+      const int64_t row_of_q = int64_t(target.q_row0) + packed.query;
       const int64_t lse_index =
-          (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
+          params.cu_seqlens_q != nullptr
+              ? int64_t(head) * params.total_q + row_of_q
+              : (int64_t(target.batch) * params.nheads + head) * seqlen_q + packed.query;
       if (final_output) {
-        Element* out_row =
-            static_cast<Element*>(params.o_ptr) + target.batch * params.o.batch_stride +
-            int64_t(packed.query) * params.o.row_stride + int64_t(head) * params.o.head_stride;
+        Element* out_row = static_cast<Element*>(params.o_ptr) +
+                           target.batch * params.o.batch_stride + row_of_q * params.o.row_stride +
+                           int64_t(head) * params.o.head_stride;
         cutlass::Array<Element, 4> quad;
         quad[0] = static_cast<Element>(sum.x);
         quad[1] = static_cast<Element>(sum.y);

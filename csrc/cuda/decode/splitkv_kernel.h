@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int group = params.nheads / params.nheads_k;
   const int seqlen_q = params.seqlen_q;
-  const SplitKvScheduler<kBlockM, kBlockN> scheduler(params, seqlen_q, group);
+  const SplitKvScheduler<kBlockM, kBlockN, !kSeveralItems> scheduler(params, seqlen_q, group);
   const int num_items = scheduler.num_items;
 
   static_assert(!(kAppends && kSeveralItems),
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // A row that saw no key in this block's range gets output 0 and lse +inf
   // (final) or -inf (a partial result that must weigh nothing in the merge).
   const bool final_output = params.num_splits == 1;
-  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * seqlen_q;
+  const int64_t rows_per_split = splitkv_rows_per_split(params);
   float2* const row_stats = Merge::row_stats(o_parts);
   const float exp_scale_log2 = scale.exp_scale_log2, lse_scale = scale.lse_scale;
   const SplitKvEpilogue<Traits, kSeveralItems> epilogue{
@@ -198,17 +198,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // (ROW,COL)
         Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
         const int col_base = n_block * kBlockN + warp.warp_col0;
-        score_mod.apply_extras(scores, warp.tScS_rowcol, params, scale, seqlen_q, it.seqlen_k,
+        score_mod.apply_extras(scores, warp.tScS_rowcol, params, scale, it.seqlen_q, it.seqlen_k,
                                col_base);
         if (!key_tile_fully_visible(it.query_first, it.query_last + 1, n_block * kBlockN,
-                                    (n_block + 1) * kBlockN, seqlen_q, it.seqlen_k,
+                                    (n_block + 1) * kBlockN, it.seqlen_q, it.seqlen_k,
                                     params.window_left, params.window_right)) {
           // The mask stays here: as a SplitKvScoreMod method it changed the
           // machine code of the contiguous-cache kernels.
           CUTE_UNROLL
           for (int mi = 0; mi < Tiling::kNRows; ++mi) {
             const KeyRange visible =
-                visible_key_range(score_mod.row_query[mi], score_mod.row_query[mi] + 1, seqlen_q,
+                visible_key_range(score_mod.row_query[mi], score_mod.row_query[mi] + 1, it.seqlen_q,
                                   it.seqlen_k, params.window_left, params.window_right);
             const int col_lo = visible.begin - col_base;
             const int col_hi = visible.end - col_base;

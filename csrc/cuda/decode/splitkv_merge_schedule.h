@@ -81,7 +81,8 @@ struct SplitKvMergeSchedule {
       epilogue.write_parts(softmax, f.acc_o_rowcol(), w.tScS_rowcol, w.tOcO_rowcol, w.warp_row0,
                            warp_n, lane, it.rows_left);
     }
-    const SplitKvMergeTarget target{it.batch, it.head_kv, it.split, it.row_begin, it.rows_left};
+    const SplitKvMergeTarget target{it.batch,     it.head_kv,   it.split,
+                                    it.row_begin, it.rows_left, it.q_row0};
     if constexpr (kSeveralItems) {
       pending_merge = target;
       merge_pending = true;

@@ -126,6 +126,7 @@ struct SplitKvTileLoader {
   // The item's Q rows into Q slot `slot`.
   __device__ void load_q(const SplitKvItem& it, int slot) {
     const Element* q_base = q_ptr + it.batch * params.q.batch_stride +
+                            int64_t(it.q_row0) * params.q.row_stride +
                             int64_t(it.head_kv) * group * params.q.head_stride;
     auto q_row = [&](int tile_row) {
       const PackedRow packed = unpack_row(it.row_begin + tile_row, group);
@@ -233,7 +234,7 @@ struct SplitKvTileLoader {
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvItemAdvance {
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
-  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN>;
+  using Scheduler = SplitKvScheduler<Traits::kBlockM, Traits::kBlockN, !kSeveralItems>;
   using TileLoader = SplitKvTileLoader<Traits, kLayout, kSeveralItems, kAppends>;
 
   int& load_item;

@@ -10,7 +10,8 @@
 
 namespace flash {
 
-template <int kBlockM, int kBlockN>
+// kVarlen: as splitkv_item's.
+template <int kBlockM, int kBlockN, bool kVarlen = true>
 struct SplitKvScheduler {
   const KvcacheParams& params;
   const int num_m_blocks;
@@ -27,7 +28,7 @@ struct SplitKvScheduler {
     return num_items - item > int(gridDim.x) ? item + int(gridDim.x) : item;
   }
   __device__ SplitKvItem item_at(int item, const SplitKvItemInputs& inputs) const {
-    return splitkv_item<kBlockM, kBlockN>(params, item, num_m_blocks, inputs);
+    return splitkv_item<kBlockM, kBlockN, kVarlen>(params, item, num_m_blocks, inputs);
   }
   // `it`: the item the block computes as its `item`, set to the block's
   // first item by the caller. A later one comes from next_inputs, loaded one

@@ -7,11 +7,19 @@
 #include <cstdint>
 
 #include "common/mask_rule.h"
+#include "cuda/core/block_info.h"
 #include "cuda/core/index_guards.h"
 #include "cuda/core/int_divisor.h"
 #include "cuda/core/params.h"
 
 namespace flash {
+
+// Rows of each split's partial results (num_splits > 1): one per (batch,
+// head, query), or per (head, row of q) for a varlen q.
+__forceinline__ __device__ int64_t splitkv_rows_per_split(const KvcacheParams& params) {
+  return params.cu_seqlens_q != nullptr ? int64_t(params.nheads) * params.total_q
+                                        : int64_t(params.batch) * params.nheads * params.seqlen_q;
+}
 
 // Packed row r of a (batch, kv head) item: query r / group of the group's
 // query head r % group.
@@ -70,10 +78,16 @@ struct SplitKvItem {
   int head_kv;
   int split;
   int row_begin;  // first packed row of the query block
-  int rows_left;  // packed rows from row_begin to the end of the block's rows (>= 1)
+  // Packed rows from row_begin to the end of the block's rows: >= 1, or 0 for
+  // a query block past a varlen sequence's rows.
+  int rows_left;
   int query_first;
   int query_last;  // queries of the block's first and last packed rows
-  int seqlen_k;    // keys of the batch entry after the append
+  // The batch entry's query rows: q / out rows q_row0 .. q_row0 + seqlen_q
+  // (params.seqlen_q from row 0 unless q is varlen). Windows align to them.
+  int seqlen_q;
+  int q_row0;
+  int seqlen_k;  // keys of the batch entry after the append
   CacheRows cache;
   // Rotary position of the first new key and of query 0 (rotary_seqlens[b],
   // else the cache length before the append).
@@ -129,7 +143,10 @@ __forceinline__ __device__ SplitKvItemInputs splitkv_item_inputs(const KvcachePa
 
 // Split s gets key blocks [s * n / splits, (s + 1) * n / splits): shares
 // differ by at most one block, and any split count is honoured as given.
-template <int kBlockM, int kBlockN>
+// kVarlen false: compiled for fixed-length calls only (the persistent grid,
+// which plan_decode never gives a varlen call: its items' rows would stay
+// in registers across items, and at head dim 256 they spilled).
+template <int kBlockM, int kBlockN, bool kVarlen = true>
 __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params, int item,
                                                     int num_m_blocks,
                                                     const SplitKvItemInputs& inputs) {
@@ -142,19 +159,50 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   it.batch = batch_head / params.nheads_k;
   it.head_kv = batch_head - it.batch * params.nheads_k;
 
+  // Guarded (index_guards.h): every row, page and rotary position below
+  // stays inside its tensor whatever the index tensors hold. The varlen
+  // offsets are read here, not one item ahead: the fixed-length calls, which
+  // decode runs, keep their item inputs as they are.
+  KvcacheEntryIndices entry;
+  int new_keys;
+  if constexpr (!kVarlen) {
+    it.seqlen_q = params.seqlen_q;
+    it.q_row0 = 0;
+    entry = guarded_kvcache_entry(
+        params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start});
+    new_keys = params.seqlen_new;
+  } else if (params.cu_seqlens_k != nullptr) {
+    // varlen_fwd's split run (ops/varlen_splitkv.cpp): the varlen forward's
+    // sequences as BlockInfo reads them (its guards and messages), keys at
+    // positions k_row_begin + j of the packed keys (batch stride 0), or of
+    // the sequence's row of pages; nothing to append.
+    const BlockInfo info(params, it.batch);
+    it.seqlen_q = info.seqlen_q;
+    it.q_row0 = static_cast<int>(info.q_row_begin);
+    const int key0 = static_cast<int>(info.k_row_begin);
+    entry = {key0 + info.seqlen_k, key0, it.batch, 0};
+    new_keys = 0;
+  } else {
+    const KvcacheSequence rows = guarded_kvcache_sequence(params, it.batch);
+    it.seqlen_q = rows.q.length;
+    it.q_row0 = rows.q.begin;
+    entry = guarded_kvcache_entry(
+        params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start},
+        {rows.new_keys.length, it.seqlen_q});
+    new_keys = rows.new_keys.length;
+  }
+
   const int group = params.nheads / params.nheads_k;
-  const int rows_total = params.seqlen_q * group;
+  const int rows_total = it.seqlen_q * group;
   it.row_begin = m_block * kBlockM;
-  it.rows_left = rows_total - it.row_begin;
+  // A varlen sequence may have fewer query blocks than the grid's
+  // (max_seqlen_q): an item past its rows has none, and no keys below.
+  it.rows_left = max(rows_total - it.row_begin, 0);
   const int row_end = it.row_begin + (it.rows_left < kBlockM ? it.rows_left : kBlockM);
   it.query_first = it.row_begin / group;
-  it.query_last = (row_end - 1) / group;
+  it.query_last = max(row_end - 1, it.row_begin) / group;
 
-  // Guarded (index_guards.h): every row, page and rotary position below
-  // stays inside its tensor whatever the index tensors hold.
-  const KvcacheEntryIndices entry = guarded_kvcache_entry(
-      params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start});
-  const int cache_end = entry.cache_seqlen + params.seqlen_new;
+  const int cache_end = entry.cache_seqlen + new_keys;
   it.seqlen_k = cache_end - entry.leftpad;
   it.cache = {params.block_table
                   ? params.block_table + int64_t(entry.entry) * params.block_table_batch_stride
@@ -163,13 +211,14 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   it.rotary_start = entry.rotary_start;
 
   const KeyRange key_range =
-      visible_key_range(it.query_first, it.query_last + 1, params.seqlen_q, it.seqlen_k,
+      visible_key_range(it.query_first, it.query_last + 1, it.seqlen_q, it.seqlen_k,
                         params.window_left, params.window_right);
   const int num_n_blocks = (it.seqlen_k + kBlockN - 1) / kBlockN;
   const int split_begin = int(int64_t(it.split) * num_n_blocks / params.num_splits);
   const int split_end = int(int64_t(it.split + 1) * num_n_blocks / params.num_splits);
   it.n_block_min = max(key_range.begin / kBlockN, split_begin);
-  it.n_block_max = min((key_range.end + kBlockN - 1) / kBlockN, split_end);
+  it.n_block_max =
+      it.rows_left > 0 ? min((key_range.end + kBlockN - 1) / kBlockN, split_end) : it.n_block_min;
   const bool writes_new_rows = params.append_in_attention && m_block == 0;
   it.append_key_begin =
       writes_new_rows ? max(it.seqlen_k - params.seqlen_new, split_begin * kBlockN) : 0;

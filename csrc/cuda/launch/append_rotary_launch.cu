@@ -18,9 +18,11 @@ void launch(const KvcacheParams& p, cudaStream_t stream) {
   const int chunks = p.head_dim / kRotaryChunkElems;
   const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
   const bool rotating_q = p.rotary_dim > 0 && p.seqlen_q > 0;
-  const int64_t append_chunks =
-      appending ? int64_t(p.batch) * p.seqlen_new * p.nheads_k * chunks : 0;
-  const int64_t q_chunks = rotating_q ? int64_t(p.batch) * p.seqlen_q * p.nheads * chunks : 0;
+  // Varlen: seqlen_new is total_k_new, and q has total_q rows.
+  const int64_t new_rows = p.cu_seqlens_k_new ? p.seqlen_new : int64_t(p.batch) * p.seqlen_new;
+  const int64_t q_rows = p.cu_seqlens_q ? p.total_q : int64_t(p.batch) * p.seqlen_q;
+  const int64_t append_chunks = appending ? new_rows * p.nheads_k * chunks : 0;
+  const int64_t q_chunks = rotating_q ? q_rows * p.nheads * chunks : 0;
   const int64_t all_chunks = append_chunks + q_chunks;
   if (all_chunks == 0) return;
   LaunchOptions options;

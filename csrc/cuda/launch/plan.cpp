@@ -558,7 +558,9 @@ constexpr int64_t kAppendInAttentionMaxWaves = 4;
 bool append_in_attention_fits(const DecodeShape& shape, const DecodePlan& plan,
                               const DeviceDesc& device) {
   const int warps_n = plan.warps_n;
-  if (warps_n == 1 || shape.score_extras || plan.num_m_blocks != 1 ||
+  // The varlen form appends in the pre-kernel: the in-kernel append assumes
+  // every sequence's rows from row 0 on, seqlen_new of them.
+  if (warps_n == 1 || shape.score_extras || shape.varlen || plan.num_m_blocks != 1 ||
       plan.grid_blocks != plan.num_items || shape.seqlen_new > kAppendInAttentionMaxRows) {
     return false;
   }
@@ -601,11 +603,49 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.grid_blocks =
       splitkv_grid_blocks(compiled, plan.warps_n, shape.paged, shape.score_extras,
                           shape.cache_capacity, plan.num_splits, plan.num_items, device);
+  // The persistent kernel is compiled for fixed-length calls only
+  // (splitkv_item's kVarlen): a varlen call gets a block per item.
+  if (shape.varlen) plan.grid_blocks = plan.num_items;
   plan.cluster_x =
       splitkv_cluster_x(plan.warps_n, shape.paged, int64_t(shape.batch) * shape.nheads_k,
                         plan.grid_blocks < plan.num_items, device);
   plan.append_in_attention =
       (shape.appending || shape.rotary_dim > 0) && append_in_attention_fits(shape, plan, device);
+  return plan;
+}
+
+DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& device) {
+  DecodePlan no_split;
+  no_split.num_splits = 1;
+  if (shape.requested_splits == 1) {
+    no_split.reason = "num_splits=1: the forward kernels, no split";
+    return no_split;
+  }
+  if (shape.dropout || shape.return_softmax || shape.seqused_q) {
+    no_split.reason = "dropout, return_softmax or seqused_q: only the forward kernels have them";
+    return no_split;
+  }
+  DecodeShape decode;
+  decode.batch = shape.batch;
+  decode.nheads = shape.nheads;
+  decode.nheads_k = shape.nheads_k;
+  decode.seqlen_q = shape.max_seqlen_q;
+  decode.cache_capacity = shape.max_seqlen_k;
+  decode.head_dim = shape.head_dim;
+  decode.paged = shape.paged;
+  decode.requested_splits = shape.requested_splits;
+  decode.score_extras = shape.score_extras;
+  decode.varlen = true;
+  const DecodePlan plan = plan_decode(decode, device);
+  if (plan.num_splits <= 1) {
+    no_split.reason = plan.reason;
+    return no_split;
+  }
+  if (shape.requested_splits == 0 && plan.num_m_blocks > 1) {
+    no_split.reason =
+        "num_splits=0: more query rows than one split-KV query block, the forward kernels";
+    return no_split;
+  }
   return plan;
 }
 

@@ -202,6 +202,9 @@ struct DecodeShape {
   int rotary_dim = 0;                  // 0: no rotary
   bool rotary_tables_aligned = false;  // cos and sin start on 16-byte boundaries
   int window_left = -1;                // normalised window
+  // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
+  // max_seqlen_q and each sequence has rows of its own.
+  bool varlen = false;
 };
 
 struct DecodePlan {
@@ -220,6 +223,31 @@ struct DecodePlan {
 };
 
 DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device);
+
+// What plan_varlen_split reads of a varlen_fwd call with num_splits (FA3's).
+struct VarlenSplitShape {
+  int batch = 0;
+  int nheads = 0;
+  int nheads_k = 0;
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;  // paged: cut to the rows a table row addresses
+  int head_dim = 0;
+  bool paged = false;
+  int64_t requested_splits = 1;  // num_splits: 1 no split, 0 chooses
+  bool score_extras = false;
+  // Features only the forward kernels have: such a call is not split.
+  bool dropout = false;
+  bool return_softmax = false;
+  bool seqused_q = false;
+};
+
+// The split-KV run of a varlen forward: the split-KV kernel over the packed
+// (or paged) keys, each sequence's keys cut num_splits ways and merged by the
+// lse. num_splits == 1 in the result: the forward kernels run as without it.
+// An explicit count > 1 splits (capped as plan_decode caps it); 0 splits only
+// where every sequence's query rows of a kv head fit one query block and the
+// split-KV plan would split (decode-like calls, whose grid leaves SMs idle).
+DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& device);
 
 // ------------------------------------------------------------- description
 

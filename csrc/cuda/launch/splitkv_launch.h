@@ -43,10 +43,13 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   // path's per-row addressing: PERF_LOG 2026-11-23 47fdf30, 9ba5ee6), and over
   // a contiguous cache a persistent one (splitkv_grid_blocks); the others
   // serve both layouts with a block per item (six split-KV kernels per file).
-  if (several_items && (kWarpsN == 1 || with_score_extras || params.block_table != nullptr)) {
+  const bool varlen = params.cu_seqlens_q != nullptr || params.cu_seqlens_k_new != nullptr ||
+                      params.cu_seqlens_k != nullptr;
+  if (several_items &&
+      (kWarpsN == 1 || with_score_extras || params.block_table != nullptr || varlen)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: a persistent split-KV grid needs the decode variant's "
-        "plain kernel over a contiguous cache");
+        "plain kernel over a contiguous cache, in a fixed-length call");
   }
   // The append / rotary in the kernel (plan.append_in_attention) has
   // instances for the decode variant's plain kernels of one block per item.
@@ -57,10 +60,11 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
         "flash_attn_cuda: fwd_kvcache: the params disagree with the decode plan");
   }
   if (plan.append_in_attention &&
-      (several_items || kWarpsN == 1 || with_score_extras || num_m_blocks != 1)) {
+      (several_items || kWarpsN == 1 || with_score_extras || num_m_blocks != 1 || varlen)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: only the decode variant's plain kernel with a block per "
-        "item and one query block appends itself (plan.append_in_attention must be false)");
+        "item and one query block of a fixed-length call appends itself "
+        "(plan.append_in_attention must be false)");
   }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
@@ -112,15 +116,27 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
                              std::to_string(plan.warps_n) + " warps along the keys");
   }
   if (plan.num_splits > 1) {
-    const int64_t rows = int64_t(params.batch) * params.nheads * params.seqlen_q;
+    // The combine walks the partial rows (batch, nheads, seqlen_q) of the
+    // output; a varlen q's (nheads, total_q) are those of one batch entry of
+    // total_q rows (its out has batch stride 0). Its rows outside every
+    // sequence are merged from partials no split wrote: not defined, as for
+    // varlen_fwd.
+    KvcacheParams combine_params = params;
+    if (params.cu_seqlens_q != nullptr) {
+      combine_params.batch = 1;
+      combine_params.seqlen_q = params.total_q;
+    }
+    const int64_t rows =
+        int64_t(combine_params.batch) * combine_params.nheads * combine_params.seqlen_q;
     if (rows > 0x7fffffff) {
       throw std::runtime_error(
           "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
     }
+    if (rows == 0) return;
     LaunchOptions options;
     options.programmatic = plan.programmatic_launch;
     launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
-              dim3(kCombineThreads), 0, stream, options, params);
+              dim3(kCombineThreads), 0, stream, options, combine_params);
   }
 }
 

@@ -137,8 +137,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool return_softmax,
     int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& seqused_q) {
+    const std::optional<at::Tensor>& learnable_sink_in, const std::optional<at::Tensor>& seqused_q,
+    int64_t num_splits) {
+  check_num_splits(num_splits);
   const VarlenShape shape = check_varlen_fwd_args(
       q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q,
       alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
@@ -232,11 +233,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
                    rng_state_out);
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
-  const FwdPlan plan = plan_for(params);
-  const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Paged: the lengths and table entries the kernels clamp are reported here.
-  launch_check_paged_keys(params, at::cuda::getCurrentCUDAStream().stream());
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  launch_check_paged_keys(params, stream);
+  // num_splits (FA3's): the split-KV run where plan_varlen_split takes it.
+  VarlenSplitShape split_shape;
+  split_shape.batch = shape.batch;
+  split_shape.nheads = shape.nheads;
+  split_shape.nheads_k = shape.nheads_k;
+  split_shape.max_seqlen_q = shape.max_seqlen_q;
+  split_shape.max_seqlen_k = shape.paged ? params.paged_max_seqlen_k : shape.max_seqlen_k;
+  split_shape.head_dim = shape.head_dim;
+  split_shape.paged = shape.paged;
+  split_shape.requested_splits = num_splits;
+  split_shape.score_extras = score_features_of(params).has_extras();
+  split_shape.dropout = dropout_p > 0.0;
+  split_shape.return_softmax = return_softmax;
+  split_shape.seqused_q = used_q.defined();
+  const DecodePlan split_plan = plan_varlen_split(split_shape, current_device_desc());
+  if (split_plan.num_splits > 1) {
+    run_varlen_splitkv(params, split_plan, q, stream);
+  } else {
+    const FwdPlan plan = plan_for(params);
+    const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+    launcher(params, plan, stream);
+  }
   end_index_checks(q);
   return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
@@ -275,12 +296,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q) {
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits) {
   return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, return_softmax,
                               philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
-                              learnable_sink, seqused_q);
+                              learnable_sink, seqused_q, num_splits);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
@@ -291,12 +312,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q) {
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
+    int64_t num_splits) {
   auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
       return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink,
-      seqused_q);
+      seqused_q, num_splits);
   return {softmax_lse, s_dmask, rng_state_out};
 }
 

@@ -35,9 +35,9 @@ void check_cache_aligned(const at::Tensor& cache, const char* name) {
               cache.strides());
 }
 
-QKVStrides strides_or_zero(const std::optional<at::Tensor>& t) {
+QKVStrides strides_or_zero(const std::optional<at::Tensor>& t, bool varlen) {
   if (!t.has_value()) return {0, 0, 0};
-  return {t->stride(0), t->stride(1), t->stride(2)};
+  return strides_of(*t, varlen);
 }
 
 std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
@@ -70,17 +70,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
     const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& rotary_seqlens_in) {
+    const std::optional<at::Tensor>& rotary_seqlens_in, const KvcacheVarlenArgs& varlen) {
   const KvcacheShape shape = check_fwd_kvcache_args(
       q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in, rotary_sin_in,
       cache_batch_idx_in, cache_leftpad_in, block_table_in, rotary_seqlens_in, alibi_slopes_in,
-      softmax_scale, softcap, kCudaDtypes);
+      softmax_scale, softcap, kCudaDtypes, varlen);
   TORCH_CHECK(q_in.is_cuda(), "fwd_kvcache (CUDA): q must be a CUDA tensor, got ", q_in.device());
-  const std::vector<int64_t> q_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim};
-  const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
+  const std::vector<int64_t> q_shape = kvcache_q_shape(shape, shape.head_dim);
+  const std::vector<int64_t> out_shape = kvcache_q_shape(shape, shape.head_dim_v);
   if (out_given.has_value()) {
-    check_out_arg("fwd_kvcache", *out_given, q_in, out_shape,
-                  "(batch, seqlen_q, nheads, head_dim_v)",
+    check_out_arg("fwd_kvcache", *out_given, q_in, out_shape, kvcache_q_layout(shape),
                   {&q_in, &k_cache, &v_cache, k_in ? &*k_in : nullptr, v_in ? &*v_in : nullptr});
   }
   // d_v < d_qk: the kernels of d_qk read v_cache in place and append v's
@@ -125,8 +124,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   at::Tensor out = output_buffer(out_given, out_shape, q.options());
   // After the launches: the caller's out.
   auto finish = [&]() -> at::Tensor { return finish_output(out_given, out); };
-  at::Tensor softmax_lse =
-      at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor softmax_lse = at::empty(kvcache_lse_shape(shape), q.options().dtype(at::kFloat));
 
   KvcacheParams params{};
   params.q_ptr = q.data_ptr();
@@ -135,10 +133,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.o_ptr = out.data_ptr();
   params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
   params.p_ptr = nullptr;
-  params.q = strides_of(q, false);
+  params.q = strides_of(q, shape.varlen_q);
   params.k = strides_of(k_cache, false);
   params.v = strides_of(v_cache, false);
-  params.o = strides_of(out, false);
+  params.o = strides_of(out, shape.varlen_q);
   params.batch = shape.batch;
   params.nheads = shape.nheads;
   params.nheads_k = shape.nheads_k;
@@ -146,9 +144,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.seqlen_k = shape.cache_capacity;
   params.head_dim = shape.head_dim;
   params.head_dim_v = shape.head_dim_v;
-  params.cu_seqlens_q = nullptr;
+  // The varlen form's offsets are read by the kernels, guarded
+  // (index_guards.h guarded_kvcache_sequence).
+  params.cu_seqlens_q = shape.varlen_q ? varlen.cu_seqlens_q->data_ptr<int>() : nullptr;
   params.cu_seqlens_k = nullptr;
-  params.total_q = 0;
+  params.total_q = shape.varlen_q ? shape.total_q : 0;
   // No dropout: no rng_state.
   set_score_params(params, q, softmax_scale, softcap, window, alibi_slopes, /*dropout_p=*/0.0,
                    at::Tensor());
@@ -170,15 +170,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.seqlen_new = appending ? shape.seqlen_new : 0;
   params.new_k_ptr = appending ? k_new->data_ptr() : nullptr;
   params.new_v_ptr = appending ? v_new->data_ptr() : nullptr;
-  params.new_k = strides_or_zero(k_new);
-  params.new_v = strides_or_zero(v_new);
+  params.new_k = strides_or_zero(k_new, shape.varlen_new);
+  params.new_v = strides_or_zero(v_new, shape.varlen_new);
+  params.cu_seqlens_k_new =
+      appending && shape.varlen_new ? varlen.cu_seqlens_k_new->data_ptr<int>() : nullptr;
   params.rotary_cos_ptr = rotating ? rotary_cos->data_ptr() : nullptr;
   params.rotary_sin_ptr = rotating ? rotary_sin->data_ptr() : nullptr;
   params.rotary_dim = rotating ? shape.rotary_dim : 0;
   params.rotary_interleaved = rotary_interleaved;
   params.rotary_q_per_row = rotary_q_per_row;
   params.q_unrotated_ptr = q.data_ptr();
-  params.q_unrotated = strides_of(q, false);
+  params.q_unrotated = strides_of(q, shape.varlen_q);
 
   params.append_in_attention = false;
 
@@ -201,6 +203,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                                  reinterpret_cast<uintptr_t>(rotary_cos->data_ptr()) % 16 == 0 &&
                                  reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
   decode.window_left = window.left;
+  decode.varlen = shape.varlen_q || shape.varlen_new;
   const DecodePlan plan = plan_decode(decode, current_device_desc());
   TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
               int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
@@ -229,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     if (rotating) {
       q_rotated = at::empty(q_shape, q.options());
       params.q_ptr = q_rotated.data_ptr();
-      params.q = strides_of(q_rotated, false);
+      params.q = strides_of(q_rotated, shape.varlen_q);
     }
     launch_kvcache_append_rotary(params, stream);
   }
@@ -239,13 +242,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   if (params.num_splits > 1) {
     // One allocation (decode calls are short; each allocator call shows):
     // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then
-    // their lse (num_splits, batch, nheads, seqlen_q). compiled is a multiple
-    // of 32, so every partial row stays 16-byte aligned.
-    const int64_t partial_rows =
-        int64_t(params.num_splits) * shape.batch * shape.nheads * shape.seqlen_q;
+    // their lse (num_splits, batch, nheads, seqlen_q); a varlen q's rows are
+    // (nheads, total_q) (splitkv_rows_per_split). compiled is a multiple of
+    // 32, so every partial row stays 16-byte aligned.
+    const int64_t rows_per_split = shape.varlen_q
+                                       ? int64_t(shape.nheads) * shape.total_q
+                                       : int64_t(shape.batch) * shape.nheads * shape.seqlen_q;
+    const int64_t partial_rows = int64_t(params.num_splits) * rows_per_split;
     split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
     params.out_accum_ptr = split_accum.data_ptr<float>();
     params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
+    if (shape.varlen_q) {
+      // Rows of q outside every sequence have no work item: a partial lse of
+      // -inf merges them to out 0, lse +inf, as the CPU path gives them.
+      split_accum.narrow(0, partial_rows * compiled, partial_rows)
+          .fill_(-std::numeric_limits<float>::infinity());
+    }
   }
   launcher(params, plan, stream);
   end_index_checks(q);
@@ -263,12 +275,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens) {
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
   return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                                softmax_scale, causal, window_size_left, window_size_right, softcap,
                                rotary_interleaved, num_splits, std::nullopt, learnable_sink,
-                               rotary_seqlens);
+                               rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q});
 }
 
 at::Tensor fwd_kvcache_out_cuda(
@@ -280,12 +293,13 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens) {
-  return std::get<1>(fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
-                                           rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-                                           alibi_slopes, softmax_scale, causal, window_size_left,
-                                           window_size_right, softcap, rotary_interleaved,
-                                           num_splits, out, learnable_sink, rotary_seqlens));
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+  return std::get<1>(fwd_kvcache_cuda_into(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink,
+      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}));
 }
 
 }  // namespace flash

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <optional>
@@ -100,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q);
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -110,7 +111,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q);
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
+    int64_t num_splits);
+
+// varlen_fwd's split-KV run (varlen_splitkv.cpp): params as the forward
+// kernels would take them, plan from plan_varlen_split (num_splits > 1).
+void run_varlen_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
+                        cudaStream_t stream);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -141,7 +148,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens);
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q);
 
 at::Tensor fwd_kvcache_out_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -154,7 +162,8 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, double softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& rotary_seqlens);
+    const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q);
 
 // flash_attn_combine (combine_ops.cpp).
 std::tuple<at::Tensor, at::Tensor> combine_cuda(const at::Tensor& out_partial,
