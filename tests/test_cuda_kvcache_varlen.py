@@ -257,7 +257,7 @@ def test_bad_values_raise_like_the_cpu_path(case):
     changes, message = BAD_VALUES[case]
     # No rotary and empty caches: the one bad value is the only error, on
     # the device too (where the first recorded one is raised).
-    args = mode_inputs("varlen_new", "causal", page_size=16, capacity=64)
+    args = mode_inputs("varlen_new", "causal", page_size=16, capacity=64, dtype=torch.bfloat16)
     args["cache_seqlens"] = torch.zeros(len(Q_LENS), dtype=torch.int32)
     for name, values in changes.items():
         args[name] = values if isinstance(values, int) else torch.tensor(values, dtype=torch.int32)
