@@ -667,6 +667,10 @@ def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
             "-U__CUDA_NO_BFLOAT162_OPERATORS__",
             "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
             "-lineinfo",
+            # TMA descriptors encoded through a driver entry point looked up once
+            # (csrc/cuda/launch/tma_encode.cu), not once per descriptor.
+            "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL",
+            "-DcuTensorMapEncodeTiled=flash_attn_cuTensorMapEncodeTiled",
         ]
         # Machine code only, no PTX: a GPU whose arch was not built gets a clear
         # "no kernel image" error instead of a JIT build of older-arch PTX. That

@@ -22,8 +22,26 @@ For each sequence length: the time of a training step's forward + backward
 logit difference from sdpa_default. Then greedy generation with the dynamic cache:
 tokens/s of decoding --gen-tokens new tokens after a --gen-prompt prompt.
 
+Then the attention calls of that generation alone (regime decode_loop, --decode-loop):
+--gen-tokens steps of --layers calls, one query row per sequence against a cache
+that starts at --gen-prompt rows and grows by the step's row, with the model's
+heads; us_per_call is the loop's time per attention call, where a short decode
+call's host cost shows. Variants:
+
+  sdpa_flash       torch's FLASH kernels through F.scaled_dot_product_attention on
+                   the cache's first rows (the row appended by a slice copy)
+  sdpa_provider    the same with flash_attn_cuda's SDPA provider active
+  kvcache_eager    flash_attn_with_kvcache: append and attend in one call,
+                   cache_seqlens on the device, advanced in place each step
+  kvcache_graph    the same step (every layer's call and the advance) captured in
+                   a CUDA graph once and replayed each step
+
 Writes e2e.json (the command, the git commit, the device, versions, the config
 and every row) to --out, default benchmarks/out/<device>/e2e/ (ignored by git).
+With --profile, one more generate and decode loop per variant runs under
+torch.profiler: its op table goes to profile_<regime>_<variant>.txt there, and the
+row gets the launches, memsets, synchronisations, allocations and attention ops
+per generated token (count and self CPU time).
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ if BENCH_DIR not in sys.path:  # also when imported from elsewhere (the tests)
 from provenance import git_commit  # noqa: E402
 
 VARIANTS = ["sdpa_default", "sdpa_flash", "sdpa_provider", "flash_attn_cuda"]
+DECODE_VARIANTS = ["sdpa_flash", "sdpa_provider", "kvcache_eager", "kvcache_graph"]
 PROVIDER = "FLASH_ATTN_CUDA"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -87,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-batch", type=int, default=None, help="default 8")
     p.add_argument("--gen-prompt", type=int, default=None, help="prompt length (default 512)")
     p.add_argument("--gen-tokens", type=int, default=None, help="new tokens (default 128)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one more generate / decode loop per variant (torch.profiler): "
+        "a table per variant in --out, and per-token counts of the calls that cost host "
+        "time in the rows",
+    )
+    p.add_argument(
+        "--decode-loop",
+        default=",".join(DECODE_VARIANTS),
+        help=f"comma list of {DECODE_VARIANTS} for the decode_loop regime ('' for none)",
+    )
     return p
 
 
@@ -122,6 +153,10 @@ def resolve(args) -> torch.device:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {VARIANTS}")
+    args.decode_loop = [v for v in args.decode_loop.split(",") if v]
+    unknown = set(args.decode_loop) - set(DECODE_VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown --decode-loop {sorted(unknown)}; choose from {DECODE_VARIANTS}")
     if args.out is None:
         name = sanitize(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
         args.out = os.path.join(BENCH_DIR, "out", name, "e2e")
@@ -278,10 +313,14 @@ def generation_row(model, variant, args, device, reference_tokens):
                 input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
 
+    profiled = {}
     with variant_context(variant):
         peak_memory_reset(device)
         seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
         peak = peak_memory_gib(device)
+        if args.profile:
+            path = os.path.join(args.out, f"profile_generate_{variant}.txt")
+            profiled = profile_run(run, device, path, args.gen_tokens)
     tokens = out["tokens"][:, args.gen_prompt :]
     if reference_tokens is None:
         reference_tokens = tokens
@@ -296,7 +335,152 @@ def generation_row(model, variant, args, device, reference_tokens):
         tokens_per_s=args.gen_batch * args.gen_tokens / seconds,
         peak_mem_gib=peak,
         same_tokens_as_first=same,
+        **profiled,
     ), reference_tokens
+
+
+# Calls whose count per generated token tells where host time goes: launches,
+# memsets, synchronisations and the attention ops of each path.
+PROFILED_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaMemsetAsync",
+    "cudaMemcpyAsync",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaGetDriverEntryPointByVersion",
+    "aten::_local_scalar_dense",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::fill_",
+    "aten::copy_",
+    "aten::_scaled_dot_product_flash_attention",
+    "flash_attn::fwd",
+    "flash_attn::fwd_kvcache",
+)
+
+
+def profile_run(run, device, path, tokens):
+    """One more run under torch.profiler: the table of its ops goes to `path`; returns
+    the calls of PROFILED_CALLS per token (count and self CPU us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=activities) as prof:
+        run()
+        sync(device)
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        if device.type == "cuda":
+            f.write("\n")
+            f.write(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+    per_token = {}
+    for event in averages:
+        if event.key in PROFILED_CALLS:
+            per_token[event.key] = dict(
+                count=event.count / tokens, self_cpu_us=event.self_cpu_time_total / tokens
+            )
+    return dict(profile_table=os.path.basename(path), per_token=per_token)
+
+
+def decode_loop_unavailable(variant, device):
+    """Why a decode_loop variant cannot run here, or None."""
+    if variant == "sdpa_provider":
+        return provider_unavailable(device)
+    if variant == "sdpa_flash" and device.type != "cuda":
+        return "SDPA's FLASH backend runs on CUDA only"
+    if variant == "kvcache_graph" and device.type != "cuda":
+        return "CUDA graphs need a GPU"
+    return None
+
+
+def decode_loop_row(variant, args, device, dtype):
+    """The generation's attention calls alone: --gen-tokens steps of --layers calls."""
+    import flash_attn_cuda
+
+    batch, layers, steps = args.gen_batch, args.layers, args.gen_tokens
+    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.hidden // args.heads
+    prompt, capacity = args.gen_prompt, args.gen_prompt + args.gen_tokens
+    gen = torch.Generator().manual_seed(2)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(batch, 1, heads, head_dim)
+    k_new, v_new = rand(batch, 1, kv_heads, head_dim), rand(batch, 1, kv_heads, head_dim)
+    if variant.startswith("sdpa"):
+        # transformers' layout: (batch, kv_heads, rows, head_dim) caches.
+        caches = [
+            (rand(batch, kv_heads, capacity, head_dim), rand(batch, kv_heads, capacity, head_dim))
+            for _ in range(layers)
+        ]
+        q_t, k_t, v_t = q.transpose(1, 2), k_new.transpose(1, 2), v_new.transpose(1, 2)
+        gqa = heads != kv_heads
+
+        def run():
+            for pos in range(prompt, prompt + steps):
+                for k_cache, v_cache in caches:
+                    k_cache[:, :, pos : pos + 1].copy_(k_t)
+                    v_cache[:, :, pos : pos + 1].copy_(v_t)
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q_t, k_cache[:, :, : pos + 1], v_cache[:, :, : pos + 1], enable_gqa=gqa
+                    )
+
+    else:
+        caches = [
+            (rand(batch, capacity, kv_heads, head_dim), rand(batch, capacity, kv_heads, head_dim))
+            for _ in range(layers)
+        ]
+        seqlens = torch.full((batch,), prompt, dtype=torch.int32, device=device)
+
+        def step():
+            for k_cache, v_cache in caches:
+                flash_attn_cuda.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True
+                )
+            seqlens.add_(1)
+
+        if variant == "kvcache_graph":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            step = graph.replay
+
+        def run():
+            seqlens.fill_(prompt)
+            for _ in range(steps):
+                step()
+
+    profiled = {}
+    with variant_context(variant), torch.no_grad():
+        peak_memory_reset(device)
+        seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
+        peak = peak_memory_gib(device)
+        if args.profile:
+            path = os.path.join(args.out, f"profile_decode_loop_{variant}.txt")
+            profiled = profile_run(run, device, path, steps)
+    return dict(
+        regime="decode_loop",
+        variant=variant,
+        batch=batch,
+        prompt=prompt,
+        new_tokens=steps,
+        layers=layers,
+        ms=seconds * 1e3,
+        tokens_per_s=batch * steps / seconds,
+        us_per_call=seconds / (steps * layers) * 1e6,
+        peak_mem_gib=peak,
+        **profiled,
+    )
 
 
 def describe(device, args, dtype):
@@ -351,6 +535,8 @@ def print_table(rows):
             note = f"max |logit diff| vs first {r['max_logit_diff_vs_first']:.2e}"
         if "same_tokens_as_first" in r:
             note = f"same tokens as first {100 * r['same_tokens_as_first']:.0f}%"
+        if "us_per_call" in r:
+            note = f"{r['us_per_call']:.1f} us per attention call"
         seq = r.get("seqlen", r.get("prompt", ""))
         print(
             f"{r['regime']:<14} {r['variant']:<16} {seq:>6} {r['batch']:>5} {r['ms']:>10.2f} "
@@ -370,6 +556,7 @@ def main(argv=None) -> int:
 
     fa_transformers.register()
     dtype = DTYPES[args.dtype]
+    os.makedirs(args.out, exist_ok=True)
     meta = describe(device, args, dtype)
     print(
         f"device: {meta['device']} ({device.type}); torch {meta['torch']}; "
@@ -415,8 +602,19 @@ def main(argv=None) -> int:
             rows.append(dict(regime="generate", variant=variant, error=str(exc)[:500]))
         print(f"  generate {variant}: done", flush=True)
 
+    for variant in args.decode_loop:
+        reason = decode_loop_unavailable(variant, device)
+        if reason:
+            rows.append(dict(regime="decode_loop", variant=variant, skipped=reason))
+            continue
+        try:
+            rows.append(decode_loop_row(variant, args, device, dtype))
+        except Exception as exc:
+            failures.append(f"{variant} decode_loop: {type(exc).__name__}: {exc}")
+            rows.append(dict(regime="decode_loop", variant=variant, error=str(exc)[:500]))
+        print(f"  decode_loop {variant}: done", flush=True)
+
     print_table([r for r in rows if "error" not in r])
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "e2e.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -114,6 +114,21 @@ TORCH_LIBRARY(flash_attn, m) {
   // for its own check (returns the previous setting).
   m.def("check_index_errors(int device) -> ()");
   m.def("set_sync_index_checks(bool enabled) -> bool");
+  // The SDPA provider (flash_attn_cuda/integrations/sdpa.py,
+  // csrc/ops/sdpa_flash_override.cpp): _sdpa_flash_override installs (or
+  // removes) a C++ kernel of aten::_scaled_dot_product_flash_attention for a
+  // dispatch key and says whether it did; the calls it does not serve itself go
+  // to _sdpa_flash_fallback, aten's schema, served by the provider's Python
+  // override.
+  m.def("_sdpa_flash_override(str dispatch_key, bool install) -> bool");
+  // How many calls the C++ kernel has served itself in this process (the tests'
+  // count of calls the provider served).
+  m.def("_sdpa_flash_served_calls() -> int");
+  m.def(
+      "_sdpa_flash_fallback(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
+      "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor "
+      "output, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, "
+      "Tensor rng_state, Tensor unused, Tensor debug_attn_mask)");
   // Debug ops (csrc/cuda/ops/plan_debug_ops.cpp, registered in every build):
   // the plan (csrc/cuda/launch/plan.h) the CUDA path makes for a call of this
   // shape on the described device (defaults: sm90, 132 SMs, 227 KiB of shared

@@ -126,9 +126,11 @@ def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
 def _check_same_device(q: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
     device = q.device
     for name, t in others.items():
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t is not None and t.device != device:
+        if t.device != device:
             raise ValueError(f"{name} must be on the same device as q ({device}), got {t.device}")
 
 

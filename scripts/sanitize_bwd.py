@@ -3,9 +3,10 @@
     compute-sanitizer --tool memcheck  python scripts/sanitize_bwd.py
     compute-sanitizer --tool racecheck python scripts/sanitize_bwd.py
 
-Shapes are small and odd so that every partial tile, the padded head dim,
-GQA, varlen, softcap, ALiBi, dropout and the deterministic path run at
-least once; the calls without dropout run the Hopper backward kernel on an
+Shapes are small and odd so that every partial tile, the padded head dim, a
+value head dim below the query / key one (on the Hopper kernel dO, O and V read
+and dV written at d_v columns), GQA, varlen, softcap, ALiBi, dropout and the
+deterministic path run at least once; the calls without dropout run the Hopper backward kernel on an
 sm90 GPU unless FLASH_ATTN_BWD_KERNEL=sm80.
 """
 
@@ -29,11 +30,13 @@ def fixed(
     alibi=False,
     dropout_p=0.0,
     deterministic=False,
+    head_dim_v=None,
 ):
+    d_v = head_dim_v or head_dim
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
-    dout = torch.randn_like(q)
+    v = torch.randn(batch, seqlen_k, nheads_k, d_v, device="cuda", dtype=dtype)
+    dout = torch.randn(batch, seqlen_q, nheads, d_v, device="cuda", dtype=dtype)
     slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
     scale = head_dim**-0.5
     out, lse, _, rng = torch.ops.flash_attn.fwd(
@@ -70,13 +73,15 @@ def varlen(
     softcap=0.0,
     alibi=False,
     deterministic=False,
+    head_dim_v=None,
 ):
+    d_v = head_dim_v or head_dim
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
-    dout = torch.randn_like(q)
+    v = torch.randn(sum(lengths_k), nheads_k, d_v, device="cuda", dtype=dtype)
+    dout = torch.randn(sum(lengths_q), nheads, d_v, device="cuda", dtype=dtype)
     scale = head_dim**-0.5
     mq, mk = max(lengths_q), max(lengths_k)
     slopes = torch.rand(len(lengths_q), nheads, device="cuda") * 0.3 if alibi else None
@@ -143,11 +148,23 @@ def main():
     # seen by no query (the window), with dK / dV staged in shared memory.
     fixed(4, 16, 1500, 16, 16, 64, bf16, window=(600, 0), deterministic=True)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16, deterministic=True)
+    # Ordered dQ (deterministic, no left window bound): the dQ writer's turns,
+    # non-causal over several key blocks, and causal varlen with an empty
+    # sequence and rows that see no key.
+    fixed(1, 300, 390, 2, 1, 64, bf16, deterministic=True)
+    varlen([130, 0, 65], [70, 9, 200], 2, 2, 128, bf16, causal=True, deterministic=True)
     # Softcap and ALiBi: the Hopper kernel's other variant on sm90.
     fixed(2, 300, 421, 4, 2, 64, bf16, causal=True, softcap=10.0, alibi=True)
     fixed(1, 200, 260, 2, 1, 128, fp16, window=(70, 20), alibi=True, deterministic=True)
     fixed(1, 130, 200, 2, 2, 256, bf16, softcap=10.0)
     varlen([50, 7, 130], [100, 77, 201], 4, 2, 96, bf16, causal=True, softcap=5.0, alibi=True)
+    # d_v < d_qk: MHA (dV through shared memory), GQA (the kv heads' fp32 sums)
+    # and GQA deterministic (the per-head shares' reduction), and dropout (SM80).
+    fixed(1, 130, 200, 2, 2, 192, bf16, causal=True, head_dim_v=128)
+    fixed(2, 70, 130, 4, 2, 128, fp16, head_dim_v=64)
+    fixed(1, 65, 200, 4, 1, 256, bf16, causal=True, deterministic=True, head_dim_v=128)
+    fixed(1, 33, 97, 2, 2, 96, fp16, dropout_p=0.1, head_dim_v=64)
+    varlen([5, 0, 70], [9, 130, 1], 4, 2, 192, bf16, causal=True, head_dim_v=128)
     torch.cuda.synchronize()
     print("sanitize_bwd: all calls completed")
 

@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python scripts/sanitize_fwd.py
 
 Shapes are small and odd so that partial query and key tiles, the padded head
-dim, GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,
+dim, a value head dim below the query / key one (d_v < d_qk: V read and O written at
+d_v columns), GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,
 on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one.
 """
 
@@ -28,10 +29,11 @@ def fixed(
     alibi=False,
     dropout_p=0.0,
     return_softmax=False,
+    head_dim_v=None,
 ):
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim_v or head_dim, device="cuda", dtype=dtype)
     slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
     return torch.ops.flash_attn.fwd(
         q,
@@ -92,7 +94,9 @@ def varlen(
     )
 
 
-def varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dtype):
+def varlen_paged(
+    lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dtype, *, head_dim_v=None
+):
     """Keys in pages of a shuffled pool; unused table entries -1 and one table
     entry out of range past the last page a sequence reaches (never read)."""
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
@@ -106,7 +110,9 @@ def varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dt
         table[b, count] = num_blocks + 7
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(num_blocks, page_size, nheads_k, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
+    v = torch.randn(
+        num_blocks, page_size, nheads_k, head_dim_v or head_dim, device="cuda", dtype=dtype
+    )
     return torch.ops.flash_attn.varlen_fwd(
         q,
         k,
@@ -177,6 +183,12 @@ def main():
     varlen([40, 3], [77, 150], 2, 2, 160, fp16)
     varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 64, bf16)
     varlen_paged([7], [50], 1, 2, 2, 40, fp16)
+    # d_v < d_qk: V loaded with d_v columns (TMA boxes past the tensor's end on
+    # sm90, zero-filled cp.async on the SM80 kernel), O stored at d_v columns.
+    fixed(2, 130, 200, 4, 2, 192, bf16, causal=True, head_dim_v=128)
+    fixed(2, 1100, 300, 8, 2, 128, fp16, head_dim_v=64)
+    fixed(1, 129, 131, 2, 2, 96, bf16, dropout_p=0.2, return_softmax=True, head_dim_v=64)
+    varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 256, bf16, head_dim_v=128)
     torch.cuda.synchronize()
     print("sanitize_fwd: all calls completed")
 

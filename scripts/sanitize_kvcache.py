@@ -7,8 +7,11 @@ Odd cache lengths, appends with rotary, contiguous and paged caches, GQA
 packing, left padding, cache_batch_idx (paged too: it picks the block_table
 row), rotary_seqlens, split counts from one to many (the
 combine kernel's thread groups differ per head dim: 64, 96, 128, 256), a
-long cache launched for one block per SM, the persistent grid, and a grid of
-several waves that appends and rotates in the attention kernel.
+long cache launched for one block per SM, the persistent grid, a grid of
+several waves that appends and rotates in the attention kernel, and a value
+head dim below the query / key one (v_cache read in place at d_v columns, also
+as a column slice of a wider buffer or of k_cache itself, appends written at
+d_v columns, the combine writing d_v columns of out).
 """
 
 import torch
@@ -33,18 +36,24 @@ def call(
     rotary_seqlens=False,
     causal=False,
     num_splits=0,
+    head_dim_v=None,
+    v_view=None,
 ):
+    """v_view: None, "wide" (v_cache the first d_v columns of a d_qk-wide
+    buffer) or "k" (v_cache = k_cache[..., :d_v], MLA's absorbed cache; no
+    append)."""
     dev = "cuda"
+    d_v = head_dim_v or head_dim
     batch_cache = batch + 1 if batch_idx else batch
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device=dev, dtype=dtype)
     k_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, device=dev, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
+    v_cache = torch.randn(batch_cache, capacity, nheads_k, d_v, device=dev, dtype=dtype)
     lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), dtype=torch.int32)
     lengths[0] = capacity - seqlen_new
     k_new = v_new = cos = sin = None
     if seqlen_new:
         k_new = torch.randn(batch, seqlen_new, nheads_k, head_dim, device=dev, dtype=dtype)
-        v_new = torch.randn_like(k_new)
+        v_new = torch.randn(batch, seqlen_new, nheads_k, d_v, device=dev, dtype=dtype)
     if rotary:
         angle = torch.rand(capacity + 256, head_dim // 4, device=dev) * 6.28
         cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
@@ -53,11 +62,16 @@ def call(
         pages_per_seq = -(-capacity // page_size)
         num_pages = batch_cache * pages_per_seq
         k_cache = torch.randn(num_pages, page_size, nheads_k, head_dim, device=dev, dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
+        v_cache = torch.randn(num_pages, page_size, nheads_k, d_v, device=dev, dtype=dtype)
         block_table = torch.randperm(num_pages, device=dev, dtype=torch.int32)
         block_table = block_table.view(batch_cache, pages_per_seq)
         if not batch_idx:
             block_table = block_table[:batch].contiguous()
+    if v_view == "wide":
+        v_cache = torch.randn_like(k_cache)[..., :d_v]
+    elif v_view == "k":
+        assert not seqlen_new
+        v_cache = k_cache[..., :d_v]
     cache_batch_idx = torch.arange(batch, dtype=torch.int32, device=dev) + 1 if batch_idx else None
     rotary_starts = None
     if rotary_seqlens:
@@ -119,6 +133,14 @@ def main():
     # Items of 66 key tiles, a block each, one per SM in several waves, that
     # append and rotate in the attention kernel.
     call(sms // 4 + 1, 1, 4200, 32, 8, 128, bf16, seqlen_new=1, rotary=True, num_splits=1)
+    # d_v < d_qk: one split and many (the partials and the combine at d_v
+    # columns), the pre-kernel append and the in-kernel one, paged.
+    call(2, 1, 301, 32, 8, 192, bf16, head_dim_v=128)
+    call(1, 1, 2000, 8, 2, 256, bf16, num_splits=128, head_dim_v=128, v_view="wide")
+    call(3, 4, 131, 8, 2, 128, fp16, seqlen_new=3, rotary=True, causal=True, head_dim_v=64)
+    call(2, 2, 203, 4, 1, 96, bf16, seqlen_new=2, page_size=16, head_dim_v=64, v_view="wide")
+    call(sms // 4 + 1, 1, 4200, 32, 8, 192, bf16, seqlen_new=1, num_splits=1, head_dim_v=128)
+    call(2, 1, 513, 16, 1, 256, bf16, page_size=64, num_splits=5, head_dim_v=128, v_view="k")
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 

@@ -37,6 +37,11 @@ implementations that both accumulate in fp32 from the same low-precision inputs)
 * caches after an append: bitwise, except keys rotated in fp32 and rounded
   once, which may differ by one ulp; rows outside the appended ones bitwise
   unchanged (NaN included).
+
+A value head dim below the query / key one (d_v < d_qk, head_dim_v) cuts v,
+v_cache and v_new as the first d_v columns of wider tensors whose other
+columns are NaN: a kernel that read V past d_v would put NaN into dP (and so
+dq / dk), and one that wrote past it would change the bases (checked).
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ BASE_SEED = 7_000_000
 SEED_STRIDE = 1_000_000
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
+# Share of the cases with d_v < d_qk, and the d_v drawn for them (those below d_qk).
+SMALLER_HEAD_DIM_V = 0.15
+HEAD_DIMS_V = (16, 32, 64, 128)
 HEAD_DIM_WEIGHTS = (1.0, 3.0, 1.0, 3.0, 1.2)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
@@ -210,10 +218,23 @@ def draw_case(seed):
     kind = rng.choices(["fixed", "varlen", "kvcache"], weights=[0.4, 0.3, 0.3])[0]
     c = {"seed": seed, "kind": kind, "dtype": rng.choice(["fp16", "bf16"])}
     c["head_dim"] = rng.choices(HEAD_DIMS, weights=HEAD_DIM_WEIGHTS)[0]
+    c["head_dim_v"] = _draw_head_dim_v(seed, c["head_dim"])
     c["nheads"], c["nheads_k"] = _draw_heads(rng)
     _draw_scores(rng, c, c["head_dim"])
     {"fixed": _draw_fixed, "varlen": _draw_varlen, "kvcache": _draw_kvcache}[kind](rng, c)
     return c
+
+
+def _draw_head_dim_v(seed, head_dim):
+    """d_v, from a generator of its own: the rest of a seed's case is what it
+    was before cases had a d_v."""
+    rng = random.Random(seed ^ 0x5F3759DF)
+    smaller = [d for d in HEAD_DIMS_V if d < head_dim]
+    return rng.choice(smaller) if rng.random() < SMALLER_HEAD_DIM_V else head_dim
+
+
+def head_dim_v(c):
+    return c.get("head_dim_v", c["head_dim"])
 
 
 def _draw_fixed(rng, c):
@@ -414,7 +435,7 @@ def describe(c):
         f"seed={c['seed']}",
         c["kind"],
         c["dtype"],
-        f"d={c['head_dim']}",
+        f"d={c['head_dim']}" + (f"/{head_dim_v(c)}" if head_dim_v(c) != c["head_dim"] else ""),
         f"h={c['nheads']}/{c['nheads_k']}",
     ]
     if c["kind"] == "fixed":
@@ -474,6 +495,9 @@ def validate(c):
     d, h, hk = c["head_dim"], c["nheads"], c["nheads_k"]
     if d not in HEAD_DIMS:
         bad.append(f"head_dim {d}")
+    dv = head_dim_v(c)
+    if dv % 8 or not 8 <= dv <= d:
+        bad.append(f"head_dim_v {dv}")
     if h % hk or h > 8:
         bad.append(f"heads {h}/{hk}")
     if c["dropout_p"] not in (0.0, 0.1, 0.17):
@@ -559,6 +583,10 @@ def features(c):
         f"fwd_kernel:{c['fwd_kernel']}",
         f"scale:{c['scale_kind']}",
     }
+    if head_dim_v(c) < c["head_dim"]:
+        f.add(f"head_dim_v<head_dim:{c['kind']}")
+        if c["bwd"]:
+            f.add("head_dim_v<head_dim:bwd")
     h, hk = c["nheads"], c["nheads_k"]
     f.add(f"gqa_ratio:{h // hk}")
     if hk == 1 and h > 1:
@@ -698,6 +726,7 @@ MIN_COVERAGE = 20
 REQUIRED_FEATURES = (
     ["kind:fixed", "kind:varlen", "kind:kvcache", "dtype:fp16", "dtype:bf16"]
     + [f"head_dim:{d}" for d in HEAD_DIMS]
+    + [f"head_dim_v<head_dim:{k}" for k in ("fixed", "varlen", "kvcache", "bwd")]
     + [f"gqa_ratio:{r}" for r in (1, 2, 4, 8)]
     + ["mqa"]
     + [
@@ -877,7 +906,13 @@ def _qkv_bases(c, g, lead_q, lead_k):
 
 
 def views(c, bases):
-    """q, k, v as the op receives them, cut from the base tensors (any device)."""
+    """q, k, v as the op receives them, cut from the base tensors (any device):
+    v is the first d_v columns of the v the layout gives."""
+    q, k, v = _full_views(c, bases)
+    return q, k, v[..., : head_dim_v(c)]
+
+
+def _full_views(c, bases):
     layout, d = c["layout"], c["head_dim"]
     if layout == "qkvpacked":
         qkv = bases["qkv"]
@@ -896,16 +931,20 @@ def views(c, bases):
 def build_inputs(c):
     """CPU tensors of the case (deterministic in the seed)."""
     g = torch.Generator().manual_seed(c["seed"])
-    return {"fixed": _fixed_inputs, "varlen": _varlen_inputs, "kvcache": _kvcache_inputs}[
+    inputs = {"fixed": _fixed_inputs, "varlen": _varlen_inputs, "kvcache": _kvcache_inputs}[
         c["kind"]
     ](c, g)
+    if c["kind"] != "kvcache":
+        # v's columns past d_v (views() cuts them off) are never read.
+        _full_views(c, inputs["bases"])[2][..., head_dim_v(c) :] = float("nan")
+    return inputs
 
 
 def _fixed_inputs(c, g):
     b, sq, sk = c["batch"], c["seqlen_q"], c["seqlen_k"]
     inputs = {"bases": _qkv_bases(c, g, (b, sq), (b, sk))}
     inputs["alibi"] = _alibi(c, g, b)
-    inputs["dout"] = _randn(g, (b, sq, c["nheads"], c["head_dim"]), dtype_of(c))
+    inputs["dout"] = _randn(g, (b, sq, c["nheads"], head_dim_v(c)), dtype_of(c))
     return inputs
 
 
@@ -922,7 +961,7 @@ def _varlen_inputs(c, g):
     bases = _qkv_bases(c, g, (total_q,), (total_k,))
     inputs = {"bases": bases, "cu_q": cu_q, "cu_k": cu_k}
     inputs["alibi"] = _alibi(c, g, c["batch"])
-    inputs["dout"] = _randn(g, (total_q, c["nheads"], c["head_dim"]), dtype_of(c))
+    inputs["dout"] = _randn(g, (total_q, c["nheads"], head_dim_v(c)), dtype_of(c))
     if c["poison"]:
         # Key / value rows outside every sequence are NaN: no result may read
         # them (docs/serving.md: keys past the used length).
@@ -965,7 +1004,7 @@ def _scatter_pages(c, g, inputs):
     num_blocks = sum(pages) + spare
     order = torch.randperm(num_blocks, generator=g).tolist()
     k_pages = torch.full((num_blocks, ps, hk, d), float("nan"), dtype=k.dtype)
-    v_pages = torch.full((num_blocks, ps, hk, d), float("nan"), dtype=k.dtype)
+    v_pages = torch.full((num_blocks, ps, hk, head_dim_v(c)), float("nan"), dtype=k.dtype)
     table = torch.full((c["batch"], width), -1, dtype=torch.int32)
     for bi, n in enumerate(lengths):
         for i in range(pages[bi]):
@@ -1000,7 +1039,9 @@ def _kvcache_inputs(c, g):
         inputs["cache_base"] = _randn(g, (2, c["batch_cache"], cap, hk, d), dt)
     if new is not None:
         inputs["k_new"] = _randn(g, (b, new, hk, d), dt)
-        inputs["v_new"] = _randn(g, (b, new, hk, d), dt)
+        # The first d_v columns of a wider tensor (drawn whole: the same
+        # generator stream for any d_v).
+        inputs["v_new"] = _randn(g, (b, new, hk, d), dt)[..., : head_dim_v(c)]
     if c["rotary"]:
         angle = torch.rand(
             (c["seqlen_rotary"], c["rotary_dim"] // 2), generator=g, dtype=torch.float64
@@ -1047,7 +1088,13 @@ def _used_pages(c, bi):
 
 
 def cache_views(c, base):
-    """(k_cache, v_cache) views of the cache base tensor (any device)."""
+    """(k_cache, v_cache) views of the cache base tensor (any device); v_cache
+    is the first d_v columns of its half of the base."""
+    k_cache, v_full = _full_cache_views(c, base)
+    return k_cache, v_full[..., : head_dim_v(c)]
+
+
+def _full_cache_views(c, base):
     if c["packed_cache"]:
         return base.select(2, 0), base.select(2, 1)
     return base[0], base[1]
@@ -1067,6 +1114,7 @@ def _poison_cache(c, inputs):
             read[_cache_slot(c, inputs, bi, pos)] = True
     k_cache[~read] = float("nan")
     v_cache[~read] = float("nan")
+    _full_cache_views(c, inputs["cache_base"])[1][..., head_dim_v(c) :] = float("nan")
 
 
 def written_mask(c, inputs):
@@ -1785,6 +1833,12 @@ def _check_caches(c, inputs, got_base, other_base):
     problems = []
     original = inputs["cache_base"]
     written = written_mask(c, inputs)
+    beyond = (
+        t[..., head_dim_v(c) :]
+        for t in (_full_cache_views(c, got_base)[1], _full_cache_views(c, original)[1])
+    )
+    if not torch.equal(*(_bits(t) for t in beyond)):
+        problems.append("v_cache: columns past d_v of its buffer changed")
     got_k, got_v = cache_views(c, got_base)
     oth_k, oth_v = cache_views(c, other_base)
     org_k, org_v = cache_views(c, original)

@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from provider_spy import spy
+
 from flash_attn_cuda.integrations import sdpa
 
 dist = pytest.importorskip("torch.distributed")
@@ -55,24 +57,12 @@ def process_group(request):
         dist.destroy_process_group()
 
 
-def _spy(monkeypatch):
-    calls = {}
-    for name, fn in list(sdpa._OVERRIDES.items()):
-
-        def counting(*args, _fn=fn, _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setitem(sdpa._OVERRIDES, name, counting)
-    return calls
-
-
 @pytest.mark.parametrize("process_group", ["gloo"], indirect=True)
 def test_cpu_ring_attention_runs_our_ops(process_group, monkeypatch):
     # Causal: context parallelism's default load balancing requires it.
     causal = True
     mesh = process_group
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     handle = sdpa._install(("CPU",))
     try:
         q, k, v = (torch.randn(2, 4, 48, 32, dtype=torch.float32) for _ in range(3))
@@ -118,7 +108,7 @@ def test_cuda_context_parallel_sdpa_uses_provider(process_group, monkeypatch, dt
         return out.detach(), [t.grad for t in leaves]
 
     expected, expected_grads = builtin()
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     torch.nn.attention.activate_flash_attention_impl(sdpa.PROVIDER_NAME)
     try:
         qs, ks, vs, dos = (t.clone() for t in (q, k, v, dout))

@@ -2,9 +2,10 @@
 float64 reference.
 
 q and k have d_qk, v and out have d_v <= d_qk, dv has d_v, and the default
-softmax scale is 1/sqrt(d_qk) (docs/architecture.md, "The op contract"). The ops run the
-d_qk problem on a zero-padded v (api/head_dims.h), so every path takes it:
-fixed-length, varlen and KV cache, forward and backward. Every case runs on
+softmax scale is 1/sqrt(d_qk) (docs/architecture.md, "The op contract"). The CPU path runs
+the d_qk problem on a zero-padded v (api/head_dims.h), the CUDA kernels read and write
+at d_v columns (test_cuda_head_dims_dv.py); every path takes it: fixed-length, varlen
+and KV cache, forward and backward. Every case runs on
 the CPU path and, with a GPU, on the CUDA kernels (the tests marked cuda are
 skipped with a reason without one, and a head dim a reduced build left out is
 a skip). Comparisons follow the correctness criterion: fp32 inputs (CPU only)

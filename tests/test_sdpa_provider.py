@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference as ref
+from provider_spy import spy
 
 import flash_attn_cuda
 from flash_attn_cuda.integrations import sdpa
@@ -118,19 +119,6 @@ def _varlen_kwargs(window, gqa, nheads=4):
         kwargs["enable_gqa"] = True
         nheads_k = nheads // 4 if nheads >= 8 else nheads // 2
     return kwargs, nheads_k
-
-
-def _spy(monkeypatch):
-    """Counts calls of each override; must run before the kernels are installed."""
-    calls = {}
-    for name, fn in list(sdpa._OVERRIDES.items()):
-
-        def counting(*args, _fn=fn, _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setitem(sdpa._OVERRIDES, name, counting)
-    return calls
 
 
 # ---------------------------------------------------------------------------
@@ -601,10 +589,88 @@ def test_compile_fullgraph_through_aten_sdpa_op(cpu_kernels):
         torch.testing.assert_close(t.grad, g)
 
 
+def _bshd_view(batch, heads, seqlen, head_dim):
+    # transformers' layout: (batch, heads, seqlen, head_dim) views of (b, s, h, d).
+    return torch.randn(batch, seqlen, heads, head_dim).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "layout, heads_k, seqlen_q, causal, scale",
+    [
+        ("bshd", 4, 5, True, None),
+        ("bshd", 2, 1, False, None),  # GQA decode: unit dims in the output's strides
+        ("bhsd", 4, 9, True, 0.3),  # contiguous query: the output is copied to its layout
+        ("bhsd", 1, 1, False, None),
+    ],
+)
+def test_cpp_kernel_matches_python_override(cpu_kernels, layout, heads_k, seqlen_q, causal, scale):
+    # The forward's C++ kernel (csrc/ops/sdpa_flash_override.cpp) serves the call
+    # and returns what the Python override returns, bit for bit, in the same layout.
+    if layout == "bshd":
+        q = _bshd_view(2, 4, seqlen_q, 64)
+    else:
+        q = torch.randn(2, 4, seqlen_q, 64)
+    k, v = torch.randn(2, heads_k, 11, 64), torch.randn(2, heads_k, 11, 64)
+    before = torch.ops.flash_attn._sdpa_flash_served_calls()
+    got = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    assert torch.ops.flash_attn._sdpa_flash_served_calls() == before + 1
+    want = sdpa.scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
+            if w.dtype != torch.uint64:  # the uninitialised `unused` scalar aside
+                assert torch.equal(g, w)
+        else:
+            assert g == w
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["head_dim_20", "dropout", "debug_mask", "strided_last_dim"],
+)
+def test_cpp_kernel_hands_other_calls_to_the_python_override(cpu_kernels, case):
+    q, k, v = (torch.randn(2, 4, 6, 64) for _ in range(3))
+    kwargs = {}
+    if case == "head_dim_20":
+        q, k, v = (t[..., :20].contiguous() for t in (q, k, v))
+    elif case == "dropout":
+        kwargs["dropout_p"] = 0.25
+    elif case == "debug_mask":
+        kwargs["return_debug_mask"] = True
+    else:
+        q = torch.randn(2, 4, 6, 128)[..., ::2]
+    before = torch.ops.flash_attn._sdpa_flash_served_calls()
+    if case == "debug_mask":
+        with pytest.raises(UnsupportedAttentionCall, match="return_debug_mask"):
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, **kwargs)
+    else:
+        torch.manual_seed(0)
+        got = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, **kwargs)
+        torch.manual_seed(0)
+        want = sdpa.scaled_dot_product_flash_attention(q, k, v, **kwargs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.ops.flash_attn._sdpa_flash_served_calls() == before
+
+
+def test_python_override_only_when_asked(monkeypatch):
+    # FLASH_ATTN_CUDA_SDPA_PYTHON=1 registers the Python override for the forward
+    # too (an A/B of the two, or a way around the C++ kernel).
+    monkeypatch.setenv("FLASH_ATTN_CUDA_SDPA_PYTHON", "1")
+    calls = spy(monkeypatch)
+    handle = sdpa._install(("CPU",))
+    try:
+        assert handle.cpp_keys == []
+        q, k, v = (torch.randn(1, 2, 3, 32) for _ in range(3))
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
+    finally:
+        handle.remove()
+    assert dict.get(calls, "_scaled_dot_product_flash_attention") == 1
+
+
 @needs_varlen
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 0)])
 def test_varlen_attn_runs_on_the_overrides(monkeypatch, window):
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     # Installed once, after the spy (a second registration of the same op and
     # key raises in torch.library).
     handle = sdpa._install(("CPU",))
@@ -740,7 +806,7 @@ def test_cuda_sdpa_matches_builtin_flash(case, dtype, monkeypatch):
     dout = torch.randn_like(q)
     kwargs = dict(is_causal=causal, enable_gqa=hk != h)
     builtin_out, builtin_grads = _fwd_bwd(q, k, v, dout, **kwargs)
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     torch.nn.attention.activate_flash_attention_impl(NAME)
     try:
         out, grads = _fwd_bwd(q, k, v, dout, **kwargs)
@@ -784,7 +850,7 @@ def test_cuda_sdpa_dropout_matches_our_op(provider, dtype):
 @pytest.mark.cuda
 @needs_registry
 def test_cuda_compile_fullgraph_matches_eager(provider, monkeypatch):
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     torch.nn.attention.activate_flash_attention_impl(NAME)  # reinstall the spied functions
 
     class Attention(torch.nn.Module):
@@ -844,7 +910,7 @@ def test_cuda_varlen_attn_matches_builtin(window, dtype, monkeypatch):
         return out.detach(), [t.grad for t in leaves]
 
     builtin_out, builtin_grads = run()
-    calls = _spy(monkeypatch)
+    calls = spy(monkeypatch)
     torch.nn.attention.activate_flash_attention_impl(NAME)
     try:
         out, grads = run()

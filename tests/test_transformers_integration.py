@@ -622,6 +622,11 @@ def test_benchmark_e2e_quick_cpu(tmp_path):
         assert ("train_fwd_bwd", variant) in measured and ("generate", variant) in measured
     # On the CPU the SDPA provider (CUDA only) is reported as skipped, with its reason.
     assert any(r["variant"] == "sdpa_provider" and r.get("skipped") for r in rows)
+    # The decode loop of flash_attn_with_kvcache runs on the CPU too; its CUDA graph
+    # and SDPA's FLASH backend are reported as skipped.
+    assert ("decode_loop", "kvcache_eager") in measured
+    skipped = {r["variant"] for r in rows if r.get("regime") == "decode_loop" and r.get("skipped")}
+    assert {"kvcache_graph", "sdpa_flash"} <= skipped
     for r in rows:
         if r.get("regime") == "train_fwd_bwd" and "ms" in r:
             assert r["max_logit_diff_vs_first"] < 1e-4

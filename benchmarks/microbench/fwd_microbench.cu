@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   params.nheads = params.nheads_k = nheads;
   params.seqlen_q = params.seqlen_k = seqlen;
   params.head_dim = HEAD_DIM;
+  params.head_dim_v = HEAD_DIM;
   params.softmax_scale = 1.f / sqrtf(float(HEAD_DIM));
   params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
   params.window_left = -1;

@@ -98,6 +98,7 @@ flash::BwdParams make_bwd_problem(int batch, int seqlen, int nheads, int head_di
   params.nheads = params.nheads_k = nheads;
   params.seqlen_q = params.seqlen_k = seqlen;
   params.head_dim = head_dim;
+  params.head_dim_v = head_dim;
   params.softmax_scale = 1.f / sqrtf(float(head_dim));
   params.softmax_scale_log2 = params.softmax_scale * float(M_LOG2E);
   params.window_left = window_left;

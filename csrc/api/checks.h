@@ -19,7 +19,7 @@ namespace flash {
 
 // Shapes of a fixed-length problem: q / k (batch, seqlen_q / seqlen_k,
 // nheads / nheads_k, head_dim), v (batch, seqlen_k, nheads_k, head_dim_v) with
-// head_dim_v <= head_dim (api/head_dims.h says how the ops run it).
+// head_dim_v <= head_dim (FwdParams::head_dim_v; api/head_dims.h on the CPU).
 struct FwdShape {
   int batch;
   int seqlen_q;

@@ -1,10 +1,12 @@
 // A value head dim d_v smaller than the query/key head dim d_qk (the op
-// contract's "Head dims"): the general path of every device runs the d_qk
-// problem on v zero-padded to d_qk and keeps the first d_v columns of its
-// results. A zero column of V gives a zero column of O, so the padded problem's
-// first d_v columns are the answer; in the backward, dO and O are padded the
-// same way, so D = rowsum(dO * O) and dP = dO V^T, and with them dQ and dK, are
-// those of the unpadded problem, and dV's padded columns are dropped.
+// contract's "Head dims") on the CPU path: it runs the d_qk problem on v
+// zero-padded to d_qk and keeps the first d_v columns of its results. A zero
+// column of V gives a zero column of O, so the padded problem's first d_v
+// columns are the answer; in the backward, dO and O are padded the same way,
+// so D = rowsum(dO * O) and dP = dO V^T, and with them dQ and dK, are those of
+// the unpadded problem, and dV's padded columns are dropped. The CUDA kernels
+// rest on the same argument without the copies: they read V, dO and O at d_v
+// columns with the rest of each tile zero-filled (FwdParams::head_dim_v).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -19,7 +19,7 @@ namespace flash {
 // cache is (batch_cache, seqlen_cache, nheads_k, head_dim), or paged
 // (num_blocks, page_size, nheads_k, head_dim) with a block_table
 // (table_rows, max_blocks_per_seq). v_cache and the new v have head_dim_v <=
-// head_dim as their last dim (api/head_dims.h says how the ops run it).
+// head_dim as their last dim (FwdParams::head_dim_v; api/head_dims.h on the CPU).
 struct KvcacheShape {
   int batch;
   int seqlen_q;

@@ -43,6 +43,7 @@ argument's name; it never falls back silently to another kernel.
 from __future__ import annotations
 
 import operator
+import os
 import re
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence
@@ -717,14 +718,52 @@ def overridden_ops() -> List[str]:
     return [name for name in _OVERRIDES if hasattr(torch.ops.aten, name)]
 
 
+# aten::_scaled_dot_product_flash_attention, the op of every SDPA call, is served
+# by a C++ kernel (csrc/ops/sdpa_flash_override.cpp) where this torch takes it: a
+# Python kernel costs each call a trip from the dispatcher into Python and back
+# (PERF_LOG 2026-11-29, per-call host cost). The C++ kernel hands every call it
+# does not serve itself (dropout, a debug mask, padded head dims, anything to
+# refuse) to flash_attn::_sdpa_flash_fallback, which runs the Python override
+# above, so results and errors are the same. FLASH_ATTN_CUDA_SDPA_PYTHON=1 keeps
+# the Python override registered instead (for an A/B of the two).
+_CPP_KERNEL_OP = "_scaled_dot_product_flash_attention"
+
+
+def _cpp_kernel_wanted() -> bool:
+    return os.environ.get("FLASH_ATTN_CUDA_SDPA_PYTHON", "0") != "1" and hasattr(
+        torch.ops.flash_attn, "_sdpa_flash_override"
+    )
+
+
+def _fallback(*args, **kwargs):
+    # Looked up per call: the override in _OVERRIDES is the one installed.
+    return _OVERRIDES[_CPP_KERNEL_OP](*args, **kwargs)
+
+
+def _register_fallback() -> None:
+    if not hasattr(torch.ops.flash_attn, "_sdpa_flash_fallback"):
+        return
+    global _FALLBACK_LIBRARY
+    _FALLBACK_LIBRARY = torch.library.Library("flash_attn", "IMPL")
+    _FALLBACK_LIBRARY.impl("_sdpa_flash_fallback", _fallback, "CompositeExplicitAutograd")
+
+
+_FALLBACK_LIBRARY: Optional[torch.library.Library] = None
+_register_fallback()
+
+
 class _ProviderHandle:
     """What the registry keeps while the provider is active; remove() takes our
     kernels out of the dispatcher, which brings back torch's own."""
 
-    def __init__(self, libraries: List[torch.library.Library]):
+    def __init__(self, libraries: List[torch.library.Library], cpp_keys: Sequence[str] = ()):
         self.libraries = libraries
+        self.cpp_keys = list(cpp_keys)
 
     def remove(self) -> None:
+        for key in self.cpp_keys:
+            torch.ops.flash_attn._sdpa_flash_override(key, False)
+        self.cpp_keys = []
         for lib in self.libraries:
             destroy = getattr(lib, "_destroy", None)
             if destroy is not None:
@@ -739,17 +778,24 @@ def _install(dispatch_keys: Sequence[str] = ("CUDA",)) -> _ProviderHandle:
     ops have no kernel of their own) to run SDPA's autograd formulas, varlen_attn
     and context parallelism on the CPU path of the ops.
     """
-    libraries = []
+    libraries, cpp_keys = [], []
     for key in dispatch_keys:
         lib = torch.library.Library("aten", "IMPL", key)
         with warnings.catch_warnings():
             # Replacing torch's kernel is the point; its "Overriding a previously
             # registered kernel" warning says nothing the user did not ask for.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            if (
+                _cpp_kernel_wanted()
+                and hasattr(torch.ops.aten, _CPP_KERNEL_OP)
+                and torch.ops.flash_attn._sdpa_flash_override(key, True)
+            ):
+                cpp_keys.append(key)
             for name in overridden_ops():
-                lib.impl(name, _OVERRIDES[name], key)
+                if not (name == _CPP_KERNEL_OP and key in cpp_keys):
+                    lib.impl(name, _OVERRIDES[name], key)
         libraries.append(lib)
-    return _ProviderHandle(libraries)
+    return _ProviderHandle(libraries, cpp_keys)
 
 
 def _arch_serves(arch: str, major: int, minor: int) -> bool:

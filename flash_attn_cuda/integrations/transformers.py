@@ -229,7 +229,7 @@ def attention_forward(
             f"mask of shape {tuple(attention_mask.shape)}; use attn_implementation='sdpa' or "
             "'eager' for custom 4-D masks"
         )
-    if any(d == 0 for d in query.shape):
+    if query.numel() == 0:
         raise ValueError(f"{IMPLEMENTATION}: query has a zero-sized dim: {tuple(query.shape)}")
 
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
@@ -237,7 +237,11 @@ def attention_forward(
     softcap = 0.0 if softcap is None else float(softcap)
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
-        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+        # Only a backward reads it, and none follows a forward run without grad
+        # (generation): the environment is not read on those calls.
+        deterministic = torch.is_grad_enabled() and (
+            os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+        )
     common = dict(
         softmax_scale=scaling,
         causal=causal,

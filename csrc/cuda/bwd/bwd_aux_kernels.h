@@ -61,11 +61,11 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
                         binfo.q_offset(params.dout, batch, head) +
                         int64_t(row) * params.dout.row_stride;
   // 8 elements (16 bytes) per lane per step; rows start 16-byte aligned and
-  // the head dim is a multiple of 8.
+  // O's and dO's head dim, head_dim_v, is a multiple of 8.
   constexpr int kVec = 8;
   float dot = 0.f;
   if (row_in_bounds) {
-    for (int col = lane * kVec; col < params.head_dim; col += kLanesPerRow * kVec) {
+    for (int col = lane * kVec; col < params.head_dim_v; col += kLanesPerRow * kVec) {
       const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
       const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
       const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
       params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
   store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
-      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim);
+      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim_v);
 }
 
 // Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
       dv_sum += dv_accum[g * head_stride + element];
     }
     dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-    dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
+    if (c < params.head_dim_v) dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
   }
 }
 

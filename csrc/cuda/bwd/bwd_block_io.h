@@ -57,7 +57,8 @@ __forceinline__ __device__ BwdKeyBlock bwd_key_block(const BwdParams& params,
 }
 
 // Global views of the block's (batch, head): gQ and gdO (kBlockM, D, m) over
-// all query blocks, gK and gV (kBlockN, D) at the block's keys.
+// all query blocks, gK and gV (kBlockN, D) at the block's keys. dO and V have
+// head_dim_v columns, Q and K head_dim; the tiles are D = kHeadDim wide.
 template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
 __forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const BlockInfo& binfo,
                                                  const BwdKeyBlock& block) {
@@ -71,12 +72,12 @@ __forceinline__ __device__ auto bwd_global_tiles(const BwdParams& params, const 
                          binfo.k_offset(params.v, block.batch, block.head_kv);
   Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(binfo.seqlen_q, params.head_dim),
                           make_stride(params.q.row_stride, _1{}));  // (seqlen_q, head_dim)
-  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                           make_stride(params.dout.row_stride, _1{}));  // (seqlen_q, head_dim)
+  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(binfo.seqlen_q, params.head_dim_v),
+                           make_stride(params.dout.row_stride, _1{}));  // (seqlen_q, head_dim_v)
   Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(binfo.seqlen_k, params.head_dim),
                           make_stride(params.k.row_stride, _1{}));  // (seqlen_k, head_dim)
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim)
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim_v),
+                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim_v)
   return make_tuple(
       local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
       local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0)),
@@ -195,8 +196,8 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
                       binfo.k_offset(params.dv, block.batch, block.head_kv);
     Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(binfo.seqlen_k, params.head_dim),
                              make_stride(params.dk.row_stride, _1{}));  // (seqlen_k, head_dim)
-    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                             make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim_v),
+                             make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim_v)
     // (N, D)
     Tensor gdK =
         local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
@@ -212,12 +213,15 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);             // (CPY, CPY_N, CPY_D)
     Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
     make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
-    Tensor tdKrdK = make_fragment_like(tdKsdK);  // (CPY, CPY_N, CPY_D)
-    Tensor tdVrdV = make_fragment_like(tdVsdV);  // (CPY, CPY_N, CPY_D)
+    // dV has head_dim_v columns; its predicate is evaluated at the store (a
+    // second array in registers spilled the SM80 backward).
+    const auto tdVpdV = cols_below(tdKVcdKV, params.head_dim_v);  // (CPY_D)
+    Tensor tdKrdK = make_fragment_like(tdKsdK);                   // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);                   // (CPY, CPY_N, CPY_D)
     copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdKVpdKV, block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdVpdV, block.cols_left);
   } else if (!params.deterministic) {
     const int64_t sum_offset =
         dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +

@@ -36,7 +36,11 @@ struct FwdParams {
   int nheads_k;
   int seqlen_q;  // max over the batch for varlen
   int seqlen_k;
-  int head_dim;  // actual; the kernel's compiled head dim is >= this
+  int head_dim;  // d_qk, actual; the kernel's compiled head dim is >= this
+  // d_v <= head_dim: the columns of v, o (and new_v, dout, dv). The kernels
+  // read V (and dO) with the columns past it zero-filled and write only
+  // these columns of O (and dV); the compiled width is chosen by head_dim.
+  int head_dim_v;
 
   // Varlen: int32 prefix sums of length batch + 1; null for fixed length.
   const int* cu_seqlens_q;

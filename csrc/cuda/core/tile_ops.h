@@ -165,4 +165,23 @@ __forceinline__ __device__ void make_col_predicate(Tensor0& col_in_bounds, const
   }
 }
 
+// The column predicate of make_col_predicate, evaluated where a copy reads it
+// instead of held in registers: for a kernel already at its register limit
+// (the SM80 backward's epilogue), where one more predicate array spilled. identity is a copy
+// partition of an identity tensor, (CPY, CPY_M, CPY_D) -> (row, col); cols is the tensor's width,
+// referred to where it lives (a kernel parameter) rather than copied into a register.
+template <typename TensorCoord>
+struct ColsBelow {
+  const TensorCoord& identity;
+  const int& cols;
+  __forceinline__ __device__ bool operator()(int k) const {
+    return get<1>(identity(0, 0, k)) < cols;
+  }
+};
+template <typename TensorCoord>
+__forceinline__ __device__ ColsBelow<TensorCoord> cols_below(const TensorCoord& identity,
+                                                             const int& cols) {
+  return {identity, cols};
+}
+
 }  // namespace flash

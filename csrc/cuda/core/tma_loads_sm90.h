@@ -58,22 +58,24 @@ __host__ __device__ inline int tma_batches(const FwdParams& p) {
   return p.cu_seqlens_q ? 1 : p.batch;
 }
 
-// The (rows, head dim) of one head of one sequence as TMA coordinates: its
+// The (rows, cols) of one head of one sequence as TMA coordinates: its
 // (head, batch) slice, moved to the sequence's first row when varlen; of a
-// tensor shaped like q (tma_q_of) or like k and v (tma_kv_of).
+// tensor shaped like q (tma_q_of) or like k and v (tma_kv_of). cols is the
+// tensor's own width, as its descriptor was made: head_dim for q and k,
+// head_dim_v for v and dO.
 template <typename Copy>
 __device__ auto tma_q_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head,
-                         int batch) {
-  // (rows, head_dim, head, batch)
-  Tensor m = copy.get_tma_tensor(make_shape(tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p)));
+                         int batch, int cols) {
+  // (rows, cols, head, batch)
+  Tensor m = copy.get_tma_tensor(make_shape(tma_q_rows(p), cols, p.nheads, tma_batches(p)));
   return domain_offset(make_coord(int(binfo.q_row_begin), _0{}),
                        m(_, _, head, binfo.varlen ? 0 : batch));
 }
 template <typename Copy>
 __device__ auto tma_kv_of(const Copy& copy, const FwdParams& p, const BlockInfo& binfo, int head_kv,
-                          int batch) {
-  // (rows, head_dim, head, batch)
-  Tensor m = copy.get_tma_tensor(make_shape(tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p)));
+                          int batch, int cols) {
+  // (rows, cols, head, batch)
+  Tensor m = copy.get_tma_tensor(make_shape(tma_k_rows(p), cols, p.nheads_k, tma_batches(p)));
   return domain_offset(make_coord(int(binfo.k_row_begin), _0{}),
                        m(_, _, head_kv, binfo.varlen ? 0 : batch));
 }
@@ -172,12 +174,15 @@ struct FwdSm90Tma {
       const int page_size = p.page_size.divisor;
       return paged_tma_can_load(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k,
                                 Traits::kBlockN) &&
-             paged_tma_can_load(p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v,
+             paged_tma_can_load(p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v,
                                 Traits::kBlockN);
     }
     return tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
-           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
   }
+  // v's descriptors have head_dim_v columns: the boxes stay kHeadDim wide,
+  // and TMA fills the columns past the tensor's end with zeros (and counts
+  // their bytes), so P V sees zero columns there.
   static FwdSm90Tma make(const FwdParams& p) {
     using Element = typename Traits::Element;
     const bool paged = p.block_table != nullptr;
@@ -187,7 +192,7 @@ struct FwdSm90Tma {
     const int kv_batches = paged ? 1 : tma_batches(p);
     FwdSm90Tma tma{LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
                    LoadKV::make(p.k_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.k),
-                   LoadKV::make(p.v_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.v),
+                   LoadKV::make(p.v_ptr, kv_rows, p.head_dim_v, p.nheads_k, kv_batches, p.v),
                    {},
                    {},
                    0};
@@ -197,14 +202,16 @@ struct FwdSm90Tma {
       tma.k_paged = make_paged_tma_descriptor<Element, kAtomCols>(
           p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k, tma.paged_box_rows);
       tma.v_paged = make_paged_tma_descriptor<Element, kAtomCols>(
-          p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v, tma.paged_box_rows);
+          p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v, tma.paged_box_rows);
     }
     return tma;
   }
 };
 
 // The backward's descriptors: Q and dO tiles of (kBlockM, head dim) into one
-// buffer of their stages, K and V of the block's (kBlockN, head dim).
+// buffer of their stages, K and V of the block's (kBlockN, head dim). dO and
+// V have head_dim_v columns; TMA zero-fills the rest of their boxes, so
+// dP = dO V^T sums zeros there.
 template <typename Traits>
 struct BwdSm90Tma {
   using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQdOBuffer,
@@ -218,15 +225,15 @@ struct BwdSm90Tma {
 
   static bool can_load(const BwdParams& p) {
     return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
-           tma_can_load(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout) &&
+           tma_can_load(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout) &&
            tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
-           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+           tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
   }
   static BwdSm90Tma make(const BwdParams& p) {
     return {LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
-            LoadQ::make(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout),
+            LoadQ::make(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout),
             LoadKV::make(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k),
-            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v)};
+            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v)};
   }
 };
 

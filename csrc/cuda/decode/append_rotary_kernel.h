@@ -74,7 +74,8 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
       rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, entry.rotary_start + i);
   const int d0 = chunk * kElemsPerThread;
   copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
-  copy_chunk(v_src, v_cache, d0, rotary, 0, false);
+  // v has head_dim_v columns of the head_dim the chunks walk.
+  if (d0 < p.head_dim_v) copy_chunk(v_src, v_cache, d0, rotary, 0, false);
 }
 
 // Chunk `index` of the (batch, query row, head) vectors of q.

@@ -81,13 +81,16 @@ struct SplitKvAppend {
         const int col = index % kChunksPerRow * kRotaryChunkElems;
         const int stage = stage_of_key(it, key);
         const int tile_row = key % kBlockN;
-        const bool ok = col < params.head_dim;
+        // new_v has head_dim_v columns; the stage's columns past it are zeros,
+        // as the producer leaves them for the cache's rows.
         cp_async_16_or_zero(
             &smem.stage_k(stage)(tile_row, col),
-            new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key) + col, ok);
+            new_row_of(params.new_k_ptr, params.new_k, it, key - first_new_key) + col,
+            col < params.head_dim);
         cp_async_16_or_zero(
             &smem.stage_v(stage)(tile_row, col),
-            new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key) + col, ok);
+            new_row_of(params.new_v_ptr, params.new_v, it, key - first_new_key) + col,
+            col < params.head_dim_v);
       }
     }
     if (rotating) {
@@ -165,6 +168,8 @@ struct SplitKvAppend {
       const CacheRowAt at = cache_row_at(params, it.batch, it.cache, it.cache.leftpad + key);
       *reinterpret_cast<uint4*>(k_cache + cache_offset(at, it.head_kv, params.k) + col) =
           *reinterpret_cast<const uint4*>(&smem.stage_k(stage)(tile_row, col));
+      // v_cache has head_dim_v columns (and may be a column slice of k_cache).
+      if (col >= params.head_dim_v) continue;
       *reinterpret_cast<uint4*>(v_cache + cache_offset(at, it.head_kv, params.v) + col) =
           *reinterpret_cast<const uint4*>(&smem.stage_v(stage)(tile_row, col));
     }

@@ -48,8 +48,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t row = blockIdx.x;
   const int64_t rows_per_split = int64_t(params.batch) * params.nheads * params.seqlen_q;
   const int num_splits = params.num_splits;
-  // head_dim is a multiple of 8, so a thread's 4 columns are all in or all out.
-  const bool owns_columns = group < kSplitGroups && col < params.head_dim;
+  // O's columns: head_dim_v is a multiple of 8, so a thread's 4 columns are
+  // all in or all out; the partials hold nothing past it.
+  const bool owns_columns = group < kSplitGroups && col < params.head_dim_v;
   const int64_t split_stride = rows_per_split * kHeadDim;
   const float* accum_row = params.out_accum_ptr + row * kHeadDim + col;
 

@@ -78,7 +78,7 @@ struct SplitKvEpilogue {
       const int tile_row = chunk / kChunksPerRow;
       const int col = (chunk % kChunksPerRow) * 4;
       if (tile_row >= target.rows_left) break;  // the rows run in order
-      if (col >= params.head_dim) continue;
+      if (col >= params.head_dim_v) continue;   // O's columns only
       float2 stats[kWarpsN];
       float max_all = -INFINITY;
       CUTE_UNROLL

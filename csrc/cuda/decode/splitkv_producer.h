@@ -163,8 +163,9 @@ struct SplitKvTileLoader {
     }
   }
 
-  // K and V of one tile into one stage. Rows past the keys and columns past
-  // head_dim are zero-filled (zeros, not stale data: P V multiplies them by 0).
+  // K and V of one tile into one stage. Rows past the keys, K's columns past
+  // head_dim and V's past head_dim_v are zero-filled (zeros, not stale data:
+  // P V multiplies them by 0, and O's columns past head_dim_v are not stored).
   // In the prologue (in_prologue), rows from the item's first new row on are
   // left to SplitKvAppend::load_inputs when the kernel appends: nothing else
   // may write their bytes. The new rows are the last keys, so they lie in an
@@ -195,9 +196,10 @@ struct SplitKvTileLoader {
       CUTE_UNROLL
       for (int k = 0; k < kCopyCols; ++k) {
         const int col = get<1>(tKVcKV_(0, m, k));
-        const bool ok = row_ok && col < params_.head_dim;
-        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, ok);
-        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, ok);
+        const bool k_ok = row_ok && col < params_.head_dim;
+        const bool v_ok = row_ok && col < params_.head_dim_v;
+        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok);
+        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
       }
     };
     if (is_paged(it)) {

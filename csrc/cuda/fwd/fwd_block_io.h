@@ -53,7 +53,9 @@ __forceinline__ __device__ FwdBlock fwd_block(const FwdParams& params, const Fwd
 }
 
 // Global views of the block's (batch, head), (rows, head dim), tiled by
-// block: gQ and gO (kBlockM, D) at m_block, gK and gV (kBlockN, D, n).
+// block: gQ and gO (kBlockM, D) at m_block, gK and gV (kBlockN, D, n). V and
+// O have head_dim_v columns, Q and K head_dim; every tile is D = kHeadDim
+// wide, and the copies' column predicates keep to each tensor's own width.
 template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
 __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const BlockInfo& binfo,
                                                  const FwdBlock& block) {
@@ -69,10 +71,10 @@ __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const 
                           make_stride(params.q.row_stride, _1{}));  // (seqlen_q, head_dim)
   Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(binfo.seqlen_k, params.head_dim),
                           make_stride(params.k.row_stride, _1{}));  // (seqlen_k, head_dim)
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim),
-                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim)
-  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(binfo.seqlen_q, params.head_dim),
-                          make_stride(params.o.row_stride, _1{}));  // (seqlen_q, head_dim)
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(binfo.seqlen_k, params.head_dim_v),
+                          make_stride(params.v.row_stride, _1{}));  // (seqlen_k, head_dim_v)
+  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(binfo.seqlen_q, params.head_dim_v),
+                          make_stride(params.o.row_stride, _1{}));  // (seqlen_q, head_dim_v)
   return make_tuple(
       local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0)),
       local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),

@@ -64,15 +64,15 @@ bool fwd_tma_can_load(const FwdParams& p) {
     const int page_size = p.page_size.divisor;
     return page_size % 8 == 0 &&
            tma_can_describe(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k) &&
-           tma_can_describe(p.v_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.v);
+           tma_can_describe(p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v);
   }
   return tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
-         tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.v);
+         tma_can_describe(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
 }
 
 bool bwd_tma_can_load(const BwdParams& p) {
   return fwd_tma_can_load(p) &&
-         tma_can_describe(p.do_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.dout);
+         tma_can_describe(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout);
 }
 
 // ---------------------------------------------------------------- forward
@@ -355,12 +355,12 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
     plan.block_m = row.block_m_sm90;
     plan.reason = "Hopper kernel";
-    // Deterministic: key blocks add their dQ in key-block order, one block
-    // per key block as in the default mode (BwdSm90DQOrder; PERF_LOG
-    // 2026-11-28, ordered dQ). The order a query block's semaphore counts is
-    // the key blocks' own only when every query block's first contributor is
-    // key block 0, that is with no left window bound; the ordered kernel is
-    // a variant of the plain one. Otherwise dQ splits.
+    // Deterministic: key blocks add their dQ in a fixed order, the last key
+    // block first, one block per key block as in the default mode
+    // (bwd_sm90_dq_turn; PERF_LOG 2026-11-28, ordered dQ). A query block's
+    // turns count its contributors only when they are key blocks 0 ..
+    // n - 1, that is with no left window bound; the ordered kernel is a
+    // variant of the plain one. Otherwise dQ splits.
     if (params.deterministic) {
       plan.ordered_dq = params.window_left < 0 && !score_mods;
       if (!plan.ordered_dq) use_dq_splits(plan, params, device);
@@ -369,6 +369,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.kernel = BwdKernel::kSm80;
+  plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
   if (params.deterministic) use_dq_splits(plan, params, device);
   // The large-shared-memory tile: plain variant only, where the device has room.

@@ -154,6 +154,11 @@ struct BwdPlan {
   int64_t grid_x = 0;  // key blocks, or num_splits when deterministic with splits
   int grid_y = 1;      // heads
   int grid_z = 1;      // batch
+  // d_v < d_qk on the SM80 kernel, which reads dO and V at d_qk columns (at
+  // its register limit, column predicates of their own spilled it, ptxas
+  // sm_90a d128 / d192): the op hands it v, out and dout zero-padded to d_qk
+  // and crops dv (the Hopper kernel reads them at d_v columns).
+  bool pad_v = false;
   const char* reason = "";
 };
 
@@ -169,8 +174,9 @@ constexpr int kBwdSm90BarrierBytes = 48;  // sizeof(BwdSm90Barriers<2>)
 constexpr int bwd_sm90_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
   const int ds = 2 * block_m * block_n * 2;
   const int p = block_n == 128 ? 0 : ds;  // the split design keeps P^T in shared memory
+  const int dq = block_n == 128 ? block_m * head_dim * 4 : 0;  // and dQ in registers
   return 2 * stages * block_m * head_dim * 2 + 2 * block_n * head_dim * 2 + ds + p +
-         stages * 2 * block_m * 4 + kBwdSm90BarrierBytes;
+         stages * 2 * block_m * 4 + dq + kBwdSm90BarrierBytes;
 }
 constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool double_buffer) {
   const int buffers = double_buffer ? 2 : 1;

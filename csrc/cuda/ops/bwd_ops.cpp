@@ -136,6 +136,39 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
   return ws;
 }
 
+// BwdPlan::pad_v: the kernel the plan chose reads dO and V at d_qk columns,
+// so it runs on v, out and dout zero-padded to d_qk (api/head_dims.h) and
+// writes a d_qk-wide dv, which the op crops into the caller's dv (returned,
+// with the padded tensors, to keep them alive across the launch). Without
+// pad_v, nothing: the params keep the inputs at their own width.
+struct PaddedValues {
+  at::Tensor v, out, dout, dv;
+};
+PaddedValues pad_values_for_plan(BwdParams& params, const BwdPlan& plan, const at::Tensor& v,
+                                 const at::Tensor& out, const at::Tensor& dout,
+                                 const at::Tensor& dk, bool varlen) {
+  if (!plan.pad_v) return {};
+  PaddedValues padded{pad_head_dim(v, params.head_dim), pad_head_dim(out, params.head_dim),
+                      pad_head_dim(dout, params.head_dim), at::zeros_like(dk)};
+  params.v_ptr = padded.v.data_ptr();
+  params.o_ptr = padded.out.data_ptr();
+  params.do_ptr = padded.dout.data_ptr();
+  params.dv_ptr = padded.dv.data_ptr();
+  params.v = strides_of(padded.v, varlen);
+  params.o = strides_of(padded.out, varlen);
+  params.dout = strides_of(padded.dout, varlen);
+  params.dv = strides_of(padded.dv, varlen);
+  params.head_dim_v = params.head_dim;
+  return padded;
+}
+
+// The caller's dv: the kernel's own, or the first d_v columns of the padded one.
+at::Tensor finish_dv(const at::Tensor& dv, const PaddedValues& padded) {
+  if (!padded.dv.defined()) return dv;
+  dv.copy_(padded.dv.narrow(-1, 0, dv.size(-1)));
+  return dv;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -158,23 +191,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk =
       at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim}, q_in.options());
-  at::Tensor dv = at::empty_like(dk);
+  at::Tensor dv =
+      at::empty({shape.batch, shape.seqlen_k, shape.nheads_k, shape.head_dim_v}, q_in.options());
   if (shape.batch == 0 || shape.nheads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
     // No query sees a key: every gradient is zero, and so is every output row.
     dq.zero_();
     dk.zero_();
     dv.zero_();
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+    return {dq, dk, dv};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
-  // dv has d_qk columns until the return.
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
-  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
-  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
+  // d_v < d_qk: the kernels of d_qk read v, out and dout and write dv at
+  // their own width (FwdParams::head_dim_v).
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
@@ -191,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   params.seqlen_q = shape.seqlen_q;
   params.seqlen_k = shape.seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = nullptr;
   params.cu_seqlens_k = nullptr;
   params.total_q = 0;
@@ -204,8 +239,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const BwdWorkspace workspace = make_bwd_workspace(
       params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
       softmax_d);
+  const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, false);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+  return {dq, dk, finish_dv(dv, padded)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
@@ -232,20 +268,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // kernels (BlockInfo bounds every loop and the dQ conversion by them).
   at::Tensor dq = at::zeros({shape.total_q, shape.nheads, shape.head_dim}, q_in.options());
   at::Tensor dk = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim}, q_in.options());
-  at::Tensor dv = at::zeros_like(dk);
+  at::Tensor dv = at::zeros({shape.total_k, shape.nheads_k, shape.head_dim_v}, q_in.options());
   if (shape.batch == 0 || shape.nheads == 0 || shape.total_q == 0 || shape.total_k == 0 ||
       shape.max_seqlen_q == 0 || shape.max_seqlen_k == 0) {
     if (softmax_d.has_value()) softmax_d->zero_();
-    return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+    return {dq, dk, dv};
   }
 
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  // d_v < d_qk: the d_qk problem on zero-padded v, out and dout (api/head_dims.h);
-  // dv has d_qk columns until the return.
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
-  const at::Tensor out = aligned_for_16b_loads(pad_head_dim(out_in, shape.head_dim));
-  const at::Tensor dout = aligned_for_16b_loads(pad_head_dim(dout_in, shape.head_dim));
+  // d_v < d_qk: v, out, dout and dv at their own width, as in bwd_cuda.
+  const at::Tensor v = aligned_for_16b_loads(v_in);
+  const at::Tensor out = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(dout_in);
   const at::Tensor softmax_lse = softmax_lse_in.contiguous();
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
@@ -266,6 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   params.seqlen_q = shape.max_seqlen_q;
   params.seqlen_k = shape.max_seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
@@ -284,9 +320,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // the rest, so that sink_grad takes nothing from them whatever out holds
   // there. One fill of an (nheads, total_q) fp32 tensor.
   if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
+  const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, true);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {dq, dk, crop_head_dim(dv, shape.head_dim_v)};
+  return {dq, dk, finish_dv(dv, padded)};
 }
 
 }  // namespace flash

@@ -12,7 +12,6 @@
 #include <tuple>
 #include <vector>
 
-#include "api/head_dims.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/fwd/paged_keys_check.h"
 #include "cuda/launch/launcher_registry.h"
@@ -82,24 +81,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
     check_out_arg("flash_attn", *out_given, q_in, out_shape,
                   "(batch, seqlen_q, nheads, head_dim_v)", {&q_in, &k_in, &v_in});
   }
-  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
-  const bool pad_v = shape.head_dim_v != shape.head_dim;
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
+  // d_v < d_qk runs on the kernel of d_qk, which reads v and writes out at
+  // their own width (FwdParams::head_dim_v): no padded copy.
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
+  const at::Tensor v = aligned_for_16b_loads(v_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.seqlen_k);
 
-  at::Tensor out =
-      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
-            : output_buffer(out_given, out_shape, q.options());
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor s_dmask =
@@ -116,6 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   params.seqlen_q = shape.seqlen_q;
   params.seqlen_k = shape.seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = nullptr;
   params.cu_seqlens_k = nullptr;
   params.total_q = 0;
@@ -126,8 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
-  return {finish_output(out_given, crop_head_dim(out, shape.head_dim_v)), softmax_lse, s_dmask,
-          rng_state_out};
+  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
 
 // varlen_fwd and varlen_fwd_out: the output goes into out_given when there is
@@ -151,20 +148,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim_v)",
                   {&q_in, &k_in, &v_in});
   }
-  // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
-  const bool pad_v = shape.head_dim_v != shape.head_dim;
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
+  // d_v < d_qk: v and out at their own width, as in fwd_cuda_into.
   const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   // Paged K/V are read in place: the kernels locate each key through the
   // block table (paged_rows.h), cu_seqlens_k then gives lengths only.
   const at::Tensor k = aligned_for_16b_loads(k_in);
-  const at::Tensor v = aligned_for_16b_loads(pad_head_dim(v_in, shape.head_dim));
+  const at::Tensor v = aligned_for_16b_loads(v_in);
   const at::Tensor cu_k = cu_seqlens_k.contiguous();
   const at::Tensor used_k = seqused_k.has_value() ? seqused_k->contiguous() : at::Tensor();
   const at::Tensor used_q = seqused_q.has_value() ? seqused_q->contiguous() : at::Tensor();
@@ -173,8 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
 
-  at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
-                         : output_buffer(out_given, out_shape, q.options());
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
   at::Tensor softmax_lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   if (used_q.defined()) {
     // The kernels compute and write only each sequence's first seqused_q[b]
@@ -193,9 +188,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
       // A caller's out keeps its rows past seqused_q, as FA3 does: a serving
       // engine passes out= to avoid every write it does not need (the padded
       // query slots of a captured batch) and reads only the used rows. A
-      // scratch buffer (padded head dim, unaligned out) is copied back
-      // whole, so it starts from the caller's values.
-      out.narrow(-1, 0, shape.head_dim_v).copy_(*out_given);
+      // scratch buffer (an unaligned out) is copied back whole, so it starts
+      // from the caller's values.
+      out.copy_(*out_given);
     }
   }
   at::Tensor s_dmask =
@@ -226,6 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   params.seqlen_q = shape.max_seqlen_q;
   params.seqlen_k = shape.max_seqlen_k;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = cu_q.data_ptr<int>();
   params.cu_seqlens_k = cu_k.data_ptr<int>();
   params.seqused_k = used_k.defined() ? used_k.data_ptr<int>() : nullptr;
@@ -242,8 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   launch_check_paged_keys(params, at::cuda::getCurrentCUDAStream().stream());
   launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
-  return {finish_output(out_given, crop_head_dim(out, shape.head_dim_v)), softmax_lse, s_dmask,
-          rng_state_out};
+  return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
 
 }  // namespace

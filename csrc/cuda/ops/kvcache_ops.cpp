@@ -12,7 +12,6 @@
 #include <tuple>
 #include <vector>
 
-#include "api/head_dims.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/append_rotary_launch.h"
 #include "cuda/launch/launcher_registry.h"
@@ -84,10 +83,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                   "(batch, seqlen_q, nheads, head_dim_v)",
                   {&q_in, &k_cache, &v_cache, k_in ? &*k_in : nullptr, v_in ? &*v_in : nullptr});
   }
-  // d_v < d_qk: the append and the attention use a zero-padded copy of
-  // v_cache, whose new rows go back into v_cache after the launches
-  // (api/head_dims.h).
-  const bool pad_v = shape.head_dim_v != shape.head_dim;
+  // d_v < d_qk: the kernels of d_qk read v_cache in place and append v's
+  // rows to it at their own width (FwdParams::head_dim_v), so a v_cache that
+  // is a column slice of a wider buffer (k_cache[..., :d_v]) is used as it is.
   TORCH_CHECK(num_splits >= 0, "fwd_kvcache: num_splits must be >= 0 (0 chooses), got ",
               num_splits);
   const std::optional<at::Tensor> learnable_sink =
@@ -116,10 +114,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const std::optional<at::Tensor> k_new =
       appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*k_in)) : std::nullopt;
   const std::optional<at::Tensor> v_new =
-      appending
-          ? std::optional<at::Tensor>(aligned_for_16b_loads(pad_head_dim(*v_in, shape.head_dim)))
-          : std::nullopt;
-  const at::Tensor v_cache_attn = pad_head_dim(v_cache, shape.head_dim);
+      appending ? std::optional<at::Tensor>(aligned_for_16b_loads(*v_in)) : std::nullopt;
   const std::optional<at::Tensor> cache_seqlens = contiguous_or_none(cache_seqlens_in);
   const std::optional<at::Tensor> cache_leftpad = contiguous_or_none(cache_leftpad_in);
   const std::optional<at::Tensor> cache_batch_idx = contiguous_or_none(cache_batch_idx_in);
@@ -127,29 +122,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const std::optional<at::Tensor> rotary_seqlens = contiguous_or_none(rotary_seqlens_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
 
-  at::Tensor out =
-      pad_v ? at::empty(q_shape, q.options()) : output_buffer(out_given, out_shape, q.options());
-  // After the launches: v_cache's new rows and the caller's out.
-  auto finish = [&]() -> at::Tensor {
-    if (pad_v && appending) {
-      copy_appended_v_rows(v_cache, v_cache_attn, shape, *cache_seqlens, cache_batch_idx,
-                           block_table);
-    }
-    return finish_output(out_given, crop_head_dim(out, shape.head_dim_v));
-  };
+  at::Tensor out = output_buffer(out_given, out_shape, q.options());
+  // After the launches: the caller's out.
+  auto finish = [&]() -> at::Tensor { return finish_output(out_given, out); };
   at::Tensor softmax_lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
 
   KvcacheParams params{};
   params.q_ptr = q.data_ptr();
   params.k_ptr = k_cache.data_ptr();
-  params.v_ptr = v_cache_attn.data_ptr();
+  params.v_ptr = v_cache.data_ptr();
   params.o_ptr = out.data_ptr();
   params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
   params.p_ptr = nullptr;
   params.q = strides_of(q, false);
   params.k = strides_of(k_cache, false);
-  params.v = strides_of(v_cache_attn, false);
+  params.v = strides_of(v_cache, false);
   params.o = strides_of(out, false);
   params.batch = shape.batch;
   params.nheads = shape.nheads;
@@ -157,6 +145,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.seqlen_q = shape.seqlen_q;
   params.seqlen_k = shape.cache_capacity;
   params.head_dim = shape.head_dim;
+  params.head_dim_v = shape.head_dim_v;
   params.cu_seqlens_q = nullptr;
   params.cu_seqlens_k = nullptr;
   params.total_q = 0;

@@ -3,8 +3,10 @@
 
 #include <ATen/cuda/CUDAContext.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 
 #include "common/philox.h"
 #include "cuda/launch/launcher_registry.h"
@@ -12,10 +14,42 @@
 
 namespace flash {
 
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+DeviceDesc describe_device(int device) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  DeviceDesc desc;
+  desc.cc_major = props->major;
+  desc.cc_minor = props->minor;
+  desc.num_sms = props->multiProcessorCount;
+  desc.smem_per_block_optin = int(props->sharedMemPerBlockOptin);
+  desc.smem_per_sm = int(props->sharedMemPerMultiprocessor);
+  desc.reserved_smem_per_block = int(props->reservedSharedMemPerBlock);
+  desc.sm90a_built = built_with_sm90a();
+  return desc;
+}
+
+// The plans' description of `device`, made on its first call: the properties
+// do not change while the process runs, and every op reads them (a decode
+// step's host time is the call's cost: PERF_LOG 2026-11-29 host cost).
+const DeviceDesc& device_desc(int device) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "flash_attn_cuda: device index ", device,
+              " is out of range [0, ", kMaxDevices, ")");
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<DeviceDesc, kMaxDevices> descs;
+  std::call_once(once[device], [device] { descs[device] = describe_device(device); });
+  return descs[device];
+}
+
+}  // namespace
+
 void check_device_supported(const at::Tensor& q) {
+  if (device_desc(q.get_device()).cc_major >= 8) return;
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK(props->major >= 8, "flash_attn_cuda needs an sm80 or newer GPU; ", props->name,
-              " is sm", props->major, props->minor);
+  TORCH_CHECK(false, "flash_attn_cuda needs an sm80 or newer GPU; ", props->name, " is sm",
+              props->major, props->minor);
 }
 
 IndexErrorSink begin_index_checks(const at::Tensor& q) {
@@ -106,18 +140,7 @@ std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alib
   return alibi_slopes->contiguous();
 }
 
-DeviceDesc current_device_desc() {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  DeviceDesc device;
-  device.cc_major = props->major;
-  device.cc_minor = props->minor;
-  device.num_sms = props->multiProcessorCount;
-  device.smem_per_block_optin = int(props->sharedMemPerBlockOptin);
-  device.smem_per_sm = int(props->sharedMemPerMultiprocessor);
-  device.reserved_smem_per_block = int(props->reservedSharedMemPerBlock);
-  device.sm90a_built = built_with_sm90a();
-  return device;
-}
+DeviceDesc current_device_desc() { return device_desc(c10::cuda::current_device()); }
 
 KernelOverride kernel_override_from_env(const char* variable) {
   return parse_kernel_override(std::getenv(variable));

@@ -69,7 +69,7 @@ at::Tensor rng_state_for(int64_t philox_seed, int64_t philox_offset,
 
 std::optional<at::Tensor> contiguous_alibi(const std::optional<at::Tensor>& alibi_slopes);
 
-// The current device as the plans see it (plan.h).
+// The current device as the plans see it (plan.h), described once per device.
 DeviceDesc current_device_desc();
 
 // FLASH_ATTN_FWD_KERNEL / FLASH_ATTN_BWD_KERNEL, read once per call (the

@@ -57,6 +57,7 @@ void fill_call(FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t seqle
   params.nheads = static_cast<int>(nheads);
   params.nheads_k = static_cast<int>(nheads_k);
   params.head_dim = static_cast<int>(head_dim);
+  params.head_dim_v = static_cast<int>(head_dim);  // the plan depends on head_dim alone
   const Window window = normalize_window(causal, window_size_left, window_size_right, seqlen_k);
   params.window_left = window.left;
   params.window_right = window.right;

@@ -115,6 +115,9 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));             // (CPY_D)
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
+  // dO and V are read with Q's and K's predicates, at head_dim columns: for
+  // d_v < d_qk the op pads them (BwdPlan::pad_v), since predicates of their
+  // own spilled this kernel (it is at its register limit).
   // Whole tiles inside the tensors (all but the last block of a sequence whose
   // length is not a tile multiple) take the branch-free copy.
   const bool head_dim_is_full = params.head_dim == kHeadDim;

@@ -69,8 +69,10 @@ using namespace cute;
 // the dP^T product; ALiBi alone keeps that overlap, as the plain rule.
 //
 // kOrderedDQ (deterministic mode, plan.ordered_dq; plain variant only): one
-// key block per thread block, whose dQ additions wait for their turn
-// (BwdSm90DQOrder). A template flag, not a run-time branch, so that the
+// key block per thread block, the last launched first, walking its query
+// blocks from the first up, whose dQ additions wait for their turn
+// (bwd_sm90_dq_turn: BwdSm90DQWriter, or BwdSm90DQOrder above head dim
+// 128). A template flag, not a run-time branch, so that the
 // default kernel keeps its code: the order warp's code beside the load
 // warps' spilled theirs (PERF_LOG 2026-11-28, ordered dQ).
 template <typename Traits, bool kWithScoreMods = false, bool kOrderedDQ = false>
@@ -92,7 +94,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   const int head = pair.head;
   const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
-  const BwdSm90TileScheduler<kBlockN, kStages> scheduler(binfo.seqlen_k);
+  const BwdSm90TileScheduler<kBlockN, kStages, kOrderedDQ> scheduler(binfo.seqlen_k);
   // Deterministic with dQ splits: this block's slice (BwdSm90DQAccumulator).
   const int split = !kOrderedDQ && params.deterministic ? blockIdx.x : 0;
   auto& barriers = Storage::barriers();
@@ -112,22 +114,34 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
 
   if (tidx < 128) {
     // The producer warpgroup: warp 0's lane 0 issues the TMA copies, warp 1
-    // loads the row statistics, warp 2 orders the dQ additions in
-    // deterministic mode.
+    // loads the row statistics, warp 2 adds the staged dQ of each query block
+    // (BwdSm90DQWriter, head dims up to 128; in deterministic mode with
+    // ordered dQ, on the key block's turn) or else, ordered, keeps the order
+    // of the MMA warps' additions (BwdSm90DQOrder).
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     const int warp = tidx / 32;
     const int lane = tidx % 32;
-    if constexpr (kOrderedDQ) {
+    if constexpr (Traits::kDQThroughSmem) {
       if (warp == 2) {
-        // One key block per thread block (plan.cpp).
-        const BwdSm90DQOrder dq_order(params, batch, head);
-        dq_order.order(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, blockIdx.x),
-                       lane);
+        const BwdSm90DQWriter<Traits, kOrderedDQ> dq_writer(params, binfo, batch, head, split);
+        for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
+          dq_writer.write(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block),
+                          lane);
+        }
+        return;
+      }
+    } else if constexpr (kOrderedDQ) {
+      if (warp == 2) {
+        const BwdSm90DQOrder<kBlockM, kBlockN> dq_order(params, binfo, batch, head);
+        for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
+          dq_order.order(bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block),
+                         lane);
+        }
         return;
       }
     }
     if (warp > 1) return;
-    const BwdSm90MainloopLoad<Traits> mainloop_load(params, tma, binfo, head, batch);
+    const BwdSm90MainloopLoad<Traits, kOrderedDQ> mainloop_load(params, tma, binfo, head, batch);
     for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
       const BwdKeyBlock block =
           bwd_key_block<kBlockM, kBlockN>(params, binfo, batch, head, walk.n_block);
@@ -145,7 +159,8 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   // partitions (the accumulators' layout, which the conversion kernels read).
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
   const int mma_tidx = tidx - 128;
-  BwdSm90MainloopMma<Traits, kWithScoreMods> mainloop(params, binfo, head, batch, mma_tidx);
+  BwdSm90MainloopMma<Traits, kWithScoreMods, kOrderedDQ> mainloop(params, binfo, head, batch,
+                                                                  mma_tidx);
   const BwdSm90Epilogue<Traits> epilogue(params, binfo, mma_tidx);
   for (auto walk = scheduler.first(); scheduler.valid(walk); scheduler.advance(walk)) {
     const BwdKeyBlock block =

@@ -138,6 +138,13 @@ struct BwdSm90KernelTraits {
   // order, in one chunk of the whole head dim.
   static constexpr int kDQChunks = 1;
   static constexpr int kDQChunkCols = kHeadDim;
+  // dQ through shared memory: the MMA warpgroups store each query block's dQ
+  // in that order into a staging buffer, which one producer warp adds into
+  // the accumulator's (contiguous) block with one bulk reduction
+  // (BwdSm90DQWriter), so that the MMA warps issue no global reductions.
+  // Head dims up to 128 (d128: 161 + 32 KiB); the split design (d256:
+  // 225 KiB already) keeps each thread's reductions.
+  static constexpr bool kDQThroughSmem = kKeysPerWarpGroup;
 
   // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
   using SmemLayoutAtom =
@@ -189,10 +196,14 @@ struct BwdSm90KernelTraits {
   static constexpr int kSmemSizeP = kKeysPerWarpGroup ? 0 : kSmemSizedS;
   // The lse and D = rowsum(dO * O) of each stage's query block, fp32.
   static constexpr int kSmemSizeRowStats = kStages * 2 * kBlockM * int(sizeof(float));
-  static constexpr int kSmemSizeTiles =
-      2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS + kSmemSizeP + kSmemSizeRowStats;
+  // dQ's staging buffer (kDQThroughSmem), one query block in fp32.
+  static constexpr int kSmemSizeDQ = kDQThroughSmem ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
+  static constexpr int kSmemSizeTiles = 2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS +
+                                        kSmemSizeP + kSmemSizeRowStats + kSmemSizeDQ;
   using Barriers = BwdSm90Barriers<kStages>;
   static_assert(kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
+  static_assert((kSmemSizeTiles - kSmemSizeDQ) % 128 == 0,
+                "dQ's staging buffer starts aligned for the bulk reduction (16 bytes)");
   static constexpr int kSmemSize = kSmemSizeTiles + int(sizeof(Barriers));
 };
 

@@ -38,8 +38,9 @@ using namespace cute;
 
 // The producer warpgroup's copies. Only two of its threads load: lane 0 of
 // warp 0 issues every TMA copy (load_tiles), warp 1 writes the row
-// statistics (load_row_stats); the other warps have left the kernel.
-template <typename Traits>
+// statistics (load_row_stats); the other warps have left the kernel or add
+// dQ. kAscending: the query blocks' order (bwd_sm90_walk_query_blocks).
+template <typename Traits, bool kAscending = false>
 struct BwdSm90MainloopLoad {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -85,10 +86,10 @@ struct BwdSm90MainloopLoad {
     Tensor sK = Storage::k();  // (N,D)
     Tensor sV = Storage::v();  // (N,D)
     Tensor gK =
-        local_tile(tma_kv_of(tma.k, params, binfo, block.head_kv, batch),
+        local_tile(tma_kv_of(tma.k, params, binfo, block.head_kv, batch, params.head_dim),
                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
     Tensor gV =
-        local_tile(tma_kv_of(tma.v, params, binfo, block.head_kv, batch),
+        local_tile(tma_kv_of(tma.v, params, binfo, block.head_kv, batch, params.head_dim_v),
                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
     auto [tKgK, tKsK] =
         tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));  // (TMA), (TMA)
@@ -100,22 +101,23 @@ struct BwdSm90MainloopLoad {
 
     Tensor sQ = Storage::q();      // (M,D,PIPE)
     Tensor sdO = Storage::dout();  // (M,D,PIPE)
-    Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch),
+    Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch, params.head_dim),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
-    Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch),
+    Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch, params.head_dim_v),
                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
     auto [tQgQ, tQsQ] =
         tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA,m), (TMA,PIPE)
     auto [tdOgdO, tdOsdO] = tma_partition(tma.dout, group_modes<0, 2>(sdO),
                                           group_modes<0, 2>(gdO));  // (TMA,m), (TMA,PIPE)
-    for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min;
-         --m_block, q_stages.advance()) {
-      const int stage = q_stages.stage();
-      empty_barrier(barriers.q_empty[stage]).wait(q_stages.phase() ^ 1);
-      full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
-      copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
-      copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
-    }
+    bwd_sm90_walk_query_blocks<kAscending>(
+        block.m_block_min, block.m_block_max, [&](int m_block, bool) {
+          const int stage = q_stages.stage();
+          empty_barrier(barriers.q_empty[stage]).wait(q_stages.phase() ^ 1);
+          full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
+          copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
+          copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
+          q_stages.advance();
+        });
   }
 
   // The statistics warp: the lse and D of each query block, beside its Q and
@@ -124,20 +126,21 @@ struct BwdSm90MainloopLoad {
   __forceinline__ __device__ void load_row_stats(const BwdKeyBlock& block, int lane,
                                                  QStages& q_stages) const {
     auto& barriers = Storage::barriers();
-    for (int m_block = block.m_block_max - 1; m_block >= block.m_block_min;
-         --m_block, q_stages.advance()) {
-      const int stage = q_stages.stage();
-      const int rows_left = binfo.seqlen_q - m_block * kBlockM;
-      empty_barrier(barriers.q_empty[stage]).wait(q_stages.phase() ^ 1);
-      float* stats = Storage::row_stats(stage);
-      CUTE_UNROLL
-      for (int row = lane; row < kBlockM; row += 32) {
-        const bool in_bounds = row < rows_left;
-        stats[row] = in_bounds ? lse_rows[m_block * kBlockM + row] : INFINITY;
-        stats[kBlockM + row] = in_bounds ? d_rows[m_block * kBlockM + row] : 0.f;
-      }
-      full_barrier(barriers.q_full[stage]).arrive();
-    }
+    bwd_sm90_walk_query_blocks<kAscending>(
+        block.m_block_min, block.m_block_max, [&](int m_block, bool) {
+          const int stage = q_stages.stage();
+          const int rows_left = binfo.seqlen_q - m_block * kBlockM;
+          empty_barrier(barriers.q_empty[stage]).wait(q_stages.phase() ^ 1);
+          float* stats = Storage::row_stats(stage);
+          CUTE_UNROLL
+          for (int row = lane; row < kBlockM; row += 32) {
+            const bool in_bounds = row < rows_left;
+            stats[row] = in_bounds ? lse_rows[m_block * kBlockM + row] : INFINITY;
+            stats[kBlockM + row] = in_bounds ? d_rows[m_block * kBlockM + row] : 0.f;
+          }
+          full_barrier(barriers.q_full[stage]).arrive();
+          q_stages.advance();
+        });
   }
 };
 
@@ -156,7 +159,7 @@ __forceinline__ __device__ auto bwd_sm90_score_coords(const ThrMmaSdP& thr_mma_s
 // dP^T, of the head-dim columns of dK and dV), and its half of dQ. Operands
 // in shared memory are wgmma descriptors, partitioned once per thread (in
 // the constructor) and kept for the whole walk.
-template <typename Traits, bool kWithScoreMods>
+template <typename Traits, bool kWithScoreMods, bool kAscending = false>
 struct BwdSm90MainloopMma {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -256,9 +259,10 @@ struct BwdSm90MainloopMma {
         exp_scale_log2(kWithScoreMods ? score_mods.exp_scale_log2() : params.softmax_scale_log2) {}
 
   // dK and dV of one key block, accumulated over the query blocks that see
-  // it; each block's dQ goes to dq_accum. (highest is compared here, where
-  // both sides are loop values: compared inside query_block against its
-  // parameter, the operands swap and the SASS changes.)
+  // it, in the order of bwd_sm90_walk_query_blocks; each block's dQ goes to
+  // dq_accum. (first is compared in the walk, where both sides are loop
+  // values: compared inside query_block against its parameter, the operands
+  // swap and the SASS changes.)
   template <typename TensorAcc, typename DQAccum>
   __forceinline__ __device__ void mma(const BwdKeyBlock& block, int round, QStages& q_stages,
                                       TensorAcc& acc_dk, TensorAcc& acc_dv,
@@ -267,17 +271,19 @@ struct BwdSm90MainloopMma {
     const int m_block_max = block.m_block_max;
     full_barrier(Storage::barriers().kv_full).wait(round & 1);
     if (m_block_max > m_block_min) {
-      for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block, q_stages.advance()) {
-        query_block(block, m_block, m_block == m_block_max - 1, q_stages, acc_dk, acc_dv, dq_accum);
-      }
+      bwd_sm90_walk_query_blocks<kAscending>(
+          m_block_min, m_block_max, [&](int m_block, bool first) {
+            query_block(block, m_block, first, q_stages, acc_dk, acc_dv, dq_accum);
+            q_stages.advance();
+          });
     }
   }
 
  private:
-  // One query block (highest: the key block's first, from the last down):
-  // its Q / dO stage waited for, handed back at the end.
+  // One query block (first: the walk's first): its Q / dO stage waited for,
+  // handed back at the end.
   template <typename TensorAcc, typename DQAccum>
-  __forceinline__ __device__ void query_block(const BwdKeyBlock& block, int m_block, bool highest,
+  __forceinline__ __device__ void query_block(const BwdKeyBlock& block, int m_block, bool first,
                                               const QStages& q_stages, TensorAcc& acc_dk,
                                               TensorAcc& acc_dv, const DQAccum& dq_accum) {
     auto& barriers = Storage::barriers();
@@ -288,8 +294,10 @@ struct BwdSm90MainloopMma {
     // after both are done reading b (issue_dv_dq_dk).
     const int ds_buffer = q_stages.count & 1;
     full_barrier(barriers.q_full[stage]).wait(q_stages.phase());
-    if (binfo.varlen && highest) {
-      zero_varlen_tails(block, row_begin, stage);
+    // The walk's first block zeroes the key tail; the highest (the first
+    // unless kAscending) the query tail.
+    if (binfo.varlen && (kAscending ? first || m_block == block.m_block_max - 1 : first)) {
+      zero_varlen_tails(block, row_begin, stage, first);
     }
 
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp,
@@ -333,12 +341,12 @@ struct BwdSm90MainloopMma {
   // (or rows of no sequence, whatever they hold). Their scores are masked and
   // their P is 0, but 0 times a K, V, Q or dO that is not finite would still
   // reach dQ, dK or dV, so those rows are zeroed before the first product
-  // reads them: the key block's last keys, and the last rows of its highest
-  // query block.
+  // reads them: the key block's last keys (with_keys: at the walk's first
+  // query block), and the last rows of its highest query block.
   __forceinline__ __device__ void zero_varlen_tails(const BwdKeyBlock& block, int row_begin,
-                                                    int stage) const {
+                                                    int stage, bool with_keys) const {
     const int seqlen_q = binfo.seqlen_q;
-    const bool zero_kv = block.cols_left < kBlockN;
+    const bool zero_kv = with_keys && block.cols_left < kBlockN;
     const bool zero_q = seqlen_q - row_begin < kBlockM;
     if (zero_kv || zero_q) {
       if (zero_kv) {

@@ -21,17 +21,22 @@ using namespace cute;
 // a varlen block's rows of another sequence are zeroed. Of the MMA
 // warpgroups and the dQ order warp (deterministic mode, BwdSm90DQOrder):
 // this key block's turn to add a query block's dQ has come; its dQ is added.
+// Of the MMA warpgroups and the dQ writer warp (BwdSm90DQWriter): dQ's
+// staging buffer is free; it holds a query block's dQ.
 enum class BwdSm90NamedBarrier : uint32_t {
   kDSWritten = 0,
   kEpilogue = 1,
   kZeroTails = 2,
   kDQTurn = 3,
   kDQAdded = 4,
+  kDQStagingFree = 5,
+  kDQStaged = 6,
 };
 
 // The block's dynamic shared memory: Q and dO (kStages buffers each), K, V,
 // dS and (split design) P^T (two buffers each), the row statistics of each
-// Q / dO stage, then the mbarriers. Stateless: every view is an offset from
+// Q / dO stage, dQ's staging buffer (Traits::kDQThroughSmem), then the
+// mbarriers. Stateless: every view is an offset from
 // the block's one dynamic shared array, a constant address wherever a role
 // builds it (a base pointer kept in the roles moved the mbarrier address
 // arithmetic in the SASS).
@@ -42,7 +47,7 @@ struct BwdSm90SharedStorage {
   static_assert(Traits::kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
   static_assert(Traits::kSmemSizeTiles == 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV +
                                               Traits::kSmemSizedS + Traits::kSmemSizeP +
-                                              Traits::kSmemSizeRowStats,
+                                              Traits::kSmemSizeRowStats + Traits::kSmemSizeDQ,
                 "the views below tile the block's shared memory in this order");
 
   static __forceinline__ __device__ char* base() {
@@ -88,6 +93,12 @@ struct BwdSm90SharedStorage {
                                  Traits::kSmemSizedS + Traits::kSmemSizeP);
     return all + stage * 2 * kBlockM;
   }
+  // dQ's staging buffer: one query block in the accumulator's order
+  // (bwd_accum_layout.h); 16-byte aligned, as every view before it is a
+  // multiple of 512 bytes.
+  static __forceinline__ __device__ float* dq_staging() {
+    return row_stats(0) + Traits::kSmemSizeRowStats / int(sizeof(float));
+  }
   static __forceinline__ __device__ typename Traits::Barriers& barriers() {
     return *reinterpret_cast<typename Traits::Barriers*>(base() + Traits::kSmemSizeTiles);
   }
@@ -123,9 +134,14 @@ struct BwdSm90WalkState {
 // The tile scheduler: a block walks key blocks blockIdx.x, blockIdx.x +
 // gridDim.x, ... (more than one only in deterministic mode, where the grid's
 // x is the number of dQ splits), and within each the query blocks that see
-// it, from the last down. The producer and the MMA warpgroups walk the same
-// sequence, each with a BwdSm90WalkState of its own.
-template <int kBlockN, int kStages>
+// it (bwd_sm90_walk_query_blocks). The producer and the MMA warpgroups walk
+// the same sequence, each with a BwdSm90WalkState of its own.
+//
+// kOrderedDQ (one key block per thread block): the last key block first,
+// block x taking key block gridDim.x - 1 - x, since with ordered dQ a key
+// block waits for the higher ones (bwd_sm90_dq_turn), which must therefore
+// start no later: blocks are launched in the order of their index.
+template <int kBlockN, int kStages, bool kOrderedDQ = false>
 struct BwdSm90TileScheduler {
   using WalkState = BwdSm90WalkState<kStages>;
   int num_n_blocks;
@@ -133,14 +149,35 @@ struct BwdSm90TileScheduler {
   __forceinline__ __device__ explicit BwdSm90TileScheduler(int seqlen_k)
       : num_n_blocks((seqlen_k + kBlockN - 1) / kBlockN) {}
 
-  static __forceinline__ __device__ WalkState first() { return {{}, 0, int(blockIdx.x)}; }
+  static __forceinline__ __device__ WalkState first() {
+    return {{}, 0, kOrderedDQ ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x)};
+  }
   __forceinline__ __device__ bool valid(const WalkState& walk) const {
     return walk.n_block < num_n_blocks;
   }
   static __forceinline__ __device__ void advance(WalkState& walk) {
-    walk.n_block += gridDim.x;
+    walk.n_block += gridDim.x;  // ordered: past every key block, gridDim.x covering them
     ++walk.round;
   }
 };
+
+// Calls visit(m_block, first) for the query blocks of a key block that see
+// it, first whether it is the walk's first: from the last down, or with
+// kAscending (ordered dQ) from the first up, so that under a causal mask a
+// key block starts on its own diagonal, where it is the first to add dQ
+// (bwd_sm90_dq_turn). Every role of the kernel walks the same order.
+template <bool kAscending, typename Visit>
+__forceinline__ __device__ void bwd_sm90_walk_query_blocks(int m_block_min, int m_block_max,
+                                                           Visit&& visit) {
+  if constexpr (kAscending) {
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      visit(m_block, m_block == m_block_min);
+    }
+  } else {
+    for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
+      visit(m_block, m_block == m_block_max - 1);
+    }
+  }
+}
 
 }  // namespace flash

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
 
   if (n_block_max <= n_block_min) {
     write_empty_rows<Traits>(gO, cQ, lse_rows, empty_row_lse(row_sink(params, block.head)),
-                             rows_left, params.head_dim, tidx);
+                             rows_left, params.head_dim_v, tidx);
     return;
   }
 
@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);               // (CPY, CPY_M, CPY_D)
   Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);            // (CPY, CPY_N, CPY_D)
   Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));    // (CPY_D)
-  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));  // (CPY_D)
+  Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));  // (CPY_D): K's columns
+  Tensor tVpV = make_tensor<bool>(make_shape(size<2>(tVsV)));    // (CPY_D): V's columns
   // The copies, their coordinates and predicates index one tile alike.
   CUTE_STATIC_ASSERT_V(size<1>(tKgK) == size<1>(tKsK));
   CUTE_STATIC_ASSERT_V(size<2>(tKgK) == size<2>(tKsK));
@@ -108,24 +109,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   CUTE_STATIC_ASSERT_V(size<1>(tQcQ) == size<1>(tQsQ));
   make_col_predicate(tQpQ, tQcQ, params.head_dim);
   make_col_predicate(tKVpKV, tKVcKV, params.head_dim);
+  // V's columns from head_dim_v on are zero-filled: O's columns there are
+  // never stored, and zeros keep them finite.
+  make_col_predicate(tVpV, tKVcKV, params.head_dim_v);
   const bool full_head_dim = params.head_dim == kHeadDim;
-  // Whole K/V tiles need no predication: every key block but a ragged last one.
-  auto kv_tile_in_bounds = [&](int n) { return full_head_dim && (n + 1) * kBlockN <= seqlen_k; };
-  // Key block n of K or V into shared memory: a tile of the (seqlen_k, head
-  // dim) view, or paged keys row by row through the block table, read in
-  // place (rows past seqlen_k are zero-filled, never read).
-  auto copy_kv_tile = [&](const auto& tXgX, auto& tXsX, const void* x_ptr, const QKVStrides& s,
-                          int n) {
+  const bool full_head_dim_v = params.head_dim_v == kHeadDim;
+  // Key block n of K or V (x_cols columns, of predicate tXpX) into shared
+  // memory: a tile of the (seqlen_k, x_cols) view, or paged keys row by row
+  // through the block table, read in place (rows past seqlen_k are
+  // zero-filled, never read). Whole tiles need no predication: every key
+  // block but a ragged last one, when the tensor fills the compiled width.
+  auto copy_kv_tile = [&](const auto& tXgX, auto& tXsX, const auto& tXpX, bool x_full_width,
+                          int x_cols, const void* x_ptr, const QKVStrides& s, int n) {
     if (params.block_table == nullptr) {
-      copy_tile_predicated(gmem_tiled_copy_QKV, tXgX(_, _, _, n), tXsX, tKVcKV, tKVpKV,
-                           seqlen_k - n * kBlockN, kv_tile_in_bounds(n));
+      copy_tile_predicated(gmem_tiled_copy_QKV, tXgX(_, _, _, n), tXsX, tKVcKV, tXpX,
+                           seqlen_k - n * kBlockN, x_full_width && (n + 1) * kBlockN <= seqlen_k);
       return;
     }
     const Element* x_head =
         static_cast<const Element*>(x_ptr) + int64_t(block.head_kv) * s.head_stride;
-    copy_rows_async(tXsX, tKVcKV, seqlen_k - n * kBlockN, params.head_dim, x_head, [&](int row) {
+    copy_rows_async(tXsX, tKVcKV, seqlen_k - n * kBlockN, x_cols, x_head, [&](int row) {
       return x_head + paged_key_offset(params, block.batch, n * kBlockN + row, s);
     });
+  };
+  auto copy_k_tile = [&](int n) {
+    copy_kv_tile(tKgK, tKsK, tKVpKV, full_head_dim, params.head_dim, params.k_ptr, params.k, n);
+  };
+  auto copy_v_tile = [&](int n) {
+    copy_kv_tile(tVgV, tVsV, tVpV, full_head_dim_v, params.head_dim_v, params.v_ptr, params.v, n);
   };
 
   // MMA partitions: S = Q K^T is (M, N); O = P V is (M, D).
@@ -191,7 +202,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   int n_block = n_block_max - 1;
   copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
                        full_head_dim && rows_left >= kBlockM);
-  copy_kv_tile(tKgK, tKsK, params.k_ptr, params.k, n_block);
+  copy_k_tile(n_block);
   cute::cp_async_fence();
 
   OnlineSoftmax<kNRows> softmax;
@@ -203,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     // K(n) has landed, and every warp is done reading V(n+1): V(n) may overwrite it.
     cute::cp_async_wait<0>();
     __syncthreads();
-    copy_kv_tile(tVgV, tVsV, params.v_ptr, params.v, n_block);
+    copy_v_tile(n_block);
     cute::cp_async_fence();
 
     gemm_smem_smem(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
@@ -229,7 +240,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     cute::cp_async_wait<0>();
     __syncthreads();
     if (n_block > n_block_min) {
-      copy_kv_tile(tKgK, tKsK, params.k_ptr, params.k, n_block - 1);
+      copy_k_tile(n_block - 1);
       cute::cp_async_fence();
     }
 
@@ -249,7 +260,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (M, D)
   write_output<Traits>(
       acc_o, tiled_mma, thr_mma, sO, gO, [](auto layout) { return acc_layout_as_rowcol(layout); },
-      lse, lse_rows, rows_left, params.head_dim, tidx);
+      lse, lse_rows, rows_left, params.head_dim_v, tidx);
 }
 
 }  // namespace flash

@@ -37,7 +37,8 @@ struct FwdSm90Epilogue {
         warp_group(mma_tidx_ / 128),
         my_epilogue(uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group) {}
 
-  // O and lse of a query block (its rows_left rows of gO, (M,D)). Each
+  // O and lse of a query block (its rows_left rows of gO, (M,D); the
+  // columns below head_dim_v, O's width). Each
   // warpgroup stages its rows over its own rows of Q, which only its own
   // finished wgmmas read, unless O has a tile of its own; the barrier before:
   // every thread of the warpgroup is done reading the last query block's O.
@@ -56,8 +57,9 @@ struct FwdSm90Epilogue {
     NamedBarrier::arrive_and_wait(128, my_epilogue);
     Tensor sO_warp_group = rows_of_warp_group(sO);  // (64,D): this warpgroup's rows
     Tensor gO_warp_group = rows_of_warp_group(gO);  // (64,D)
-    store_output<typename Traits::GmemTiledCopyOWarpGroup>(
-        sO_warp_group, gO_warp_group, rows_left - 64 * warp_group, params.head_dim, mma_tidx % 128);
+    store_output<typename Traits::GmemTiledCopyOWarpGroup>(sO_warp_group, gO_warp_group,
+                                                           rows_left - 64 * warp_group,
+                                                           params.head_dim_v, mma_tidx % 128);
     if (!Traits::kSeparateO) empty_barrier(Storage::barriers().q_empty).arrive();
   }
 
@@ -68,7 +70,7 @@ struct FwdSm90Epilogue {
                                               int rows_left) const {
     Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (M,D) -> (row,col)
     write_empty_rows<Traits>(gO, cO, lse_rows, empty_row_lse(row_sink(params, head)), rows_left,
-                             params.head_dim, mma_tidx);
+                             params.head_dim_v, mma_tidx);
   }
 
  private:

@@ -63,15 +63,17 @@ struct FwdSm90MainloopLoad {
     auto& barriers = Storage::barriers();
     const FwdBlock& block = tile.block;
     Tensor gQ =
-        local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch),
+        local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch, params.head_dim),
                    Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));  // (M,D)
-    Tensor gK = local_tile(tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor gV = local_tile(tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor sQ = Storage::q();                                                        // (M,D)
-    Tensor sK = Storage::k();                                                        // (N,D,stage)
-    Tensor sV = Storage::v();                                                        // (N,D,stage)
+    Tensor gK = local_tile(
+        tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch, params.head_dim),
+        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+    Tensor gV = local_tile(
+        tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
+        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+    Tensor sQ = Storage::q();                                     // (M,D)
+    Tensor sK = Storage::k();                                     // (N,D,stage)
+    Tensor sV = Storage::v();                                     // (N,D,stage)
     // One TMA box per tile: a stage holds one global tile.
     CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
     CUTE_STATIC_ASSERT_V(size<0>(sQ) == size<0>(gQ) && size<1>(sQ) == size<1>(gQ));

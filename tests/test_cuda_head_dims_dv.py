@@ -1,0 +1,349 @@
+"""A value head dim below the query / key one (d_v < d_qk) on the CUDA kernels,
+read and written at d_v columns (docs/head_dims_dv_and_512.md, section 1,
+level 1).
+
+The kernel of d_qk runs the call; V (and dO, O) are read with their columns
+past d_v zero-filled, O (and dV) written at d_v columns, with no padded copy
+(the SM80 backward alone runs on padded copies, BwdPlan::pad_v).
+A zero column of V, dO or O adds exact zeros everywhere, so each result equals
+the one of the same kernel on v (dout, out) zero-padded to d_qk, cropped:
+bitwise wherever the kernel's arithmetic has a fixed order (the forward, the
+split-KV decode, the deterministic backward), and within the correctness
+criterion against the float64 reference everywhere. The CPU path and its
+semantics are test_head_dims_qk_v.py's.
+
+Every test is marked cuda (skipped without a GPU); each runs on the SM80
+design and, on an sm90 GPU, the Hopper one (FLASH_ATTN_FWD_KERNEL /
+FLASH_ATTN_BWD_KERNEL). The pairs cover MLA's 192 / 128 and a d_v of one or
+more whole 64-column swizzle atoms below d_qk.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reference import attention_ref, check_close, varlen_attention_ref
+
+from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+pytestmark = pytest.mark.cuda
+
+ops = torch.ops.flash_attn
+
+# (d_qk, d_v)
+PAIRS = [(192, 128), (128, 64), (96, 64), (256, 128)]
+PAIR_IDS = [f"{a}-{b}" for a, b in PAIRS]
+
+
+@pytest.fixture(params=["sm80", "sm90"])
+def kernel(request, monkeypatch):
+    if request.param == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", request.param)
+    monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", request.param)
+    return request.param
+
+
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def pad(t, d):
+    """t zero-padded to d columns: the call as the ops ran it before level 1."""
+    return F.pad(t, (0, d - t.shape[-1]))
+
+
+def check_grads(ours, exact, same):
+    for name, o, e, s in zip(("dq", "dk", "dv"), ours, exact, same):
+        assert o.shape == e.shape, name
+        check_close(o, e, s, name, grad=True)
+
+
+def reference_grads(ref, inputs, dout, dtype):
+    cast = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    out, lse = ref(*cast, dtype)
+    return out, lse, torch.autograd.grad(out, cast, dout.to(dtype))
+
+
+# ------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_fwd_equals_padded_and_reference(kernel, d_qk, d_v, causal, heads):
+    nheads, nheads_k = heads
+    q = randn(2, 200, nheads, d_qk)
+    k = randn(2, 333, nheads_k, d_qk)
+    v = randn(2, 333, nheads_k, d_v)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 200, nheads, d_v)
+    padded, lse_padded, _ = flash_attn_func(
+        q, k, pad(v, d_qk), causal=causal, return_attn_probs=True
+    )
+    assert torch.equal(out, padded[..., :d_v])
+    assert torch.equal(lse, lse_padded)
+    exact, _ = attention_ref(q, k, v, causal=causal)
+    same, _ = attention_ref(q, k, v, causal=causal, compute_dtype=q.dtype)
+    check_close(out, exact, same, "out")
+
+    # out= (a strided view of a wider buffer too) gets the same bits, and the
+    # buffer's other columns keep their values.
+    buffer = torch.full((2, 200, nheads, d_v + 8), float("nan"), device="cuda", dtype=q.dtype)
+    written = flash_attn_func(q, k, v, causal=causal, out=buffer[..., :d_v])
+    assert torch.equal(written, out)
+    assert torch.equal(buffer[..., :d_v], out)
+    assert buffer[..., d_v:].isnan().all()
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+def test_fwd_score_features_and_probs(kernel, d_qk, d_v):
+    """Softcap, ALiBi, a local window, a sink, dropout and the returned
+    probabilities: only V's and O's width differs from d_qk."""
+    q, k, v = randn(1, 129, 4, d_qk), randn(1, 131, 2, d_qk), randn(1, 131, 2, d_v)
+    kwargs = dict(
+        softcap=5.0,
+        alibi_slopes=torch.rand(4, device="cuda") * 0.3,
+        window_size=(40, 7),
+        learnable_sink=torch.randn(4, device="cuda"),
+    )
+    out = flash_attn_func(q, k, v, **kwargs)
+    assert torch.equal(out, flash_attn_func(q, k, pad(v, d_qk), **kwargs)[..., :d_v])
+    torch.manual_seed(5)
+    out, lse, probs = flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
+    torch.manual_seed(5)
+    padded, lse_padded, probs_padded = flash_attn_func(
+        q, k, pad(v, d_qk), dropout_p=0.2, return_attn_probs=True
+    )
+    assert torch.equal(out, padded[..., :d_v])
+    assert torch.equal(lse, lse_padded) and torch.equal(probs, probs_padded)
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_varlen_fwd_equals_padded(kernel, d_qk, d_v, page_size):
+    lengths_q, lengths_k = [50, 0, 7, 130], [100, 5, 0, 260]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(int(cu_q[-1]), 8, d_qk)
+    k = randn(int(cu_k[-1]), 2, d_qk)
+    v = randn(int(cu_k[-1]), 2, d_v)
+    args = (cu_q.cuda(), cu_k.cuda(), max(lengths_q), max(lengths_k))
+    table = None
+    k_in, v_in, v_wide = k, v, pad(v, d_qk)
+    if page_size is not None:
+        pages = [-(-n // page_size) for n in lengths_k]
+        num_pages = sum(pages) + 2
+        order = torch.randperm(num_pages).tolist()
+        table = torch.zeros(len(lengths_k), max(pages), dtype=torch.int32)
+        k_in = randn(num_pages, page_size, 2, d_qk)
+        v_in = randn(num_pages, page_size, 2, d_v)
+        for b, n in enumerate(lengths_k):
+            for i in range(pages[b]):
+                page = order.pop()
+                table[b, i] = page
+                start, count = int(cu_k[b]) + i * page_size, min(page_size, n - i * page_size)
+                k_in[page, :count] = k[start : start + count]
+                v_in[page, :count] = v[start : start + count]
+        table = table.cuda()
+        v_wide = pad(v_in, d_qk)
+    out = flash_attn_varlen_func(q, k_in, v_in, *args, causal=True, block_table=table)
+    assert out.shape == (q.shape[0], 8, d_v)
+    padded = flash_attn_varlen_func(q, k_in, v_wide, *args, causal=True, block_table=table)
+    assert torch.equal(out, padded[..., :d_v])
+    exact, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max_seqlen_k=max(lengths_k), causal=True)
+    same, _ = varlen_attention_ref(
+        q, k, v, cu_q, cu_k, max_seqlen_k=max(lengths_k), causal=True, compute_dtype=q.dtype
+    )
+    check_close(out, exact, same, "out")
+
+
+# ------------------------------------------------------------------ backward
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_equals_padded_and_reference(kernel, d_qk, d_v, heads, deterministic):
+    nheads, nheads_k = heads
+    q = randn(2, 130, nheads, d_qk).requires_grad_()
+    k = randn(2, 201, nheads_k, d_qk).requires_grad_()
+    v = randn(2, 201, nheads_k, d_v).requires_grad_()
+    dout = randn(2, 130, nheads, d_v)
+    out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert grads[2].shape == v.shape
+
+    # The op on zero-padded v, out and dout, cropped (the pre-level-1 call).
+    scale = d_qk**-0.5
+    q0, k0, v0 = q.detach(), k.detach(), v.detach()
+    out_op, lse, _, rng = ops.fwd(q0, k0, v0, None, 0.0, scale, True, -1, 0, 0.0, False, 0, 0, None)
+    dq, dk, dv = ops.bwd(
+        pad(dout, d_qk),
+        q0,
+        k0,
+        pad(v0, d_qk),
+        pad(out_op, d_qk),
+        lse,
+        None,
+        0.0,
+        scale,
+        True,
+        -1,
+        0,
+        0.0,
+        deterministic,
+        rng,
+    )
+    padded = (dq, dk, dv[..., :d_v])
+    if deterministic:
+        for name, ours, theirs in zip(("dq", "dk", "dv"), grads, padded):
+            assert torch.equal(ours, theirs), name
+        # And twice the same bits.
+        again = torch.autograd.grad(
+            flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout
+        )
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+    def ref(q, k, v, dtype):
+        return attention_ref(q, k, v, causal=True, compute_dtype=dtype)
+
+    exact = reference_grads(ref, (q, k, v), dout, torch.float64)
+    same = reference_grads(ref, (q, k, v), dout, q.dtype)
+    check_grads(grads, exact[2], same[2])
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+def test_bwd_score_features_equal_padded(kernel, d_qk, d_v):
+    """Softcap, ALiBi, a window, dropout (the SM80 kernel's score-extras
+    variant, on padded inputs there: BwdPlan::pad_v) and GQA, deterministic:
+    bitwise the gradients of the same call on zero-padded v."""
+    q = randn(1, 97, 8, d_qk).requires_grad_()
+    k = randn(1, 131, 2, d_qk).requires_grad_()
+    v = randn(1, 131, 2, d_v).requires_grad_()
+    v_wide = pad(v.detach(), d_qk).requires_grad_()
+    dout = randn(1, 97, 8, d_v)
+    kwargs = dict(
+        softcap=5.0,
+        alibi_slopes=torch.rand(8, device="cuda") * 0.3,
+        window_size=(50, 9),
+        dropout_p=0.1,
+        deterministic=True,
+    )
+    torch.manual_seed(11)
+    grads = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+    torch.manual_seed(11)
+    out_wide = flash_attn_func(q, k, v_wide, **kwargs)
+    padded = torch.autograd.grad(out_wide, (q, k, v_wide), pad(dout, d_qk))
+    for name, ours, theirs in zip(("dq", "dk", "dv"), grads, padded):
+        assert torch.equal(ours, theirs[..., : ours.shape[-1]]), name
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+def test_varlen_bwd_matches_reference(kernel, d_qk, d_v):
+    lengths = [30, 0, 77, 129]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q = randn(total, 8, d_qk).requires_grad_()
+    k = randn(total, 2, d_qk).requires_grad_()
+    v = randn(total, 2, d_v).requires_grad_()
+    dout = randn(total, 8, d_v)
+    out = flash_attn_varlen_func(q, k, v, cu.cuda(), cu.cuda(), max(lengths), max(lengths))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def ref(q, k, v, dtype):
+        return varlen_attention_ref(q, k, v, cu, cu, max_seqlen_k=max(lengths), compute_dtype=dtype)
+
+    exact = reference_grads(ref, (q, k, v), dout, torch.float64)
+    same = reference_grads(ref, (q, k, v), dout, q.dtype)
+    check_close(out, exact[0], same[0], "out")
+    check_grads(grads, exact[2], same[2])
+
+
+# ------------------------------------------------------------------ KV cache
+
+
+@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 0, 7])
+@pytest.mark.parametrize("append", [0, 1, 3])
+def test_kvcache_in_place_equals_padded(d_qk, d_v, page_size, num_splits, append):
+    """v_cache is read in place at d_v columns and the append writes v's d_v
+    columns into it; v_cache here is the first d_v columns of a d_qk-wide
+    buffer, whose other columns no call may touch."""
+    batch, capacity, nheads, nheads_k = 3, 256, 8, 2
+    q = randn(batch, 2, nheads, d_qk)
+    rows = batch if page_size is None else batch * capacity // page_size
+    width = capacity if page_size is None else page_size
+    k_cache = randn(rows, width, nheads_k, d_qk)
+    v_buffer = randn(rows, width, nheads_k, d_qk)
+    v_cache = v_buffer[..., :d_v]
+    beyond = v_buffer[..., d_v:].clone()
+    table = None
+    if page_size is not None:
+        table = torch.randperm(rows, device="cuda", dtype=torch.int32).view(batch, -1)
+    seqlens = torch.tensor([5, 100, capacity - append], dtype=torch.int32, device="cuda")
+    k_new = randn(batch, append, nheads_k, d_qk) if append else None
+    v_new = randn(batch, append, nheads_k, d_v) if append else None
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    kwargs = dict(cache_seqlens=seqlens, block_table=table, causal=True, num_splits=num_splits)
+
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, return_softmax_lse=True, **kwargs
+    )
+    assert out.shape == (batch, 2, nheads, d_v)
+    assert v_cache.data_ptr() == v_buffer.data_ptr()
+    assert torch.equal(v_buffer[..., d_v:], beyond)
+
+    # The same call on padded copies of the caches from before the call.
+    k_padded, v_padded = k_before.clone(), pad(v_before, d_qk)
+    out_padded, lse_padded = flash_attn_with_kvcache(
+        q,
+        k_padded,
+        v_padded,
+        k_new,
+        None if v_new is None else pad(v_new, d_qk),
+        return_softmax_lse=True,
+        **kwargs,
+    )
+    assert torch.equal(out, out_padded[..., :d_v])
+    assert torch.equal(lse, lse_padded)
+    assert torch.equal(k_cache, k_padded)
+    assert torch.equal(v_cache, v_padded[..., :d_v])
+
+    # out= gets the same bits.
+    out_arg = torch.full_like(out, float("nan"))
+    k_cache.copy_(k_before)
+    v_cache.copy_(v_before)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, out=out_arg, **kwargs)
+    assert torch.equal(out_arg, out)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 5])
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "paged"])
+def test_kvcache_v_as_column_slice_of_k(num_splits, page_size):
+    """MLA's absorbed decode: v_cache = k_cache[..., :d_v], many query heads
+    over one kv head, read in place (no copy of either)."""
+    d_qk, d_v, batch, capacity, nheads = 192, 128, 4, 512, 16
+    rows = batch if page_size is None else batch * capacity // page_size
+    k_cache = randn(rows, capacity if page_size is None else page_size, 1, d_qk)
+    v_cache = k_cache[..., :d_v]
+    table = None
+    if page_size is not None:
+        table = torch.randperm(rows, device="cuda", dtype=torch.int32).view(batch, -1)
+    q = randn(batch, 1, nheads, d_qk)
+    seqlens = torch.tensor([1, 77, 300, capacity], dtype=torch.int32, device="cuda")
+    before = k_cache.clone()
+    kwargs = dict(cache_seqlens=seqlens, block_table=table, num_splits=num_splits)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+    assert torch.equal(k_cache, before)
+    padded = flash_attn_with_kvcache(q, k_cache, pad(v_cache, d_qk), **kwargs)
+    assert torch.equal(out, padded[..., :d_v])
+    if page_size is not None:
+        k_cache = k_cache[table.long()].reshape(batch, capacity, 1, d_qk)
+    for b in range(batch):
+        n = int(seqlens[b])
+        keys = k_cache[b : b + 1, :n]
+        exact, _ = attention_ref(q[b : b + 1], keys, keys[..., :d_v])
+        same, _ = attention_ref(q[b : b + 1], keys, keys[..., :d_v], compute_dtype=q.dtype)
+        check_close(out[b : b + 1], exact, same, "out")
