@@ -255,8 +255,11 @@ def provider_active():
 def test_sdpa_provider_replays_like_eager(seqlen_q):
     # transformers' SDPA decode: (batch, heads, seqlen, head_dim) views of
     # (batch, seqlen, heads, head_dim) projections.
+    # One query row decodes over a cache; a prompt attends causally to itself
+    # (torch refuses is_causal with seqlen_q != seqlen_k before any provider).
+    seqlen_k = 200 if seqlen_q == 1 else seqlen_q
     q = rand(BATCH, seqlen_q, HEADS, HEAD_DIM).transpose(1, 2)
-    k, v = rand(BATCH, HEADS, 200, HEAD_DIM), rand(BATCH, HEADS, 200, HEAD_DIM)
+    k, v = rand(BATCH, HEADS, seqlen_k, HEAD_DIM), rand(BATCH, HEADS, seqlen_k, HEAD_DIM)
     q_in, k_in, v_in = q.clone(), k.clone(), v.clone()  # clone keeps q's strides
     result = {}
     causal = seqlen_q > 1
