@@ -59,6 +59,21 @@ template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlo
 // 225 KiB).
 constexpr int kBwdSm90QdOStages = 2;
 //
+// bwd_sm90_stage_dq: whether the Hopper kernel's MMA warps hand each query
+// block's dQ to a producer warp through shared memory, which adds it with one
+// bulk reduction (bwd_kernel_traits_sm90.h, kDQThroughSmem), instead of
+// adding their fragments with per-thread reductions. The ordered
+// (deterministic) variant always stages where the design has room (head dims
+// up to 128): the writer warp then waits for the turns, not the MMA warps
+// (+12-20%, PERF_LOG 2026-11-29 527b077). The default variant stages above
+// d64 only: staging made d128 2-3.5% faster but d64 2.6-3.0% slower (same
+// entry), whose shorter query blocks leave the single staging buffer's bulk
+// reduction exposed.
+template <int kHeadDim>
+constexpr bool bwd_sm90_stage_dq(bool ordered_dq) {
+  return ordered_dq || kHeadDim > 64;
+}
+//
 // Tiles for devices whose blocks may opt in to more shared memory than an
 // sm80 block's 163 KiB (sm90: 227 KiB), at the head dims where that pays; the
 // launcher takes one when the device has room for it, for the plain kernel

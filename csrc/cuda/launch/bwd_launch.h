@@ -50,10 +50,11 @@ constexpr bool has_sm90_backward() {
 #endif
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kOrderedDQ = false>
 using BwdSm90TraitsFor =
     BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
-                        BwdTileConfig<kHeadDim>::kBlockN, Element, kBwdSm90QdOStages>;
+                        BwdTileConfig<kHeadDim>::kBlockN, Element, kBwdSm90QdOStages,
+                        bwd_sm90_stage_dq<kHeadDim>(kOrderedDQ)>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
 // dK / dV from the kv heads' sums or shares. MainTraits is the main kernel's:
@@ -89,7 +90,7 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
 // shared memory and that TMA can describe the inputs.
 template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false>
 void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
-  using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
+  using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ>;
   if (!BwdSm90Tma<Sm90Traits>::can_load(params)) {
     throw std::runtime_error(
         "flash_attn_cuda: the backward plan disagrees with the Hopper kernel's TMA rule");
@@ -129,10 +130,12 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
       static_assert(
           Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
           "the table's block shape sizes the accumulators and the grid");
-      static_assert(
-          Sm90Traits::kSmemSize == bwd_sm90_smem_bytes(kHeadDim, Sm90Traits::kBlockM,
-                                                       Sm90Traits::kBlockN, kBwdSm90QdOStages),
-          "plan.h sizes the Hopper backward's shared memory as its traits do");
+      using Sm90OrderedTraits = BwdSm90TraitsFor<Element, kHeadDim, true>;
+      static_assert(Sm90OrderedTraits::kSmemSize ==
+                            bwd_sm90_smem_bytes(kHeadDim, Sm90Traits::kBlockM, Sm90Traits::kBlockN,
+                                                kBwdSm90QdOStages) &&
+                        Sm90Traits::kSmemSize <= Sm90OrderedTraits::kSmemSize,
+                    "plan.h sizes the Hopper backward's shared memory as its largest variant's");
       // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
       // (only the SM80 kernels draw its keep mask) and other scales do not.
       // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the

@@ -167,9 +167,11 @@ struct BwdPlan {
 BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
                  bool tma_ok);
 
-// Shared memory of the Hopper backward block and of the SM80 one with
-// (double_buffer) or without two Q / dO buffers, for 16-bit elements
-// (bwd_launch.h checks them against the kernels' traits).
+// Shared memory of the Hopper backward block (its largest variant: with the
+// dQ staging buffer where the design has one, as the ordered variant always
+// does) and of the SM80 one with (double_buffer) or without two Q / dO
+// buffers, for 16-bit elements (bwd_launch.h checks them against the
+// kernels' traits).
 constexpr int kBwdSm90BarrierBytes = 48;  // sizeof(BwdSm90Barriers<2>)
 constexpr int bwd_sm90_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
   const int ds = 2 * block_m * block_n * 2;

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   if (tidx < 128) {
     // The producer warpgroup: warp 0's lane 0 issues the TMA copies, warp 1
     // loads the row statistics, warp 2 adds the staged dQ of each query block
-    // (BwdSm90DQWriter, head dims up to 128; in deterministic mode with
+    // (BwdSm90DQWriter, where Traits::kDQThroughSmem; in deterministic mode with
     // ordered dQ, on the key block's turn) or else, ordered, keeps the order
     // of the MMA warps' additions (BwdSm90DQOrder).
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();

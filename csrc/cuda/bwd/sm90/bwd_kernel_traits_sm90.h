@@ -43,7 +43,8 @@ struct BwdSm90Barriers {
   uint64_t kv_empty;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kStages_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kStages_,
+          bool kStageDQ_ = true>
 struct BwdSm90KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -142,9 +143,10 @@ struct BwdSm90KernelTraits {
   // in that order into a staging buffer, which one producer warp adds into
   // the accumulator's (contiguous) block with one bulk reduction
   // (BwdSm90DQWriter), so that the MMA warps issue no global reductions.
-  // Head dims up to 128 (d128: 161 + 32 KiB); the split design (d256:
-  // 225 KiB already) keeps each thread's reductions.
-  static constexpr bool kDQThroughSmem = kKeysPerWarpGroup;
+  // Head dims up to 128 (d128: 161 + 32 KiB), where the tile table asks for
+  // it (kStageDQ_, bwd_sm90_stage_dq); the split design (d256: 225 KiB
+  // already) keeps each thread's reductions.
+  static constexpr bool kDQThroughSmem = kKeysPerWarpGroup && kStageDQ_;
 
   // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
   using SmemLayoutAtom =
