@@ -241,6 +241,18 @@ def test_backward_kernels():
     assert bwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
 
 
+def test_backward_d64_hopper_tile():
+    # d64 runs the Hopper kernel with 128-row query blocks, FA4's 128 x 128
+    # (kBlockMSm90): every variant, the ordered one's dQ staging buffer too,
+    # fits an sm90 block.
+    long = (2, 8192, 8192, 32, 32, 64)
+    for kw in ({}, {"alibi": True}, {"causal": True, "deterministic": True}):
+        plan = bwd(*long, **kw)
+        assert plan["kernel"] == "sm90" and plan["block_m"] == 128, (kw, plan)
+        assert plan["block_n"] == 128 and plan["grid"] == "64x32x2", (kw, plan)
+    assert bwd(*long, causal=True, deterministic=True)["ordered_dq"] == 1
+
+
 def test_backward_large_smem_tile():
     long = (1, 4096, 4096, 8, 8, 256)
     # sm80 blocks cannot hold the double-buffered d256 tile; sm90 ones can.

@@ -33,7 +33,7 @@ struct BwdTileConfig;
 // clang-format off
 //                         head dim      block M  block N  warps  SdP  dKV  dQ   Hopper block M;  double buffer, dQ before dK
 template <> struct BwdTileConfig<32>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
-template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 128; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kNWarps = 8, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true; };
 template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
@@ -50,8 +50,13 @@ template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlo
 // the Hopper kernel since its warp specialization made it faster than the
 // SM80 one there (PERF_LOG 2026-11-24 81742f7; before, it was not: PERF_LOG
 // 2026-11-24 e4bfd00).
-// Same kBlockN. d64 takes 64 rows, not the table's 128: as fast or faster,
-// and 128 rows spill (PERF_LOG 2026-11-24 ee3e75a).
+// Same kBlockN. d64 takes the table's 128 rows, FA4's 128 x 128 (PERF_LOG
+// "Hopper design", hypothesis 2): S^T / dP^T as N = 128 wgmmas and half the
+// fixed costs per query block of 64 rows. 128 rows spilled (PERF_LOG
+// 2026-11-24 ee3e75a) until the MMA threads shuffled the row statistics in,
+// masked by compile-time column offsets and, with score mods, made P^T / dS^T
+// in their 16-bit registers (BwdSm90KernelTraits::kShuffleRowStats; PERF_LOG
+// 2026-11-29, d64 with 128-row query blocks).
 //
 // kBwdSm90QdOStages: the Q / dO buffers of the Hopper kernel's producer
 // pipeline. 3 stages were no faster than 2 (PERF_LOG 2026-11-24 29b2865),

@@ -147,6 +147,14 @@ struct BwdSm90KernelTraits {
   // it (kStageDQ_, bwd_sm90_stage_dq); the split design (d256: 225 KiB
   // already) keeps each thread's reductions.
   static constexpr bool kDQThroughSmem = kKeysPerWarpGroup && kStageDQ_;
+  // 128 query rows (d64): the MMA threads hold a share of the query block's
+  // lse and D and shuffle each column's in (BwdSm90ShuffledRowStats), where
+  // reading all 32 columns of each from shared memory spilled, and mask by
+  // compile-time column offsets (apply_mask_transposed_by_offset); the
+  // score-mods variant makes P^T and dS^T in their 16-bit registers
+  // (BwdSm90MainloopMma::score_mods_p_and_ds). 64 rows keep the code they
+  // had, which fits there.
+  static constexpr bool kShuffleRowStats = kKeysPerWarpGroup && kBlockM == 128;
 
   // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
   using SmemLayoutAtom =

@@ -24,6 +24,7 @@
 #include "cuda/bwd/bwd_pointwise.h"
 #include "cuda/bwd/sm90/bwd_kernel_traits_sm90.h"
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
+#include "cuda/bwd/sm90/bwd_row_stats_sm90.h"
 #include "cuda/core/block_info.h"
 #include "cuda/core/mask.h"
 #include "cuda/core/params.h"
@@ -170,6 +171,9 @@ struct BwdSm90MainloopMma {
   static_assert(Traits::kDSBuffers == 2, "dS (P^T) alternates between two buffers");
   using Storage = BwdSm90SharedStorage<Traits>;
   using QStages = BwdSm90QStages<Traits::kStages>;
+  // The score-mods variant with shuffled statistics (128 rows) makes P^T and
+  // dS^T in their 16-bit registers (score_mods_p_and_ds).
+  static constexpr bool kConvertInPointwise = kWithScoreMods && Traits::kShuffleRowStats;
 
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
   using TiledMmadKV = typename Traits::TiledMmadKV;
@@ -305,16 +309,26 @@ struct BwdSm90MainloopMma {
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp,
                                          Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,MMA_M,MMA_N)
     issue_s_dp(acc_s, acc_dp, stage);
-    p_and_ds(acc_s, acc_dp, block, row_begin, stage);
     // P^T and dS^T in the register layout of the dV / dK A operand,
-    // converted only now, so that the fp32 P and its 16-bit copy are never
-    // live together (with 128-query tiles at d64 they spilled).
+    // converted only after the pointwise pass, so that the fp32 P and its
+    // 16-bit copy are never live together (with 128-query tiles at d64 they
+    // spilled); the score-mods variant at 128 rows converts column pairs as
+    // it makes them (score_mods_p_and_ds_transposed_shuffled).
     Tensor tdVrPt =
         make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_s.layout()));  // (MMA,MMA_M,MMA_K)
     Tensor tdKrdSt =
         make_tensor<Element>(wgmma_acc_layout_as_operand_a(acc_dp.layout()));  // (MMA,MMA_M,MMA_K)
-    convert_type_into(acc_s, tdVrPt);
-    convert_type_into(acc_dp, tdKrdSt);
+    if constexpr (kConvertInPointwise) {
+      Tensor p_out = make_tensor(tdVrPt.data(),
+                                 wgmma_acc_layout_as_rowcol(acc_s.layout()));  // (ROW,COL)
+      Tensor ds_out = make_tensor(tdKrdSt.data(),
+                                  wgmma_acc_layout_as_rowcol(acc_dp.layout()));  // (ROW,COL)
+      score_mods_p_and_ds(acc_s, acc_dp, p_out, ds_out, block, row_begin, stage);
+    } else {
+      p_and_ds(acc_s, acc_dp, block, row_begin, stage);
+      convert_type_into(acc_s, tdVrPt);
+      convert_type_into(acc_dp, tdKrdSt);
+    }
     Tensor tdSrdS = make_tensor(tdKrdSt.data(), acc_dp.layout());  // (MMA,MMA_M,MMA_N)
     // dS^T as the dK operand and as the dS store: one register array.
     CUTE_STATIC_ASSERT_V(size(tdKrdSt) == size(acc_dp));
@@ -415,10 +429,22 @@ struct BwdSm90MainloopMma {
     if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, block.col_begin,
                                 block.col_begin + kBlockN, seqlen_q, seqlen_k, params.window_left,
                                 params.window_right)) {
-      apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
-                            params.window_left, params.window_right);
+      if constexpr (Traits::kShuffleRowStats) {
+        apply_mask_transposed_by_offset(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
+                                        seqlen_k, params.window_left, params.window_right);
+      } else {
+        apply_mask_transposed(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
+                              params.window_left, params.window_right);
+      }
     }
-    if (kWithScoreMods && score_mods.has_softcap) {
+    if constexpr (Traits::kShuffleRowStats) {
+      static_assert(!kWithScoreMods, "score_mods_p_and_ds");
+      const BwdSm90ShuffledRowStats<kBlockM> stats(row_lse, row_d, mma_tidx % 32);
+      scores_to_p_transposed_shuffled(scores, stats, exp_scale_log2);
+      warpgroup_wait<0>();  // dP^T
+      warpgroup_fence_operand(acc_dp);
+      p_to_ds_transposed_shuffled(scores, dp, stats);
+    } else if (kWithScoreMods && score_mods.has_softcap) {
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
       softcapped_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
@@ -428,6 +454,52 @@ struct BwdSm90MainloopMma {
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
       p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
+    }
+  }
+
+  // The score-mods variant at 128 rows (kConvertInPointwise): the score
+  // mods and the mask on S^T, then, once dP^T has landed, P^T and dS^T
+  // made and converted into p_out, ds_out ((ROW,COL) views of the dV / dK
+  // operand registers) in one pass, softcap or not.
+  template <typename TensorAcc, typename TensorOut>
+  __forceinline__ __device__ void score_mods_p_and_ds(TensorAcc& acc_s, TensorAcc& acc_dp,
+                                                      TensorOut& p_out, TensorOut& ds_out,
+                                                      const BwdKeyBlock& block, int row_begin,
+                                                      int stage) {
+    Tensor scores =
+        make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));  // (ROW,COL)
+    Tensor dp =
+        make_tensor(acc_dp.data(), wgmma_acc_layout_as_rowcol(acc_dp.layout()));  // (ROW,COL)
+    CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(tScS_rowcol));
+    CUTE_STATIC_ASSERT_V(size<1>(scores) == size<1>(tScS_rowcol));
+    const int seqlen_q = binfo.seqlen_q;
+    const int seqlen_k = binfo.seqlen_k;
+    score_mods.apply_softcap(scores);
+    if (has_alibi) {
+      apply_alibi_transposed(scores, tScS_rowcol, block.col_begin, row_begin,
+                             score_mods.alibi_slope, seqlen_q, seqlen_k);
+    }
+    if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, block.col_begin,
+                                block.col_begin + kBlockN, seqlen_q, seqlen_k, params.window_left,
+                                params.window_right)) {
+      apply_mask_transposed_by_offset(scores, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
+                                      seqlen_k, params.window_left, params.window_right);
+    }
+    warpgroup_wait<0>();  // dP^T
+    warpgroup_fence_operand(acc_dp);
+    // The statistics only now, one held group at a time (the pass loads
+    // them), not live through the score mods, the mask and the wait.
+    const float* row_lse = Storage::row_stats(stage);
+    BwdSm90ShuffledRowStats<kBlockM> stats(row_lse, row_lse + kBlockM, mma_tidx % 32, true_type{});
+    // Softcap or not, as two passes, not a test per element.
+    if (score_mods.has_softcap) {
+      score_mods_p_and_ds_transposed_shuffled</*kSoftcap=*/true>(
+          scores, dp, p_out, ds_out, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
+          stats, score_mods);
+    } else {
+      score_mods_p_and_ds_transposed_shuffled</*kSoftcap=*/false>(
+          scores, dp, p_out, ds_out, tScS_rowcol, block.col_begin, row_begin, seqlen_q, seqlen_k,
+          stats, score_mods);
     }
   }
 
