@@ -297,6 +297,36 @@ def test_bwd_dropout_matches_reference_mask(dtype, head_dim, causal, dropout_p, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, monkeypatch):
+    """The Hopper forward draws dropout's mask; the SM80 backward replays it
+    from rng_state alone (csrc/common/philox.h), on the forward's out and
+    lse, so the gradients match the reference with the contract's mask."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
+    monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
+    batch, nheads, seqlen_q, seqlen_k, dropout_p = 2, 3, 257, 391, 0.3
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype)
+    dout = torch.randn_like(q)
+    seed, offset = 42424242, 9
+    kwargs = dict(causal=causal, dropout_p=dropout_p, seed=seed, offset=offset)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        grads, _ = run_fwd_bwd(q, k, v, dout, **kwargs)
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    assert any("flash_fwd_sm90_kernel" in name for name in names), names
+    assert not any("flash_bwd_sm90_kernel" in name for name in names), names
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
+    check_grads(q, k, v, dout, grads, causal=causal, dropout_p=dropout_p, keep_mask=keep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_bwd_dropout_with_softcap_alibi_window(dtype):
     batch, nheads, seqlen_q, seqlen_k = 2, 4, 150, 170
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, 2, 96, dtype)

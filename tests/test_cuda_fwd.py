@@ -26,6 +26,11 @@ from cuda_inputs import (
 
 pytestmark = pytest.mark.cuda
 
+# The Hopper forward draws dropout where its tile leaves registers to spare
+# (plan.h fwd_sm90_draws_dropout): not at d64 or d256, which run it on the
+# SM80 kernel (d32 has no Hopper forward).
+HEAD_DIMS_WITHOUT_HOPPER_DROPOUT = (32, 64, 256)
+
 SEQLEN_PAIRS = [
     (1, 1),
     (2, 2),
@@ -136,8 +141,7 @@ def test_fwd_kernel_choice_on_sm90(
     assert uses_sm90(forward_kernel_names(q_four, k_four, v_four)) == (
         128 >= min_keys_sm90 or min_blocks_per_sm <= 4
     )
-    # Softcap and ALiBi take the Hopper kernel by the same rule; dropout stays
-    # on the SM80 kernel.
+    # Softcap, ALiBi and dropout take the Hopper kernel by the same rule.
     slopes = torch.rand(2, device=DEVICE) * 0.3
     assert uses_sm90(forward_kernel_names(q, k, v, softcap=5.0))
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True, alibi_slopes=slopes))
@@ -145,7 +149,11 @@ def test_fwd_kernel_choice_on_sm90(
     assert uses_sm90(forward_kernel_names(q, k_short, v_short, softcap=5.0)) == (
         128 >= min_keys_sm90
     )
-    assert not uses_sm90(forward_kernel_names(q, k, v, softcap=5.0, dropout_p=0.1))
+    # ... but dropout not on d64's tile of three MMA warpgroups (plan.h
+    # fwd_sm90_draws_dropout).
+    draws = head_dim not in HEAD_DIMS_WITHOUT_HOPPER_DROPOUT
+    assert uses_sm90(forward_kernel_names(q, k, v, softcap=5.0, dropout_p=0.1)) == draws
+    assert uses_sm90(forward_kernel_names(q, k, v, causal=True, dropout_p=0.1)) == draws
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
     assert uses_sm90(forward_kernel_names(q, k_short, v_short))
     # Inputs TMA cannot describe (a head stride of 0) run the SM80 kernel.
@@ -936,6 +944,90 @@ def test_fwd_dropout_matches_reference_mask(dtype, causal, dropout_p):
     visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
     dropped_visible = (probs < 0) & visible
     assert torch.equal(dropped_visible, (~keep) & visible & (probs != 0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
+def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kernel):
+    """The forward kernel's own keep mask, bit for bit. S_dmask comes from a
+    kernel of its own (return_probs.cu) and does not show it; out does: with
+    q = 0 every visible score is equal, and with V the identity from key
+    columns [part * d, part * d + d) onto the head dim, out[i, t] is nonzero
+    exactly where key part * d + t is visible and kept, and equals
+    1 / ((1 - p) * visible keys): the row sum is of the undropped P, the
+    rescale 1 / (1 - p). On sm90 (fwd_kernel sm90) this is the Hopper
+    kernel's PairedDropoutMask (dropout.h), several query and key tiles and
+    a partial last one of each."""
+    batch, nheads, seqlen_q, seqlen_k = 2, 3, 300, 333
+    dtype = torch.bfloat16
+    seed, offset = 0x123456789ABCDEF, 991
+    q = torch.zeros(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads, head_dim, device=DEVICE, dtype=dtype)
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
+    visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
+    kept_value = 1.0 / ((1.0 - dropout_p) * visible.sum(-1, keepdim=True).double())  # (sq, 1)
+    for part in range((seqlen_k + head_dim - 1) // head_dim):
+        cols = torch.arange(part * head_dim, min((part + 1) * head_dim, seqlen_k), device=DEVICE)
+        v = torch.zeros(batch, seqlen_k, nheads, head_dim, device=DEVICE, dtype=dtype)
+        v[:, cols, :, cols - part * head_dim] = 1
+        if fwd_kernel == "sm90" and part == 0 and head_dim not in HEAD_DIMS_WITHOUT_HOPPER_DROPOUT:
+            names = forward_kernel_names(q, k, v, causal=causal, dropout_p=dropout_p)
+            assert any("flash_fwd_sm90_kernel" in name for name in names), names
+        out, _, _, _ = run_fwd(
+            q, k, v, causal=causal, dropout_p=dropout_p, seed=seed, offset=offset
+        )
+        got = out[..., : len(cols)].permute(0, 2, 1, 3).double()  # (b, h, sq, cols)
+        want = (keep & visible)[..., cols]
+        assert torch.equal(got != 0, want), "keep mask differs from the contract's"
+        expected = (kept_value * want).expand_as(got)
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [96, 128, 192, 224])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mods", [False, True])
+def test_fwd_dropout_hopper_matches_sm80_and_reference(dtype, head_dim, causal, mods, monkeypatch):
+    """The Hopper forward with dropout (score-mods variant) against the
+    reference with the contract's mask and against the SM80 forward
+    (FLASH_ATTN_FWD_KERNEL=sm80), with softcap and ALiBi on too (mods);
+    S_dmask, written after either forward, encodes the same dropped entries."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    batch, nheads, seqlen_q, seqlen_k, dropout_p = 2, 4, 333, 517, 0.23
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype)
+    seed, offset = 987654321, 3
+    kwargs = dict(causal=causal, dropout_p=dropout_p, seed=seed, offset=offset)
+    if mods:
+        kwargs.update(softcap=12.0, alibi_slopes=torch.rand(nheads, device=DEVICE) * 0.3)
+    results = {}
+    for kernel in ("sm90", "sm80"):
+        monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", kernel)
+        uses_sm90 = any(
+            "flash_fwd_sm90_kernel" in n for n in forward_kernel_names(q, k, v, **kwargs)
+        )
+        assert uses_sm90 == (kernel == "sm90")
+        results[kernel] = run_fwd(q, k, v, return_softmax=True, **kwargs)
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
+    ref_kwargs = dict(causal=causal, dropout_p=dropout_p, keep_mask=keep)
+    if mods:
+        ref_kwargs.update(softcap=kwargs["softcap"], alibi_slopes=kwargs["alibi_slopes"])
+    visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
+    for kernel, (out, lse, probs, rng_state) in results.items():
+        assert rng_state.tolist() == [seed, offset]
+        check_against_reference(q, k, v, out, lse, **ref_kwargs)
+        assert torch.equal((probs < 0) & visible, (~keep) & visible & (probs != 0)), kernel
+    (out90, lse90, probs90, _), (out80, lse80, probs80, _) = results["sm90"], results["sm80"]
+    torch.testing.assert_close(lse90, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out90.float(), out80.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(probs90 < 0, probs80 < 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -163,10 +163,10 @@ def test_kernel_override():
 
 def test_forward_variants():
     long = (2, 4096, 4096, 16, 16, 128)
+    # Dropout runs the Hopper kernel's score-mods variant (docs/dropout_sm90.md).
     dropout = fwd(*long, dropout_p=0.1)
-    assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-    assert dropout["block_n"] == FWD_TABLE[128]["kBlockNExtras"]
-    assert "dropout" in dropout["reason"]
+    assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
+    assert dropout["block_n"] == FWD_TABLE[128]["kBlockNSm90"]
     softcap = fwd(*long, softcap=30.0)
     assert softcap["kernel"] == "sm90" and softcap["variant"] == "score_mods"
     alibi = fwd(*long, alibi=True, device=A100)
@@ -177,6 +177,81 @@ def test_forward_variants():
     assert unaligned["kernel"] == "sm80" and "TMA" in unaligned["reason"]
     probs = fwd(*long, return_softmax=True)
     assert probs["return_probs"] == 1
+
+
+def hopper_draws_dropout(head_dim):
+    """plan.h fwd_sm90_draws_dropout: 64 registers to spare beside S, O and P
+    in flight (FwdSm90KernelTraits::kDrawsDropout)."""
+    row = FWD_TABLE[head_dim]
+    registers = 240 if row["kBlockMSm90"] // 64 == 2 else 160
+    block_n = row["kBlockNSm90"]
+    return registers - (block_n // 2 + head_dim // 2 + block_n // 4) >= 64
+
+
+def test_hopper_dropout_head_dims():
+    """Which head dims the Hopper forward draws dropout at (PERF_LOG
+    2026-11-29, issue 57 step 1: d64 and d256 spilled in the loop)."""
+    hopper = [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]]
+    assert [d for d in hopper if hopper_draws_dropout(d)] == [96, 128, 160, 192, 224]
+
+
+@pytest.mark.parametrize("head_dim", [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]])
+def test_forward_dropout_on_hopper(head_dim):
+    """Dropout's forward runs the Hopper kernel wherever the plain rule would,
+    in its score-mods variant (one instantiation fewer than a variant of its
+    own), on the grids that variant runs; its backward stays on the SM80
+    kernel, which replays the same mask (csrc/common/philox.h)."""
+    row = FWD_TABLE[head_dim]
+    long = (2, 8192, 8192, 16, 16, head_dim)
+    plain = fwd(*long, causal=True)
+    dropout = fwd(*long, causal=True, dropout_p=0.1)
+    if not hopper_draws_dropout(head_dim):
+        # No registers to spare for the draws (d64, d256): the SM80 kernel,
+        # forced or not.
+        assert plain["kernel"] == "sm90"
+        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+        assert "fwd_sm90_draws_dropout" in dropout["reason"]
+        forced = fwd(*long, dropout_p=0.1, kernel_override="sm90")
+        assert forced["kernel"] == "sm80"
+        assert fwd(*long, softcap=30.0)["kernel"] == "sm90"
+        return
+    assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
+    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], row["kBlockNSm90"])
+    assert dropout["grid_kind"] == plain["grid_kind"]
+    assert "dropout" not in dropout["reason"]
+    # Any p in (0, 1), with softcap and ALiBi too.
+    for p in (1e-6, 0.5, 0.999):
+        assert fwd(*long, dropout_p=p)["kernel"] == "sm90"
+    mods = fwd(*long, dropout_p=0.1, softcap=30.0, alibi=True)
+    assert mods["kernel"] == "sm90" and mods["variant"] == "score_mods"
+    # The same shape rule as the plain call below the key threshold.
+    if row["kMinSeqlenKSm90"] > 1:
+        short = (1, 128, row["kMinSeqlenKSm90"] - 1, 1, 1, head_dim)
+        assert fwd(*short, dropout_p=0.1)["kernel"] == fwd(*short)["kernel"] == "sm80"
+        forced = fwd(*short, dropout_p=0.1, kernel_override="sm90")
+        assert forced["kernel"] == "sm90" and forced["variant"] == "score_mods"
+    # The probabilities come from their own kernel after either forward.
+    probs = fwd(*long, dropout_p=0.1, return_softmax=True)
+    assert probs["kernel"] == "sm90" and probs["return_probs"] == 1
+    # Still the SM80 kernel: a forced SM80, another device, a scale that is
+    # not positive and normal; and the backward.
+    forced = fwd(*long, dropout_p=0.1, kernel_override="sm80")
+    assert forced["kernel"] == "sm80" and forced["variant"] == "score_extras"
+    assert fwd(*long, dropout_p=0.1, device=A100)["kernel"] == "sm80"
+    negative = fwd(*long, dropout_p=0.1, softmax_scale=-0.1)
+    assert negative["kernel"] == "sm80" and "softmax scale" in negative["reason"]
+    backward = bwd(*long, causal=True, dropout_p=0.1)
+    assert backward["kernel"] == "sm80" and "dropout" in backward["reason"]
+
+
+def test_forward_dropout_not_on_the_counter_grid():
+    """The counter grid runs the plain rule only: a short causal call with
+    dropout takes the score-mods variant's grid instead."""
+    short_causal = (16, 1024, 1024, 16, 16, 128)
+    assert fwd(*short_causal, causal=True)["grid_kind"] == "tile_counter"
+    plan = fwd(*short_causal, causal=True, dropout_p=0.1)
+    assert plan["kernel"] == "sm90" and plan["variant"] == "score_mods"
+    assert plan["grid_kind"] != "tile_counter"
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 8, 16, 17, 48, 256])

@@ -5,7 +5,8 @@ interleaved rounds in one process (median of 5 rounds): forward, forward +
 backward with the sink requiring grad (sink_grad and the backward's D), and a
 decode step (num_splits 1 and the heuristic's). Then, for the dropout work on
 the Hopper kernels, the same training call with dropout 0.1 against none:
-dropout runs the SM80-design kernels on Hopper.
+dropout's forward runs the Hopper kernel (issue 57 step 1), its backward the
+SM80-design kernel.
 
     python3 benchmarks/microbench/sink_cost.py
 """

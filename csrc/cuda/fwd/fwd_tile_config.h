@@ -10,8 +10,9 @@ template <int kHeadDim>
 struct FwdTileConfig;
 
 // Three tiles per head dim: the plain kernel's, the one of the variant that
-// carries softcap / ALiBi / dropout (on sm90, of these, only dropout), and
-// the Hopper kernel's (plain, or with softcap / ALiBi)
+// carries softcap / ALiBi / dropout (on sm90, only dropout at d64 / d256 and
+// a scale that is not positive and normal), and the Hopper kernel's (plain,
+// or with softcap / ALiBi / dropout)
 // (fwd_kernel_sm90.h: one MMA warpgroup per 64 query rows and a TMA
 // producer; block N 0 = the head dim stays on the SM80 kernel on sm90 too),
 // with the fewest keys (max seqlen_k) from which the Hopper kernel runs by

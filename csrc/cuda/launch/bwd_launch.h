@@ -137,7 +137,8 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
                         Sm90Traits::kSmemSize <= Sm90OrderedTraits::kSmemSize,
                     "plan.h sizes the Hopper backward's shared memory as its largest variant's");
       // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
-      // (only the SM80 kernels draw its keep mask) and other scales do not.
+      // (only the SM80 backward replays its keep mask) and other scales do
+      // not.
       // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
       // plain kernel.
       if (plan.variant == FwdVariant::kScoreMods) {

@@ -73,17 +73,18 @@ using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>:
 // free from params.tile_counter (kTileCounter, fwd_tile_schedule.h); or one
 // block per query block (kOnePerTile), which the hardware hands out as SMs
 // come free (fixed shares against the hardware's order: PERF_LOG 2026-11-24
-// 688b18f). kWithScoreMods (softcap or ALiBi) runs the kernel's variant with
+// 688b18f). kWithScoreMods (softcap, ALiBi or dropout) runs the kernel's variant with
 // them on the fixed-share or one-per-tile grid; the counter grid's short
 // causal tiles keep the plain rule only, one instantiation fewer per head dim.
 template <typename Element, int kHeadDim, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   const auto launch = [&](auto traits, auto kernel) {
     using Traits = decltype(traits);
-    if (plan.block_m != Traits::kBlockM || !FwdSm90Tma<Traits>::can_load(params)) {
+    if (plan.block_m != Traits::kBlockM || !FwdSm90Tma<Traits>::can_load(params) ||
+        (params.dropout_p > 0.f && !(kWithScoreMods && Traits::kDrawsDropout))) {
       throw std::runtime_error(
-          "flash_attn_cuda: the forward plan disagrees with the Hopper kernel (query block or "
-          "TMA rule): " +
+          "flash_attn_cuda: the forward plan disagrees with the Hopper kernel (query block, "
+          "TMA or dropout rule): " +
           describe(plan));
     }
     launch_with_dynamic_smem(kernel, dim3(static_cast<unsigned>(plan.grid_x)),
@@ -100,6 +101,9 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
       Traits::kPersistent == fwd_sm90_persistent(kHeadDim, Traits::kBlockM, Traits::kBlockN),
       "plan.h's rule for a persistent Hopper forward matches the traits");
   static_assert(sizeof(typename Traits::Barriers) == kFwdSm90BarrierBytes);
+  static_assert(
+      Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDim, Traits::kBlockM, Traits::kBlockN),
+      "plan.h's rule for the Hopper forward's dropout matches the traits");
   switch (plan.grid) {
     case FwdGrid::kTileCounter:
       if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {

@@ -135,16 +135,16 @@ int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
 // tiles past the first wave from params.tile_counter (fwd_kernel_sm90.h):
 // more tiles than SMs, of different work, each short enough that a tile's
 // prologue and epilogue are a large share of it, on the plain score rule
-// (softcap and ALiBi run the Hopper kernel's other grids, dropout the SM80
-// kernel; one kernel instantiation fewer per head dim). Against one block per
-// tile the counter wins at short key counts and fades by 4096 keys, hence the
-// cap of 2048 keys per tile (PERF_LOG 2026-11-24 30a90ef); past it, on varlen
+// (softcap, ALiBi and dropout run the Hopper kernel's other grids; one kernel
+// instantiation fewer per head dim). Against one block per tile the counter
+// wins at short key counts and fades by 4096 keys, hence the cap of 2048
+// keys per tile (PERF_LOG 2026-11-24 30a90ef); past it, on varlen
 // batches too, one block per query block is faster (PERF_LOG 2026-11-24
 // 9f57c38).
 constexpr int64_t kFwdSm90MostKeysPerTileFromCounter = 2048;
 bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
   const ScoreFeatures rule = score_features_of(params);
-  return !rule.has_mods() && !rule.dropout && fwd_tiles_differ_in_work(params) && num_sms > 0 &&
+  return !rule.has_fwd_sm90_mods() && fwd_tiles_differ_in_work(params) && num_sms > 0 &&
          fwd_sm90_num_tiles(params) > num_sms &&
          fwd_sm90_most_keys_per_tile(params) <= kFwdSm90MostKeysPerTileFromCounter;
 }
@@ -152,7 +152,8 @@ bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
 // Why the Hopper forward does not take a call that its build and tile table
 // would allow, or null if it does.
 const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const DeviceDesc& device,
-                             const FwdTileRow& row, bool grid_fits, bool tma_ok) {
+                             int compiled_head_dim, const FwdTileRow& row, bool grid_fits,
+                             bool tma_ok) {
   const ScoreFeatures rule = score_features_of(params);
   if (choice == KernelChoice::kSm80) {
     return device.cc_major == 9 && device.cc_minor == 0
@@ -166,7 +167,11 @@ const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const
            "kMinBlocksPerSmSm90 per SM (fwd_sm90_by_shape): the SM80 kernel";
   }
   if (!grid_fits) return "more tiles than a grid x holds: the SM80 kernel's 3-D grid";
-  if (rule.dropout) return "dropout: only the SM80 kernels draw its keep mask";
+  if (rule.dropout &&
+      !fwd_sm90_draws_dropout(compiled_head_dim, row.block_m_sm90, row.block_n_sm90)) {
+    return "dropout on a Hopper tile without registers to spare for its draws (d64, d256: "
+           "fwd_sm90_draws_dropout): the SM80 kernel";
+  }
   if (!rule.scale_positive_normal) {
     return "softmax scale not positive and normal: the SM80 kernel's general variant";
   }
@@ -192,7 +197,8 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   const int compiled = round_up_head_dim(params.head_dim);
   const FwdTileRow row = fwd_tile_row(compiled);
   const ScoreFeatures rule = score_features_of(params);
-  const bool score_mods = rule.has_mods();
+  // Softcap, ALiBi or dropout: the Hopper kernel's kWithScoreMods variant.
+  const bool score_mods = rule.has_fwd_sm90_mods();
   const bool score_extras = rule.has_extras();
 
   const char* sm80_reason = nullptr;
@@ -205,7 +211,7 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     const int64_t num_tiles = fwd_sm90_num_tiles(params, row.block_m_sm90);
     // Only the persistent grids walk more tiles than grid x holds.
     const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
-    sm80_reason = fwd_sm90_refusal(params, plan.choice, device, row, grid_fits, tma_ok);
+    sm80_reason = fwd_sm90_refusal(params, plan.choice, device, compiled, row, grid_fits, tma_ok);
     if (sm80_reason == nullptr) {
       plan.kernel = FwdKernel::kSm90;
       plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
@@ -342,7 +348,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
                       ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
                       : "not an sm90 device";
   } else if (dropout) {
-    sm80_reason = "dropout: only the SM80 kernels draw its keep mask";
+    sm80_reason = "dropout: only the SM80 backward replays its keep mask";
   } else if (!scale_ok) {
     sm80_reason = "softmax scale not positive and normal";
   } else if (device.smem_per_block_optin <

@@ -51,9 +51,10 @@ const char* kernel_override_name(KernelOverride value);
 
 // The kernel design a pass may use on this device before the call's shape is
 // looked at: kSm80 on every device but sm90 (9.0); there, kAuto or what the
-// override forces (the tests run both designs on every shape). Dropout and a
-// scale that scale_is_positive_normal turns away run the SM80 design whatever
-// the choice; softcap and ALiBi run on both.
+// override forces (the tests run both designs on every shape). A scale that
+// scale_is_positive_normal turns away, and the backward of a call with
+// dropout, run the SM80 design whatever the choice; softcap, ALiBi and the
+// forward of dropout (d96-d224: fwd_sm90_draws_dropout) run on both.
 enum class KernelChoice : uint8_t {
   kSm80,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h
   kAuto,  // the Hopper kernel where its tile table has an entry and (forward)
@@ -80,7 +81,8 @@ enum class FwdKernel : uint8_t {
 
 // kSm80: the plain rule or the variant with softcap / ALiBi / dropout / a
 // scale that is not positive and normal (the score extras). kSm90: the plain
-// rule or the variant with softcap / ALiBi (the score mods).
+// rule or the variant with softcap / ALiBi / dropout (the score mods;
+// ScoreFeatures::has_fwd_sm90_mods).
 enum class FwdVariant : uint8_t { kPlain, kScoreExtras, kScoreMods };
 
 enum class FwdGrid : uint8_t {
@@ -118,6 +120,16 @@ constexpr int kSm90SmemPerBlock = 227 * 1024;
 constexpr bool fwd_sm90_persistent(int head_dim, int block_m, int block_n) {
   return 2 * block_m * head_dim * 2 + 2 * 2 * block_n * head_dim * 2 + kFwdSm90BarrierBytes <=
          kSm90SmemPerBlock;
+}
+
+// Whether the Hopper forward of this compiled head dim and tile draws
+// dropout: where a thread has at least 64 registers to spare beside S, O and
+// P in flight under S = Q K^T (FwdSm90KernelTraits::kDrawsDropout, which
+// fwd_launch.h checks this against): d96-d224 but not d64 (three MMA
+// warpgroups of 160 registers) or d256, whose draws spilled in the loop.
+constexpr bool fwd_sm90_draws_dropout(int head_dim, int block_m, int block_n) {
+  const int mma_registers = block_m / 64 == 2 ? 240 : 160;
+  return mma_registers - (block_n / 2 + head_dim / 2 + block_n / 4) >= 64;
 }
 
 // Whether the tiles do different work (a causal or local bound, or the

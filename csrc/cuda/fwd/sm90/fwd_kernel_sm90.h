@@ -18,8 +18,9 @@
 //     with the tensor cores idle in between.
 // It runs the causal / local / bounds mask and, in its kWithScoreMods
 // variant, softcap and ALiBi before it (score_mods.h, in the contract's
-// order), on TMA-describable inputs (16-byte aligned pointers, strides that
-// are positive multiples of 16 bytes); the launcher sends dropout and
+// order) and dropout after the softmax's row sums (dropout.h,
+// PairedDropoutMask), on TMA-describable inputs (16-byte aligned pointers,
+// strides that are positive multiples of 16 bytes); the launcher sends
 // anything else to fwd_kernel_sm80.h.
 #pragma once
 
@@ -49,8 +50,10 @@ using namespace cute;
 //
 // kWithScoreMods: the scores go through softcap and ALiBi before the mask,
 // kept in the units of ScoreModsInUnits (score_mods.h), which leave the
-// scale or the softcap to the exp2 multiplier. Its own instantiation, so
-// that the plain rule's loop carries none of it.
+// scale or the softcap to the exp2 multiplier, and P through dropout. Its
+// own instantiation, so that the plain rule's loop carries none of it;
+// dropout shares it rather than adding one per head dim and grid (each of
+// the three is a uniform run-time test there).
 template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,

@@ -59,6 +59,14 @@ struct FwdSm90KernelTraits {
   // file at 384 threads, 24 + 3 x 160 at 512.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
+  // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under
+  // S = Q K^T a thread holds S's and O's fp32 accumulators and P's 16-bit
+  // pairs in flight. With 80 registers to spare beside them (d128) the
+  // draws fit; with 52 (d256) or 32 (d64's three warpgroups of 160) they
+  // spilled in the loop (PERF_LOG 2026-11-29, issue 57 step 1). plan.h's
+  // fwd_sm90_draws_dropout, which fwd_launch.h checks against this.
+  static constexpr int kInFlightRegisters = kBlockN / 2 + kHeadDim / 2 + kBlockN / 4;
+  static constexpr bool kDrawsDropout = kMmaRegisters - kInFlightRegisters >= 64;
 
   using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
   // S = Q K^T: both operands from shared memory, K-major (head dim contiguous).

@@ -2,8 +2,8 @@
 //   - FwdSm90MainloopLoad, the producer warpgroup: one thread loads Q, K and V
 //     by TMA into the stages of fwd_pipeline_sm90.h;
 //   - FwdSm90MainloopMma, the MMA warpgroups: per key tile S = Q K^T, the score
-//     mods and the mask, the online softmax, and O += P V, taking turns at
-//     the tensor cores.
+//     mods and the mask, the online softmax, dropout, and O += P V, taking
+//     turns at the tensor cores.
 // Shape comments name the modes of each MMA: S = Q K^T has the queries as M,
 // the keys as N and the head dim as K; O += P V the queries as M, the head
 // dim as N (D) and the keys as K.
@@ -18,6 +18,7 @@
 
 #include "common/mask_rule.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/dropout.h"
 #include "cuda/core/mask.h"
 #include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
@@ -192,6 +193,13 @@ __forceinline__ __device__ auto fwd_sm90_score_coords(const ThrMmaS& thr_mma_s) 
 // the one before it hands on right after issuing, so 2 x 128 threads meet at
 // each turn, and one warpgroup's softmax runs while another's products
 // occupy the tensor cores.
+//
+// kWithScoreMods: the variant with softcap, ALiBi and dropout (each on at run
+// time); the plain variant carries none of their code. Dropout only where
+// Traits::kDrawsDropout (registers to spare under S): elsewhere its draws
+// spilled in the loop, and would have slowed softcap / ALiBi calls too, so
+// plan_fwd sends those calls to the SM80 kernel (PERF_LOG 2026-11-29, issue
+// 57 step 1).
 template <typename Traits, bool kWithScoreMods>
 struct FwdSm90MainloopMma {
   using Element = typename Traits::Element;
@@ -200,6 +208,7 @@ struct FwdSm90MainloopMma {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNMmaThreads = Traits::kNMmaThreads;
   static constexpr int kNMmaWarpGroups = Traits::kNMmaWarpGroups;
+  static constexpr bool kWithDropout = kWithScoreMods && Traits::kDrawsDropout;
   static constexpr uint32_t kTurnThreads = 2 * 128;
   using Storage = FwdSm90SharedStorage<Traits>;
   using NamedBarrier = cutlass::arch::NamedBarrier;
@@ -242,6 +251,7 @@ struct FwdSm90MainloopMma {
   ScoreCoords tScS_rowcol;           // (ROW,COL) -> (row,col)
 
   const bool has_alibi;
+  const bool has_dropout;
   FwdSm90Stages<Traits::kStages> stages;
 
   __forceinline__ __device__ FwdSm90MainloopMma(const FwdParams& params_, int mma_tidx_)
@@ -258,7 +268,8 @@ struct FwdSm90MainloopMma {
         tSrK(thr_mma_s.partition_fragment_B(Storage::k())),
         tOrVt(thr_mma_o.partition_fragment_B(Storage::vt())),
         tScS_rowcol(fwd_sm90_score_coords<Traits>(thr_mma_s)),
-        has_alibi(kWithScoreMods && params_.alibi_slopes != nullptr) {}
+        has_alibi(kWithScoreMods && params_.alibi_slopes != nullptr),
+        has_dropout(kWithDropout && params_.dropout_p > 0.f) {}
 
   // The score mods of a tile's (batch, head): softcap and ALiBi in the
   // kWithScoreMods variant, the plain scale otherwise (score_mods.h).
@@ -305,6 +316,20 @@ struct FwdSm90MainloopMma {
     CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(acc_o_rowcol));
     OnlineSoftmax<kNRows> softmax;
 
+    // Dropout's keep bits of a tile are drawn while its S is on the tensor
+    // cores and zero P after the softmax has summed it, as the SM80 kernel
+    // does (the row sums and lse are of the undropped P; finalize() scales O
+    // by 1 / (1 - p)). docs/dropout_sm90.md, section 3, design 1, and
+    // section 5.
+    static_assert(kNRows % 2 == 0, "a thread's rows come in pairs (r, r + 8)");
+    using DropoutMask = PairedDropoutMask<kNRows / 2, decltype(size<1>(scores))::value / 2>;
+    // The registers under S that Traits::kDrawsDropout counts.
+    static_assert(!kWithDropout || decltype(size(acc_s))::value + decltype(size(acc_o))::value +
+                                           decltype(size(tOrP))::value * sizeof(Element) / 4 ==
+                                       Traits::kInFlightRegisters,
+                  "S, O and P in flight as the traits count them");
+    DropoutMask dropout_mask;
+
     full_barrier(barriers.q_full).wait(stages.q_phase());
 
     // The rows of a varlen sequence's last K / V tile past its end are the
@@ -337,6 +362,20 @@ struct FwdSm90MainloopMma {
         warpgroup_commit_batch();
       }
       NamedBarrier::arrive(kTurnThreads, next_turn);
+      const int col_base = n_block * kBlockN;
+      // Under S(i): the draws need only (row, col).
+      if (kWithDropout && has_dropout) {
+        // Seed and offset read per key tile (two cached loads under the
+        // wgmma), not held across the loop: held, they pushed tile-level
+        // values to the stack (PERF_LOG 2026-11-29, issue 57 step 1).
+        const DropoutState dropout{static_cast<uint64_t>(params.rng_state[0]),
+                                   static_cast<uint64_t>(params.rng_state[1]),
+                                   params.dropout_threshold,
+                                   block.batch,
+                                   block.head,
+                                   params.nheads};
+        dropout_mask.draw(tScS_rowcol, row_begin, col_base, dropout);
+      }
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
       if (!kHasPendingPv && takes_tiles) scheduler.publish_tile(taken_tile);
@@ -344,7 +383,6 @@ struct FwdSm90MainloopMma {
       // With O staged apart, Q is free once the last S has landed.
       if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();
 
-      const int col_base = n_block * kBlockN;
       if constexpr (kWithScoreMods) {
         score_mods.apply_softcap(scores);
         if (has_alibi) {
@@ -360,6 +398,7 @@ struct FwdSm90MainloopMma {
       }
       typename OnlineSoftmax<kNRows>::TileCorrection correction;
       softmax.update_scores(scores, exp_scale_log2, correction);
+      if (kWithDropout && has_dropout) dropout_mask.apply(scores);
 
       if constexpr (kHasPendingPv) {
         warpgroup_wait<0>();
@@ -391,8 +430,9 @@ struct FwdSm90MainloopMma {
     warpgroup_fence_operand(acc_o);
     empty_barrier(barriers.v_empty[stages.stage(last)]).arrive();
 
-    softmax.finalize(acc_o_rowcol, kWithScoreMods ? score_mods.unit : params.softmax_scale, 1.f,
-                     lse, row_sink(params, block.head));
+    softmax.finalize(acc_o_rowcol, kWithScoreMods ? score_mods.unit : params.softmax_scale,
+                     kWithDropout && has_dropout ? params.dropout_rescale : 1.f, lse,
+                     row_sink(params, block.head));
   }
 
  private:
