@@ -410,6 +410,31 @@ def test_decode_split_examples():
     assert decode(1, 1, 256, 32, 8, 128, num_splits=100)["splits"] == 256 // 64
 
 
+@pytest.mark.parametrize("cache", [8192, 65536])
+def test_decode_batch_one_long_context_fills_one_wave(cache):
+    """Issue 55 item 2's shape (GQA 32:8 d128, one query, contiguous cache, 132
+    SMs): the 4 query heads of a kv head share one block's 16 rows, and 16
+    splits make 128 blocks, one per SM with 4 SMs idle. The count in
+    docs/serving.md (PERF_LOG 2026-11-29, batch-1 decode counted) keeps it so:
+    the idle SMs cost the memory-bound stream nothing."""
+    plan = decode(1, 1, cache, 32, 8, 128)
+    assert (plan["warps_n"], plan["block_m"], plan["m_blocks"]) == (4, 16, 1)
+    assert plan["splits"] == 16 and plan["items"] == 128 and plan["grid"] == 128
+    assert plan["persistent"] == 0 and plan["cluster"] == 2
+    # A block streams 8 key tiles at 8k, 64 at 64k: both ask for the tiles'
+    # shared memory alone (three stages of 64-key K and V tiles and one 16-row
+    # Q tile, 2 bytes each); the grid is one block per SM either way.
+    assert plan["smem"] == 2 * 128 * (2 * 3 * 64 + 16)
+
+
+@pytest.mark.parametrize("cache", [8192, 65536])
+def test_decode_batch_sixteen_no_split(cache):
+    """Batch 16: 128 (batch, kv head) items already fill one wave: no split."""
+    plan = decode(16, 1, cache, 32, 8, 128)
+    assert plan["splits"] == 1 and plan["items"] == 128 and plan["grid"] == 128
+    assert plan["persistent"] == 0 and plan["cluster"] == 2
+
+
 def test_decode_variants_and_grid():
     # Many rows per kv head: the 64-row variant, which keeps one block per item.
     plan = decode(4, 64, 4096, 32, 8, 128)

@@ -405,8 +405,16 @@ int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
 // empty leaves most of the memory system idle. Among the split counts whose
 // fill of the waves is at least 95% of the best one's, the smallest wins
 // (fewer partial results to write and merge; a looser tolerance left paged
-// caches an emptier last wave: PERF_LOG 2026-11-22 5987c63). No more splits than key blocks of the
-// cache capacity (the per-batch lengths live on the device), at most kMaxKvSplits. An explicit
+// caches an emptier last wave: PERF_LOG 2026-11-22 5987c63). So small batches
+// are split until they fill about one wave too (batch 1 x 8 kv heads: 16
+// splits, 128 blocks on 132 SMs), and no further: the 4 SMs left idle cost the
+// stream nothing, since 128 blocks of three 32 KiB stages keep more bytes in
+// flight than the memory's latency needs, and 33 splits (every SM) ran slower
+// at batch 4 and 16. Batch 1's distance from the copy bandwidth is per-call
+// latency (the combine, the first and last tiles) and the write-back of a
+// dirty L2, not the split count (PERF_LOG 2026-11-29, batch-1 decode counted;
+// docs/serving.md). No more splits than key blocks of the cache capacity (the
+// per-batch lengths live on the device), at most kMaxKvSplits. An explicit
 // count is honoured up to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
                      int compiled_head_dim, int warps_n, bool paged, const DeviceDesc& device,
