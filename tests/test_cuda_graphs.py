@@ -16,6 +16,7 @@ Every test here needs a GPU and is skipped with a reason without one.
 """
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -173,25 +174,37 @@ def test_kvcache_decode_step_with_out_replays_like_eager():
         assert torch.equal(out_buffer, out)
 
 
+@functools.cache
+def one_row_per_sequence():
+    return torch.arange(BATCH + 1, dtype=torch.int32, device=DEVICE)
+
+
+def paged_varlen_decode(q, k_cache, v_cache, block_table, used):
+    """One decode step in vLLM's form: flash_attn_varlen_func over pages, one
+    query row per sequence, seqused_k on the device and cu_seqlens_k None;
+    max_seqlen_k is the static bound. cu_seqlens_q is made once, outside any
+    capture or synchronisation check, as an engine keeps it."""
+    return flash_attn_cuda.flash_attn_varlen_func(
+        q.view(BATCH, HEADS, HEAD_DIM),
+        k_cache,
+        v_cache,
+        one_row_per_sequence(),
+        None,
+        1,
+        CAPACITY,
+        causal=True,
+        block_table=block_table,
+        seqused_k=used,
+    )
+
+
 def test_paged_varlen_decode_step_replays_like_eager():
     # vLLM's form: flash_attn_varlen_func over pages, seqused_k on the device and
     # cu_seqlens_k None; max_seqlen_k is the static bound.
     k_cache, v_cache, block_table, seqlens, steps, _ = decode_inputs(paged=True, rotary=False)
-    cu_q = torch.arange(BATCH + 1, dtype=torch.int32, device=DEVICE)
 
     def attend(q, used):
-        return flash_attn_cuda.flash_attn_varlen_func(
-            q.view(BATCH, HEADS, HEAD_DIM),
-            k_cache,
-            v_cache,
-            cu_q,
-            None,
-            1,
-            CAPACITY,
-            causal=True,
-            block_table=block_table,
-            seqused_k=used,
-        )
+        return paged_varlen_decode(q, k_cache, v_cache, block_table, used)
 
     lens_eager = seqlens.clone()
     eager = []
@@ -281,7 +294,6 @@ def test_generation_calls_do_not_synchronise():
     k_cache, v_cache, block_table, seqlens, steps, _ = decode_inputs(paged=True, rotary=False)
     q, k, v = steps[0]
     k_flat, v_flat = rand(BATCH, 100, KV_HEADS, HEAD_DIM), rand(BATCH, 100, KV_HEADS, HEAD_DIM)
-    cu_q = torch.arange(BATCH + 1, dtype=torch.int32, device=DEVICE)
     calls = {
         "with_kvcache_paged": lambda: flash_attn_cuda.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=block_table, causal=True
@@ -290,18 +302,7 @@ def test_generation_calls_do_not_synchronise():
             q, k_flat, v_flat, k, v, cache_seqlens=seqlens % 90, causal=True
         ),
         "func": lambda: flash_attn_cuda.flash_attn_func(q, k_flat, v_flat, causal=True),
-        "varlen_paged": lambda: flash_attn_cuda.flash_attn_varlen_func(
-            q.view(BATCH, HEADS, HEAD_DIM),
-            k_cache,
-            v_cache,
-            cu_q,
-            None,
-            1,
-            CAPACITY,
-            causal=True,
-            block_table=block_table,
-            seqused_k=seqlens,
-        ),
+        "varlen_paged": lambda: paged_varlen_decode(q, k_cache, v_cache, block_table, seqlens),
     }
     for call in calls.values():
         call()  # first calls set up per-device state
