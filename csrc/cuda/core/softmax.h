@@ -122,8 +122,10 @@ struct OnlineSoftmax {
     correction.max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float tile_max = quad_allreduce_max(chained_row_reduce(
-          scores, mi, row_max[mi], [](float a, float b) { return fmaxf(a, b); }));
+      float tile_max = row_max[mi];
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
+      tile_max = quad_allreduce_max(tile_max);
       correction.max_moved |= tile_max != row_max[mi];
       max_scaled[mi] = scaled_row_max(tile_max, exp_scale_log2);
       correction.factor[mi] = exp2f(row_max[mi] * exp_scale_log2 - max_scaled[mi]);
@@ -139,40 +141,17 @@ struct OnlineSoftmax {
                                                const float (&max_scaled)[kNRows]) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
+      float tile_sum = 0.f;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(scores); ++ni) {
-        scores(mi, ni) = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled[mi]);
+        const float p = exp2f(scores(mi, ni) * exp_scale_log2 - max_scaled[mi]);
+        scores(mi, ni) = p;
+        tile_sum += p;
       }
-      row_sum[mi] += chained_row_reduce(scores, mi, 0.f, [](float a, float b) { return a + b; });
+      row_sum[mi] += tile_sum;
     }
   }
 
- private:
-  // op over row mi of a thread's scores, folded into init, in kChains
-  // independent chains combined at the end: a single chain is as deep as the
-  // row (32 dependent FMNMX / FADD at 128 keys), which sits in the softmax
-  // window between two tiles' products; four are 8 deep plus 3 (PERF_LOG
-  // issue-53 hypothesis 6, FA4's row reductions).
-  template <typename TensorS, typename Op>
-  static __forceinline__ __device__ float chained_row_reduce(const TensorS& scores, int mi,
-                                                             float init, Op op) {
-    constexpr int kCols = decltype(size<1>(scores))::value;
-    constexpr int kChains = kCols % 4 == 0 ? 4 : (kCols % 2 == 0 ? 2 : 1);
-    float chain[kChains];
-    CUTE_UNROLL
-    for (int c = 0; c < kChains; ++c) chain[c] = scores(mi, c);
-    CUTE_UNROLL
-    for (int ni = kChains; ni < kCols; ++ni)
-      chain[ni % kChains] = op(chain[ni % kChains], scores(mi, ni));
-    CUTE_UNROLL
-    for (int stride = kChains / 2; stride > 0; stride /= 2) {
-      CUTE_UNROLL
-      for (int c = 0; c < stride; ++c) chain[c] = op(chain[c], chain[c + stride]);
-    }
-    return op(init, chain[0]);
-  }
-
- public:
   // Normalises acc_o and returns each row's lse (row_lse). out_rescale
   // carries the dropout 1/(1-p). sink: the head's attention sink, or -inf;
   // a call without one keeps the plain path, whose results the sink path
