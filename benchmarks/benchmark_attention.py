@@ -53,16 +53,25 @@ FA4 = "fa4"
 # deterministic backward, its anchor, comes along wherever FA4 imports.
 OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
 FA4_DETERMINISTIC = "fa4_deterministic"
-# Known on a GPU beyond GPU_PROVIDERS: FA4 (a default where it imports) and the
-# deterministic backwards.
-GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC]
+# Measured only when named in --providers: this project's kernels with dropout at
+# DROPOUT_P, whose ratio to flash_attn_cuda is what dropout costs (issue 57). No
+# anchor draws the same mask (FA3 / FA4 have no dropout, cuDNN only p in 1/16ths).
+OURS_DROPOUT = "flash_attn_cuda_dropout"
+DROPOUT_P = 0.1
+# Known on a GPU beyond GPU_PROVIDERS: FA4 (a default where it imports), the
+# deterministic backwards and dropout.
+GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC, OURS_DROPOUT]
 CPU_PROVIDERS = [OURS, "sdpa_cpu"]
+CPU_OPTIONAL_PROVIDERS = [OURS_DROPOUT]
+# This project's rows, on which the exit status gates.
+OWN_PROVIDERS = {OURS, OURS_DETERMINISTIC, OURS_DROPOUT}
 DETERMINISTIC_PROVIDERS = {OURS_DETERMINISTIC, FA4_DETERMINISTIC}
 # The row a provider's ratio is taken against: a deterministic anchor against our
 # deterministic backward, every other provider against our default kernels.
 REFERENCE_OF = {FA4_DETERMINISTIC: OURS_DETERMINISTIC}
-# FA4 is a training anchor: no KV-cache call, and its memory is not the question.
-TRAIN_ONLY = {FA4, FA4_DETERMINISTIC}
+# FA4 is a training anchor: no KV-cache call, and its memory is not the question;
+# dropout is a training feature.
+TRAIN_ONLY = {FA4, FA4_DETERMINISTIC, OURS_DROPOUT}
 # flex_attention would need one compile per decode shape for little insight;
 # decode has no backward, so the deterministic variant is the plain one.
 DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC} | TRAIN_ONLY
@@ -740,17 +749,24 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
         prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
         return prepared
 
-    if provider in (OURS, OURS_DETERMINISTIC):
+    if provider in (OURS, OURS_DETERMINISTIC, OURS_DROPOUT):
         attn = ours_op("flash_attn_func", device)
         deterministic = provider == OURS_DETERMINISTIC
+        dropout_p = DROPOUT_P if provider == OURS_DROPOUT else 0.0
         q = random_tensor((b, sq, h, d), dtype, device, with_grad)
         k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
         v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
         prepared = Prepared(
-            forward=lambda: attn(q, k, v, causal=shape.causal, deterministic=deterministic),
+            forward=lambda: attn(
+                q, k, v, dropout_p=dropout_p, causal=shape.causal, deterministic=deterministic
+            ),
             grad_inputs=(q, k, v),
         )
-        prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
+        if dropout_p:
+            prepared.note = f"dropout_p={dropout_p}"
+            prepared.extra.update(check_dropout(attn, q, k, v, shape, dropout_p))
+        else:
+            prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
         return prepared
 
     if shape.causal and sq != sk and provider != "flex":
@@ -815,7 +831,9 @@ def build_flex(q, k, v, shape: Shape, device: torch.device) -> Prepared:
     )
 
 
-def _compare(ours: torch.Tensor, ref: torch.Tensor, what: str, result: dict) -> float:
+def _compare(
+    ours: torch.Tensor, ref: torch.Tensor, what: str, result: dict, against: str = "SDPA"
+) -> float:
     """Max |ours - ref|; adds a warning to result when beyond a loose tolerance."""
     diff = (ours.float() - ref.float()).abs().max().item()
     ref_max = ref.float().abs().max().item()
@@ -824,7 +842,7 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, what: str, result: dict) -> 
     relative, floor = (1e-3, 1e-5) if ref.dtype == torch.float32 else (5e-2, 1e-3)
     tolerance = relative * ref_max + floor
     if not math.isfinite(diff) or diff > tolerance:
-        message = f"{what} differs from SDPA: max abs diff {diff:.3g} > {tolerance:.3g}"
+        message = f"{what} differs from {against}: max abs diff {diff:.3g} > {tolerance:.3g}"
         result["warning"] = join_notes(result.get("warning"), message)
     return diff if math.isfinite(diff) else float("nan")
 
@@ -872,6 +890,46 @@ def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] =
         )
     except Exception:
         pass  # the bwd / fwd_bwd measurements report ours' errors
+    return result
+
+
+# The dropout check's slice of a training shape: its mask (S_dmask) and the
+# float64 reference are seqlen^2 per head, so the check runs on the first
+# sequence's first two heads and at most this many rows, with the same kernel
+# rule (head dim, causal, dtype).
+DROPOUT_CHECK_ROWS = 1024
+
+
+def check_dropout(attn, q, k, v, shape: Shape, dropout_p: float) -> dict:
+    """Max |ours - reference| of a forward with dropout: the reference applies the
+    keep mask our call returns (S_dmask, dropped elements negated, flash-attn's
+    convention) to float64 softmax(Q K^T) and scales by 1 / (1 - p)."""
+    rows = min(shape.seqlen_q, DROPOUT_CHECK_ROWS)
+    heads = min(q.shape[2], 2)
+    group = q.shape[2] // k.shape[2]
+    qs = q[:1, :rows, :heads].detach()
+    ks = k[:1, :rows, : max(1, heads // group)].detach()
+    vs = v[:1, :rows, : max(1, heads // group)].detach()
+    result: dict = {}
+    try:
+        with torch.no_grad():
+            out, _, s_dmask = attn(
+                qs, ks, vs, dropout_p=dropout_p, causal=shape.causal, return_attn_probs=True
+            )
+            kk = ks.repeat_interleave(group, dim=2)[:, :, :heads].double()
+            vv = vs.repeat_interleave(group, dim=2)[:, :, :heads].double()
+            scores = torch.einsum("bqhd,bkhd->bhqk", qs.double(), kk) * shape.headdim**-0.5
+            if shape.causal:
+                keep_causal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril()
+                scores = scores.masked_fill(~keep_causal, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            keep = s_dmask[..., :rows, :rows] >= 0
+            ref = torch.einsum("bhqk,bkhd->bqhd", probs * keep / (1.0 - dropout_p), vv)
+            result["max_abs_diff_vs_reference"] = _compare(
+                out, ref, "output with dropout", result, against="the float64 reference"
+            )
+    except Exception as exc:  # the timed calls report ours' errors
+        result["warning"] = f"dropout check failed: {first_line(exc)}"
     return result
 
 
@@ -1343,7 +1401,7 @@ class Run:
                         row["note"] = join_notes(
                             row["note"], f"compile + first timing {first_s:.1f}s"
                         )
-                    elif provider in TRAIN_ONLY and mode == modes[0]:
+                    elif provider in (FA4, FA4_DETERMINISTIC) and mode == modes[0]:
                         # FA4 compiles in the build's check, before the timed calls.
                         row["note"] = join_notes(
                             row["note"], f"inputs + check + JIT compile {build_s:.1f}s"
@@ -1865,6 +1923,8 @@ def print_tables(meta: dict, rows: list) -> None:
         for p, values in summary:
             geo = math.exp(sum(math.log(x) for x in values) / len(values))
             against = f" (against {REFERENCE_OF[p]})" if p in REFERENCE_OF else ""
+            if p == OURS_DROPOUT:
+                against = f" (what dropout_p={DROPOUT_P} costs)"
             print(
                 f"  vs {p:<16s} {geo:5.2f}x over {len(values)} cases (min {min(values):.2f}, max {max(values):.2f}){against}"
             )
@@ -1887,7 +1947,7 @@ def print_tables(meta: dict, rows: list) -> None:
         # An anchor that disagrees with SDPA makes its ratios meaningless.
         print()
         print(
-            f"WARNING: {len(bad)} {provider} rows differ from their reference (SDPA; for "
+            f"WARNING: {len(bad)} {provider} rows differ from their reference (SDPA; with dropout the float64 reference; for "
             f"paged_prefill the contiguous call) beyond tolerance, e.g.: {bad[0]['warning']}"
         )
 
@@ -2099,6 +2159,8 @@ def select(args) -> tuple:
     if device.type == "cuda" or args.cpu_standin:
         known = known + [p for p in GPU_OPTIONAL_PROVIDERS if p not in known]
         providers = with_paired_anchors(providers)
+    else:
+        known = known + [p for p in CPU_OPTIONAL_PROVIDERS if p not in known]
     unknown = [p for p in providers if p not in known]
     if unknown:
         raise SystemExit(f"unknown provider(s) {unknown} on {device.type}; choose from {known}")
@@ -2203,21 +2265,24 @@ def main(argv=None) -> int:
 
 
 def exit_status(run: Run) -> int:
-    """1 when flash_attn_cuda failed or disagreed with SDPA (or, paged, with its contiguous
-    call) anywhere, so CI can gate on it."""
-    ours = [r for r in run.rows if r["provider"] == OURS]
+    """1 when this project's kernels (flash_attn_cuda, and its deterministic and dropout
+    rows) failed or disagreed with their reference (SDPA; with dropout the float64
+    reference of the returned mask; paged, the contiguous call) anywhere, so CI can
+    gate on it."""
+    ours = [r for r in run.rows if r["provider"] in OWN_PROVIDERS]
     failed = [r for r in ours if r["error"] and not r["error"].startswith("skipped:")]
     wrong = [r for r in ours if r.get("warning")]
     if run.broken:
         print(f"FAILED: {run.broken}")
     if failed:
         print(
-            f"FAILED: {OURS} raised on {len(failed)} of {len(ours)} cases, e.g. {failed[0]['error'][:200]}"
+            f"FAILED: {failed[0]['provider']} raised on {len(failed)} of {len(ours)} cases, "
+            f"e.g. {failed[0]['error'][:200]}"
         )
     if wrong:
         print(
-            f"FAILED: {OURS} disagreed with its reference on {len(wrong)} cases, e.g. "
-            f"{wrong[0]['warning'][:200]}"
+            f"FAILED: {wrong[0]['provider']} disagreed with its reference on {len(wrong)} "
+            f"cases, e.g. {wrong[0]['warning'][:200]}"
         )
     return 1 if (run.broken or failed or wrong) else 0
 

@@ -21,9 +21,11 @@ import sys
 
 OURS = "flash_attn_cuda"
 OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
+OURS_DROPOUT = "flash_attn_cuda_dropout"
 PROVIDER_ORDER = [
     OURS,
     OURS_DETERMINISTIC,
+    OURS_DROPOUT,
     "fa4",
     "fa4_deterministic",
     "sdpa_flash",
@@ -36,6 +38,7 @@ PROVIDER_ORDER = [
 PROVIDER_STYLE = {
     OURS: dict(color="tab:red", marker="o", linewidth=2.4),
     OURS_DETERMINISTIC: dict(color="tab:red", marker="o", markerfacecolor="none", linestyle="--"),
+    OURS_DROPOUT: dict(color="tab:red", marker="o", markerfacecolor="none", linestyle=":"),
     "fa4": dict(color="black", marker="P"),
     "fa4_deterministic": dict(color="black", marker="P", markerfacecolor="none", linestyle="--"),
     "sdpa_flash": dict(color="tab:blue", marker="s"),

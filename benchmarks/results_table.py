@@ -35,6 +35,7 @@ END = "<!-- results-table:end -->"
 
 OURS = "flash_attn_cuda"
 OURS_DETERMINISTIC = "flash_attn_cuda_deterministic"
+OURS_DROPOUT = "flash_attn_cuda_dropout"
 FA4 = "fa4"
 FA4_DETERMINISTIC = "fa4_deterministic"
 ANCHORS = ["sdpa_flash", "sdpa_cudnn", FA4, "sdpa_efficient", "flex", FA4_DETERMINISTIC]
@@ -128,6 +129,27 @@ def deterministic_lines(cells: dict) -> list[str]:
     return out
 
 
+def dropout_lines(cells: dict) -> list[str]:
+    """Per mode: what dropout costs, our time with dropout over our time without
+    (issue 57 asks at most 1.10x in every cell). No anchor draws the same mask."""
+    out = []
+    for mode in MODES:
+        keys = sorted(
+            (k for k in cells if k.mode == mode and OURS_DROPOUT in cells[k] and OURS in cells[k]),
+            key=cell_order,
+        )
+        cost = [(cells[k][OURS] / cells[k][OURS_DROPOUT], k) for k in keys]
+        if not cost:
+            continue
+        worst, at = max(cost)
+        out.append(
+            f"Dropout {MODE_NAMES[mode]}: {OURS_DROPOUT} time / {OURS} time "
+            f"{geomean([x for x, _ in cost]):.2f}x over {len(cost)} cells, worst {worst:.2f}x "
+            f"({_where(at)})."
+        )
+    return out
+
+
 def _where(key: Cell) -> str:
     causal = " causal" if key.causal else ""
     return f"d{head_label(key.headdim, key.group)}{causal} {key.dtype} {key.seqlen}"
@@ -182,9 +204,9 @@ def full_table(meta: dict, rows: list, min_seqlen: int = 0) -> str:
             vals.append(f"{geomean(xs):.2f} (min {min(xs):.2f})" if xs else "-")
         if any(v != "-" for v in vals):
             out.append(f"| {mode} | " + " | ".join(vals) + " |")
-    det_lines = deterministic_lines(cells)
-    if det_lines:
-        out += [""] + det_lines
+    extra_lines = deterministic_lines(cells) + dropout_lines(cells)
+    if extra_lines:
+        out += [""] + extra_lines
     return "\n".join(out) + "\n"
 
 
@@ -261,9 +283,9 @@ def summary(meta: dict, rows: list, source: str) -> str:
                 ratios.append(_range(xs) if xs else "-")
             label = "**all**" if head == "all" else head_label(*head)
             out.append(f"| {MODE_NAMES[mode]} | {label} | {tf} | " + " | ".join(ratios) + " |")
-    det_lines = deterministic_lines(cells)
-    if det_lines:
-        out += [""] + det_lines
+    extra_lines = deterministic_lines(cells) + dropout_lines(cells)
+    if extra_lines:
+        out += [""] + extra_lines
 
     decode = [r for r in rows if r.get("regime") == "decode" and r.get("ms") is not None]
     if decode:

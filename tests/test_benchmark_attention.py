@@ -188,3 +188,48 @@ def test_fa4_unavailable_rows_carry_the_reason(bench, tmp_path, monkeypatch):
     assert fa4 and all(r["error"] == "FA4 unavailable: not staged" for r in fa4)
     assert data["meta"]["fa4_error"] == "FA4 unavailable: not staged"
     assert status == 0
+
+
+def _ours_or_skip():
+    try:
+        import flash_attn_cuda  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"flash_attn_cuda is not built here: {exc}")
+
+
+def test_dropout_rows_are_checked_against_their_mask(bench, tmp_path, monkeypatch, capsys):
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--no-plots", "--out", str(out), "--cpu-budget-s", "0.002"]
+    argv += ["--regimes", "train", "--seqlens", "64", "--headdims", "32", "--dtypes", "fp32"]
+    argv += ["--gqa-ratios", "1,2", "--providers", f"{bench.OURS},{bench.OURS_DROPOUT}"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    dropout = [r for r in rows if r["provider"] == bench.OURS_DROPOUT]
+    # Both causal settings, both head groupings, every mode; no decode or memory rows.
+    assert {(r["causal"], r["nheads"] // r["nheads_k"]) for r in dropout} == {
+        (c, g) for c in (False, True) for g in (1, 2)
+    }
+    assert {r["mode"] for r in dropout} == {"fwd", "bwd", "fwd_bwd"}
+    assert {r["regime"] for r in dropout} == {"train"}
+    assert all(not r["error"] and not r.get("warning") for r in dropout)
+    assert all(r["note"].startswith(f"dropout_p={bench.DROPOUT_P}") for r in dropout)
+    assert all(r["max_abs_diff_vs_reference"] < 1e-4 for r in dropout)
+    assert "(what dropout_p=0.1 costs)" in capsys.readouterr().out
+
+
+def test_a_wrong_dropout_output_is_flagged(bench):
+    _ours_or_skip()
+    import flash_attn_cuda
+
+    def without_the_rescale(*args, dropout_p=0.0, **kwargs):
+        out, lse, s_dmask = flash_attn_cuda.flash_attn_func(*args, dropout_p=dropout_p, **kwargs)
+        return out * (1.0 - dropout_p), lse, s_dmask
+
+    shape = bench.Shape("fp32", 1, 48, 48, 2, 2, 32, True)
+    q, k, v = (torch.randn(1, 48, 2, 32) for _ in range(3))
+    good = bench.check_dropout(flash_attn_cuda.flash_attn_func, q, k, v, shape, 0.3)
+    assert good["max_abs_diff_vs_reference"] < 1e-4 and "warning" not in good
+    bad = bench.check_dropout(without_the_rescale, q, k, v, shape, 0.3)
+    assert "output with dropout differs from the float64 reference" in bad["warning"]

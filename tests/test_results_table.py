@@ -233,3 +233,26 @@ def test_results_hold_one_folder_per_gpu():
     assert _gpu_folders(), "benchmarks/results has no GPU folder"
     strays = [p.name for p in RESULTS.iterdir() if not p.is_dir()]
     assert not strays, f"files directly under benchmarks/results: {strays}"
+
+
+def test_dropout_rows_give_the_cost_of_dropout(tmp_path):
+    rt = _results_table()
+    rows = []
+    for causal, cost in ((False, 1.08), (True, 1.3)):
+        for mode in ("fwd", "fwd_bwd"):
+            rows += [
+                _train_row("flash_attn_cuda", 1.0, mode, causal, 16),
+                _train_row("sdpa_cudnn", 1.1, mode, causal, 16),
+                _train_row("flash_attn_cuda_dropout", cost, mode, causal, 16),
+            ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {"gpu": "Test GPU"}, "rows": rows}))
+    full = rt.full_table(*rt.load(path))
+    # Not an anchor: no ratio column of its own.
+    assert "xflash_attn_cuda_dropout" not in full
+    text = rt.summary(*rt.load(path), "results.json")
+    lines = [ln for ln in text.splitlines() if ln.startswith("Dropout")]
+    assert [ln.split(":")[0] for ln in lines] == ["Dropout forward", "Dropout forward + backward"]
+    assert all("over 2 cells, worst 1.30x (d128 causal bf16 4096)" in ln for ln in lines)
+    assert f"{(1.08 * 1.3) ** 0.5:.2f}x over 2 cells" in lines[0]
+    assert lines[0] in full
