@@ -34,7 +34,15 @@ __all__ = [
 # nothing to q.k and produce zero output columns, so the math is unchanged.
 _HEAD_DIM_ALIGNMENT = 8
 
-_MAX_HEAD_DIM = 256
+# The largest head dim per device, csrc/common/head_dim_bounds.h's: the CUDA
+# kernels' tile tables stop at 256; the CPU path serves up to 1024 (head dim
+# 512, MLA's 576 / 512), the function the CUDA kernels of issue 56 will serve.
+_MAX_HEAD_DIM = {"cuda": 256, "cpu": 1024}
+
+
+def _max_head_dim(device) -> int:
+    return _MAX_HEAD_DIM["cpu" if torch.device(device).type == "cpu" else "cuda"]
+
 
 # Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
 # int64 on every backend.
@@ -57,9 +65,10 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     dropout and causal setting; the arguments are accepted for compatibility
     (head_dim is checked against the supported range).
     """
-    del device, is_dropout, is_causal  # the width depends on none of them
-    if not 0 < head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    del is_dropout, is_causal  # the width depends on none of them
+    bound = _max_head_dim(device if device is not None else "cuda")
+    if not 0 < head_dim <= bound:
+        raise ValueError(f"head_dim must be in [1, {bound}], got {head_dim}")
     return _S_DMASK_BLOCK_N
 
 
@@ -105,9 +114,15 @@ def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str)
 
 def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
     # Checked before padding, so that the messages name the caller's head dims.
-    if q.shape[-1] > _MAX_HEAD_DIM:
+    bound = _max_head_dim(q.device)
+    if q.shape[-1] > bound:
+        where = (
+            "on the CPU"
+            if q.device.type == "cpu"
+            else f"on {q.device.type} (larger head dims run on the CPU path only)"
+        )
         raise ValueError(
-            f"head dimension (last dim of q) must be at most {_MAX_HEAD_DIM}, got {q.shape[-1]}"
+            f"head dimension (last dim of q) must be at most {bound} {where}, got {q.shape[-1]}"
         )
     # Zero would also reach the default softmax scale, 1 / sqrt(head dim).
     if q.shape[-1] < 1:
@@ -925,8 +940,9 @@ flash_attn_func.__doc__ = (
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
-            (fp32 is also accepted on CPU). Any headdim up to 256 works; one
-            that is not a multiple of 8 is zero-padded internally.
+            (fp32 is also accepted on CPU). Any headdim up to 256 works (up to
+            1024 on CPU); one that is not a multiple of 8 is zero-padded
+            internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
@@ -1362,7 +1378,7 @@ def flash_attn_with_kvcache(
     append).
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 256. A
+        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 256 (1024 on CPU). A
             headdim that is not a multiple of 8 works on zero-padded copies of
             the caches, which costs a copy of both caches per call.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with

@@ -77,7 +77,11 @@ FWD_CASES = {
         dict(v=rand(2, 11, 2, 32, dtype=torch.float32)),
         r"v must have the same dtype as q",
     ),
-    "head_dim_over_256": (with_head_dim(264), r"head dimension.*at most|head dimension.*256"),
+    "head_dim_over_1024_on_cpu": (
+        with_head_dim(1032),
+        r"head dimension \(last dim of q\) must be a multiple of 8 in \[8, 1024\] on the CPU, "
+        r"got 1032",
+    ),
     "head_dim_not_multiple_of_8": (with_head_dim(20), r"head dimension.*multiple of 8"),
     "nheads_not_divisible": (
         with_head_dim(32, nheads=6, nheads_k=4),
@@ -524,9 +528,9 @@ API_CASES = {
         lambda: flash_attn_func(qkv()[0], *qkv(dtype=torch.float16)[1:]),
         r"k must have the same dtype as q",
     ),
-    "head_dim_over_256": (
-        lambda: flash_attn_func(*qkv(d=260)),
-        r"head dimension \(last dim of q\) must be at most 256, got 260",
+    "head_dim_over_1024_on_cpu": (
+        lambda: flash_attn_func(*qkv(d=1030)),
+        r"head dimension \(last dim of q\) must be at most 1024 on the CPU, got 1030",
     ),
     "nheads_not_divisible": (
         lambda: flash_attn_func(*qkv(nheads=6, nheads_k=4)),
@@ -626,9 +630,11 @@ API_CASES = {
         ),
         r"\bk must be 3-D",
     ),
-    "kvcache_head_dim_over_256": (
-        lambda: flash_attn_with_kvcache(rand(2, 1, 4, 260), rand(2, 8, 2, 260), rand(2, 8, 2, 260)),
-        r"head dimension \(last dim of q\) must be at most 256, got 260",
+    "kvcache_head_dim_over_1024_on_cpu": (
+        lambda: flash_attn_with_kvcache(
+            rand(2, 1, 4, 1030), rand(2, 8, 2, 1030), rand(2, 8, 2, 1030)
+        ),
+        r"head dimension \(last dim of q\) must be at most 1024 on the CPU, got 1030",
     ),
     "kvcache_nheads_not_divisible": (
         lambda: flash_attn_with_kvcache(rand(2, 1, 3, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32)),

@@ -38,6 +38,11 @@ DEVICE_DIMS = [
     ("cpu", torch.float32, 32, 16),
     ("cpu", torch.float32, 36, 20),
     ("cpu", torch.bfloat16, 40, 24),
+    # Head dims past the CUDA kernels' 256 (issue 56), served by the CPU path:
+    # Gemma's 512, a d_v below it, and absorbed MLA's 576 / 512.
+    ("cpu", torch.float32, 512, 512),
+    ("cpu", torch.bfloat16, 512, 256),
+    ("cpu", torch.float32, 576, 512),
     pytest.param("cuda", torch.float16, 64, 32, marks=CUDA),
     pytest.param("cuda", torch.bfloat16, 128, 64, marks=CUDA),
     pytest.param("cuda", torch.bfloat16, 192, 128, marks=CUDA),
@@ -568,3 +573,84 @@ def test_bad_d_v_shapes(device):
             False,
             0,
         )
+
+
+# ------------------------------------------------------ head dims past 256
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 64])
+def test_absorbed_mla_decode_reads_v_from_the_key_cache(page_size):
+    """Absorbed MLA decode (issue 56 item 2) on the CPU path: 128 query heads of
+    576 columns over one latent head, and v_cache the view k_cache[..., :512]
+    of the same rows, paged in FlashMLA's 64-row pages or 1-row pages."""
+    batch, capacity, nheads, d_qk, d_v = 2, 128, 128, 576, 512
+    q = rand(batch, 1, nheads, d_qk, device="cpu", dtype=torch.bfloat16)
+    latent = rand(batch, capacity, 1, d_qk, device="cpu", dtype=torch.bfloat16)
+    seqlens = torch.tensor([77, capacity], dtype=torch.int32)
+    table, k_cache = None, latent
+    if page_size is not None:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages)
+        k_cache = torch.empty(batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16)
+        k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
+        table = order.view(batch, pages).to(torch.int32)
+    v_cache = k_cache[..., :d_v]
+    assert v_cache.data_ptr() == k_cache.data_ptr() and not v_cache.is_contiguous()
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, return_softmax_lse=True
+    )
+    assert out.shape == (batch, 1, nheads, d_v)
+
+    def ref(compute_dtype):
+        outs, lses = [], []
+        for b in range(batch):
+            n = int(seqlens[b])
+            o, lse_b = attention_ref(
+                q[b : b + 1],
+                latent[b : b + 1, :n],
+                latent[b : b + 1, :n, :, :d_v],
+                compute_dtype=compute_dtype,
+            )
+            outs.append(o)
+            lses.append(lse_b)
+        return torch.cat(outs), torch.cat(lses)
+
+    out_exact, lse_exact = ref(torch.float64)
+    out_same, lse_same = ref(torch.bfloat16)
+    check(out, out_exact, out_same, "out")
+    check_lse(lse, lse_exact, lse_same)
+
+
+def test_compile_fullgraph_head_dim_512_on_cpu():
+    torch._dynamo.reset()
+
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    def inputs():
+        torch.manual_seed(0)
+        q = rand(1, 9, 2, 512, device="cpu", dtype=torch.float32, requires_grad=True)
+        k = rand(1, 13, 1, 512, device="cpu", dtype=torch.float32, requires_grad=True)
+        v = rand(1, 13, 1, 384, device="cpu", dtype=torch.float32, requires_grad=True)
+        return q, k, v
+
+    out = assert_compiled_matches_eager(attention, inputs)
+    assert out.shape == (1, 9, 2, 384)
+
+
+@CUDA
+@pytest.mark.parametrize("d_qk,d_v", [(512, 512), (576, 512), (264, 128)])
+def test_head_dims_past_256_are_refused_on_cuda(d_qk, d_v):
+    """The CUDA kernels stop at 256 (common/head_dim_bounds.h): a clear error
+    that names the head dim and the bound, from the Python layer and from the
+    op itself."""
+    q = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
+    k = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
+    v = rand(1, 4, 2, d_v, device="cuda", dtype=torch.bfloat16)
+    match = rf"at most 256 on cuda \(larger head dims run on the CPU path only\), got {d_qk}"
+    with pytest.raises(ValueError, match=match):
+        flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match=rf"\[8, 256\] on CUDA .*got {d_qk}"):
+        ops.fwd(q, k, v, None, 0.0, d_qk**-0.5, False, -1, -1, 0.0, False, 0, 0, None)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(q[:, :1], k, v)

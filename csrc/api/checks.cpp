@@ -1,6 +1,7 @@
 #include "api/checks.h"
 
 #include "api/index_error_message.h"
+#include "common/head_dim_bounds.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -13,8 +14,6 @@
 
 namespace flash {
 namespace {
-
-constexpr int kMaxHeadDim = 256;
 
 std::string dtype_list(c10::ArrayRef<at::ScalarType> allowed) {
   std::ostringstream os;
@@ -60,10 +59,13 @@ int checked_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
-void check_head_dim(int64_t head_dim) {
-  TORCH_CHECK(head_dim >= 8 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
-              "flash_attn: head dimension (last dim of q) must be a multiple of 8 in [8, ",
-              kMaxHeadDim, "], got ", head_dim);
+// The bound of q's device (common/head_dim_bounds.h).
+void check_head_dim(int64_t head_dim, const at::Tensor& q) {
+  const int bound = max_head_dim(q.is_cuda());
+  TORCH_CHECK(head_dim >= 8 && head_dim <= bound && head_dim % 8 == 0,
+              "flash_attn: head dimension (last dim of q) must be a multiple of 8 in [8, ", bound,
+              "] on ", q.is_cuda() ? "CUDA (larger head dims run on the CPU path only)" : "the CPU",
+              ", got ", head_dim);
 }
 
 // v has k's shape but for its last dim, d_v: a multiple of 8 in [8, d_qk]
@@ -218,7 +220,7 @@ FwdShape check_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
   const int64_t batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
   const int64_t seqlen_k = k.size(1), nheads_k = k.size(2);
-  check_head_dim(head_dim);
+  check_head_dim(head_dim, q);
   TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim,
               "flash_attn: k must have shape (batch, seqlen_k, nheads_k, head_dim) with batch = ",
               batch, " and head_dim = ", head_dim, " as in q, got ", k.sizes());
@@ -275,7 +277,7 @@ VarlenShape check_varlen_fwd_args(
 
   const int64_t total_q = q.size(0), nheads = q.size(1), head_dim = q.size(2);
   const int64_t nheads_k = k.size(-2);
-  check_head_dim(head_dim);
+  check_head_dim(head_dim, q);
   TORCH_CHECK(k.size(-1) == head_dim, "flash_attn: k must have the head_dim of q (", head_dim,
               "), got shape ", k.sizes());
   const int64_t head_dim_v = check_v_shape(v, k, head_dim);

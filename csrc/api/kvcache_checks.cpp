@@ -2,6 +2,7 @@
 
 #include "api/checks.h"
 #include "api/index_error_message.h"
+#include "common/head_dim_bounds.h"
 
 #include <c10/util/Exception.h>
 
@@ -155,10 +156,12 @@ KvcacheShape check_fwd_kvcache_args(
   }
   TORCH_CHECK(shape.batch > 0, "fwd_kvcache: q must have batch > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
-  TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= 256,
-              "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most "
-              "256, got ",
-              shape.head_dim);
+  const int max_dim = max_head_dim(q.is_cuda());
+  TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= max_dim,
+              "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most ",
+              max_dim, " on ",
+              q.is_cuda() ? "CUDA (larger head dims run on the CPU path only)" : "the CPU",
+              ", got ", shape.head_dim);
   check_last_dim_contiguous(q, "q");
 
   // cache, contiguous or paged

@@ -50,7 +50,7 @@ struct AttentionProblem {
   c10::ScalarType dtype;  // of q, k, v and every output but lse: Float, Half or BFloat16
   int nheads;
   int nheads_k;  // nheads % nheads_k == 0; query head h reads kv head h / (nheads / nheads_k)
-  int head_dim;  // a multiple of 8, at most 256 (as checks.h enforces)
+  int head_dim;  // a multiple of 8, at most kMaxHeadDimCpu (common/head_dim_bounds.h)
   std::vector<SequenceSpan> sequences;  // one per batch entry
 
   const void* q;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/head_dim_bounds.h"
 #include "common/score_features.h"
 #include "common/sink_norm.h"
 #include "cpu/attention_cpu.h"
@@ -421,9 +422,10 @@ void backward_impl(const AttentionProblem& p, const BackwardTensors& t) {
 
 void check_head_dim(const AttentionProblem& problem) {
   // The tile products work on column strips of 8.
-  TORCH_CHECK(problem.head_dim > 0 && problem.head_dim % 8 == 0 && problem.head_dim <= 256,
-              "flash_attn (CPU): head_dim must be a multiple of 8 in [8, 256], got ",
-              problem.head_dim);
+  TORCH_CHECK(
+      problem.head_dim > 0 && problem.head_dim % 8 == 0 && problem.head_dim <= kMaxHeadDimCpu,
+      "flash_attn (CPU): head_dim must be a multiple of 8 in [8, ", kMaxHeadDimCpu, "], got ",
+      problem.head_dim);
 }
 
 }  // namespace

@@ -25,6 +25,8 @@
 #include <string>
 #include <tuple>
 
+#include "common/head_dim_bounds.h"
+
 namespace flash {
 namespace {
 
@@ -46,7 +48,7 @@ bool served_here(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   if (query.dim() != 4 || key.dim() != 4 || value.dim() != 4) return false;
   const int64_t head_dim = query.size(3);
   if (key.size(3) != head_dim || value.size(3) != head_dim) return false;
-  if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0) return false;
+  if (head_dim < 8 || head_dim > kMaxHeadDimCuda || head_dim % 8 != 0) return false;
   if (query.stride(3) != 1 || key.stride(3) != 1 || value.stride(3) != 1) return false;
   return query.is_non_overlapping_and_dense();
 }

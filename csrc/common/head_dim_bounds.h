@@ -1,0 +1,21 @@
+// The head dims each device serves (the op contract's "Head dims"): a
+// multiple of 8 (the Python layer pads to one) from 8 up to a bound per
+// device, checked at the ops' boundary (api/checks.cpp, api/kvcache_checks.cpp)
+// and again by the CPU path itself.
+//
+// CUDA: the tile tables stop at 256 (fwd_tile_config.h, bwd_tile_config.h;
+// head dim 512 and absorbed MLA's 576 / 512 are issue 56's, designed in
+// docs/head_dims_dv_and_512.md). CPU: the tiles work on column strips of 8
+// at any width, with per-thread scratch of a few rows of head_dim floats; the
+// bound covers those head dims (and MLA's 576) with room, so that the CPU
+// path computes the function the CUDA kernels will serve.
+#pragma once
+
+namespace flash {
+
+constexpr int kMaxHeadDimCuda = 256;
+constexpr int kMaxHeadDimCpu = 1024;
+
+constexpr int max_head_dim(bool cuda) { return cuda ? kMaxHeadDimCuda : kMaxHeadDimCpu; }
+
+}  // namespace flash
