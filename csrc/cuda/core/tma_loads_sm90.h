@@ -101,8 +101,8 @@ struct TmaTileLoad {
 // the cache (num_pages, page_size, heads, head dim) as a 4-D TMA tensor
 // (head dim, row in page, head, page), loaded in boxes of box_rows rows by
 // kAtomCols columns, one swizzle atom wide, so that a box lands on whole
-// swizzle atoms of a stage wherever its rows start (the producer,
-// fwd_mainloop_sm90.h, issues one box per page piece and atom column). The
+// swizzle atoms of a stage wherever its rows start (the producer warp,
+// fwd_mainloop_sm90.h, issues one box per page piece, a lane per piece). The
 // box height is a runtime value of the descriptor: the largest power of two
 // dividing both the page and the key tile, at least 8 rows (one swizzle atom
 // high), so that no box crosses a page or a tile.

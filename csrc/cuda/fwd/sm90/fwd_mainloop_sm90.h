@@ -35,15 +35,26 @@ namespace flash {
 
 using namespace cute;
 
-// The producer: one thread of the producer warpgroup issues every copy; the
-// others have left the kernel.
-template <typename Traits>
+// How the producer reads K / V: one TMA copy per key tile, or paged keys
+// (FwdParams::block_table) by TMA boxes inside pages.
+enum class FwdSm90KeyLoad { kTiles, kPagedBoxes };
+
+// The producer: kThreads threads of the producer warpgroup issue the copies,
+// the others leave the kernel. One thread issues every TMA copy of
+// contiguous keys; a warp issues the boxes of paged keys, a lane per box. Q
+// is one TMA copy of thread 0. One instantiation per key load, each entered
+// only by its threads (the kernel).
+template <typename Traits, FwdSm90KeyLoad kKeys>
 struct FwdSm90MainloopLoad {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   using Storage = FwdSm90SharedStorage<Traits>;
+  static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles ? 1 : 32;
+  // The arrivals that fill a K / V stage: the arming thread's
+  // arrive_and_expect_tx.
+  static constexpr int kFullArrivals = 1;
 
   const FwdParams& params;
   const FwdSm90Tma<Traits>& tma;
@@ -66,51 +77,55 @@ struct FwdSm90MainloopLoad {
     Tensor gQ =
         local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch, params.head_dim),
                    Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));  // (M,D)
-    Tensor gK = local_tile(
-        tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch, params.head_dim),
-        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor gV = local_tile(
-        tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
-        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor sQ = Storage::q();                                     // (M,D)
-    Tensor sK = Storage::k();                                     // (N,D,stage)
-    Tensor sV = Storage::v();                                     // (N,D,stage)
-    // One TMA box per tile: a stage holds one global tile.
-    CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+    Tensor sQ = Storage::q();                                                            // (M,D)
     CUTE_STATIC_ASSERT_V(size<0>(sQ) == size<0>(gQ) && size<1>(sQ) == size<1>(gQ));
-    // (TMA,TMA_M,TMA_D), (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
+    // (TMA,TMA_M,TMA_D): one TMA copy per tile
     auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // Paged keys (uniform over the call) go by boxes of pages instead.
-    const bool paged = params.block_table != nullptr;
-    auto load_k = [&](int i) {
-      if (paged) {
-        load_paged_key_tile(&tma.k_paged, barriers.k_full, barriers.k_empty, sK, tile, i);
-      } else {
-        load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max, i);
-      }
-    };
-    auto load_v = [&](int i) {
-      if (paged) {
-        load_paged_key_tile(&tma.v_paged, barriers.v_full, barriers.v_empty, sV, tile, i);
-      } else {
-        load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max, i);
-      }
-    };
     // K(0) may go ahead of Q: its stage is free as soon as the last tile's
     // wgmmas have read it.
-    load_k(0);
-    empty_barrier(barriers.q_empty).wait(stages.q_phase() ^ 1);
-    full_barrier(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
-    copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+    auto load_q = [&] {
+      if (kThreads > 1 && threadIdx.x != 0) return;
+      empty_barrier(barriers.q_empty).wait(stages.q_phase() ^ 1);
+      full_barrier(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
+      copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+    };
     // The order the MMA warpgroups consume them: iteration i reads K(i) and
     // V(i - 1).
-    for (int i = 1; i < tile.n_key_blocks; ++i) {
-      load_k(i);
-      load_v(i - 1);
+    auto load_all = [&](auto&& load_k, auto&& load_v) {
+      load_k(0);
+      load_q();
+      for (int i = 1; i < tile.n_key_blocks; ++i) {
+        load_k(i);
+        load_v(i - 1);
+      }
+      load_v(tile.n_key_blocks - 1);
+    };
+    if constexpr (kKeys == FwdSm90KeyLoad::kTiles) {
+      Tensor gK = local_tile(
+          tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch, params.head_dim),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+      Tensor gV = local_tile(
+          tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+      Tensor sK = Storage::k();                                     // (N,D,stage)
+      Tensor sV = Storage::v();                                     // (N,D,stage)
+      // One TMA box per tile: a stage holds one global tile.
+      CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+      // (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
+      auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      load_all(
+          [&](int i) {
+            load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max,
+                          i);
+          },
+          [&](int i) {
+            load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max,
+                          i);
+          });
+    } else {
+      load_paged(tile, load_all);
     }
-    load_v(tile.n_key_blocks - 1);
     stages.advance(tile.n_key_blocks);
     look_ahead();
   }
@@ -128,52 +143,90 @@ struct FwdSm90MainloopLoad {
     copy(tma_copy.with(full_stages[stage]), tXgX(_, n_block_max - 1 - i), tXsX(_, stage));
   }
 
-  // The same tile of paged keys (FwdSm90Tma::k_paged / v_paged): one TMA box
-  // per piece of box_rows rows and swizzle atom of columns, each from its own
-  // page, read in place. Only boxes holding keys below seqlen_k are issued,
-  // so no table entry past the sequence's pages is read; the rows after them
-  // keep what the stage held, which the mask hides (K) and
+  // The first key of key tile i.
+  __forceinline__ __device__ int first_key_of(const FwdSm90Tile& tile, int i) const {
+    return (tile.block.n_block_max - 1 - i) * kBlockN;
+  }
+
+  // Paged keys. Lane b of the producer warp issues box b of a key tile and
+  // looks up its page. At K(i) each lane prefetches its table line of key
+  // tile i + 1 into L1 (no register waits on a prefetch), so the lookups of
+  // K(i + 1) and V(i + 1) hit L1: held in registers instead, one tile ahead,
+  // the entries were spilled right after their loads at the producer's 24
+  // registers, which waited out the load there (ptxas, sm_90a). Only keys
+  // below seqlen_k are looked up or prefetched: no table entry past the
+  // sequence's pages is read.
+  static_assert(kBlockN / 8 <= 32, "a box of at least 8 rows per lane covers the key tile");
+
+  // The table entry of this lane's box in key tile i: its address, or null
+  // where the lane has no box.
+  __forceinline__ __device__ const int* paged_entry_address(const FwdSm90Tile& tile, int i) const {
+    const int row = (threadIdx.x % 32) * tma.paged_box_rows;
+    const int key = first_key_of(tile, i) + row;
+    if (row >= kBlockN || key >= tile.binfo.seqlen_k) return nullptr;
+    return paged_table_address(params, tile.block.batch, params.page_size.quotient(key));
+  }
+
+  template <typename LoadAll>
+  __forceinline__ __device__ void load_paged(const FwdSm90Tile& tile, LoadAll&& load_all) {
+    auto& barriers = Storage::barriers();
+    Tensor sK = Storage::k();  // (N,D,stage)
+    Tensor sV = Storage::v();  // (N,D,stage)
+    auto load_tile = [&](bool is_v, int i) {
+      // The lookup goes ahead of the wait for the stage; read-only path, the
+      // line prefetched at K(i - 1).
+      const int* entry = paged_entry_address(tile, i);
+      const int table_entry = entry != nullptr ? __ldg(entry) : 0;
+      load_paged_key_tile(
+          is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
+          is_v ? barriers.v_empty : barriers.k_empty, is_v ? sV : sK, tile, i, table_entry);
+    };
+    load_all(
+        [&](int i) {
+          if (i + 1 < tile.n_key_blocks) {
+            const int* entry = paged_entry_address(tile, i + 1);
+            if (entry != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(entry));
+          }
+          load_tile(false, i);
+        },
+        [&](int i) { load_tile(true, i); });
+  }
+
+  // By TMA boxes (FwdSm90Tma::k_paged / v_paged): box b of a key tile,
+  // box_rows rows from one page, is lane b's, one TMA copy per swizzle atom
+  // of columns. Only boxes holding keys below seqlen_k are issued; the rows
+  // after them keep what the stage held, which the mask hides (K) and
   // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
-  // the next sequence an unpaged varlen tile reads.
+  // the next sequence an unpaged varlen tile reads. Lane 0 arms the stage's
+  // full barrier with the bytes of every box issued (arrive_and_expect_tx,
+  // the barrier's one arrival) before any lane issues a box.
   template <typename TensorS>
   __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
                                                       uint64_t* full_stages, uint64_t* empty_stages,
-                                                      TensorS& sX, const FwdSm90Tile& tile,
-                                                      int i) const {
+                                                      TensorS sX, const FwdSm90Tile& tile, int i,
+                                                      int table_entry) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
     static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
-    // Table lookups go in groups: each TMA waits on its page's lookup, and
-    // one at a time the thread waited out a load latency per box.
-    constexpr int kLookups = 4;
+    const int lane = threadIdx.x % 32;
     const int box_rows = tma.paged_box_rows;
     const int stage = stages.stage(i);
-    const int key0 = (tile.block.n_block_max - 1 - i) * kBlockN;
+    const int key0 = first_key_of(tile, i);
     const int boxes = (min(kBlockN, tile.binfo.seqlen_k - key0) + box_rows - 1) / box_rows;
-    for (int first = 0; first < boxes; first += kLookups) {
-      int page[kLookups], row_in_page[kLookups];
-      CUTE_UNROLL
-      for (int u = 0; u < kLookups; ++u) {
-        // Past the last box: the last box again (an entry the table holds), unused.
-        const int box = min(first + u, boxes - 1);
-        locate_paged_key(params, tile.block.batch, key0 + box * box_rows, page[u], row_in_page[u]);
-      }
-      // The first lookups run before the wait for the stage.
-      if (first == 0) {
-        empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-        full_barrier(full_stages[stage])
-            .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
-      }
-      CUTE_UNROLL
-      for (int u = 0; u < kLookups; ++u) {
-        if (first + u >= boxes) break;
-        CUTE_UNROLL
-        for (int col = 0; col < kHeadDim; col += kAtomCols) {
-          SM90_TMA_LOAD_4D::copy(desc, &full_stages[stage],
-                                 static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                 &sX((first + u) * box_rows, col, stage), col, row_in_page[u],
-                                 tile.block.head_kv, page[u]);
-        }
-      }
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    if (lane == 0) {
+      full_barrier(full_stages[stage])
+          .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+    }
+    __syncwarp();
+    if (lane >= boxes) return;
+    const int page = clamp_paged_entry(params, table_entry);
+    const int key = key0 + lane * box_rows;
+    const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
+    CUTE_UNROLL
+    for (int col = 0; col < kHeadDim; col += kAtomCols) {
+      SM90_TMA_LOAD_4D::copy(
+          desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+          &sX(lane * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
     }
   }
 };
