@@ -13,16 +13,20 @@
 
 namespace flash {
 
-// cp.async of one 16-byte chunk; src_size 0 zero-fills the destination
+// cp.async of one 16-byte chunk (to a shared-memory address or pointer);
+// src_size 0 zero-fills the destination
 // without reading the source, so masked-off rows cost no memory traffic and
 // gmem_src may then point past the tensor (at the row or column it would
 // have read), which spares a select per chunk.
+__forceinline__ __device__ void cp_async_16_or_zero(uint32_t smem_dst, const void* gmem_src,
+                                                    bool valid) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_size));
+}
 __forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
                                                     bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_size));
+  cp_async_16_or_zero(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, valid);
 }
 
 // Global -> shared copy of a tile whose rows live at unrelated addresses:

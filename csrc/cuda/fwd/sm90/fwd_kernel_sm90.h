@@ -26,7 +26,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -58,10 +57,11 @@ using namespace cute;
 // dropout shares it rather than adding one per head dim and grid (each of
 // the three is a uniform run-time test there).
 //
-// kPagedKeys: paged K / V (FwdParams::block_table), by TMA boxes. Its own
-// instantiation: beside the paged producer code, the one-thread loop of
-// contiguous keys went from no spills to hundreds of bytes (ptxas, d128
-// bf16), and the paged branch inside that loop had cost it 120-136 bytes.
+// kPagedKeys: paged K / V (FwdParams::block_table), by TMA boxes or
+// gathered (FwdSm90Tma::gather_keys, at run time). Its own instantiation:
+// beside the paged producer code, the one-thread loop of contiguous keys
+// went from no spills to hundreds of bytes (ptxas, d128 bf16), and the
+// paged branch inside that loop had cost it 120-136 bytes.
 template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false,
           bool kPagedKeys = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -83,10 +83,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FwdSm90TileScheduler<Traits, kTilesFromCounter> scheduler(params, tile_divisors);
   using LoadTiles = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kTiles>;
   using LoadBoxes = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedBoxes>;
+  using LoadGather = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedGather>;
   // The launcher runs this instantiation for paged keys only.
-  using Load = std::conditional_t<kPagedKeys, LoadBoxes, LoadTiles>;
+  const bool gather = kPagedKeys && tma.gather_keys;
   if (tidx == 0) {
-    Storage::template init_barriers<kTilesFromCounter>(Load::kFullArrivals, Load::kThreads);
+    Storage::template init_barriers<kTilesFromCounter>(
+        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals,
+        !kPagedKeys ? LoadTiles::kThreads
+        : gather    ? LoadGather::kThreads
+                    : LoadBoxes::kThreads);
   }
   __syncthreads();
 
@@ -94,12 +99,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // The producer warpgroup: the threads that issue the copies
     // (FwdSm90MainloopLoad::kThreads) stay.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    const bool producer = kPagedKeys ? cutlass::canonical_warp_idx_sync() == 0 : tidx == 0;
-    if (producer) {
-      Load mainloop_load{params, tma, {}};
+    auto produce = [&](auto mainloop_load) {
       scheduler.for_each_tile([&](const FwdSm90Tile& tile, auto&& look_ahead) {
         mainloop_load.load(tile, look_ahead);
       });
+    };
+    if constexpr (kPagedKeys) {
+      const int warp = cutlass::canonical_warp_idx_sync();
+      if (!gather) {
+        if (warp == 0) produce(LoadBoxes{params, tma, {}});
+      } else if (warp < LoadGather::kThreads / 32) {
+        produce(LoadGather{params, tma, {}});
+      }
+    } else {
+      if (tidx == 0) produce(LoadTiles{params, tma, {}});
     }
     return;
   }

@@ -36,14 +36,16 @@ namespace flash {
 using namespace cute;
 
 // How the producer reads K / V: one TMA copy per key tile, or paged keys
-// (FwdParams::block_table) by TMA boxes inside pages.
-enum class FwdSm90KeyLoad { kTiles, kPagedBoxes };
+// (FwdParams::block_table) by TMA boxes inside pages or gathered row by row
+// (FwdSm90Tma::gather_keys; plan_fwd's FwdPlan::keys).
+enum class FwdSm90KeyLoad { kTiles, kPagedBoxes, kPagedGather };
 
 // The producer: kThreads threads of the producer warpgroup issue the copies,
 // the others leave the kernel. One thread issues every TMA copy of
-// contiguous keys; a warp issues the boxes of paged keys, a lane per box. Q
-// is one TMA copy of thread 0. One instantiation per key load, each entered
-// only by its threads (the kernel).
+// contiguous keys; a warp issues the boxes of paged keys, a lane per box;
+// kNGatherThreads gather paged keys by cp.async. Q is one TMA copy of thread
+// 0. One instantiation per key load, each entered only by its threads (the
+// kernel).
 template <typename Traits, FwdSm90KeyLoad kKeys>
 struct FwdSm90MainloopLoad {
   using Element = typename Traits::Element;
@@ -51,10 +53,13 @@ struct FwdSm90MainloopLoad {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   using Storage = FwdSm90SharedStorage<Traits>;
-  static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles ? 1 : 32;
+  static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles        ? 1
+                                  : kKeys == FwdSm90KeyLoad::kPagedBoxes ? 32
+                                                                         : Traits::kNGatherThreads;
   // The arrivals that fill a K / V stage: the arming thread's
-  // arrive_and_expect_tx.
-  static constexpr int kFullArrivals = 1;
+  // arrive_and_expect_tx (TMA), or each gathering thread's
+  // cp.async.mbarrier.arrive.noinc.
+  static constexpr int kFullArrivals = kKeys == FwdSm90KeyLoad::kPagedGather ? kThreads : 1;
 
   const FwdParams& params;
   const FwdSm90Tma<Traits>& tma;
@@ -124,7 +129,7 @@ struct FwdSm90MainloopLoad {
                           i);
           });
     } else {
-      load_paged(tile, load_all);
+      load_paged<kKeys == FwdSm90KeyLoad::kPagedGather>(tile, load_all);
     }
     stages.advance(tile.n_key_blocks);
     look_ahead();
@@ -148,44 +153,92 @@ struct FwdSm90MainloopLoad {
     return (tile.block.n_block_max - 1 - i) * kBlockN;
   }
 
-  // Paged keys. Lane b of the producer warp issues box b of a key tile and
-  // looks up its page. At K(i) each lane prefetches its table line of key
-  // tile i + 1 into L1 (no register waits on a prefetch), so the lookups of
-  // K(i + 1) and V(i + 1) hit L1: held in registers instead, one tile ahead,
-  // the entries were spilled right after their loads at the producer's 24
-  // registers, which waited out the load there (ptxas, sm_90a). Only keys
-  // below seqlen_k are looked up or prefetched: no table entry past the
-  // sequence's pages is read.
+  // Paged keys. Each lane of a copying warp looks up the pages of a few keys
+  // of a key tile, and its warp reads them from it (the box's lane, or by
+  // shuffles for the gather). At K(i) each lane prefetches its table lines
+  // of key tile i + 1 into L1 (no register waits on a prefetch), so the
+  // lookups of K(i + 1) and V(i + 1) hit L1: held in registers instead, one
+  // tile ahead, the entries were spilled right after their loads at the
+  // producer's 24 registers, which waited out the load there (ptxas,
+  // sm_90a). Only keys below seqlen_k are looked up or prefetched: no table
+  // entry past the sequence's pages is read.
+  //
+  // The gather's copy (Traits::GmemTiledCopyKVGather): thread t copies row
+  // t / kThreadsPerRow of each pass of kRowsPerPass rows, so warp w copies
+  // rows [w * kWarpRows, (w + 1) * kWarpRows) of each pass; its lanes look
+  // up those rows of every pass, kGatherLookups each.
+  using GatherCopy = GmemTileCopy<Element, kHeadDim, Traits::kNGatherThreads>;
+  static constexpr int kWarpRows = 32 / GatherCopy::kThreadsPerRow;
+  static constexpr int kGatherPasses = kBlockN / GatherCopy::kRowsPerPass;
+  static constexpr int kGatherLookups = (kWarpRows * kGatherPasses + 31) / 32;
+  static_assert(32 % GatherCopy::kThreadsPerRow == 0, "a warp copies whole rows");
   static_assert(kBlockN / 8 <= 32, "a box of at least 8 rows per lane covers the key tile");
+  template <int kLookups_>
+  struct TableEntries {
+    static constexpr int kLookups = kLookups_;
+    int entry[kLookups];
+  };
 
-  // The table entry of this lane's box in key tile i: its address, or null
-  // where the lane has no box.
-  __forceinline__ __device__ const int* paged_entry_address(const FwdSm90Tile& tile, int i) const {
-    const int row = (threadIdx.x % 32) * tma.paged_box_rows;
-    const int key = first_key_of(tile, i) + row;
-    if (row >= kBlockN || key >= tile.binfo.seqlen_k) return nullptr;
+  // The key tile row of lookup j of this lane, for the gather or the boxes.
+  template <bool kGather>
+  __forceinline__ __device__ int paged_lookup_row(int j) const {
+    const int lane = threadIdx.x % 32;
+    if constexpr (kGather) {
+      const int slot = j * 32 + lane;
+      const int warp = threadIdx.x / 32;
+      return slot < kWarpRows * kGatherPasses
+                 ? slot / kWarpRows * GatherCopy::kRowsPerPass + warp * kWarpRows + slot % kWarpRows
+                 : kBlockN;
+    } else {
+      return lane * tma.paged_box_rows;
+    }
+  }
+
+  // The table entry of lookup j of this lane in key tile i: its address,
+  // or null where the lane looks up no key.
+  template <bool kGather>
+  __forceinline__ __device__ const int* paged_entry_address(const FwdSm90Tile& tile, int i,
+                                                            int j) const {
+    const int key = first_key_of(tile, i) + paged_lookup_row<kGather>(j);
+    if (paged_lookup_row<kGather>(j) >= kBlockN || key >= tile.binfo.seqlen_k) return nullptr;
     return paged_table_address(params, tile.block.batch, params.page_size.quotient(key));
   }
 
-  template <typename LoadAll>
+  template <bool kGather, typename LoadAll>
   __forceinline__ __device__ void load_paged(const FwdSm90Tile& tile, LoadAll&& load_all) {
+    using Entries = TableEntries<kGather ? kGatherLookups : 1>;
     auto& barriers = Storage::barriers();
     Tensor sK = Storage::k();  // (N,D,stage)
     Tensor sV = Storage::v();  // (N,D,stage)
     auto load_tile = [&](bool is_v, int i) {
-      // The lookup goes ahead of the wait for the stage; read-only path, the
-      // line prefetched at K(i - 1).
-      const int* entry = paged_entry_address(tile, i);
-      const int table_entry = entry != nullptr ? __ldg(entry) : 0;
-      load_paged_key_tile(
-          is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
-          is_v ? barriers.v_empty : barriers.k_empty, is_v ? sV : sK, tile, i, table_entry);
+      // The lookups go ahead of the wait for the stage.
+      Entries entries;
+      CUTE_UNROLL
+      for (int j = 0; j < Entries::kLookups; ++j) {
+        const int* entry = paged_entry_address<kGather>(tile, i, j);
+        // Read-only path: the lines prefetched at K(i - 1).
+        entries.entry[j] = entry != nullptr ? __ldg(entry) : 0;
+      }
+      if constexpr (kGather) {
+        gather_paged_key_tile(
+            static_cast<const Element*>(is_v ? params.v_ptr : params.k_ptr),
+            is_v ? params.v : params.k, is_v ? params.head_dim_v : params.head_dim,
+            is_v ? barriers.v_full : barriers.k_full, is_v ? barriers.v_empty : barriers.k_empty,
+            is_v ? sV : sK, tile, i, entries);
+      } else {
+        load_paged_key_tile(
+            is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
+            is_v ? barriers.v_empty : barriers.k_empty, is_v ? sV : sK, tile, i, entries.entry[0]);
+      }
     };
     load_all(
         [&](int i) {
           if (i + 1 < tile.n_key_blocks) {
-            const int* entry = paged_entry_address(tile, i + 1);
-            if (entry != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(entry));
+            CUTE_UNROLL
+            for (int j = 0; j < Entries::kLookups; ++j) {
+              const int* entry = paged_entry_address<kGather>(tile, i + 1, j);
+              if (entry != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(entry));
+            }
           }
           load_tile(false, i);
         },
@@ -228,6 +281,86 @@ struct FwdSm90MainloopLoad {
           desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
           &sX(lane * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
     }
+  }
+
+  // Gathered row by row (FwdSm90Tma::gather_keys): the kNGatherThreads
+  // threads copy 16-byte chunks by cp.async into the same swizzled stage a
+  // TMA box would fill (CuTe's partition of the stage applies the swizzle),
+  // then each arrives on the stage's full barrier once its copies have
+  // landed (cp.async.mbarrier.arrive.noinc: the barrier counts those
+  // arrivals, kFullArrivals). As in CUTLASS's cp.async GMMA mainloop
+  // (sm90_mma_multistage_gmma_ss_warpspecialized.hpp), the MMA warpgroups'
+  // wait on that barrier is all that orders the copies before their wgmmas'
+  // reads: no proxy fence. A thread takes its row's
+  // offset from the lane that looked it up (two shuffles a row, in place of
+  // a lookup per thread and row). Rows at or past seqlen_k, and columns past
+  // the tensor's width (cols), are zero-filled without a read.
+  template <typename TensorS, typename Entries>
+  __forceinline__ __device__ void gather_paged_key_tile(const Element* ptr,
+                                                        const QKVStrides& strides, int cols,
+                                                        uint64_t* full_stages,
+                                                        uint64_t* empty_stages, TensorS sX,
+                                                        const FwdSm90Tile& tile, int i,
+                                                        const Entries& entries) const {
+    using GmemTiledCopy = typename Traits::GmemTiledCopyKVGather;
+    const int lane = threadIdx.x % 32;
+    const int stage = stages.stage(i);
+    const int key0 = first_key_of(tile, i);
+    const int rows = tile.binfo.seqlen_k - key0;
+    const Element* head = ptr + int64_t(tile.block.head_kv) * strides.head_stride;
+    // The element offsets of this lane's looked-up rows from the head's first.
+    int64_t offsets[kGatherLookups];
+    CUTE_UNROLL
+    for (int j = 0; j < kGatherLookups; ++j) {
+      const int key = key0 + paged_lookup_row<true>(j);
+      const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
+      offsets[j] = int64_t(clamp_paged_entry(params, entries.entry[j])) * strides.batch_stride +
+                   int64_t(row_in_page) * strides.row_stride;
+    }
+    auto thr_copy = GmemTiledCopy{}.get_thread_slice(threadIdx.x);
+    Tensor tKsK = thr_copy.partition_D(sX(_, _, stage));                     // (CPY,CPY_N,CPY_D)
+    Tensor cK = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N,D) -> (row,col)
+    Tensor tKcK = thr_copy.partition_D(cK);  // (CPY,CPY_N,CPY_D) -> (row,col)
+    static_assert(decltype(size<1>(tKsK))::value == kGatherPasses, "one row per pass");
+    // The swizzle permutes 16-byte chunks inside spans of 8 rows (1024
+    // bytes with 128-byte rows, 512 with 64-byte ones) from a 1024-byte
+    // aligned stage. A thread's chunks lie whole 1024-byte spans apart, so
+    // CuTe swizzles the address of its first chunk and the others are that
+    // address plus their plain offsets (constants), instead of a swizzle of
+    // a 64-bit address per chunk.
+    constexpr int kSwizzlePeriod = 1024 / int(sizeof(Element));
+    static_assert(decltype(stride<1>(tKsK))::value % kSwizzlePeriod == 0 &&
+                      decltype(stride<2>(tKsK))::value % kSwizzlePeriod == 0,
+                  "the chunks of a thread are whole swizzle periods apart");
+    static_assert(Traits::kSmemSizeQ % 1024 == 0 && Traits::kSmemSizeKVStage % 1024 == 0,
+                  "stages start on swizzle periods");
+    const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(&tKsK(0, 0, 0)));
+    // This thread's first chunk; the others are constant rows and columns on.
+    const int row0 = get<0>(tKcK(0, 0, 0));
+    const int col0 = get<1>(tKcK(0, 0, 0));
+    const Element* src0 = head + col0;
+    const int rows_left = rows - row0;
+    const int cols_left = cols - col0;
+    const int first_lane = lane / GatherCopy::kThreadsPerRow;
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    CUTE_UNROLL
+    for (int m = 0; m < kGatherPasses; ++m) {
+      // This thread's row of pass m is slot m * kWarpRows + lane /
+      // kThreadsPerRow of its warp's lookups (paged_lookup_row), a lane's
+      // slots j * 32 + lane; kWarpRows divides 32, so the slot's j is the
+      // pass's. Every lane shuffles; a row past seqlen_k gets a row offset
+      // of page 0 (entry 0), which its zero-fill does not read.
+      const int64_t offset =
+          __shfl_sync(0xffffffff, offsets[m * kWarpRows / 32], m * kWarpRows % 32 + first_lane);
+      const bool row_ok = get<0>(tKcK(0, m, 0)) - row0 < rows_left;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tKsK); ++k) {
+        const int col = get<1>(tKcK(0, m, k)) - col0;
+        cp_async_16_or_zero(smem0 + uint32_t(tKsK.layout()(0, m, k) * sizeof(Element)),
+                            src0 + offset + col, row_ok && col < cols_left);
+      }
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full_stages[stage]);
   }
 };
 
