@@ -753,31 +753,26 @@ def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     return k_cache, v_cache, table
 
 
-def paged_kernel(fwd_kernel, page_size, monkeypatch):
-    """The kernel a paged call runs when fwd_kernel is forced: the Hopper
-    producer reads pages of a multiple of 8 rows by TMA boxes; other page
-    sizes go to the SM80-design kernel, which locates keys row by row
-    (plan_fwd). The contiguous call it is compared with is forced to it."""
-    kernel = fwd_kernel if page_size % 8 == 0 else "sm80"
-    if torch.cuda.get_device_capability() == (9, 0):
-        monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", kernel)
-    return kernel
+# Pages of a multiple of 8 rows go to the Hopper producer's TMA boxes, the
+# others to its row gather (plan.h FwdKeys); 48 and 24 rows do not divide a
+# key tile, 3 and 5 rows no power of two.
+PAGE_SIZES = [1, 2, 3, 5, 8, 16, 24, 48, 64, 256]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
-@pytest.mark.parametrize("page_size", [1, 5, 8, 16, 48, 256])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize(
     "causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (40, 7), 5.0)]
 )
 def test_varlen_fwd_paged_matches_contiguous(
-    dtype, head_dim, page_size, causal, window, softcap, fwd_kernel, monkeypatch
+    dtype, head_dim, page_size, causal, window, softcap, fwd_kernel
 ):
     """Paged K/V (block_table) in the varlen forward, read in place by both
-    kernels: the same output and lse as the contiguous keys on the same
-    kernel, bitwise, and the CPU path's within rounding. Unused table entries
-    are -1: reading one would raise."""
-    paged_kernel(fwd_kernel, page_size, monkeypatch)
+    kernels at every page size: the same output and lse as the contiguous
+    keys on the same kernel, bitwise, and the CPU path's within rounding.
+    Outputs land in memory poisoned with NaN, so a row left unwritten shows.
+    Unused table entries are -1: reading one would raise."""
     batch, nheads, nheads_k = 4, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 90)
     cu_k, max_k = random_cu_seqlens(batch, 333)
@@ -810,6 +805,7 @@ def test_varlen_fwd_paged_matches_contiguous(
     out_paged, lse_paged, _, _ = torch.ops.flash_attn.varlen_fwd(
         q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args
     )
+    assert not out_paged.isnan().any(), "an output row was left unwritten"
     assert torch.equal(out_paged, out)
     assert torch.equal(lse_paged, lse)
     out_cpu, lse_cpu, _, _ = torch.ops.flash_attn.varlen_fwd(
@@ -821,17 +817,14 @@ def test_varlen_fwd_paged_matches_contiguous(
     torch.testing.assert_close(lse_paged.cpu()[finite], lse_cpu[finite], atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("page_size", [5, 16, 64])
+@pytest.mark.parametrize("page_size", [1, 3, 5, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_fwd_paged_never_reads_unused_rows(
-    page_size, head_dim, causal, fwd_kernel, monkeypatch
-):
+def test_varlen_fwd_paged_never_reads_unused_rows(page_size, head_dim, causal, fwd_kernel):
     """NaN and Inf in every cache row that is not a used key (the tail of each
     sequence's last page, the spare pages) and past seqused_k: the output and
     lse are bitwise those of a clean cache, on both kernels (FA3's issue
     1745)."""
-    paged_kernel(fwd_kernel, page_size, monkeypatch)
     batch, nheads, nheads_k, dtype = 5, 8, 2, torch.bfloat16
     cu_q, max_q = random_cu_seqlens(batch, 200)
     cu_k, max_k = random_cu_seqlens(batch, 700)

@@ -254,22 +254,35 @@ def test_forward_dropout_not_on_the_counter_grid():
     assert plan["grid_kind"] != "tile_counter"
 
 
-@pytest.mark.parametrize("page_size", [1, 5, 8, 16, 17, 48, 256])
-def test_forward_paged_keys(page_size):
-    """Paged varlen keys are read in place by both kernels: the Hopper
-    producer loads boxes of at least 8 rows inside a page, so pages of a
-    multiple of 8 rows stay on it; other page sizes go to the SM80-design
-    kernel, which locates keys row by row, with the reason."""
-    long = (2, 4096, 4096, 16, 16, 128)
+@pytest.mark.parametrize("page_size", [1, 2, 3, 5, 8, 16, 17, 24, 48, 64, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_paged_keys(page_size, head_dim):
+    """Paged varlen keys are read in place by the Hopper kernel whatever the
+    page size: by TMA boxes of at least 8 rows inside a page where the page
+    is a multiple of 8 rows (the key tiles are multiples of 16), else
+    gathered row by row by the producer warpgroup (plan.h FwdKeys)."""
+    long = (2, 4096, 4096, 16, 16, head_dim)
     plan = fwd(*long, varlen=True, page_size=page_size)
-    if page_size % 8 == 0:
-        assert plan["kernel"] == "sm90", plan
-    else:
-        assert plan["kernel"] == "sm80" and "multiple of 8 rows" in plan["reason"], plan
+    assert plan["kernel"] == "sm90", plan
+    assert plan["keys"] == ("paged_boxes" if page_size % 8 == 0 else "paged_gather"), plan
     forced = fwd(*long, varlen=True, page_size=page_size, kernel_override="sm90")
-    assert forced["kernel"] == ("sm90" if page_size % 8 == 0 else "sm80")
+    assert forced["kernel"] == "sm90" and forced["keys"] == plan["keys"]
+    # Every grid and score rule: the counter grid (short causal), softcap.
+    short = fwd(16, 1024, 1024, 16, 16, head_dim, varlen=True, causal=True, page_size=page_size)
+    assert short["keys"] == plan["keys"], short
+    softcap = fwd(*long, varlen=True, page_size=page_size, softcap=30.0)
+    assert softcap["variant"] == "score_mods" and softcap["keys"] == plan["keys"], softcap
+    # The SM80 kernel reads paged keys row by row; the plan names no Hopper
+    # key load there.
+    sm80 = fwd(*long, varlen=True, page_size=page_size, kernel_override="sm80")
+    assert sm80["kernel"] == "sm80" and sm80["keys"] == "contiguous"
     with pytest.raises(RuntimeError, match="page_size"):
         fwd(*long, varlen=False, page_size=16)
+
+
+def test_forward_contiguous_keys():
+    assert fwd(2, 4096, 4096, 16, 16, 128)["keys"] == "contiguous"
+    assert fwd(2, 4096, 4096, 16, 16, 128, varlen=True)["keys"] == "contiguous"
 
 
 def test_forward_grids():
@@ -518,6 +531,66 @@ def test_plan_matches_launched_forward(seqlen, monkeypatch):
     fwd_names = [n for n in names if "flash_fwd" in n]
     assert fwd_names, names
     assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_plan_matches_launched_paged_forward(page_size, monkeypatch):
+    """Paged varlen keys of any page size run the kernel the plan names: on
+    an sm90 build and GPU the Hopper one (boxes or the row gather)."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sm90a = "sm_90a" in flash_attn_cuda.build_info
+    batch, seqlen, heads = 2, 4096, 8
+    pages_per_seq = (seqlen + page_size - 1) // page_size
+    q = torch.randn(batch * seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(
+        batch * pages_per_seq, page_size, heads, 128, device="cuda", dtype=torch.bfloat16
+    )
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(batch * pages_per_seq, device="cuda", dtype=torch.int32)
+    table = table.view(batch, pages_per_seq)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seqlen
+    plan = fwd(
+        batch,
+        seqlen,
+        seqlen,
+        heads,
+        heads,
+        128,
+        device=current_device(),
+        causal=True,
+        varlen=True,
+        page_size=page_size,
+        sm90a_built=sm90a,
+    )
+    names = launched_kernels(
+        lambda: ops.varlen_fwd(
+            q,
+            k_cache,
+            v_cache,
+            cu,
+            cu,
+            table,
+            None,
+            seqlen,
+            seqlen,
+            0.0,
+            128**-0.5,
+            True,
+            -1,
+            0,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
+    )
+    fwd_names = [n for n in names if "flash_fwd" in n]
+    assert fwd_names, names
+    assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
+    if plan["kernel"] == "sm90":
+        assert plan["keys"] == ("paged_boxes" if page_size % 8 == 0 else "paged_gather")
 
 
 @pytest.mark.cuda

@@ -13,16 +13,20 @@
 
 namespace flash {
 
-// cp.async of one 16-byte chunk; src_size 0 zero-fills the destination
+// cp.async of one 16-byte chunk (to a shared-memory address or pointer);
+// src_size 0 zero-fills the destination
 // without reading the source, so masked-off rows cost no memory traffic and
 // gmem_src may then point past the tensor (at the row or column it would
 // have read), which spares a select per chunk.
+__forceinline__ __device__ void cp_async_16_or_zero(uint32_t smem_dst, const void* gmem_src,
+                                                    bool valid) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_size));
+}
 __forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
                                                     bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(src_size));
+  cp_async_16_or_zero(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, valid);
 }
 
 // An L2 eviction policy for cp.async's cache hint: evict_first for bytes a
@@ -72,6 +76,21 @@ __forceinline__ __device__ void copy_rows_async(TensorDst& dst, const TensorCoor
   }
 }
 
+// Where the table entry of page page_index of sequence batch lives, and
+// that entry clamped into the pool. Apart so that a caller can prefetch the
+// entry (the Hopper producer, fwd_mainloop_sm90.h) and clamp it only where
+// it issues the copy: a thread waits on a load's result at its first use.
+__forceinline__ __device__ const int* paged_table_address(const FwdParams& params, int batch,
+                                                          int page_index) {
+  return params.block_table + int64_t(batch) * params.block_table_batch_stride + page_index;
+}
+__forceinline__ __device__ int clamp_paged_entry(const FwdParams& params, int page) {
+  if (static_cast<unsigned>(page) >= static_cast<unsigned>(params.num_pages)) {
+    page = page < 0 ? 0 : params.num_pages - 1;
+  }
+  return page;
+}
+
 // Paged keys of a varlen forward (FwdParams::block_table): sequence `batch`'s
 // key j is row j % page_size of page block_table[batch][j / page_size].
 // Callers only locate keys below the sequence's seqlen_k (BlockInfo). A page
@@ -85,10 +104,7 @@ __forceinline__ __device__ void locate_paged_key(const FwdParams& params, int ba
   int page_index;
   params.page_size.divmod(key, page_index, row_in_page);
   // Read-only path: neighbouring keys' lookups hit the same cached line.
-  page = __ldg(params.block_table + int64_t(batch) * params.block_table_batch_stride + page_index);
-  if (static_cast<unsigned>(page) >= static_cast<unsigned>(params.num_pages)) {
-    page = page < 0 ? 0 : params.num_pages - 1;
-  }
+  page = clamp_paged_entry(params, __ldg(paged_table_address(params, batch, page_index)));
 }
 
 // Element offset of that key from its head's first element (strides of the

@@ -13,6 +13,7 @@
 #include <cutlass/cuda_host_adapter.hpp>
 
 #include "cuda/core/block_info.h"
+#include "cuda/core/paged_box_rows.h"
 #include "cuda/core/params.h"
 
 namespace flash {
@@ -101,22 +102,19 @@ struct TmaTileLoad {
 // the cache (num_pages, page_size, heads, head dim) as a 4-D TMA tensor
 // (head dim, row in page, head, page), loaded in boxes of box_rows rows by
 // kAtomCols columns, one swizzle atom wide, so that a box lands on whole
-// swizzle atoms of a stage wherever its rows start (the producer,
-// fwd_mainloop_sm90.h, issues one box per page piece and atom column). The
-// box height is a runtime value of the descriptor: the largest power of two
-// dividing both the page and the key tile, at least 8 rows (one swizzle atom
-// high), so that no box crosses a page or a tile.
-inline int paged_tma_box_rows(int page_size, int block_n) {
-  int rows = 1;
-  while (rows < 256 && page_size % (2 * rows) == 0 && block_n % (2 * rows) == 0) rows *= 2;
-  return rows;
-}
+// swizzle atoms of a stage wherever its rows start (the producer warp,
+// fwd_mainloop_sm90.h, issues one box per page piece, a lane per piece). The
+// box height is a runtime value of the descriptor (paged_box_rows.h).
+// Pages of other sizes are gathered row by row by cp.async instead
+// (FwdSm90Tma::gather_keys).
 
-// Whether the paged cache can be read by TMA boxes as above: the rules of
-// tma_can_load for the 4-D view, and pages of a multiple of 8 rows.
+// Whether the paged cache can be read as above: the rules of tma_can_load
+// for the 4-D view (which the row gather's 16-byte chunks need as well), and,
+// by boxes, pages of a multiple of 8 rows.
 inline bool paged_tma_can_load(const void* ptr, int page_size, int head_dim, int heads,
-                               int num_pages, const QKVStrides& strides, int block_n) {
-  return paged_tma_box_rows(page_size, block_n) >= 8 &&
+                               int num_pages, const QKVStrides& strides, int block_n,
+                               bool gather_keys) {
+  return (gather_keys || paged_tma_box_rows(page_size, block_n) >= kPagedTmaMinBoxRows) &&
          tma_can_load(ptr, page_size, head_dim, heads, num_pages, strides);
 }
 
@@ -165,17 +163,21 @@ struct FwdSm90Tma {
   TmaDescriptor k_paged;
   TmaDescriptor v_paged;
   int paged_box_rows;
+  // Paged keys gathered row by row by Traits::kNGatherThreads threads of the
+  // producer warpgroup (cp.async) instead of by boxes: plan_fwd's choice
+  // (FwdPlan::keys), for pages that are not a multiple of 8 rows.
+  bool gather_keys;
 
-  static bool can_load(const FwdParams& p) {
+  static bool can_load(const FwdParams& p, bool gather_keys) {
     if (!tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q)) {
       return false;
     }
     if (p.block_table != nullptr) {
       const int page_size = p.page_size.divisor;
       return paged_tma_can_load(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k,
-                                Traits::kBlockN) &&
+                                Traits::kBlockN, gather_keys) &&
              paged_tma_can_load(p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v,
-                                Traits::kBlockN);
+                                Traits::kBlockN, gather_keys);
     }
     return tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
            tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
@@ -183,7 +185,7 @@ struct FwdSm90Tma {
   // v's descriptors have head_dim_v columns: the boxes stay kHeadDim wide,
   // and TMA fills the columns past the tensor's end with zeros (and counts
   // their bytes), so P V sees zero columns there.
-  static FwdSm90Tma make(const FwdParams& p) {
+  static FwdSm90Tma make(const FwdParams& p, bool gather_keys) {
     using Element = typename Traits::Element;
     const bool paged = p.block_table != nullptr;
     // Paged, the tile descriptors of k / v go unused: one page's view keeps
@@ -195,8 +197,9 @@ struct FwdSm90Tma {
                    LoadKV::make(p.v_ptr, kv_rows, p.head_dim_v, p.nheads_k, kv_batches, p.v),
                    {},
                    {},
-                   0};
-    if (paged) {
+                   0,
+                   paged && gather_keys};
+    if (paged && !gather_keys) {
       const int page_size = p.page_size.divisor;
       tma.paged_box_rows = paged_tma_box_rows(page_size, Traits::kBlockN);
       tma.k_paged = make_paged_tma_descriptor<Element, kAtomCols>(

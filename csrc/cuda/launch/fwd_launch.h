@@ -78,18 +78,24 @@ using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>:
 // causal tiles keep the plain rule only, one instantiation fewer per head dim.
 template <typename Element, int kHeadDim, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
-  const auto launch = [&](auto traits, auto kernel) {
+  // Paged keys (FwdPlan::keys) run the kernel's kPagedKeys instantiation;
+  // pages that TMA boxes do not fit are gathered by the producer warpgroup.
+  const bool paged = plan.keys != FwdKeys::kContiguous;
+  const bool gather_keys = plan.keys == FwdKeys::kPagedGather;
+  const auto launch = [&](auto traits, auto contiguous_kernel, auto paged_kernel) {
     using Traits = decltype(traits);
-    if (plan.block_m != Traits::kBlockM || !FwdSm90Tma<Traits>::can_load(params) ||
+    if (plan.block_m != Traits::kBlockM || paged != (params.block_table != nullptr) ||
+        !FwdSm90Tma<Traits>::can_load(params, gather_keys) ||
         (params.dropout_p > 0.f && !(kWithScoreMods && Traits::kDrawsDropout))) {
       throw std::runtime_error(
           "flash_attn_cuda: the forward plan disagrees with the Hopper kernel (query block, "
-          "TMA or dropout rule): " +
+          "TMA, paged keys or dropout rule): " +
           describe(plan));
     }
-    launch_with_dynamic_smem(kernel, dim3(static_cast<unsigned>(plan.grid_x)),
-                             dim3(Traits::kNThreads), Traits::kSmemSize, stream, params,
-                             FwdSm90Tma<Traits>::make(params),
+    launch_with_dynamic_smem(paged ? paged_kernel : contiguous_kernel,
+                             dim3(static_cast<unsigned>(plan.grid_x)), dim3(Traits::kNThreads),
+                             Traits::kSmemSize, stream, params,
+                             FwdSm90Tma<Traits>::make(params, gather_keys),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
@@ -112,18 +118,21 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
         // would zero it for calls that run another grid too.
         FA_CUDA_CHECK(
             cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
-        launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>);
+        launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>,
+               &flash_fwd_sm90_kernel<CounterTraits, true, false, true>);
         return;
       }
       break;
     case FwdGrid::kFixedShares:
       if constexpr (Traits::kPersistent) {
-        launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>);
+        launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
+               &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
         return;
       }
       break;
     case FwdGrid::kOnePerTile:
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>);
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
+             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
       return;
     default: break;
   }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cuda/bwd/bwd_tile_config.h"
+#include "cuda/core/paged_box_rows.h"
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/fwd/fwd_tile_schedule.h"
@@ -59,11 +60,11 @@ bool fwd_tma_can_load(const FwdParams& p) {
     return false;
   }
   if (p.block_table != nullptr) {
-    // Paged keys: boxes of at least 8 rows that stay inside a page (and a
-    // key tile, a multiple of 16 rows on Hopper): FwdSm90Tma::can_load.
+    // Paged keys: TMA boxes of at least 8 rows inside a page, or (other page
+    // sizes) 16-byte cp.async chunks of the same view, which its alignment
+    // rules cover too: FwdSm90Tma::can_load.
     const int page_size = p.page_size.divisor;
-    return page_size % 8 == 0 &&
-           tma_can_describe(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k) &&
+    return tma_can_describe(p.k_ptr, page_size, p.head_dim, p.nheads_k, p.num_pages, p.k) &&
            tma_can_describe(p.v_ptr, page_size, p.head_dim_v, p.nheads_k, p.num_pages, p.v);
   }
   return tma_can_describe(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
@@ -149,6 +150,18 @@ bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
          fwd_sm90_most_keys_per_tile(params) <= kFwdSm90MostKeysPerTileFromCounter;
 }
 
+// How the Hopper producer reads paged keys: TMA boxes where a box of at
+// least 8 rows fits both a page and the key tile (paged_box_rows.h); else
+// the row gather, which replaced the SM80 kernel's row-by-row reads for
+// those pages (2.2-3.1x the contiguous time with 1- and 5-row pages, PERF_LOG
+// 2026-11-27 52aa232; 1-row pages 2.24-2.92x, 6531fcc).
+FwdKeys fwd_sm90_keys(const FwdParams& params, int block_n) {
+  if (params.block_table == nullptr) return FwdKeys::kContiguous;
+  return paged_tma_box_rows(params.page_size.divisor, block_n) >= kPagedTmaMinBoxRows
+             ? FwdKeys::kPagedBoxes
+             : FwdKeys::kPagedGather;
+}
+
 // Why the Hopper forward does not take a call that its build and tile table
 // would allow, or null if it does.
 const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const DeviceDesc& device,
@@ -174,10 +187,6 @@ const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const
   }
   if (!rule.scale_positive_normal) {
     return "softmax scale not positive and normal: the SM80 kernel's general variant";
-  }
-  if (params.block_table != nullptr && params.page_size.divisor % 8 != 0) {
-    return "paged keys in pages of other than a multiple of 8 rows: the SM80 kernel reads them "
-           "row by row";
   }
   if (!tma_ok) return "TMA cannot describe q / k / v (alignment or strides): the SM80 kernel";
   return nullptr;
@@ -216,6 +225,7 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       plan.kernel = FwdKernel::kSm90;
       plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
       plan.block_n = row.block_n_sm90;
+      plan.keys = fwd_sm90_keys(params, row.block_n_sm90);
       // The counter grid runs 128-row tiles and the plain rule only (one
       // instantiation fewer per head dim).
       if (fwd_sm90_persistent(compiled, kFwdSm90BlockM, row.block_n_sm90) && !score_mods &&
@@ -692,13 +702,14 @@ std::string describe(const FwdPlan& plan) {
   static const char* const kKernels[] = {"none", "sm80", "sm90"};
   static const char* const kGrids[] = {"heads_batch", "one_per_tile", "fixed_shares",
                                        "tile_counter"};
+  static const char* const kKeys[] = {"contiguous", "paged_boxes", "paged_gather"};
   std::ostringstream out;
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
       << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
       << " block_n=" << plan.block_n << " warps=" << plan.num_warps
-      << " grid_kind=" << kGrids[int(plan.grid)] << " grid=" << plan.grid_x << "x" << plan.grid_y
-      << "x" << plan.grid_z << " return_probs=" << int(plan.return_probs)
-      << " reason: " << plan.reason;
+      << " grid_kind=" << kGrids[int(plan.grid)] << " keys=" << kKeys[int(plan.keys)]
+      << " grid=" << plan.grid_x << "x" << plan.grid_y << "x" << plan.grid_z
+      << " return_probs=" << int(plan.return_probs) << " reason: " << plan.reason;
   return out.str();
 }
 

@@ -92,10 +92,18 @@ enum class FwdGrid : uint8_t {
   kTileCounter,  // Hopper, persistent: one block per SM, tiles past the first wave from a counter
 };
 
+// How the Hopper kernel's producer reads K / V (fwd_mainloop_sm90.h): one
+// TMA copy per key tile, or paged keys (FwdParams::block_table) by TMA boxes
+// that each stay inside a page (pages of a multiple of 8 rows) or gathered
+// row by row by cp.async (any other page size). The SM80 kernel reads paged
+// keys row by row whatever this says (kContiguous there).
+enum class FwdKeys : uint8_t { kContiguous, kPagedBoxes, kPagedGather };
+
 struct FwdPlan {
   FwdKernel kernel = FwdKernel::kNone;
   FwdVariant variant = FwdVariant::kPlain;
   FwdGrid grid = FwdGrid::kHeadsBatch;
+  FwdKeys keys = FwdKeys::kContiguous;
   KernelChoice choice = KernelChoice::kSm80;  // what the device and override allowed
   int block_m = 0;
   int block_n = 0;

@@ -7,8 +7,9 @@
 // the tile before, and the softmax of S(i) runs while that product is on the
 // tensor cores. The copies and the block-wide barriers stay out of the MMA
 // warpgroups' loop:
-//   - a producer warpgroup, one thread of it, loads Q, K and V by TMA into
-//     two stages per tensor; each landed stage is announced on an mbarrier
+//   - a producer warpgroup, one thread of it (a warp or more for paged keys,
+//     FwdSm90MainloopLoad), loads Q, K and V by TMA into two stages per
+//     tensor; each landed stage is announced on an mbarrier
 //     ("full"), and each stage comes back once every MMA warpgroup's wgmmas
 //     have read it ("empty");
 //   - the two or three MMA warpgroups (64 query rows each; the tile table
@@ -28,6 +29,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
 
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -54,7 +56,14 @@ using namespace cute;
 // own instantiation, so that the plain rule's loop carries none of it;
 // dropout shares it rather than adding one per head dim and grid (each of
 // the three is a uniform run-time test there).
-template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false>
+//
+// kPagedKeys: paged K / V (FwdParams::block_table), by TMA boxes or
+// gathered (FwdSm90Tma::gather_keys, at run time). Its own instantiation:
+// beside the paged producer code, the one-thread loop of contiguous keys
+// went from no spills to hundreds of bytes (ptxas, d128 bf16), and the
+// paged branch inside that loop had cost it 120-136 bytes.
+template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false,
+          bool kPagedKeys = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,
                           const FwdTileDivisors tile_divisors) {
@@ -72,16 +81,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The MMA warpgroups are threads [128, 384): their index from 0.
   const int mma_tidx = tidx - 128;
   FwdSm90TileScheduler<Traits, kTilesFromCounter> scheduler(params, tile_divisors);
-  if (tidx == 0) Storage::template init_barriers<kTilesFromCounter>();
+  using LoadTiles = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kTiles>;
+  using LoadBoxes = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedBoxes>;
+  using LoadGather = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedGather>;
+  // The launcher runs this instantiation for paged keys only.
+  const bool gather = kPagedKeys && tma.gather_keys;
+  if (tidx == 0) {
+    Storage::template init_barriers<kTilesFromCounter>(
+        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals,
+        !kPagedKeys ? LoadTiles::kThreads
+        : gather    ? LoadGather::kThreads
+                    : LoadBoxes::kThreads);
+  }
   __syncthreads();
 
   if (tidx < 128) {
-    // The producer warpgroup: one thread issues every copy.
+    // The producer warpgroup: the threads that issue the copies
+    // (FwdSm90MainloopLoad::kThreads) stay.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (tidx != 0) return;
-    FwdSm90MainloopLoad<Traits> mainloop_load{params, tma, {}};
-    scheduler.for_each_tile(
-        [&](const FwdSm90Tile& tile, auto&& look_ahead) { mainloop_load.load(tile, look_ahead); });
+    auto produce = [&](auto mainloop_load) {
+      scheduler.for_each_tile([&](const FwdSm90Tile& tile, auto&& look_ahead) {
+        mainloop_load.load(tile, look_ahead);
+      });
+    };
+    if constexpr (kPagedKeys) {
+      const int warp = cutlass::canonical_warp_idx_sync();
+      if (!gather) {
+        if (warp == 0) produce(LoadBoxes{params, tma, {}});
+      } else if (warp < LoadGather::kThreads / 32) {
+        produce(LoadGather{params, tma, {}});
+      }
+    } else {
+      if (tidx == 0) produce(LoadTiles{params, tma, {}});
+    }
     return;
   }
 

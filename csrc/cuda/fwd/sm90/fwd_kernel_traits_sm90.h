@@ -58,6 +58,17 @@ struct FwdSm90KernelTraits {
   // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
   // file at 384 threads, 24 + 3 x 160 at 512.
   static constexpr int kProducerRegisters = 24;
+  // Paged keys in pages of other than a multiple of 8 rows are gathered by
+  // the producer warpgroup's threads (FwdSm90MainloopLoad), each 16 bytes of
+  // kThreadsPerRow consecutive threads per row piece, so a warp reads whole
+  // 64- or 128-byte row pieces and the chunks of one swizzle-atom row land
+  // on distinct banks. All four warps where their rows per pass divide the
+  // key tile, else two (d224's 80 keys by 32-row passes).
+  static constexpr int kNGatherThreads =
+      kBlockN % (128 / GmemTileCopy<Element, kHeadDim, 128>::kThreadsPerRow) == 0 ? 128 : 64;
+  using GmemTiledCopyKVGather = typename GmemTileCopy<Element, kHeadDim, kNGatherThreads>::Load;
+  static_assert(kBlockN % GmemTileCopy<Element, kHeadDim, kNGatherThreads>::kRowsPerPass == 0,
+                "the gather's passes tile the key tile");
   static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
   // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under
   // S = Q K^T a thread holds S's and O's fp32 accumulators and P's 16-bit

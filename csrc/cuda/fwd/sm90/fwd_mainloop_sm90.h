@@ -35,15 +35,31 @@ namespace flash {
 
 using namespace cute;
 
-// The producer: one thread of the producer warpgroup issues every copy; the
-// others have left the kernel.
-template <typename Traits>
+// How the producer reads K / V: one TMA copy per key tile, or paged keys
+// (FwdParams::block_table) by TMA boxes inside pages or gathered row by row
+// (FwdSm90Tma::gather_keys; plan_fwd's FwdPlan::keys).
+enum class FwdSm90KeyLoad { kTiles, kPagedBoxes, kPagedGather };
+
+// The producer: kThreads threads of the producer warpgroup issue the copies,
+// the others leave the kernel. One thread issues every TMA copy of
+// contiguous keys; a warp issues the boxes of paged keys, a lane per box;
+// kNGatherThreads gather paged keys by cp.async. Q is one TMA copy of thread
+// 0. One instantiation per key load, each entered only by its threads (the
+// kernel).
+template <typename Traits, FwdSm90KeyLoad kKeys>
 struct FwdSm90MainloopLoad {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   using Storage = FwdSm90SharedStorage<Traits>;
+  static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles        ? 1
+                                  : kKeys == FwdSm90KeyLoad::kPagedBoxes ? 32
+                                                                         : Traits::kNGatherThreads;
+  // The arrivals that fill a K / V stage: the arming thread's
+  // arrive_and_expect_tx (TMA), or each gathering thread's
+  // cp.async.mbarrier.arrive.noinc.
+  static constexpr int kFullArrivals = kKeys == FwdSm90KeyLoad::kPagedGather ? kThreads : 1;
 
   const FwdParams& params;
   const FwdSm90Tma<Traits>& tma;
@@ -66,51 +82,55 @@ struct FwdSm90MainloopLoad {
     Tensor gQ =
         local_tile(tma_q_of(tma.q, params, tile.binfo, block.head, block.batch, params.head_dim),
                    Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0));  // (M,D)
-    Tensor gK = local_tile(
-        tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch, params.head_dim),
-        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor gV = local_tile(
-        tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
-        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor sQ = Storage::q();                                     // (M,D)
-    Tensor sK = Storage::k();                                     // (N,D,stage)
-    Tensor sV = Storage::v();                                     // (N,D,stage)
-    // One TMA box per tile: a stage holds one global tile.
-    CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+    Tensor sQ = Storage::q();                                                            // (M,D)
     CUTE_STATIC_ASSERT_V(size<0>(sQ) == size<0>(gQ) && size<1>(sQ) == size<1>(gQ));
-    // (TMA,TMA_M,TMA_D), (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
+    // (TMA,TMA_M,TMA_D): one TMA copy per tile
     auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // Paged keys (uniform over the call) go by boxes of pages instead.
-    const bool paged = params.block_table != nullptr;
-    auto load_k = [&](int i) {
-      if (paged) {
-        load_paged_key_tile(&tma.k_paged, barriers.k_full, barriers.k_empty, sK, tile, i);
-      } else {
-        load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max, i);
-      }
-    };
-    auto load_v = [&](int i) {
-      if (paged) {
-        load_paged_key_tile(&tma.v_paged, barriers.v_full, barriers.v_empty, sV, tile, i);
-      } else {
-        load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max, i);
-      }
-    };
     // K(0) may go ahead of Q: its stage is free as soon as the last tile's
     // wgmmas have read it.
-    load_k(0);
-    empty_barrier(barriers.q_empty).wait(stages.q_phase() ^ 1);
-    full_barrier(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
-    copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+    auto load_q = [&] {
+      if (kThreads > 1 && threadIdx.x != 0) return;
+      empty_barrier(barriers.q_empty).wait(stages.q_phase() ^ 1);
+      full_barrier(barriers.q_full).arrive_and_expect_tx(Traits::kSmemSizeQ);
+      copy(tma.q.with(barriers.q_full), tQgQ, tQsQ);
+    };
     // The order the MMA warpgroups consume them: iteration i reads K(i) and
     // V(i - 1).
-    for (int i = 1; i < tile.n_key_blocks; ++i) {
-      load_k(i);
-      load_v(i - 1);
+    auto load_all = [&](auto&& load_k, auto&& load_v) {
+      load_k(0);
+      load_q();
+      for (int i = 1; i < tile.n_key_blocks; ++i) {
+        load_k(i);
+        load_v(i - 1);
+      }
+      load_v(tile.n_key_blocks - 1);
+    };
+    if constexpr (kKeys == FwdSm90KeyLoad::kTiles) {
+      Tensor gK = local_tile(
+          tma_kv_of(tma.k, params, tile.binfo, block.head_kv, block.batch, params.head_dim),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+      Tensor gV = local_tile(
+          tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
+      Tensor sK = Storage::k();                                     // (N,D,stage)
+      Tensor sV = Storage::v();                                     // (N,D,stage)
+      // One TMA box per tile: a stage holds one global tile.
+      CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+      // (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
+      auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      load_all(
+          [&](int i) {
+            load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max,
+                          i);
+          },
+          [&](int i) {
+            load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max,
+                          i);
+          });
+    } else {
+      load_paged<kKeys == FwdSm90KeyLoad::kPagedGather>(tile, load_all);
     }
-    load_v(tile.n_key_blocks - 1);
     stages.advance(tile.n_key_blocks);
     look_ahead();
   }
@@ -128,53 +148,219 @@ struct FwdSm90MainloopLoad {
     copy(tma_copy.with(full_stages[stage]), tXgX(_, n_block_max - 1 - i), tXsX(_, stage));
   }
 
-  // The same tile of paged keys (FwdSm90Tma::k_paged / v_paged): one TMA box
-  // per piece of box_rows rows and swizzle atom of columns, each from its own
-  // page, read in place. Only boxes holding keys below seqlen_k are issued,
-  // so no table entry past the sequence's pages is read; the rows after them
-  // keep what the stage held, which the mask hides (K) and
+  // The first key of key tile i.
+  __forceinline__ __device__ int first_key_of(const FwdSm90Tile& tile, int i) const {
+    return (tile.block.n_block_max - 1 - i) * kBlockN;
+  }
+
+  // Paged keys. Each lane of a copying warp looks up the pages of a few keys
+  // of a key tile, and its warp reads them from it (the box's lane, or by
+  // shuffles for the gather). At K(i) each lane prefetches its table lines
+  // of key tile i + 1 into L1 (no register waits on a prefetch), so the
+  // lookups of K(i + 1) and V(i + 1) hit L1: held in registers instead, one
+  // tile ahead, the entries were spilled right after their loads at the
+  // producer's 24 registers, which waited out the load there (ptxas,
+  // sm_90a). Only keys below seqlen_k are looked up or prefetched: no table
+  // entry past the sequence's pages is read.
+  //
+  // The gather's copy (Traits::GmemTiledCopyKVGather): thread t copies row
+  // t / kThreadsPerRow of each pass of kRowsPerPass rows, so warp w copies
+  // rows [w * kWarpRows, (w + 1) * kWarpRows) of each pass; its lanes look
+  // up those rows of every pass, kGatherLookups each.
+  using GatherCopy = GmemTileCopy<Element, kHeadDim, Traits::kNGatherThreads>;
+  static constexpr int kWarpRows = 32 / GatherCopy::kThreadsPerRow;
+  static constexpr int kGatherPasses = kBlockN / GatherCopy::kRowsPerPass;
+  static constexpr int kGatherLookups = (kWarpRows * kGatherPasses + 31) / 32;
+  static_assert(32 % GatherCopy::kThreadsPerRow == 0, "a warp copies whole rows");
+  static_assert(kBlockN / 8 <= 32, "a box of at least 8 rows per lane covers the key tile");
+  template <int kLookups_>
+  struct TableEntries {
+    static constexpr int kLookups = kLookups_;
+    int entry[kLookups];
+  };
+
+  // The key tile row of lookup j of this lane, for the gather or the boxes.
+  template <bool kGather>
+  __forceinline__ __device__ int paged_lookup_row(int j) const {
+    const int lane = threadIdx.x % 32;
+    if constexpr (kGather) {
+      const int slot = j * 32 + lane;
+      const int warp = threadIdx.x / 32;
+      return slot < kWarpRows * kGatherPasses
+                 ? slot / kWarpRows * GatherCopy::kRowsPerPass + warp * kWarpRows + slot % kWarpRows
+                 : kBlockN;
+    } else {
+      return lane * tma.paged_box_rows;
+    }
+  }
+
+  // The table entry of lookup j of this lane in key tile i: its address,
+  // or null where the lane looks up no key.
+  template <bool kGather>
+  __forceinline__ __device__ const int* paged_entry_address(const FwdSm90Tile& tile, int i,
+                                                            int j) const {
+    const int key = first_key_of(tile, i) + paged_lookup_row<kGather>(j);
+    if (paged_lookup_row<kGather>(j) >= kBlockN || key >= tile.binfo.seqlen_k) return nullptr;
+    return paged_table_address(params, tile.block.batch, params.page_size.quotient(key));
+  }
+
+  template <bool kGather, typename LoadAll>
+  __forceinline__ __device__ void load_paged(const FwdSm90Tile& tile, LoadAll&& load_all) {
+    using Entries = TableEntries<kGather ? kGatherLookups : 1>;
+    auto& barriers = Storage::barriers();
+    Tensor sK = Storage::k();  // (N,D,stage)
+    Tensor sV = Storage::v();  // (N,D,stage)
+    auto load_tile = [&](bool is_v, int i) {
+      // The lookups go ahead of the wait for the stage.
+      Entries entries;
+      CUTE_UNROLL
+      for (int j = 0; j < Entries::kLookups; ++j) {
+        const int* entry = paged_entry_address<kGather>(tile, i, j);
+        // Read-only path: the lines prefetched at K(i - 1).
+        entries.entry[j] = entry != nullptr ? __ldg(entry) : 0;
+      }
+      if constexpr (kGather) {
+        gather_paged_key_tile(
+            static_cast<const Element*>(is_v ? params.v_ptr : params.k_ptr),
+            is_v ? params.v : params.k, is_v ? params.head_dim_v : params.head_dim,
+            is_v ? barriers.v_full : barriers.k_full, is_v ? barriers.v_empty : barriers.k_empty,
+            is_v ? sV : sK, tile, i, entries);
+      } else {
+        load_paged_key_tile(
+            is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
+            is_v ? barriers.v_empty : barriers.k_empty, is_v ? sV : sK, tile, i, entries.entry[0]);
+      }
+    };
+    load_all(
+        [&](int i) {
+          if (i + 1 < tile.n_key_blocks) {
+            CUTE_UNROLL
+            for (int j = 0; j < Entries::kLookups; ++j) {
+              const int* entry = paged_entry_address<kGather>(tile, i + 1, j);
+              if (entry != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(entry));
+            }
+          }
+          load_tile(false, i);
+        },
+        [&](int i) { load_tile(true, i); });
+  }
+
+  // By TMA boxes (FwdSm90Tma::k_paged / v_paged): box b of a key tile,
+  // box_rows rows from one page, is lane b's, one TMA copy per swizzle atom
+  // of columns. Only boxes holding keys below seqlen_k are issued; the rows
+  // after them keep what the stage held, which the mask hides (K) and
   // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
-  // the next sequence an unpaged varlen tile reads.
+  // the next sequence an unpaged varlen tile reads. Lane 0 arms the stage's
+  // full barrier with the bytes of every box issued (arrive_and_expect_tx,
+  // the barrier's one arrival) before any lane issues a box.
   template <typename TensorS>
   __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
                                                       uint64_t* full_stages, uint64_t* empty_stages,
-                                                      TensorS& sX, const FwdSm90Tile& tile,
-                                                      int i) const {
+                                                      TensorS sX, const FwdSm90Tile& tile, int i,
+                                                      int table_entry) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
     static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
-    // Table lookups go in groups: each TMA waits on its page's lookup, and
-    // one at a time the thread waited out a load latency per box.
-    constexpr int kLookups = 4;
+    const int lane = threadIdx.x % 32;
     const int box_rows = tma.paged_box_rows;
     const int stage = stages.stage(i);
-    const int key0 = (tile.block.n_block_max - 1 - i) * kBlockN;
+    const int key0 = first_key_of(tile, i);
     const int boxes = (min(kBlockN, tile.binfo.seqlen_k - key0) + box_rows - 1) / box_rows;
-    for (int first = 0; first < boxes; first += kLookups) {
-      int page[kLookups], row_in_page[kLookups];
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    if (lane == 0) {
+      full_barrier(full_stages[stage])
+          .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+    }
+    __syncwarp();
+    if (lane >= boxes) return;
+    const int page = clamp_paged_entry(params, table_entry);
+    const int key = key0 + lane * box_rows;
+    const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
+    CUTE_UNROLL
+    for (int col = 0; col < kHeadDim; col += kAtomCols) {
+      SM90_TMA_LOAD_4D::copy(
+          desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+          &sX(lane * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
+    }
+  }
+
+  // Gathered row by row (FwdSm90Tma::gather_keys): the kNGatherThreads
+  // threads copy 16-byte chunks by cp.async into the same swizzled stage a
+  // TMA box would fill (CuTe's partition of the stage applies the swizzle),
+  // then each arrives on the stage's full barrier once its copies have
+  // landed (cp.async.mbarrier.arrive.noinc: the barrier counts those
+  // arrivals, kFullArrivals). As in CUTLASS's cp.async GMMA mainloop
+  // (sm90_mma_multistage_gmma_ss_warpspecialized.hpp), the MMA warpgroups'
+  // wait on that barrier is all that orders the copies before their wgmmas'
+  // reads: no proxy fence. A thread takes its row's
+  // offset from the lane that looked it up (two shuffles a row, in place of
+  // a lookup per thread and row). Rows at or past seqlen_k, and columns past
+  // the tensor's width (cols), are zero-filled without a read.
+  template <typename TensorS, typename Entries>
+  __forceinline__ __device__ void gather_paged_key_tile(const Element* ptr,
+                                                        const QKVStrides& strides, int cols,
+                                                        uint64_t* full_stages,
+                                                        uint64_t* empty_stages, TensorS sX,
+                                                        const FwdSm90Tile& tile, int i,
+                                                        const Entries& entries) const {
+    using GmemTiledCopy = typename Traits::GmemTiledCopyKVGather;
+    const int lane = threadIdx.x % 32;
+    const int stage = stages.stage(i);
+    const int key0 = first_key_of(tile, i);
+    const int rows = tile.binfo.seqlen_k - key0;
+    const Element* head = ptr + int64_t(tile.block.head_kv) * strides.head_stride;
+    // The element offsets of this lane's looked-up rows from the head's first.
+    int64_t offsets[kGatherLookups];
+    CUTE_UNROLL
+    for (int j = 0; j < kGatherLookups; ++j) {
+      const int key = key0 + paged_lookup_row<true>(j);
+      const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
+      offsets[j] = int64_t(clamp_paged_entry(params, entries.entry[j])) * strides.batch_stride +
+                   int64_t(row_in_page) * strides.row_stride;
+    }
+    auto thr_copy = GmemTiledCopy{}.get_thread_slice(threadIdx.x);
+    Tensor tKsK = thr_copy.partition_D(sX(_, _, stage));                     // (CPY,CPY_N,CPY_D)
+    Tensor cK = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N,D) -> (row,col)
+    Tensor tKcK = thr_copy.partition_D(cK);  // (CPY,CPY_N,CPY_D) -> (row,col)
+    static_assert(decltype(size<1>(tKsK))::value == kGatherPasses, "one row per pass");
+    // The swizzle permutes 16-byte chunks inside spans of 8 rows (1024
+    // bytes with 128-byte rows, 512 with 64-byte ones) from a 1024-byte
+    // aligned stage. A thread's chunks lie whole 1024-byte spans apart, so
+    // CuTe swizzles the address of its first chunk and the others are that
+    // address plus their plain offsets (constants), instead of a swizzle of
+    // a 64-bit address per chunk.
+    constexpr int kSwizzlePeriod = 1024 / int(sizeof(Element));
+    static_assert(decltype(stride<1>(tKsK))::value % kSwizzlePeriod == 0 &&
+                      decltype(stride<2>(tKsK))::value % kSwizzlePeriod == 0,
+                  "the chunks of a thread are whole swizzle periods apart");
+    static_assert(Traits::kSmemSizeQ % 1024 == 0 && Traits::kSmemSizeKVStage % 1024 == 0,
+                  "stages start on swizzle periods");
+    const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(&tKsK(0, 0, 0)));
+    // This thread's first chunk; the others are constant rows and columns on.
+    const int row0 = get<0>(tKcK(0, 0, 0));
+    const int col0 = get<1>(tKcK(0, 0, 0));
+    const Element* src0 = head + col0;
+    const int rows_left = rows - row0;
+    const int cols_left = cols - col0;
+    const int first_lane = lane / GatherCopy::kThreadsPerRow;
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    CUTE_UNROLL
+    for (int m = 0; m < kGatherPasses; ++m) {
+      // This thread's row of pass m is slot m * kWarpRows + lane /
+      // kThreadsPerRow of its warp's lookups (paged_lookup_row), a lane's
+      // slots j * 32 + lane; kWarpRows divides 32, so the slot's j is the
+      // pass's. Every lane shuffles; a row past seqlen_k gets a row offset
+      // of page 0 (entry 0), which its zero-fill does not read.
+      const int64_t offset =
+          __shfl_sync(0xffffffff, offsets[m * kWarpRows / 32], m * kWarpRows % 32 + first_lane);
+      const bool row_ok = get<0>(tKcK(0, m, 0)) - row0 < rows_left;
       CUTE_UNROLL
-      for (int u = 0; u < kLookups; ++u) {
-        // Past the last box: the last box again (an entry the table holds), unused.
-        const int box = min(first + u, boxes - 1);
-        locate_paged_key(params, tile.block.batch, key0 + box * box_rows, page[u], row_in_page[u]);
-      }
-      // The first lookups run before the wait for the stage.
-      if (first == 0) {
-        empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-        full_barrier(full_stages[stage])
-            .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
-      }
-      CUTE_UNROLL
-      for (int u = 0; u < kLookups; ++u) {
-        if (first + u >= boxes) break;
-        CUTE_UNROLL
-        for (int col = 0; col < kHeadDim; col += kAtomCols) {
-          SM90_TMA_LOAD_4D::copy(desc, &full_stages[stage],
-                                 static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                 &sX((first + u) * box_rows, col, stage), col, row_in_page[u],
-                                 tile.block.head_kv, page[u]);
-        }
+      for (int k = 0; k < size<2>(tKsK); ++k) {
+        const int col = get<1>(tKcK(0, m, k)) - col0;
+        cp_async_16_or_zero(smem0 + uint32_t(tKsK.layout()(0, m, k) * sizeof(Element)),
+                            src0 + offset + col, row_ok && col < cols_left);
       }
     }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full_stages[stage]);
   }
 };
 

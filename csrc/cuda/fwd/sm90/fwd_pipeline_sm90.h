@@ -56,23 +56,26 @@ struct FwdSm90SharedStorage {
   }
 
   // One thread sets up the mbarriers before the block's first barrier.
+  // kv_full_arrivals: the arrivals that fill a K / V stage, one TMA-arming
+  // thread's or every gathering thread's (FwdSm90Tma::kv_full_arrivals);
+  // producer_threads: the producer threads that read a published tile.
   template <bool kTilesFromCounter>
-  static __forceinline__ __device__ void init_barriers() {
+  static __forceinline__ __device__ void init_barriers(int kv_full_arrivals, int producer_threads) {
     auto& b = barriers();
     full_barrier(b.q_full).init(1);
     empty_barrier(b.q_empty).init(Traits::kNMmaThreads);
     CUTE_UNROLL
     for (int s = 0; s < Traits::kStages; ++s) {
-      full_barrier(b.k_full[s]).init(1);
-      full_barrier(b.v_full[s]).init(1);
+      full_barrier(b.k_full[s]).init(kv_full_arrivals);
+      full_barrier(b.v_full[s]).init(kv_full_arrivals);
       // Every MMA thread hands a stage back once its wgmmas have read it.
       empty_barrier(b.k_empty[s]).init(Traits::kNMmaThreads);
       empty_barrier(b.v_empty[s]).init(Traits::kNMmaThreads);
     }
     if constexpr (kTilesFromCounter) {
       empty_barrier(b.tile_full).init(1);
-      // Read by every MMA thread and by the thread that issues the copies.
-      empty_barrier(b.tile_empty).init(Traits::kNMmaThreads + 1);
+      // Read by every MMA thread and by each producer thread.
+      empty_barrier(b.tile_empty).init(Traits::kNMmaThreads + producer_threads);
     }
     cutlass::arch::fence_barrier_init();
   }

@@ -40,7 +40,7 @@ struct FwdSm90Tile {
 // One MMA thread takes the block's next tile while the first S of the
 // current one is on the tensor cores (the atomic's latency hides behind it)
 // and publishes it in a slot of shared memory (take_tile, publish_tile); the
-// copy-issuing thread reads it once it has issued the current tile's loads,
+// copy-issuing threads read it once they have issued the current tile's loads,
 // and runs ahead into that tile; the MMA warpgroups read it under their last
 // P V (up to d128, below) or once done with the current tile. So a block
 // holds at most one tile it has not started. An index past the grid tells
