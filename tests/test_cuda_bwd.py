@@ -134,12 +134,16 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True))
-    # Softcap and ALiBi run the Hopper kernel too; dropout, and a scale that is
-    # not positive, stay on the SM80 kernel.
+    # Softcap, ALiBi and dropout run the Hopper kernel too (dropout except on
+    # d64's 128-row tile: plan.h bwd_sm90_draws_dropout); a scale that is not
+    # positive stays on the SM80 kernel.
     slopes = torch.rand(2, device=DEVICE) * 0.3
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True, alibi_slopes=slopes))
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0, dropout_p=0.1))
+    dropout_names = backward_kernel_names(q, k, v, dout, softcap=5.0, dropout_p=0.1)
+    assert uses_sm90(dropout_names) == (head_dim != 64)
+    deterministic_dropout = backward_kernel_names(q, k, v, dout, dropout_p=0.1, deterministic=True)
+    assert uses_sm90(deterministic_dropout) == (head_dim != 64)
     assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
     # So do inputs TMA cannot describe (a kv head stride of 0).
     k_shared = k[:, :, :1].expand(-1, -1, 2, -1)
@@ -277,11 +281,17 @@ def test_bwd_strided_views_of_packed_qkv(dtype, head_dim, bwd_kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
+@pytest.mark.parametrize("dropout_p", [0.17, 0.5, 0.9])
 @pytest.mark.parametrize("nheads_k", [3, 1])
-def test_bwd_dropout_matches_reference_mask(dtype, head_dim, causal, dropout_p, nheads_k):
+def test_bwd_dropout_matches_reference_mask(
+    dtype, head_dim, causal, dropout_p, nheads_k, bwd_kernel
+):
+    """Both backward kernels replay the contract's mask (csrc/common/philox.h):
+    the Hopper one draws it in its score-mods variant wherever
+    bwd_sm90_draws_dropout holds (d64 runs the SM80 kernel either way);
+    sequence lengths that are not multiples of any tile, GQA and MQA."""
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 97, 133
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     dout = torch.randn_like(q)
@@ -299,8 +309,8 @@ def test_bwd_dropout_matches_reference_mask(dtype, head_dim, causal, dropout_p, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [96, 128, 192])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, monkeypatch):
-    """The Hopper forward draws dropout's mask; the SM80 backward replays it
+def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, bwd_kernel, monkeypatch):
+    """The Hopper forward draws dropout's mask; either backward replays it
     from rng_state alone (csrc/common/philox.h), on the forward's out and
     lse, so the gradients match the reference with the contract's mask."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -308,7 +318,6 @@ def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, monkeypatch):
     if "sm_90a" not in flash_attn_cuda.build_info:
         pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
     monkeypatch.setenv("FLASH_ATTN_FWD_KERNEL", "sm90")
-    monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
     batch, nheads, seqlen_q, seqlen_k, dropout_p = 2, 3, 257, 391, 0.3
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype)
     dout = torch.randn_like(q)
@@ -319,7 +328,8 @@ def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, monkeypatch):
         torch.cuda.synchronize()
     names = {event.name for event in prof.events()}
     assert any("flash_fwd_sm90_kernel" in name for name in names), names
-    assert not any("flash_bwd_sm90_kernel" in name for name in names), names
+    hopper_bwd = any("flash_bwd_sm90_kernel" in name for name in names)
+    assert hopper_bwd == (bwd_kernel == "sm90"), names
     keep = reference.dropout_keep_mask_batch(
         seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
     ).to(DEVICE)
@@ -327,9 +337,10 @@ def test_bwd_dropout_after_hopper_forward(dtype, head_dim, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bwd_dropout_with_softcap_alibi_window(dtype):
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_bwd_dropout_with_softcap_alibi_window(dtype, head_dim, bwd_kernel):
     batch, nheads, seqlen_q, seqlen_k = 2, 4, 150, 170
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, 2, 96, dtype)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, 2, head_dim, dtype)
     dout = torch.randn_like(q)
     slopes = torch.rand(batch, nheads, device=DEVICE) * 0.2
     seed, offset = 99, 3
@@ -350,6 +361,53 @@ def test_bwd_dropout_with_softcap_alibi_window(dtype):
         dropout_p=0.25,
         keep_mask=keep,
     )
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_dropout_hopper_matches_sm80(head_dim, causal, dropout_p, deterministic, monkeypatch):
+    """The Hopper backward with dropout against the SM80 one on the same
+    forward (out, lse, rng_state): the same mask and the same math
+    (bwd_pointwise.h scores_to_p_and_ds), so they differ by about the
+    gradients' own rounding; and both within the criterion of the reference
+    with the contract's mask."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward kernel runs on sm90 GPUs only")
+    if "sm_90a" not in flash_attn_cuda.build_info:
+        pytest.skip("this build has no sm_90a machine code: " + flash_attn_cuda.build_info)
+    batch, nheads, nheads_k, seqlen_q, seqlen_k = 2, 4, 2, 211, 301
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    seed, offset = 31337, 5
+    kwargs = dict(
+        causal=causal, dropout_p=dropout_p, seed=seed, offset=offset, deterministic=deterministic
+    )
+    grads = {}
+    for kernel in ("sm90", "sm80"):
+        monkeypatch.setenv("FLASH_ATTN_BWD_KERNEL", kernel)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            grads[kernel], _ = run_fwd_bwd(q, k, v, dout, **kwargs)
+            torch.cuda.synchronize()
+        hopper_bwd = any("flash_bwd_sm90_kernel" in event.name for event in prof.events())
+        assert hopper_bwd == (kernel == "sm90")
+    keep = reference.dropout_keep_mask_batch(
+        seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
+    ).to(DEVICE)
+    ref_kwargs = dict(causal=causal, dropout_p=dropout_p, keep_mask=keep)
+    exact = reference_grads(q, k, v, dout, torch.float32, **ref_kwargs)
+    same = reference_grads(q, k, v, dout, torch.bfloat16, **ref_kwargs)
+    for name, hopper, sm80, ref_exact, ref_same in zip(
+        ("dq", "dk", "dv"), grads["sm90"], grads["sm80"], exact, same
+    ):
+        assert not hopper.isnan().any(), name
+        baseline = reference.max_abs_err(ref_same, ref_exact)
+        diff = reference.max_abs_err(hopper, sm80)
+        assert diff <= 2 * baseline + GRAD_ATOL, f"{name}: Hopper vs SM80 differ by {diff:.3e}"
+        assert_within_criterion(
+            hopper, ref_exact, ref_same, factor=GRAD_FACTOR, atol=GRAD_ATOL, name=name
+        )
 
 
 def run_varlen_fwd_bwd(
@@ -419,9 +477,9 @@ def run_varlen_fwd_bwd(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("features", ["plain", "softcap_alibi", "dropout", "window"])
+@pytest.mark.parametrize("features", ["plain", "softcap_alibi", "dropout", "dropout_0.9", "window"])
 def test_varlen_bwd(dtype, head_dim, causal, features, bwd_kernel):
     batch, nheads, nheads_k = 5, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 150)
@@ -436,11 +494,12 @@ def test_varlen_bwd(dtype, head_dim, causal, features, bwd_kernel):
         slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
         kwargs = dict(softcap=10.0, alibi_slopes=slopes)
         ref_kwargs = dict(kwargs)
-    elif features == "dropout":
+    elif features.startswith("dropout"):
         seed, offset = 5, 11
-        kwargs = dict(dropout_p=0.3, seed=seed, offset=offset)
-        keep = reference.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, 0.3)
-        ref_kwargs = dict(dropout_p=0.3, keep_masks=[m.to(DEVICE) for m in keep])
+        p = 0.9 if features == "dropout_0.9" else 0.3
+        kwargs = dict(dropout_p=p, seed=seed, offset=offset)
+        keep = reference.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, p)
+        ref_kwargs = dict(dropout_p=p, keep_masks=[m.to(DEVICE) for m in keep])
     elif features == "window":
         kwargs = dict(window=(33, 20))
         ref_kwargs = dict(window_size=(33, 20))

@@ -217,9 +217,10 @@ def test_bwd_equals_padded_and_reference(kernel, d_qk, d_v, heads, deterministic
 
 @pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
 def test_bwd_score_features_equal_padded(kernel, d_qk, d_v):
-    """Softcap, ALiBi, a window, dropout (the SM80 kernel's score-extras
-    variant, on padded inputs there: BwdPlan::pad_v) and GQA, deterministic:
-    bitwise the gradients of the same call on zero-padded v."""
+    """Softcap, ALiBi, a window, dropout (the Hopper kernel's score-mods
+    variant, or the SM80 kernel's score-extras one, on padded inputs there:
+    BwdPlan::pad_v) and GQA, deterministic: bitwise the gradients of the same
+    call on zero-padded v."""
     q = randn(1, 97, 8, d_qk).requires_grad_()
     k = randn(1, 131, 2, d_qk).requires_grad_()
     v = randn(1, 131, 2, d_v).requires_grad_()

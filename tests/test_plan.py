@@ -89,6 +89,19 @@ def fwd_tile_table():
 FWD_TABLE = fwd_tile_table()
 
 
+def bwd_tile_table():
+    """BwdTileConfig rows of bwd_tile_config.h: head dim -> {kBlockM: ..., ...}."""
+    text = (ROOT / "csrc/cuda/bwd/bwd_tile_config.h").read_text()
+    table = {}
+    for dim, body in re.findall(r"struct BwdTileConfig<(\d+)>\s*{([^}]*)}", text):
+        table[int(dim)] = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
+    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256}, table.keys()
+    return table
+
+
+BWD_TABLE = bwd_tile_table()
+
+
 # ---------------------------------------------------------------- forward
 
 
@@ -234,14 +247,15 @@ def test_forward_dropout_on_hopper(head_dim):
     probs = fwd(*long, dropout_p=0.1, return_softmax=True)
     assert probs["kernel"] == "sm90" and probs["return_probs"] == 1
     # Still the SM80 kernel: a forced SM80, another device, a scale that is
-    # not positive and normal; and the backward.
+    # not positive and normal. The backward draws the same mask on Hopper
+    # (test_backward_dropout_on_hopper).
     forced = fwd(*long, dropout_p=0.1, kernel_override="sm80")
     assert forced["kernel"] == "sm80" and forced["variant"] == "score_extras"
     assert fwd(*long, dropout_p=0.1, device=A100)["kernel"] == "sm80"
     negative = fwd(*long, dropout_p=0.1, softmax_scale=-0.1)
     assert negative["kernel"] == "sm80" and "softmax scale" in negative["reason"]
     backward = bwd(*long, causal=True, dropout_p=0.1)
-    assert backward["kernel"] == "sm80" and "dropout" in backward["reason"]
+    assert backward["kernel"] == "sm90" and backward["variant"] == "score_mods"
 
 
 def test_forward_dropout_not_on_the_counter_grid():
@@ -322,11 +336,67 @@ def test_backward_kernels():
     assert plan["grid"] == "%dx16x2" % (4096 // plan["block_n"])
     assert bwd(*long, device=A100)["kernel"] == "sm80"
     dropout = bwd(*long, dropout_p=0.1)
-    assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+    assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
     assert bwd(*long, alibi=True)["variant"] == "score_mods"
     assert bwd(*long, kernel_override="sm80")["kernel"] == "sm80"
     assert bwd(*long, tma_aligned=False)["kernel"] == "sm80"
     assert bwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
+
+
+def hopper_bwd_draws_dropout(head_dim):
+    """plan.h bwd_sm90_draws_dropout: 64-row query blocks and 48 registers to
+    spare beside S^T, dP^T, dK and dV (BwdSm90KernelTraits::kDrawsDropout)."""
+    row = BWD_TABLE[head_dim]
+    block_m, block_n = row["kBlockMSm90"], row["kBlockN"]
+    accumulators = block_n * (block_m + head_dim) // 128
+    return block_m == 64 and 240 - accumulators >= 48
+
+
+def test_hopper_backward_dropout_head_dims():
+    """Which head dims the Hopper backward draws dropout at
+    (docs/dropout_sm90.md section 6): all but d64's 128-row tile."""
+    hopper = [d for d in sorted(BWD_TABLE) if BWD_TABLE[d]["kBlockMSm90"]]
+    assert [d for d in hopper if hopper_bwd_draws_dropout(d)] == [32, 96, 128, 160, 192, 224, 256]
+
+
+@pytest.mark.parametrize("head_dim", sorted(BWD_TABLE))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_dropout_on_hopper(head_dim, causal):
+    """The backward of a call with dropout runs the Hopper kernel's score-mods
+    variant wherever it draws the mask, as softcap and ALiBi do; elsewhere
+    (d64) the SM80 kernel, which replays the same mask, with the reason."""
+    long = (2, 8192, 8192, 16, 16, head_dim)
+    plain = bwd(*long, causal=causal)
+    assert plain["kernel"] == "sm90"
+    dropout = bwd(*long, causal=causal, dropout_p=0.1)
+    if not hopper_bwd_draws_dropout(head_dim):
+        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+        assert "bwd_sm90_draws_dropout" in dropout["reason"]
+        assert bwd(*long, dropout_p=0.1, kernel_override="sm90")["kernel"] == "sm80"
+        assert bwd(*long, softcap=30.0)["kernel"] == "sm90"
+        return
+    assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
+    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], plain["block_n"])
+    assert dropout["grid"] == plain["grid"] and dropout["splits"] == 1
+    assert "dropout" not in dropout["reason"]
+    for p in (1e-6, 0.5, 0.9, 0.999):
+        assert bwd(*long, dropout_p=p)["kernel"] == "sm90"
+    mods = bwd(*long, dropout_p=0.1, softcap=30.0, alibi=True)
+    assert mods["kernel"] == "sm90" and mods["variant"] == "score_mods"
+    assert bwd(*long, varlen=True, dropout_p=0.1)["kernel"] == "sm90"
+    assert bwd(2, 8192, 8192, 16, 2, head_dim, dropout_p=0.1)["kernel"] == "sm90"
+    # Deterministic: the ordered kernel is a variant of the plain one, so
+    # dropout takes dQ splits, as softcap does.
+    det = bwd(*long, causal=causal, dropout_p=0.1, deterministic=True)
+    assert det["kernel"] == "sm90" and det["variant"] == "score_mods"
+    assert det["ordered_dq"] == 0 and det["splits"] > 1
+    # Still the SM80 kernel: a forced SM80, another device, a scale that is
+    # not positive and normal.
+    forced = bwd(*long, dropout_p=0.1, kernel_override="sm80")
+    assert forced["kernel"] == "sm80" and forced["variant"] == "score_extras"
+    assert bwd(*long, dropout_p=0.1, device=A100)["kernel"] == "sm80"
+    negative = bwd(*long, dropout_p=0.1, softmax_scale=-0.1)
+    assert negative["kernel"] == "sm80" and "softmax scale" in negative["reason"]
 
 
 def test_backward_d64_hopper_tile():

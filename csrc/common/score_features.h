@@ -33,10 +33,11 @@ struct ScoreFeatures {
 
   // Softcap or ALiBi: the Hopper kernels' kWithScoreMods variants.
   FA_HOST_DEVICE bool has_mods() const { return softcap || alibi; }
-  // The Hopper forward's kWithScoreMods variant also draws dropout (one
+  // The Hopper kernels' kWithScoreMods variants also draw dropout (one
   // instantiation fewer per head dim than a variant of its own,
-  // docs/dropout_sm90.md); the Hopper backward does not yet.
-  FA_HOST_DEVICE bool has_fwd_sm90_mods() const { return has_mods() || dropout; }
+  // docs/dropout_sm90.md), at the tiles with registers to spare for it
+  // (plan.h fwd_sm90_draws_dropout, bwd_sm90_draws_dropout).
+  FA_HOST_DEVICE bool has_sm90_mods() const { return has_mods() || dropout; }
   // Anything beyond the plain rule: the SM80 and split-KV kernels'
   // kWithScoreExtras variants.
   FA_HOST_DEVICE bool has_extras() const { return has_mods() || dropout || !scale_positive_normal; }

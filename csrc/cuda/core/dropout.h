@@ -1,7 +1,8 @@
 // Applies the contract's dropout mask (../common/philox.h) to a thread's
 // fragment of P. One Philox draw covers 4 key columns; a thread holds column
 // pairs (c, c+1) with c even, so each draw serves one pair (apply_dropout),
-// or, with the lane exchange of PairedDropoutMask, two.
+// or, with the lane exchange of PairedDropoutMask, two; in a transposed tile
+// (keys as rows) four lanes share each draw (TransposedDropoutMask).
 #pragma once
 
 #include <cstdint>
@@ -125,6 +126,98 @@ struct PairedDropoutMask {
               value = keep ? value : 0.f;
             }
           }
+        }
+      }
+    }
+  }
+};
+
+// The draws of a thread's fragment of a transposed accumulator tile (keys as
+// rows, queries as columns: the Hopper backward's S^T and dP^T), each Philox
+// call made once per warp (docs/dropout_sm90.md, section 6). In the wgmma
+// (and mma.sync m16n8) accumulator a thread holds keys (k, k + 8) and, per
+// chunk i of 8 columns, the query pair 8 i + 2 (lane % 4) + {0, 1}; the
+// four keys of one Philox group (one call: four consecutive keys of one
+// query) are held by the four lanes lane % 16 / 4 = 0 .. 3 of a row of 16,
+// each with its key % 4 = b, at lane offsets 4 and 8, all with the same
+// queries. Lane b makes the calls of the element (r, c) = (b / 2, b % 2)
+// of every chunk for all four, and a 4 x 4 bit transpose in two
+// shfl.xor steps hands each lane its key's bit of every call. Same calls,
+// same bits: the mask is the contract's (philox.h).
+//
+// draw() needs only (key, query), so the backward issues it under the
+// wgmmas of S^T and dP^T; apply() masks dP^T before dS^T is made from it,
+// and P^T after.
+template <int kNChunks>
+struct TransposedDropoutMask {
+  // One nibble per chunk, 8 chunks per word: bit 4 i + 2 r + c is the keep
+  // bit of element (ROW r, COL 2 i + c).
+  static constexpr int kWords = (4 * kNChunks + 31) / 32;
+  uint32_t keep[kWords];
+
+  // coord: (ROW,COL) = (2,(2,kNChunks)) -> (key,query) of the tile, as
+  // row_base + and col_base + offsets.
+  template <typename TensorC>
+  __forceinline__ __device__ void draw(const TensorC& coord, int key_base, int query_base,
+                                       const DropoutState& dropout) {
+    static_assert(decltype(size<0>(coord))::value == 2, "keys in pairs (k, k + 8)");
+    static_assert(decltype(size<1>(coord))::value == 2 * kNChunks, "queries in pairs per chunk");
+    // This lane's place in its key group (key_base is a multiple of 4), read
+    // from the coordinates, so it holds for whatever lane order the
+    // accumulator has as long as the group's lanes differ in lane bits 2, 3
+    // by b (wgmma, mma.sync m16n8: lane 4 q + t holds key lane / 4).
+    const int key0 = get<0>(coord(0, 0));
+    const int b = key0 & 3;
+    const bool second_key = (b & 2) != 0;    // r: this lane calls for key k + 8's group
+    const bool second_query = (b & 1) != 0;  // c: and for query 2 i + 1 of each chunk
+    const int group_key = (key_base + (second_key ? get<0>(coord(1, 0)) : key0)) & ~3;
+    uint32_t own[kWords];
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) own[w] = 0u;
+    CUTE_UNROLL
+    for (int i = 0; i < kNChunks; ++i) {
+      const int query =
+          query_base + (second_query ? get<1>(coord(0, 2 * i + 1)) : get<1>(coord(0, 2 * i)));
+      const PhiloxOut bits = dropout_random_bits(dropout.seed, dropout.offset, dropout.batch,
+                                                 dropout.head, dropout.nheads, query, group_key);
+      uint32_t nibble = 0u;
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) nibble |= uint32_t(dropout_keep(bits, k, dropout.threshold)) << k;
+      own[i / 8] |= nibble << (4 * (i % 8));
+    }
+    // The transpose of (lane's b, bit k) within each nibble: at step j a lane
+    // keeps the bits whose k has bit j equal to b's, and takes the others
+    // from the partner at lane offset 4 << j (b ^ (1 << j)), whose bit
+    // k ^ (1 << j) they are. After both steps bit k of lane b is bit b of
+    // lane k's nibble: 2 r + c of the call of element (r, c).
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) {
+      uint32_t word = own[w];
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t high = j == 0 ? 0xAAAAAAAAu : 0xCCCCCCCCu;  // bits whose k has bit j
+        const uint32_t theirs = __shfl_xor_sync(0xffffffffu, word, 4 << j);
+        word = (b >> j) & 1 ? (word & high) | ((theirs >> (1 << j)) & ~high)
+                            : (word & ~high) | ((theirs << (1 << j)) & high);
+      }
+      keep[w] = word;
+    }
+  }
+
+  // Dropped elements of t (ROW,COL), laid out as draw()'s coord, become 0,
+  // kept ones are multiplied by rescale.
+  template <typename TensorT>
+  __forceinline__ __device__ void apply(TensorT& t, float rescale) const {
+    static_assert(decltype(size<0>(t))::value == 2, "keys in pairs (k, k + 8)");
+    static_assert(decltype(size<1>(t))::value == 2 * kNChunks, "queries in pairs per chunk");
+    CUTE_UNROLL
+    for (int i = 0; i < kNChunks; ++i) {
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          const bool kept = (keep[i / 8] >> (4 * (i % 8) + 2 * r + c)) & 1u;
+          t(r, 2 * i + c) = kept ? t(r, 2 * i + c) * rescale : 0.f;
         }
       }
     }

@@ -91,10 +91,15 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false>
 void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ>;
-  if (!BwdSm90Tma<Sm90Traits>::can_load(params)) {
+  if (!BwdSm90Tma<Sm90Traits>::can_load(params) ||
+      (params.dropout_p > 0.f && !(kWithScoreMods && Sm90Traits::kDrawsDropout))) {
     throw std::runtime_error(
-        "flash_attn_cuda: the backward plan disagrees with the Hopper kernel's TMA rule");
+        "flash_attn_cuda: the backward plan disagrees with the Hopper kernel (TMA or dropout "
+        "rule)");
   }
+  static_assert(Sm90Traits::kDrawsDropout ==
+                    bwd_sm90_draws_dropout(kHeadDim, Sm90Traits::kBlockM, Sm90Traits::kBlockN),
+                "plan.h's rule for the Hopper backward's dropout matches the traits");
   // The dQ order counters are per query block of this kernel's tile.
   if (kOrderedDQ &&
       (params.dq_semaphore == nullptr ||
@@ -136,9 +141,9 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
                                                 kBwdSm90QdOStages) &&
                         Sm90Traits::kSmemSize <= Sm90OrderedTraits::kSmemSize,
                     "plan.h sizes the Hopper backward's shared memory as its largest variant's");
-      // Softcap and ALiBi run the Hopper kernel's variant with them; dropout
-      // (only the SM80 backward replays its keep mask) and other scales do
-      // not.
+      // Softcap, ALiBi and dropout (where the tile draws it,
+      // bwd_sm90_draws_dropout) run the Hopper kernel's variant with them;
+      // other scales do not.
       // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
       // plain kernel.
       if (plan.variant == FwdVariant::kScoreMods) {

@@ -145,7 +145,7 @@ int64_t fwd_sm90_most_keys_per_tile(const FwdParams& params) {
 constexpr int64_t kFwdSm90MostKeysPerTileFromCounter = 2048;
 bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
   const ScoreFeatures rule = score_features_of(params);
-  return !rule.has_fwd_sm90_mods() && fwd_tiles_differ_in_work(params) && num_sms > 0 &&
+  return !rule.has_sm90_mods() && fwd_tiles_differ_in_work(params) && num_sms > 0 &&
          fwd_sm90_num_tiles(params) > num_sms &&
          fwd_sm90_most_keys_per_tile(params) <= kFwdSm90MostKeysPerTileFromCounter;
 }
@@ -207,7 +207,7 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   const FwdTileRow row = fwd_tile_row(compiled);
   const ScoreFeatures rule = score_features_of(params);
   // Softcap, ALiBi or dropout: the Hopper kernel's kWithScoreMods variant.
-  const bool score_mods = rule.has_fwd_sm90_mods();
+  const bool score_mods = rule.has_sm90_mods();
   const bool score_extras = rule.has_extras();
 
   const char* sm80_reason = nullptr;
@@ -343,7 +343,8 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   plan.grid_z = params.batch;
 
   const ScoreFeatures rule = score_features_of(params);
-  const bool score_mods = rule.has_mods();
+  // Softcap, ALiBi or dropout: the Hopper kernel's kWithScoreMods variant.
+  const bool score_mods = rule.has_sm90_mods();
   const bool dropout = rule.dropout;
   const bool scale_ok = rule.scale_positive_normal;
   const bool score_extras = rule.has_extras();
@@ -357,8 +358,10 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     sm80_reason = device.cc_major == 9 && device.cc_minor == 0
                       ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
                       : "not an sm90 device";
-  } else if (dropout) {
-    sm80_reason = "dropout: only the SM80 backward replays its keep mask";
+  } else if (dropout && !bwd_sm90_draws_dropout(compiled, row.block_m_sm90, row.block_n)) {
+    sm80_reason =
+        "dropout on the 128-row Hopper tile, which does not draw it (d64: "
+        "bwd_sm90_draws_dropout): the SM80 backward replays its keep mask";
   } else if (!scale_ok) {
     sm80_reason = "softmax scale not positive and normal";
   } else if (device.smem_per_block_optin <

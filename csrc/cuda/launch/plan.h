@@ -52,9 +52,9 @@ const char* kernel_override_name(KernelOverride value);
 // The kernel design a pass may use on this device before the call's shape is
 // looked at: kSm80 on every device but sm90 (9.0); there, kAuto or what the
 // override forces (the tests run both designs on every shape). A scale that
-// scale_is_positive_normal turns away, and the backward of a call with
-// dropout, run the SM80 design whatever the choice; softcap, ALiBi and the
-// forward of dropout (d96-d224: fwd_sm90_draws_dropout) run on both.
+// scale_is_positive_normal turns away runs the SM80 design whatever the
+// choice; softcap, ALiBi and dropout run on both (dropout where the Hopper
+// kernel draws it: fwd_sm90_draws_dropout, bwd_sm90_draws_dropout).
 enum class KernelChoice : uint8_t {
   kSm80,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h
   kAuto,  // the Hopper kernel where its tile table has an entry and (forward)
@@ -82,7 +82,7 @@ enum class FwdKernel : uint8_t {
 // kSm80: the plain rule or the variant with softcap / ALiBi / dropout / a
 // scale that is not positive and normal (the score extras). kSm90: the plain
 // rule or the variant with softcap / ALiBi / dropout (the score mods;
-// ScoreFeatures::has_fwd_sm90_mods).
+// ScoreFeatures::has_sm90_mods).
 enum class FwdVariant : uint8_t { kPlain, kScoreExtras, kScoreMods };
 
 enum class FwdGrid : uint8_t {
@@ -159,7 +159,8 @@ enum class BwdKernel : uint8_t {
   kSm90,           // bwd_kernel_sm90.h
 };
 
-// kSm80*: plain or kScoreExtras; kSm90: plain or kScoreMods (as the forward).
+// kSm80*: plain or kScoreExtras; kSm90: plain or kScoreMods (softcap, ALiBi,
+// dropout: as the forward).
 struct BwdPlan {
   BwdKernel kernel = BwdKernel::kNone;
   FwdVariant variant = FwdVariant::kPlain;
@@ -181,6 +182,19 @@ struct BwdPlan {
   bool pad_v = false;
   const char* reason = "";
 };
+
+// Whether the Hopper backward of this compiled head dim and tile draws
+// dropout in its score-mods variant (BwdSm90KernelTraits::kDrawsDropout,
+// which bwd_launch.h checks against this; docs/dropout_sm90.md section 6):
+// the 64-row query blocks (d32, d96-d256), where a thread holds S^T, dP^T,
+// dK and dV (block_n (block_m + head_dim) / 128 registers) and at least 48
+// of its 240 spare, and whose pass zeroes P^T and dP^T in fp32. Not the
+// 128-row d64 tile: its pass makes P^T straight in 16-bit registers
+// (kConvertInPointwise) to stay unspilled, and has no room for the mask.
+constexpr bool bwd_sm90_draws_dropout(int head_dim, int block_m, int block_n) {
+  const int accumulators = block_n * (block_m + head_dim) / 128;
+  return block_m == 64 && 240 - accumulators >= 48;
+}
 
 // params: shape, score rule, varlen-ness and params.deterministic (pointers
 // not read). tma_ok: bwd_tma_can_load of the call's tensors.

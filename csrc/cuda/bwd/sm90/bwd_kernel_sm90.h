@@ -31,9 +31,10 @@
 // them up and runs each role's walk.
 //
 // It runs the causal / local / bounds mask with a positive normal scale and,
-// in its kWithScoreMods variant, softcap and ALiBi before the mask, on
-// inputs TMA can describe; the launcher sends dropout and anything else to
-// bwd_kernel_sm80.h.
+// in its kWithScoreMods variant, softcap and ALiBi before the mask and
+// dropout's keep mask (except on the 128-row d64 tile:
+// BwdSm90KernelTraits::kDrawsDropout), on inputs TMA can describe; the
+// launcher sends anything else to bwd_kernel_sm80.h.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +63,8 @@ using namespace cute;
 // block's key blocks.
 //
 // kWithScoreMods: S^T goes through softcap and ALiBi before the mask, kept
-// in the units of ScoreModsInUnits (score_mods.h). Under softcap, P^T and
+// in the units of ScoreModsInUnits (score_mods.h), and dropout's keep bits
+// are drawn under S^T and dP^T (docs/dropout_sm90.md, section 6). Under softcap, P^T and
 // dS^T are made in one pass once dP^T has landed too
 // (softcapped_p_and_ds_transposed: the softcap's derivative comes from the
 // kept score, which P overwrites), so its exponentials no longer run under

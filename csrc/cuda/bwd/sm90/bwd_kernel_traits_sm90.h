@@ -155,6 +155,17 @@ struct BwdSm90KernelTraits {
   // (BwdSm90MainloopMma::score_mods_p_and_ds). 64 rows keep the code they
   // had, which fits there.
   static constexpr bool kShuffleRowStats = kKeysPerWarpGroup && kBlockM == 128;
+  // Whether the score-mods variant draws dropout (BwdSm90MainloopMma,
+  // docs/dropout_sm90.md section 6): under S^T and dP^T a thread holds their
+  // fp32 accumulators and dK's and dV's. With at least 48 of its registers
+  // to spare beside them (d128 48, d96 80, the split design 80-128) the
+  // draws run there; the 128-row d64 tile makes P^T in 16-bit registers in
+  // its pass (kShuffleRowStats, score mods) and has no fp32 P^T to zero.
+  // plan.h's bwd_sm90_draws_dropout, which bwd_launch.h checks against this.
+  static constexpr int kAccumulatorRegisters =
+      (2 * kBlockN * kBlockM + 2 * kBlockN * kHeadDim) / kNThreads;
+  static constexpr bool kDrawsDropout =
+      !kShuffleRowStats && kMmaRegisters - kAccumulatorRegisters >= 48;
 
   // Q, dO, K, V: (rows, head dim) in the swizzle of SmemLayoutAtom below.
   using SmemLayoutAtom =

@@ -26,6 +26,7 @@
 #include "cuda/bwd/sm90/bwd_pipeline_sm90.h"
 #include "cuda/bwd/sm90/bwd_row_stats_sm90.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/dropout.h"
 #include "cuda/core/mask.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -160,6 +161,10 @@ __forceinline__ __device__ auto bwd_sm90_score_coords(const ThrMmaSdP& thr_mma_s
 // dP^T, of the head-dim columns of dK and dV), and its half of dQ. Operands
 // in shared memory are wgmma descriptors, partitioned once per thread (in
 // the constructor) and kept for the whole walk.
+//
+// kWithScoreMods: softcap, ALiBi and, where Traits::kDrawsDropout, dropout
+// (each on at run time; docs/dropout_sm90.md, section 6); the plain and
+// ordered variants carry none of their code.
 template <typename Traits, bool kWithScoreMods, bool kAscending = false>
 struct BwdSm90MainloopMma {
   using Element = typename Traits::Element;
@@ -174,6 +179,11 @@ struct BwdSm90MainloopMma {
   // The score-mods variant with shuffled statistics (128 rows) makes P^T and
   // dS^T in their 16-bit registers (score_mods_p_and_ds).
   static constexpr bool kConvertInPointwise = kWithScoreMods && Traits::kShuffleRowStats;
+  // Dropout's keep mask, replayed where a thread has registers to spare for
+  // its draws under S^T (plan.h bwd_sm90_draws_dropout): 64-row query blocks,
+  // whose pass has P^T in fp32 after dS^T is made.
+  static constexpr bool kDrawsDropout = kWithScoreMods && Traits::kDrawsDropout;
+  static_assert(!kDrawsDropout || !kConvertInPointwise, "the mask zeroes P^T in fp32");
 
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
   using TiledMmadKV = typename Traits::TiledMmadKV;
@@ -200,6 +210,10 @@ struct BwdSm90MainloopMma {
   using SmemdS = decltype(Storage::ds());
   using SmemdSt = decltype(Storage::dst());
   using ScoreCoords = decltype(bwd_sm90_score_coords<Traits>(std::declval<const ThrMmaSdP&>()));
+  // A thread's keep bits of S^T (ROW,COL): one nibble per chunk of 8 query
+  // columns.
+  using DropoutMask =
+      TransposedDropoutMask<decltype(size<1>(std::declval<const ScoreCoords&>()))::value / 2>;
 
   const BwdParams& params;
   const BlockInfo& binfo;
@@ -231,6 +245,7 @@ struct BwdSm90MainloopMma {
   ScoreCoords tScS_rowcol;                // (ROW,COL)
 
   const bool has_alibi;
+  const bool has_dropout;
   const ScoreModsInUnits score_mods;
   const float exp_scale_log2;
 
@@ -258,6 +273,7 @@ struct BwdSm90MainloopMma {
         tdKsdSt(thr_mma_dkv.partition_fragment_A(Storage::dst())),
         tScS_rowcol(bwd_sm90_score_coords<Traits>(thr_mma_sdp)),
         has_alibi(kWithScoreMods && params.alibi_slopes != nullptr),
+        has_dropout(kDrawsDropout && params.dropout_p > 0.f),
         score_mods(params.softmax_scale, kWithScoreMods ? params.softcap : 0.f, has_alibi,
                    has_alibi ? params.alibi_slopes[batch * params.alibi_batch_stride + head] : 0.f),
         exp_scale_log2(kWithScoreMods ? score_mods.exp_scale_log2() : params.softmax_scale_log2) {}
@@ -308,7 +324,17 @@ struct BwdSm90MainloopMma {
                                         Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,MMA_M,MMA_N)
     Tensor acc_dp = partition_fragment_C(tiled_mma_sdp,
                                          Shape<Int<kBlockN>, Int<kBlockM>>{});  // (MMA,MMA_M,MMA_N)
-    issue_s_dp(acc_s, acc_dp, stage);
+    // The registers under S^T that Traits::kDrawsDropout counts.
+    static_assert(!kDrawsDropout || decltype(size(acc_s) + size(acc_dp) + size(acc_dk) +
+                                             size(acc_dv))::value == Traits::kAccumulatorRegisters,
+                  "S^T, dP^T, dK and dV as the traits count them");
+    DropoutMask dropout_mask;
+    issue_s_dp(acc_s, acc_dp, stage, [&] {
+      // Under S^T and dP^T: the draws need only (key, query).
+      if constexpr (kDrawsDropout) {
+        if (has_dropout) draw_dropout(dropout_mask, block, row_begin);
+      }
+    });
     // P^T and dS^T in the register layout of the dV / dK A operand,
     // converted only after the pointwise pass, so that the fp32 P and its
     // 16-bit copy are never live together (with 128-query tiles at d64 they
@@ -325,7 +351,7 @@ struct BwdSm90MainloopMma {
                                   wgmma_acc_layout_as_rowcol(acc_dp.layout()));  // (ROW,COL)
       score_mods_p_and_ds(acc_s, acc_dp, p_out, ds_out, block, row_begin, stage);
     } else {
-      p_and_ds(acc_s, acc_dp, block, row_begin, stage);
+      p_and_ds(acc_s, acc_dp, block, row_begin, stage, dropout_mask);
       convert_type_into(acc_s, tdVrPt);
       convert_type_into(acc_dp, tdKrdSt);
     }
@@ -387,10 +413,11 @@ struct BwdSm90MainloopMma {
     }
   }
 
-  // S^T = K Q^T, then dP^T = V dO^T; returns once S^T has landed, dP^T may
-  // still run.
-  template <typename TensorAcc>
-  __forceinline__ __device__ void issue_s_dp(TensorAcc& acc_s, TensorAcc& acc_dp, int stage) {
+  // S^T = K Q^T, then dP^T = V dO^T, then under_products() while they run;
+  // returns once S^T has landed, dP^T may still run.
+  template <typename TensorAcc, typename UnderProducts>
+  __forceinline__ __device__ void issue_s_dp(TensorAcc& acc_s, TensorAcc& acc_dp, int stage,
+                                             UnderProducts&& under_products) {
     warpgroup_fence_operand(acc_s);
     warpgroup_fence_operand(acc_dp);
     warpgroup_arrive();
@@ -398,16 +425,35 @@ struct BwdSm90MainloopMma {
     warpgroup_commit_batch();
     wgmma_issue</*kZeroInit=*/true>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
     warpgroup_commit_batch();
+    under_products();
     warpgroup_wait<1>();  // S^T has landed; dP^T may still run
     warpgroup_fence_operand(acc_s);
   }
 
+  // The keep bits of this query block's S^T (kDrawsDropout), as the forward
+  // drew them. Seed and offset read per query block (two cached loads under
+  // the wgmmas), not held across the walk, as in the forward, where holding
+  // them spilled (docs/dropout_sm90.md, section 5).
+  __forceinline__ __device__ void draw_dropout(DropoutMask& dropout_mask, const BwdKeyBlock& block,
+                                               int row_begin) const {
+    const DropoutState dropout{static_cast<uint64_t>(params.rng_state[0]),
+                               static_cast<uint64_t>(params.rng_state[1]),
+                               params.dropout_threshold,
+                               block.batch,
+                               block.head,
+                               params.nheads};
+    dropout_mask.draw(tScS_rowcol, block.col_begin, row_begin, dropout);
+  }
+
   // S^T -> P^T in acc_s and dP^T -> dS^T in acc_dp: the score mods, the mask,
-  // the exponentials against the stage's lse, dS against its D. Waits for
-  // dP^T.
+  // the exponentials against the stage's lse, dS against its D, and dropout
+  // as the SM80 backward applies it (scores_to_p_and_ds): dP^T masked and
+  // rescaled before dS^T is made from it, P^T after (dS^T takes the
+  // undropped P^T). Waits for dP^T.
   template <typename TensorAcc>
   __forceinline__ __device__ void p_and_ds(TensorAcc& acc_s, TensorAcc& acc_dp,
-                                           const BwdKeyBlock& block, int row_begin, int stage) {
+                                           const BwdKeyBlock& block, int row_begin, int stage,
+                                           const DropoutMask& dropout_mask) {
     Tensor scores =
         make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));  // (ROW,COL)
     Tensor dp =
@@ -447,13 +493,25 @@ struct BwdSm90MainloopMma {
     } else if (kWithScoreMods && score_mods.has_softcap) {
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
+      if constexpr (kDrawsDropout) {
+        if (has_dropout) dropout_mask.apply(dp, params.dropout_rescale);
+      }
       softcapped_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
                                      seqlen_k, row_lse, row_d, score_mods);
+      if constexpr (kDrawsDropout) {
+        if (has_dropout) dropout_mask.apply(scores, params.dropout_rescale);
+      }
     } else {
       scores_to_p_transposed(scores, tScS_rowcol, row_lse, exp_scale_log2);
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
+      if constexpr (kDrawsDropout) {
+        if (has_dropout) dropout_mask.apply(dp, params.dropout_rescale);
+      }
       p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
+      if constexpr (kDrawsDropout) {
+        if (has_dropout) dropout_mask.apply(scores, params.dropout_rescale);
+      }
     }
   }
 
