@@ -322,8 +322,12 @@ def test_get_block_size_n_signature_and_exports():
     }
     # One width everywhere: CPU and CUDA kernels write the same convention.
     assert len(widths) == 1 and isinstance(widths.pop(), int)
-    with pytest.raises(ValueError, match="head_dim"):
-        _get_block_size_n("cpu", 257, False, False)
+    # The head dims each device serves (common/head_dim_bounds.h).
+    assert _get_block_size_n("cpu", 1024, False, False) == _get_block_size_n("cuda", 256, 0, 0)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 257"):
+        _get_block_size_n(torch.device("cuda", 0), 257, False, False)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 1024\], got 1025"):
+        _get_block_size_n("cpu", 1025, False, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

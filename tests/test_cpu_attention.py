@@ -792,7 +792,7 @@ BAD_FWD = [
     (_fixed(k=randn(1, 5, 2, 16).half()), {}, "k must have the same dtype as q"),
     (_fixed(q=randn(1, 4, 2, 12), k=randn(1, 5, 2, 12), v=randn(1, 5, 2, 12)), {}, "multiple of 8"),
     (
-        _fixed(q=randn(1, 4, 2, 264), k=randn(1, 5, 2, 264), v=randn(1, 5, 2, 264)),
+        _fixed(q=randn(1, 4, 2, 1032), k=randn(1, 5, 2, 1032), v=randn(1, 5, 2, 1032)),
         {},
         "multiple of 8",
     ),
