@@ -6,7 +6,8 @@
 //     turns at the tensor cores.
 // Shape comments name the modes of each MMA: S = Q K^T has the queries as M,
 // the keys as N and the head dim as K; O += P V the queries as M, the head
-// dim as N (D) and the keys as K.
+// dim of V as N (Dv: d_v, below D = d_qk only in a specialised pair's
+// kernel) and the keys as K.
 #pragma once
 
 #include <cmath>
@@ -43,6 +44,7 @@ struct FwdSm90MainloopLoad {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   using Storage = FwdSm90SharedStorage<Traits>;
 
   const FwdParams& params;
@@ -51,9 +53,9 @@ struct FwdSm90MainloopLoad {
 
   // A tile's Q, then its K / V tiles from the last visible key block down,
   // in the order the MMA warpgroups consume them. Rows and columns past the
-  // tensors' ends land as zeros, so a head dim below kHeadDim and, in a
-  // fixed-length batch, the last K / V tile need no predicates. A varlen tile
-  // reads on into the next sequence's rows (see
+  // tensors' ends land as zeros, so a head dim below kHeadDim (V's below
+  // kHeadDimV) and, in a fixed-length batch, the last K / V tile need no
+  // predicates. A varlen tile reads on into the next sequence's rows (see
   // FwdSm90MainloopMma::zero_v_rows_past_end).
   template <typename LookAhead>
   __forceinline__ __device__ void load(const FwdSm90Tile& tile, LookAhead&& look_ahead) {
@@ -71,12 +73,13 @@ struct FwdSm90MainloopLoad {
         Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
     Tensor gV = local_tile(
         tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
-        Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-    Tensor sQ = Storage::q();                                     // (M,D)
-    Tensor sK = Storage::k();                                     // (N,D,stage)
-    Tensor sV = Storage::v();                                     // (N,D,stage)
+        Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (N,Dv,n)
+    Tensor sQ = Storage::q();                                      // (M,D)
+    Tensor sK = Storage::k();                                      // (N,D,stage)
+    Tensor sV = Storage::v();                                      // (N,Dv,stage)
     // One TMA box per tile: a stage holds one global tile.
     CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+    CUTE_STATIC_ASSERT_V(size<0>(sV) == size<0>(gV) && size<1>(sV) == size<1>(gV));
     CUTE_STATIC_ASSERT_V(size<0>(sQ) == size<0>(gQ) && size<1>(sQ) == size<1>(gQ));
     // (TMA,TMA_M,TMA_D), (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
     auto [tQgQ, tQsQ] = tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -88,14 +91,16 @@ struct FwdSm90MainloopLoad {
       if (paged) {
         load_paged_key_tile(&tma.k_paged, barriers.k_full, barriers.k_empty, sK, tile, i);
       } else {
-        load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max, i);
+        load_key_tile<Traits::kSmemSizeKStage>(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK,
+                                               block.n_block_max, i);
       }
     };
     auto load_v = [&](int i) {
       if (paged) {
         load_paged_key_tile(&tma.v_paged, barriers.v_full, barriers.v_empty, sV, tile, i);
       } else {
-        load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max, i);
+        load_key_tile<Traits::kSmemSizeVStage>(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV,
+                                               block.n_block_max, i);
       }
     };
     // K(0) may go ahead of Q: its stage is free as soon as the last tile's
@@ -116,15 +121,15 @@ struct FwdSm90MainloopLoad {
   }
 
  private:
-  // Tile i of this query block's K or V into its stage, once the MMA
-  // warpgroups have handed that stage back.
-  template <typename TmaCopy, typename TensorG, typename TensorS>
+  // Tile i of this query block's K or V (kStageBytes a stage) into its
+  // stage, once the MMA warpgroups have handed that stage back.
+  template <int kStageBytes, typename TmaCopy, typename TensorG, typename TensorS>
   __forceinline__ __device__ void load_key_tile(const TmaCopy& tma_copy, uint64_t* full_stages,
                                                 uint64_t* empty_stages, const TensorG& tXgX,
                                                 const TensorS& tXsX, int n_block_max, int i) const {
     const int stage = stages.stage(i);
     empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-    full_barrier(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+    full_barrier(full_stages[stage]).arrive_and_expect_tx(kStageBytes);
     copy(tma_copy.with(full_stages[stage]), tXgX(_, n_block_max - 1 - i), tXsX(_, stage));
   }
 
@@ -134,14 +139,16 @@ struct FwdSm90MainloopLoad {
   // so no table entry past the sequence's pages is read; the rows after them
   // keep what the stage held, which the mask hides (K) and
   // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
-  // the next sequence an unpaged varlen tile reads.
+  // the next sequence an unpaged varlen tile reads. The stage sX is K's
+  // (N,D,stage) or V's (N,Dv,stage): its width is the boxes' column range.
   template <typename TensorS>
   __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
                                                       uint64_t* full_stages, uint64_t* empty_stages,
                                                       TensorS& sX, const FwdSm90Tile& tile,
                                                       int i) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
-    static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
+    constexpr int kCols = decltype(size<1>(sX))::value;
+    static_assert(kCols % kAtomCols == 0, "whole swizzle atoms across the head dim");
     // Table lookups go in groups: each TMA waits on its page's lookup, and
     // one at a time the thread waited out a load latency per box.
     constexpr int kLookups = 4;
@@ -161,13 +168,13 @@ struct FwdSm90MainloopLoad {
       if (first == 0) {
         empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
         full_barrier(full_stages[stage])
-            .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+            .arrive_and_expect_tx(uint32_t(boxes * box_rows * kCols * sizeof(Element)));
       }
       CUTE_UNROLL
       for (int u = 0; u < kLookups; ++u) {
         if (first + u >= boxes) break;
         CUTE_UNROLL
-        for (int col = 0; col < kHeadDim; col += kAtomCols) {
+        for (int col = 0; col < kCols; col += kAtomCols) {
           SM90_TMA_LOAD_4D::copy(desc, &full_stages[stage],
                                  static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                                  &sX((first + u) * box_rows, col, stage), col, row_in_page[u],
@@ -205,7 +212,7 @@ struct FwdSm90MainloopMma {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kNMmaThreads = Traits::kNMmaThreads;
   static constexpr int kNMmaWarpGroups = Traits::kNMmaWarpGroups;
   static constexpr bool kWithDropout = kWithScoreMods && Traits::kDrawsDropout;
@@ -228,7 +235,7 @@ struct FwdSm90MainloopMma {
   using SmemVt = decltype(Storage::vt());
   using ScoreCoords = decltype(fwd_sm90_score_coords<Traits>(std::declval<const ThrMmaS&>()));
   using FragmentO =
-      decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   // The rows of O a thread holds: (ROW,COL) view of its accumulator.
   static constexpr int kNRows =
       decltype(size<0>(wgmma_acc_layout_as_rowcol(std::declval<FragmentO>().layout())))::value;
@@ -247,7 +254,7 @@ struct FwdSm90MainloopMma {
   ThrMmaO thr_mma_o;
   FragmentA<ThrMmaS, SmemQ> tSrQ;    // (MMA,MMA_M,MMA_K)
   FragmentB<ThrMmaS, SmemKV> tSrK;   // (MMA,MMA_N,MMA_K,stage)
-  FragmentB<ThrMmaO, SmemVt> tOrVt;  // (MMA,MMA_D,MMA_K,stage)
+  FragmentB<ThrMmaO, SmemVt> tOrVt;  // (MMA,MMA_Dv,MMA_K,stage)
   ScoreCoords tScS_rowcol;           // (ROW,COL) -> (row,col)
 
   const bool has_alibi;
@@ -442,9 +449,9 @@ struct FwdSm90MainloopMma {
   // V reads them. Outside the turns: all MMA warpgroups meet here.
   __forceinline__ __device__ void zero_v_rows_past_end(int v_rows_past_end) const {
     full_barrier(Storage::barriers().v_full[stages.stage(0)]).wait(stages.phase(0));
-    Tensor sV_tile = Storage::v()(_, _, stages.stage(0));  // (N,D)
-    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
-      sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
+    Tensor sV_tile = Storage::v()(_, _, stages.stage(0));  // (N,Dv)
+    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDimV; idx += kNMmaThreads) {
+      sV_tile(v_rows_past_end + idx / kHeadDimV, idx % kHeadDimV) = Element(0);
     }
     cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
     NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(FwdSm90NamedBarrier::kZeroVTail));
