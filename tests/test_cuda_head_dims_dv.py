@@ -16,7 +16,15 @@ Every test is marked cuda (skipped without a GPU); each runs on the SM80
 design and, on an sm90 GPU, the Hopper one (FLASH_ATTN_FWD_KERNEL /
 FLASH_ATTN_BWD_KERNEL). The pairs cover MLA's 192 / 128 and a d_v of one or
 more whole 64-column swizzle atoms below d_qk.
+
+Level 2: on sm90, a forward with d_qk in (160, 192] and d_v <= 128 runs the
+(192, 128) pair's own Hopper kernel (plan_fwd; fwd_tile_config.h), whose key
+tiles (112) differ from d_192's (96): its sums run in another order, so it
+matches the padded call within rounding rather than bitwise, and the
+reference within the criterion. FWD_PAIRS adds the pairs around it.
 """
+
+import re
 
 import pytest
 import torch
@@ -33,6 +41,10 @@ ops = torch.ops.flash_attn
 # (d_qk, d_v)
 PAIRS = [(192, 128), (128, 64), (96, 64), (256, 128)]
 PAIR_IDS = [f"{a}-{b}" for a, b in PAIRS]
+# The forward's: also the other calls the (192, 128) kernel takes (d_v of one
+# atom, of one and a half, a d_qk below 192) on sm90.
+FWD_PAIRS = PAIRS + [(192, 64), (192, 96), (176, 128)]
+FWD_PAIR_IDS = [f"{a}-{b}" for a, b in FWD_PAIRS]
 
 
 @pytest.fixture(params=["sm80", "sm90"])
@@ -53,6 +65,21 @@ def pad(t, d):
     return F.pad(t, (0, d - t.shape[-1]))
 
 
+def runs_pair_kernel(kernel, d_qk, d_v):
+    """Whether the forward runs the (192, 128) pair's Hopper kernel (plan_fwd)."""
+    return kernel == "sm90" and 160 < d_qk <= 192 and d_v <= 128
+
+
+def assert_as_padded(ours, padded, bitwise):
+    """The padded call's result: bitwise where the same kernel ran both, else
+    within the rounding of another summation order (fp32 sums, one 16-bit
+    rounding at the end)."""
+    if bitwise:
+        assert torch.equal(ours, padded)
+    else:
+        torch.testing.assert_close(ours, padded, atol=1e-2, rtol=1e-2)
+
+
 def check_grads(ours, exact, same):
     for name, o, e, s in zip(("dq", "dk", "dv"), ours, exact, same):
         assert o.shape == e.shape, name
@@ -68,7 +95,7 @@ def reference_grads(ref, inputs, dout, dtype):
 # ------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("d_qk,d_v", FWD_PAIRS, ids=FWD_PAIR_IDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_fwd_equals_padded_and_reference(kernel, d_qk, d_v, causal, heads):
@@ -81,8 +108,9 @@ def test_fwd_equals_padded_and_reference(kernel, d_qk, d_v, causal, heads):
     padded, lse_padded, _ = flash_attn_func(
         q, k, pad(v, d_qk), causal=causal, return_attn_probs=True
     )
-    assert torch.equal(out, padded[..., :d_v])
-    assert torch.equal(lse, lse_padded)
+    bitwise = not runs_pair_kernel(kernel, d_qk, d_v)
+    assert_as_padded(out, padded[..., :d_v], bitwise)
+    assert_as_padded(lse, lse_padded, bitwise)
     exact, _ = attention_ref(q, k, v, causal=causal)
     same, _ = attention_ref(q, k, v, causal=causal, compute_dtype=q.dtype)
     check_close(out, exact, same, "out")
@@ -96,7 +124,7 @@ def test_fwd_equals_padded_and_reference(kernel, d_qk, d_v, causal, heads):
     assert buffer[..., d_v:].isnan().all()
 
 
-@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("d_qk,d_v", FWD_PAIRS, ids=FWD_PAIR_IDS)
 def test_fwd_score_features_and_probs(kernel, d_qk, d_v):
     """Softcap, ALiBi, a local window, a sink, dropout and the returned
     probabilities: only V's and O's width differs from d_qk."""
@@ -107,21 +135,24 @@ def test_fwd_score_features_and_probs(kernel, d_qk, d_v):
         window_size=(40, 7),
         learnable_sink=torch.randn(4, device="cuda"),
     )
+    bitwise = not runs_pair_kernel(kernel, d_qk, d_v)
     out = flash_attn_func(q, k, v, **kwargs)
-    assert torch.equal(out, flash_attn_func(q, k, pad(v, d_qk), **kwargs)[..., :d_v])
+    assert_as_padded(out, flash_attn_func(q, k, pad(v, d_qk), **kwargs)[..., :d_v], bitwise)
     torch.manual_seed(5)
     out, lse, probs = flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
     torch.manual_seed(5)
     padded, lse_padded, probs_padded = flash_attn_func(
         q, k, pad(v, d_qk), dropout_p=0.2, return_attn_probs=True
     )
-    assert torch.equal(out, padded[..., :d_v])
-    assert torch.equal(lse, lse_padded) and torch.equal(probs, probs_padded)
+    assert_as_padded(out, padded[..., :d_v], bitwise)
+    assert_as_padded(lse, lse_padded, bitwise)
+    assert_as_padded(probs, probs_padded, bitwise)
 
 
-@pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("d_qk,d_v", FWD_PAIRS, ids=FWD_PAIR_IDS)
 # 16-row pages go to the Hopper producer's TMA boxes, 3-row pages to its row
-# gather, which zero-fills v's columns past d_v itself.
+# gather, which zero-fills v's columns past d_v itself; the (192, 128) pair's
+# kernel reads V's 128 columns both ways (d_v 64 / 96: columns past d_v).
 @pytest.mark.parametrize("page_size", [None, 16, 3], ids=["contiguous", "paged", "paged3"])
 def test_varlen_fwd_equals_padded(kernel, d_qk, d_v, page_size):
     lengths_q, lengths_k = [50, 0, 7, 130], [100, 5, 0, 260]
@@ -152,12 +183,122 @@ def test_varlen_fwd_equals_padded(kernel, d_qk, d_v, page_size):
     out = flash_attn_varlen_func(q, k_in, v_in, *args, causal=True, block_table=table)
     assert out.shape == (q.shape[0], 8, d_v)
     padded = flash_attn_varlen_func(q, k_in, v_wide, *args, causal=True, block_table=table)
-    assert torch.equal(out, padded[..., :d_v])
+    assert_as_padded(out, padded[..., :d_v], not runs_pair_kernel(kernel, d_qk, d_v))
+    if table is not None:
+        # The same kernel on the keys unpaged: bitwise (the boxes and the
+        # gather fill V's stages as its tiles' TMA copy does).
+        assert torch.equal(out, flash_attn_varlen_func(q, k, v, *args, causal=True))
     exact, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max_seqlen_k=max(lengths_k), causal=True)
     same, _ = varlen_attention_ref(
         q, k, v, cu_q, cu_k, max_seqlen_k=max(lengths_k), causal=True, compute_dtype=q.dtype
     )
     check_close(out, exact, same, "out")
+
+
+def forward_with_kernel_names(*args, func=flash_attn_func, **kwargs):
+    """func's output and the names of the kernels it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = func(*args, **kwargs)
+        torch.cuda.synchronize()
+    return out, {event.name for event in prof.events()}
+
+
+def sm90_forward_tiles(names):
+    """(d_qk, block N, d_v, tiles from a counter) of each Hopper forward that
+    ran: FwdSm90KernelTraits<d_qk, block M, block N, element, d_v>, then the
+    kernel's grid argument."""
+    found = set()
+    for name in names:
+        match = re.search(
+            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<(\d+), \d+, (\d+), [\w:]+, (\d+)>, "
+            r"(true|false)",
+            name,
+        )
+        if match:
+            found.add((int(match[1]), int(match[2]), int(match[3]), match[4] == "true"))
+    return found
+
+
+@pytest.mark.parametrize(
+    "d_qk,d_v,tiles",
+    [
+        (192, 128, (192, 112, 128)),
+        (192, 64, (192, 112, 128)),
+        (176, 128, (192, 112, 128)),
+        (192, 192, (192, 96, 192)),
+        (192, 160, (192, 96, 192)),
+        (160, 128, (160, 96, 160)),
+        (128, 64, (128, 128, 128)),
+    ],
+)
+def test_fwd_pair_kernel_choice_on_sm90(d_qk, d_v, tiles, monkeypatch):
+    """By default on sm90, d_qk in (160, 192] with d_v <= 128 runs the (192,
+    128) kernel (112-key tiles, P V 128 wide) and every other pair the kernel
+    of its compiled d_qk; on each of the pair kernel's grids (one block per
+    tile, fixed shares of the persistent grid, tiles from a counter), within
+    the criterion of the reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pair = tiles[2] != tiles[0]
+    shapes = [(2, 300, 4, False)]  # few tiles: one block per tile
+    if pair:
+        # More tiles than SMs, of equal work (fixed shares) and short causal
+        # ones (from a counter).
+        batch = sms // 8 + 1
+        shapes += [(batch, 1000, 8, False), (batch, 1000, 8, True)]
+    for batch, seqlen, nheads, causal in shapes:
+        q = randn(batch, seqlen, nheads, d_qk)
+        k = randn(batch, seqlen + 17, 2, d_qk)
+        v = randn(batch, seqlen + 17, 2, d_v)
+        out, names = forward_with_kernel_names(q, k, v, causal=causal)
+        # Only the causal calls of many tiles take them from a counter.
+        counter = causal and batch > 2
+        assert sm90_forward_tiles(names) == {(*tiles, counter)}, names
+        exact, _ = attention_ref(q, k, v, causal=causal)
+        same, _ = attention_ref(q, k, v, causal=causal, compute_dtype=q.dtype)
+        check_close(out, exact, same, "out")
+
+
+@pytest.mark.parametrize("page_size", [16, 3], ids=["boxes", "gather"])
+@pytest.mark.parametrize("d_v", [128, 64])
+def test_paged_fwd_pair_kernel_on_sm90(page_size, d_v, monkeypatch):
+    """Paged varlen keys of d_qk 192, d_v <= 128 run the (192, 128) kernel's
+    paged instantiation (kPagedKeys, the last template argument) on sm90, by
+    boxes or the row gather; its output is test_varlen_fwd_equals_padded's
+    business."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    batch, seqlen = 2, 1000
+    pages = -(-seqlen // page_size)
+    q = randn(batch * seqlen, 8, 192)
+    k_cache = randn(batch * pages, page_size, 2, 192)
+    v_cache = randn(batch * pages, page_size, 2, d_v)
+    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seqlen
+    _, names = forward_with_kernel_names(
+        q,
+        k_cache,
+        v_cache,
+        cu,
+        cu,
+        seqlen,
+        seqlen,
+        block_table=table,
+        func=flash_attn_varlen_func,
+    )
+    paged_pair = [
+        n
+        for n in names
+        if re.search(
+            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<192, \d+, 112, [\w:]+, 128>, "
+            r"(true|false), (true|false), true>",
+            n,
+        )
+    ]
+    assert paged_pair, names
 
 
 # ------------------------------------------------------------------ backward

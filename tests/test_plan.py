@@ -102,6 +102,21 @@ def bwd_tile_table():
 BWD_TABLE = bwd_tile_table()
 
 
+def fwd_pair_tile_table():
+    """The specialised (d_qk, d_v) rows of fwd_tile_config.h: (d_qk, d_v) -> {...}."""
+    text = (ROOT / "csrc/cuda/fwd/fwd_tile_config.h").read_text()
+    table = {}
+    for dim, dim_v, body in re.findall(r"struct FwdTileConfig<(\d+), (\d+)>\s*{([^}]*)}", text):
+        table[int(dim), int(dim_v)] = {
+            k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)
+        }
+    assert set(table) == {(192, 128)}, table.keys()
+    return table
+
+
+FWD_PAIR_TABLE = fwd_pair_tile_table()
+
+
 # ---------------------------------------------------------------- forward
 
 
@@ -319,6 +334,86 @@ def test_forward_grids():
     # d256 has no room for a separate O tile: no persistent grid.
     plan = fwd(4, 4096, 4096, 8, 8, 256)
     assert plan["kernel"] == "sm90" and plan["grid_kind"] == "one_per_tile"
+
+
+def fwd_sm90_smem_bytes(d_qk, d_v, block_m, block_n):
+    """Q, O, two stages of K and V and the mbarriers (plan.h fwd_sm90_persistent)."""
+    return block_m * (d_qk + d_v) * 2 + 2 * block_n * (d_qk + d_v) * 2 + 104
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (192, 64), (192, 96), (176, 128), (161, 8)])
+def test_forward_pair_kernel(d_qk, d_v):
+    """d_qk in (160, 192] with d_v <= 128 runs the (192, 128) kernel on sm90:
+    112-key tiles with O staged apart (persistent: 220 KiB; 128 keys would
+    need 240), on every grid and score rule of the Hopper kernel; where the
+    Hopper kernel does not run, the SM80 one of d_qk (level 1)."""
+    row = FWD_PAIR_TABLE[192, 128]
+    block_m, block_n = row["kBlockMSm90"], row["kBlockNSm90"]
+    assert (block_m, block_n) == (128, 112)
+    assert fwd_sm90_smem_bytes(192, 128, block_m, block_n) <= 227 * 1024
+    assert fwd_sm90_smem_bytes(192, 128, block_m, 128) > 227 * 1024
+    long = (2, 8192, 8192, 16, 16, d_qk)
+    plan = fwd(*long, causal=True, head_dim_v=d_v)
+    assert plan["kernel"] == "sm90" and plan["variant"] == "plain"
+    assert (plan["hdim"], plan["hdim_v"]) == (192, 128)
+    assert (plan["block_m"], plan["block_n"]) == (block_m, block_n)
+    assert plan["grid_kind"] == "one_per_tile" and "(192, 128) kernel" in plan["reason"]
+    # Persistent: fixed shares for tiles of equal work, the counter for short
+    # causal ones.
+    shares = fwd(4, 4096, 4096, 16, 16, d_qk, head_dim_v=d_v)
+    assert shares["grid_kind"] == "fixed_shares" and shares["hdim_v"] == 128
+    counter = fwd(16, 1024, 1024, 16, 16, d_qk, causal=True, head_dim_v=d_v)
+    assert counter["grid_kind"] == "tile_counter" and counter["hdim_v"] == 128
+    # Softcap, ALiBi, dropout: the pair kernel's score-mods variant (its
+    # draws fit: 240 - (56 + 64 + 28) registers to spare).
+    mods = fwd(*long, head_dim_v=d_v, dropout_p=0.1, softcap=30.0, alibi=True)
+    assert mods["kernel"] == "sm90" and mods["variant"] == "score_mods"
+    assert (mods["hdim"], mods["hdim_v"], mods["block_n"]) == (192, 128, block_n)
+    # Paged keys and varlen batches run it too, by TMA boxes (pages of a
+    # multiple of 8 rows: 8- or 16-row boxes in its 112-key tiles) or by the
+    # row gather (other pages), V at its 128 columns either way.
+    for page_size, keys in (
+        (16, "paged_boxes"),
+        (24, "paged_boxes"),
+        (256, "paged_boxes"),
+        (3, "paged_gather"),
+        (1, "paged_gather"),
+    ):
+        paged = fwd(*long, varlen=True, page_size=page_size, head_dim_v=d_v)
+        assert paged["kernel"] == "sm90" and paged["keys"] == keys, paged
+        assert (paged["hdim"], paged["hdim_v"], paged["block_n"]) == (192, 128, block_n)
+    short_paged = fwd(
+        16, 1024, 1024, 16, 16, d_qk, varlen=True, causal=True, page_size=3, head_dim_v=d_v
+    )
+    assert short_paged["grid_kind"] == "tile_counter" and short_paged["hdim_v"] == 128
+    assert short_paged["keys"] == "paged_gather"
+    # The SM80 kernel of d_qk, at its own width: another device, a forced
+    # SM80, TMA refused, no sm_90a code.
+    for sm80 in (
+        fwd(*long, head_dim_v=d_v, device=A100),
+        fwd(*long, head_dim_v=d_v, kernel_override="sm80"),
+        fwd(*long, head_dim_v=d_v, tma_aligned=False),
+        fwd(*long, head_dim_v=d_v, sm90a_built=False),
+    ):
+        assert sm80["kernel"] == "sm80" and (sm80["hdim"], sm80["hdim_v"]) == (192, 192), sm80
+        assert sm80["block_n"] == FWD_TABLE[192]["kBlockN"]
+    assert fwd(*long, head_dim_v=d_v, kernel_override="sm90")["hdim_v"] == 128
+
+
+@pytest.mark.parametrize(
+    "d_qk,d_v", [(192, 192), (192, 129), (192, 160), (160, 128), (128, 64), (224, 128), (256, 128)]
+)
+def test_forward_other_pairs_keep_level_1(d_qk, d_v):
+    """Every other (d_qk, d_v) runs the kernel of its compiled d_qk, V's
+    columns past d_v zero (level 1)."""
+    compiled = next(d for d in sorted(FWD_TABLE) if d >= d_qk)
+    plan = fwd(2, 8192, 8192, 16, 16, d_qk, causal=True, head_dim_v=d_v)
+    assert plan["kernel"] == "sm90"
+    assert (plan["hdim"], plan["hdim_v"]) == (compiled, compiled)
+    assert plan["block_n"] == FWD_TABLE[compiled]["kBlockNSm90"]
+    assert "(192, 128)" not in plan["reason"]
+    with pytest.raises(RuntimeError, match="head_dim_v"):
+        fwd(2, 128, 128, 4, 4, d_qk, head_dim_v=d_qk + 1)
 
 
 def test_empty_forward():

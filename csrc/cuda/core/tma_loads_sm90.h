@@ -152,13 +152,15 @@ template <typename Traits>
 struct FwdSm90Tma {
   using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQ, Traits::kBlockM,
                             Traits::kHeadDim>;
-  using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKVStage,
-                             Traits::kBlockN, Traits::kHeadDim>;
+  using LoadK = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKStage,
+                            Traits::kBlockN, Traits::kHeadDim>;
+  using LoadV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutVStage,
+                            Traits::kBlockN, Traits::kHeadDimV>;
   // The columns of one swizzle atom of the K / V tiles (Traits::SmemLayoutAtom).
-  static constexpr int kAtomCols = Traits::kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kAtomCols = decltype(size<1>(typename Traits::SmemLayoutAtom{}))::value;
   typename LoadQ::Copy q;
-  typename LoadKV::Copy k;
-  typename LoadKV::Copy v;
+  typename LoadK::Copy k;
+  typename LoadV::Copy v;
   // Paged keys only (else unused): the boxes' descriptors and height.
   TmaDescriptor k_paged;
   TmaDescriptor v_paged;
@@ -182,9 +184,11 @@ struct FwdSm90Tma {
     return tma_can_load(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k) &&
            tma_can_load(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v);
   }
-  // v's descriptors have head_dim_v columns: the boxes stay kHeadDim wide,
-  // and TMA fills the columns past the tensor's end with zeros (and counts
-  // their bytes), so P V sees zero columns there.
+  // v's descriptors have head_dim_v columns: V's tiles are kHeadDimV wide
+  // (kHeadDim but for a specialised (d_qk, d_v) pair; paged, the producer
+  // issues kHeadDimV / kAtomCols boxes per piece of rows), and TMA fills the
+  // columns past the tensor's end with zeros (and counts their bytes), so
+  // P V sees zero columns there.
   static FwdSm90Tma make(const FwdParams& p, bool gather_keys) {
     using Element = typename Traits::Element;
     const bool paged = p.block_table != nullptr;
@@ -193,8 +197,8 @@ struct FwdSm90Tma {
     const int kv_rows = paged ? p.page_size.divisor : tma_k_rows(p);
     const int kv_batches = paged ? 1 : tma_batches(p);
     FwdSm90Tma tma{LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
-                   LoadKV::make(p.k_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.k),
-                   LoadKV::make(p.v_ptr, kv_rows, p.head_dim_v, p.nheads_k, kv_batches, p.v),
+                   LoadK::make(p.k_ptr, kv_rows, p.head_dim, p.nheads_k, kv_batches, p.k),
+                   LoadV::make(p.v_ptr, kv_rows, p.head_dim_v, p.nheads_k, kv_batches, p.v),
                    {},
                    {},
                    0,

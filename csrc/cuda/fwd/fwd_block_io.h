@@ -53,10 +53,12 @@ __forceinline__ __device__ FwdBlock fwd_block(const FwdParams& params, const Fwd
 }
 
 // Global views of the block's (batch, head), (rows, head dim), tiled by
-// block: gQ and gO (kBlockM, D) at m_block, gK and gV (kBlockN, D, n). V and
-// O have head_dim_v columns, Q and K head_dim; every tile is D = kHeadDim
-// wide, and the copies' column predicates keep to each tensor's own width.
-template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
+// block: gQ (kBlockM, D) and gO (kBlockM, Dv) at m_block, gK (kBlockN, D, n)
+// and gV (kBlockN, Dv, n). V and O have head_dim_v columns, Q and K head_dim;
+// the tiles are D = kHeadDim and Dv = kHeadDimV wide (the same but in a
+// specialised (d_qk, d_v) pair's kernel), and the copies' column predicates
+// keep to each tensor's own width.
+template <typename Element, int kBlockM, int kBlockN, int kHeadDim, int kHeadDimV = kHeadDim>
 __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const BlockInfo& binfo,
                                                  const FwdBlock& block) {
   const Element* q_ptr =
@@ -78,8 +80,8 @@ __forceinline__ __device__ auto fwd_global_tiles(const FwdParams& params, const 
   return make_tuple(
       local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0)),
       local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
-      local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0)),
-      local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(block.m_block, 0)));
+      local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0)),
+      local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(block.m_block, 0)));
 }
 
 // The block's rows of softmax_lse.
@@ -129,8 +131,8 @@ __forceinline__ __device__ void stage_output(const TensorAcc& acc_o, const Tiled
   Tensor taccOsO = smem_thr_copy_O.partition_D(sO);  // (CPY, CPY_M, CPY_D)
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-  // (M, D) -> (row, col)
-  Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
+  // (M, D) -> (row, col): D is O's width, sO's
+  Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, decltype(size<1>(sO))>{});
   Tensor taccOcO = thr_mma.partition_C(cO);  // (MMA, MMA_M, MMA_D)
   Tensor taccOcO_rowcol = make_tensor(taccOcO.data(), as_rowcol(taccOcO.layout()));  // (rows, cols)
   if (get<1>(taccOcO_rowcol(0, 0)) == 0) {

@@ -1,4 +1,5 @@
-// The one table of forward tile configurations, per compiled head dim.
+// The one table of forward tile configurations, per compiled head dim (and
+// specialised (d_qk, d_v) pair).
 // Head dims between two entries run on the next larger one with the extra
 // columns predicated off. The numbers behind each choice are in
 // benchmarks/PERF_LOG.md.
@@ -6,7 +7,10 @@
 
 namespace flash {
 
-template <int kHeadDim>
+// Keyed on the compiled (d_qk, d_v): d_v = d_qk for every head dim (a
+// smaller d_v runs on it with V's extra columns zero: level 1,
+// docs/head_dims_dv_and_512.md section 1), plus the specialised pairs below.
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct FwdTileConfig;
 
 // Three tiles per head dim: the plain kernel's, the one of the variant that
@@ -56,6 +60,13 @@ template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+// The specialised pairs (level 2): a Hopper kernel only (SM80 columns 0: the
+// SM80 path runs the pair on d_qk's row); plan_fwd sends d_qk in (160, 192]
+// with d_v <= 128 here. (192, 128): P V is 128 columns wide, not 192, and
+// the smaller V and O tiles leave room for 112-key tiles with O staged apart
+// (persistent), 220 KiB; 128 keys fit only with O over Q, 240 KiB otherwise
+// (docs/head_dims_dv_and_512.md, "The (192, 128) tiles").
+template <> struct FwdTileConfig<192, 128> { static constexpr int kBlockM = 0, kBlockN = 0, kNWarps = 0, kBlockNExtras = 0, kNWarpsExtras = 0, kBlockMSm90 = 128, kBlockNSm90 = 112, kMinSeqlenKSm90 = 0, kMinBlocksPerSmSm90 = 0; };
 // clang-format on
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};

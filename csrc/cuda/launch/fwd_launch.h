@@ -1,6 +1,7 @@
 // Host side of the forward kernels: grid, shared-memory opt-in and launch for
-// one (dtype, compiled head dim), with the tile shapes from fwd_tile_config.h,
-// of the kernel and grid that the plan (plan_fwd, plan.h) chose.
+// one (dtype, compiled head dim) or specialised (d_qk, d_v) pair, with the
+// tile shapes from fwd_tile_config.h, of the kernel and grid that the plan
+// (plan_fwd, plan.h) chose.
 #pragma once
 
 #include <stdexcept>
@@ -48,10 +49,10 @@ void launch_flash_fwd_sm80(const FwdParams& params, const FwdPlan& plan, cudaStr
 
 // The Hopper kernel exists as machine code only when the build has sm_90a
 // (FLASH_ATTN_CUDA_ARCHS; setup.py defines FLASH_ATTN_HAS_SM90A then).
-template <int kHeadDim>
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 constexpr bool has_sm90_forward() {
 #if defined(FLASH_ATTN_HAS_SM90A)
-  return FwdTileConfig<kHeadDim>::kBlockNSm90 > 0;
+  return FwdTileConfig<kHeadDim, kHeadDimV>::kBlockNSm90 > 0;
 #else
   return false;
 #endif
@@ -60,12 +61,14 @@ constexpr bool has_sm90_forward() {
 // The Hopper kernel of 128-row query blocks, which the grid that takes its
 // tiles from a counter runs (the op sizes the counter by its tiles), and the
 // one of the table's query block (kBlockMSm90), which every other grid runs.
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
 using FwdSm90Traits =
-    FwdSm90KernelTraits<kHeadDim, kFwdSm90BlockM, FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
-template <typename Element, int kHeadDim>
-using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>::kBlockMSm90,
-                                              FwdTileConfig<kHeadDim>::kBlockNSm90, Element>;
+    FwdSm90KernelTraits<kHeadDim, kFwdSm90BlockM, FwdTileConfig<kHeadDim, kHeadDimV>::kBlockNSm90,
+                        Element, kHeadDimV>;
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
+using FwdSm90GridTraits =
+    FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim, kHeadDimV>::kBlockMSm90,
+                        FwdTileConfig<kHeadDim, kHeadDimV>::kBlockNSm90, Element, kHeadDimV>;
 
 // The Hopper kernel on the grid the plan chose (plan_fwd in plan.cpp says when
 // each grid runs, and why): one block per SM walking query blocks in turn
@@ -76,7 +79,7 @@ using FwdSm90GridTraits = FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim>:
 // 688b18f). kWithScoreMods (softcap, ALiBi or dropout) runs the kernel's variant with
 // them on the fixed-share or one-per-tile grid; the counter grid's short
 // causal tiles keep the plain rule only, one instantiation fewer per head dim.
-template <typename Element, int kHeadDim, bool kWithScoreMods>
+template <typename Element, int kHeadDim, int kHeadDimV, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Paged keys (FwdPlan::keys) run the kernel's kPagedKeys instantiation;
   // pages that TMA boxes do not fit are gathered by the producer warpgroup.
@@ -98,17 +101,18 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
                              FwdSm90Tma<Traits>::make(params, gather_keys),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
-  using CounterTraits = FwdSm90Traits<Element, kHeadDim>;
-  static_assert(CounterTraits::kPersistent ==
-                    fwd_sm90_persistent(kHeadDim, CounterTraits::kBlockM, CounterTraits::kBlockN),
-                "plan.h's rule for a persistent Hopper forward matches the traits");
-  using Traits = FwdSm90GridTraits<Element, kHeadDim>;
+  using CounterTraits = FwdSm90Traits<Element, kHeadDim, kHeadDimV>;
   static_assert(
-      Traits::kPersistent == fwd_sm90_persistent(kHeadDim, Traits::kBlockM, Traits::kBlockN),
+      CounterTraits::kPersistent ==
+          fwd_sm90_persistent(kHeadDim, kHeadDimV, CounterTraits::kBlockM, CounterTraits::kBlockN),
       "plan.h's rule for a persistent Hopper forward matches the traits");
+  using Traits = FwdSm90GridTraits<Element, kHeadDim, kHeadDimV>;
+  static_assert(Traits::kPersistent ==
+                    fwd_sm90_persistent(kHeadDim, kHeadDimV, Traits::kBlockM, Traits::kBlockN),
+                "plan.h's rule for a persistent Hopper forward matches the traits");
   static_assert(sizeof(typename Traits::Barriers) == kFwdSm90BarrierBytes);
   static_assert(
-      Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDim, Traits::kBlockM, Traits::kBlockN),
+      Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDimV, Traits::kBlockM, Traits::kBlockN),
       "plan.h's rule for the Hopper forward's dropout matches the traits");
   switch (plan.grid) {
     case FwdGrid::kTileCounter:
@@ -141,16 +145,25 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
 }
 
 // The plan (plan_fwd) names the kernel, variant and grid; this only launches.
-template <typename Element, int kHeadDim>
+// A specialised (d_qk, d_v) pair (kHeadDimV < kHeadDim) has a Hopper kernel
+// only: plan_fwd sends the pair's SM80 calls to d_qk's launcher.
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
 void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
+  if (plan.kernel != FwdKernel::kNone &&
+      (plan.head_dim != kHeadDim || plan.head_dim_v != kHeadDimV)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: the forward plan names another compiled (head dim, head dim v) than "
+        "this launcher's: " +
+        describe(plan));
+  }
   switch (plan.kernel) {
     case FwdKernel::kNone: return;
     case FwdKernel::kSm90:
-      if constexpr (has_sm90_forward<kHeadDim>()) {
+      if constexpr (has_sm90_forward<kHeadDim, kHeadDimV>()) {
         if (plan.variant == FwdVariant::kScoreMods) {
-          launch_flash_fwd_sm90<Element, kHeadDim, true>(params, plan, stream);
+          launch_flash_fwd_sm90<Element, kHeadDim, kHeadDimV, true>(params, plan, stream);
         } else {
-          launch_flash_fwd_sm90<Element, kHeadDim, false>(params, plan, stream);
+          launch_flash_fwd_sm90<Element, kHeadDim, kHeadDimV, false>(params, plan, stream);
         }
         break;
       } else {
@@ -160,12 +173,18 @@ void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t st
             describe(plan));
       }
     case FwdKernel::kSm80:
-      if (plan.variant == FwdVariant::kScoreExtras) {
-        launch_flash_fwd_sm80<Element, kHeadDim, true>(params, plan, stream);
+      if constexpr (kHeadDimV == kHeadDim) {
+        if (plan.variant == FwdVariant::kScoreExtras) {
+          launch_flash_fwd_sm80<Element, kHeadDim, true>(params, plan, stream);
+        } else {
+          launch_flash_fwd_sm80<Element, kHeadDim, false>(params, plan, stream);
+        }
+        break;
       } else {
-        launch_flash_fwd_sm80<Element, kHeadDim, false>(params, plan, stream);
+        throw std::runtime_error(
+            "flash_attn_cuda: a specialised (head dim, head dim v) pair has no SM80 forward: " +
+            describe(plan));
       }
-      break;
   }
   if (plan.return_probs) launch_return_probs(params, stream);
 }

@@ -1,6 +1,7 @@
 #include "cuda/launch/launcher_registry.h"
 
 #include <map>
+#include <tuple>
 #include <utility>
 
 namespace flash {
@@ -8,8 +9,9 @@ namespace {
 
 // Function-local static: registrations run from other translation units'
 // static initialisers, whose order relative to this file is unspecified.
-std::map<std::pair<int, bool>, FwdLauncher>& fwd_table() {
-  static std::map<std::pair<int, bool>, FwdLauncher> table;
+// (d_qk, d_v, is_bf16)
+std::map<std::tuple<int, int, bool>, FwdLauncher>& fwd_table() {
+  static std::map<std::tuple<int, int, bool>, FwdLauncher> table;
   return table;
 }
 
@@ -20,14 +22,14 @@ std::map<std::pair<int, bool>, BwdLauncher>& bwd_table() {
 
 }  // namespace
 
-FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16) {
-  const auto it = fwd_table().find({compiled_head_dim, is_bf16});
+FwdLauncher find_fwd_launcher(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16) {
+  const auto it = fwd_table().find({compiled_head_dim, compiled_head_dim_v, is_bf16});
   return it == fwd_table().end() ? nullptr : it->second;
 }
 
-FwdLauncherRegistration::FwdLauncherRegistration(int compiled_head_dim, bool is_bf16,
-                                                 FwdLauncher launcher) {
-  fwd_table()[{compiled_head_dim, is_bf16}] = launcher;
+FwdLauncherRegistration::FwdLauncherRegistration(int compiled_head_dim, int compiled_head_dim_v,
+                                                 bool is_bf16, FwdLauncher launcher) {
+  fwd_table()[{compiled_head_dim, compiled_head_dim_v, is_bf16}] = launcher;
 }
 
 BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16) {

@@ -14,11 +14,19 @@ namespace flash {
 // Each launcher runs the kernels its pass's plan (plan.h) names.
 using FwdLauncher = void (*)(const FwdParams&, const FwdPlan&, cudaStream_t);
 
-// Null when (head_dim, dtype) was not compiled into this build.
-FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16);
+// Keyed on the compiled (d_qk, d_v): d_v = d_qk for a head dim's launcher,
+// smaller for a specialised pair's (FwdPlan::head_dim_v). Null when it was not
+// compiled into this build.
+FwdLauncher find_fwd_launcher(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16);
+inline FwdLauncher find_fwd_launcher(int compiled_head_dim, bool is_bf16) {
+  return find_fwd_launcher(compiled_head_dim, compiled_head_dim, is_bf16);
+}
 
 struct FwdLauncherRegistration {
-  FwdLauncherRegistration(int compiled_head_dim, bool is_bf16, FwdLauncher launcher);
+  FwdLauncherRegistration(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16,
+                          FwdLauncher launcher);
+  FwdLauncherRegistration(int compiled_head_dim, bool is_bf16, FwdLauncher launcher)
+      : FwdLauncherRegistration(compiled_head_dim, compiled_head_dim, is_bf16, launcher) {}
 };
 
 using BwdLauncher = void (*)(const BwdParams&, const BwdPlan&, cudaStream_t);

@@ -86,9 +86,9 @@ struct FwdTileRow {
   int block_m_sm90, block_n_sm90, min_seqlen_k_sm90, min_blocks_per_sm_sm90;
 };
 
-template <int kHeadDim>
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 constexpr FwdTileRow fwd_tile_row_of() {
-  using C = FwdTileConfig<kHeadDim>;
+  using C = FwdTileConfig<kHeadDim, kHeadDimV>;
   return {C::kBlockM,       C::kBlockN,         C::kNWarps,
           C::kBlockNExtras, C::kNWarpsExtras,   C::kBlockMSm90,
           C::kBlockNSm90,   C::kMinSeqlenKSm90, C::kMinBlocksPerSmSm90};
@@ -105,6 +105,41 @@ FwdTileRow fwd_tile_row(int compiled_head_dim) {
     case 224: return fwd_tile_row_of<224>();
     case 256: return fwd_tile_row_of<256>();
     default: return {};
+  }
+}
+
+// The row of the compiled (d_qk, d_v): d_qk's row, or a specialised pair's
+// (fwd_sm90_pair_head_dim_v).
+FwdTileRow fwd_tile_row(int compiled_head_dim, int compiled_head_dim_v) {
+  if (compiled_head_dim_v == compiled_head_dim) return fwd_tile_row(compiled_head_dim);
+  if (compiled_head_dim == 192 && compiled_head_dim_v == 128) return fwd_tile_row_of<192, 128>();
+  return {};
+}
+
+// The compiled d_v of the Hopper forward for a call of this compiled d_qk
+// (round_up_head_dim) and requested d_v: the (192, 128) pair's kernel for
+// d_qk in (160, 192] and d_v <= 128 (DeepSeek MLA training: 192 / 128), whose
+// P V is d_v wide instead of 192 (the counted work of 192 / 128 instead of
+// 1.2 times it, docs/head_dims_dv_and_512.md section 1); the compiled d_qk
+// (level 1) for every other pair. The pair's kernel is built wherever d_qk's
+// is (setup.py selects instantiation files by their d_qk).
+int fwd_sm90_pair_head_dim_v(int compiled_head_dim, int head_dim_v) {
+  return compiled_head_dim == 192 && head_dim_v <= 128 ? 128 : compiled_head_dim;
+}
+
+// The reason of a plan on the (192, 128) pair's Hopper kernel, by its grid.
+const char* fwd_sm90_pair_reason(FwdGrid grid) {
+  switch (grid) {
+    case FwdGrid::kTileCounter:
+      return "Hopper (192, 128) kernel (d_qk in (160, 192], d_v <= 128: P V at 128 columns); "
+             "short tiles of differing work, more than SMs: persistent grid taking tiles from a "
+             "counter (fwd_sm90_takes_tiles_from_counter)";
+    case FwdGrid::kFixedShares:
+      return "Hopper (192, 128) kernel (d_qk in (160, 192], d_v <= 128: P V at 128 columns); "
+             "tiles of equal work, more than SMs: persistent grid of fixed shares";
+    default:
+      return "Hopper (192, 128) kernel (d_qk in (160, 192], d_v <= 128: P V at 128 columns); "
+             "one block per tile";
   }
 }
 
@@ -165,7 +200,7 @@ FwdKeys fwd_sm90_keys(const FwdParams& params, int block_n) {
 // Why the Hopper forward does not take a call that its build and tile table
 // would allow, or null if it does.
 const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const DeviceDesc& device,
-                             int compiled_head_dim, const FwdTileRow& row, bool grid_fits,
+                             int compiled_head_dim_v, const FwdTileRow& row, bool grid_fits,
                              bool tma_ok) {
   const ScoreFeatures rule = score_features_of(params);
   if (choice == KernelChoice::kSm80) {
@@ -181,7 +216,7 @@ const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const
   }
   if (!grid_fits) return "more tiles than a grid x holds: the SM80 kernel's 3-D grid";
   if (rule.dropout &&
-      !fwd_sm90_draws_dropout(compiled_head_dim, row.block_m_sm90, row.block_n_sm90)) {
+      !fwd_sm90_draws_dropout(compiled_head_dim_v, row.block_m_sm90, row.block_n_sm90)) {
     return "dropout on a Hopper tile without registers to spare for its draws (d64, d256: "
            "fwd_sm90_draws_dropout): the SM80 kernel";
   }
@@ -205,6 +240,9 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   plan.return_probs = params.p_ptr != nullptr;
   const int compiled = round_up_head_dim(params.head_dim);
   const FwdTileRow row = fwd_tile_row(compiled);
+  // The Hopper kernel's (d_qk, d_v) and row: a specialised pair's or d_qk's.
+  const int compiled_v = fwd_sm90_pair_head_dim_v(compiled, params.head_dim_v);
+  const FwdTileRow sm90_row = fwd_tile_row(compiled, compiled_v);
   const ScoreFeatures rule = score_features_of(params);
   // Softcap, ALiBi or dropout: the Hopper kernel's kWithScoreMods variant.
   const bool score_mods = rule.has_sm90_mods();
@@ -213,23 +251,27 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   const char* sm80_reason = nullptr;
   if (!device.sm90a_built) {
     sm80_reason = "no sm_90a code in this build: the SM80 kernel";
-  } else if (row.block_n_sm90 <= 0) {
+  } else if (sm90_row.block_n_sm90 <= 0) {
     sm80_reason = "no Hopper tile at this head dim (FwdTileConfig block N 0): the SM80 kernel";
   } else {
-    const bool persistent = fwd_sm90_persistent(compiled, row.block_m_sm90, row.block_n_sm90);
-    const int64_t num_tiles = fwd_sm90_num_tiles(params, row.block_m_sm90);
+    const bool persistent =
+        fwd_sm90_persistent(compiled, compiled_v, sm90_row.block_m_sm90, sm90_row.block_n_sm90);
+    const int64_t num_tiles = fwd_sm90_num_tiles(params, sm90_row.block_m_sm90);
     // Only the persistent grids walk more tiles than grid x holds.
     const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
-    sm80_reason = fwd_sm90_refusal(params, plan.choice, device, compiled, row, grid_fits, tma_ok);
+    sm80_reason =
+        fwd_sm90_refusal(params, plan.choice, device, compiled_v, sm90_row, grid_fits, tma_ok);
     if (sm80_reason == nullptr) {
       plan.kernel = FwdKernel::kSm90;
       plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
-      plan.block_n = row.block_n_sm90;
-      plan.keys = fwd_sm90_keys(params, row.block_n_sm90);
+      plan.head_dim = compiled;
+      plan.head_dim_v = compiled_v;
+      plan.block_n = sm90_row.block_n_sm90;
+      plan.keys = fwd_sm90_keys(params, sm90_row.block_n_sm90);
       // The counter grid runs 128-row tiles and the plain rule only (one
       // instantiation fewer per head dim).
-      if (fwd_sm90_persistent(compiled, kFwdSm90BlockM, row.block_n_sm90) && !score_mods &&
-          fwd_sm90_takes_tiles_from_counter(params, device.num_sms)) {
+      if (fwd_sm90_persistent(compiled, compiled_v, kFwdSm90BlockM, sm90_row.block_n_sm90) &&
+          !score_mods && fwd_sm90_takes_tiles_from_counter(params, device.num_sms)) {
         plan.grid = FwdGrid::kTileCounter;
         plan.block_m = kFwdSm90BlockM;
         plan.grid_x = device.num_sms;
@@ -237,7 +279,7 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
             "Hopper kernel; short tiles of differing work, more than SMs: persistent grid taking "
             "tiles from a counter (fwd_sm90_takes_tiles_from_counter)";
       } else {
-        plan.block_m = row.block_m_sm90;
+        plan.block_m = sm90_row.block_m_sm90;
         const bool more_tiles_than_sms = device.num_sms > 0 && num_tiles > device.num_sms;
         // Fixed shares also where one block per tile would not fit grid x.
         if (persistent && more_tiles_than_sms &&
@@ -257,12 +299,15 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
                               "out by the hardware";
         }
       }
+      if (compiled_v != compiled) plan.reason = fwd_sm90_pair_reason(plan.grid);
       plan.num_warps = 4 * (plan.block_m / 64) + 4;  // MMA warpgroups and the producer's
       return plan;
     }
   }
   plan.kernel = FwdKernel::kSm80;
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
+  plan.head_dim = compiled;
+  plan.head_dim_v = compiled;
   plan.grid = FwdGrid::kHeadsBatch;
   plan.block_m = row.block_m;
   plan.block_n = score_extras ? row.block_n_extras : row.block_n;
@@ -708,11 +753,11 @@ std::string describe(const FwdPlan& plan) {
   static const char* const kKeys[] = {"contiguous", "paged_boxes", "paged_gather"};
   std::ostringstream out;
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
-      << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
-      << " block_n=" << plan.block_n << " warps=" << plan.num_warps
-      << " grid_kind=" << kGrids[int(plan.grid)] << " keys=" << kKeys[int(plan.keys)]
-      << " grid=" << plan.grid_x << "x" << plan.grid_y << "x" << plan.grid_z
-      << " return_probs=" << int(plan.return_probs) << " reason: " << plan.reason;
+      << " choice=" << choice_name(plan.choice) << " hdim=" << plan.head_dim
+      << " hdim_v=" << plan.head_dim_v << " block_m=" << plan.block_m << " block_n=" << plan.block_n
+      << " warps=" << plan.num_warps << " grid_kind=" << kGrids[int(plan.grid)]
+      << " keys=" << kKeys[int(plan.keys)] << " grid=" << plan.grid_x << "x" << plan.grid_y << "x"
+      << plan.grid_z << " return_probs=" << int(plan.return_probs) << " reason: " << plan.reason;
   return out.str();
 }
 

@@ -105,6 +105,11 @@ struct FwdPlan {
   FwdGrid grid = FwdGrid::kHeadsBatch;
   FwdKeys keys = FwdKeys::kContiguous;
   KernelChoice choice = KernelChoice::kSm80;  // what the device and override allowed
+  // The compiled (d_qk, d_v) whose launcher runs the call (launcher_registry.h):
+  // head_dim_v = head_dim (level 1, V's columns past d_v zero) but for a
+  // specialised pair's Hopper kernel (plan_fwd, fwd_sm90_pair_head_dim_v).
+  int head_dim = 0;
+  int head_dim_v = 0;
   int block_m = 0;
   int block_n = 0;
   int num_warps = 0;          // SM80 kernel; the Hopper kernel has one MMA warpgroup per 64 rows
@@ -120,24 +125,26 @@ struct FwdPlan {
 FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
                  bool tma_ok);
 
-// Whether the Hopper forward of this compiled head dim and query block has
-// a separate O tile and so walks several query blocks per block (its
-// kPersistent; fwd_launch.h checks the two agree).
+// Whether the Hopper forward of this compiled (d_qk, d_v) and query block
+// has a separate O tile and so walks several query blocks per block (its
+// kPersistent; fwd_launch.h checks the two agree): Q, two stages of K and
+// V, and O, 16-bit elements.
 constexpr int kFwdSm90BarrierBytes = 104;  // sizeof(FwdSm90Barriers<2>)
 constexpr int kSm90SmemPerBlock = 227 * 1024;
-constexpr bool fwd_sm90_persistent(int head_dim, int block_m, int block_n) {
-  return 2 * block_m * head_dim * 2 + 2 * 2 * block_n * head_dim * 2 + kFwdSm90BarrierBytes <=
+constexpr bool fwd_sm90_persistent(int head_dim, int head_dim_v, int block_m, int block_n) {
+  return block_m * (head_dim + head_dim_v) * 2 + 2 * block_n * (head_dim + head_dim_v) * 2 +
+             kFwdSm90BarrierBytes <=
          kSm90SmemPerBlock;
 }
 
-// Whether the Hopper forward of this compiled head dim and tile draws
+// Whether the Hopper forward of this compiled d_v (O's width) and tile draws
 // dropout: where a thread has at least 64 registers to spare beside S, O and
 // P in flight under S = Q K^T (FwdSm90KernelTraits::kDrawsDropout, which
 // fwd_launch.h checks this against): d96-d224 but not d64 (three MMA
 // warpgroups of 160 registers) or d256, whose draws spilled in the loop.
-constexpr bool fwd_sm90_draws_dropout(int head_dim, int block_m, int block_n) {
+constexpr bool fwd_sm90_draws_dropout(int head_dim_v, int block_m, int block_n) {
   const int mma_registers = block_m / 64 == 2 ? 240 : 160;
-  return mma_registers - (block_n / 2 + head_dim / 2 + block_n / 4) >= 64;
+  return mma_registers - (block_n / 2 + head_dim_v / 2 + block_n / 4) >= 64;
 }
 
 // Whether the tiles do different work (a causal or local bound, or the

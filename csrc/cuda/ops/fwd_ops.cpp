@@ -32,6 +32,19 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
+// The launcher of the plan's compiled (d_qk, d_v): launcher_for's, found
+// before any allocation, or a specialised pair's (FwdPlan::head_dim_v below
+// the compiled head dim), which the build has wherever it has d_qk's
+// (setup.py selects instantiation files by d_qk).
+FwdLauncher launcher_of_plan(const FwdPlan& plan, FwdLauncher launcher, at::ScalarType dtype) {
+  if (plan.head_dim_v == plan.head_dim) return launcher;
+  const FwdLauncher pair_launcher =
+      find_fwd_launcher(plan.head_dim, plan.head_dim_v, dtype == at::kBFloat16);
+  TORCH_CHECK(pair_launcher != nullptr, "flash_attn_cuda: the forward of the head dims (",
+              plan.head_dim, ", ", plan.head_dim_v, ") is missing from this build");
+  return pair_launcher;
+}
+
 // Pointers and strides common to the fixed-length and varlen forward.
 void set_fwd_tensors(FwdParams& params, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
@@ -123,7 +136,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
   const at::Tensor tile_counter = tile_counter_for(params, plan, q);
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  launcher_of_plan(plan, launcher, q.scalar_type())(params, plan,
+                                                    at::cuda::getCurrentCUDAStream().stream());
   return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
 
@@ -256,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   } else {
     const FwdPlan plan = plan_for(params);
     const at::Tensor tile_counter = tile_counter_for(params, plan, q);
-    launcher(params, plan, stream);
+    launcher_of_plan(plan, launcher, q.scalar_type())(params, plan, stream);
   }
   end_index_checks(q);
   return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};

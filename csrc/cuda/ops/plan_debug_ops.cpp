@@ -57,7 +57,7 @@ void fill_call(FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t seqle
   params.nheads = static_cast<int>(nheads);
   params.nheads_k = static_cast<int>(nheads_k);
   params.head_dim = static_cast<int>(head_dim);
-  params.head_dim_v = static_cast<int>(head_dim);  // the plan depends on head_dim alone
+  params.head_dim_v = static_cast<int>(head_dim);  // _plan_fwd may set a smaller d_v
   const Window window = normalize_window(causal, window_size_left, window_size_right, seqlen_k);
   params.window_left = window.left;
   params.window_right = window.right;
@@ -80,10 +80,16 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                         int64_t smem_per_block_optin, int64_t smem_per_sm,
                         int64_t reserved_smem_per_block, bool sm90a_built,
-                        std::string kernel_override, bool tma_aligned, int64_t page_size) {
+                        std::string kernel_override, bool tma_aligned, int64_t page_size,
+                        int64_t head_dim_v) {
   FwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
             window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen);
+  // head_dim_v < 0: d_v = d_qk. A smaller d_v may pick a specialised pair's
+  // Hopper kernel (plan_fwd).
+  TORCH_CHECK(head_dim_v < 0 || (head_dim_v > 0 && head_dim_v <= head_dim),
+              "_plan_fwd: head_dim_v must be in [1, head_dim] (or -1: head_dim), got ", head_dim_v);
+  if (head_dim_v > 0) params.head_dim_v = static_cast<int>(head_dim_v);
   params.p_ptr = return_softmax ? kSomeProbs : nullptr;
   // page_size > 0: paged keys of a varlen call (its table's contents do not
   // enter the plan; tma_aligned says whether the pool's layout is TMA's).

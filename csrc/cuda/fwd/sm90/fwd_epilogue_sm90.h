@@ -22,7 +22,7 @@ using namespace cute;
 template <typename Traits>
 struct FwdSm90Epilogue {
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // O's width
   using Storage = FwdSm90SharedStorage<Traits>;
   using NamedBarrier = cutlass::arch::NamedBarrier;
 
@@ -37,7 +37,7 @@ struct FwdSm90Epilogue {
         warp_group(mma_tidx_ / 128),
         my_epilogue(uint32_t(FwdSm90NamedBarrier::kEpilogue0) + warp_group) {}
 
-  // O and lse of a query block (its rows_left rows of gO, (M,D); the
+  // O and lse of a query block (its rows_left rows of gO, (M,Dv); the
   // columns below head_dim_v, O's width). Each
   // warpgroup stages its rows over its own rows of Q, which only its own
   // finished wgmmas read, unless O has a tile of its own; the barrier before:
@@ -47,16 +47,16 @@ struct FwdSm90Epilogue {
   __forceinline__ __device__ void store(const FragmentO& acc_o, const TiledMmaO& tiled_mma_o,
                                         const ThrMmaO& thr_mma_o, const float (&lse)[kNRows],
                                         float* lse_rows, const TensorGO& gO, int rows_left) const {
-    Tensor sO = Storage::o();  // (M,D)
-    CUTE_STATIC_ASSERT_V(size<0>(sO) == Int<kBlockM>{} && size<1>(sO) == Int<kHeadDim>{});
+    Tensor sO = Storage::o();  // (M,Dv)
+    CUTE_STATIC_ASSERT_V(size<0>(sO) == Int<kBlockM>{} && size<1>(sO) == Int<kHeadDimV>{});
     NamedBarrier::arrive_and_wait(128, my_epilogue);
     stage_output<Traits>(
         acc_o, tiled_mma_o, thr_mma_o, sO,
         [](auto layout) { return wgmma_acc_layout_as_rowcol(layout); }, lse, lse_rows, rows_left,
         mma_tidx);
     NamedBarrier::arrive_and_wait(128, my_epilogue);
-    Tensor sO_warp_group = rows_of_warp_group(sO);  // (64,D): this warpgroup's rows
-    Tensor gO_warp_group = rows_of_warp_group(gO);  // (64,D)
+    Tensor sO_warp_group = rows_of_warp_group(sO);  // (64,Dv): this warpgroup's rows
+    Tensor gO_warp_group = rows_of_warp_group(gO);  // (64,Dv)
     store_output<typename Traits::GmemTiledCopyOWarpGroup>(sO_warp_group, gO_warp_group,
                                                            rows_left - 64 * warp_group,
                                                            params.head_dim_v, mma_tidx % 128);
@@ -68,7 +68,7 @@ struct FwdSm90Epilogue {
   template <typename TensorGO>
   __forceinline__ __device__ void store_empty(const TensorGO& gO, float* lse_rows, int head,
                                               int rows_left) const {
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (M,D) -> (row,col)
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (M,Dv) -> (row,col)
     write_empty_rows<Traits>(gO, cO, lse_rows, empty_row_lse(row_sink(params, head)), rows_left,
                              params.head_dim_v, mma_tidx);
   }
@@ -76,7 +76,7 @@ struct FwdSm90Epilogue {
  private:
   template <typename TensorT>
   __forceinline__ __device__ auto rows_of_warp_group(TensorT& tile) const {
-    return local_tile(tile, Shape<_64, Int<kHeadDim>>{}, make_coord(warp_group, 0));
+    return local_tile(tile, Shape<_64, Int<kHeadDimV>>{}, make_coord(warp_group, 0));
   }
 };
 

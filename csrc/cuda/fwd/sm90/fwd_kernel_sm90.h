@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
 
   const int tidx = threadIdx.x;
   // The MMA warpgroups are threads [128, 384): their index from 0.
@@ -134,9 +135,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     float* lse_rows = fwd_lse_rows(params, binfo, block);
     const ScoreModsInUnits score_mods = mainloop.score_mods_of(block);
-    // (M,D)
-    Tensor gO = get<3>(fwd_global_tiles<typename Traits::Element, kBlockM, kBlockN, kHeadDim>(
-        params, binfo, block));
+    // (M,Dv)
+    Tensor gO =
+        get<3>(fwd_global_tiles<typename Traits::Element, kBlockM, kBlockN, kHeadDim, kHeadDimV>(
+            params, binfo, block));
     if (tile.n_key_blocks <= 0) {
       if (takes_tiles) scheduler.publish_tile(scheduler.take_tile());
       look_ahead();

@@ -37,11 +37,16 @@ struct FwdSm90Barriers {
   int64_t scheduled_tile;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>
+// kHeadDim is d_qk, the width of Q and K; kHeadDimV is d_v, the width of V
+// and O (the N of O += P V). A level-1 call (d_v below the compiled width,
+// docs/head_dims_dv_and_512.md section 1) runs kHeadDimV = kHeadDim with V's
+// extra columns zero; a specialised pair, (192, 128), has its own.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kHeadDimV_ = kHeadDim_>
 struct FwdSm90KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   // One MMA warpgroup (4 warps) per 64 query rows: wgmma's M is 64, and a
@@ -52,7 +57,9 @@ struct FwdSm90KernelTraits {
   static constexpr int kNThreads = kNMmaThreads + 128;
   static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3,
                 "one producer and two or three MMA warpgroups");
-  static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
+  static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0,
+                "compiled head dims are multiples of 32");
+  static_assert(kHeadDimV <= kHeadDim, "d_v <= d_qk (api/head_dims.h)");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of Q K^T");
   // Registers move from the producer, which only issues copies, to the MMA
   // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
@@ -69,6 +76,13 @@ struct FwdSm90KernelTraits {
   using GmemTiledCopyKVGather = typename GmemTileCopy<Element, kHeadDim, kNGatherThreads>::Load;
   static_assert(kBlockN % GmemTileCopy<Element, kHeadDim, kNGatherThreads>::kRowsPerPass == 0,
                 "the gather's passes tile the key tile");
+  // One gather copy for K and V (FwdSm90MainloopLoad::gather_paged_key_tile
+  // over a stage of either width): both widths split into row pieces of one
+  // size, as both fill SmemLayoutAtom's rows, so a thread's rows, and the
+  // lane that looks each up, are the same in K's stage and V's.
+  static_assert(GmemTileCopy<Element, kHeadDimV, 128>::kThreadsPerRow ==
+                    GmemTileCopy<Element, kHeadDim, 128>::kThreadsPerRow,
+                "K and V rows in pieces of one size (both widths multiples of 64, or neither)");
   static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
   // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under
   // S = Q K^T a thread holds S's and O's fp32 accumulators and P's 16-bit
@@ -76,7 +90,7 @@ struct FwdSm90KernelTraits {
   // draws fit; with 52 (d256) or 32 (d64's three warpgroups of 160) they
   // spilled in the loop (PERF_LOG 2026-11-29, issue 57 step 1). plan.h's
   // fwd_sm90_draws_dropout, which fwd_launch.h checks against this.
-  static constexpr int kInFlightRegisters = kBlockN / 2 + kHeadDim / 2 + kBlockN / 4;
+  static constexpr int kInFlightRegisters = kBlockN / 2 + kHeadDimV / 2 + kBlockN / 4;
   static constexpr bool kDrawsDropout = kMmaRegisters - kInFlightRegisters >= 64;
 
   using WarpGroupLayout = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
@@ -89,63 +103,73 @@ struct FwdSm90KernelTraits {
   // shared memory read along the head dim (MN-major), so V is never transposed.
   using TiledMmaO =
       decltype(make_tiled_mma(SM90::GMMA::rs_op_selector<Element, Element, ElementAccum,
-                                                         Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                                         Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
                                                          GMMA::Major::K, GMMA::Major::MN>(),
                               WarpGroupLayout{}));
   // One wgmma instruction as wide as the tile: many of these widths (80, 96,
-  // 160, 224) are among CuTe's "extended" shapes, which its op selector only
+  // 112, 160, 224) are among CuTe's "extended" shapes, which its op selector only
   // offers when the file defines CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first
   // (the instantiation files that need it do: generate_instantiations.py);
   // without it, it quietly tiles N = 16 or 32 instructions, and a 128 x 80
   // tile at d256 ran much slower than with one N = 80 (PERF_LOG 2026-11-25
   // 9de55ab).
   static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN &&
-                    size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDim,
+                    size<1>(typename TiledMmaO::AtomShape_MNK{}) == kHeadDimV,
                 "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before "
                 "any CuTe header in this file (generate_instantiations.py)");
 
-  // The widest swizzle whose row the head dim fills: 128-byte rows (64
+  // The widest swizzle whose row both head dims fill: 128-byte rows (64
   // elements) spread wgmma's 8-row core matrices over all banks. TMA writes
-  // the tiles in the same swizzle.
-  using SmemLayoutAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
-                                            GMMA::Layout_K_SW64_Atom<Element>>;
+  // the tiles in the same swizzle; one atom for every tile keeps one box
+  // width for paged K and V (FwdSm90Tma::kAtomCols).
+  using SmemLayoutAtom =
+      std::conditional_t<kHeadDim % 64 == 0 && kHeadDimV % 64 == 0,
+                         GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Two stages each of K and V: a stage is refilled once every MMA warpgroup's
   // wgmmas have read it, so the next tile's copy overlaps this tile's math.
   static constexpr int kStages = 2;
-  using SmemLayoutKV =
+  using SmemLayoutK =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutKVStage = decltype(SmemLayoutKV{}(_, _, _0{}));  // what one TMA copy fills
+  using SmemLayoutV = decltype(tile_to_shape(SmemLayoutAtom{},
+                                             Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
+  // What one TMA copy fills.
+  using SmemLayoutKStage = decltype(SmemLayoutK{}(_, _, _0{}));
+  using SmemLayoutVStage = decltype(SmemLayoutV{}(_, _, _0{}));
   // V seen as (head dim, key): a K-major atom read transposed is the MN-major
   // atom of the same swizzle, which is what P V's B operand asks for.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutO = SmemLayoutQ;
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemLayoutO =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
 
   // O stores: by all MMA warpgroups (a block that sees no key), or by each
   // warpgroup for its own 64 rows.
-  using GmemTiledCopyO = typename GmemTileCopy<Element, kHeadDim, kNMmaThreads>::Store;
-  using GmemTiledCopyOWarpGroup = typename GmemTileCopy<Element, kHeadDim, 128>::Store;
+  using GmemTiledCopyO = typename GmemTileCopy<Element, kHeadDimV, kNMmaThreads>::Store;
+  using GmemTiledCopyOWarpGroup = typename GmemTileCopy<Element, kHeadDimV, 128>::Store;
   // Registers -> shared for O: a thread holds column pairs of the accumulator.
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeKVStage = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeO = kBlockM * kHeadDimV * int(sizeof(Element));
+  static constexpr int kSmemSizeKStage = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeVStage = kBlockN * kHeadDimV * int(sizeof(Element));
   using Barriers = FwdSm90Barriers<kStages>;
   static constexpr int kSmemSizeBarriers = int(sizeof(Barriers));
+  static constexpr int kSmemSizeQKV = kSmemSizeQ + kStages * (kSmemSizeKStage + kSmemSizeVStage);
   // O is staged in a tile of its own where shared memory allows (227 KB a
   // block on sm90), so that a persistent block's next Q can land while this
-  // query block's O is written out; else over Q.
-  static constexpr bool kSeparateO =
-      2 * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage + kSmemSizeBarriers <= 227 * 1024;
+  // query block's O is written out; else over Q (which is at least as large:
+  // d_v <= d_qk).
+  static constexpr bool kSeparateO = kSmemSizeQKV + kSmemSizeO + kSmemSizeBarriers <= 227 * 1024;
   // Only then does a block walk several query blocks (the next one's Q
   // would otherwise wait for this one's O to leave).
   static constexpr bool kPersistent = kSeparateO;
-  static constexpr int kSmemSizeTiles =
-      (kSeparateO ? 2 : 1) * kSmemSizeQ + 2 * kStages * kSmemSizeKVStage;
+  static constexpr int kSmemSizeTiles = kSmemSizeQKV + (kSeparateO ? kSmemSizeO : 0);
   static constexpr int kSmemSize = kSmemSizeTiles + kSmemSizeBarriers;
+  static_assert(kSmemSize <= 227 * 1024, "Q, two stages of K and V, and the mbarriers fit");
 };
 
 }  // namespace flash

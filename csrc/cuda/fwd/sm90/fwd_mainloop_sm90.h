@@ -6,7 +6,8 @@
 //     turns at the tensor cores.
 // Shape comments name the modes of each MMA: S = Q K^T has the queries as M,
 // the keys as N and the head dim as K; O += P V the queries as M, the head
-// dim as N (D) and the keys as K.
+// dim of V as N (Dv: d_v, below D = d_qk only in a specialised pair's
+// kernel) and the keys as K.
 #pragma once
 
 #include <cmath>
@@ -52,6 +53,7 @@ struct FwdSm90MainloopLoad {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   using Storage = FwdSm90SharedStorage<Traits>;
   static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles        ? 1
                                   : kKeys == FwdSm90KeyLoad::kPagedBoxes ? 32
@@ -67,9 +69,9 @@ struct FwdSm90MainloopLoad {
 
   // A tile's Q, then its K / V tiles from the last visible key block down,
   // in the order the MMA warpgroups consume them. Rows and columns past the
-  // tensors' ends land as zeros, so a head dim below kHeadDim and, in a
-  // fixed-length batch, the last K / V tile need no predicates. A varlen tile
-  // reads on into the next sequence's rows (see
+  // tensors' ends land as zeros, so a head dim below kHeadDim (V's below
+  // kHeadDimV) and, in a fixed-length batch, the last K / V tile need no
+  // predicates. A varlen tile reads on into the next sequence's rows (see
   // FwdSm90MainloopMma::zero_v_rows_past_end).
   template <typename LookAhead>
   __forceinline__ __device__ void load(const FwdSm90Tile& tile, LookAhead&& look_ahead) {
@@ -111,22 +113,23 @@ struct FwdSm90MainloopLoad {
           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
       Tensor gV = local_tile(
           tma_kv_of(tma.v, params, tile.binfo, block.head_kv, block.batch, params.head_dim_v),
-          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N,D,n)
-      Tensor sK = Storage::k();                                     // (N,D,stage)
-      Tensor sV = Storage::v();                                     // (N,D,stage)
+          Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (N,Dv,n)
+      Tensor sK = Storage::k();                                      // (N,D,stage)
+      Tensor sV = Storage::v();                                      // (N,Dv,stage)
       // One TMA box per tile: a stage holds one global tile.
       CUTE_STATIC_ASSERT_V(size<0>(sK) == size<0>(gK) && size<1>(sK) == size<1>(gK));
+      CUTE_STATIC_ASSERT_V(size<0>(sV) == size<0>(gV) && size<1>(sV) == size<1>(gV));
       // (TMA,TMA_N,TMA_D,n) / (...,stage): one TMA copy per tile
       auto [tKgK, tKsK] = tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       load_all(
           [&](int i) {
-            load_key_tile(tma.k, barriers.k_full, barriers.k_empty, tKgK, tKsK, block.n_block_max,
-                          i);
+            load_key_tile<Traits::kSmemSizeKStage>(tma.k, barriers.k_full, barriers.k_empty, tKgK,
+                                                   tKsK, block.n_block_max, i);
           },
           [&](int i) {
-            load_key_tile(tma.v, barriers.v_full, barriers.v_empty, tVgV, tVsV, block.n_block_max,
-                          i);
+            load_key_tile<Traits::kSmemSizeVStage>(tma.v, barriers.v_full, barriers.v_empty, tVgV,
+                                                   tVsV, block.n_block_max, i);
           });
     } else {
       load_paged<kKeys == FwdSm90KeyLoad::kPagedGather>(tile, load_all);
@@ -136,15 +139,15 @@ struct FwdSm90MainloopLoad {
   }
 
  private:
-  // Tile i of this query block's K or V into its stage, once the MMA
-  // warpgroups have handed that stage back.
-  template <typename TmaCopy, typename TensorG, typename TensorS>
+  // Tile i of this query block's K or V (kStageBytes a stage) into its
+  // stage, once the MMA warpgroups have handed that stage back.
+  template <int kStageBytes, typename TmaCopy, typename TensorG, typename TensorS>
   __forceinline__ __device__ void load_key_tile(const TmaCopy& tma_copy, uint64_t* full_stages,
                                                 uint64_t* empty_stages, const TensorG& tXgX,
                                                 const TensorS& tXsX, int n_block_max, int i) const {
     const int stage = stages.stage(i);
     empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-    full_barrier(full_stages[stage]).arrive_and_expect_tx(Traits::kSmemSizeKVStage);
+    full_barrier(full_stages[stage]).arrive_and_expect_tx(kStageBytes);
     copy(tma_copy.with(full_stages[stage]), tXgX(_, n_block_max - 1 - i), tXsX(_, stage));
   }
 
@@ -209,8 +212,10 @@ struct FwdSm90MainloopLoad {
     using Entries = TableEntries<kGather ? kGatherLookups : 1>;
     auto& barriers = Storage::barriers();
     Tensor sK = Storage::k();  // (N,D,stage)
-    Tensor sV = Storage::v();  // (N,D,stage)
-    auto load_tile = [&](bool is_v, int i) {
+    Tensor sV = Storage::v();  // (N,Dv,stage)
+    // sX: K's stage (N,D,stage) or V's (N,Dv,stage), tensors of two types
+    // where d_v < d_qk, so the caller names it.
+    auto load_tile = [&](auto& sX, bool is_v, int i) {
       // The lookups go ahead of the wait for the stage.
       Entries entries;
       CUTE_UNROLL
@@ -220,15 +225,15 @@ struct FwdSm90MainloopLoad {
         entries.entry[j] = entry != nullptr ? __ldg(entry) : 0;
       }
       if constexpr (kGather) {
-        gather_paged_key_tile(
-            static_cast<const Element*>(is_v ? params.v_ptr : params.k_ptr),
-            is_v ? params.v : params.k, is_v ? params.head_dim_v : params.head_dim,
-            is_v ? barriers.v_full : barriers.k_full, is_v ? barriers.v_empty : barriers.k_empty,
-            is_v ? sV : sK, tile, i, entries);
+        gather_paged_key_tile(static_cast<const Element*>(is_v ? params.v_ptr : params.k_ptr),
+                              is_v ? params.v : params.k,
+                              is_v ? params.head_dim_v : params.head_dim,
+                              is_v ? barriers.v_full : barriers.k_full,
+                              is_v ? barriers.v_empty : barriers.k_empty, sX, tile, i, entries);
       } else {
         load_paged_key_tile(
             is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
-            is_v ? barriers.v_empty : barriers.k_empty, is_v ? sV : sK, tile, i, entries.entry[0]);
+            is_v ? barriers.v_empty : barriers.k_empty, sX, tile, i, entries.entry[0]);
       }
     };
     load_all(
@@ -240,9 +245,9 @@ struct FwdSm90MainloopLoad {
               if (entry != nullptr) asm volatile("prefetch.global.L1 [%0];" ::"l"(entry));
             }
           }
-          load_tile(false, i);
+          load_tile(sK, false, i);
         },
-        [&](int i) { load_tile(true, i); });
+        [&](int i) { load_tile(sV, true, i); });
   }
 
   // By TMA boxes (FwdSm90Tma::k_paged / v_paged): box b of a key tile,
@@ -252,14 +257,17 @@ struct FwdSm90MainloopLoad {
   // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
   // the next sequence an unpaged varlen tile reads. Lane 0 arms the stage's
   // full barrier with the bytes of every box issued (arrive_and_expect_tx,
-  // the barrier's one arrival) before any lane issues a box.
+  // the barrier's one arrival) before any lane issues a box. The stage sX is
+  // K's (N,D,stage) or V's (N,Dv,stage): its width is the boxes' column range
+  // and, with the boxes' rows, the bytes they bring.
   template <typename TensorS>
   __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
                                                       uint64_t* full_stages, uint64_t* empty_stages,
                                                       TensorS sX, const FwdSm90Tile& tile, int i,
                                                       int table_entry) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
-    static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms across the head dim");
+    constexpr int kCols = decltype(size<1>(sX))::value;
+    static_assert(kCols % kAtomCols == 0, "whole swizzle atoms across the head dim");
     const int lane = threadIdx.x % 32;
     const int box_rows = tma.paged_box_rows;
     const int stage = stages.stage(i);
@@ -268,7 +276,7 @@ struct FwdSm90MainloopLoad {
     empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
     if (lane == 0) {
       full_barrier(full_stages[stage])
-          .arrive_and_expect_tx(uint32_t(boxes * box_rows * kHeadDim * sizeof(Element)));
+          .arrive_and_expect_tx(uint32_t(boxes * box_rows * kCols * sizeof(Element)));
     }
     __syncwarp();
     if (lane >= boxes) return;
@@ -276,7 +284,7 @@ struct FwdSm90MainloopLoad {
     const int key = key0 + lane * box_rows;
     const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
     CUTE_UNROLL
-    for (int col = 0; col < kHeadDim; col += kAtomCols) {
+    for (int col = 0; col < kCols; col += kAtomCols) {
       SM90_TMA_LOAD_4D::copy(
           desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
           &sX(lane * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
@@ -294,7 +302,8 @@ struct FwdSm90MainloopLoad {
   // reads: no proxy fence. A thread takes its row's
   // offset from the lane that looked it up (two shuffles a row, in place of
   // a lookup per thread and row). Rows at or past seqlen_k, and columns past
-  // the tensor's width (cols), are zero-filled without a read.
+  // the tensor's width (cols), are zero-filled without a read. The stage sX
+  // is K's (N,D,stage) or V's (N,Dv,stage): the copy covers its columns.
   template <typename TensorS, typename Entries>
   __forceinline__ __device__ void gather_paged_key_tile(const Element* ptr,
                                                         const QKVStrides& strides, int cols,
@@ -318,8 +327,9 @@ struct FwdSm90MainloopLoad {
                    int64_t(row_in_page) * strides.row_stride;
     }
     auto thr_copy = GmemTiledCopy{}.get_thread_slice(threadIdx.x);
-    Tensor tKsK = thr_copy.partition_D(sX(_, _, stage));                     // (CPY,CPY_N,CPY_D)
-    Tensor cK = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N,D) -> (row,col)
+    Tensor tKsK = thr_copy.partition_D(sX(_, _, stage));  // (CPY,CPY_N,CPY_D)
+    // (N,D) or (N,Dv) -> (row,col): the stage's own width
+    Tensor cK = make_identity_tensor(Shape<Int<kBlockN>, decltype(size<1>(sX))>{});
     Tensor tKcK = thr_copy.partition_D(cK);  // (CPY,CPY_N,CPY_D) -> (row,col)
     static_assert(decltype(size<1>(tKsK))::value == kGatherPasses, "one row per pass");
     // The swizzle permutes 16-byte chunks inside spans of 8 rows (1024
@@ -332,7 +342,8 @@ struct FwdSm90MainloopLoad {
     static_assert(decltype(stride<1>(tKsK))::value % kSwizzlePeriod == 0 &&
                       decltype(stride<2>(tKsK))::value % kSwizzlePeriod == 0,
                   "the chunks of a thread are whole swizzle periods apart");
-    static_assert(Traits::kSmemSizeQ % 1024 == 0 && Traits::kSmemSizeKVStage % 1024 == 0,
+    static_assert(Traits::kSmemSizeQ % 1024 == 0 && Traits::kSmemSizeKStage % 1024 == 0 &&
+                      Traits::kSmemSizeVStage % 1024 == 0,
                   "stages start on swizzle periods");
     const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(&tKsK(0, 0, 0)));
     // This thread's first chunk; the others are constant rows and columns on.
@@ -391,7 +402,7 @@ struct FwdSm90MainloopMma {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kNMmaThreads = Traits::kNMmaThreads;
   static constexpr int kNMmaWarpGroups = Traits::kNMmaWarpGroups;
   static constexpr bool kWithDropout = kWithScoreMods && Traits::kDrawsDropout;
@@ -414,7 +425,7 @@ struct FwdSm90MainloopMma {
   using SmemVt = decltype(Storage::vt());
   using ScoreCoords = decltype(fwd_sm90_score_coords<Traits>(std::declval<const ThrMmaS&>()));
   using FragmentO =
-      decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   // The rows of O a thread holds: (ROW,COL) view of its accumulator.
   static constexpr int kNRows =
       decltype(size<0>(wgmma_acc_layout_as_rowcol(std::declval<FragmentO>().layout())))::value;
@@ -433,7 +444,7 @@ struct FwdSm90MainloopMma {
   ThrMmaO thr_mma_o;
   FragmentA<ThrMmaS, SmemQ> tSrQ;    // (MMA,MMA_M,MMA_K)
   FragmentB<ThrMmaS, SmemKV> tSrK;   // (MMA,MMA_N,MMA_K,stage)
-  FragmentB<ThrMmaO, SmemVt> tOrVt;  // (MMA,MMA_D,MMA_K,stage)
+  FragmentB<ThrMmaO, SmemVt> tOrVt;  // (MMA,MMA_Dv,MMA_K,stage)
   ScoreCoords tScS_rowcol;           // (ROW,COL) -> (row,col)
 
   const bool has_alibi;
@@ -628,9 +639,9 @@ struct FwdSm90MainloopMma {
   // V reads them. Outside the turns: all MMA warpgroups meet here.
   __forceinline__ __device__ void zero_v_rows_past_end(int v_rows_past_end) const {
     full_barrier(Storage::barriers().v_full[stages.stage(0)]).wait(stages.phase(0));
-    Tensor sV_tile = Storage::v()(_, _, stages.stage(0));  // (N,D)
-    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDim; idx += kNMmaThreads) {
-      sV_tile(v_rows_past_end + idx / kHeadDim, idx % kHeadDim) = Element(0);
+    Tensor sV_tile = Storage::v()(_, _, stages.stage(0));  // (N,Dv)
+    for (int idx = mma_tidx; idx < (kBlockN - v_rows_past_end) * kHeadDimV; idx += kNMmaThreads) {
+      sV_tile(v_rows_past_end + idx / kHeadDimV, idx % kHeadDimV) = Element(0);
     }
     cutlass::arch::fence_view_async_shared();  // wgmma reads through the async proxy
     NamedBarrier::arrive_and_wait(kNMmaThreads, uint32_t(FwdSm90NamedBarrier::kZeroVTail));

@@ -21,7 +21,8 @@ using namespace cute;
 // after a varlen tile's tail is zeroed.
 enum class FwdSm90NamedBarrier : uint32_t { kTurnOfWarpGroup0 = 0, kEpilogue0 = 3, kZeroVTail = 6 };
 
-// The block's dynamic shared memory: Q, K and V (kStages buffers each), O
+// The block's dynamic shared memory: Q and K (d_qk wide), V (d_v wide; K and
+// V kStages buffers each), O (d_v wide)
 // when it has a tile of its own (Traits::kSeparateO; else it is staged over
 // Q), then the mbarriers. Stateless, as BwdSm90SharedStorage: every view is an
 // offset from the block's one dynamic shared array.
@@ -39,17 +40,17 @@ struct FwdSm90SharedStorage {
                        typename Traits::SmemLayoutQ{});  // (M,D)
   }
   static __forceinline__ __device__ auto k() {
-    return make_tensor(q().data() + size(q()), typename Traits::SmemLayoutKV{});  // (N,D,stage)
+    return make_tensor(q().data() + size(q()), typename Traits::SmemLayoutK{});  // (N,D,stage)
   }
   static __forceinline__ __device__ auto v() {
-    return make_tensor(k().data() + size(k()), typename Traits::SmemLayoutKV{});  // (N,D,stage)
+    return make_tensor(k().data() + size(k()), typename Traits::SmemLayoutV{});  // (N,Dv,stage)
   }
   static __forceinline__ __device__ auto vt() {
-    return make_tensor(v().data(), typename Traits::SmemLayoutVt{});  // (D,N,stage)
+    return make_tensor(v().data(), typename Traits::SmemLayoutVt{});  // (Dv,N,stage)
   }
   static __forceinline__ __device__ auto o() {
     return make_tensor(Traits::kSeparateO ? v().data() + size(v()) : q().data(),
-                       typename Traits::SmemLayoutO{});  // (M,D)
+                       typename Traits::SmemLayoutO{});  // (M,Dv)
   }
   static __forceinline__ __device__ typename Traits::Barriers& barriers() {
     return *reinterpret_cast<typename Traits::Barriers*>(base() + Traits::kSmemSizeTiles);
