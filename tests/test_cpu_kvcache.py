@@ -194,6 +194,34 @@ def random_lengths(batch, low, high):
     return torch.randint(low, high + 1, (batch,), dtype=torch.int32)
 
 
+def op_args(q, k_cache, v_cache, *, causal=False, window=(-1, -1), **fields):
+    """fwd_kvcache's arguments as a dict (schema names): no optional input, the
+    default scale, no split choice; then `fields` on top."""
+    args = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=None,
+        v=None,
+        cache_seqlens=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        alibi_slopes=None,
+        softmax_scale=q.shape[-1] ** -0.5,
+        causal=causal,
+        window_size_left=window[0],
+        window_size_right=window[1],
+        softcap=0.0,
+        rotary_interleaved=True,
+        num_splits=0,
+    )
+    args.update(fields)
+    return args
+
+
 def make_inputs(
     batch=3,
     seqlen_q=4,
@@ -219,26 +247,8 @@ def make_inputs(
     q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
     k_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype)
     v_cache = torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype)
-    args = dict(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        k=None,
-        v=None,
-        cache_seqlens=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_batch_idx=cache_batch_idx,
-        cache_leftpad=None,
-        block_table=None,
-        alibi_slopes=None,
-        softmax_scale=head_dim**-0.5,
-        causal=causal,
-        window_size_left=window[0],
-        window_size_right=window[1],
-        softcap=0.0,
-        rotary_interleaved=True,
-        num_splits=0,
+    args = op_args(
+        q, k_cache, v_cache, causal=causal, window=window, cache_batch_idx=cache_batch_idx
     )
     # Leave room for the new tokens and, with rotary, for q's positions.
     room = max(seqlen_new, seqlen_q if rotary else 0)
@@ -574,26 +584,15 @@ def test_strided_views_append_into_shared_storage():
     qkv = torch.randn(batch, seqlen_new, nheads + 2 * nheads_k, head_dim)
     q, k, v = qkv.split([nheads, nheads_k, nheads_k], dim=2)
     kv_cache = torch.randn(batch, capacity, 2, nheads_k, head_dim)
-    args = dict(
-        q=q,
-        k_cache=kv_cache[:, :, 0],
-        v_cache=kv_cache[:, :, 1],
+    args = op_args(
+        q,
+        kv_cache[:, :, 0],
+        kv_cache[:, :, 1],
+        causal=True,
         k=k,
         v=v,
         cache_seqlens=torch.tensor([5, 13], dtype=torch.int32),
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        alibi_slopes=None,
-        softmax_scale=head_dim**-0.5,
-        causal=True,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
         rotary_interleaved=False,
-        num_splits=0,
     )
     before = {name: args[name].clone() for name in ("k_cache", "v_cache")}
     reference_args = dict(args, **before)

@@ -20,6 +20,7 @@ from test_cpu_kvcache import (
     cache_capacity,
     expected_caches,
     fwd_kvcache,
+    op_args,
     page_cache,
     reference_kvcache,
 )
@@ -57,26 +58,12 @@ def varlen_inputs(
         capacity = page_size * math.ceil(capacity / page_size)
     batch_cache = batch + 2 if batch_idx else batch
     cu_q = offsets(q_lens)
-    args = dict(
-        q=torch.randn(int(cu_q[-1]), nheads, head_dim, dtype=dtype),
-        k_cache=torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype),
-        v_cache=torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype),
-        k=None,
-        v=None,
-        cache_seqlens=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        alibi_slopes=None,
-        softmax_scale=head_dim**-0.5,
+    args = op_args(
+        torch.randn(int(cu_q[-1]), nheads, head_dim, dtype=dtype),
+        torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype),
+        torch.randn(batch_cache, capacity, nheads_k, head_dim, dtype=dtype),
         causal=causal,
-        window_size_left=window[0],
-        window_size_right=window[1],
-        softcap=0.0,
-        rotary_interleaved=True,
-        num_splits=0,
+        window=window,
         cu_seqlens_q=cu_q,
         max_seqlen_q=max(q_lens) + 1,  # a bound, not necessarily reached
     )

@@ -20,6 +20,7 @@ from test_cpu_kvcache import (
     check_against_reference,
     check_caches,
     make_inputs,
+    op_args,
     page_cache,
     unpage,
 )
@@ -776,26 +777,15 @@ def test_strided_views_append_into_shared_storage():
     kv_cache = torch.randn(
         batch, capacity, 2, nheads_k, head_dim, dtype=torch.bfloat16, device=DEVICE
     )
-    args = dict(
-        q=q,
-        k_cache=kv_cache[:, :, 0],
-        v_cache=kv_cache[:, :, 1],
+    args = op_args(
+        q,
+        kv_cache[:, :, 0],
+        kv_cache[:, :, 1],
+        causal=True,
         k=k,
         v=v,
         cache_seqlens=torch.tensor([5, 130], dtype=torch.int32, device=DEVICE),
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        alibi_slopes=None,
-        softmax_scale=head_dim**-0.5,
-        causal=True,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
         rotary_interleaved=False,
-        num_splits=0,
     )
     before = {name: args[name].clone() for name in ("k_cache", "v_cache")}
     reference_args = to_device(dict(args, **before), "cpu")

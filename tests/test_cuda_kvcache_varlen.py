@@ -26,28 +26,13 @@ from test_cpu_kvcache_varlen import (
     mode_inputs,
     varlen_inputs,
 )
-from test_cuda_kvcache import poison_allocator, to_device
+from test_cuda_kvcache import run_cpu, run_cuda, to_device
 
 pytestmark = pytest.mark.cuda
 
 fwd_kvcache = torch.ops.flash_attn.fwd_kvcache
 
 WINDOWS = {"full": (False, (-1, -1)), "causal": (True, (-1, -1)), "local_40_0": (False, (40, 0))}
-
-
-def run_cuda(args, **overrides):
-    call = to_device(dict(args, **overrides))
-    poison_allocator()
-    out, lse = fwd_kvcache(**call)
-    torch.cuda.synchronize()
-    return out.cpu(), lse.cpu(), call["k_cache"].cpu(), call["v_cache"].cpu()
-
-
-def run_cpu(args, **overrides):
-    call = dict(args, **overrides)
-    call["k_cache"], call["v_cache"] = call["k_cache"].clone(), call["v_cache"].clone()
-    out, lse = fwd_kvcache(**call)
-    return out, lse, call["k_cache"], call["v_cache"]
 
 
 def inside_sequences(args):
