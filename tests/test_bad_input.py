@@ -8,6 +8,8 @@ the whole file rather than one test.
 import pytest
 import torch
 
+from test_cpu_kvcache import op_args
+
 from flash_attn_cuda import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -357,26 +359,15 @@ def test_varlen_bwd_op():
 
 
 def kvcache_kwargs(**changes):
-    kwargs = dict(
-        q=rand(2, 1, 4, 32),
-        k_cache=rand(2, 16, 2, 32),
-        v_cache=rand(2, 16, 2, 32),
+    kwargs = op_args(
+        rand(2, 1, 4, 32),
+        rand(2, 16, 2, 32),
+        rand(2, 16, 2, 32),
+        causal=True,
         k=rand(2, 1, 2, 32),
         v=rand(2, 1, 2, 32),
         cache_seqlens=int32([3, 7]),
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        alibi_slopes=None,
         softmax_scale=0.2,
-        causal=True,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        rotary_interleaved=True,
-        num_splits=0,
     )
     kwargs.update(changes)
     return kwargs
