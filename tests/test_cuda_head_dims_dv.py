@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from reference import attention_ref, check_close, varlen_attention_ref
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn_cuda.interface import _draw_rng_state
 
 pytestmark = pytest.mark.cuda
 
@@ -360,27 +361,36 @@ def test_bwd_equals_padded_and_reference(kernel, d_qk, d_v, heads, deterministic
 def test_bwd_score_features_equal_padded(kernel, d_qk, d_v):
     """Softcap, ALiBi, a window, dropout (the Hopper kernel's score-mods
     variant, or the SM80 kernel's score-extras one, on padded inputs there:
-    BwdPlan::pad_v) and GQA, deterministic: bitwise the gradients of the same
-    call on zero-padded v."""
+    BwdPlan::pad_v) and GQA, deterministic: given the same forward results,
+    the backward's gradients are bitwise those of the call on zero-padded v,
+    out and dout. The forward's own results are the padded call's only within
+    rounding where the pair's kernel runs (runs_pair_kernel), so both backward
+    calls take one forward's out, LSE and RNG state; autograd's gradients are
+    bitwise the op's."""
     q = randn(1, 97, 8, d_qk).requires_grad_()
     k = randn(1, 131, 2, d_qk).requires_grad_()
     v = randn(1, 131, 2, d_v).requires_grad_()
-    v_wide = pad(v.detach(), d_qk).requires_grad_()
     dout = randn(1, 97, 8, d_v)
-    kwargs = dict(
-        softcap=5.0,
-        alibi_slopes=torch.rand(8, device="cuda") * 0.3,
-        window_size=(50, 9),
-        dropout_p=0.1,
+    alibi = torch.rand(8, device="cuda") * 0.3
+    torch.manual_seed(11)
+    out_autograd = flash_attn_func(
+        q, k, v, dropout_p=0.1, window_size=(50, 9), softcap=5.0, alibi_slopes=alibi,
         deterministic=True,
-    )
+    )  # fmt: skip
+    grads = torch.autograd.grad(out_autograd, (q, k, v), dout)
+
+    # The same forward through the op, with the RNG state autograd's drew.
     torch.manual_seed(11)
-    grads = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-    torch.manual_seed(11)
-    out_wide = flash_attn_func(q, k, v_wide, **kwargs)
-    padded = torch.autograd.grad(out_wide, (q, k, v_wide), pad(dout, d_qk))
-    for name, ours, theirs in zip(("dq", "dk", "dv"), grads, padded):
-        assert torch.equal(ours, theirs[..., : ours.shape[-1]]), name
+    rng = _draw_rng_state(0.1, q.device)
+    # alibi, dropout_p, softmax_scale, causal, window_left, window_right, softcap
+    score = (alibi, 0.1, d_qk**-0.5, False, 50, 9, 5.0)
+    out, lse, _, rng = ops.fwd(q, k, v, *score, False, 0, 0, rng)
+    assert torch.equal(out, out_autograd)
+    ours = ops.bwd(dout, q, k, v, out, lse, *score, True, rng)
+    wide = ops.bwd(pad(dout, d_qk), q, k, pad(v, d_qk), pad(out, d_qk), lse, *score, True, rng)
+    for name, g, o, w in zip(("dq", "dk", "dv"), grads, ours, wide):
+        assert torch.equal(g, o), name
+        assert torch.equal(o, w[..., : o.shape[-1]]), name
 
 
 @pytest.mark.parametrize("d_qk,d_v", PAIRS, ids=PAIR_IDS)
