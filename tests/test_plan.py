@@ -631,17 +631,6 @@ def test_decode_variants_and_grid():
     assert decode(64, 1, 1024, 32, 8, 128, softcap=30.0)["persistent"] == 0
 
 
-def test_decode_reads_kv_once_with_one_query_block():
-    """One query block per (batch, kv head): each K / V byte is read by one
-    block, so the copies ask the L2 to evict it first (kv_read_once); with
-    several query blocks the blocks of a kv head share its tiles through the
-    L2."""
-    assert decode(1, 1, 8192, 32, 8, 128)["kv_read_once"] == 1
-    assert decode(16, 4, 65536, 32, 8, 128, paged=True)["kv_read_once"] == 1
-    plan = decode(4, 64, 4096, 32, 8, 128)
-    assert plan["m_blocks"] == 4 and plan["kv_read_once"] == 0
-
-
 def test_decode_append_in_attention():
     base = (16, 1, 16384, 32, 8, 128)
     assert decode(*base, seqlen_new=1)["append_in_attention"] == 1

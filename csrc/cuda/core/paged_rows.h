@@ -29,32 +29,6 @@ __forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* 
   cp_async_16_or_zero(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, valid);
 }
 
-// An L2 eviction policy for cp.async's cache hint: evict_first for bytes a
-// call reads once (the split-KV kernel's K / V at one query block per kv
-// head, DecodePlan::kv_read_once), evict_normal otherwise. Read once with
-// the normal policy, a decode step's cache bytes push out whatever the L2
-// held (a 33.6 MB cache at batch 1 x 8k keys, against a 50 MB L2), and every
-// dirty line among it is written back during the call; evict_first lines
-// replace each other first (PERF_LOG 2026-11-29, issue 55 item 2).
-__forceinline__ __device__ uint64_t l2_policy_for_reads(bool read_once) {
-  uint64_t policy;
-  if (read_once) {
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  } else {
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-  }
-  return policy;
-}
-
-// cp_async_16_or_zero with an L2 eviction policy (l2_policy_for_reads).
-__forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* gmem_src,
-                                                    bool valid, uint64_t l2_policy) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-               "l"(gmem_src), "r"(src_size), "l"(l2_policy));
-}
-
 // Global -> shared copy of a tile whose rows live at unrelated addresses:
 // row_ptr(tile_row) gives the first element of a row. Rows at or past
 // num_rows and columns past head_dim are zero-filled.

@@ -183,9 +183,6 @@ struct KvcacheParams : FwdParams {
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and
   // (num_splits, batch, nheads, seqlen_q), merged by the combine kernel.
   int num_splits;
-  // K and V are read once by the call (DecodePlan::kv_read_once): their
-  // copies carry an L2 evict_first hint (paged_rows.h l2_policy_for_reads).
-  bool kv_read_once;
   float* out_accum_ptr;
   float* lse_accum_ptr;
   // sm90+: each kernel of the call is launched as a programmatic dependent of

@@ -96,7 +96,6 @@ struct SplitKvTileLoader {
   bool (&row_shares_page)[kCopyRows];
   const int64_t k_row_step;
   const int64_t v_row_step;
-  const uint64_t kv_l2_policy;  // l2_policy_for_reads(params.kv_read_once)
 
   __device__ SplitKvTileLoader(const KvcacheParams& params_, const Smem& smem_tiles_, int group_,
                                bool appending_, GmemThrCopyQKV& gmem_thr_copy_QKV_,
@@ -117,8 +116,7 @@ struct SplitKvTileLoader {
         row_in_page(row_in_page_),
         row_shares_page(row_shares_page_),
         k_row_step(int64_t(kCopyRowStep) * params_.k.row_stride),
-        v_row_step(int64_t(kCopyRowStep) * params_.v.row_stride),
-        kv_l2_policy(l2_policy_for_reads(params_.kv_read_once)) {}
+        v_row_step(int64_t(kCopyRowStep) * params_.v.row_stride) {}
 
   __device__ bool is_paged(const SplitKvItem& it) const {
     return kLayout == CacheLayout::kPaged ||
@@ -192,7 +190,6 @@ struct SplitKvTileLoader {
     // through `this`: through `this`, the kernel compiles differently.
     auto& tKVcKV_ = tKVcKV;
     const KvcacheParams& params_ = params;
-    const uint64_t l2_policy = kv_l2_policy;
     auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
       const int row = get<0>(tKVcKV_(0, m, 0));
       const bool row_ok = row < rows_in_tile;
@@ -202,8 +199,8 @@ struct SplitKvTileLoader {
         const int col = get<1>(tKVcKV_(0, m, k));
         const bool k_ok = row_ok && col < params_.head_dim;
         const bool v_ok = row_ok && col < params_.head_dim_v;
-        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok, l2_policy);
-        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok, l2_policy);
+        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok);
+        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
       }
     };
     if (is_paged(it)) {

@@ -664,7 +664,6 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.warps_n = splitkv_warps_n_for(compiled, rows_per_kv_head, device.smem_per_block_optin);
   plan.block_m = splitkv_block_m(plan.warps_n);
   plan.num_m_blocks = ceil_div(rows_per_kv_head, plan.block_m);
-  plan.kv_read_once = plan.num_m_blocks == 1;
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * plan.num_m_blocks;
   plan.num_splits =
       choose_kv_splits(shape.requested_splits, blocks_without_split, shape.cache_capacity, compiled,
@@ -780,7 +779,6 @@ std::string describe(const DecodePlan& plan) {
       << " smem=" << plan.launch_smem << " grid=" << plan.grid_blocks
       << " persistent=" << int(plan.grid_blocks < plan.num_items) << " cluster=" << plan.cluster_x
       << " append_in_attention=" << int(plan.append_in_attention)
-      << " kv_read_once=" << int(plan.kv_read_once)
       << " programmatic=" << int(plan.programmatic_launch) << " reason: " << plan.reason;
   return out.str();
 }

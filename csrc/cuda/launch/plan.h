@@ -261,10 +261,6 @@ struct DecodePlan {
   int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
   int cluster_x = 1;
   bool append_in_attention = false;
-  // One query block per (batch, kv head): each K / V byte is read by one
-  // block of the call, so its copies ask the L2 to evict it first
-  // (KvcacheParams::kv_read_once).
-  bool kv_read_once = false;
   bool programmatic_launch = false;  // sm90 and later: dependent launches
   const char* reason = "";           // why this split count
 };

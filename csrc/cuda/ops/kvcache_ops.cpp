@@ -223,7 +223,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
               "fwd_kvcache (CUDA): batch * nheads_k * query blocks * num_splits = ", plan.num_items,
               " exceeds 2^31 - 1 thread blocks");
   params.num_splits = plan.num_splits;
-  params.kv_read_once = plan.kv_read_once;
   // The append and the rotation in the attention kernel itself where that
   // pays (plan_decode); otherwise the pre-kernel writes the cache and a
   // rotated copy of q first.

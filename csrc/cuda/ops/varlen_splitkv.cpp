@@ -42,7 +42,6 @@ void run_varlen_splitkv(const FwdParams& params, const DecodePlan& plan, const a
   kv.num_pages = params.block_table != nullptr ? params.num_pages : 0;
   kv.batch_cache = params.batch;
   kv.num_splits = plan.num_splits;
-  kv.kv_read_once = plan.kv_read_once;
   kv.append_in_attention = false;
   kv.programmatic_launch = plan.programmatic_launch;
 
