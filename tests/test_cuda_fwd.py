@@ -753,9 +753,9 @@ def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     return k_cache, v_cache, table
 
 
-# Pages of a multiple of 8 rows go to the Hopper producer's TMA boxes, the
-# others to its row gather (plan.h FwdKeys); 48 and 24 rows do not divide a
-# key tile, 3 and 5 rows no power of two.
+# Pages that give TMA boxes of 64 rows or more go to the Hopper producer's
+# boxes, the others to its row gather (plan.h FwdKeys, paged_box_rows.h);
+# 48 and 24 rows do not divide a key tile, 3 and 5 rows no power of two.
 PAGE_SIZES = [1, 2, 3, 5, 8, 16, 24, 48, 64, 256]
 
 

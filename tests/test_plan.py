@@ -283,17 +283,34 @@ def test_forward_dropout_not_on_the_counter_grid():
     assert plan["grid_kind"] != "tile_counter"
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 3, 5, 8, 16, 17, 24, 48, 64, 256])
+def expected_paged_keys(page_size, block_n):
+    """Boxes where the largest power of two dividing the page and the key
+    tile (up to 256 rows) is at least 64 rows; else the row gather."""
+    rows = 1
+    while rows < 256 and page_size % (2 * rows) == 0 and block_n % (2 * rows) == 0:
+        rows *= 2
+    return "paged_boxes" if rows >= 64 else "paged_gather"
+
+
+def test_expected_paged_keys_examples():
+    assert expected_paged_keys(64, 128) == expected_paged_keys(256, 128) == "paged_boxes"
+    assert expected_paged_keys(192, 128) == "paged_boxes"  # 64-row boxes
+    for page_size in (1, 3, 8, 16, 32, 48):
+        assert expected_paged_keys(page_size, 128) == "paged_gather"
+    assert expected_paged_keys(256, 112) == "paged_gather"  # 16-row boxes at most
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 5, 8, 16, 17, 24, 32, 48, 64, 192, 256])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_forward_paged_keys(page_size, head_dim):
     """Paged varlen keys are read in place by the Hopper kernel whatever the
-    page size: by TMA boxes of at least 8 rows inside a page where the page
-    is a multiple of 8 rows (the key tiles are multiples of 16), else
-    gathered row by row by the producer warpgroup (plan.h FwdKeys)."""
+    page size: by TMA boxes where a box of at least 64 rows fits both a page
+    and the key tile, else gathered row by row by the producer warpgroup
+    (plan.h FwdKeys, paged_box_rows.h kPagedBoxesMinRows)."""
     long = (2, 4096, 4096, 16, 16, head_dim)
     plan = fwd(*long, varlen=True, page_size=page_size)
     assert plan["kernel"] == "sm90", plan
-    assert plan["keys"] == ("paged_boxes" if page_size % 8 == 0 else "paged_gather"), plan
+    assert plan["keys"] == expected_paged_keys(page_size, plan["block_n"]), plan
     forced = fwd(*long, varlen=True, page_size=page_size, kernel_override="sm90")
     assert forced["kernel"] == "sm90" and forced["keys"] == plan["keys"]
     # Every grid and score rule: the counter grid (short causal), softcap.
@@ -369,18 +386,12 @@ def test_forward_pair_kernel(d_qk, d_v):
     mods = fwd(*long, head_dim_v=d_v, dropout_p=0.1, softcap=30.0, alibi=True)
     assert mods["kernel"] == "sm90" and mods["variant"] == "score_mods"
     assert (mods["hdim"], mods["hdim_v"], mods["block_n"]) == (192, 128, block_n)
-    # Paged keys and varlen batches run it too, by TMA boxes (pages of a
-    # multiple of 8 rows: 8- or 16-row boxes in its 112-key tiles) or by the
-    # row gather (other pages), V at its 128 columns either way.
-    for page_size, keys in (
-        (16, "paged_boxes"),
-        (24, "paged_boxes"),
-        (256, "paged_boxes"),
-        (3, "paged_gather"),
-        (1, "paged_gather"),
-    ):
+    # Paged keys and varlen batches run it too, by the row gather at every
+    # page size (a box fits at most 16 rows of its 112-key tiles, below
+    # kPagedBoxesMinRows), V at its 128 columns.
+    for page_size in (16, 24, 256, 3, 1):
         paged = fwd(*long, varlen=True, page_size=page_size, head_dim_v=d_v)
-        assert paged["kernel"] == "sm90" and paged["keys"] == keys, paged
+        assert paged["kernel"] == "sm90" and paged["keys"] == "paged_gather", paged
         assert (paged["hdim"], paged["hdim_v"], paged["block_n"]) == (192, 128, block_n)
     short_paged = fwd(
         16, 1024, 1024, 16, 16, d_qk, varlen=True, causal=True, page_size=3, head_dim_v=d_v
@@ -688,7 +699,7 @@ def test_plan_matches_launched_forward(seqlen, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
 def test_plan_matches_launched_paged_forward(page_size, monkeypatch):
     """Paged varlen keys of any page size run the kernel the plan names: on
     an sm90 build and GPU the Hopper one (boxes or the row gather)."""
@@ -744,7 +755,7 @@ def test_plan_matches_launched_paged_forward(page_size, monkeypatch):
     assert fwd_names, names
     assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
     if plan["kernel"] == "sm90":
-        assert plan["keys"] == ("paged_boxes" if page_size % 8 == 0 else "paged_gather")
+        assert plan["keys"] == expected_paged_keys(page_size, plan["block_n"])
 
 
 @pytest.mark.cuda

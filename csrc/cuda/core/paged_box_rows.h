@@ -17,4 +17,12 @@ inline int paged_tma_box_rows(int page_size, int block_n) {
 }
 constexpr int kPagedTmaMinBoxRows = 8;
 
+// The smallest box by which plan_fwd has the producer read paged keys
+// (FwdPlan::keys); pages that give smaller boxes are gathered row by row.
+// On the H200 (d128, causal paged prefill, PERF_LOG 2026-11-29 "paged keys
+// measured") the gather cost 1.26-1.37x the contiguous time at every page
+// size from 1 to 32 rows, and boxes 1.16-1.18x at 64 rows but 1.42-1.51x at
+// 16 and 1.98-2.12x at 8.
+constexpr int kPagedBoxesMinRows = 64;
+
 }  // namespace flash

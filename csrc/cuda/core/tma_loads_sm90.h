@@ -167,7 +167,7 @@ struct FwdSm90Tma {
   int paged_box_rows;
   // Paged keys gathered row by row by Traits::kNGatherThreads threads of the
   // producer warpgroup (cp.async) instead of by boxes: plan_fwd's choice
-  // (FwdPlan::keys), for pages that are not a multiple of 8 rows.
+  // (FwdPlan::keys), for pages that give boxes below kPagedBoxesMinRows.
   bool gather_keys;
 
   static bool can_load(const FwdParams& p, bool gather_keys) {

@@ -186,13 +186,14 @@ bool fwd_sm90_takes_tiles_from_counter(const FwdParams& params, int num_sms) {
 }
 
 // How the Hopper producer reads paged keys: TMA boxes where a box of at
-// least 8 rows fits both a page and the key tile (paged_box_rows.h); else
-// the row gather, which replaced the SM80 kernel's row-by-row reads for
-// those pages (2.2-3.1x the contiguous time with 1- and 5-row pages, PERF_LOG
+// least kPagedBoxesMinRows (64) rows fits both a page and the key tile
+// (paged_box_rows.h, which says what the H200 measured); else the row
+// gather, which also replaced the SM80 kernel's row-by-row reads for small
+// pages (2.2-3.1x the contiguous time with 1- and 5-row pages, PERF_LOG
 // 2026-11-27 52aa232; 1-row pages 2.24-2.92x, 6531fcc).
 FwdKeys fwd_sm90_keys(const FwdParams& params, int block_n) {
   if (params.block_table == nullptr) return FwdKeys::kContiguous;
-  return paged_tma_box_rows(params.page_size.divisor, block_n) >= kPagedTmaMinBoxRows
+  return paged_tma_box_rows(params.page_size.divisor, block_n) >= kPagedBoxesMinRows
              ? FwdKeys::kPagedBoxes
              : FwdKeys::kPagedGather;
 }

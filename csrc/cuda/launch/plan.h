@@ -94,8 +94,9 @@ enum class FwdGrid : uint8_t {
 
 // How the Hopper kernel's producer reads K / V (fwd_mainloop_sm90.h): one
 // TMA copy per key tile, or paged keys (FwdParams::block_table) by TMA boxes
-// that each stay inside a page (pages of a multiple of 8 rows) or gathered
-// row by row by cp.async (any other page size). The SM80 kernel reads paged
+// that each stay inside a page (boxes of at least kPagedBoxesMinRows rows,
+// paged_box_rows.h) or gathered row by row by cp.async (any other page
+// size). The SM80 kernel reads paged
 // keys row by row whatever this says (kContiguous there).
 enum class FwdKeys : uint8_t { kContiguous, kPagedBoxes, kPagedGather };
 

@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (tidx < 128) {
     // The producer warpgroup: the threads that issue the copies
     // (FwdSm90MainloopLoad::kThreads) stay.
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<kPagedKeys ? Traits::kPagedProducerRegisters
+                                                    : Traits::kProducerRegisters>();
     auto produce = [&](auto mainloop_load) {
       scheduler.for_each_tile([&](const FwdSm90Tile& tile, auto&& look_ahead) {
         mainloop_load.load(tile, look_ahead);
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   // The MMA warpgroups.
-  cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<kPagedKeys ? Traits::kPagedMmaRegisters
+                                                : Traits::kMmaRegisters>();
   Mainloop mainloop(params, mma_tidx);
   const FwdSm90Epilogue<Traits> epilogue(params, mma_tidx);
   // The MMA thread that takes the tiles from the counter.

@@ -65,7 +65,7 @@ struct FwdSm90KernelTraits {
   // warpgroups (setmaxnreg): 24 + 2 x 240 per thread fits the 64 K register
   // file at 384 threads, 24 + 3 x 160 at 512.
   static constexpr int kProducerRegisters = 24;
-  // Paged keys in pages of other than a multiple of 8 rows are gathered by
+  // Paged keys in pages that give boxes below kPagedBoxesMinRows are gathered by
   // the producer warpgroup's threads (FwdSm90MainloopLoad), each 16 bytes of
   // kThreadsPerRow consecutive threads per row piece, so a warp reads whole
   // 64- or 128-byte row pieces and the chunks of one swizzle-atom row land
@@ -84,6 +84,19 @@ struct FwdSm90KernelTraits {
                     GmemTileCopy<Element, kHeadDim, 128>::kThreadsPerRow,
                 "K and V rows in pieces of one size (both widths multiples of 64, or neither)");
   static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
+  // The paged-keys instantiation (kPagedKeys) at head dims up to 128 with
+  // two MMA warpgroups: 56 + 2 x 224. Its producer computes page lookups and
+  // row addresses and spilled them at 24 registers (ptxas, d128: 348-632
+  // bytes); at 56 the H200 ran paged prefill 5-7% faster at every page
+  // size (PERF_LOG 2026-11-29, paged registers). At d192 / d256 the MMA
+  // warpgroups spill inside their key loop at 224, and three MMA warpgroups
+  // have no registers to give: those keep 24 + 240 / 160.
+  static constexpr bool kPagedRegisterSplit = kNMmaWarpGroups == 2 && kHeadDim <= 128;
+  static constexpr int kPagedProducerRegisters = kPagedRegisterSplit ? 56 : kProducerRegisters;
+  static constexpr int kPagedMmaRegisters = kPagedRegisterSplit ? 224 : kMmaRegisters;
+  static_assert(kPagedProducerRegisters * 128 + kPagedMmaRegisters * kNMmaThreads <=
+                    kProducerRegisters * 128 + kMmaRegisters * kNMmaThreads,
+                "the paged split takes no more of the register file than the plain one");
   // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under
   // S = Q K^T a thread holds S's and O's fp32 accumulators and P's 16-bit
   // pairs in flight. With 80 registers to spare beside them (d128) the
