@@ -293,3 +293,16 @@ def test_cuda_refuses_fp8_with_a_clear_error():
     # The shared checks come first: the same message as on the CPU.
     with pytest.raises(RuntimeError, match="q_descale is given but q, k and v are not float8"):
         flash_attn_func(q16, q16, q16, q_descale=torch.ones(2, 4, device="cuda"))
+
+
+def test_packed_forms_take_fp8_with_unit_descales():
+    """docs/fp8.md: the packed forms have no descale arguments; fp8 inputs run
+    with descales of 1, the same as flash_attn_func without descales."""
+    from flash_attn_cuda import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    qkv = fp8_rand(2, 17, 3, 4, 32)
+    q, k, v = qkv.unbind(2)
+    expected = flash_attn_func(q, k, v, causal=True)
+    assert expected.dtype == torch.bfloat16
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, causal=True), expected)
+    assert torch.equal(flash_attn_kvpacked_func(q, qkv[:, :, 1:], causal=True), expected)
