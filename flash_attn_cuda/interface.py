@@ -1031,9 +1031,10 @@ flash_attn_func.__doc__ = (
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
-            (fp32 is also accepted on CPU). Any headdim up to 256 works (up to
-            1024 on CPU); one that is not a multiple of 8 is zero-padded
-            internally.
+            (fp32 is also accepted on CPU; float8_e4m3fn too, with the
+            descales below, on CPU until the FP8 CUDA kernels exist). Any
+            headdim up to 256 works (up to 1024 on CPU); one that is not a
+            multiple of 8 is zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
