@@ -29,6 +29,14 @@
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
 //     sink_h. The last (keyword-only) argument of every forward.
+//   * q_descale / k_descale / v_descale (forwards, optional fp32 (batch,
+//     nheads_k), keyword-only and last, so that older callers keep working):
+//     FP8 (docs/fp8.md). fwd / varlen_fwd take q, k, v float8_e4m3fn, element
+//     x of batch entry b and kv head g standing for x * descale[b, g] (query
+//     heads read their kv head's q_descale), and return a bfloat16 out;
+//     fwd_kvcache takes k_cache / v_cache float8_e4m3fn with a float16 /
+//     bfloat16 q (no q_descale) and quantises appended k / v into them.
+//     Forward only; no dropout, ALiBi or S_dmask with fp8.
 //   * Dropout randomness never comes from a torch.Generator inside the op: the
 //     caller passes philox_seed / philox_offset as values, or rng_state, an
 //     int64 tensor [seed, offset] on any device that overrides the values. The
@@ -42,7 +50,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
       "float softmax_scale, bool causal, int window_size_left, int window_size_right, "
       "float softcap, bool return_softmax, int philox_seed, int philox_offset, "
-      "Tensor? rng_state, *, Tensor? learnable_sink=None) "
+      "Tensor? rng_state, *, Tensor? learnable_sink=None, "
+      "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
@@ -55,7 +64,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1, "
+      "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
@@ -71,7 +81,9 @@ TORCH_LIBRARY(flash_attn, m) {
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor? learnable_sink=None, "
       "Tensor? rotary_seqlens=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k_new=None, "
-      "int? max_seqlen_q=None) -> (Tensor out, Tensor softmax_lse)");
+      "int? max_seqlen_q=None, Tensor? q_descale=None, Tensor? k_descale=None, Tensor? "
+      "v_descale=None) "
+      "-> (Tensor out, Tensor softmax_lse)");
   // The forwards that write the attention output into the caller's `out`
   // instead of a new tensor; they return the other results. (An op that
   // returned `out` as well, or a `Tensor(a!)? out=None` on the ops above that
@@ -81,7 +93,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd_out(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
       "float softmax_scale, bool causal, int window_size_left, int window_size_right, "
       "float softcap, bool return_softmax, int philox_seed, int philox_offset, "
-      "Tensor? rng_state, *, Tensor(a!) out, Tensor? learnable_sink=None) "
+      "Tensor? rng_state, *, Tensor(a!) out, Tensor? learnable_sink=None, "
+      "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -89,7 +102,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1) "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1, "
+      "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
       "fwd_kvcache_out(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
@@ -98,7 +112,9 @@ TORCH_LIBRARY(flash_attn, m) {
       "bool causal, int window_size_left, int window_size_right, float softcap, "
       "bool rotary_interleaved, int num_splits, *, Tensor(c!) out, "
       "Tensor? learnable_sink=None, Tensor? rotary_seqlens=None, Tensor? cu_seqlens_q=None, "
-      "Tensor? cu_seqlens_k_new=None, int? max_seqlen_q=None) -> Tensor softmax_lse");
+      "Tensor? cu_seqlens_k_new=None, int? max_seqlen_q=None, "
+      "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) -> Tensor "
+      "softmax_lse");
   // The gradient of the attention sinks, from the forward's softmax_lse and
   // D = rowsum(dout * out) in its layout ((batch, nheads, seqlen_q), or
   // (nheads, total_q) with cu_seqlens_q): d sink_h = -sum_i exp(sink_h -

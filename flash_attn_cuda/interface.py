@@ -17,6 +17,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .ops import _out_dtype
+
 __all__ = [
     "_get_block_size_n",
     "flash_attn_combine",
@@ -246,6 +248,22 @@ def _as_int(value, name: str) -> int:
     return int(value)
 
 
+def _descale_kwargs(q_descale, k_descale, v_descale) -> dict:
+    # The FP8 descales the caller gave (docs/fp8.md), as the ops' keyword
+    # arguments: only those given, so that a call without them makes the same
+    # op call (and graph) as before they existed.
+    named = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    return {name: t for name, t in named.items() if t is not None}
+
+
+def _fp8_backward_error(fn: str) -> RuntimeError:
+    return RuntimeError(
+        f"{fn}: the backward pass does not take float8_e4m3fn inputs: FP8 attention is "
+        "forward only (docs/fp8.md); call it under torch.no_grad(), or train in float16 / "
+        "bfloat16"
+    )
+
+
 def _check_out(out, fn: str, q: torch.Tensor, shape, layout: str) -> None:
     # Checked here in the caller's head dim: with a head dim that is not a
     # multiple of 8 the op writes a padded buffer, copied into out afterwards.
@@ -253,8 +271,10 @@ def _check_out(out, fn: str, q: torch.Tensor, shape, layout: str) -> None:
         raise TypeError(f"{fn}: out must be a torch.Tensor, got {type(out).__name__}")
     if out.device != q.device:
         raise ValueError(f"{fn}: out must be on the device of q ({q.device}), got {out.device}")
-    if out.dtype != q.dtype:
-        raise ValueError(f"{fn}: out must have the dtype of q ({q.dtype}), got {out.dtype}")
+    expected = _out_dtype(q)
+    if out.dtype != expected:
+        what = "the dtype of q" if expected == q.dtype else f"the output dtype of a {q.dtype} q"
+        raise ValueError(f"{fn}: out must have {what} ({expected}), got {out.dtype}")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(
             f"{fn}: out must have shape {layout} = {tuple(shape)}, got {tuple(out.shape)}"
@@ -313,8 +333,12 @@ class _FlashAttnFunc(torch.autograd.Function):
         return_softmax,
         rng_state,
         learnable_sink,
+        q_descale,
+        k_descale,
+        v_descale,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+        ctx.fp8 = q.dtype == torch.float8_e4m3fn
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.fwd(
             q_padded,
@@ -332,6 +356,7 @@ class _FlashAttnFunc(torch.autograd.Function):
             0,
             rng_state,
             learnable_sink=learnable_sink,
+            **_descale_kwargs(q_descale, k_descale, v_descale),
         )
         ctx.save_for_backward(
             q_padded,
@@ -356,12 +381,14 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
+        if ctx.fp8:
+            raise _fp8_backward_error("flash_attn_func")
         q, k, v, out, softmax_lse, rng_state, alibi_slopes, learnable_sink = ctx.saved_tensors
         dout = _prepare(dout)
         sink_needs_grad = ctx.needs_input_grad[12]
         if not any(ctx.needs_input_grad[:3]):
             d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out) if sink_needs_grad else None
-            return (None,) * 12 + (d_sink,)
+            return (None,) * 12 + (d_sink, None, None, None)
         # D = rowsum(dO * O), which the backward computes anyway, for sink_grad.
         softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.bwd(
@@ -390,7 +417,7 @@ class _FlashAttnFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 9 + (d_sink,)
+        return grads + (None,) * 9 + (d_sink, None, None, None)
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -420,8 +447,12 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         learnable_sink,
         seqused_q,
         num_splits,
+        q_descale,
+        k_descale,
+        v_descale,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+        ctx.fp8 = q.dtype == torch.float8_e4m3fn
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.varlen_fwd(
             q_padded,
@@ -447,6 +478,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
             num_splits=num_splits,
+            **_descale_kwargs(q_descale, k_descale, v_descale),
         )
         ctx.save_for_backward(
             q_padded,
@@ -478,6 +510,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dsoftmax_lse, _ds_dmask):
+        if ctx.fp8:
+            raise _fp8_backward_error("flash_attn_varlen_func")
         if ctx.paged:
             # As in flash-attn 2.x: paged K/V (block_table) is a forward-only feature.
             raise RuntimeError(
@@ -505,7 +539,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             if sink_needs_grad:
                 # Rows past seqused_q have out 0 and lse +inf: they add 0.
                 d_sink = _sink_grad(learnable_sink, softmax_lse, dout, out, cu_seqlens_q)
-            return (None,) * 18 + (d_sink, None)
+            return (None,) * 18 + (d_sink, None, None, None, None, None)
         softmax_d = torch.empty_like(softmax_lse) if sink_needs_grad else None
         dq, dk, dv = torch.ops.flash_attn.varlen_bwd(
             dout,
@@ -541,7 +575,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
             _unpad_head_dim(dk, ctx.head_dim),
             _unpad_head_dim(dv, ctx.head_dim_v),
         )
-        return grads + (None,) * 15 + (d_sink, None, None)
+        return grads + (None,) * 15 + (d_sink, None, None, None, None, None)
 
 
 def _results(out, softmax_lse, s_dmask, return_attn_probs: bool, return_softmax_lse: bool):
@@ -577,9 +611,22 @@ def _attention(
     out=None,
     learnable_sink=None,
     return_softmax_lse=False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     _check_head_dim(q, v)
-    _check_same_device(q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    _check_same_device(
+        q,
+        k=k,
+        v=v,
+        alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+    )
+    descales = _descale_kwargs(q_descale, k_descale, v_descale)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     if out is not None:
@@ -607,6 +654,7 @@ def _attention(
             _draw_rng_state(dropout_p, q.device),
             out=target,
             learnable_sink=learnable_sink,
+            **descales,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -631,10 +679,13 @@ def _attention(
             0,
             _draw_rng_state(dropout_p, q.device),
             learnable_sink=learnable_sink,
+            **descales,
         )
         out = _unpad_head_dim(out, v.shape[-1])
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
-    q, k, v, alibi_slopes, learnable_sink = _distinct(q, k, v, alibi_slopes, learnable_sink)
+    q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale = _distinct(
+        q, k, v, alibi_slopes, learnable_sink, q_descale, k_descale, v_descale
+    )
     out, softmax_lse, s_dmask = _FlashAttnFunc.apply(
         q,
         k,
@@ -649,6 +700,9 @@ def _attention(
         return_softmax,
         _draw_rng_state(dropout_p, q.device),
         learnable_sink,
+        q_descale,
+        k_descale,
+        v_descale,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -676,6 +730,9 @@ def _varlen_attention(
     seqused_q=None,
     return_softmax_lse=False,
     num_splits=1,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_varlen_func"
     _check_head_dim(q, v)
@@ -699,7 +756,11 @@ def _varlen_attention(
         seqused_k=seqused_k,
         learnable_sink=learnable_sink,
         seqused_q=seqused_q,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
+    descales = _descale_kwargs(q_descale, k_descale, v_descale)
     _check_dropout_p(dropout_p)
     window = _attention_window(causal, window_size)
     max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
@@ -737,6 +798,7 @@ def _varlen_attention(
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
             num_splits=num_splits,
+            **descales,
         )
         out = _copy_back(out, target)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -766,6 +828,7 @@ def _varlen_attention(
             learnable_sink=learnable_sink,
             seqused_q=seqused_q,
             num_splits=num_splits,
+            **descales,
         )
         out = _unpad_head_dim(out, head_dim_v)
         return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
@@ -780,6 +843,9 @@ def _varlen_attention(
         seqused_k,
         learnable_sink,
         seqused_q,
+        q_descale,
+        k_descale,
+        v_descale,
     ) = _distinct(
         q,
         k,
@@ -791,6 +857,9 @@ def _varlen_attention(
         seqused_k,
         learnable_sink,
         seqused_q,
+        q_descale,
+        k_descale,
+        v_descale,
     )
     out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
         q,
@@ -814,6 +883,9 @@ def _varlen_attention(
         learnable_sink,
         seqused_q,
         num_splits,
+        q_descale,
+        k_descale,
+        v_descale,
     )
     return _results(out, softmax_lse, s_dmask, return_attn_probs, return_softmax_lse)
 
@@ -883,6 +955,19 @@ _SINK_ARG_DOC = """        learnable_sink: optional keyword-only fp32 tensor of 
 """
 
 
+_FP8_ARG_DOC = """        q_descale, k_descale, v_descale: optional keyword-only fp32 tensors
+            of shape (batch_size, nheads_k) (varlen: batch_size = number of
+            sequences), any strides (an expanded scalar is fine), FA3's FP8
+            API (docs/fp8.md): with q, k and v of dtype torch.float8_e4m3fn,
+            element x of batch entry b and kv head g stands for
+            x * descale[b, g] (a query head reads its kv head's q_descale); a
+            descale not given is 1. The output is then bfloat16 and
+            softmax_lse that of the scores of the dequantised q and k.
+            Forward only; no dropout, ALiBi or S_dmask. Refused with inputs
+            that are not float8_e4m3fn.
+"""
+
+
 _OUT_ARG_DOC = """        out: optional keyword-only tensor of shape {layout}, q's dtype and
             device, last dim contiguous: the output is written into it (no
             new output tensor) and it is what the call returns. Forward only:
@@ -908,6 +993,9 @@ def flash_attn_func(
     out=None,
     learnable_sink=None,
     return_softmax_lse=False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 4, "(batch_size, seqlen_q, nheads, headdim)")
@@ -928,6 +1016,9 @@ def flash_attn_func(
         out,
         learnable_sink,
         return_softmax_lse=return_softmax_lse,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -940,14 +1031,16 @@ flash_attn_func.__doc__ = (
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
-            (fp32 is also accepted on CPU). Any headdim up to 256 works (up to
-            1024 on CPU); one that is not a multiple of 8 is zero-padded
-            internally.
+            (fp32 is also accepted on CPU; float8_e4m3fn too, with the
+            descales below, on CPU until the FP8 CUDA kernels exist). Any
+            headdim up to 256 works (up to 1024 on CPU); one that is not a
+            multiple of 8 is zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
     + _COMMON_ARGS_DOC
     + _SINK_ARG_DOC
+    + _FP8_ARG_DOC
     + _OUT_ARG_DOC.format(layout="(batch_size, seqlen_q, nheads, headdim)")
     + _RETURNS_DOC.format(
         out_layout="(batch_size, seqlen_q, nheads, headdim)",
@@ -1102,6 +1195,9 @@ def flash_attn_varlen_func(
     seqused_q=None,
     return_softmax_lse=False,
     num_splits=1,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     _check_return_flags(return_attn_probs, return_softmax_lse)
     _check_ndim(q, "q", 3, "(total_q, nheads, headdim)")
@@ -1136,6 +1232,9 @@ def flash_attn_varlen_func(
         seqused_q,
         return_softmax_lse=return_softmax_lse,
         num_splits=num_splits,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -1190,6 +1289,7 @@ flash_attn_varlen_func.__doc__ = (
             speed only; calls with dropout, return_attn_probs or seqused_q
             do not split.
 """
+    + _FP8_ARG_DOC
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")
     + _RETURNS_DOC.format(
         out_layout="(total_q, nheads, headdim)",
@@ -1356,6 +1456,9 @@ def flash_attn_with_kvcache(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k_new: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries against a key/value cache, for decoding.
 
@@ -1438,6 +1541,16 @@ def flash_attn_with_kvcache(
             them after cache_seqlens[b] (zero rows allowed).
         max_seqlen_q: keyword-only int, the most query rows of any sequence
             (with cu_seqlens_q).
+        k_descale, v_descale: optional keyword-only fp32 (batch_size,
+            nheads_k), any strides: an FP8 KV cache (docs/fp8.md). With
+            k_cache and v_cache of dtype torch.float8_e4m3fn and a float16 /
+            bfloat16 q, cache element x read for batch entry b (not
+            cache_batch_idx[b]) and kv head g stands for x * descale[b, g]
+            (1 when not given), and an appended k / v element (after rotary,
+            rounded to q's dtype) is stored as the e4m3 value nearest to
+            value / descale[b, g] saturated to [-448, 448]. out has q's dtype.
+        q_descale: not taken (an error when given): q is not quantised; an
+            fp8 q is refused here.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse)
@@ -1485,6 +1598,9 @@ def flash_attn_with_kvcache(
         cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k_new=cu_seqlens_k_new,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
     if out is not None:
         _check_out(
@@ -1539,6 +1655,7 @@ def flash_attn_with_kvcache(
         kwargs.update(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q
         )
+    kwargs.update(_descale_kwargs(q_descale, k_descale, v_descale))
     if out is None:
         out, softmax_lse = torch.ops.flash_attn.fwd_kvcache(*args, **kwargs)
     else:

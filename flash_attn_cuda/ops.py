@@ -21,9 +21,15 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(t.shape)
 
 
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    # FP8 attention (q, k, v float8_e4m3fn) writes bfloat16 (docs/fp8.md);
+    # every other forward writes q's dtype.
+    return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+
+
 def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # out has q's shape with the head dim of v (d_v <= d_qk).
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+    return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=_out_dtype(q))
 
 
 def _rng_state_like(q: torch.Tensor) -> torch.Tensor:
@@ -48,6 +54,9 @@ def _fwd_fake(
     rng_state: Optional[torch.Tensor],
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     return (_out_like(q, v),) + _fwd_results(q, k, return_softmax)
 
@@ -65,10 +74,10 @@ def _fwd_results(q, k, return_softmax):
 
 
 @torch.library.register_fake("flash_attn::fwd_out")
-def _fwd_out_fake(*args, out: torch.Tensor, learnable_sink: Optional[torch.Tensor] = None):
+def _fwd_out_fake(*args, out: torch.Tensor, **kwargs):
     # fwd's arguments plus out, which the real kernel writes in place (schema
     # (a!)): fwd's results without the output.
-    return _fwd_fake(*args, learnable_sink=learnable_sink)[1:]
+    return _fwd_fake(*args, **kwargs)[1:]
 
 
 @torch.library.register_fake("flash_attn::bwd")
@@ -121,6 +130,9 @@ def _varlen_fwd_fake(
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
     num_splits: int = 1,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
     lse, s_dmask, rng = _varlen_fwd_results(
         q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax
@@ -141,22 +153,9 @@ def _varlen_fwd_results(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_soft
 
 
 @torch.library.register_fake("flash_attn::varlen_fwd_out")
-def _varlen_fwd_out_fake(
-    *args,
-    seqused_k: Optional[torch.Tensor] = None,
-    out: torch.Tensor,
-    learnable_sink: Optional[torch.Tensor] = None,
-    seqused_q: Optional[torch.Tensor] = None,
-    num_splits: int = 1,
-):
+def _varlen_fwd_out_fake(*args, out: torch.Tensor, **kwargs):
     # varlen_fwd's arguments plus out, written in place (schema (a!)).
-    return _varlen_fwd_fake(
-        *args,
-        seqused_k=seqused_k,
-        learnable_sink=learnable_sink,
-        seqused_q=seqused_q,
-        num_splits=num_splits,
-    )[1:]
+    return _varlen_fwd_fake(*args, **kwargs)[1:]
 
 
 @torch.library.register_fake("flash_attn::varlen_bwd")
@@ -215,7 +214,12 @@ def _fwd_kvcache_fake(
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k_new: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
 ):
+    # An FP8 cache (k_cache / v_cache float8_e4m3fn) is read with a 16-bit q:
+    # out keeps q's dtype.
     # k_cache / v_cache are written in place by the real kernel (schema (a!) /
     # (b!)); a fake kernel has no data to write, so only the outputs appear here.
     out = _out_like(q, v_cache)

@@ -369,3 +369,107 @@ def assert_compiled_matches_eager(attention, inputs):
         torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
     torch._dynamo.reset()
     return out
+
+
+# ---------------------------------------------------------------------------
+# FP8 (docs/fp8.md; the same rule as csrc/common/fp8_rule.h)
+# ---------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+# Relative rounding of e4m3 (3 stored mantissa bits, round to nearest) on
+# normal values: half a unit in the last place, 2**-(3 + 1).
+E4M3_UNIT_ROUNDOFF = 2.0**-4
+# bfloat16's (7 stored bits): the rounding of the output.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def fp8_dequantize(x, descale, dtype=torch.float64):
+    """x (batch, seqlen, heads, d) in float8_e4m3fn, descale (batch, nheads_k):
+    x * descale[b, h // (heads // nheads_k)] in dtype (the descale of a query
+    head is its kv head's). descale None: x in dtype."""
+    values = x.to(dtype)
+    if descale is None:
+        return values
+    group = x.shape[2] // descale.shape[1]
+    per_head = descale.to(dtype).repeat_interleave(group, dim=1)  # (batch, heads)
+    return values * per_head[:, None, :, None]
+
+
+def fp8_dequantize_varlen(x, descale, cu_seqlens, dtype=torch.float64):
+    """x (total, heads, d): row r of sequence b (cu_seqlens[b] <= r <
+    cu_seqlens[b + 1]) takes descale[b, ...]; rows outside every sequence are
+    left at descale 1 (nothing reads them)."""
+    values = x.to(dtype)
+    if descale is None:
+        return values
+    cu = [int(c) for c in cu_seqlens]
+    group = x.shape[1] // descale.shape[1]
+    per_head = descale.to(dtype).repeat_interleave(group, dim=1)
+    scale = torch.ones(x.shape[0], x.shape[1], dtype=dtype)
+    for b in range(len(cu) - 1):
+        scale[cu[b] : cu[b + 1]] = per_head[b]
+    return values * scale[:, :, None]
+
+
+def quantize_e4m3(value, descale):
+    """What an fp8 cache stores for a 16-bit value: value / descale in fp32,
+    saturated to [-448, 448], rounded to the nearest e4m3 (ties to even).
+    descale broadcasts against value."""
+    scaled = value.float() / descale.float()
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_kernel_tolerance(q, k, v, softmax_scale, ref_out, ref_abs_out, ref_lse):
+    """The tolerance docs/fp8.md derives for an FP8 kernel that, as FA3 does,
+    rounds P to e4m3 before P·V and may accumulate q·k in reduced precision,
+    against the float64 reference of the dequantised inputs. q, k: dequantised
+    v: dequantised float64 (batch, seqlen, heads, d) (k, v may have fewer
+    heads); ref_out /
+    ref_lse: the float64 reference; ref_abs_out: the same attention with |v|
+    for v, i.e. sum_j P_ij |v_j|. Returns elementwise bounds (out_bound,
+    lse_bound) of |out - ref_out| and |lse - ref_lse|:
+
+    out: (2**-4 + 2 * ds) * sum_j P_ij |v_j| + seqlen_k * 2**-18 * max_j |v_j|
+    + 2**-8 * |ref_out| + 1e-5, where 2**-4 is e4m3's relative rounding of
+    each weight (scaled by 2**8 first, so that weights down to 2**-14 are
+    normal e4m3 values), seqlen_k * 2**-18 what the smaller ones can lose in
+    all (2**-18: half e4m3's subnormal step, 2**-9, over the 2**8), ds a
+    bound of the score
+    error (a score off by ds moves its weight and the row's normaliser by
+    about ds, relative) and 2**-8 the bf16 rounding of the output.
+    lse: ds + 2**-20 * (1 + |lse|). ds = 2**-13 * scale * max over keys of
+    sum_d |q_d k_d|: an accumulation that keeps 13 bits.
+    """
+    group = q.shape[2] // k.shape[2]
+    k_heads = k.repeat_interleave(group, dim=2).abs()
+    dot = torch.einsum("bqhd,bkhd->bhqk", q.abs(), k_heads).amax(dim=-1)  # (b, h, sq)
+    ds = 2.0**-13 * abs(softmax_scale) * dot
+    ds_rows = ds.transpose(1, 2)[..., None]  # (b, sq, h, 1)
+    v_max = v.abs().repeat_interleave(group, dim=2).amax(dim=(1, 3))[:, None, :, None]
+    out_bound = (E4M3_UNIT_ROUNDOFF + 2 * ds_rows) * ref_abs_out + k.shape[1] * 2.0**-18 * v_max
+    out_bound = out_bound + BF16_UNIT_ROUNDOFF * ref_out.abs() + 1e-5
+    finite = torch.isfinite(ref_lse)
+    lse_bound = ds + 2.0**-20 * (1 + ref_lse.abs().where(finite, torch.zeros_like(ref_lse)))
+    return out_bound, lse_bound
+
+
+def emulate_fp8_p_kernel(q, k, v, softmax_scale, causal=False, window_size=(-1, -1)):
+    """A float64 model of the FP8 kernel docs/fp8.md bounds: P = exp(s - m)
+    scaled by 2**8 (so that weights down to 2**-14 stay normal in e4m3),
+    rounded to e4m3, then P·V / rowsum(P before rounding). Inputs dequantised
+    float64 (batch, seqlen, heads, d). Returns out (float64; rows that see no
+    key 0)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    group = nheads // k.shape[2]
+    kh, vh = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kh) * softmax_scale
+    left, right = normalize_window(causal, window_size[0], window_size[1], seqlen_k)
+    visible = visible_mask(seqlen_q, seqlen_k, left, right)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True).clamp_min(-1e300)
+    p = torch.exp(scores - m)
+    total = p.sum(dim=-1, keepdim=True)
+    p_rounded = (p * 256.0).to(torch.float8_e4m3fn).double() / 256.0
+    out = torch.einsum("bhqk,bkhd->bqhd", p_rounded / total.where(total > 0, 1.0), vh)
+    return out

@@ -258,10 +258,13 @@ def test_package_exports():
 
 # Additions after flash-attn 2.8's parameters, keyword-only so that no positional
 # call changes meaning (docs/serving.md).
-# The additions after flash-attn 2.8's parameters: serving (docs/serving.md)
-# and attention sinks (tests/test_sinks.py), keyword-only.
+# The additions after flash-attn 2.8's parameters: serving (docs/serving.md),
+# attention sinks (tests/test_sinks.py) and FP8 descales (docs/fp8.md),
+# keyword-only.
+FP8_DESCALES = [("q_descale", None), ("k_descale", None), ("v_descale", None)]
 EXPECTED_KEYWORD_ONLY = {
-    "flash_attn_func": [("out", None), ("learnable_sink", None), ("return_softmax_lse", False)],
+    "flash_attn_func": [("out", None), ("learnable_sink", None), ("return_softmax_lse", False)]
+    + FP8_DESCALES,
     "flash_attn_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_func": [
@@ -271,7 +274,8 @@ EXPECTED_KEYWORD_ONLY = {
         ("seqused_q", None),
         ("return_softmax_lse", False),
         ("num_splits", 1),
-    ],
+    ]
+    + FP8_DESCALES,
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_varlen_qkvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],
     "flash_attn_with_kvcache": [
@@ -281,7 +285,8 @@ EXPECTED_KEYWORD_ONLY = {
         ("cu_seqlens_q", None),
         ("cu_seqlens_k_new", None),
         ("max_seqlen_q", None),
-    ],
+    ]
+    + FP8_DESCALES,
 }
 
 

@@ -441,11 +441,16 @@ void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_
 
 void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& q,
                    at::IntArrayRef expected, const char* layout,
-                   std::initializer_list<const at::Tensor*> inputs) {
+                   std::initializer_list<const at::Tensor*> inputs, at::ScalarType dtype) {
   TORCH_CHECK(out.device() == q.device(), prefix, ": out must be on the device of q (", q.device(),
               "), got ", out.device());
-  TORCH_CHECK(out.scalar_type() == q.scalar_type(), prefix, ": out must have the dtype of q (",
-              q.scalar_type(), "), got ", out.scalar_type());
+  if (dtype == at::ScalarType::Undefined || dtype == q.scalar_type()) {
+    TORCH_CHECK(out.scalar_type() == q.scalar_type(), prefix, ": out must have the dtype of q (",
+                q.scalar_type(), "), got ", out.scalar_type());
+  } else {
+    TORCH_CHECK(out.scalar_type() == dtype, prefix, ": out must have dtype ", dtype,
+                " (the output dtype of a ", q.scalar_type(), " q), got ", out.scalar_type());
+  }
   TORCH_CHECK(out.sizes() == expected, prefix, ": out must have shape ", layout, " = ", expected,
               ", got ", out.sizes());
   TORCH_CHECK(out.numel() == 0 || out.stride(-1) == 1, prefix,

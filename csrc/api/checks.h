@@ -130,13 +130,15 @@ void check_block_table_host(const at::Tensor& block_table, const at::Tensor& cu_
                             int64_t page_size);
 
 // The caller's output buffer of an *_out op (`prefix` starts the message,
-// "flash_attn" or "fwd_kvcache"): on q's device, q's dtype, of shape
+// "flash_attn" or "fwd_kvcache"): on q's device, of dtype `dtype` (Undefined:
+// q's; fp8 attention writes bfloat16), of shape
 // `expected` (`layout` names it), last dim contiguous, no two elements at
 // one address, and sharing no memory with any of `inputs` (the kernels read
 // those while they write out).
 void check_out_arg(const char* prefix, const at::Tensor& out, const at::Tensor& q,
                    at::IntArrayRef expected, const char* layout,
-                   std::initializer_list<const at::Tensor*> inputs);
+                   std::initializer_list<const at::Tensor*> inputs,
+                   at::ScalarType dtype = at::ScalarType::Undefined);
 
 // softmax_d of the backward ops: where the caller wants D = rowsum(dO * O),
 // the backward's by-product that sink_grad needs; fp32, contiguous, in the

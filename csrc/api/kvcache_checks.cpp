@@ -10,6 +10,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 
 namespace flash {
 namespace {
@@ -118,10 +119,14 @@ KvcacheShape check_fwd_kvcache_args(
       std::find(allowed_dtypes.begin(), allowed_dtypes.end(), dtype) != allowed_dtypes.end(),
       "fwd_kvcache: q must have dtype one of ", dtype_list(allowed_dtypes), " on ",
       q.device().type(), ", got ", dtype);
-  TORCH_CHECK(k_cache.scalar_type() == dtype, "fwd_kvcache: k_cache must have the dtype of q (",
-              dtype, "), got ", k_cache.scalar_type());
-  TORCH_CHECK(v_cache.scalar_type() == dtype, "fwd_kvcache: v_cache must have the dtype of q (",
-              dtype, "), got ", v_cache.scalar_type());
+  // An FP8 KV cache (float8_e4m3fn) is the other choice; fp8_kvcache_call
+  // (api/fp8_checks.h) has checked its form before.
+  for (const auto& [cache, name] :
+       {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}}) {
+    TORCH_CHECK(cache->scalar_type() == dtype || cache->scalar_type() == at::kFloat8_e4m3fn,
+                "fwd_kvcache: ", name, " must have the dtype of q (", dtype,
+                ") or float8_e4m3fn (an FP8 KV cache), got ", cache->scalar_type());
+  }
   check_on_device_of_q(k_cache, q, "k_cache");
   check_on_device_of_q(v_cache, q, "v_cache");
 

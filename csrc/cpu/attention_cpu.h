@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/fp8_rule.h"
+
 namespace flash::cpu {
 
 // Element strides of a tensor viewed as (batch, row, head, dim) with dim
@@ -48,6 +50,17 @@ struct SequenceSpan {
 // `sequences`, never by q_batch / kv_batch, and heads by the query head.
 struct AttentionProblem {
   c10::ScalarType dtype;  // of q, k, v and every output but lse: Float, Half or BFloat16
+  // FP8 (docs/fp8.md): the dtype of k and v and that of out / probs where
+  // they differ from `dtype` (Undefined: `dtype`). Served: q, k, v
+  // Float8_e4m3fn with out BFloat16 (fp8 attention); q Half / BFloat16 with
+  // k, v Float8_e4m3fn and out q's dtype (fp8 KV cache). Forward only.
+  c10::ScalarType kv_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType out_dtype = c10::ScalarType::Undefined;
+  // Dequantisation of the fp8 operands (common/fp8_rule.h), by batch entry b
+  // of `sequences` and kv head; read only for an fp8 operand.
+  Fp8Descale q_descale;
+  Fp8Descale k_descale;
+  Fp8Descale v_descale;
   int nheads;
   int nheads_k;  // nheads % nheads_k == 0; query head h reads kv head h / (nheads / nheads_k)
   int head_dim;  // a multiple of 8, at most kMaxHeadDimCpu (common/head_dim_bounds.h)

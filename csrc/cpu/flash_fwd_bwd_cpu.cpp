@@ -2,11 +2,14 @@
 // forward and its recompute-P backward, in fp32 whatever the input dtype.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "common/fp8_rule.h"
 #include "common/head_dim_bounds.h"
 #include "common/score_features.h"
 #include "common/sink_norm.h"
@@ -43,17 +46,37 @@ float dropout_rescale(const AttentionProblem& p) {
   return p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
 }
 
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// One element in fp32: an fp8 one dequantised (common/fp8_rule.h).
+template <typename T>
+inline float element_value(T x, float descale) {
+  if constexpr (kIsFp8<T>) {
+    return fp8_dequantize(static_cast<float>(x), descale);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// A query row in fp32 (dequantised when fp8).
+template <typename T>
+inline void load_q_row(const T* src, float* dst, int n, float descale) {
+  for (int i = 0; i < n; ++i) dst[i] = element_value(src[i], descale);
+}
+
 // Loads keys [key0, key0 + cols) of one kv head: transposed (d x kBlockN) into
-// `transposed`, and row-major (kBlockN x d) into `rows` when given.
+// `transposed`, and row-major (kBlockN x d) into `rows` when given. An fp8
+// tile is dequantised with `descale`, which other dtypes ignore.
 template <typename T>
 void load_kv_tile(const AttentionProblem& p, const void* base, const RowStrides& st,
                   const SequenceSpan& span, int key0, int cols, int kv_head, float* transposed,
-                  float* rows) {
+                  float* rows, float descale = 1.f) {
   const int d = p.head_dim;
   for (int c = 0; c < cols; ++c) {
     const T* src = static_cast<const T*>(base) + kv_offset(p, st, span, key0 + c, kv_head);
     for (int dd = 0; dd < d; ++dd) {
-      const float value = static_cast<float>(src[dd]);
+      const float value = element_value(src[dd], descale);
       if (transposed != nullptr) transposed[dd * kBlockN + c] = value;
       if (rows != nullptr) rows[c * d + dd] = value;
     }
@@ -82,7 +105,7 @@ struct ForwardScratch {
 // (sign bit set) where dropout dropped it. Masked entries are not written (the
 // caller zero-fills them). A second pass over the visible keys, after the
 // forward's own: the q rows are still in the scratch.
-template <typename T>
+template <typename TKV, typename TO>
 void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int b, int h, int m0,
                          int rows, ForwardScratch& sc) {
   static_assert(kProbsBlockN <= kBlockN, "one S_dmask key block must fit one score tile");
@@ -93,14 +116,15 @@ void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int
   const KeyRange range = flash::visible_key_range(m0, m0 + rows, span.seqlen_q, span.seqlen_k,
                                                   p.window_left, p.window_right);
   if (range.end <= range.begin) return;
-  T* probs = static_cast<T*>(o.probs) + b * o.probs_batch_stride + h * o.probs_head_stride;
+  TO* probs = static_cast<TO*>(o.probs) + b * o.probs_batch_stride + h * o.probs_head_stride;
   float running_max[kBlockM];
   std::fill(running_max, running_max + rows, kNegInf);
   const int first_block = range.begin / kProbsBlockN;
   for (int block = (range.end - 1) / kProbsBlockN; block >= first_block; --block) {
     const int n0 = std::max(block * kProbsBlockN, range.begin);
     const int cols = std::min((block + 1) * kProbsBlockN, range.end) - n0;
-    load_kv_tile<T>(p, p.k, p.k_strides, span, n0, cols, kv_head, sc.kt.data(), nullptr);
+    load_kv_tile<TKV>(p, p.k, p.k_strides, span, n0, cols, kv_head, sc.kt.data(), nullptr,
+                      p.k_descale.at(b, kv_head));
     matmul_a_bt(sc.q.data(), d, sc.kt.data(), kBlockN, sc.s.data(), kBlockN, rows, cols, d);
     rule.apply(sc.s.data(), kBlockN, m0, rows, n0, cols);
     for (int r = 0; r < rows; ++r) {
@@ -109,19 +133,21 @@ void write_probabilities(const AttentionProblem& p, const ForwardOutputs& o, int
       for (int c = 0; c < cols; ++c) m = std::max(m, sr[c]);
       running_max[r] = m;
       if (m == kNegInf) continue;  // nothing visible to this row up to here
-      T* out_row = probs + (m0 + r) * o.probs_row_stride + n0;
+      TO* out_row = probs + (m0 + r) * o.probs_row_stride + n0;
       DropoutRow dropout(p, b, h, m0 + r);
       for (int c = 0; c < cols; ++c) {
         if (sr[c] == kNegInf) continue;  // masked: stays 0
         float numerator = std::exp(sr[c] - m);
         if (p.dropout_p > 0.f && !dropout.keep(n0 + c)) numerator = -numerator;
-        out_row[c] = static_cast<T>(numerator);
+        out_row[c] = static_cast<TO>(numerator);
       }
     }
   }
 }
 
-template <typename T>
+// TQ, TKV: the dtypes of q and of k / v (fp8 ones are dequantised as they
+// load), TO: of out and probs.
+template <typename TQ, typename TKV, typename TO>
 void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const WorkItem& item,
                    ForwardScratch& sc) {
   const int b = item.batch, h = item.head, m0 = item.block_start;
@@ -131,8 +157,11 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
   const int kv_head = h / (p.nheads / p.nheads_k);
   const bool use_dropout = p.dropout_p > 0.f;
 
+  const float q_descale = p.q_descale.at(b, kv_head);
+  const float k_descale = p.k_descale.at(b, kv_head);
+  const float v_descale = p.v_descale.at(b, kv_head);
   for (int r = 0; r < rows; ++r) {
-    load_row(q_row<T>(p.q, p.q_strides, span, m0 + r, h), sc.q.data() + r * d, d);
+    load_q_row(q_row<TQ>(p.q, p.q_strides, span, m0 + r, h), sc.q.data() + r * d, d, q_descale);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * d, 0.f);
   std::fill(sc.row_max.begin(), sc.row_max.end(), kNegInf);
@@ -143,8 +172,10 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
                                                   p.window_left, p.window_right);
   for (int n0 = range.begin; n0 < range.end; n0 += kBlockN) {
     const int cols = std::min(kBlockN, range.end - n0);
-    load_kv_tile<T>(p, p.k, p.k_strides, span, n0, cols, kv_head, sc.kt.data(), nullptr);
-    load_kv_tile<T>(p, p.v, p.v_strides, span, n0, cols, kv_head, nullptr, sc.v.data());
+    load_kv_tile<TKV>(p, p.k, p.k_strides, span, n0, cols, kv_head, sc.kt.data(), nullptr,
+                      k_descale);
+    load_kv_tile<TKV>(p, p.v, p.v_strides, span, n0, cols, kv_head, nullptr, sc.v.data(),
+                      v_descale);
     matmul_a_bt(sc.q.data(), d, sc.kt.data(), kBlockN, sc.s.data(), kBlockN, rows, cols, d);
     rule.apply(sc.s.data(), kBlockN, m0, rows, n0, cols);
 
@@ -185,12 +216,12 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
   const float rescale = dropout_rescale(p);
   const float sink = p.learnable_sink != nullptr ? p.learnable_sink[h] : kNegInf;
   for (int r = 0; r < rows; ++r) {
-    T* out_row = q_row_mut<T>(o.out, o.out_strides, span, m0 + r, h);
+    TO* out_row = q_row_mut<TO>(o.out, o.out_strides, span, m0 + r, h);
     float& lse = o.lse[lse_offset(o.lse_strides, span, m0 + r, h)];
     if (sc.row_sum[r] == 0.f) {
       // A row that sees no key: output 0, lse +inf (so that P = exp(s - lse) =
       // 0), or with a sink the sink's own lse, log(exp(sink)).
-      for (int dd = 0; dd < d; ++dd) out_row[dd] = static_cast<T>(0.f);
+      for (int dd = 0; dd < d; ++dd) out_row[dd] = static_cast<TO>(0.f);
       lse = empty_row_lse(sink);
     } else if (sink == kNegInf) {
       store_row(sc.acc.data() + r * d, out_row, d, rescale / sc.row_sum[r]);
@@ -201,15 +232,15 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
       lse = norm.lse;
     }
   }
-  if (o.probs != nullptr) write_probabilities<T>(p, o, b, h, m0, rows, sc);
+  if (o.probs != nullptr) write_probabilities<TKV, TO>(p, o, b, h, m0, rows, sc);
 }
 
-template <typename T>
+template <typename TQ, typename TKV = TQ, typename TO = TQ>
 void forward_impl(const AttentionProblem& p, const ForwardOutputs& o) {
   const std::vector<WorkItem> items = make_work_items(p.sequences, p.nheads, kBlockM, seqlen_q_of);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     ForwardScratch scratch(p.head_dim);
-    for (int64_t i = begin; i < end; ++i) forward_block<T>(p, o, items[i], scratch);
+    for (int64_t i = begin; i < end; ++i) forward_block<TQ, TKV, TO>(p, o, items[i], scratch);
   });
 }
 
@@ -428,10 +459,39 @@ void check_head_dim(const AttentionProblem& problem) {
       problem.head_dim);
 }
 
+// The FP8 combinations (attention_cpu.h): fp8 attention, and a 16-bit q over
+// an fp8 KV cache.
+void fp8_forward(const AttentionProblem& problem, const ForwardOutputs& outputs,
+                 c10::ScalarType kv_dtype, c10::ScalarType out_dtype) {
+  using c10::ScalarType;
+  using Fp8 = c10::Float8_e4m3fn;
+  const ScalarType q_dtype = problem.dtype;
+  if (q_dtype == ScalarType::Float8_e4m3fn && kv_dtype == q_dtype &&
+      out_dtype == ScalarType::BFloat16) {
+    return forward_impl<Fp8, Fp8, c10::BFloat16>(problem, outputs);
+  }
+  if (kv_dtype == ScalarType::Float8_e4m3fn && out_dtype == q_dtype) {
+    if (q_dtype == ScalarType::Half)
+      return forward_impl<c10::Half, Fp8, c10::Half>(problem, outputs);
+    if (q_dtype == ScalarType::BFloat16) {
+      return forward_impl<c10::BFloat16, Fp8, c10::BFloat16>(problem, outputs);
+    }
+  }
+  TORCH_CHECK(false, "flash_attn (CPU): unsupported dtypes q ", q_dtype, ", k / v ", kv_dtype,
+              ", out ", out_dtype);
+}
+
 }  // namespace
 
 void attention_forward(const AttentionProblem& problem, const ForwardOutputs& outputs) {
   check_head_dim(problem);
+  const c10::ScalarType kv_dtype =
+      problem.kv_dtype == c10::ScalarType::Undefined ? problem.dtype : problem.kv_dtype;
+  const c10::ScalarType out_dtype =
+      problem.out_dtype == c10::ScalarType::Undefined ? problem.dtype : problem.out_dtype;
+  if (kv_dtype != problem.dtype || out_dtype != problem.dtype) {
+    return fp8_forward(problem, outputs, kv_dtype, out_dtype);
+  }
   switch (problem.dtype) {
     case c10::ScalarType::Float: return forward_impl<float>(problem, outputs);
     case c10::ScalarType::Half: return forward_impl<c10::Half>(problem, outputs);

@@ -7,14 +7,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "api/checks.h"
+#include "api/fp8_checks.h"
 #include "api/head_dims.h"
 #include "api/kvcache_checks.h"
 #include "cpu/attention_cpu.h"
@@ -121,6 +125,19 @@ void copy_rotated(const T* src, T* dst, int head_dim, const T* cos, const T* sin
   for (int d = rotary_dim; d < head_dim; ++d) dst[d] = src[d];
 }
 
+// One appended row into the cache: as is into a cache of its own dtype, or
+// quantised into an fp8 cache (common/fp8_rule.h).
+template <typename T, typename TC>
+void store_cache_row(const T* src, TC* dst, int n, float descale) {
+  for (int d = 0; d < n; ++d) {
+    if constexpr (std::is_same_v<TC, c10::Float8_e4m3fn>) {
+      dst[d] = TC(fp8_scaled_for_store(static_cast<float>(src[d]), descale));
+    } else {
+      dst[d] = src[d];
+    }
+  }
+}
+
 struct Rotary {
   const void* cos;  // (seqlen_ro, rotary_dim / 2), contiguous, dtype of q
   const void* sin;
@@ -128,9 +145,13 @@ struct Rotary {
   bool interleaved;
 };
 
-template <typename T>
+// T: the dtype of q and the new k / v; TC: the caches' (T, or an fp8 cache
+// into which the rows are quantised with the descales of their batch entry
+// and kv head, after rotary).
+template <typename T, typename TC>
 void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const at::Tensor& v_new,
-                       const at::Tensor& k_cache, const at::Tensor& v_cache, const Rotary& rotary) {
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const Rotary& rotary,
+                       const Fp8Descale& k_descale, const Fp8Descale& v_descale) {
   const KvcacheShape& shape = layout.shape;
   const RowStrides k_new_strides = strides_of(k_new);
   const RowStrides v_new_strides = strides_of(v_new);
@@ -138,8 +159,8 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
   const RowStrides v_cache_strides = strides_of(v_cache);
   const T* k_src = k_new.const_data_ptr<T>();
   const T* v_src = v_new.const_data_ptr<T>();
-  T* k_dst = k_cache.data_ptr<T>();
-  T* v_dst = v_cache.data_ptr<T>();
+  TC* k_dst = k_cache.data_ptr<TC>();
+  TC* v_dst = v_cache.data_ptr<TC>();
   const T* cos = static_cast<const T*>(rotary.cos);
   const T* sin = static_cast<const T*>(rotary.sin);
   const int64_t half = rotary.rotary_dim / 2;
@@ -151,6 +172,7 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
       (layout.cu_seqlens_k_new ? shape.seqlen_new : int64_t(shape.batch) * shape.seqlen_new) *
       shape.nheads_k;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> rotated(shape.head_dim);
     for (int64_t index = begin; index < end; ++index) {
       const int h = static_cast<int>(index % shape.nheads_k);
       const SequenceRow row = sequence_row(index / shape.nheads_k, rows_per_batch,
@@ -163,18 +185,20 @@ void append_new_tokens(const CacheLayout& layout, const at::Tensor& k_new, const
                        row.tensor_row * k_new_strides.row + h * k_new_strides.head;
       const T* v_row = v_src + row.tensor_batch * v_new_strides.batch +
                        row.tensor_row * v_new_strides.row + h * v_new_strides.head;
-      T* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
-      T* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
+      TC* k_out = k_dst + layout.offset(b, pos, h, k_cache_strides);
+      TC* v_out = v_dst + layout.offset(b, pos, h, v_cache_strides);
       if (rotary.rotary_dim > 0) {
         // Rotary positions are absolute cache positions (left padding
-        // included), or start at rotary_seqlens[b] when given (FA3).
+        // included), or start at rotary_seqlens[b] when given (FA3). The
+        // rotated key is rounded to T, what a cache of T would hold, before
+        // an fp8 cache quantises it.
         const int64_t rotary_pos = layout.rotary_start(b) + i;
-        copy_rotated(k_row, k_out, shape.head_dim, cos + rotary_pos * half, sin + rotary_pos * half,
-                     rotary.rotary_dim, rotary.interleaved);
-      } else {
-        for (int d = 0; d < shape.head_dim; ++d) k_out[d] = k_row[d];
+        copy_rotated(k_row, rotated.data(), shape.head_dim, cos + rotary_pos * half,
+                     sin + rotary_pos * half, rotary.rotary_dim, rotary.interleaved);
+        k_row = rotated.data();
       }
-      for (int d = 0; d < shape.head_dim; ++d) v_out[d] = v_row[d];
+      store_cache_row(k_row, k_out, shape.head_dim, k_descale.at(b, h));
+      store_cache_row(v_row, v_out, shape.head_dim, v_descale.at(b, h));
     }
   });
 }
@@ -248,13 +272,21 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
     const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& rotary_seqlens, const KvcacheVarlenArgs& varlen) {
+    const std::optional<at::Tensor>& rotary_seqlens, const KvcacheVarlenArgs& varlen,
+    const Fp8Descales& descales) {
   (void)num_splits;  // a GPU work-partitioning knob; the CPU result never depends on it
+  const Fp8Call fp8 = fp8_kvcache_call(q, k_cache, v_cache, descales);
   const KvcacheShape shape = check_fwd_kvcache_args(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, rotary_seqlens, alibi_slopes, softmax_scale, softcap,
       {at::kFloat, at::kHalf, at::kBFloat16}, varlen);
   TORCH_CHECK(q.device().is_cpu(), "fwd_kvcache (CPU): q must be a CPU tensor, got ", q.device());
+  if (fp8 != Fp8Call::kNone) {
+    check_fp8_descales("fwd_kvcache", descales, q, shape.batch, shape.nheads_k);
+    check_fp8_features("fwd_kvcache", 0.0, false, alibi_slopes);
+  }
+  const Fp8Descale k_descale = fp8_descale_view(descales.k);
+  const Fp8Descale v_descale = fp8_descale_view(descales.v);
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("fwd_kvcache", learnable_sink_in, q, shape.nheads);
   const std::vector<int64_t> out_shape = kvcache_q_shape(shape, shape.head_dim_v);
@@ -307,7 +339,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (k.has_value() && shape.seqlen_new > 0) {
-      append_new_tokens<T>(layout, *k, *v_new, k_cache, v_cache_attn, rotary);
+      if (fp8 == Fp8Call::kKvCache) {
+        if constexpr (!std::is_same_v<T, float>) {  // fp8_kvcache_call: q is fp16 / bf16
+          append_new_tokens<T, c10::Float8_e4m3fn>(layout, *k, *v_new, k_cache, v_cache_attn,
+                                                   rotary, k_descale, v_descale);
+        }
+      } else {
+        append_new_tokens<T, T>(layout, *k, *v_new, k_cache, v_cache_attn, rotary, k_descale,
+                                v_descale);
+      }
     }
     if (rotary.rotary_dim > 0 && shape.seqlen_q > 0) {
       q_attended = rotate_q<T>(layout, q, rotary, rotary_q_per_row);
@@ -347,6 +387,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_into(
 
   AttentionProblem problem{};
   problem.dtype = q.scalar_type();
+  problem.kv_dtype = k_cache.scalar_type();
+  problem.k_descale = k_descale;
+  problem.v_descale = v_descale;
   problem.nheads = shape.nheads;
   problem.nheads_k = shape.nheads_k;
   problem.head_dim = shape.head_dim;
@@ -402,12 +445,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
   return fwd_kvcache_cpu_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                               softmax_scale, causal, window_size_left, window_size_right, softcap,
                               rotary_interleaved, num_splits, std::nullopt, learnable_sink,
-                              rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q});
+                              rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q},
+                              {q_descale, k_descale, v_descale});
 }
 
 at::Tensor fwd_kvcache_out_cpu(
@@ -420,12 +466,15 @@ at::Tensor fwd_kvcache_out_cpu(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
   return std::get<1>(fwd_kvcache_cpu_into(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
       window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink,
-      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}));
+      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q},
+      {q_descale, k_descale, v_descale}));
 }
 
 }  // namespace

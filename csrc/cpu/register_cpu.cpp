@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "api/checks.h"
+#include "api/fp8_checks.h"
 #include "api/head_dims.h"
 #include "cpu/attention_cpu.h"
 
@@ -19,6 +20,28 @@ namespace flash::cpu {
 namespace {
 
 constexpr at::ScalarType kCpuDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16};
+constexpr at::ScalarType kFp8Dtypes[] = {at::kFloat8_e4m3fn};
+
+// The dtypes check_*_args accepts for a call of this fp8 form.
+c10::ArrayRef<at::ScalarType> dtypes_for(Fp8Call fp8) {
+  if (fp8 == Fp8Call::kAttention) return kFp8Dtypes;
+  return kCpuDtypes;
+}
+
+// The fp8 checks that need the call's shapes, then the problem's fp8 fields
+// (docs/fp8.md). Nothing for a call without fp8.
+void set_fp8(AttentionProblem& problem, Fp8Call fp8, const Fp8Descales& descales,
+             const at::Tensor& q, int batch, int nheads_k, double dropout_p, bool return_softmax,
+             const std::optional<at::Tensor>& alibi_slopes) {
+  if (fp8 == Fp8Call::kNone) return;
+  check_fp8_descales("flash_attn", descales, q, batch, nheads_k);
+  check_fp8_features("flash_attn", dropout_p, return_softmax, alibi_slopes);
+  problem.kv_dtype = at::kFloat8_e4m3fn;
+  problem.out_dtype = fp8_out_dtype(fp8, q.scalar_type());
+  problem.q_descale = fp8_descale_view(descales.q);
+  problem.k_descale = fp8_descale_view(descales.k);
+  problem.v_descale = fp8_descale_view(descales.v);
+}
 
 // (batch, seqlen, heads, dim) and varlen / paged views of it.
 RowStrides fixed_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -107,14 +130,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
+    const std::optional<at::Tensor>& learnable_sink_in, const Fp8Descales& descales) {
+  const Fp8Call fp8 = fp8_attention_call(q, k, v, descales);
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
-                     window_size_right, softcap, rng_state, kCpuDtypes);
+                     window_size_right, softcap, rng_state, dtypes_for(fp8));
+  const at::TensorOptions out_options = q.options().dtype(fp8_out_dtype(fp8, q.scalar_type()));
   const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
     check_out_arg("flash_attn", *out_given, q, out_shape, "(batch, seqlen_q, nheads, head_dim_v)",
-                  {&q, &k, &v});
+                  {&q, &k, &v}, out_options.dtype().toScalarType());
   }
   // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
   const bool pad_v = shape.head_dim_v != shape.head_dim;
@@ -126,8 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
   at::Tensor out =
-      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, q.options())
-            : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
+      pad_v ? at::empty({shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim}, out_options)
+            : (out_given.has_value() ? *out_given : at::empty(out_shape, out_options));
   at::Tensor lse =
       at::empty({shape.batch, shape.nheads, shape.seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor probs =
@@ -136,6 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu_into(
   AttentionProblem problem =
       make_problem(q, k, v_run, /*varlen_kv=*/false, shape.nheads, shape.nheads_k, shape.head_dim,
                    alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
+  set_fp8(problem, fp8, descales, q, shape.batch, shape.nheads_k, dropout_p, return_softmax,
+          alibi_slopes);
   problem.sequences = fixed_length_sequences(shape.batch, shape.seqlen_q, shape.seqlen_k);
   ForwardOutputs outputs;
   outputs.out = out.data_ptr();
@@ -153,10 +180,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
   return fwd_cpu_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
                       window_size_right, softcap, return_softmax, philox_seed, philox_offset,
-                      rng_state, std::nullopt, learnable_sink);
+                      rng_state, std::nullopt, learnable_sink, {q_descale, k_descale, v_descale});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cpu(
@@ -165,10 +194,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cpu(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink) {
-  auto [written, lse, probs, rng] = fwd_cpu_into(
-      q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-      softcap, return_softmax, philox_seed, philox_offset, rng_state, out, learnable_sink);
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
+  auto [written, lse, probs, rng] =
+      fwd_cpu_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
+                   window_size_right, softcap, return_softmax, philox_seed, philox_offset,
+                   rng_state, out, learnable_sink, {q_descale, k_descale, v_descale});
   return {lse, probs, rng};
 }
 
@@ -180,6 +211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     bool deterministic, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& softmax_d) {
   (void)deterministic;  // the CPU backward is always deterministic
+  refuse_fp8_backward("flash_attn", q, k, v);
   const FwdShape shape =
       check_bwd_args(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale,
                      window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
@@ -231,16 +263,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& seqused_q) {
-  const VarlenShape shape =
-      check_varlen_fwd_args(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q,
-                            alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                            window_size_left, window_size_right, softcap, rng_state, kCpuDtypes);
+    const std::optional<at::Tensor>& learnable_sink_in, const std::optional<at::Tensor>& seqused_q,
+    const Fp8Descales& descales) {
+  const Fp8Call fp8 = fp8_attention_call(q, k, v, descales);
+  const VarlenShape shape = check_varlen_fwd_args(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q, alibi_slopes,
+      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right,
+      softcap, rng_state, dtypes_for(fp8));
+  const at::TensorOptions out_options = q.options().dtype(fp8_out_dtype(fp8, q.scalar_type()));
   const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
     check_out_arg("flash_attn", *out_given, q, out_shape, "(total_q, nheads, head_dim_v)",
-                  {&q, &k, &v});
+                  {&q, &k, &v}, out_options.dtype().toScalarType());
   }
   // d_v < d_qk: the d_qk problem on a zero-padded v (api/head_dims.h).
   const bool pad_v = shape.head_dim_v != shape.head_dim;
@@ -268,8 +302,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
       normalize_window(causal, window_size_left, window_size_right, shape.max_seqlen_k);
   const PhiloxSeed philox = resolve_philox_seed(philox_seed, philox_offset, rng_state);
 
-  at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, q.options())
-                         : (out_given.has_value() ? *out_given : at::empty(out_shape, q.options()));
+  at::Tensor out = pad_v ? at::empty({shape.total_q, shape.nheads, shape.head_dim}, out_options)
+                         : (out_given.has_value() ? *out_given : at::empty(out_shape, out_options));
   at::Tensor lse = at::empty({shape.nheads, shape.total_q}, q.options().dtype(at::kFloat));
   // The kernel writes the used rows of each sequence only. Rows outside
   // every sequence, and rows past seqused_q[b], get out 0 and lse +inf (as a
@@ -294,6 +328,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu_into(
   AttentionProblem problem = make_problem(
       q, k, v_run, /*varlen_kv=*/!shape.paged, shape.nheads, shape.nheads_k, shape.head_dim,
       alibi_slopes, softmax_scale, window, softcap, dropout_p, philox, learnable_sink);
+  set_fp8(problem, fp8, descales, q, shape.batch, shape.nheads_k, dropout_p, return_softmax,
+          alibi_slopes);
   problem.sequences = varlen_sequences(shape.batch, cu_seqlens_q.data_ptr<int32_t>(),
                                        cu_seqlens_k.data_ptr<int32_t>(),
                                        used.defined() ? used.data_ptr<int32_t>() : nullptr,
@@ -320,13 +356,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q, int64_t num_splits) {
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
   check_num_splits(num_splits);  // a GPU work-partitioning knob: the CPU result never depends on it
   return varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, return_softmax,
                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
-                             learnable_sink, seqused_q);
+                             learnable_sink, seqused_q, {q_descale, k_descale, v_descale});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
@@ -338,13 +376,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cpu(
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
   check_num_splits(num_splits);
-  auto [written, lse, probs, rng] =
-      varlen_fwd_cpu_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                          window_size_left, window_size_right, softcap, return_softmax, philox_seed,
-                          philox_offset, rng_state, seqused_k, out, learnable_sink, seqused_q);
+  auto [written, lse, probs, rng] = varlen_fwd_cpu_into(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink,
+      seqused_q, {q_descale, k_descale, v_descale});
   return {lse, probs, rng};
 }
 
@@ -357,6 +396,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
     const std::optional<at::Tensor>& softmax_d, const std::optional<at::Tensor>& seqused_q) {
   (void)deterministic;  // the CPU backward is always deterministic
+  refuse_fp8_backward("flash_attn", q, k, v);
   const VarlenShape shape = check_varlen_bwd_args(
       dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q,
       alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,

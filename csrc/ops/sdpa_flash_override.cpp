@@ -37,7 +37,9 @@ using SdpaFlashSignature = SdpaFlashResult(const at::Tensor&, const at::Tensor&,
 using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     double, double, bool, int64_t, int64_t, double, bool, int64_t, int64_t,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
 
 // The calls this kernel serves itself; sdpa.py's override gives the same
 // results for them (its _prepare and _unpad_head_dim leave such tensors as
@@ -98,7 +100,8 @@ SdpaFlashResult sdpa_flash_forward(const at::Tensor& query, const at::Tensor& ke
       scale.has_value() ? *scale : std::pow(static_cast<double>(query.size(3)), -0.5);
   auto [out, lse, debug_mask, rng_state] =
       fwd.call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), std::nullopt, 0.0,
-               softmax_scale, is_causal, -1, -1, 0.0, false, 0, 0, std::nullopt, std::nullopt);
+               softmax_scale, is_causal, -1, -1, 0.0, false, 0, 0, std::nullopt, std::nullopt,
+               std::nullopt, std::nullopt, std::nullopt);
   // torch's dropout state: uint64 [seed, offset] and a scalar nothing reads
   // (sdpa.py's _to_torch_rng_state).
   at::Tensor seed_offset = rng_state.view(at::kUInt64);

@@ -178,6 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool deterministic, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& softmax_d) {
+  refuse_fp8_backward("flash_attn", q_in, k_in, v_in);
   const FwdShape shape = check_bwd_args(dout_in, q_in, k_in, v_in, out_in, softmax_lse_in,
                                         alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
                                         window_size_right, softcap, rng_state, kCudaDtypes);
@@ -253,6 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     int64_t window_size_right, double softcap, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& seqused_k,
     const std::optional<at::Tensor>& softmax_d, const std::optional<at::Tensor>& seqused_q) {
+  refuse_fp8_backward("flash_attn", q_in, k_in, v_in);
   const VarlenShape shape = check_varlen_bwd_args(
       dout_in, q_in, k_in, v_in, out_in, softmax_lse_in, cu_seqlens_q, cu_seqlens_k, seqused_k,
       seqused_q, alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,

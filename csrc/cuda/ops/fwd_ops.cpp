@@ -283,7 +283,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda("fwd", fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}),
+                           q);
   return fwd_cuda_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
                        window_size_right, softcap, return_softmax, philox_seed, philox_offset,
                        rng_state, std::nullopt, learnable_sink);
@@ -295,7 +299,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink) {
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda("fwd_out",
+                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
   auto [written, softmax_lse, s_dmask, rng_state_out] = fwd_cuda_into(
       q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
       softcap, return_softmax, philox_seed, philox_offset, rng_state, out, learnable_sink);
@@ -310,7 +317,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q, int64_t num_splits) {
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda("varlen_fwd",
+                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
   return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, return_softmax,
@@ -327,7 +338,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
-    int64_t num_splits) {
+    int64_t num_splits, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda("varlen_fwd_out",
+                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
   auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,

@@ -276,7 +276,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda(
+      "fwd_kvcache", fp8_kvcache_call(q, k_cache, v_cache, {q_descale, k_descale, v_descale}), q);
   return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                                softmax_scale, causal, window_size_left, window_size_right, softcap,
@@ -294,7 +298,12 @@ at::Tensor fwd_kvcache_out_cuda(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q) {
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
+  check_fp8_served_on_cuda("fwd_kvcache_out",
+                           fp8_kvcache_call(q, k_cache, v_cache, {q_descale, k_descale, v_descale}),
+                           q);
   return std::get<1>(fwd_kvcache_cuda_into(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,

@@ -52,6 +52,16 @@ void check_device_supported(const at::Tensor& q) {
               props->major, props->minor);
 }
 
+void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q) {
+  if (call == Fp8Call::kNone) return;
+  const char* inputs = call == Fp8Call::kAttention ? "q, k and v" : "k_cache and v_cache";
+  TORCH_CHECK(
+      false, "flash_attn: ", op, " was called with ", inputs, " of dtype float8_e4m3fn on ",
+      q.device(),
+      ", but the FP8 CUDA kernels are not built yet; the CPU path serves FP8 (docs/fp8.md), "
+      "or pass float16 / bfloat16");
+}
+
 IndexErrorSink begin_index_checks(const at::Tensor& q) {
   return begin_index_checks(q.get_device(), at::cuda::getCurrentCUDAStream().stream());
 }

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/fp8_checks.h"
 #include "api/kvcache_checks.h"
 #include "cuda/core/params.h"
 #include "cuda/launch/plan.h"
@@ -23,6 +24,13 @@ inline constexpr at::ScalarType kCudaDtypes[] = {at::kHalf, at::kBFloat16};
 
 // Refuses devices older than sm80.
 void check_device_supported(const at::Tensor& q);
+
+// The one place that decides which CUDA devices serve an fp8 call (call:
+// fp8_attention_call / fp8_kvcache_call, api/fp8_checks.h; op: the op's
+// name for the message). The FP8 CUDA kernels are not built yet: every fp8
+// call is refused, naming the call. With kernels, sm90 serves and older
+// GPUs are told that fp8 needs sm90.
+void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q);
 
 // Every op starts here, after its device guard: raises what a kernel of an
 // earlier call on this device recorded (index_error_state.h) and returns the
@@ -83,7 +91,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const std::optional<at::Tensor>& alibi_slopes_in, double dropout_p, double softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
-    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink);
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -91,7 +101,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
-    const std::optional<at::Tensor>& learnable_sink);
+    const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -101,7 +112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     int64_t window_size_right, double softcap, bool return_softmax, int64_t philox_seed,
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& learnable_sink,
-    const std::optional<at::Tensor>& seqused_q, int64_t num_splits);
+    const std::optional<at::Tensor>& seqused_q, int64_t num_splits,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -112,7 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const at::Tensor& out,
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
-    int64_t num_splits);
+    int64_t num_splits, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale);
 
 // varlen_fwd's split-KV run (varlen_splitkv.cpp): params as the forward
 // kernels would take them, plan from plan_varlen_split (num_splits > 1).
@@ -149,7 +163,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q);
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale);
 
 at::Tensor fwd_kvcache_out_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -163,7 +179,9 @@ at::Tensor fwd_kvcache_out_cuda(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const at::Tensor& out, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& rotary_seqlens, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q);
+    const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale);
 
 // flash_attn_combine (combine_ops.cpp).
 std::tuple<at::Tensor, at::Tensor> combine_cuda(const at::Tensor& out_partial,
