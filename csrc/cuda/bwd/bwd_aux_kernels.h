@@ -210,8 +210,16 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   // dK carries the softmax scale already (the main kernel applies it).
   store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
       params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
-  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
-      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim_v);
+  // dV's blocks are kBlockN x kHeadDimV in the same head rows (store_dk_dv).
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  const int64_t dv_sum_offset =
+      kHeadDimV == kHeadDim ? sum_offset
+                            : dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
+                                  accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(n_block, 0) +
+                                  accum_thread_offset(threadIdx.x);
+  store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV, kHeadDimV>(
+      params.dv_sum_ptr + dv_sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows,
+      params.head_dim_v);
 }
 
 // Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in

@@ -154,40 +154,44 @@ __forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float*
 //        casts once every query head of the group is in;
 //   GQA/MQA, deterministic: this query head's share, in fp32, for the group
 //        reduction in head order.
-// Traits gives SmemLayoutKV (one (kBlockN, head dim) tile), SmemCopyAtomStore
-// and GmemTiledCopyStore; Traits::kNThreads threads (tidx from 0) take part,
-// and sync() is their barrier (the whole block's, unless a kernel has threads
-// of other roles).
+// Traits gives SmemLayoutKV (one (kBlockN, head dim) tile) and SmemLayoutV
+// (dV's, (kBlockN, kHeadDimV)), SmemCopyAtomStore and GmemTiledCopyStore /
+// GmemTiledCopyStoreV; dV's accumulator is tiled_mma_dv's (dK's MMA but
+// for a specialised (d_qk, d_v) pair). Traits::kNThreads threads (tidx from
+// 0) take part, and sync() is their barrier (the whole block's, unless a
+// kernel has threads of other roles).
 struct BlockBarrier {
   __device__ void operator()() const { __syncthreads(); }
 };
-template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
-          typename Sync = BlockBarrier>
-__forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& acc_dv,
-                                            const TiledMma& tiled_mma_dkv,
-                                            const ThrMma& thr_mma_dkv,
-                                            typename Traits::Element* smem_k,
-                                            typename Traits::Element* smem_v,
-                                            const BwdParams& params, const BlockInfo& binfo,
-                                            const BwdKeyBlock& block, int tidx, Sync sync = {}) {
+template <typename Traits, typename TensorAccDK, typename TensorAccDV, typename TiledMmaDK,
+          typename ThrMmaDK, typename TiledMmaDV, typename ThrMmaDV, typename Sync = BlockBarrier>
+__forceinline__ __device__ void store_dk_dv(
+    TensorAccDK& acc_dk, const TensorAccDV& acc_dv, const TiledMmaDK& tiled_mma_dk,
+    const ThrMmaDK& thr_mma_dk, const TiledMmaDV& tiled_mma_dv, const ThrMmaDV& thr_mma_dv,
+    typename Traits::Element* smem_k, typename Traits::Element* smem_v, const BwdParams& params,
+    const BlockInfo& binfo, const BwdKeyBlock& block, int tidx, Sync sync = {}) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
 
   Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
+  Tensor cdV =
+      make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (N, Dv) -> (row, col)
   if (block.group == 1) {
     Tensor rdK = convert_type<Element>(acc_dk);  // (MMA, MMA_N, MMA_D)
-    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_D)
+    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_Dv)
     Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});  // (N, D)
-    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});  // (N, D)
-    auto smem_tiled_copy_dKV =
-        make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
-    auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});   // (N, Dv)
+    auto smem_tiled_copy_dK = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dk);
+    auto smem_thr_copy_dK = smem_tiled_copy_dK.get_thread_slice(tidx);
+    auto smem_tiled_copy_dV = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dv);
+    auto smem_thr_copy_dV = smem_tiled_copy_dV.get_thread_slice(tidx);
     sync();  // every warp is done reading sK (dQ) and sV (dP)
-    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
-    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
+    copy(smem_tiled_copy_dK, smem_thr_copy_dK.retile_S(rdK), smem_thr_copy_dK.partition_D(sdK));
+    copy(smem_tiled_copy_dV, smem_thr_copy_dV.retile_S(rdV), smem_thr_copy_dV.partition_D(sdV));
     sync();
 
     Element* dk_ptr = static_cast<Element*>(params.dk_ptr) +
@@ -201,48 +205,83 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     // (N, D)
     Tensor gdK =
         local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
-    // (N, D)
+    // (N, Dv)
     Tensor gdV =
-        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
-    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
-    auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
-    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);                // (CPY, CPY_N, CPY_D)
-    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);                // (CPY, CPY_N, CPY_D)
-    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);                // (CPY, CPY_N, CPY_D)
-    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);                // (CPY, CPY_N, CPY_D)
-    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);             // (CPY, CPY_N, CPY_D)
+        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(block.n_block, 0));
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dK;
+    auto gmem_thr_copy_dK = gmem_tiled_copy_dK.get_thread_slice(tidx);
+    typename Traits::GmemTiledCopyStoreV gmem_tiled_copy_dV;
+    auto gmem_thr_copy_dV = gmem_tiled_copy_dV.get_thread_slice(tidx);
+    Tensor tdKsdK = gmem_thr_copy_dK.partition_S(sdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdKgdK = gmem_thr_copy_dK.partition_D(gdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdVsdV = gmem_thr_copy_dV.partition_S(sdV);                 // (CPY, CPY_N, CPY_Dv)
+    Tensor tdVgdV = gmem_thr_copy_dV.partition_D(gdV);                 // (CPY, CPY_N, CPY_Dv)
+    Tensor tdKVcdKV = gmem_thr_copy_dK.partition_D(cdKV);              // (CPY, CPY_N, CPY_D)
+    Tensor tdVcdV = gmem_thr_copy_dV.partition_D(cdV);                 // (CPY, CPY_N, CPY_Dv)
     Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
     make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
     // dV has head_dim_v columns; its predicate is evaluated at the store (a
     // second array in registers spilled the SM80 backward).
-    const auto tdVpdV = cols_below(tdKVcdKV, params.head_dim_v);  // (CPY_D)
-    Tensor tdKrdK = make_fragment_like(tdKsdK);                   // (CPY, CPY_N, CPY_D)
-    Tensor tdVrdV = make_fragment_like(tdVsdV);                   // (CPY, CPY_N, CPY_D)
-    copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
-    copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
-    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdVpdV, block.cols_left);
-  } else if (!params.deterministic) {
+    const auto tdVpdV = cols_below(tdVcdV, params.head_dim_v);  // (CPY_Dv)
+    Tensor tdKrdK = make_fragment_like(tdKsdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);                 // (CPY, CPY_N, CPY_Dv)
+    copy(gmem_tiled_copy_dK, tdKsdK, tdKrdK);
+    copy(gmem_tiled_copy_dV, tdVsdV, tdVrdV);
+    store_tile_predicated(gmem_tiled_copy_dK, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dV, tdVrdV, tdVgdV, tdVcdV, tdVpdV, block.cols_left);
+  } else if (!params.deterministic && kHeadDimV == kHeadDim) {
     const int64_t sum_offset =
         dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
         accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
         accum_thread_offset(tidx);
     atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
     atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
+  } else if (!params.deterministic) {
+    // The kv head's sums, in the fragment order of each MMA (bwd_accum_layout.h):
+    // dV's blocks of kBlockN x kHeadDimV inside rows sized by the compiled d_qk
+    // (the buffer's size, the op's), which the conversion kernel reads the same way.
+    const int64_t head_offset =
+        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
+        accum_thread_offset(tidx);
+    atomic_add_fragment<Traits::kNThreads>(
+        acc_dk, params.dk_sum_ptr + head_offset +
+                    accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0));
+    atomic_add_fragment<Traits::kNThreads>(
+        acc_dv, params.dv_sum_ptr + head_offset +
+                    accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(block.n_block, 0));
   } else {
+    // This query head's shares, rows of the compiled d_qk's width (dV's first
+    // kHeadDimV columns), which flash_bwd_reduce_dkv_kernel sums.
     const int64_t accum_offset =
         dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
         int64_t(block.col_begin) * kHeadDim;
     float* dk_accum = params.dk_accum_ptr + accum_offset;
     float* dv_accum = params.dv_accum_ptr + accum_offset;
-    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int row = get<0>(tdKVcdKV(i));
-      const int col = get<1>(tdKVcdKV(i));
-      if (row < block.cols_left) {
-        dk_accum[row * kHeadDim + col] = acc_dk(i);
-        dv_accum[row * kHeadDim + col] = acc_dv(i);
+    Tensor tdKcdK = thr_mma_dk.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
+    if constexpr (kHeadDimV == kHeadDim) {
+      // One MMA: dK's and dV's values share their (row, col).
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) {
+        const int row = get<0>(tdKcdK(i));
+        const int col = get<1>(tdKcdK(i));
+        if (row < block.cols_left) {
+          dk_accum[row * kHeadDim + col] = acc_dk(i);
+          dv_accum[row * kHeadDim + col] = acc_dv(i);
+        }
+      }
+    } else {
+      Tensor tdVcdV = thr_mma_dv.partition_C(cdV);  // (MMA, MMA_N, MMA_Dv)
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) {
+        const int row = get<0>(tdKcdK(i));
+        const int col = get<1>(tdKcdK(i));
+        if (row < block.cols_left) dk_accum[row * kHeadDim + col] = acc_dk(i);
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dv); ++i) {
+        const int row = get<0>(tdVcdV(i));
+        const int col = get<1>(tdVcdV(i));
+        if (row < block.cols_left) dv_accum[row * kHeadDim + col] = acc_dv(i);
       }
     }
   }

@@ -30,6 +30,19 @@ BwdLauncher bwd_launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
+// The launcher of the plan's compiled (d_qk, d_v): bwd_launcher_for's, found
+// before any allocation, or a specialised pair's (BwdPlan::head_dim_v below
+// the compiled head dim), which the build has wherever it has d_qk's
+// (setup.py selects instantiation files by d_qk).
+BwdLauncher bwd_launcher_of_plan(const BwdPlan& plan, BwdLauncher launcher, at::ScalarType dtype) {
+  if (plan.head_dim_v == plan.head_dim) return launcher;
+  const BwdLauncher pair_launcher =
+      find_bwd_launcher(plan.head_dim, plan.head_dim_v, dtype == at::kBFloat16);
+  TORCH_CHECK(pair_launcher != nullptr, "flash_attn_cuda: the backward of the head dims (",
+              plan.head_dim, ", ", plan.head_dim_v, ") is missing from this build");
+  return pair_launcher;
+}
+
 // Everything bwd and varlen_bwd fill the same way. q/k/v/out/dout are already
 // 16-byte aligned views; dq/dk/dv are fresh contiguous tensors.
 void set_bwd_tensors(BwdParams& params, const at::Tensor& q, const at::Tensor& k,
@@ -240,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
       softmax_d);
   const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, false);
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  bwd_launcher_of_plan(plan, launcher, q_in.scalar_type())(
+      params, plan, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, finish_dv(dv, padded)};
 }
 
@@ -321,7 +335,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // there. One fill of an (nheads, total_q) fp32 tensor.
   if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
   const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, true);
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  bwd_launcher_of_plan(plan, launcher, q_in.scalar_type())(
+      params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {dq, dk, finish_dv(dv, padded)};
 }

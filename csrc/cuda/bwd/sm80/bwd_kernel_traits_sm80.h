@@ -21,6 +21,10 @@ struct BwdKernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  // V, dO and dV at the compiled width (d_v < d_qk is zero-padded by the op
+  // here); named for the code this kernel shares with the Hopper one
+  // (store_dk_dv, the conversion kernels).
+  static constexpr int kHeadDimV = kHeadDim;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
@@ -49,7 +53,8 @@ struct BwdKernelTraits {
                Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
   using TiledMmaSdP = TiledMmaWithWarps<kAtomLayoutMSdP>;  // (kBlockM, kBlockN)
   using TiledMmadKV = TiledMmaWithWarps<kAtomLayoutNdKV>;  // (kBlockN, head dim)
-  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;    // (kBlockM, head dim)
+  using TiledMmadV = TiledMmadKV;
+  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;  // (kBlockM, head dim)
   static_assert(kBlockM % (16 * kAtomLayoutMSdP) == 0 &&
                 kBlockN % (16 * (kNWarps / kAtomLayoutMSdP)) == 0);
   static_assert(kBlockN % (16 * kAtomLayoutNdKV) == 0 &&
@@ -80,6 +85,7 @@ struct BwdKernelTraits {
   using SmemLayoutQdOtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQdOt{}));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = SmemLayoutKV;
   // K seen as (head dim, key): the B operand of dQ = dS K.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
@@ -107,6 +113,7 @@ struct BwdKernelTraits {
   static_assert(kBlockM % GmemCopy::kRowsPerPass == 0 && kBlockN % GmemCopy::kRowsPerPass == 0);
   using GmemTiledCopyLoad = typename GmemCopy::Load;
   using GmemTiledCopyStore = typename GmemCopy::Store;
+  using GmemTiledCopyStoreV = GmemTiledCopyStore;
 
   static constexpr int kSmemSizeQdO = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
