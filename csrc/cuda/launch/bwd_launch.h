@@ -89,8 +89,8 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
 
 // The Hopper main kernel; the plan checked that the device's blocks hold its
 // shared memory and that TMA can describe the inputs.
-template <typename Element, int kHeadDim, int kHeadDimV, bool kWithScoreMods,
-          bool kOrderedDQ = false>
+template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false,
+          int kHeadDimV = kHeadDim>
 void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
   using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ, kHeadDimV>;
   if (!BwdSm90Tma<Sm90Traits>::can_load(params) ||
@@ -200,11 +200,11 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
       // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
       // plain kernel.
       if (plan.variant == FwdVariant::kScoreMods) {
-        launch_bwd_sm90_main<Element, kHeadDim, kHeadDimV, true>(params, grid, stream);
+        launch_bwd_sm90_main<Element, kHeadDim, true, false, kHeadDimV>(params, grid, stream);
       } else if (plan.ordered_dq) {
-        launch_bwd_sm90_main<Element, kHeadDim, kHeadDimV, false, true>(params, grid, stream);
+        launch_bwd_sm90_main<Element, kHeadDim, false, true, kHeadDimV>(params, grid, stream);
       } else {
-        launch_bwd_sm90_main<Element, kHeadDim, kHeadDimV, false>(params, grid, stream);
+        launch_bwd_sm90_main<Element, kHeadDim, false, false, kHeadDimV>(params, grid, stream);
       }
       run_flash_bwd_convert<Sm90Traits>(params, stream);
       return;
