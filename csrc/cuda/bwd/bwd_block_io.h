@@ -154,18 +154,112 @@ __forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float*
 //        casts once every query head of the group is in;
 //   GQA/MQA, deterministic: this query head's share, in fp32, for the group
 //        reduction in head order.
-// Traits gives SmemLayoutKV (one (kBlockN, head dim) tile) and SmemLayoutV
-// (dV's, (kBlockN, kHeadDimV)), SmemCopyAtomStore and GmemTiledCopyStore /
-// GmemTiledCopyStoreV; dV's accumulator is tiled_mma_dv's (dK's MMA but
-// for a specialised (d_qk, d_v) pair). Traits::kNThreads threads (tidx from
-// 0) take part, and sync() is their barrier (the whole block's, unless a
-// kernel has threads of other roles).
+// Traits gives SmemLayoutKV (one (kBlockN, head dim) tile), SmemCopyAtomStore
+// and GmemTiledCopyStore; Traits::kNThreads threads (tidx from 0) take part,
+// and sync() is their barrier (the whole block's, unless a kernel has threads
+// of other roles).
 struct BlockBarrier {
   __device__ void operator()() const { __syncthreads(); }
 };
+template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
+          typename Sync = BlockBarrier>
+__forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& acc_dv,
+                                            const TiledMma& tiled_mma_dkv,
+                                            const ThrMma& thr_mma_dkv,
+                                            typename Traits::Element* smem_k,
+                                            typename Traits::Element* smem_v,
+                                            const BwdParams& params, const BlockInfo& binfo,
+                                            const BwdKeyBlock& block, int tidx, Sync sync = {}) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
+  if (block.group == 1) {
+    Tensor rdK = convert_type<Element>(acc_dk);  // (MMA, MMA_N, MMA_D)
+    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_D)
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});  // (N, D)
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});  // (N, D)
+    auto smem_tiled_copy_dKV =
+        make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
+    auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
+    sync();  // every warp is done reading sK (dQ) and sV (dP)
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdK), smem_thr_copy_dKV.partition_D(sdK));
+    copy(smem_tiled_copy_dKV, smem_thr_copy_dKV.retile_S(rdV), smem_thr_copy_dKV.partition_D(sdV));
+    sync();
+
+    Element* dk_ptr = static_cast<Element*>(params.dk_ptr) +
+                      binfo.k_offset(params.dk, block.batch, block.head_kv);
+    Element* dv_ptr = static_cast<Element*>(params.dv_ptr) +
+                      binfo.k_offset(params.dv, block.batch, block.head_kv);
+    Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                             make_stride(params.dk.row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim_v),
+                             make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim_v)
+    // (N, D)
+    Tensor gdK =
+        local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    // (N, D)
+    Tensor gdV =
+        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
+    auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
+    Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);                // (CPY, CPY_N, CPY_D)
+    Tensor tdKgdK = gmem_thr_copy_dKV.partition_D(gdK);                // (CPY, CPY_N, CPY_D)
+    Tensor tdVsdV = gmem_thr_copy_dKV.partition_S(sdV);                // (CPY, CPY_N, CPY_D)
+    Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);                // (CPY, CPY_N, CPY_D)
+    Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);             // (CPY, CPY_N, CPY_D)
+    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
+    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
+    // dV has head_dim_v columns; its predicate is evaluated at the store (a
+    // second array in registers spilled the SM80 backward).
+    const auto tdVpdV = cols_below(tdKVcdKV, params.head_dim_v);  // (CPY_D)
+    Tensor tdKrdK = make_fragment_like(tdKsdK);                   // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);                   // (CPY, CPY_N, CPY_D)
+    copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
+    copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdVpdV, block.cols_left);
+  } else if (!params.deterministic) {
+    const int64_t sum_offset =
+        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
+        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
+        accum_thread_offset(tidx);
+    atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
+    atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
+  } else {
+    const int64_t accum_offset =
+        dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
+        int64_t(block.col_begin) * kHeadDim;
+    float* dk_accum = params.dk_accum_ptr + accum_offset;
+    float* dv_accum = params.dv_accum_ptr + accum_offset;
+    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = get<0>(tdKVcdKV(i));
+      const int col = get<1>(tdKVcdKV(i));
+      if (row < block.cols_left) {
+        dk_accum[row * kHeadDim + col] = acc_dk(i);
+        dv_accum[row * kHeadDim + col] = acc_dv(i);
+      }
+    }
+  }
+}
+
+// store_dk_dv for a specialised (d_qk, d_v) pair (Traits::kHeadDimV <
+// kHeadDim, the Hopper kernel only): dV has an MMA of its own (tiled_mma_dv,
+// N = d_v) and Traits's SmemLayoutV, GmemTiledCopyStoreV tiles of kHeadDimV
+// columns. Under GQA the kv heads' sums take dV in kBlockN x kHeadDimV
+// blocks inside head rows sized by the compiled d_qk (the op's buffers), as
+// flash_bwd_convert_dkv_kernel reads them; the deterministic shares are dV's
+// first kHeadDimV columns of d_qk-wide rows. (A function of its own, so that
+// every kernel of one MMA keeps store_dk_dv's code: the SM80 kernel, at 255
+// registers, allocated them differently through a shared generic version.)
 template <typename Traits, typename TensorAccDK, typename TensorAccDV, typename TiledMmaDK,
           typename ThrMmaDK, typename TiledMmaDV, typename ThrMmaDV, typename Sync = BlockBarrier>
-__forceinline__ __device__ void store_dk_dv(
+__forceinline__ __device__ void store_dk_dv_pair(
     TensorAccDK& acc_dk, const TensorAccDV& acc_dv, const TiledMmaDK& tiled_mma_dk,
     const ThrMmaDK& thr_mma_dk, const TiledMmaDV& tiled_mma_dv, const ThrMmaDV& thr_mma_dv,
     typename Traits::Element* smem_k, typename Traits::Element* smem_v, const BwdParams& params,
@@ -174,6 +268,7 @@ __forceinline__ __device__ void store_dk_dv(
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
+  static_assert(kHeadDimV < kHeadDim, "one width: store_dk_dv");
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
 
@@ -229,13 +324,6 @@ __forceinline__ __device__ void store_dk_dv(
     copy(gmem_tiled_copy_dV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dK, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
     store_tile_predicated(gmem_tiled_copy_dV, tdVrdV, tdVgdV, tdVcdV, tdVpdV, block.cols_left);
-  } else if (!params.deterministic && kHeadDimV == kHeadDim) {
-    const int64_t sum_offset =
-        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
-        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
-        accum_thread_offset(tidx);
-    atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
-    atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
   } else if (!params.deterministic) {
     // The kv head's sums, in the fragment order of each MMA (bwd_accum_layout.h):
     // dV's blocks of kBlockN x kHeadDimV inside rows sized by the compiled d_qk
@@ -258,31 +346,18 @@ __forceinline__ __device__ void store_dk_dv(
     float* dk_accum = params.dk_accum_ptr + accum_offset;
     float* dv_accum = params.dv_accum_ptr + accum_offset;
     Tensor tdKcdK = thr_mma_dk.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-    if constexpr (kHeadDimV == kHeadDim) {
-      // One MMA: dK's and dV's values share their (row, col).
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dk); ++i) {
-        const int row = get<0>(tdKcdK(i));
-        const int col = get<1>(tdKcdK(i));
-        if (row < block.cols_left) {
-          dk_accum[row * kHeadDim + col] = acc_dk(i);
-          dv_accum[row * kHeadDim + col] = acc_dv(i);
-        }
-      }
-    } else {
-      Tensor tdVcdV = thr_mma_dv.partition_C(cdV);  // (MMA, MMA_N, MMA_Dv)
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dk); ++i) {
-        const int row = get<0>(tdKcdK(i));
-        const int col = get<1>(tdKcdK(i));
-        if (row < block.cols_left) dk_accum[row * kHeadDim + col] = acc_dk(i);
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dv); ++i) {
-        const int row = get<0>(tdVcdV(i));
-        const int col = get<1>(tdVcdV(i));
-        if (row < block.cols_left) dv_accum[row * kHeadDim + col] = acc_dv(i);
-      }
+    Tensor tdVcdV = thr_mma_dv.partition_C(cdV);   // (MMA, MMA_N, MMA_Dv)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = get<0>(tdKcdK(i));
+      const int col = get<1>(tdKcdK(i));
+      if (row < block.cols_left) dk_accum[row * kHeadDim + col] = acc_dk(i);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) {
+      const int row = get<0>(tdVcdV(i));
+      const int col = get<1>(tdVcdV(i));
+      if (row < block.cols_left) dv_accum[row * kHeadDim + col] = acc_dv(i);
     }
   }
 }

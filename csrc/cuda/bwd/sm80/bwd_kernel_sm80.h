@@ -366,9 +366,8 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
     }
   }
 
-  store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, tiled_mma_dkv, thr_mma_dkv,
-                      raw_pointer_cast(sK.data()), raw_pointer_cast(sV.data()), params, binfo,
-                      block, tidx);
+  store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, raw_pointer_cast(sK.data()),
+                      raw_pointer_cast(sV.data()), params, binfo, block, tidx);
 }
 
 // A tile that needs more shared memory than an sm80 block may have is only

@@ -22,8 +22,8 @@ struct BwdKernelTraits {
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   // V, dO and dV at the compiled width (d_v < d_qk is zero-padded by the op
-  // here); named for the code this kernel shares with the Hopper one
-  // (store_dk_dv, the conversion kernels).
+  // here); named for the conversion kernels this kernel shares with the
+  // Hopper one, whose dV may have a width and MMA of its own.
   static constexpr int kHeadDimV = kHeadDim;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -85,7 +85,6 @@ struct BwdKernelTraits {
   using SmemLayoutQdOtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQdOt{}));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = SmemLayoutKV;
   // K seen as (head dim, key): the B operand of dQ = dS K.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
@@ -113,7 +112,6 @@ struct BwdKernelTraits {
   static_assert(kBlockM % GmemCopy::kRowsPerPass == 0 && kBlockN % GmemCopy::kRowsPerPass == 0);
   using GmemTiledCopyLoad = typename GmemCopy::Load;
   using GmemTiledCopyStore = typename GmemCopy::Store;
-  using GmemTiledCopyStoreV = GmemTiledCopyStore;
 
   static constexpr int kSmemSizeQdO = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));

@@ -268,10 +268,17 @@ struct BwdSm90Epilogue {
                                         const TiledMmaDK& tiled_mma_dk, const ThrMmaDK& thr_mma_dk,
                                         const TiledMmaDV& tiled_mma_dv, const ThrMmaDV& thr_mma_dv,
                                         const BwdKeyBlock& block) const {
-    store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dk, thr_mma_dk, tiled_mma_dv, thr_mma_dv,
-                        raw_pointer_cast(Storage::k().data()),
-                        raw_pointer_cast(Storage::v().data()), params, binfo, block, mma_tidx,
-                        BwdSm90EpilogueBarrier{});
+    if constexpr (Traits::kHeadDimV == Traits::kHeadDim) {
+      store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dk, thr_mma_dk,
+                          raw_pointer_cast(Storage::k().data()),
+                          raw_pointer_cast(Storage::v().data()), params, binfo, block, mma_tidx,
+                          BwdSm90EpilogueBarrier{});
+    } else {
+      store_dk_dv_pair<Traits>(acc_dk, acc_dv, tiled_mma_dk, thr_mma_dk, tiled_mma_dv, thr_mma_dv,
+                               raw_pointer_cast(Storage::k().data()),
+                               raw_pointer_cast(Storage::v().data()), params, binfo, block,
+                               mma_tidx, BwdSm90EpilogueBarrier{});
+    }
     // The epilogue's generic-proxy reads and writes of sK / sV come before
     // the next key block's TMA writes.
     cutlass::arch::fence_view_async_shared();
