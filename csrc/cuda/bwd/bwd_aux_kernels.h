@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   // dK carries the softmax scale already (the main kernel applies it).
   store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
       params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
-  // dV's blocks are kBlockN x kHeadDimV in the same head rows (store_dk_dv).
+  // dV's blocks are kBlockN x kHeadDimV in the same head rows where d_v has
+  // its own width (store_dk_dv_pair).
   constexpr int kHeadDimV = Traits::kHeadDimV;
   const int64_t dv_sum_offset =
       kHeadDimV == kHeadDim ? sum_offset
