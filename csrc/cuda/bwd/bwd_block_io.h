@@ -251,10 +251,10 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
 // store_dk_dv for a specialised (d_qk, d_v) pair (Traits::kHeadDimV <
 // kHeadDim, the Hopper kernel only): dV has an MMA of its own (tiled_mma_dv,
 // N = d_v) and Traits's SmemLayoutV, GmemTiledCopyStoreV tiles of kHeadDimV
-// columns. Under GQA the kv heads' sums take dV in kBlockN x kHeadDimV
-// blocks inside head rows sized by the compiled d_qk (the op's buffers), as
-// flash_bwd_convert_dkv_kernel reads them; the deterministic shares are dV's
-// first kHeadDimV columns of d_qk-wide rows. (A function of its own, so that
+// columns. Under GQA dV's fp32 sums and shares are rows of kHeadDimV
+// columns (the op sizes them by BwdPlan::head_dim_v), as
+// flash_bwd_convert_dkv_kernel and flash_bwd_reduce_dkv_kernel read them.
+// (A function of its own, so that
 // every kernel of one MMA keeps store_dk_dv's code: the SM80 kernel, at 255
 // registers, allocated them differently through a shared generic version.)
 template <typename Traits, typename TensorAccDK, typename TensorAccDV, typename TiledMmaDK,
@@ -325,26 +325,27 @@ __forceinline__ __device__ void store_dk_dv_pair(
     store_tile_predicated(gmem_tiled_copy_dK, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
     store_tile_predicated(gmem_tiled_copy_dV, tdVrdV, tdVgdV, tdVcdV, tdVpdV, block.cols_left);
   } else if (!params.deterministic) {
-    // The kv head's sums, in the fragment order of each MMA (bwd_accum_layout.h):
-    // dV's blocks of kBlockN x kHeadDimV inside rows sized by the compiled d_qk
-    // (the buffer's size, the op's), which the conversion kernel reads the same way.
-    const int64_t head_offset =
-        dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
-        accum_thread_offset(tidx);
+    // The kv head's sums, each in the fragment order of its MMA
+    // (bwd_accum_layout.h), dV's rows kHeadDimV wide.
     atomic_add_fragment<Traits::kNThreads>(
-        acc_dk, params.dk_sum_ptr + head_offset +
-                    accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0));
+        acc_dk, params.dk_sum_ptr +
+                    dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
+                    accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
+                    accum_thread_offset(tidx));
     atomic_add_fragment<Traits::kNThreads>(
-        acc_dv, params.dv_sum_ptr + head_offset +
-                    accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(block.n_block, 0));
+        acc_dv, params.dv_sum_ptr +
+                    dkv_sum_offset<kBlockN, kHeadDimV>(params, binfo, block.batch, block.head_kv) +
+                    accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(block.n_block, 0) +
+                    accum_thread_offset(tidx));
   } else {
-    // This query head's shares, rows of the compiled d_qk's width (dV's first
-    // kHeadDimV columns), which flash_bwd_reduce_dkv_kernel sums.
-    const int64_t accum_offset =
-        dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
-        int64_t(block.col_begin) * kHeadDim;
-    float* dk_accum = params.dk_accum_ptr + accum_offset;
-    float* dv_accum = params.dv_accum_ptr + accum_offset;
+    // This query head's shares, dK's rows kHeadDim and dV's kHeadDimV wide,
+    // which flash_bwd_reduce_dkv_kernel sums.
+    float* dk_accum = params.dk_accum_ptr +
+                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
+                      int64_t(block.col_begin) * kHeadDim;
+    float* dv_accum = params.dv_accum_ptr +
+                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDimV) +
+                      int64_t(block.col_begin) * kHeadDimV;
     Tensor tdKcdK = thr_mma_dk.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
     Tensor tdVcdV = thr_mma_dv.partition_C(cdV);   // (MMA, MMA_N, MMA_Dv)
     CUTE_UNROLL
@@ -357,7 +358,7 @@ __forceinline__ __device__ void store_dk_dv_pair(
     for (int i = 0; i < size(acc_dv); ++i) {
       const int row = get<0>(tdVcdV(i));
       const int col = get<1>(tdVcdV(i));
-      if (row < block.cols_left) dv_accum[row * kHeadDim + col] = acc_dv(i);
+      if (row < block.cols_left) dv_accum[row * kHeadDimV + col] = acc_dv(i);
     }
   }
 }

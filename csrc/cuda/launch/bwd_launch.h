@@ -82,7 +82,8 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
     const dim3 dkv_grid =
         grid_over_heads_batch((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
                               params.nheads_k, params.batch);
-    flash_bwd_reduce_dkv_kernel<Element, kHeadDim><<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
+    flash_bwd_reduce_dkv_kernel<Element, kHeadDim, MainTraits::kHeadDimV>
+        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   }
 }

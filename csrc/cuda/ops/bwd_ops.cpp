@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "api/head_dims.h"
 #include "cuda/bwd/bwd_accum_layout.h"
@@ -84,8 +85,9 @@ BwdPlan plan_for(BwdParams& params) {
 // asked for it), the dQ accumulator (zeroed) and,
 // under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
 // per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
-// or (nheads, total_k), then the compiled head dim. Reads the shape fields of
-// params and params.num_splits, which must be set.
+// or (nheads, total_k), then the compiled head dim (dV's: the plan's compiled
+// d_v, BwdPlan::head_dim_v, where a specialised pair's kernel runs). Reads the
+// shape fields of params and params.num_splits, which must be set.
 struct BwdWorkspace {
   at::Tensor softmax_d;
   at::Tensor dq_accum;
@@ -99,6 +101,10 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
                                 int compiled_head_dim,
                                 const std::optional<at::Tensor>& softmax_d_out) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
+  // dV's sums and shares: the pair kernel's own width, else d_qk's.
+  const int accum_head_dim_v = plan.kernel == BwdKernel::kSm90 && plan.head_dim_v < plan.head_dim
+                                   ? plan.head_dim_v
+                                   : compiled_head_dim;
   BwdWorkspace ws;
   ws.softmax_d = softmax_d_out.has_value() ? *softmax_d_out : at::empty_like(softmax_lse, f32);
   // dQ accumulator: every sequence padded to whole query blocks
@@ -131,7 +137,9 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
   if (params.nheads != params.nheads_k && params.deterministic) {
     // Every row the reduction reads is written by the main kernel: no zeroing.
     ws.dk_accum = at::empty(dkv_accum_shape, f32);
-    ws.dv_accum = at::empty(dkv_accum_shape, f32);
+    std::vector<int64_t> dv_shape(dkv_accum_shape.begin(), dkv_accum_shape.end());
+    dv_shape.back() = accum_head_dim_v;
+    ws.dv_accum = at::empty(dv_shape, f32);
     params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
   } else if (params.nheads != params.nheads_k) {
@@ -142,7 +150,7 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
     const int64_t kv_heads_total =
         varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
     ws.dk_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
-    ws.dv_accum = at::zeros_like(ws.dk_accum);
+    ws.dv_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, accum_head_dim_v}, f32);
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
   }
