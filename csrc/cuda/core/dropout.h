@@ -24,6 +24,19 @@ struct DropoutState {
   int nheads;
 };
 
+// The state of (batch, head) from a call's params (FwdParams or BwdParams:
+// rng_state, dropout_threshold, nheads).
+template <typename Params>
+__forceinline__ __device__ DropoutState dropout_state_of(const Params& params, int batch,
+                                                         int head) {
+  return {static_cast<uint64_t>(params.rng_state[0]),
+          static_cast<uint64_t>(params.rng_state[1]),
+          params.dropout_threshold,
+          batch,
+          head,
+          params.nheads};
+}
+
 // Dropped elements become 0 (or -|p| when negate_dropped, the encoding of the
 // returned attention probabilities).
 template <bool kNegateDropped = false, typename TensorP, typename TensorC>

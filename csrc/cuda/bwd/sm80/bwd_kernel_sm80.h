@@ -227,14 +227,7 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   pointwise.has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
   pointwise.dropout_rescale = params.dropout_rescale;
   DropoutState dropout{};
-  if (pointwise.has_dropout) {
-    dropout = {static_cast<uint64_t>(params.rng_state[0]),
-               static_cast<uint64_t>(params.rng_state[1]),
-               params.dropout_threshold,
-               batch,
-               head,
-               params.nheads};
-  }
+  if (pointwise.has_dropout) dropout = dropout_state_of(params, batch, head);
 
   if (m_block_max > m_block_min) {
     // Prologue: K, V and the last visible query block in flight together.

@@ -451,13 +451,8 @@ struct BwdSm90MainloopMma {
   // them spilled (docs/dropout_sm90.md, section 5).
   __forceinline__ __device__ void draw_dropout(DropoutMask& dropout_mask, const BwdKeyBlock& block,
                                                int row_begin) const {
-    const DropoutState dropout{static_cast<uint64_t>(params.rng_state[0]),
-                               static_cast<uint64_t>(params.rng_state[1]),
-                               params.dropout_threshold,
-                               block.batch,
-                               block.head,
-                               params.nheads};
-    dropout_mask.draw(tScS_rowcol, block.col_begin, row_begin, dropout);
+    dropout_mask.draw(tScS_rowcol, block.col_begin, row_begin,
+                      dropout_state_of(params, block.batch, block.head));
   }
 
   // S^T -> P^T in acc_s and dP^T -> dS^T in acc_dp: the score mods, the mask,

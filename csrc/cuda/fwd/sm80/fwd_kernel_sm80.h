@@ -187,14 +187,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   const float lse_scale = prescale_scores ? 1.f : params.softmax_scale;
   const bool has_dropout = kWithScoreExtras && params.dropout_p > 0.f;
   DropoutState dropout{};
-  if (has_dropout) {
-    dropout = {static_cast<uint64_t>(params.rng_state[0]),
-               static_cast<uint64_t>(params.rng_state[1]),
-               params.dropout_threshold,
-               block.batch,
-               block.head,
-               params.nheads};
-  }
+  if (has_dropout) dropout = dropout_state_of(params, block.batch, block.head);
 
   // Prologue: Q and the last visible K block in flight together. Key blocks
   // run from high to low so that a causal mask's diagonal block, the one that

@@ -565,13 +565,8 @@ struct FwdSm90MainloopMma {
         // Seed and offset read per key tile (two cached loads under the
         // wgmma), not held across the loop: held, they pushed tile-level
         // values to the stack (PERF_LOG 2026-11-29, issue 57 step 1).
-        const DropoutState dropout{static_cast<uint64_t>(params.rng_state[0]),
-                                   static_cast<uint64_t>(params.rng_state[1]),
-                                   params.dropout_threshold,
-                                   block.batch,
-                                   block.head,
-                                   params.nheads};
-        dropout_mask.draw(tScS_rowcol, row_begin, col_base, dropout);
+        dropout_mask.draw(tScS_rowcol, row_begin, col_base,
+                          dropout_state_of(params, block.batch, block.head));
       }
       warpgroup_wait<kHasPendingPv ? 1 : 0>();  // S(i) has landed
       warpgroup_fence_operand(acc_s);
