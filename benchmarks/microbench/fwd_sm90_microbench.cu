@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
 
   params.o_ptr = o;
   params.softmax_lse_ptr = lse;
-  const auto tma = flash::FwdSm90Tma<Traits>::make(params);
+  const auto tma = flash::FwdSm90Tma<Traits>::make(params, /*gather_keys=*/false);
   const auto tile_divisors = flash::fwd_sm90_tile_divisors(params, Traits::kBlockM);
   int num_sms = 0;
   FA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
