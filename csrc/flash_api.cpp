@@ -178,7 +178,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "bool varlen=False, bool deterministic=False, "
       "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
       "int smem_per_sm=233472, int reserved_smem_per_block=1024, "
-      "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True) -> str");
+      "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True, "
+      "int head_dim_v=-1) -> str");
   m.def(
       "_plan_decode(int batch, int seqlen_q, int cache_capacity, int nheads, int nheads_k, "
       "int head_dim, *, bool paged=False, int num_splits=0, bool causal=False, "

@@ -22,6 +22,11 @@ Level 2: on sm90, a forward with d_qk in (160, 192] and d_v <= 128 runs the
 tiles (112) differ from d_192's (96): its sums run in another order, so it
 matches the padded call within rounding rather than bitwise, and the
 reference within the criterion. FWD_PAIRS adds the pairs around it.
+The backward of those calls runs the pair's own Hopper backward (plan_bwd;
+bwd_tile_config.h BwdTileConfig<192, 128>): d192's 64 x 64 tile with dO, V
+and dV at 128 columns. Its tiles and summation order are d192's, and the
+columns it drops only ever added exact zeros, so its gradients are still
+bitwise the padded call's where the order is fixed (deterministic).
 """
 
 import re
@@ -412,6 +417,122 @@ def test_varlen_bwd_matches_reference(kernel, d_qk, d_v):
     same = reference_grads(ref, (q, k, v), dout, q.dtype)
     check_close(out, exact[0], same[0], "out")
     check_grads(grads, exact[2], same[2])
+
+
+def backward_with_kernel_names(q, k, v, dout, **kwargs):
+    """The gradients of flash_attn_func and the names of the kernels its
+    backward ran."""
+    out = flash_attn_func(q, k, v, **kwargs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+    return out, grads, {event.name for event in prof.events()}
+
+
+def sm90_backward_kernels(names):
+    """(d_qk, block M, block N, d_v, score mods, ordered dQ) of each Hopper
+    backward that ran: flash_bwd_sm90_kernel<BwdSm90KernelTraits<d_qk, block M,
+    block N, element, stages, stage dQ, d_v>, score mods, ordered dQ>."""
+    found = set()
+    for name in names:
+        match = re.search(
+            r"flash_bwd_sm90_kernel<.*?BwdSm90KernelTraits<(\d+), (\d+), (\d+), [\w:]+, \d+, "
+            r"(?:true|false), (\d+)>, (true|false), (true|false)>",
+            name,
+        )
+        if match:
+            found.add(
+                (
+                    *(int(match[i]) for i in range(1, 5)),
+                    match[5] == "true",
+                    match[6] == "true",
+                )
+            )
+    return found
+
+
+@pytest.mark.parametrize(
+    "d_qk,d_v,kernel_dims",
+    [
+        (192, 128, (192, 64, 64, 128)),
+        (192, 64, (192, 64, 64, 128)),
+        (176, 128, (192, 64, 64, 128)),
+        (192, 192, (192, 64, 64, 192)),
+        (192, 160, (192, 64, 64, 192)),
+        (160, 128, (160, 64, 64, 160)),
+        (128, 64, (128, 64, 128, 128)),
+    ],
+)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_bwd_pair_kernel_choice_on_sm90(d_qk, d_v, kernel_dims, heads, monkeypatch):
+    """By default on sm90, the backward of d_qk in (160, 192] with d_v <= 128
+    runs the (192, 128) Hopper backward (dO, V, dV at 128 columns) and every
+    other pair the kernel of its compiled d_qk: plain, causal, under GQA, with
+    score mods (softcap, ALiBi, dropout: the score-mods variant) and
+    deterministic (ordered dQ, bitwise the same twice), its gradients within
+    the criterion of the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels run on sm90 GPUs only")
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
+    nheads, nheads_k = heads
+    q = randn(2, 300, nheads, d_qk).requires_grad_()
+    k = randn(2, 317, nheads_k, d_qk).requires_grad_()
+    v = randn(2, 317, nheads_k, d_v).requires_grad_()
+    dout = randn(2, 300, nheads, d_v)
+    for causal in (False, True):
+        out, grads, names = backward_with_kernel_names(q, k, v, dout, causal=causal)
+        assert sm90_backward_kernels(names) == {(*kernel_dims, False, False)}, names
+        assert grads[2].shape == v.shape
+
+        def ref(q, k, v, dtype, causal=causal):
+            return attention_ref(q, k, v, causal=causal, compute_dtype=dtype)
+
+        exact = reference_grads(ref, (q, k, v), dout, torch.float64)
+        same = reference_grads(ref, (q, k, v), dout, q.dtype)
+        check_grads(grads, exact[2], same[2])
+
+    # Deterministic: ordered dQ, bitwise the same twice, within the criterion.
+    _, det, names = backward_with_kernel_names(q, k, v, dout, causal=True, deterministic=True)
+    assert sm90_backward_kernels(names) == {(*kernel_dims, False, True)}, names
+    _, again, _ = backward_with_kernel_names(q, k, v, dout, causal=True, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), det, again):
+        assert torch.equal(a, b), name
+
+    def causal_ref(q, k, v, dtype):
+        return attention_ref(q, k, v, causal=True, compute_dtype=dtype)
+
+    exact = reference_grads(causal_ref, (q, k, v), dout, torch.float64)
+    same = reference_grads(causal_ref, (q, k, v), dout, q.dtype)
+    check_grads(det, exact[2], same[2])
+
+    # Softcap and ALiBi against the reference; with dropout too, bitwise
+    # repeatable from one forward (same seed), on the score-mods variant.
+    alibi = torch.rand(nheads, device="cuda") * 0.3
+    _, mods, names = backward_with_kernel_names(
+        q, k, v, dout, causal=True, softcap=5.0, alibi_slopes=alibi
+    )
+    assert sm90_backward_kernels(names) == {(*kernel_dims, True, False)}, names
+
+    def mods_ref(q, k, v, dtype):
+        return attention_ref(
+            q, k, v, causal=True, softcap=5.0, alibi_slopes=alibi, compute_dtype=dtype
+        )
+
+    exact = reference_grads(mods_ref, (q, k, v), dout, torch.float64)
+    same = reference_grads(mods_ref, (q, k, v), dout, q.dtype)
+    check_grads(mods, exact[2], same[2])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        _, dropped, names = backward_with_kernel_names(
+            q, k, v, dout, dropout_p=0.1, softcap=5.0, deterministic=True
+        )
+        assert sm90_backward_kernels(names) == {(*kernel_dims, True, False)}, names
+        runs.append(dropped)
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
 
 
 # ------------------------------------------------------------------ KV cache

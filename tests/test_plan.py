@@ -526,6 +526,99 @@ def test_backward_large_smem_tile():
     assert bwd(*long, kernel_override="sm80", softcap=10.0)["kernel"] == "sm80"
 
 
+def bwd_sm90_smem_bytes(d_qk, d_v, block_m, block_n, stages=2):
+    """plan.h bwd_sm90_smem_bytes: Q and K at d_qk, dO and V at d_v, dS (and
+    the split design's P^T), the row statistics, the dQ staging buffer of the
+    keys-per-warpgroup design, the mbarriers."""
+    ds = 2 * block_m * block_n * 2
+    p = 0 if block_n == 128 else ds
+    dq = block_m * d_qk * 4 if block_n == 128 else 0
+    return (
+        stages * block_m * (d_qk + d_v) * 2
+        + block_n * (d_qk + d_v) * 2
+        + ds
+        + p
+        + stages * 2 * block_m * 4
+        + dq
+        + 48
+    )
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (192, 64), (192, 96), (176, 128), (161, 8)])
+def test_backward_pair_kernel(d_qk, d_v):
+    """d_qk in (160, 192] with d_v <= 128 runs the (192, 128) Hopper backward
+    (dO, V and dV at 128 columns) on d192's 64 x 64 tile, with every score rule,
+    deterministic mode and GQA the d192 kernel takes; where the Hopper kernel
+    does not run, the SM80 one of d_qk with dO and V padded (level 1)."""
+    row = BWD_TABLE[192]
+    block_m, block_n = row["kBlockMSm90"], row["kBlockN"]
+    assert (block_m, block_n) == (64, 64)
+    # 153 KiB against d192's 177 (bwd_tile_config.h, BwdTileConfig<192, 128>).
+    assert bwd_sm90_smem_bytes(192, 128, block_m, block_n) == 156720
+    assert bwd_sm90_smem_bytes(192, 192, block_m, block_n) == 181296
+    long = (2, 8192, 8192, 16, 16, d_qk)
+    for causal in (False, True):
+        plan = bwd(*long, causal=causal, head_dim_v=d_v)
+        assert plan["kernel"] == "sm90" and plan["variant"] == "plain", plan
+        assert (plan["hdim"], plan["hdim_v"]) == (192, 128)
+        assert (plan["block_m"], plan["block_n"]) == (block_m, block_n)
+        assert plan["grid"] == "%dx16x2" % (8192 // block_n) and plan["splits"] == 1
+        assert "(192, 128) kernel" in plan["reason"]
+    # Softcap, ALiBi, dropout: the pair kernel's score-mods variant (its draws
+    # fit: 240 - 64 (2 x 64 + 192 + 128) / 256 = 128 registers to spare).
+    for kw in ({"dropout_p": 0.1}, {"softcap": 30.0}, {"alibi": True}):
+        mods = bwd(*long, head_dim_v=d_v, **kw)
+        assert mods["kernel"] == "sm90" and mods["variant"] == "score_mods", (kw, mods)
+        assert (mods["hdim"], mods["hdim_v"]) == (192, 128)
+    mods = bwd(*long, head_dim_v=d_v, dropout_p=0.1, softcap=30.0, alibi=True)
+    assert mods["variant"] == "score_mods" and mods["hdim_v"] == 128
+    # Deterministic: ordered dQ on the plain variant, dQ splits with score
+    # mods or a left window bound, as at d192.
+    det = bwd(*long, causal=True, deterministic=True, head_dim_v=d_v)
+    assert det["ordered_dq"] == 1 and det["splits"] == 1 and det["hdim_v"] == 128
+    det = bwd(*long, deterministic=True, softcap=30.0, head_dim_v=d_v)
+    assert det["ordered_dq"] == 0 and det["splits"] > 1 and det["hdim_v"] == 128
+    det = bwd(*long, deterministic=True, window_size_left=512, window_size_right=0, head_dim_v=d_v)
+    assert det["ordered_dq"] == 0 and det["splits"] > 1 and det["hdim_v"] == 128
+    # GQA / MQA and varlen.
+    for nheads_k in (2, 1):
+        gqa = bwd(2, 8192, 8192, 16, nheads_k, d_qk, head_dim_v=d_v)
+        assert gqa["kernel"] == "sm90" and gqa["hdim_v"] == 128
+        gqa = bwd(2, 8192, 8192, 16, nheads_k, d_qk, deterministic=True, head_dim_v=d_v)
+        assert gqa["kernel"] == "sm90" and gqa["hdim_v"] == 128
+    assert bwd(*long, varlen=True, head_dim_v=d_v)["hdim_v"] == 128
+    # The SM80 kernel of d_qk, dO and V padded to it: another device, a
+    # forced SM80, TMA refused, no sm_90a code, a scale not positive and normal.
+    for sm80 in (
+        bwd(*long, head_dim_v=d_v, device=A100),
+        bwd(*long, head_dim_v=d_v, kernel_override="sm80"),
+        bwd(*long, head_dim_v=d_v, tma_aligned=False),
+        bwd(*long, head_dim_v=d_v, sm90a_built=False),
+        bwd(*long, head_dim_v=d_v, softmax_scale=-0.1),
+    ):
+        assert sm80["kernel"].startswith("sm80"), sm80
+        assert (sm80["hdim"], sm80["hdim_v"]) == (192, 192), sm80
+    assert bwd(*long, head_dim_v=d_v, kernel_override="sm90")["hdim_v"] == 128
+
+
+@pytest.mark.parametrize(
+    "d_qk,d_v", [(192, 192), (192, 129), (192, 160), (160, 128), (128, 64), (224, 128), (256, 128)]
+)
+def test_backward_other_pairs_keep_level_1(d_qk, d_v):
+    """Every other (d_qk, d_v) runs the backward of its compiled d_qk, dO's and
+    V's columns past d_v zero (level 1)."""
+    compiled = next(d for d in sorted(BWD_TABLE) if d >= d_qk)
+    plan = bwd(2, 8192, 8192, 16, 16, d_qk, causal=True, head_dim_v=d_v)
+    assert plan["kernel"] == "sm90"
+    assert (plan["hdim"], plan["hdim_v"]) == (compiled, compiled)
+    assert plan["block_n"] == BWD_TABLE[compiled]["kBlockN"]
+    assert "(192, 128)" not in plan["reason"]
+    # d_v = d_qk is the default.
+    assert bwd(2, 8192, 8192, 16, 16, d_qk)["hdim_v"] == compiled
+    with pytest.raises(RuntimeError, match="head_dim_v"):
+        bwd(2, 128, 128, 4, 4, d_qk, head_dim_v=d_qk + 1)
+
+
 def test_deterministic_dq_splits():
     # The SM80 kernel: about two blocks per SM over (batch, heads), at most
     # one per key block.

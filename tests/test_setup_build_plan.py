@@ -135,10 +135,11 @@ def test_plan_of_a_cpu_only_build(setup_py):
     assert "2 C++ files (CPU-only)" in plan and "kernel files" not in plan
 
 
-def test_pair_kernels_are_built_with_their_d_qk(setup_py):
-    """A specialised (d_qk, d_v) pair's file (flash_fwd_hdim192_dv128_*.cu) is
-    selected by its d_qk and dtype, as that head dim's own files are."""
-    pair = "csrc/cuda/instantiations/flash_fwd_hdim192_dv128_bf16.cu"
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_pair_kernels_are_built_with_their_d_qk(setup_py, kernel):
+    """A specialised (d_qk, d_v) pair's file (flash_{fwd,bwd}_hdim192_dv128_*.cu)
+    is selected by its d_qk and dtype, as that head dim's own files are."""
+    pair = f"csrc/cuda/instantiations/flash_{kernel}_hdim192_dv128_bf16.cu"
     assert (ROOT / pair).exists()
     assert setup_py._instantiation_selected(pair, [192], ["bf16"])
     assert setup_py._instantiation_selected(pair, [128, 192], ["fp16", "bf16"])

@@ -210,14 +210,24 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   // dK carries the softmax scale already (the main kernel applies it).
   store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
       params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
-  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
-      params.dv_sum_ptr + sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows, params.head_dim_v);
+  // dV's sums are rows of kHeadDimV columns where d_v has its own width
+  // (store_dk_dv_pair).
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  const int64_t dv_sum_offset =
+      kHeadDimV == kHeadDim ? sum_offset
+                            : dkv_sum_offset<kBlockN, kHeadDimV>(params, binfo, batch, head_kv) +
+                                  accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(n_block, 0) +
+                                  accum_thread_offset(threadIdx.x);
+  store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV, kHeadDimV>(
+      params.dv_sum_ptr + dv_sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows,
+      params.head_dim_v);
 }
 
 // Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
 // deterministic mode: dK and dV of a kv head sum its query heads' shares in
-// head order.
-template <typename Element, int kAccumHeadDim>
+// head order. The shares are rows of kAccumHeadDim columns, dV's of
+// kAccumHeadDimV where d_v has its own width (store_dk_dv_pair).
+template <typename Element, int kAccumHeadDim, int kAccumHeadDimV = kAccumHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_reduce_dkv_kernel(const BwdParams params) {
   HeadBatch pair;
@@ -235,23 +245,45 @@ __global__ void __launch_bounds__(kBwdAuxThreads)
                    : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) * params.seqlen_k;
   const int64_t accum_offset = (first_head + row_begin) * kAccumHeadDim;
   const float* dk_accum = params.dk_accum_ptr + accum_offset;
-  const float* dv_accum = params.dv_accum_ptr + accum_offset;
+  [[maybe_unused]] const float* dv_accum = params.dv_accum_ptr + accum_offset;
   Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
                 row_begin * params.dk.row_stride;
   Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
                 row_begin * params.dv.row_stride;
   const int rows = min(kConvertRowsPerBlock, binfo.seqlen_k - row_begin);
-  for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-    const int r = idx / params.head_dim;
-    const int c = idx - r * params.head_dim;
-    const int64_t element = int64_t(r) * kAccumHeadDim + c;
-    float dk_sum = 0.f, dv_sum = 0.f;
-    for (int g = 0; g < group; ++g) {
-      dk_sum += dk_accum[g * head_stride + element];
-      dv_sum += dv_accum[g * head_stride + element];
+  if constexpr (kAccumHeadDimV == kAccumHeadDim) {
+    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
+      const int r = idx / params.head_dim;
+      const int c = idx - r * params.head_dim;
+      const int64_t element = int64_t(r) * kAccumHeadDim + c;
+      float dk_sum = 0.f, dv_sum = 0.f;
+      for (int g = 0; g < group; ++g) {
+        dk_sum += dk_accum[g * head_stride + element];
+        dv_sum += dv_accum[g * head_stride + element];
+      }
+      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
+      if (c < params.head_dim_v) dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
     }
-    dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-    if (c < params.head_dim_v) dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
+  } else {
+    // dK's shares, then dV's, each over its own rows' width.
+    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
+      const int r = idx / params.head_dim;
+      const int c = idx - r * params.head_dim;
+      const int64_t element = int64_t(r) * kAccumHeadDim + c;
+      float dk_sum = 0.f;
+      for (int g = 0; g < group; ++g) dk_sum += dk_accum[g * head_stride + element];
+      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
+    }
+    const int64_t head_stride_v = head_stride / kAccumHeadDim * kAccumHeadDimV;
+    const float* dv_accum_v = params.dv_accum_ptr + accum_offset / kAccumHeadDim * kAccumHeadDimV;
+    for (int idx = threadIdx.x; idx < rows * params.head_dim_v; idx += kBwdAuxThreads) {
+      const int r = idx / params.head_dim_v;
+      const int c = idx - r * params.head_dim_v;
+      const int64_t element = int64_t(r) * kAccumHeadDimV + c;
+      float dv_sum = 0.f;
+      for (int g = 0; g < group; ++g) dv_sum += dv_accum_v[g * head_stride_v + element];
+      dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
+    }
   }
 }
 

@@ -248,4 +248,119 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
   }
 }
 
+// store_dk_dv for a specialised (d_qk, d_v) pair (Traits::kHeadDimV <
+// kHeadDim, the Hopper kernel only): dV has an MMA of its own (tiled_mma_dv,
+// N = d_v) and Traits's SmemLayoutV, GmemTiledCopyStoreV tiles of kHeadDimV
+// columns. Under GQA dV's fp32 sums and shares are rows of kHeadDimV
+// columns (the op sizes them by BwdPlan::head_dim_v), as
+// flash_bwd_convert_dkv_kernel and flash_bwd_reduce_dkv_kernel read them.
+// (A function of its own, so that
+// every kernel of one MMA keeps store_dk_dv's code: the SM80 kernel, at 255
+// registers, allocated them differently through a shared generic version.)
+template <typename Traits, typename TensorAccDK, typename TensorAccDV, typename TiledMmaDK,
+          typename ThrMmaDK, typename TiledMmaDV, typename ThrMmaDV, typename Sync = BlockBarrier>
+__forceinline__ __device__ void store_dk_dv_pair(
+    TensorAccDK& acc_dk, const TensorAccDV& acc_dv, const TiledMmaDK& tiled_mma_dk,
+    const ThrMmaDK& thr_mma_dk, const TiledMmaDV& tiled_mma_dv, const ThrMmaDV& thr_mma_dv,
+    typename Traits::Element* smem_k, typename Traits::Element* smem_v, const BwdParams& params,
+    const BlockInfo& binfo, const BwdKeyBlock& block, int tidx, Sync sync = {}) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  static_assert(kHeadDimV < kHeadDim, "one width: store_dk_dv");
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
+
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
+  Tensor cdV =
+      make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{});  // (N, Dv) -> (row, col)
+  if (block.group == 1) {
+    Tensor rdK = convert_type<Element>(acc_dk);  // (MMA, MMA_N, MMA_D)
+    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_Dv)
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});  // (N, D)
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});   // (N, Dv)
+    auto smem_tiled_copy_dK = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dk);
+    auto smem_thr_copy_dK = smem_tiled_copy_dK.get_thread_slice(tidx);
+    auto smem_tiled_copy_dV = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dv);
+    auto smem_thr_copy_dV = smem_tiled_copy_dV.get_thread_slice(tidx);
+    sync();  // every warp is done reading sK (dQ) and sV (dP)
+    copy(smem_tiled_copy_dK, smem_thr_copy_dK.retile_S(rdK), smem_thr_copy_dK.partition_D(sdK));
+    copy(smem_tiled_copy_dV, smem_thr_copy_dV.retile_S(rdV), smem_thr_copy_dV.partition_D(sdV));
+    sync();
+
+    Element* dk_ptr = static_cast<Element*>(params.dk_ptr) +
+                      binfo.k_offset(params.dk, block.batch, block.head_kv);
+    Element* dv_ptr = static_cast<Element*>(params.dv_ptr) +
+                      binfo.k_offset(params.dv, block.batch, block.head_kv);
+    Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(binfo.seqlen_k, params.head_dim),
+                             make_stride(params.dk.row_stride, _1{}));  // (seqlen_k, head_dim)
+    Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(binfo.seqlen_k, params.head_dim_v),
+                             make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim_v)
+    // (N, D)
+    Tensor gdK =
+        local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+    // (N, Dv)
+    Tensor gdV =
+        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(block.n_block, 0));
+    typename Traits::GmemTiledCopyStore gmem_tiled_copy_dK;
+    auto gmem_thr_copy_dK = gmem_tiled_copy_dK.get_thread_slice(tidx);
+    typename Traits::GmemTiledCopyStoreV gmem_tiled_copy_dV;
+    auto gmem_thr_copy_dV = gmem_tiled_copy_dV.get_thread_slice(tidx);
+    Tensor tdKsdK = gmem_thr_copy_dK.partition_S(sdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdKgdK = gmem_thr_copy_dK.partition_D(gdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdVsdV = gmem_thr_copy_dV.partition_S(sdV);                 // (CPY, CPY_N, CPY_Dv)
+    Tensor tdVgdV = gmem_thr_copy_dV.partition_D(gdV);                 // (CPY, CPY_N, CPY_Dv)
+    Tensor tdKVcdKV = gmem_thr_copy_dK.partition_D(cdKV);              // (CPY, CPY_N, CPY_D)
+    Tensor tdVcdV = gmem_thr_copy_dV.partition_D(cdV);                 // (CPY, CPY_N, CPY_Dv)
+    Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
+    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
+    // dV has head_dim_v columns; its predicate is evaluated at the store (a
+    // second array in registers spilled the SM80 backward).
+    const auto tdVpdV = cols_below(tdVcdV, params.head_dim_v);  // (CPY_Dv)
+    Tensor tdKrdK = make_fragment_like(tdKsdK);                 // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);                 // (CPY, CPY_N, CPY_Dv)
+    copy(gmem_tiled_copy_dK, tdKsdK, tdKrdK);
+    copy(gmem_tiled_copy_dV, tdVsdV, tdVrdV);
+    store_tile_predicated(gmem_tiled_copy_dK, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
+    store_tile_predicated(gmem_tiled_copy_dV, tdVrdV, tdVgdV, tdVcdV, tdVpdV, block.cols_left);
+  } else if (!params.deterministic) {
+    // The kv head's sums, each in the fragment order of its MMA
+    // (bwd_accum_layout.h), dV's rows kHeadDimV wide.
+    atomic_add_fragment<Traits::kNThreads>(
+        acc_dk, params.dk_sum_ptr +
+                    dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
+                    accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
+                    accum_thread_offset(tidx));
+    atomic_add_fragment<Traits::kNThreads>(
+        acc_dv, params.dv_sum_ptr +
+                    dkv_sum_offset<kBlockN, kHeadDimV>(params, binfo, block.batch, block.head_kv) +
+                    accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(block.n_block, 0) +
+                    accum_thread_offset(tidx));
+  } else {
+    // This query head's shares, dK's rows kHeadDim and dV's kHeadDimV wide,
+    // which flash_bwd_reduce_dkv_kernel sums.
+    float* dk_accum = params.dk_accum_ptr +
+                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
+                      int64_t(block.col_begin) * kHeadDim;
+    float* dv_accum = params.dv_accum_ptr +
+                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDimV) +
+                      int64_t(block.col_begin) * kHeadDimV;
+    Tensor tdKcdK = thr_mma_dk.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
+    Tensor tdVcdV = thr_mma_dv.partition_C(cdV);   // (MMA, MMA_N, MMA_Dv)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int row = get<0>(tdKcdK(i));
+      const int col = get<1>(tdKcdK(i));
+      if (row < block.cols_left) dk_accum[row * kHeadDim + col] = acc_dk(i);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) {
+      const int row = get<0>(tdVcdV(i));
+      const int col = get<1>(tdVcdV(i));
+      if (row < block.cols_left) dv_accum[row * kHeadDimV + col] = acc_dv(i);
+    }
+  }
+}
+
 }  // namespace flash

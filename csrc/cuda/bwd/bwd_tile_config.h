@@ -1,4 +1,5 @@
-// The one table of backward tile configurations, per compiled head dim.
+// The one table of backward tile configurations, per compiled head dim (and
+// specialised (d_qk, d_v) pair, below the table).
 //
 // A thread block owns kBlockN keys and loops over query blocks of kBlockM
 // rows. Warps tile each of the three GEMM shapes on their own grid:
@@ -27,7 +28,10 @@
 
 namespace flash {
 
-template <int kHeadDim>
+// Keyed on the compiled (d_qk, d_v): d_v = d_qk for every head dim (a
+// smaller d_v runs on it with dO's and V's extra columns zero: level 1,
+// docs/head_dims_dv_and_512.md section 1), plus the specialised pairs below.
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdTileConfig;
 
 // clang-format off
@@ -58,6 +62,21 @@ template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlo
 // in their 16-bit registers (BwdSm90KernelTraits::kShuffleRowStats; PERF_LOG
 // 2026-11-29, d64 with 128-row query blocks).
 //
+// Specialised pairs: a Hopper kernel only (plan_bwd sends the pair's SM80
+// calls to d_qk's row at level 1), whose block shape is d_qk's, so that the
+// accumulators, the grid and the deterministic dQ splits are sized by
+// d_qk's row (bwd_block_shape).
+//   (192, 128), DeepSeek MLA training: d192's split design, 64 x 64
+//   (docs/head_dims_dv_and_512.md, "The (192, 128) tiles"). Per MMA thread,
+//   S^T and dP^T 64 x 32 (16 + 16 registers), dK 64 x 96 (48), dV 64 x 64
+//   (32): 112 accumulators of its 240, against d192's 128. Shared memory,
+//   two Q / dO stages: Q 48 KiB + dO 32 + K 24 + V 16 + dS 16 + P^T 16 +
+//   statistics 1 = 153 KiB (d192: 177). The keys-per-warpgroup design
+//   (128 keys) would hold dK 64 x 192 + dV 64 x 128 + S^T + dP^T 64 x 64 =
+//   224 accumulators, over 240 with addresses.
+template <>
+struct BwdTileConfig<192, 128> : BwdTileConfig<192> {};
+
 // kBwdSm90QdOStages: the Q / dO buffers of the Hopper kernel's producer
 // pipeline. 3 stages were no faster than 2 (PERF_LOG 2026-11-24 29b2865),
 // which take 32 KiB less shared memory (and d256 has room for 2 only:

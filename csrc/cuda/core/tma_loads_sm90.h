@@ -216,19 +216,25 @@ struct FwdSm90Tma {
 };
 
 // The backward's descriptors: Q and dO tiles of (kBlockM, head dim) into one
-// buffer of their stages, K and V of the block's (kBlockN, head dim). dO and
-// V have head_dim_v columns; TMA zero-fills the rest of their boxes, so
+// buffer of their stages, K and V of the block's (kBlockN, head dim); dO's
+// and V's boxes are Traits::kHeadDimV wide (kHeadDim but for a specialised
+// (d_qk, d_v) pair; then the same types as Q's and K's). dO and V have
+// head_dim_v columns; TMA zero-fills the rest of their boxes, so
 // dP = dO V^T sums zeros there.
 template <typename Traits>
 struct BwdSm90Tma {
   using LoadQ = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutQdOBuffer,
                             Traits::kBlockM, Traits::kHeadDim>;
+  using LoaddO = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutdOBuffer,
+                             Traits::kBlockM, Traits::kHeadDimV>;
   using LoadKV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutKV,
                              Traits::kBlockN, Traits::kHeadDim>;
+  using LoadV = TmaTileLoad<typename Traits::Element, typename Traits::SmemLayoutV, Traits::kBlockN,
+                            Traits::kHeadDimV>;
   typename LoadQ::Copy q;
-  typename LoadQ::Copy dout;
+  typename LoaddO::Copy dout;
   typename LoadKV::Copy k;
-  typename LoadKV::Copy v;
+  typename LoadV::Copy v;
 
   static bool can_load(const BwdParams& p) {
     return tma_can_load(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q) &&
@@ -238,9 +244,9 @@ struct BwdSm90Tma {
   }
   static BwdSm90Tma make(const BwdParams& p) {
     return {LoadQ::make(p.q_ptr, tma_q_rows(p), p.head_dim, p.nheads, tma_batches(p), p.q),
-            LoadQ::make(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout),
+            LoaddO::make(p.do_ptr, tma_q_rows(p), p.head_dim_v, p.nheads, tma_batches(p), p.dout),
             LoadKV::make(p.k_ptr, tma_k_rows(p), p.head_dim, p.nheads_k, tma_batches(p), p.k),
-            LoadKV::make(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v)};
+            LoadV::make(p.v_ptr, tma_k_rows(p), p.head_dim_v, p.nheads_k, tma_batches(p), p.v)};
   }
 };
 

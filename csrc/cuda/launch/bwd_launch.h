@@ -1,4 +1,5 @@
-// Host side of the backward pass for one (dtype, compiled head dim): the
+// Host side of the backward pass for one (dtype, compiled head dim, or
+// specialised (d_qk, d_v) pair, whose main kernel is the Hopper one only): the
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
 // under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
 // the group reduction of the per-head shares), all on one stream. The caller
@@ -41,20 +42,20 @@ void launch_bwd_dq_dk_dv(const BwdParams& params, dim3 grid, cudaStream_t stream
 // The Hopper kernel exists as machine code only when the build has sm_90a
 // (setup.py defines FLASH_ATTN_HAS_SM90A then), at the head dims its tile
 // table column has.
-template <int kHeadDim>
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 constexpr bool has_sm90_backward() {
 #if defined(FLASH_ATTN_HAS_SM90A)
-  return BwdTileConfig<kHeadDim>::kBlockMSm90 > 0;
+  return BwdTileConfig<kHeadDim, kHeadDimV>::kBlockMSm90 > 0;
 #else
   return false;
 #endif
 }
 
-template <typename Element, int kHeadDim, bool kOrderedDQ = false>
+template <typename Element, int kHeadDim, bool kOrderedDQ = false, int kHeadDimV = kHeadDim>
 using BwdSm90TraitsFor =
-    BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim>::kBlockMSm90,
-                        BwdTileConfig<kHeadDim>::kBlockN, Element, kBwdSm90QdOStages,
-                        bwd_sm90_stage_dq<kHeadDim>(kOrderedDQ)>;
+    BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim, kHeadDimV>::kBlockMSm90,
+                        BwdTileConfig<kHeadDim, kHeadDimV>::kBlockN, Element, kBwdSm90QdOStages,
+                        bwd_sm90_stage_dq<kHeadDim>(kOrderedDQ), kHeadDimV>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
 // dK / dV from the kv heads' sums or shares. MainTraits is the main kernel's:
@@ -81,25 +82,28 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
     const dim3 dkv_grid =
         grid_over_heads_batch((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
                               params.nheads_k, params.batch);
-    flash_bwd_reduce_dkv_kernel<Element, kHeadDim><<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
+    flash_bwd_reduce_dkv_kernel<Element, kHeadDim, MainTraits::kHeadDimV>
+        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   }
 }
 
 // The Hopper main kernel; the plan checked that the device's blocks hold its
 // shared memory and that TMA can describe the inputs.
-template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false>
+template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false,
+          int kHeadDimV = kHeadDim>
 void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
-  using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ>;
+  using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ, kHeadDimV>;
   if (!BwdSm90Tma<Sm90Traits>::can_load(params) ||
       (params.dropout_p > 0.f && !(kWithScoreMods && Sm90Traits::kDrawsDropout))) {
     throw std::runtime_error(
         "flash_attn_cuda: the backward plan disagrees with the Hopper kernel (TMA or dropout "
         "rule)");
   }
-  static_assert(Sm90Traits::kDrawsDropout ==
-                    bwd_sm90_draws_dropout(kHeadDim, Sm90Traits::kBlockM, Sm90Traits::kBlockN),
-                "plan.h's rule for the Hopper backward's dropout matches the traits");
+  static_assert(
+      Sm90Traits::kDrawsDropout ==
+          bwd_sm90_draws_dropout(kHeadDim, kHeadDimV, Sm90Traits::kBlockM, Sm90Traits::kBlockN),
+      "plan.h's rule for the Hopper backward's dropout matches the traits");
   // The dQ order counters are per query block of this kernel's tile.
   if (kOrderedDQ &&
       (params.dq_semaphore == nullptr ||
@@ -112,54 +116,12 @@ void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t strea
                            BwdSm90Tma<Sm90Traits>::make(params));
 }
 
-// The plan (plan_bwd) names the main kernel, its variant and the grid's
-// width (key blocks, or the deterministic dQ splits); this only launches.
+// The SM80 main kernel (the table's tile, or the large-shared-memory one) and
+// its conversions.
 template <typename Element, int kHeadDim>
-void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
+void run_flash_bwd_sm80(const BwdParams& params, const BwdPlan& plan, dim3 grid,
+                        cudaStream_t stream) {
   using Traits = BwdTraitsFor<BwdTileConfig<kHeadDim>, kHeadDim, Element>;
-  if (plan.kernel == BwdKernel::kNone) return;
-  if (plan.block_n != Traits::kBlockN || plan.num_splits != params.num_splits) {
-    throw std::runtime_error("flash_attn_cuda: the backward plan disagrees with the params");
-  }
-
-  constexpr int kDotRows = dot_rows_per_block<kHeadDim>();
-  const dim3 dot_grid = grid_over_heads_batch((params.seqlen_q + kDotRows - 1) / kDotRows,
-                                              params.nheads, params.batch);
-  flash_bwd_dot_do_o_kernel<Element, kHeadDim><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
-
-  const dim3 grid = grid_over_heads_batch(plan.grid_x, params.nheads, params.batch);
-  if (plan.kernel == BwdKernel::kSm90) {
-    if constexpr (has_sm90_backward<kHeadDim>()) {
-      using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim>;
-      static_assert(
-          Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
-          "the table's block shape sizes the accumulators and the grid");
-      using Sm90OrderedTraits = BwdSm90TraitsFor<Element, kHeadDim, true>;
-      static_assert(Sm90OrderedTraits::kSmemSize ==
-                            bwd_sm90_smem_bytes(kHeadDim, Sm90Traits::kBlockM, Sm90Traits::kBlockN,
-                                                kBwdSm90QdOStages) &&
-                        Sm90Traits::kSmemSize <= Sm90OrderedTraits::kSmemSize,
-                    "plan.h sizes the Hopper backward's shared memory as its largest variant's");
-      // Softcap, ALiBi and dropout (where the tile draws it,
-      // bwd_sm90_draws_dropout) run the Hopper kernel's variant with them;
-      // other scales do not.
-      // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
-      // plain kernel.
-      if (plan.variant == FwdVariant::kScoreMods) {
-        launch_bwd_sm90_main<Element, kHeadDim, true>(params, grid, stream);
-      } else if (plan.ordered_dq) {
-        launch_bwd_sm90_main<Element, kHeadDim, false, true>(params, grid, stream);
-      } else {
-        launch_bwd_sm90_main<Element, kHeadDim, false>(params, grid, stream);
-      }
-      run_flash_bwd_convert<Sm90Traits>(params, stream);
-      return;
-    } else {
-      throw std::runtime_error(
-          "flash_attn_cuda: the plan asks for a Hopper backward that this build lacks");
-    }
-  }
   // The plain kernels assume a positive, normal softmax scale
   // (scale_is_positive_normal); any other scale takes the general kernel,
   // which tests for a masked score (the plan's kScoreExtras).
@@ -192,6 +154,74 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
     launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
   }
   run_flash_bwd_convert<Traits>(params, stream);
+}
+
+// The plan (plan_bwd) names the main kernel, its variant and the grid's
+// width (key blocks, or the deterministic dQ splits); this only launches.
+// A specialised (d_qk, d_v) pair (kHeadDimV < kHeadDim) has a Hopper kernel
+// only: plan_bwd sends the pair's other calls to d_qk's launcher (level 1).
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
+void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
+  using Traits = BwdTraitsFor<BwdTileConfig<kHeadDim>, kHeadDim, Element>;
+  if (plan.kernel == BwdKernel::kNone) return;
+  if (plan.block_n != Traits::kBlockN || plan.num_splits != params.num_splits) {
+    throw std::runtime_error("flash_attn_cuda: the backward plan disagrees with the params");
+  }
+  if (plan.head_dim != kHeadDim || plan.head_dim_v != kHeadDimV) {
+    throw std::runtime_error(
+        "flash_attn_cuda: the backward plan names another compiled (head dim, head dim v) than "
+        "this launcher's: " +
+        describe(plan));
+  }
+
+  // D = rowsum(dO * O) over d_v columns, its lanes sized by the compiled d_v.
+  constexpr int kDotRows = dot_rows_per_block<kHeadDimV>();
+  const dim3 dot_grid = grid_over_heads_batch((params.seqlen_q + kDotRows - 1) / kDotRows,
+                                              params.nheads, params.batch);
+  flash_bwd_dot_do_o_kernel<Element, kHeadDimV><<<dot_grid, kBwdAuxThreads, 0, stream>>>(params);
+  FA_CUDA_CHECK(cudaGetLastError());
+
+  const dim3 grid = grid_over_heads_batch(plan.grid_x, params.nheads, params.batch);
+  if (plan.kernel == BwdKernel::kSm90) {
+    if constexpr (has_sm90_backward<kHeadDim, kHeadDimV>()) {
+      using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, false, kHeadDimV>;
+      static_assert(
+          Traits::kBlockM % Sm90Traits::kBlockM == 0 && Sm90Traits::kBlockN == Traits::kBlockN,
+          "the table's block shape sizes the accumulators and the grid");
+      using Sm90OrderedTraits = BwdSm90TraitsFor<Element, kHeadDim, true, kHeadDimV>;
+      static_assert(Sm90OrderedTraits::kSmemSize ==
+                            bwd_sm90_smem_bytes(kHeadDim, kHeadDimV, Sm90Traits::kBlockM,
+                                                Sm90Traits::kBlockN, kBwdSm90QdOStages) &&
+                        Sm90Traits::kSmemSize <= Sm90OrderedTraits::kSmemSize &&
+                        Sm90OrderedTraits::kSmemSize <= kSm90SmemPerBlock,
+                    "plan.h sizes the Hopper backward's shared memory as its largest variant's");
+      // Softcap, ALiBi and dropout (where the tile draws it,
+      // bwd_sm90_draws_dropout) run the Hopper kernel's variant with them;
+      // other scales do not.
+      // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
+      // plain kernel.
+      if (plan.variant == FwdVariant::kScoreMods) {
+        launch_bwd_sm90_main<Element, kHeadDim, true, false, kHeadDimV>(params, grid, stream);
+      } else if (plan.ordered_dq) {
+        launch_bwd_sm90_main<Element, kHeadDim, false, true, kHeadDimV>(params, grid, stream);
+      } else {
+        launch_bwd_sm90_main<Element, kHeadDim, false, false, kHeadDimV>(params, grid, stream);
+      }
+      run_flash_bwd_convert<Sm90Traits>(params, stream);
+      return;
+    } else {
+      throw std::runtime_error(
+          "flash_attn_cuda: the plan asks for a Hopper backward that this build lacks");
+    }
+  }
+  if constexpr (kHeadDimV != kHeadDim) {
+    throw std::runtime_error(
+        "flash_attn_cuda: a specialised (head dim, head dim v) pair has the Hopper backward "
+        "only: " +
+        describe(plan));
+  } else {
+    run_flash_bwd_sm80<Element, kHeadDim>(params, plan, grid, stream);
+  }
 }
 
 }  // namespace flash

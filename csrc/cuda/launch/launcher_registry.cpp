@@ -15,8 +15,9 @@ std::map<std::tuple<int, int, bool>, FwdLauncher>& fwd_table() {
   return table;
 }
 
-std::map<std::pair<int, bool>, BwdLauncher>& bwd_table() {
-  static std::map<std::pair<int, bool>, BwdLauncher> table;
+// (d_qk, d_v, is_bf16)
+std::map<std::tuple<int, int, bool>, BwdLauncher>& bwd_table() {
+  static std::map<std::tuple<int, int, bool>, BwdLauncher> table;
   return table;
 }
 
@@ -32,14 +33,14 @@ FwdLauncherRegistration::FwdLauncherRegistration(int compiled_head_dim, int comp
   fwd_table()[{compiled_head_dim, compiled_head_dim_v, is_bf16}] = launcher;
 }
 
-BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16) {
-  const auto it = bwd_table().find({compiled_head_dim, is_bf16});
+BwdLauncher find_bwd_launcher(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16) {
+  const auto it = bwd_table().find({compiled_head_dim, compiled_head_dim_v, is_bf16});
   return it == bwd_table().end() ? nullptr : it->second;
 }
 
-BwdLauncherRegistration::BwdLauncherRegistration(int compiled_head_dim, bool is_bf16,
-                                                 BwdLauncher launcher) {
-  bwd_table()[{compiled_head_dim, is_bf16}] = launcher;
+BwdLauncherRegistration::BwdLauncherRegistration(int compiled_head_dim, int compiled_head_dim_v,
+                                                 bool is_bf16, BwdLauncher launcher) {
+  bwd_table()[{compiled_head_dim, compiled_head_dim_v, is_bf16}] = launcher;
 }
 
 namespace {

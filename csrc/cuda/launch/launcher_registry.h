@@ -31,11 +31,19 @@ struct FwdLauncherRegistration {
 
 using BwdLauncher = void (*)(const BwdParams&, const BwdPlan&, cudaStream_t);
 
-// Null when the backward of (head_dim, dtype) was not compiled into this build.
-BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16);
+// Keyed on the compiled (d_qk, d_v), as the forward's (BwdPlan::head_dim_v).
+// Null when the backward of (head_dim, head_dim_v, dtype) was not compiled
+// into this build.
+BwdLauncher find_bwd_launcher(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16);
+inline BwdLauncher find_bwd_launcher(int compiled_head_dim, bool is_bf16) {
+  return find_bwd_launcher(compiled_head_dim, compiled_head_dim, is_bf16);
+}
 
 struct BwdLauncherRegistration {
-  BwdLauncherRegistration(int compiled_head_dim, bool is_bf16, BwdLauncher launcher);
+  BwdLauncherRegistration(int compiled_head_dim, int compiled_head_dim_v, bool is_bf16,
+                          BwdLauncher launcher);
+  BwdLauncherRegistration(int compiled_head_dim, bool is_bf16, BwdLauncher launcher)
+      : BwdLauncherRegistration(compiled_head_dim, compiled_head_dim, is_bf16, launcher) {}
 };
 
 using SplitKvLauncher = void (*)(const KvcacheParams&, const DecodePlan&, cudaStream_t);

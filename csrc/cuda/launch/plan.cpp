@@ -364,6 +364,17 @@ int deterministic_dq_splits(int batch, int nheads, int max_seqlen_k, int block_n
   return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::max(num_n_blocks, 1)));
 }
 
+// The compiled d_v of the Hopper backward for a call of this compiled d_qk
+// (round_up_head_dim) and requested d_v, as the forward's
+// (fwd_sm90_pair_head_dim_v): the (192, 128) pair's kernel for d_qk in
+// (160, 192] and d_v <= 128, whose dP^T and dV run 128 columns of dO and V
+// instead of 192; the compiled d_qk (level 1) for every other pair. Its tile
+// row is d192's (BwdTileConfig<192, 128>), so the accumulators and grid are
+// d_qk's; its shared memory and dropout rule are the pair's.
+int bwd_sm90_pair_head_dim_v(int compiled_head_dim, int head_dim_v) {
+  return compiled_head_dim == 192 && head_dim_v <= 128 ? 128 : compiled_head_dim;
+}
+
 void use_dq_splits(BwdPlan& plan, const BwdParams& params, const DeviceDesc& device) {
   plan.num_splits = deterministic_dq_splits(params.batch, params.nheads, params.seqlen_k,
                                             plan.block_n, device.num_sms);
@@ -382,6 +393,8 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   }
   const int compiled = round_up_head_dim(params.head_dim);
   const BwdTileRow row = bwd_tile_row(compiled);
+  // The Hopper kernel's (d_qk, d_v): a specialised pair's or d_qk's.
+  const int compiled_v = bwd_sm90_pair_head_dim_v(compiled, params.head_dim_v);
   plan.block_m = row.block_m;
   plan.block_n = row.block_n;
   plan.grid_x = ceil_div(params.seqlen_k, row.block_n);
@@ -404,14 +417,16 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     sm80_reason = device.cc_major == 9 && device.cc_minor == 0
                       ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
                       : "not an sm90 device";
-  } else if (dropout && !bwd_sm90_draws_dropout(compiled, row.block_m_sm90, row.block_n)) {
+  } else if (dropout &&
+             !bwd_sm90_draws_dropout(compiled, compiled_v, row.block_m_sm90, row.block_n)) {
     sm80_reason =
         "dropout on the 128-row Hopper tile, which does not draw it (d64: "
         "bwd_sm90_draws_dropout): the SM80 backward replays its keep mask";
   } else if (!scale_ok) {
     sm80_reason = "softmax scale not positive and normal";
-  } else if (device.smem_per_block_optin <
-             bwd_sm90_smem_bytes(compiled, row.block_m_sm90, row.block_n, kBwdSm90QdOStages)) {
+  } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v,
+                                                               row.block_m_sm90, row.block_n,
+                                                               kBwdSm90QdOStages)) {
     sm80_reason = "the device's blocks cannot hold the Hopper kernel's shared memory";
   } else if (!tma_ok) {
     sm80_reason = "TMA cannot describe q / dO / k / v (alignment or strides)";
@@ -419,7 +434,12 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     plan.kernel = BwdKernel::kSm90;
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
     plan.block_m = row.block_m_sm90;
-    plan.reason = "Hopper kernel";
+    plan.head_dim = compiled;
+    plan.head_dim_v = compiled_v;
+    plan.reason = compiled_v == compiled
+                      ? "Hopper kernel"
+                      : "Hopper (192, 128) kernel (d_qk in (160, 192], d_v <= 128: dO, V and dV "
+                        "at 128 columns)";
     // Deterministic: key blocks add their dQ in a fixed order, the last key
     // block first, one block per key block as in the default mode
     // (bwd_sm90_dq_turn; PERF_LOG 2026-11-28, ordered dQ). A query block's
@@ -434,6 +454,8 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.kernel = BwdKernel::kSm80;
+  plan.head_dim = compiled;
+  plan.head_dim_v = compiled;
   plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
   if (params.deterministic) use_dq_splits(plan, params, device);
@@ -765,10 +787,11 @@ std::string describe(const BwdPlan& plan) {
   static const char* const kKernels[] = {"none", "sm80", "sm80_large_smem", "sm90"};
   std::ostringstream out;
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
-      << " choice=" << choice_name(plan.choice) << " block_m=" << plan.block_m
-      << " block_n=" << plan.block_n << " splits=" << plan.num_splits
-      << " ordered_dq=" << int(plan.ordered_dq) << " grid=" << plan.grid_x << "x" << plan.grid_y
-      << "x" << plan.grid_z << " reason: " << plan.reason;
+      << " choice=" << choice_name(plan.choice) << " hdim=" << plan.head_dim
+      << " hdim_v=" << plan.head_dim_v << " block_m=" << plan.block_m << " block_n=" << plan.block_n
+      << " splits=" << plan.num_splits << " ordered_dq=" << int(plan.ordered_dq)
+      << " grid=" << plan.grid_x << "x" << plan.grid_y << "x" << plan.grid_z
+      << " reason: " << plan.reason;
   return out.str();
 }
 

@@ -173,6 +173,11 @@ struct BwdPlan {
   BwdKernel kernel = BwdKernel::kNone;
   FwdVariant variant = FwdVariant::kPlain;
   KernelChoice choice = KernelChoice::kSm80;
+  // The compiled (d_qk, d_v) whose launcher runs the call (launcher_registry.h):
+  // head_dim_v = head_dim (level 1, dO's and V's columns past d_v zero) but
+  // for a specialised pair's Hopper kernel (plan_bwd, bwd_sm90_pair_head_dim_v).
+  int head_dim = 0;
+  int head_dim_v = 0;
   int block_m = 0;     // the main kernel's query block
   int block_n = 0;     // its key block: one thread block per key block (or per dQ split)
   int num_splits = 1;  // deterministic, not ordered_dq: slices of the dQ accumulator, each a
@@ -191,16 +196,17 @@ struct BwdPlan {
   const char* reason = "";
 };
 
-// Whether the Hopper backward of this compiled head dim and tile draws
+// Whether the Hopper backward of this compiled (d_qk, d_v) and tile draws
 // dropout in its score-mods variant (BwdSm90KernelTraits::kDrawsDropout,
 // which bwd_launch.h checks against this; docs/dropout_sm90.md section 6):
-// the 64-row query blocks (d32, d96-d256), where a thread holds S^T, dP^T,
-// dK and dV (block_n (block_m + head_dim) / 128 registers) and at least 48
-// of its 240 spare, and whose pass zeroes P^T and dP^T in fp32. Not the
-// 128-row d64 tile: its pass makes P^T straight in 16-bit registers
-// (kConvertInPointwise) to stay unspilled, and has no room for the mask.
-constexpr bool bwd_sm90_draws_dropout(int head_dim, int block_m, int block_n) {
-  const int accumulators = block_n * (block_m + head_dim) / 128;
+// the 64-row query blocks (d32, d96-d256, and (192, 128)), where a thread
+// holds S^T, dP^T, dK and dV (block_n (2 block_m + d_qk + d_v) / 256
+// registers) and at least 48 of its 240 spare, and whose pass zeroes P^T
+// and dP^T in fp32. Not the 128-row d64 tile: its pass makes P^T straight
+// in 16-bit registers (kConvertInPointwise) to stay unspilled, and has no
+// room for the mask.
+constexpr bool bwd_sm90_draws_dropout(int head_dim, int head_dim_v, int block_m, int block_n) {
+  const int accumulators = block_n * (2 * block_m + head_dim + head_dim_v) / 256;
   return block_m == 64 && 240 - accumulators >= 48;
 }
 
@@ -215,12 +221,14 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
 // buffers, for 16-bit elements (bwd_launch.h checks them against the
 // kernels' traits).
 constexpr int kBwdSm90BarrierBytes = 48;  // sizeof(BwdSm90Barriers<2>)
-constexpr int bwd_sm90_smem_bytes(int head_dim, int block_m, int block_n, int stages) {
+// Q and K have head_dim columns, dO and V head_dim_v.
+constexpr int bwd_sm90_smem_bytes(int head_dim, int head_dim_v, int block_m, int block_n,
+                                  int stages) {
   const int ds = 2 * block_m * block_n * 2;
   const int p = block_n == 128 ? 0 : ds;  // the split design keeps P^T in shared memory
   const int dq = block_n == 128 ? block_m * head_dim * 4 : 0;  // and dQ in registers
-  return 2 * stages * block_m * head_dim * 2 + 2 * block_n * head_dim * 2 + ds + p +
-         stages * 2 * block_m * 4 + dq + kBwdSm90BarrierBytes;
+  return stages * block_m * (head_dim + head_dim_v) * 2 + block_n * (head_dim + head_dim_v) * 2 +
+         ds + p + stages * 2 * block_m * 4 + dq + kBwdSm90BarrierBytes;
 }
 constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool double_buffer) {
   const int buffers = double_buffer ? 2 : 1;

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "api/head_dims.h"
 #include "cuda/bwd/bwd_accum_layout.h"
@@ -28,6 +29,19 @@ BwdLauncher bwd_launcher_for(int head_dim, at::ScalarType dtype) {
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
               "FLASH_ATTN_CUDA_DTYPES including it");
   return launcher;
+}
+
+// The launcher of the plan's compiled (d_qk, d_v): bwd_launcher_for's, found
+// before any allocation, or a specialised pair's (BwdPlan::head_dim_v below
+// the compiled head dim), which the build has wherever it has d_qk's
+// (setup.py selects instantiation files by d_qk).
+BwdLauncher bwd_launcher_of_plan(const BwdPlan& plan, BwdLauncher launcher, at::ScalarType dtype) {
+  if (plan.head_dim_v == plan.head_dim) return launcher;
+  const BwdLauncher pair_launcher =
+      find_bwd_launcher(plan.head_dim, plan.head_dim_v, dtype == at::kBFloat16);
+  TORCH_CHECK(pair_launcher != nullptr, "flash_attn_cuda: the backward of the head dims (",
+              plan.head_dim, ", ", plan.head_dim_v, ") is missing from this build");
+  return pair_launcher;
 }
 
 // Everything bwd and varlen_bwd fill the same way. q/k/v/out/dout are already
@@ -71,8 +85,9 @@ BwdPlan plan_for(BwdParams& params) {
 // asked for it), the dQ accumulator (zeroed) and,
 // under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
 // per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
-// or (nheads, total_k), then the compiled head dim. Reads the shape fields of
-// params and params.num_splits, which must be set.
+// or (nheads, total_k), then the compiled head dim (dV's: the plan's compiled
+// d_v, BwdPlan::head_dim_v, where a specialised pair's kernel runs). Reads the
+// shape fields of params and params.num_splits, which must be set.
 struct BwdWorkspace {
   at::Tensor softmax_d;
   at::Tensor dq_accum;
@@ -86,6 +101,10 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
                                 int compiled_head_dim,
                                 const std::optional<at::Tensor>& softmax_d_out) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
+  // dV's sums and shares: the pair kernel's own width, else d_qk's.
+  const int accum_head_dim_v = plan.kernel == BwdKernel::kSm90 && plan.head_dim_v < plan.head_dim
+                                   ? plan.head_dim_v
+                                   : compiled_head_dim;
   BwdWorkspace ws;
   ws.softmax_d = softmax_d_out.has_value() ? *softmax_d_out : at::empty_like(softmax_lse, f32);
   // dQ accumulator: every sequence padded to whole query blocks
@@ -118,7 +137,9 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
   if (params.nheads != params.nheads_k && params.deterministic) {
     // Every row the reduction reads is written by the main kernel: no zeroing.
     ws.dk_accum = at::empty(dkv_accum_shape, f32);
-    ws.dv_accum = at::empty(dkv_accum_shape, f32);
+    std::vector<int64_t> dv_shape(dkv_accum_shape.begin(), dkv_accum_shape.end());
+    dv_shape.back() = accum_head_dim_v;
+    ws.dv_accum = at::empty(dv_shape, f32);
     params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
   } else if (params.nheads != params.nheads_k) {
@@ -129,7 +150,7 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
     const int64_t kv_heads_total =
         varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
     ws.dk_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
-    ws.dv_accum = at::zeros_like(ws.dk_accum);
+    ws.dv_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, accum_head_dim_v}, f32);
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
   }
@@ -241,7 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
       softmax_d);
   const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, false);
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  bwd_launcher_of_plan(plan, launcher, q_in.scalar_type())(
+      params, plan, at::cuda::getCurrentCUDAStream().stream());
   return {dq, dk, finish_dv(dv, padded)};
 }
 
@@ -323,7 +345,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // there. One fill of an (nheads, total_q) fp32 tensor.
   if (used_q.defined() && softmax_d.has_value()) softmax_d->zero_();
   const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, true);
-  launcher(params, plan, at::cuda::getCurrentCUDAStream().stream());
+  bwd_launcher_of_plan(plan, launcher, q_in.scalar_type())(
+      params, plan, at::cuda::getCurrentCUDAStream().stream());
   end_index_checks(q);
   return {dq, dk, finish_dv(dv, padded)};
 }

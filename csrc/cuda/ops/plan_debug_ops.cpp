@@ -111,11 +111,16 @@ std::string plan_bwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                         int64_t smem_per_block_optin, int64_t smem_per_sm,
                         int64_t reserved_smem_per_block, bool sm90a_built,
-                        std::string kernel_override, bool tma_aligned) {
+                        std::string kernel_override, bool tma_aligned, int64_t head_dim_v) {
   BwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
             window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen);
   params.deterministic = deterministic;
+  // head_dim_v < 0: d_v = d_qk. A smaller d_v may pick a specialised pair's
+  // Hopper kernel (plan_bwd), as in _plan_fwd.
+  TORCH_CHECK(head_dim_v < 0 || (head_dim_v > 0 && head_dim_v <= head_dim),
+              "_plan_bwd: head_dim_v must be in [1, head_dim] (or -1: head_dim), got ", head_dim_v);
+  if (head_dim_v > 0) params.head_dim_v = static_cast<int>(head_dim_v);
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, sm90a_built);
   return describe(plan_bwd(params, device, override_of(kernel_override), tma_aligned));

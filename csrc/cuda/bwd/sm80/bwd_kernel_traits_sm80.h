@@ -21,6 +21,10 @@ struct BwdKernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  // V, dO and dV at the compiled width (d_v < d_qk is zero-padded by the op
+  // here); named for the conversion kernels this kernel shares with the
+  // Hopper one, whose dV may have a width and MMA of its own.
+  static constexpr int kHeadDimV = kHeadDim;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
@@ -49,7 +53,8 @@ struct BwdKernelTraits {
                Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
   using TiledMmaSdP = TiledMmaWithWarps<kAtomLayoutMSdP>;  // (kBlockM, kBlockN)
   using TiledMmadKV = TiledMmaWithWarps<kAtomLayoutNdKV>;  // (kBlockN, head dim)
-  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;    // (kBlockM, head dim)
+  using TiledMmadV = TiledMmadKV;
+  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;  // (kBlockM, head dim)
   static_assert(kBlockM % (16 * kAtomLayoutMSdP) == 0 &&
                 kBlockN % (16 * (kNWarps / kAtomLayoutMSdP)) == 0);
   static_assert(kBlockN % (16 * kAtomLayoutNdKV) == 0 &&

@@ -261,15 +261,24 @@ struct BwdSm90Epilogue {
                                              int mma_tidx_)
       : params(params_), binfo(binfo_), mma_tidx(mma_tidx_) {}
 
-  // acc_dk, acc_dv: (MMA,MMA_M,MMA_N) of tiled_mma_dkv.
-  template <typename TensorAcc, typename TiledMma, typename ThrMma>
-  __forceinline__ __device__ void store(TensorAcc& acc_dk, const TensorAcc& acc_dv,
-                                        const TiledMma& tiled_mma_dkv, const ThrMma& thr_mma_dkv,
+  // acc_dk: (MMA,MMA_M,MMA_N) of tiled_mma_dkv; acc_dv of tiled_mma_dv.
+  template <typename TensorAccDK, typename TensorAccDV, typename TiledMmaDK, typename ThrMmaDK,
+            typename TiledMmaDV, typename ThrMmaDV>
+  __forceinline__ __device__ void store(TensorAccDK& acc_dk, const TensorAccDV& acc_dv,
+                                        const TiledMmaDK& tiled_mma_dk, const ThrMmaDK& thr_mma_dk,
+                                        const TiledMmaDV& tiled_mma_dv, const ThrMmaDV& thr_mma_dv,
                                         const BwdKeyBlock& block) const {
-    store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv,
-                        raw_pointer_cast(Storage::k().data()),
-                        raw_pointer_cast(Storage::v().data()), params, binfo, block, mma_tidx,
-                        BwdSm90EpilogueBarrier{});
+    if constexpr (Traits::kHeadDimV == Traits::kHeadDim) {
+      store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dk, thr_mma_dk,
+                          raw_pointer_cast(Storage::k().data()),
+                          raw_pointer_cast(Storage::v().data()), params, binfo, block, mma_tidx,
+                          BwdSm90EpilogueBarrier{});
+    } else {
+      store_dk_dv_pair<Traits>(acc_dk, acc_dv, tiled_mma_dk, thr_mma_dk, tiled_mma_dv, thr_mma_dv,
+                               raw_pointer_cast(Storage::k().data()),
+                               raw_pointer_cast(Storage::v().data()), params, binfo, block,
+                               mma_tidx, BwdSm90EpilogueBarrier{});
+    }
     // The epilogue's generic-proxy reads and writes of sK / sV come before
     // the next key block's TMA writes.
     cutlass::arch::fence_view_async_shared();

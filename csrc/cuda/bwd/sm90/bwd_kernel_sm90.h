@@ -171,11 +171,12 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
     Tensor acc_dk = partition_fragment_C(
         mainloop.tiled_mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});  // (MMA,MMA_M,MMA_N)
     Tensor acc_dv = partition_fragment_C(
-        mainloop.tiled_mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});  // (MMA,MMA_M,MMA_N)
+        mainloop.tiled_mma_dv, Shape<Int<kBlockN>, Int<Traits::kHeadDimV>>{});  // (MMA,MMA_M,MMA_N)
     clear(acc_dk);
     clear(acc_dv);
     mainloop.mma(block, walk.round, walk.q_stages, acc_dk, acc_dv, dq_accum);
-    epilogue.store(acc_dk, acc_dv, mainloop.tiled_mma_dkv, mainloop.thr_mma_dkv, block);
+    epilogue.store(acc_dk, acc_dv, mainloop.tiled_mma_dkv, mainloop.thr_mma_dkv,
+                   mainloop.tiled_mma_dv, mainloop.thr_mma_dv, block);
   }
 #endif
 }

@@ -15,6 +15,11 @@
 //   fit one warpgroup's registers): the warpgroups split S^T and dP^T by query
 //   columns and dK, dV by head-dim columns; P^T and dS^T meet in shared
 //   memory, and dV / dK read them from there.
+//
+// kHeadDimV (default kHeadDim): the width of V, dO and dV, for a specialised
+// (d_qk, d_v) pair (docs/head_dims_dv_and_512.md, "The (192, 128) tiles"):
+// dO's stages, V's tile, dP^T = V dO^T's K and dV's columns take it; Q, K,
+// dK, dQ and S^T = K Q^T keep kHeadDim.
 #pragma once
 
 #include <type_traits>
@@ -44,11 +49,12 @@ struct BwdSm90Barriers {
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kStages_,
-          bool kStageDQ_ = true>
+          bool kStageDQ_ = true, int kHeadDimV_ = kHeadDim_>
 struct BwdSm90KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   // The MMA warpgroups: kNThreads is theirs (their partitions are the
@@ -71,6 +77,10 @@ struct BwdSm90KernelTraits {
   static_assert(kKeysPerWarpGroup || kBlockM == 64, "the split design tiles 64 query rows");
   static_assert(kHeadDim % 32 == 0 && (kKeysPerWarpGroup ? kHeadDim <= 128 : kHeadDim > 128),
                 "dK and dV of a warpgroup's share stay in its registers");
+  // A pair runs the design of its d_qk: dQ, dK and S^T are d_qk's products.
+  static_assert(kHeadDimV % 32 == 0 && kHeadDimV <= kHeadDim &&
+                    (kHeadDimV == kHeadDim || !kKeysPerWarpGroup),
+                "d_v <= d_qk, in whole 32 columns; a narrower d_v only in the split design");
 
   // dQ = dS K, (queries, head dim): 128 query rows take a warpgroup per 64
   // rows; 64 rows a warpgroup per half of the head dim.
@@ -87,11 +97,18 @@ struct BwdSm90KernelTraits {
   // and 32-byte swizzles, one N = 32 or N = 48 instruction each, where the
   // wider swizzle of their dK / dV alone left strings of N = 16
   // (PERF_LOG 2026-11-25 ee579b0).
+  // dV's share (kHeadDimV) is read MN-major from dO as dK's from Q, so it
+  // joins the rule; at (192, 128) its half, 64, divides the 64-byte swizzle
+  // of the d_qk halves (96).
   static constexpr int kHeadDimPerWarpGroup =
       kKeysPerWarpGroup ? kHeadDim : kHeadDim / kNWarpGroups;
-  static constexpr int kSwizzleRow = kHeadDimPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0   ? 64
-                                     : kHeadDimPerWarpGroup % 32 == 0 && kDQTileN % 32 == 0 ? 32
-                                                                                            : 16;
+  static constexpr int kHeadDimVPerWarpGroup =
+      kKeysPerWarpGroup ? kHeadDimV : kHeadDimV / kNWarpGroups;
+  static constexpr int kSwizzleRow =
+      kHeadDimPerWarpGroup % 64 == 0 && kHeadDimVPerWarpGroup % 64 == 0 && kDQTileN % 64 == 0 ? 64
+      : kHeadDimPerWarpGroup % 32 == 0 && kHeadDimVPerWarpGroup % 32 == 0 && kDQTileN % 32 == 0
+          ? 32
+          : 16;
 
   // S^T = K Q^T and dP^T = V dO^T, (keys, queries): both operands K-major
   // (head dim contiguous) from shared memory.
@@ -102,6 +119,16 @@ struct BwdSm90KernelTraits {
           Element, Element, ElementAccum,
           Shape<_64, Int<kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups>, Int<kHeadDim>>>(),
       WarpGroupsSdP{}));
+  // dP^T's own, with K = d_v: the same instruction and warpgroups (the
+  // selector reads K only for its multiple of 16), so the same type as
+  // TiledMmaSdP, and its fragments of V and dO are kHeadDimV deep.
+  using TiledMmadP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<
+          Element, Element, ElementAccum,
+          Shape<_64, Int<kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups>, Int<kHeadDimV>>>(),
+      WarpGroupsSdP{}));
+  static_assert(std::is_same_v<TiledMmadP, TiledMmaSdP>,
+                "S^T and dP^T share the accumulator layout that P^T / dS^T are made in");
   // dV += P^T dO and dK += dS^T Q, (keys, head dim): A from registers (or,
   // split design, from shared memory), B (dO, Q) read along the head dim
   // (MN-major), so neither is transposed.
@@ -117,6 +144,16 @@ struct BwdSm90KernelTraits {
                                                          Shape<_64, Int<kDKVTileN>, Int<kBlockM>>,
                                                          GMMA::Major::K, GMMA::Major::MN>(),
                               WarpGroupsdKV{}))>;
+  // dV += P^T dO at d_v columns (its warpgroup's share of them): dK's MMA
+  // where d_v = d_qk, the same type then.
+  static constexpr int kDVTileN = kKeysPerWarpGroup ? kHeadDimV : kHeadDimV / kNWarpGroups;
+  using TiledMmadV =
+      std::conditional_t<kHeadDimV == kHeadDim, TiledMmadKV,
+                         decltype(make_tiled_mma(
+                             SM90::GMMA::ss_op_selector<Element, Element, ElementAccum,
+                                                        Shape<_64, Int<kDVTileN>, Int<kBlockM>>,
+                                                        GMMA::Major::K, GMMA::Major::MN>(),
+                             WarpGroupsdKV{}))>;
   // dQ = dS K, (queries, head dim), both operands MN-major, warpgroups as
   // above.
   using TiledMmadQ =
@@ -132,6 +169,7 @@ struct BwdSm90KernelTraits {
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) ==
                         (kKeysPerWarpGroup ? kBlockM : kBlockM / kNWarpGroups) &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kDKVTileN &&
+                    size<1>(typename TiledMmadV::AtomShape_MNK{}) == kDVTileN &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kDQTileN,
                 "wgmma narrower than the tile: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before "
                 "any CuTe header in this file (generate_instantiations.py)");
@@ -163,7 +201,7 @@ struct BwdSm90KernelTraits {
   // its pass (kShuffleRowStats, score mods) and has no fp32 P^T to zero.
   // plan.h's bwd_sm90_draws_dropout, which bwd_launch.h checks against this.
   static constexpr int kAccumulatorRegisters =
-      (2 * kBlockN * kBlockM + 2 * kBlockN * kHeadDim) / kNThreads;
+      (2 * kBlockN * kBlockM + kBlockN * (kHeadDim + kHeadDimV)) / kNThreads;
   static constexpr bool kDrawsDropout =
       !kShuffleRowStats && kMmaRegisters - kAccumulatorRegisters >= 48;
 
@@ -183,8 +221,19 @@ struct BwdSm90KernelTraits {
   using SmemLayoutQdOt = decltype(composition(
       SmemLayoutQdO{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dO at d_v columns: its stages, one buffer, and its (d_v, query) view.
+  using SmemLayoutdO = decltype(tile_to_shape(SmemLayoutAtom{},
+                                              Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
+  using SmemLayoutdOBuffer =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V (and the epilogue's dV over it) at d_v columns.
+  using SmemLayoutV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   // K seen as (head dim, key): the B operand of dQ.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
@@ -209,18 +258,24 @@ struct BwdSm90KernelTraits {
   using GmemCopy = GmemTileCopy<Element, kHeadDim, kNThreads>;
   static_assert(kBlockN % GmemCopy::kRowsPerPass == 0, "the epilogue stores whole passes");
   using GmemTiledCopyStore = typename GmemCopy::Store;
+  using GmemCopyV = GmemTileCopy<Element, kHeadDimV, kNThreads>;
+  static_assert(kBlockN % GmemCopyV::kRowsPerPass == 0, "the epilogue stores whole passes");
+  using GmemTiledCopyStoreV = typename GmemCopyV::Store;
 
   static constexpr int kSmemSizeQdOBuffer = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeQdO = kStages * kSmemSizeQdOBuffer;
+  static constexpr int kSmemSizedOBuffer = kBlockM * kHeadDimV * int(sizeof(Element));
+  static constexpr int kSmemSizedO = kStages * kSmemSizedOBuffer;
   static constexpr int kSmemSizeKV = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeV = kBlockN * kHeadDimV * int(sizeof(Element));
   static constexpr int kSmemSizedS = kDSBuffers * kBlockM * kBlockN * int(sizeof(Element));
   static constexpr int kSmemSizeP = kKeysPerWarpGroup ? 0 : kSmemSizedS;
   // The lse and D = rowsum(dO * O) of each stage's query block, fp32.
   static constexpr int kSmemSizeRowStats = kStages * 2 * kBlockM * int(sizeof(float));
   // dQ's staging buffer (kDQThroughSmem), one query block in fp32.
   static constexpr int kSmemSizeDQ = kDQThroughSmem ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
-  static constexpr int kSmemSizeTiles = 2 * kSmemSizeQdO + 2 * kSmemSizeKV + kSmemSizedS +
-                                        kSmemSizeP + kSmemSizeRowStats + kSmemSizeDQ;
+  static constexpr int kSmemSizeTiles = kSmemSizeQdO + kSmemSizedO + kSmemSizeKV + kSmemSizeV +
+                                        kSmemSizedS + kSmemSizeP + kSmemSizeRowStats + kSmemSizeDQ;
   using Barriers = BwdSm90Barriers<kStages>;
   static_assert(kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
   static_assert((kSmemSizeTiles - kSmemSizeDQ) % 128 == 0,

@@ -9,7 +9,8 @@
 // have the keys as M and the queries as N; dV += P^T dO and dK += dS^T Q the
 // keys as M, the head dim as N, the queries as K; dQ = dS K the queries as M,
 // the head dim as N, the keys as K. PIPE is a Q / dO stage, BUF a dS (P^T)
-// buffer.
+// buffer. D is d_qk's compiled width, Dv d_v's (Traits::kHeadDimV: V, dO,
+// dV, and dP^T's K).
 #pragma once
 
 #include <cmath>
@@ -48,6 +49,7 @@ struct BwdSm90MainloopLoad {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static_assert(kBlockM % 32 == 0, "the statistics warp's lanes take whole rows of 32");
   using Storage = BwdSm90SharedStorage<Traits>;
   using QStages = BwdSm90QStages<Traits::kStages>;
@@ -86,27 +88,27 @@ struct BwdSm90MainloopLoad {
     // Rows and columns past the tensors' ends land as zeros; a varlen block
     // reads on into the next sequence's rows, which the MMA warpgroups zero.
     Tensor sK = Storage::k();  // (N,D)
-    Tensor sV = Storage::v();  // (N,D)
+    Tensor sV = Storage::v();  // (N,Dv)
     Tensor gK =
         local_tile(tma_kv_of(tma.k, params, binfo, block.head_kv, batch, params.head_dim),
                    Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
     Tensor gV =
         local_tile(tma_kv_of(tma.v, params, binfo, block.head_kv, batch, params.head_dim_v),
-                   Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));  // (N,D)
+                   Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(block.n_block, 0));  // (N,Dv)
     auto [tKgK, tKsK] =
         tma_partition(tma.k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));  // (TMA), (TMA)
     auto [tVgV, tVsV] =
         tma_partition(tma.v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));  // (TMA), (TMA)
-    full_barrier(barriers.kv_full).arrive_and_expect_tx(2 * Traits::kSmemSizeKV);
+    full_barrier(barriers.kv_full).arrive_and_expect_tx(Traits::kSmemSizeKV + Traits::kSmemSizeV);
     copy(tma.k.with(barriers.kv_full), tKgK, tKsK);
     copy(tma.v.with(barriers.kv_full), tVgV, tVsV);
 
     Tensor sQ = Storage::q();      // (M,D,PIPE)
-    Tensor sdO = Storage::dout();  // (M,D,PIPE)
+    Tensor sdO = Storage::dout();  // (M,Dv,PIPE)
     Tensor gQ = local_tile(tma_q_of(tma.q, params, binfo, head, batch, params.head_dim),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
     Tensor gdO = local_tile(tma_q_of(tma.dout, params, binfo, head, batch, params.head_dim_v),
-                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M,D,m)
+                            Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (M,Dv,m)
     auto [tQgQ, tQsQ] =
         tma_partition(tma.q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));  // (TMA,m), (TMA,PIPE)
     auto [tdOgdO, tdOsdO] = tma_partition(tma.dout, group_modes<0, 2>(sdO),
@@ -115,7 +117,8 @@ struct BwdSm90MainloopLoad {
         block.m_block_min, block.m_block_max, [&](int m_block, bool) {
           const int stage = q_stages.stage();
           empty_barrier(barriers.q_empty[stage]).wait(q_stages.phase() ^ 1);
-          full_barrier(barriers.q_full[stage]).arrive_and_expect_tx(2 * Traits::kSmemSizeQdOBuffer);
+          full_barrier(barriers.q_full[stage])
+              .arrive_and_expect_tx(Traits::kSmemSizeQdOBuffer + Traits::kSmemSizedOBuffer);
           copy(tma.q.with(barriers.q_full[stage]), tQgQ(_, m_block), tQsQ(_, stage));
           copy(tma.dout.with(barriers.q_full[stage]), tdOgdO(_, m_block), tdOsdO(_, stage));
           q_stages.advance();
@@ -187,9 +190,11 @@ struct BwdSm90MainloopMma {
 
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
   using TiledMmadKV = typename Traits::TiledMmadKV;
+  using TiledMmadV = typename Traits::TiledMmadV;
   using TiledMmadQ = typename Traits::TiledMmadQ;
   using ThrMmaSdP = decltype(TiledMmaSdP{}.get_thread_slice(0));
   using ThrMmadKV = decltype(TiledMmadKV{}.get_thread_slice(0));
+  using ThrMmadV = decltype(TiledMmadV{}.get_thread_slice(0));
   using ThrMmadQ = decltype(TiledMmadQ{}.get_thread_slice(0));
   using SmemTiledCopyPdS =
       decltype(make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, TiledMmaSdP{}));
@@ -205,6 +210,9 @@ struct BwdSm90MainloopMma {
       decltype(std::declval<const SmemThrCopyPdS&>().partition_D(std::declval<T>()));
   using SmemQdO = decltype(Storage::q());
   using SmemQdOt = decltype(Storage::qt());
+  using SmemdO = decltype(Storage::dout());
+  using SmemdOt = decltype(Storage::doutt());
+  using SmemV = decltype(Storage::v());
   using SmemKV = decltype(Storage::k());
   using SmemKt = decltype(Storage::kt());
   using SmemdS = decltype(Storage::ds());
@@ -221,14 +229,18 @@ struct BwdSm90MainloopMma {
 
   TiledMmaSdP tiled_mma_sdp;
   ThrMmaSdP thr_mma_sdp;
-  FragmentA<ThrMmaSdP, SmemKV> tSrK;     // (MMA,MMA_M,MMA_K)
-  FragmentB<ThrMmaSdP, SmemQdO> tSrQ;    // (MMA,MMA_N,MMA_K,PIPE)
-  FragmentA<ThrMmaSdP, SmemKV> tdPrV;    // (MMA,MMA_M,MMA_K)
-  FragmentB<ThrMmaSdP, SmemQdO> tdPrdO;  // (MMA,MMA_N,MMA_K,PIPE)
+  FragmentA<ThrMmaSdP, SmemKV> tSrK;   // (MMA,MMA_M,MMA_K)
+  FragmentB<ThrMmaSdP, SmemQdO> tSrQ;  // (MMA,MMA_N,MMA_K,PIPE)
+  // dP^T through S^T's MMA (Traits::TiledMmadP is its type), K = d_v.
+  FragmentA<ThrMmaSdP, SmemV> tdPrV;    // (MMA,MMA_M,MMA_K)
+  FragmentB<ThrMmaSdP, SmemdO> tdPrdO;  // (MMA,MMA_N,MMA_K,PIPE)
   TiledMmadKV tiled_mma_dkv;
   ThrMmadKV thr_mma_dkv;
-  FragmentB<ThrMmadKV, SmemQdOt> tdVrdOt;  // (MMA,MMA_N,MMA_K,PIPE)
-  FragmentB<ThrMmadKV, SmemQdOt> tdKrQt;   // (MMA,MMA_N,MMA_K,PIPE)
+  // dV's MMA: dK's where d_v = d_qk, N = d_v (or its half) for a pair.
+  TiledMmadV tiled_mma_dv;
+  ThrMmadV thr_mma_dv;
+  FragmentB<ThrMmadV, SmemdOt> tdVrdOt;   // (MMA,MMA_N,MMA_K,PIPE)
+  FragmentB<ThrMmadKV, SmemQdOt> tdKrQt;  // (MMA,MMA_N,MMA_K,PIPE)
   TiledMmadQ tiled_mma_dq;
   ThrMmadQ thr_mma_dq;
   FragmentA<ThrMmadQ, SmemdS> tdQrdS;  // (MMA,MMA_M,MMA_K,BUF)
@@ -240,7 +252,7 @@ struct BwdSm90MainloopMma {
   SmemPartition<SmemdSt> tdSsdS;  // (CPY,CPY_M,CPY_N,BUF)
   SmemPartition<SmemdSt> tPsP;    // (CPY,CPY_M,CPY_N,BUF)
   // Split design: dV and dK read all of P^T / dS^T from shared memory.
-  FragmentA<ThrMmadKV, SmemdSt> tdVsPt;   // (MMA,MMA_M,MMA_K,BUF)
+  FragmentA<ThrMmadV, SmemdSt> tdVsPt;    // (MMA,MMA_M,MMA_K,BUF)
   FragmentA<ThrMmadKV, SmemdSt> tdKsdSt;  // (MMA,MMA_M,MMA_K,BUF)
   ScoreCoords tScS_rowcol;                // (ROW,COL)
 
@@ -260,7 +272,8 @@ struct BwdSm90MainloopMma {
         tdPrV(thr_mma_sdp.partition_fragment_A(Storage::v())),
         tdPrdO(thr_mma_sdp.partition_fragment_B(Storage::dout())),
         thr_mma_dkv(tiled_mma_dkv.get_thread_slice(mma_tidx)),
-        tdVrdOt(thr_mma_dkv.partition_fragment_B(Storage::doutt())),
+        thr_mma_dv(tiled_mma_dv.get_thread_slice(mma_tidx)),
+        tdVrdOt(thr_mma_dv.partition_fragment_B(Storage::doutt())),
         tdKrQt(thr_mma_dkv.partition_fragment_B(Storage::qt())),
         thr_mma_dq(tiled_mma_dq.get_thread_slice(mma_tidx)),
         tdQrdS(thr_mma_dq.partition_fragment_A(Storage::ds())),
@@ -269,7 +282,7 @@ struct BwdSm90MainloopMma {
         smem_thr_copy_PdS(smem_tiled_copy_PdS.get_thread_slice(mma_tidx)),
         tdSsdS(smem_thr_copy_PdS.partition_D(Storage::dst())),
         tPsP(smem_thr_copy_PdS.partition_D(Storage::pt())),
-        tdVsPt(thr_mma_dkv.partition_fragment_A(Storage::pt())),
+        tdVsPt(thr_mma_dv.partition_fragment_A(Storage::pt())),
         tdKsdSt(thr_mma_dkv.partition_fragment_A(Storage::dst())),
         tScS_rowcol(bwd_sm90_score_coords<Traits>(thr_mma_sdp)),
         has_alibi(kWithScoreMods && params.alibi_slopes != nullptr),
@@ -283,9 +296,9 @@ struct BwdSm90MainloopMma {
   // dq_accum. (first is compared in the walk, where both sides are loop
   // values: compared inside query_block against its parameter, the operands
   // swap and the SASS changes.)
-  template <typename TensorAcc, typename DQAccum>
+  template <typename TensorAccDK, typename TensorAccDV, typename DQAccum>
   __forceinline__ __device__ void mma(const BwdKeyBlock& block, int round, QStages& q_stages,
-                                      TensorAcc& acc_dk, TensorAcc& acc_dv,
+                                      TensorAccDK& acc_dk, TensorAccDV& acc_dv,
                                       const DQAccum& dq_accum) {
     const int m_block_min = block.m_block_min;
     const int m_block_max = block.m_block_max;
@@ -302,10 +315,10 @@ struct BwdSm90MainloopMma {
  private:
   // One query block (first: the walk's first): its Q / dO stage waited for,
   // handed back at the end.
-  template <typename TensorAcc, typename DQAccum>
+  template <typename TensorAccDK, typename TensorAccDV, typename DQAccum>
   __forceinline__ __device__ void query_block(const BwdKeyBlock& block, int m_block, bool first,
-                                              const QStages& q_stages, TensorAcc& acc_dk,
-                                              TensorAcc& acc_dv, const DQAccum& dq_accum) {
+                                              const QStages& q_stages, TensorAccDK& acc_dk,
+                                              TensorAccDV& acc_dv, const DQAccum& dq_accum) {
     auto& barriers = Storage::barriers();
     const int row_begin = m_block * kBlockM;
     const int stage = q_stages.stage();
@@ -403,13 +416,15 @@ struct BwdSm90MainloopMma {
     }
   }
 
-  // Zeroes rows [first_row, kRows) of a (kRows, head dim) shared tile.
+  // Zeroes rows [first_row, kRows) of a (kRows, kCols) shared tile: kCols
+  // the head dim, or d_v for V and dO.
   template <typename TensorTile>
   __forceinline__ __device__ void zero_rows_from(TensorTile&& tile, int first_row) const {
     constexpr int kRows = decltype(size<0>(tile))::value;
-    static_assert(decltype(size<1>(tile))::value == kHeadDim, "(rows, head dim)");
-    for (int idx = mma_tidx; idx < (kRows - first_row) * kHeadDim; idx += kNMmaThreads) {
-      tile(first_row + idx / kHeadDim, idx % kHeadDim) = Element(0);
+    constexpr int kCols = decltype(size<1>(tile))::value;
+    static_assert(kCols == kHeadDim || kCols == Traits::kHeadDimV, "(rows, head dim or d_v)");
+    for (int idx = mma_tidx; idx < (kRows - first_row) * kCols; idx += kNMmaThreads) {
+      tile(first_row + idx / kCols, idx % kCols) = Element(0);
     }
   }
 
@@ -558,10 +573,11 @@ struct BwdSm90MainloopMma {
 
   // dV += P^T dO, dQ = dS K, dK += dS^T Q, in three wgmma batches, behind the
   // dS barrier of the two warpgroups (dS^T is already in shared memory).
-  template <typename TensorAccS, typename TensorOpA, typename TensorAccDQ, typename TensorAccDKV>
+  template <typename TensorAccS, typename TensorOpA, typename TensorAccDQ, typename TensorAccDK,
+            typename TensorAccDV>
   __forceinline__ __device__ void issue_dv_dq_dk(const TensorAccS& acc_s, TensorOpA& tdVrPt,
                                                  TensorOpA& tdKrdSt, TensorAccDQ& acc_dq,
-                                                 TensorAccDKV& acc_dk, TensorAccDKV& acc_dv,
+                                                 TensorAccDK& acc_dk, TensorAccDV& acc_dv,
                                                  int stage, int ds_buffer) {
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
@@ -573,7 +589,7 @@ struct BwdSm90MainloopMma {
       // while dK is on the tensor cores (against dV and dK before the barrier
       // and dQ last: PERF_LOG 2026-11-24 ee3e75a).
       warpgroup_arrive();
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
       warpgroup_commit_batch();
       cutlass::arch::fence_view_async_shared();  // dS stores -> wgmma
       cutlass::arch::NamedBarrier::arrive_and_wait(kNMmaThreads,
@@ -594,7 +610,7 @@ struct BwdSm90MainloopMma {
                                                    uint32_t(BwdSm90NamedBarrier::kDSWritten));
       warpgroup_fence_operand(acc_dq);
       warpgroup_arrive();
-      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dkv, tdVsPt(_, _, _, ds_buffer),
+      wgmma_issue</*kZeroInit=*/false>(tiled_mma_dv, tdVsPt(_, _, _, ds_buffer),
                                        tdVrdOt(_, _, _, stage), acc_dv);
       warpgroup_commit_batch();
       wgmma_issue</*kZeroInit=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buffer), tdQrKt, acc_dq);

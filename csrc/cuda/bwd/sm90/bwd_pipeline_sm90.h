@@ -33,7 +33,8 @@ enum class BwdSm90NamedBarrier : uint32_t {
   kDQStaged = 6,
 };
 
-// The block's dynamic shared memory: Q and dO (kStages buffers each), K, V,
+// The block's dynamic shared memory: Q and dO (kStages buffers each; dO at
+// d_v columns), K, V (d_v columns),
 // dS and (split design) P^T (two buffers each), the row statistics of each
 // Q / dO stage, dQ's staging buffer (Traits::kDQThroughSmem), then the
 // mbarriers. Stateless: every view is an offset from
@@ -45,7 +46,8 @@ struct BwdSm90SharedStorage {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static_assert(Traits::kSmemSizeTiles % 8 == 0, "the mbarriers follow the tiles");
-  static_assert(Traits::kSmemSizeTiles == 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV +
+  static_assert(Traits::kSmemSizeTiles == Traits::kSmemSizeQdO + Traits::kSmemSizedO +
+                                              Traits::kSmemSizeKV + Traits::kSmemSizeV +
                                               Traits::kSmemSizedS + Traits::kSmemSizeP +
                                               Traits::kSmemSizeRowStats + Traits::kSmemSizeDQ,
                 "the views below tile the block's shared memory in this order");
@@ -62,10 +64,10 @@ struct BwdSm90SharedStorage {
     return make_tensor(q().data(), typename Traits::SmemLayoutQdOt{});  // (D,M,PIPE)
   }
   static __forceinline__ __device__ auto dout() {
-    return make_tensor(q().data() + size(q()), typename Traits::SmemLayoutQdO{});  // (M,D,PIPE)
+    return make_tensor(q().data() + size(q()), typename Traits::SmemLayoutdO{});  // (M,Dv,PIPE)
   }
   static __forceinline__ __device__ auto doutt() {
-    return make_tensor(dout().data(), typename Traits::SmemLayoutQdOt{});  // (D,M,PIPE)
+    return make_tensor(dout().data(), typename Traits::SmemLayoutdOt{});  // (Dv,M,PIPE)
   }
   static __forceinline__ __device__ auto k() {
     return make_tensor(dout().data() + size(dout()), typename Traits::SmemLayoutKV{});  // (N,D)
@@ -74,7 +76,7 @@ struct BwdSm90SharedStorage {
     return make_tensor(k().data(), typename Traits::SmemLayoutKt{});  // (D,N)
   }
   static __forceinline__ __device__ auto v() {
-    return make_tensor(k().data() + size(k()), typename Traits::SmemLayoutKV{});  // (N,D)
+    return make_tensor(k().data() + size(k()), typename Traits::SmemLayoutV{});  // (N,Dv)
   }
   static __forceinline__ __device__ auto ds() {
     return make_tensor(v().data() + size(v()), typename Traits::SmemLayoutdS{});  // (M,N,BUF)
@@ -88,9 +90,9 @@ struct BwdSm90SharedStorage {
   }
   // The lse (kBlockM floats) then D (kBlockM floats) of a Q / dO stage.
   static __forceinline__ __device__ float* row_stats(int stage) {
-    float* all =
-        reinterpret_cast<float*>(base() + 2 * Traits::kSmemSizeQdO + 2 * Traits::kSmemSizeKV +
-                                 Traits::kSmemSizedS + Traits::kSmemSizeP);
+    float* all = reinterpret_cast<float*>(base() + Traits::kSmemSizeQdO + Traits::kSmemSizedO +
+                                          Traits::kSmemSizeKV + Traits::kSmemSizeV +
+                                          Traits::kSmemSizedS + Traits::kSmemSizeP);
     return all + stage * 2 * kBlockM;
   }
   // dQ's staging buffer: one query block in the accumulator's order
