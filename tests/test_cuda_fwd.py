@@ -454,10 +454,10 @@ def check_varlen_against_reference(
 
 def counter_kernel_ran(names):
     """Whether the Hopper forward ran on the persistent grid that takes its
-    tiles from a counter (the kernel's second template argument; the third
-    says whether it has the score mods)."""
+    tiles from a counter (the kernel's second template argument, after the
+    traits; the bools after it are the score mods and the paged keys)."""
     grids = (
-        re.search(r"flash_fwd_sm90_kernel<.*>, (true|false), (?:true|false)>", name)
+        re.search(r"flash_fwd_sm90_kernel<flash::FwdSm90KernelTraits<[^>]*>, (true|false)", name)
         for name in names
     )
     return any(grid is not None and grid.group(1) == "true" for grid in grids)
