@@ -9,7 +9,9 @@ to each of its backends (flash, cuDNN, memory-efficient, math), flex_attention
 under torch.compile and, where flash_attn.cute imports, FlashAttention-4. Without
 a GPU it measures flash_attn_cuda's CPU path against SDPA on the CPU. Results go
 to results.json and PNG plots in --out (default benchmarks/results/<device name>/).
-benchmarks/README.md explains every option and column.
+The training regime also measures head-dim pairs (d_qk, d_v) whose v is narrower
+than q and k, DeepSeek-MLA's (192, 128) by default (--headdim-pairs), in tables of
+their own. benchmarks/README.md explains every option and column.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ ROW_KEYS = [
     "cuda",
     "dtype",
     "headdim",
+    "headdim_v",
     "causal",
     "seqlen_q",
     "seqlen_k",
@@ -166,6 +169,9 @@ class Grid:
     # GQA shapes on top of those: (headdim, ratio) pairs, at gqa_seqlens (None: every seqlen).
     gqa_cells: list = field(default_factory=list)
     gqa_seqlens: Optional[list] = None
+    # Training shapes whose v has a smaller head dim than q and k: (d_qk, d_v) pairs,
+    # e.g. DeepSeek-MLA's (192, 128) (issue 56), with nheads = hidden // d_v and no GQA.
+    headdim_pairs: list = field(default_factory=list)
 
     def train_kv_ratios(self, headdim: int, seqlen: int) -> list:
         ratios = list(self.kv_ratios)
@@ -201,6 +207,7 @@ def gpu_grid(quick: bool) -> Grid:
             prefill_page_sizes=[1, 16, 64, 256],
             gqa_cells=[(128, 4)],
             gqa_seqlens=[8192],
+            headdim_pairs=[(192, 128)],
         )
     return Grid(
         dtypes=["bf16", "fp16"],
@@ -218,6 +225,8 @@ def gpu_grid(quick: bool) -> Grid:
         prefill_page_sizes=[1, 16, 64, 256],
         # The issue's GQA training cells: 16 query heads over 4 kv heads.
         gqa_cells=[(128, 4)],
+        # DeepSeek-MLA's head dims: q and k 192, v 128, 16 heads.
+        headdim_pairs=[(192, 128)],
     )
 
 
@@ -242,6 +251,8 @@ def cpu_grid(quick: bool) -> Grid:
             prefill_shapes=[(2, 16, 64)],
             prefill_page_sizes=[1, 16],
             prefill_dtype="fp32",
+            # A small d_v < d_qk pair: a machine without a GPU walks that path too.
+            headdim_pairs=[(64, 32)],
         )
     return Grid(
         dtypes=["fp32", "bf16"],
@@ -293,6 +304,8 @@ def standin_grid() -> Grid:
         # Two query heads over one kv head: walks the GQA training path.
         gqa_cells=[(32, 2)],
         gqa_seqlens=[64],
+        # v narrower than q and k: walks every provider's d_v < d_qk path.
+        headdim_pairs=[(32, 16)],
     )
 
 
@@ -504,8 +517,13 @@ def random_tensor(shape, dtype, device, requires_grad=False) -> torch.Tensor:
     return t.requires_grad_(requires_grad)
 
 
-def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) -> float:
-    fwd = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+def attention_flops(
+    batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode, headdim_v=None
+) -> float:
+    """Q K^T costs 2 * d_qk and P V 2 * d_v FLOPs per (query, key) pair: 4 * d when
+    v has the head dim of q and k (headdim_v None)."""
+    headdim_v = headdim if headdim_v is None else headdim_v
+    fwd = 2.0 * batch * nheads * seqlen_q * seqlen_k * (headdim + headdim_v)
     if causal:
         fwd /= 2.0
     return fwd * MODE_FLOP_FACTOR[mode]
@@ -662,6 +680,12 @@ class Shape:
     nheads_k: int
     headdim: int
     causal: bool
+    # The head dim of v when it is smaller than q's and k's; None: headdim.
+    headdim_v: Optional[int] = None
+
+    @property
+    def dv(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
 
 
 @dataclass
@@ -727,6 +751,7 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
     dtype = DTYPES[shape.dtype]
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
     h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
+    dv = shape.dv  # v, and so the output and its gradient, has dv columns
     gqa = h != hk
 
     if provider in (FA4, FA4_DETERMINISTIC):
@@ -736,7 +761,7 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
         deterministic = provider == FA4_DETERMINISTIC
         q = random_tensor((b, sq, h, d), dtype, device, with_grad)
         k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
-        v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+        v = random_tensor((b, sk, hk, dv), dtype, device, with_grad)
 
         def fa4_forward():
             # It returns (out, lse); GQA is its k / v with fewer heads, as for ours.
@@ -755,7 +780,7 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
         dropout_p = DROPOUT_P if provider == OURS_DROPOUT else 0.0
         q = random_tensor((b, sq, h, d), dtype, device, with_grad)
         k = random_tensor((b, sk, hk, d), dtype, device, with_grad)
-        v = random_tensor((b, sk, hk, d), dtype, device, with_grad)
+        v = random_tensor((b, sk, hk, dv), dtype, device, with_grad)
         prepared = Prepared(
             forward=lambda: attn(
                 q, k, v, dropout_p=dropout_p, causal=shape.causal, deterministic=deterministic
@@ -777,7 +802,7 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
 
     q = random_tensor((b, h, sq, d), dtype, device, with_grad)
     k = random_tensor((b, hk, sk, d), dtype, device, with_grad)
-    v = random_tensor((b, hk, sk, d), dtype, device, with_grad)
+    v = random_tensor((b, hk, sk, dv), dtype, device, with_grad)
     sdpa_kwargs = {"is_causal": shape.causal}
     if gqa:
         sdpa_kwargs["enable_gqa"] = True
@@ -850,8 +875,9 @@ def _compare(
 def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] = None) -> dict:
     """Max |ours - SDPA| on ours' own inputs: a fast number from a wrong kernel is worthless.
 
-    q, k, v are (batch, seqlen, heads, headdim); SDPA runs on whichever backend
-    it picks. When q requires grad, dq, dk, dv are compared too. Returns {} when
+    q, k, v are (batch, seqlen, heads, headdim), v's headdim d_v for a head-dim
+    pair, and so the outputs compared; SDPA runs on whichever backend it picks.
+    When q requires grad, dq, dk, dv are compared too. Returns {} when
     SDPA itself cannot run the case (the measurement then reports ours' errors)."""
     if shape.causal and shape.seqlen_q != shape.seqlen_k:
         return {}  # SDPA's is_causal is top-left aligned
@@ -1246,7 +1272,8 @@ class Run:
         self.meta = describe_environment(device)
         self.meta.update(
             timer=self.timer.describe(),
-            flops="fwd 4*b*h*sq*sk*d (halved when causal), bwd 2.5x, fwd_bwd 3.5x; paged_prefill "
+            flops="fwd 2*b*h*sq*sk*(d_qk+d_v), i.e. 4*b*h*sq*sk*d when d_v = d_qk (halved "
+            "when causal), bwd 2.5x, fwd_bwd 3.5x; paged_prefill "
             "4*b*h*d*(sq*(sk-sq) + sq*(sq+1)/2), the pairs a bottom-right causal mask keeps",
             argv=sys.argv[1:],
             started=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -1282,6 +1309,7 @@ class Run:
             cuda=self.meta["cuda"],
             dtype=shape.dtype,
             headdim=shape.headdim,
+            headdim_v=shape.headdim_v,
             causal=shape.causal,
             seqlen_q=shape.seqlen_q,
             seqlen_k=shape.seqlen_k,
@@ -1442,6 +1470,7 @@ class Run:
                 row["headdim"],
                 row["causal"],
                 row["mode"],
+                row.get("headdim_v"),
             )
         row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         if row["regime"] == "decode" and ms > 0:
@@ -1479,6 +1508,22 @@ class Run:
                                 headdim,
                                 causal,
                             )
+            # v narrower than q and k: nheads from d_v (2048 // 128 = 16), MHA only.
+            for headdim, headdim_v in g.headdim_pairs:
+                nheads = max(1, g.hidden // headdim_v)
+                for causal in g.causals:
+                    for seqlen in g.seqlens:
+                        yield Shape(
+                            dtype,
+                            max(1, g.tokens // seqlen),
+                            seqlen,
+                            seqlen,
+                            nheads,
+                            nheads,
+                            headdim,
+                            causal,
+                            headdim_v,
+                        )
 
     def memory_providers(self) -> list:
         return [p for p in self.providers if p not in MEMORY_EXCLUDED]
@@ -1579,7 +1624,8 @@ class Run:
         with_grad = any(mode != "fwd" for mode in self.grid.modes)
         for shape in self.train_shapes():
             label = (
-                f"train {shape.dtype} d={shape.headdim} {'causal' if shape.causal else 'full  '} "
+                f"train {shape.dtype} d={head_dims(shape.headdim, shape.headdim_v)} "
+                f"{'causal' if shape.causal else 'full  '} "
                 f"s={shape.seqlen_q} b={shape.batch} h={shape.nheads}"
                 + (f":{shape.nheads_k}" if shape.nheads_k != shape.nheads else "")
             )
@@ -1709,6 +1755,11 @@ def join_notes(*notes) -> Optional[str]:
     return "; ".join(kept) if kept else None
 
 
+def head_dims(headdim: int, headdim_v: Optional[int] = None) -> str:
+    """'128', or '192/128' for q and k of head dim 192 over v of 128."""
+    return str(headdim) if headdim_v is None else f"{headdim}/{headdim_v}"
+
+
 def kv_group(row: dict) -> int:
     """nheads / nheads_k of a row: 1 for MHA, 4 for GQA 4:1."""
     nheads, nheads_k = row.get("nheads"), row.get("nheads_k")
@@ -1777,11 +1828,13 @@ def print_tables(meta: dict, rows: list) -> None:
     groups = {}
     for r in train:
         group = kv_group(r)
-        groups.setdefault((r["dtype"], r["headdim"], group, r["causal"], r["mode"]), {}).setdefault(
+        # A (d_qk, d_v) pair gets tables of its own, apart from d_qk's and d_v's.
+        heads = (r["headdim"], r.get("headdim_v"))
+        groups.setdefault((r["dtype"], heads, group, r["causal"], r["mode"]), {}).setdefault(
             (r["seqlen_q"], r["batch"], r["nheads"]), {}
         )[r["provider"]] = r
     ratio_log = {p: [] for p in others}
-    for (dtype, headdim, group, causal, mode), by_shape in groups.items():
+    for (dtype, heads, group, causal, mode), by_shape in groups.items():
         header = (
             ["seqlen", "batch", "nheads"]
             + providers
@@ -1810,7 +1863,7 @@ def print_tables(meta: dict, rows: list) -> None:
             lines.append(line)
         against = "".join(f"; x{p} against {REFERENCE_OF[p]}" for p in others if p in REFERENCE_OF)
         _print_table(
-            f"train {dtype} headdim={headdim}{f' GQA {group}:1' if group != 1 else ''} "
+            f"train {dtype} headdim={head_dims(*heads)}{f' GQA {group}:1' if group != 1 else ''} "
             f"{'causal' if causal else 'non-causal'} {mode}: {flop_unit}"
             f" (xP = time of P / time of {OURS}; >1 means {OURS} is faster{against})",
             header,
@@ -1985,6 +2038,17 @@ def parse_prefill_shape(text: str) -> tuple:
     return batch, q_chunk, context
 
 
+def parse_headdim_pair(text: str) -> tuple:
+    """'192x128' -> (d_qk 192, d_v 128)."""
+    try:
+        headdim, headdim_v = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--headdim-pairs: {text!r} is not DxV (e.g. 192x128)")
+    if min(headdim, headdim_v) < 1 or headdim_v > headdim:
+        raise SystemExit(f"--headdim-pairs: {text!r} needs positive head dims and d_v <= d_qk")
+    return headdim, headdim_v
+
+
 def parse_bool_choice(text: str) -> list:
     return {"both": [False, True], "true": [True], "false": [False]}[text]
 
@@ -2026,6 +2090,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma list of head dims, training grid (default: 64,128,256 / 64,128; --quick: "
         "128 / 64)",
+    )
+    p.add_argument(
+        "--headdim-pairs",
+        default=None,
+        help="comma list of DxV training cells whose v has head dim V below q's and k's D, "
+        "nheads = hidden / V, no GQA; '' for none (default: 192x128 / none; --quick: "
+        "192x128 / 64x32)",
     )
     p.add_argument(
         "--modes",
@@ -2176,6 +2247,8 @@ def select(args) -> tuple:
             raise SystemExit(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
     if args.headdims:
         grid.headdims = parse_list(args.headdims, int)
+    if args.headdim_pairs is not None:
+        grid.headdim_pairs = [parse_headdim_pair(t) for t in parse_list(args.headdim_pairs)]
     if args.modes:
         grid.modes = parse_list(args.modes)
         bad = [m for m in grid.modes if m not in MODES]

@@ -128,14 +128,19 @@ def plot_train(plt, meta, rows, out_dir) -> list:
     value, ylabel = _throughput(meta)
     dtypes = sorted({r["dtype"] for r in train})
     paths = []
-    keys = sorted({(r["headdim"], _group(r), r["mode"], r["causal"]) for r in train})
-    for headdim, group, mode, causal in keys:
+    # A head-dim pair (d_qk, d_v) gets plots of its own; headdim_v 0: v as wide as q.
+    keys = sorted(
+        {(r["headdim"], r.get("headdim_v") or 0, _group(r), r["mode"], r["causal"]) for r in train}
+    )
+    for headdim, headdim_v, group, mode, causal in keys:
+        heads = f"{headdim}/{headdim_v}" if headdim_v else f"{headdim}"
         fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
         for ax, dtype in zip(axes[0], dtypes):
             subset = [
                 r
                 for r in train
                 if r["headdim"] == headdim
+                and (r.get("headdim_v") or 0) == headdim_v
                 and _group(r) == group
                 and r["mode"] == mode
                 and r["causal"] == causal
@@ -147,7 +152,7 @@ def plot_train(plt, meta, rows, out_dir) -> list:
                 subset,
                 value,
                 ylabel,
-                f"{dtype}, headdim {headdim}, {'causal' if causal else 'non-causal'}, {mode}\n"
+                f"{dtype}, headdim {heads}, {'causal' if causal else 'non-causal'}, {mode}\n"
                 f"batch*seqlen={_tokens(sample)}, nheads={sample.get('nheads')}"
                 + (f", nheads_k={sample.get('nheads_k')}" if group != 1 else ""),
             )
@@ -155,7 +160,8 @@ def plot_train(plt, meta, rows, out_dir) -> list:
         fig.tight_layout()
         path = os.path.join(
             out_dir,
-            f"train_d{headdim}{f'_gqa{group}' if group != 1 else ''}_{mode}_"
+            f"train_d{headdim}{f'v{headdim_v}' if headdim_v else ''}"
+            f"{f'_gqa{group}' if group != 1 else ''}_{mode}_"
             f"{'causal' if causal else 'noncausal'}.png",
         )
         fig.savefig(path, dpi=110)
@@ -171,8 +177,13 @@ def _tokens(row: dict):
 
 
 def plot_headline(plt, meta, rows, out_dir) -> list:
-    # MHA only: a GQA cell of the same seqlen would be a second point on each line.
-    train = [r for r in rows if r.get("regime", "train") == "train" and _group(r) == 1]
+    # MHA only: a GQA cell of the same seqlen would be a second point on each line;
+    # so would a head-dim pair's.
+    train = [
+        r
+        for r in rows
+        if r.get("regime", "train") == "train" and _group(r) == 1 and r.get("headdim_v") is None
+    ]
     if not train:
         return []
     value, ylabel = _throughput(meta)

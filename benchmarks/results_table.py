@@ -45,8 +45,9 @@ SUMMARY_ANCHORS = ("sdpa_flash", "sdpa_cudnn", FA4)
 REFERENCE_OF = {FA4_DETERMINISTIC: OURS_DETERMINISTIC}
 MODES = ["fwd", "bwd", "fwd_bwd"]
 MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
-# One training cell; group = nheads / nheads_k (1: MHA, 4: GQA 4:1).
-Cell = namedtuple("Cell", "mode headdim group causal dtype seqlen")
+# One training cell; group = nheads / nheads_k (1: MHA, 4: GQA 4:1); headdim_v the
+# head dim of v in a head-dim pair (d_qk, d_v), None when v is as wide as q and k.
+Cell = namedtuple("Cell", "mode headdim group causal dtype seqlen headdim_v", defaults=(None,))
 
 
 def load(path: Path | str) -> tuple[dict, list]:
@@ -73,18 +74,34 @@ def train_cells(rows: list, min_seqlen: int = 0) -> dict:
         if row["seqlen_q"] < min_seqlen:
             continue
         key = Cell(
-            row["mode"], row["headdim"], kv_group(row), row["causal"], row["dtype"], row["seqlen_q"]
+            row["mode"],
+            row["headdim"],
+            kv_group(row),
+            row["causal"],
+            row["dtype"],
+            row["seqlen_q"],
+            row.get("headdim_v"),
         )
         cells[key][row["provider"]] = row["tflops"]
     return cells
 
 
 def cell_order(key: Cell) -> tuple:
-    return (MODES.index(key.mode), key.headdim, key.group, key.causal, key.dtype, key.seqlen)
+    return (
+        MODES.index(key.mode),
+        key.headdim,
+        key.headdim_v or 0,
+        key.group,
+        key.causal,
+        key.dtype,
+        key.seqlen,
+    )
 
 
-def head_label(headdim: int, group: int) -> str:
-    return str(headdim) if group == 1 else f"{headdim} GQA {group}:1"
+def head_label(headdim: int, group: int, headdim_v=None) -> str:
+    """'128', '128 GQA 4:1', or '192/128' for q and k of head dim 192 over v of 128."""
+    head = str(headdim) if headdim_v is None else f"{headdim}/{headdim_v}"
+    return head if group == 1 else f"{head} GQA {group}:1"
 
 
 def present_anchors(cells: dict) -> list[str]:
@@ -152,7 +169,7 @@ def dropout_lines(cells: dict) -> list[str]:
 
 def _where(key: Cell) -> str:
     causal = " causal" if key.causal else ""
-    return f"d{head_label(key.headdim, key.group)}{causal} {key.dtype} {key.seqlen}"
+    return f"d{head_label(key.headdim, key.group, key.headdim_v)}{causal} {key.dtype} {key.seqlen}"
 
 
 def full_table(meta: dict, rows: list, min_seqlen: int = 0) -> str:
@@ -191,7 +208,7 @@ def full_table(meta: dict, rows: list, min_seqlen: int = 0) -> str:
             det = cells[key].get(OURS_DETERMINISTIC)
             ratios.append("-" if det is None else f"{ours / det:.2f}")
         out.append(
-            f"| {key.mode} | {head_label(key.headdim, key.group)} | {key.causal} | {key.dtype} | "
+            f"| {key.mode} | {head_label(key.headdim, key.group, key.headdim_v)} | {key.causal} | {key.dtype} | "
             f"{key.seqlen} | {ours:.1f} | " + " | ".join(ratios) + " |"
         )
     out += ["", "Geometric mean of the ratio per mode:", ""]
@@ -247,6 +264,16 @@ def summary(meta: dict, rows: list, source: str) -> str:
         f", plus GQA {g}:1 at head dim {d} ({h} query heads over {hk} kv heads)"
         for d, g, h, hk in gqa
     )
+    pairs = sorted(
+        {
+            (r["headdim"], r["headdim_v"], r["nheads"])
+            for r in rows
+            if r.get("regime", "train") == "train" and r.get("headdim_v") is not None
+        }
+    )
+    gqa_text += "".join(
+        f", plus q and k of head dim {d} over v of {dv} ({h} heads)" for d, dv, h in pairs
+    )
     out = [
         f"{meta.get('gpu')}, torch {meta.get('torch')}, CUDA {meta.get('cuda')}; {_runs(meta)} "
         f"(`{source}`, plots beside it).",
@@ -268,12 +295,14 @@ def summary(meta: dict, rows: list, source: str) -> str:
         keys = [k for k in cells if k.mode == mode and OURS in cells[k]]
         if not keys:
             continue
-        for head in sorted({(k.headdim, k.group) for k in keys}) + ["all"]:
-            sel = [k for k in keys if head == "all" or (k.headdim, k.group) == head]
+        heads = {(k.headdim, k.group, k.headdim_v) for k in keys}
+        for head in sorted(heads, key=lambda h: (h[0], h[2] or 0, h[1])) + ["all"]:
+            sel = [k for k in keys if head == "all" or (k.headdim, k.group, k.headdim_v) == head]
             tf = ""
             if head != "all":
+                d, group, dv = head
                 pair = [
-                    cells.get(Cell(mode, *head, c, tf_dtype, longest), {}).get(OURS)
+                    cells.get(Cell(mode, d, group, c, tf_dtype, longest, dv), {}).get(OURS)
                     for c in (False, True)
                 ]
                 tf = " / ".join("-" if x is None else f"{x:.0f}" for x in pair)

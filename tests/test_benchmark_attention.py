@@ -1,5 +1,5 @@
-"""benchmarks/benchmark_attention.py without a GPU: the training grid's GQA cells and the
-FlashAttention-4 anchor.
+"""benchmarks/benchmark_attention.py without a GPU: the training grid's GQA cells, its
+head-dim pairs (d_qk, d_v) and the FlashAttention-4 anchor.
 
 FA4 (flash_attn.cute) is never installed here, so its import failure is real, and the
 provider's path is walked with a stand-in module (SDPA behind FA4's signature) on the
@@ -40,7 +40,9 @@ class FakeFA4:
         self.calls = []
 
     def __call__(self, q, k, v, causal=False, softmax_scale=None, deterministic=False):
-        self.calls.append(dict(causal=causal, deterministic=deterministic, nheads_k=k.shape[2]))
+        self.calls.append(
+            dict(causal=causal, deterministic=deterministic, nheads_k=k.shape[2], dv=v.shape[-1])
+        )
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -62,10 +64,14 @@ def _shapes(bench, grid):
 def test_full_gpu_grid_has_gqa_4_to_1_at_d128_only(bench):
     shapes = _shapes(bench, bench.gpu_grid(quick=False))
     gqa = [s for s in shapes if s.nheads != s.nheads_k]
-    mha = [s for s in shapes if s.nheads == s.nheads_k]
-    # 2 dtypes x 3 head dims x 2 causal x 6 seqlens, plus d128's 2 x 2 x 6 GQA cells.
-    assert len(mha) == 72 and len(gqa) == 24
+    mha = [s for s in shapes if s.nheads == s.nheads_k and s.headdim_v is None]
+    pairs = [s for s in shapes if s.headdim_v is not None]
+    # 2 dtypes x 3 head dims x 2 causal x 6 seqlens, plus d128's 2 x 2 x 6 GQA cells,
+    # plus the (192, 128) pair's 2 x 2 x 6 cells.
+    assert len(mha) == 72 and len(gqa) == 24 and len(pairs) == 24
     assert {(s.headdim, s.nheads, s.nheads_k) for s in gqa} == {(128, 16, 4)}
+    # Issue 56's cell: q and k of head dim 192, v of 128, 2048 // 128 = 16 heads, no GQA.
+    assert {(s.headdim, s.headdim_v, s.nheads, s.nheads_k) for s in pairs} == {(192, 128, 16, 16)}
     assert {s.seqlen_q for s in gqa} == set(bench.pow2_range(512, 16384))
     assert all(s.batch * s.seqlen_q == 16384 for s in shapes)
 
@@ -76,13 +82,54 @@ def test_quick_gpu_grid_has_one_gqa_seqlen(bench):
     assert {s.causal for s in gqa} == {False, True}
 
 
+def test_headdim_pairs_in_the_grids(bench):
+    assert bench.gpu_grid(quick=True).headdim_pairs == [(192, 128)]
+    assert bench.gpu_grid(quick=False).headdim_pairs == [(192, 128)]
+    assert bench.cpu_grid(quick=False).headdim_pairs == []
+    # A machine without a GPU walks the d_v < d_qk path too.
+    assert all(dv < d for d, dv in bench.cpu_grid(quick=True).headdim_pairs)
+    assert all(dv < d for d, dv in bench.standin_grid().headdim_pairs)
+    pairs = [s for s in _shapes(bench, bench.gpu_grid(quick=True)) if s.headdim_v is not None]
+    assert {(s.seqlen_q, s.batch, s.causal) for s in pairs} == {
+        (s, 16384 // s, c) for s in (2048, 8192) for c in (False, True)
+    }
+
+
+def test_headdim_pairs_option(bench):
+    def grid_of(*argv):
+        return bench.select(bench.build_parser().parse_args(["--cpu-standin", *argv]))[1]
+
+    assert grid_of("--headdim-pairs", "192x128,576x512").headdim_pairs == [(192, 128), (576, 512)]
+    assert grid_of("--headdim-pairs", "").headdim_pairs == []
+    assert grid_of().headdim_pairs == bench.standin_grid().headdim_pairs
+    for bad in ("192", "192x128x1", "128x192", "0x0", "ax128"):
+        with pytest.raises(SystemExit):
+            grid_of("--headdim-pairs", bad)
+
+
+def test_attention_flops_with_headdim_v(bench):
+    b, h, s = 2, 16, 1024
+    fwd = bench.attention_flops(b, h, s, s, 192, False, "fwd", 128)
+    assert fwd == 2.0 * b * h * s * s * (192 + 128)
+    assert bench.attention_flops(b, h, s, s, 192, True, "fwd", 128) == fwd / 2
+    assert bench.attention_flops(b, h, s, s, 192, False, "bwd", 128) == 2.5 * fwd
+    assert bench.attention_flops(b, h, s, s, 192, False, "fwd_bwd", 128) == 3.5 * fwd
+    # Without d_v (or with d_v = d), the usual 4 * d.
+    assert bench.attention_flops(b, h, s, s, 128, False, "fwd") == 4.0 * b * h * s * s * 128
+    assert bench.attention_flops(b, h, s, s, 128, False, "fwd", 128) == 4.0 * b * h * s * s * 128
+
+
 def test_gqa_ratios_option_replaces_the_default_cells(bench):
     args = bench.build_parser().parse_args(
         ["--cpu-standin", "--headdims", "32", "--gqa-ratios", "2", "--seqlens", "64"]
     )
     _, grid, _ = bench.select(args)
     shapes = _shapes(bench, grid)
+    pairs = [s for s in shapes if s.headdim_v is not None]
+    shapes = [s for s in shapes if s.headdim_v is None]
     assert shapes and all(s.nheads_k == s.nheads // 2 for s in shapes)
+    # Head-dim pairs are MHA whatever the ratios.
+    assert pairs and all(s.nheads_k == s.nheads for s in pairs)
     with pytest.raises(SystemExit):
         bench.select(bench.build_parser().parse_args(["--cpu-standin", "--gqa-ratios", "0"]))
 
@@ -160,10 +207,14 @@ def test_fa4_rows_on_the_standin(bench, tmp_path, monkeypatch, capsys):
     assert all(not r.get("warning") for r in fa4 + det)
     assert {r["nheads"] // r["nheads_k"] for r in fa4} == {1, 2}
     assert {c["deterministic"] for c in fake.calls} == {False, True}
-    assert {c["nheads_k"] for c in fake.calls} == {1, 2}
+    # The d32 cells at both ratios, and the stand-in's (32, 16) pair: 64 // 16 heads, MHA.
+    assert {(c["nheads_k"], c["dv"]) for c in fake.calls} == {(1, 32), (2, 32), (4, 16)}
+    pair = [r for r in fa4 if r["headdim_v"] == 16]
+    assert pair and all(r["headdim"] == 32 and r["nheads"] == r["nheads_k"] == 4 for r in pair)
     assert data["meta"].get("fa4_error") is None
     printed = capsys.readouterr().out
     assert "GQA 2:1" in printed
+    assert "headdim=32/16" in printed
     assert (
         "vs fa4_deterministic" in printed and "(against flash_attn_cuda_deterministic)" in printed
     )
@@ -233,3 +284,79 @@ def test_a_wrong_dropout_output_is_flagged(bench):
     assert good["max_abs_diff_vs_reference"] < 1e-4 and "warning" not in good
     bad = bench.check_dropout(without_the_rescale, q, k, v, shape, 0.3)
     assert "output with dropout differs from the float64 reference" in bad["warning"]
+
+
+def test_headdim_pair_rows_on_the_standin(bench, tmp_path, monkeypatch, capsys):
+    """Every provider gets v (and dout) with d_v columns; ours is checked against SDPA."""
+    _ours_or_skip()
+    monkeypatch.setattr(bench, "load_fa4", lambda: (FakeFA4(), None))
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    providers = [bench.OURS, bench.FA4, "sdpa_math", "sdpa_efficient"]
+    status, data = _standin(
+        bench, tmp_path, providers, extra=["--regimes", "train", "--headdim-pairs", "32x16"]
+    )
+    assert status == 0
+    rows = [r for r in data["rows"] if r["headdim_v"] is not None]
+    assert {r["provider"] for r in rows} == set(providers)
+    assert {(r["headdim"], r["headdim_v"], r["nheads"], r["nheads_k"]) for r in rows} == {
+        (32, 16, 4, 4)
+    }
+    # Ordinary cells keep headdim_v null.
+    assert {r["headdim_v"] for r in data["rows"] if r["headdim"] == 32} == {None, 16}
+    for r in rows:
+        if r["provider"] in (bench.OURS, bench.FA4):
+            assert not r["error"] and not r.get("warning"), r
+            assert r["max_abs_diff_vs_sdpa"] < 1e-4
+            if r["mode"] != "fwd":
+                assert r["max_abs_diff_grad_vs_sdpa"] < 1e-4
+        if r["ms"]:
+            flops = bench.attention_flops(
+                r["batch"],
+                r["nheads"],
+                r["seqlen_q"],
+                r["seqlen_k"],
+                32,
+                r["causal"],
+                r["mode"],
+                16,
+            )
+            assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
+    assert all(not r["error"] for r in rows if r["provider"] == "sdpa_math")
+    printed = capsys.readouterr().out
+    assert "train fp32 headdim=32/16 non-causal fwd" in printed
+    assert "train fp32 headdim=32 non-causal fwd" in printed
+
+    # The JSON's consumers take rows with and without headdim_v.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_table
+    finally:
+        sys.path.pop(0)
+    for r in data["rows"]:
+        if r["provider"] == "sdpa_math":
+            r["provider"] = "sdpa_flash"  # an anchor the tables know
+    table = results_table.full_table(data["meta"], data["rows"])
+    assert "| 32/16 |" in table and "| 32 |" in table
+    summary = results_table.summary(data["meta"], data["rows"], "results.json")
+    assert "| 32/16 |" in summary and "over v of 16" in summary
+    old_rows = [{k: v for k, v in r.items() if k != "headdim_v"} for r in data["rows"]]
+    assert "| 32 |" in results_table.full_table(data["meta"], old_rows)
+
+
+def test_headdim_pair_on_the_cpu_quick_grid(bench, tmp_path, monkeypatch):
+    """The CPU quick grid's pair: ours' CPU path against SDPA on the CPU."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "train", "--seqlens", "128"]
+    argv += ["--dtypes", "fp32", "--headdims", "32", "--modes", "fwd,fwd_bwd"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    (d, dv), *_ = bench.cpu_grid(quick=True).headdim_pairs
+    pair = [r for r in rows if r["headdim_v"] == dv]
+    assert {r["provider"] for r in pair} == {bench.OURS, "sdpa_cpu"}
+    assert {(r["headdim"], r["nheads"]) for r in pair} == {(d, 256 // dv)}
+    ours = [r for r in pair if r["provider"] == bench.OURS]
+    assert ours and all(not r["error"] and not r.get("warning") for r in ours)
+    assert all(r["max_abs_diff_vs_sdpa"] is not None for r in ours)
