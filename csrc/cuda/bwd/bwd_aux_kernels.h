@@ -35,53 +35,79 @@ constexpr int dot_lanes_per_row() {
   while (lanes * 2 <= 32 && lanes * 2 * 8 <= kHeadDim) lanes *= 2;
   return lanes;
 }
+// Rows per thread: each thread first loads its pieces of kDotRowsPerThread
+// rows, then sums them, so that as many 16-byte loads per thread are in
+// flight. At one row per thread each block made one load of O and one of dO
+// per thread and left, and the kernel read at 70% of DRAM bandwidth (ncu,
+// d128 causal 8k, PERF_LOG 2026-11-29, "ncu beside FA4").
+constexpr int kDotRowsPerThread = 4;
 template <int kHeadDim>
 constexpr int dot_rows_per_block() {
-  return kBwdAuxThreads / dot_lanes_per_row<kHeadDim>();
+  return kDotRowsPerThread * (kBwdAuxThreads / dot_lanes_per_row<kHeadDim>());
 }
 
 // Grid: (ceil(seqlen_q / dot_rows_per_block), (head, batch) pairs); the
-// pairs of grid_heads_batch.h, here and in the kernels below.
+// pairs of grid_heads_batch.h, here and in the kernels below. Thread t
+// takes rows r * (threads / lanes per row) + t / lanes per row of its block.
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_dot_do_o_kernel(const BwdParams params) {
   constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
+  constexpr int kRowStep = kBwdAuxThreads / kLanesPerRow;
+  // 8 elements (16 bytes) per lane per piece; rows start 16-byte aligned and
+  // O's and dO's head dim, head_dim_v, is a multiple of 8.
+  constexpr int kVec = 8;
+  constexpr int kPieces = (kHeadDim + kLanesPerRow * kVec - 1) / (kLanesPerRow * kVec);
   HeadBatch pair;
   if (!block_head_batch(params.nheads, params.batch, pair)) return;
   const int head = pair.head;
   const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
-  const int row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
+  const int first_row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
   const int lane = threadIdx.x % kLanesPerRow;
+  const Element* o =
+      static_cast<const Element*>(params.o_ptr) + binfo.q_offset(params.o, batch, head);
+  const Element* dout =
+      static_cast<const Element*>(params.do_ptr) + binfo.q_offset(params.dout, batch, head);
+  uint4 o_bits[kDotRowsPerThread][kPieces];
+  uint4 do_bits[kDotRowsPerThread][kPieces];
+  CUTE_UNROLL
+  for (int r = 0; r < kDotRowsPerThread; ++r) {
+    const int row = first_row + r * kRowStep;
+    CUTE_UNROLL
+    for (int k = 0; k < kPieces; ++k) {
+      const int col = (k * kLanesPerRow + lane) * kVec;
+      const bool in_bounds = row < binfo.seqlen_q && col < params.head_dim_v;
+      o_bits[r][k] =
+          in_bounds ? *reinterpret_cast<const uint4*>(o + int64_t(row) * params.o.row_stride + col)
+                    : make_uint4(0, 0, 0, 0);
+      do_bits[r][k] =
+          in_bounds
+              ? *reinterpret_cast<const uint4*>(dout + int64_t(row) * params.dout.row_stride + col)
+              : make_uint4(0, 0, 0, 0);
+    }
+  }
   // No early return: every lane of a row group takes part in the shuffles.
-  const bool row_in_bounds = row < binfo.seqlen_q;
-  const Element* o = static_cast<const Element*>(params.o_ptr) +
-                     binfo.q_offset(params.o, batch, head) + int64_t(row) * params.o.row_stride;
-  const Element* dout = static_cast<const Element*>(params.do_ptr) +
-                        binfo.q_offset(params.dout, batch, head) +
-                        int64_t(row) * params.dout.row_stride;
-  // 8 elements (16 bytes) per lane per step; rows start 16-byte aligned and
-  // O's and dO's head dim, head_dim_v, is a multiple of 8.
-  constexpr int kVec = 8;
-  float dot = 0.f;
-  if (row_in_bounds) {
-    for (int col = lane * kVec; col < params.head_dim_v; col += kLanesPerRow * kVec) {
-      const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
-      const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
-      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
-      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits);
-#pragma unroll
+  CUTE_UNROLL
+  for (int r = 0; r < kDotRowsPerThread; ++r) {
+    float dot = 0.f;
+    CUTE_UNROLL
+    for (int k = 0; k < kPieces; ++k) {
+      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits[r][k]);
+      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits[r][k]);
+      CUTE_UNROLL
       for (int i = 0; i < kVec; ++i) {
         dot += static_cast<float>(o_vals[i]) * static_cast<float>(do_vals[i]);
       }
     }
-  }
-#pragma unroll
-  for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
-    dot += __shfl_xor_sync(0xffffffff, dot, mask);
-  }
-  if (row_in_bounds && lane == 0) {
-    params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+    CUTE_UNROLL
+    for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
+      dot += __shfl_xor_sync(0xffffffff, dot, mask);
+    }
+    const int row = first_row + r * kRowStep;
+    if (row < binfo.seqlen_q && lane == 0) {
+      params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+    }
   }
 }
 
@@ -115,28 +141,42 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
     const float* chunk_accum =
         accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
-    CUTE_UNROLL
-    for (int i = 0; i < kValues; i += kAccumVec) {
-      float sum[kAccumVec] = {};
-      const float* group = chunk_accum + accum_value_offset<kNThreads>(i);
-      for (int slice = 0; slice < num_slices; ++slice) {
-        const float* values = group + slice * slice_stride;
-        if constexpr (kAccumVec == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(values);
-          sum[0] += v.x;
-          sum[1] += v.y;
-          sum[2] += v.z;
-          sum[3] += v.w;
-        } else {
-          sum[0] += *values;
+    // A slice's loads of the whole chunk first, then the sums: every load of
+    // a slice is in flight at once. Summed per value over a slice loop around
+    // each load, they went out one at a time, and the kernel read at 59% of
+    // DRAM bandwidth against FA4's postprocess at 81% (PERF_LOG 2026-11-29,
+    // "ncu beside FA4"). The same sums in the same slice order.
+    float sum[kValues] = {};
+    for (int slice = 0; slice < num_slices; ++slice) {
+      if constexpr (kAccumVec == 4) {
+        float4 v[kValues / 4];
+        CUTE_UNROLL
+        for (int g = 0; g < kValues / 4; ++g) {
+          v[g] = *reinterpret_cast<const float4*>(
+              chunk_accum + accum_value_offset<kNThreads>(4 * g) + slice * slice_stride);
         }
+        CUTE_UNROLL
+        for (int g = 0; g < kValues / 4; ++g) {
+          sum[4 * g] += v[g].x;
+          sum[4 * g + 1] += v[g].y;
+          sum[4 * g + 2] += v[g].z;
+          sum[4 * g + 3] += v[g].w;
+        }
+      } else {
+        float v[kValues];
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) {
+          v[i] = chunk_accum[accum_value_offset<kNThreads>(i) + slice * slice_stride];
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) sum[i] += v[i];
       }
-      CUTE_UNROLL
-      for (int j = 0; j < kAccumVec; ++j) {
-        const int row = get<0>(tCcC(i + j));
-        const int col = chunk * kChunkCols + get<1>(tCcC(i + j));
-        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * scale);
-      }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) {
+      const int row = get<0>(tCcC(i));
+      const int col = chunk * kChunkCols + get<1>(tCcC(i));
+      tile[row * kRowPitch + col] = static_cast<Element>(sum[i] * scale);
     }
   }
   __syncthreads();
