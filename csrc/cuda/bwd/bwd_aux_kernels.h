@@ -3,8 +3,7 @@
 //   after:  dQ = scale * (sum of the dQ accumulator slices), cast to the input
 //           dtype; under GQA, dK and dV of a kv head cast from its fp32 sums
 //           (both templated on the main kernel's traits, whose partitions are
-//           the accumulators' layout), or in deterministic mode the sum of its
-//           query heads' fp32 shares, in head order.
+//           the accumulators' layout).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +21,6 @@ namespace flash {
 using namespace cute;
 
 constexpr int kBwdAuxThreads = 256;
-constexpr int kConvertRowsPerBlock = 16;
 
 // D = rowsum(dO * O): a row is split over kDotLanesPerRow lanes of 16-byte
 // pieces, the largest power of two the compiled head dim fills, so that a warp
@@ -261,70 +259,6 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV, kHeadDimV>(
       params.dv_sum_ptr + dv_sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows,
       params.head_dim_v);
-}
-
-// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
-// deterministic mode: dK and dV of a kv head sum its query heads' shares in
-// head order. The shares are rows of kAccumHeadDim columns, dV's of
-// kAccumHeadDimV where d_v has its own width (store_dk_dv_pair).
-template <typename Element, int kAccumHeadDim, int kAccumHeadDimV = kAccumHeadDim>
-__global__ void __launch_bounds__(kBwdAuxThreads)
-    flash_bwd_reduce_dkv_kernel(const BwdParams params) {
-  HeadBatch pair;
-  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
-  const int head_kv = pair.head;
-  const int batch = pair.batch;
-  const BlockInfo binfo(params, batch);
-  const int row_begin = blockIdx.x * kConvertRowsPerBlock;
-  if (row_begin >= binfo.seqlen_k) return;
-  const int group = params.nheads / params.nheads_k;
-  const int64_t head_stride =
-      int64_t(binfo.varlen ? params.total_k : params.seqlen_k) * kAccumHeadDim;
-  const int64_t first_head =
-      binfo.varlen ? int64_t(head_kv) * group * params.total_k + binfo.k_row_begin
-                   : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) * params.seqlen_k;
-  const int64_t accum_offset = (first_head + row_begin) * kAccumHeadDim;
-  const float* dk_accum = params.dk_accum_ptr + accum_offset;
-  [[maybe_unused]] const float* dv_accum = params.dv_accum_ptr + accum_offset;
-  Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
-                row_begin * params.dk.row_stride;
-  Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
-                row_begin * params.dv.row_stride;
-  const int rows = min(kConvertRowsPerBlock, binfo.seqlen_k - row_begin);
-  if constexpr (kAccumHeadDimV == kAccumHeadDim) {
-    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim;
-      const int c = idx - r * params.head_dim;
-      const int64_t element = int64_t(r) * kAccumHeadDim + c;
-      float dk_sum = 0.f, dv_sum = 0.f;
-      for (int g = 0; g < group; ++g) {
-        dk_sum += dk_accum[g * head_stride + element];
-        dv_sum += dv_accum[g * head_stride + element];
-      }
-      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-      if (c < params.head_dim_v) dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
-    }
-  } else {
-    // dK's shares, then dV's, each over its own rows' width.
-    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim;
-      const int c = idx - r * params.head_dim;
-      const int64_t element = int64_t(r) * kAccumHeadDim + c;
-      float dk_sum = 0.f;
-      for (int g = 0; g < group; ++g) dk_sum += dk_accum[g * head_stride + element];
-      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-    }
-    const int64_t head_stride_v = head_stride / kAccumHeadDim * kAccumHeadDimV;
-    const float* dv_accum_v = params.dv_accum_ptr + accum_offset / kAccumHeadDim * kAccumHeadDimV;
-    for (int idx = threadIdx.x; idx < rows * params.head_dim_v; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim_v;
-      const int c = idx - r * params.head_dim_v;
-      const int64_t element = int64_t(r) * kAccumHeadDimV + c;
-      float dv_sum = 0.f;
-      for (int g = 0; g < group; ++g) dv_sum += dv_accum_v[g * head_stride_v + element];
-      dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
-    }
-  }
 }
 
 }  // namespace flash
