@@ -3,8 +3,7 @@
 //   after:  dQ = scale * (sum of the dQ accumulator slices), cast to the input
 //           dtype; under GQA, dK and dV of a kv head cast from its fp32 sums
 //           (both templated on the main kernel's traits, whose partitions are
-//           the accumulators' layout), or in deterministic mode the sum of its
-//           query heads' fp32 shares, in head order.
+//           the accumulators' layout).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +21,6 @@ namespace flash {
 using namespace cute;
 
 constexpr int kBwdAuxThreads = 256;
-constexpr int kConvertRowsPerBlock = 16;
 
 // D = rowsum(dO * O): a row is split over kDotLanesPerRow lanes of 16-byte
 // pieces, the largest power of two the compiled head dim fills, so that a warp
@@ -35,53 +33,79 @@ constexpr int dot_lanes_per_row() {
   while (lanes * 2 <= 32 && lanes * 2 * 8 <= kHeadDim) lanes *= 2;
   return lanes;
 }
+// Rows per thread: each thread first loads its pieces of kDotRowsPerThread
+// rows, then sums them, so that as many 16-byte loads per thread are in
+// flight. At one row per thread each block made one load of O and one of dO
+// per thread and left, and the kernel read at 70% of DRAM bandwidth (ncu,
+// d128 causal 8k, PERF_LOG 2026-11-29, "ncu beside FA4").
+constexpr int kDotRowsPerThread = 4;
 template <int kHeadDim>
 constexpr int dot_rows_per_block() {
-  return kBwdAuxThreads / dot_lanes_per_row<kHeadDim>();
+  return kDotRowsPerThread * (kBwdAuxThreads / dot_lanes_per_row<kHeadDim>());
 }
 
 // Grid: (ceil(seqlen_q / dot_rows_per_block), (head, batch) pairs); the
-// pairs of grid_heads_batch.h, here and in the kernels below.
+// pairs of grid_heads_batch.h, here and in the kernels below. Thread t
+// takes rows r * (threads / lanes per row) + t / lanes per row of its block.
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdAuxThreads)
     flash_bwd_dot_do_o_kernel(const BwdParams params) {
   constexpr int kLanesPerRow = dot_lanes_per_row<kHeadDim>();
+  constexpr int kRowStep = kBwdAuxThreads / kLanesPerRow;
+  // 8 elements (16 bytes) per lane per piece; rows start 16-byte aligned and
+  // O's and dO's head dim, head_dim_v, is a multiple of 8.
+  constexpr int kVec = 8;
+  constexpr int kPieces = (kHeadDim + kLanesPerRow * kVec - 1) / (kLanesPerRow * kVec);
   HeadBatch pair;
   if (!block_head_batch(params.nheads, params.batch, pair)) return;
   const int head = pair.head;
   const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
-  const int row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
+  const int first_row = blockIdx.x * dot_rows_per_block<kHeadDim>() + threadIdx.x / kLanesPerRow;
   const int lane = threadIdx.x % kLanesPerRow;
+  const Element* o =
+      static_cast<const Element*>(params.o_ptr) + binfo.q_offset(params.o, batch, head);
+  const Element* dout =
+      static_cast<const Element*>(params.do_ptr) + binfo.q_offset(params.dout, batch, head);
+  uint4 o_bits[kDotRowsPerThread][kPieces];
+  uint4 do_bits[kDotRowsPerThread][kPieces];
+  CUTE_UNROLL
+  for (int r = 0; r < kDotRowsPerThread; ++r) {
+    const int row = first_row + r * kRowStep;
+    CUTE_UNROLL
+    for (int k = 0; k < kPieces; ++k) {
+      const int col = (k * kLanesPerRow + lane) * kVec;
+      const bool in_bounds = row < binfo.seqlen_q && col < params.head_dim_v;
+      o_bits[r][k] =
+          in_bounds ? *reinterpret_cast<const uint4*>(o + int64_t(row) * params.o.row_stride + col)
+                    : make_uint4(0, 0, 0, 0);
+      do_bits[r][k] =
+          in_bounds
+              ? *reinterpret_cast<const uint4*>(dout + int64_t(row) * params.dout.row_stride + col)
+              : make_uint4(0, 0, 0, 0);
+    }
+  }
   // No early return: every lane of a row group takes part in the shuffles.
-  const bool row_in_bounds = row < binfo.seqlen_q;
-  const Element* o = static_cast<const Element*>(params.o_ptr) +
-                     binfo.q_offset(params.o, batch, head) + int64_t(row) * params.o.row_stride;
-  const Element* dout = static_cast<const Element*>(params.do_ptr) +
-                        binfo.q_offset(params.dout, batch, head) +
-                        int64_t(row) * params.dout.row_stride;
-  // 8 elements (16 bytes) per lane per step; rows start 16-byte aligned and
-  // O's and dO's head dim, head_dim_v, is a multiple of 8.
-  constexpr int kVec = 8;
-  float dot = 0.f;
-  if (row_in_bounds) {
-    for (int col = lane * kVec; col < params.head_dim_v; col += kLanesPerRow * kVec) {
-      const uint4 o_bits = *reinterpret_cast<const uint4*>(o + col);
-      const uint4 do_bits = *reinterpret_cast<const uint4*>(dout + col);
-      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits);
-      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits);
-#pragma unroll
+  CUTE_UNROLL
+  for (int r = 0; r < kDotRowsPerThread; ++r) {
+    float dot = 0.f;
+    CUTE_UNROLL
+    for (int k = 0; k < kPieces; ++k) {
+      const Element* o_vals = reinterpret_cast<const Element*>(&o_bits[r][k]);
+      const Element* do_vals = reinterpret_cast<const Element*>(&do_bits[r][k]);
+      CUTE_UNROLL
       for (int i = 0; i < kVec; ++i) {
         dot += static_cast<float>(o_vals[i]) * static_cast<float>(do_vals[i]);
       }
     }
-  }
-#pragma unroll
-  for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
-    dot += __shfl_xor_sync(0xffffffff, dot, mask);
-  }
-  if (row_in_bounds && lane == 0) {
-    params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+    CUTE_UNROLL
+    for (int mask = kLanesPerRow / 2; mask > 0; mask >>= 1) {
+      dot += __shfl_xor_sync(0xffffffff, dot, mask);
+    }
+    const int row = first_row + r * kRowStep;
+    if (row < binfo.seqlen_q && lane == 0) {
+      params.softmax_d_ptr[binfo.lse_offset(params, batch, head) + row] = dot;
+    }
   }
 }
 
@@ -115,28 +139,42 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
     const float* chunk_accum =
         accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
-    CUTE_UNROLL
-    for (int i = 0; i < kValues; i += kAccumVec) {
-      float sum[kAccumVec] = {};
-      const float* group = chunk_accum + accum_value_offset<kNThreads>(i);
-      for (int slice = 0; slice < num_slices; ++slice) {
-        const float* values = group + slice * slice_stride;
-        if constexpr (kAccumVec == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(values);
-          sum[0] += v.x;
-          sum[1] += v.y;
-          sum[2] += v.z;
-          sum[3] += v.w;
-        } else {
-          sum[0] += *values;
+    // A slice's loads of the whole chunk first, then the sums: every load of
+    // a slice is in flight at once. Summed per value over a slice loop around
+    // each load, they went out one at a time, and the kernel read at 59% of
+    // DRAM bandwidth against FA4's postprocess at 81% (PERF_LOG 2026-11-29,
+    // "ncu beside FA4"). The same sums in the same slice order.
+    float sum[kValues] = {};
+    for (int slice = 0; slice < num_slices; ++slice) {
+      if constexpr (kAccumVec == 4) {
+        float4 v[kValues / 4];
+        CUTE_UNROLL
+        for (int g = 0; g < kValues / 4; ++g) {
+          v[g] = *reinterpret_cast<const float4*>(
+              chunk_accum + accum_value_offset<kNThreads>(4 * g) + slice * slice_stride);
         }
+        CUTE_UNROLL
+        for (int g = 0; g < kValues / 4; ++g) {
+          sum[4 * g] += v[g].x;
+          sum[4 * g + 1] += v[g].y;
+          sum[4 * g + 2] += v[g].z;
+          sum[4 * g + 3] += v[g].w;
+        }
+      } else {
+        float v[kValues];
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) {
+          v[i] = chunk_accum[accum_value_offset<kNThreads>(i) + slice * slice_stride];
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < kValues; ++i) sum[i] += v[i];
       }
-      CUTE_UNROLL
-      for (int j = 0; j < kAccumVec; ++j) {
-        const int row = get<0>(tCcC(i + j));
-        const int col = chunk * kChunkCols + get<1>(tCcC(i + j));
-        tile[row * kRowPitch + col] = static_cast<Element>(sum[j] * scale);
-      }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) {
+      const int row = get<0>(tCcC(i));
+      const int col = chunk * kChunkCols + get<1>(tCcC(i));
+      tile[row * kRowPitch + col] = static_cast<Element>(sum[i] * scale);
     }
   }
   __syncthreads();
@@ -221,70 +259,6 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV, kHeadDimV>(
       params.dv_sum_ptr + dv_sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows,
       params.head_dim_v);
-}
-
-// Grid: (ceil(seqlen_k / kConvertRowsPerBlock), (kv head, batch)). GQA/MQA in
-// deterministic mode: dK and dV of a kv head sum its query heads' shares in
-// head order. The shares are rows of kAccumHeadDim columns, dV's of
-// kAccumHeadDimV where d_v has its own width (store_dk_dv_pair).
-template <typename Element, int kAccumHeadDim, int kAccumHeadDimV = kAccumHeadDim>
-__global__ void __launch_bounds__(kBwdAuxThreads)
-    flash_bwd_reduce_dkv_kernel(const BwdParams params) {
-  HeadBatch pair;
-  if (!block_head_batch(params.nheads_k, params.batch, pair)) return;
-  const int head_kv = pair.head;
-  const int batch = pair.batch;
-  const BlockInfo binfo(params, batch);
-  const int row_begin = blockIdx.x * kConvertRowsPerBlock;
-  if (row_begin >= binfo.seqlen_k) return;
-  const int group = params.nheads / params.nheads_k;
-  const int64_t head_stride =
-      int64_t(binfo.varlen ? params.total_k : params.seqlen_k) * kAccumHeadDim;
-  const int64_t first_head =
-      binfo.varlen ? int64_t(head_kv) * group * params.total_k + binfo.k_row_begin
-                   : (int64_t(batch) * params.nheads + int64_t(head_kv) * group) * params.seqlen_k;
-  const int64_t accum_offset = (first_head + row_begin) * kAccumHeadDim;
-  const float* dk_accum = params.dk_accum_ptr + accum_offset;
-  [[maybe_unused]] const float* dv_accum = params.dv_accum_ptr + accum_offset;
-  Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
-                row_begin * params.dk.row_stride;
-  Element* dv = static_cast<Element*>(params.dv_ptr) + binfo.k_offset(params.dv, batch, head_kv) +
-                row_begin * params.dv.row_stride;
-  const int rows = min(kConvertRowsPerBlock, binfo.seqlen_k - row_begin);
-  if constexpr (kAccumHeadDimV == kAccumHeadDim) {
-    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim;
-      const int c = idx - r * params.head_dim;
-      const int64_t element = int64_t(r) * kAccumHeadDim + c;
-      float dk_sum = 0.f, dv_sum = 0.f;
-      for (int g = 0; g < group; ++g) {
-        dk_sum += dk_accum[g * head_stride + element];
-        dv_sum += dv_accum[g * head_stride + element];
-      }
-      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-      if (c < params.head_dim_v) dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
-    }
-  } else {
-    // dK's shares, then dV's, each over its own rows' width.
-    for (int idx = threadIdx.x; idx < rows * params.head_dim; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim;
-      const int c = idx - r * params.head_dim;
-      const int64_t element = int64_t(r) * kAccumHeadDim + c;
-      float dk_sum = 0.f;
-      for (int g = 0; g < group; ++g) dk_sum += dk_accum[g * head_stride + element];
-      dk[r * params.dk.row_stride + c] = static_cast<Element>(dk_sum);
-    }
-    const int64_t head_stride_v = head_stride / kAccumHeadDim * kAccumHeadDimV;
-    const float* dv_accum_v = params.dv_accum_ptr + accum_offset / kAccumHeadDim * kAccumHeadDimV;
-    for (int idx = threadIdx.x; idx < rows * params.head_dim_v; idx += kBwdAuxThreads) {
-      const int r = idx / params.head_dim_v;
-      const int c = idx - r * params.head_dim_v;
-      const int64_t element = int64_t(r) * kAccumHeadDimV + c;
-      float dv_sum = 0.f;
-      for (int g = 0; g < group; ++g) dv_sum += dv_accum_v[g * head_stride_v + element];
-      dv[r * params.dv.row_stride + c] = static_cast<Element>(dv_sum);
-    }
-  }
 }
 
 }  // namespace flash

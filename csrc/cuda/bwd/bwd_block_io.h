@@ -13,6 +13,7 @@
 
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/core/block_info.h"
+#include "cuda/core/gpu_semaphore.h"
 #include "cuda/core/params.h"
 #include "cuda/core/query_range.h"
 #include "cuda/core/tile_ops.h"
@@ -118,15 +119,6 @@ __forceinline__ __device__ float* dq_accum_thread_ptr(const BwdParams& params,
          accum_thread_offset(tidx);
 }
 
-// Element offset of (batch, head) in a per-query-head fp32 buffer of
-// (batch, nheads, seqlen_k, head dim) rows, or (nheads, total_k, head dim).
-__forceinline__ __device__ int64_t dkv_accum_offset(const BwdParams& params, const BlockInfo& binfo,
-                                                    int batch, int head, int accum_head_dim) {
-  const int64_t row = binfo.varlen ? int64_t(head) * params.total_k + binfo.k_row_begin
-                                   : (int64_t(batch) * params.nheads + head) * params.seqlen_k;
-  return row * accum_head_dim;
-}
-
 // Adds this thread's fragment of one chunk (dQ) or block (dK / dV sums) into
 // an fp32 accumulator, as reductions without a return value, kAccumVec values
 // each; thread_chunk is the thread's own place in it (bwd_accum_layout.h).
@@ -151,15 +143,59 @@ __forceinline__ __device__ void atomic_add_fragment(const TensorAcc& acc, float*
 //   MHA: registers -> shared (over sK and sV, which the caller has finished
 //        reading) -> global, with 16-byte stores;
 //   GQA/MQA: added into the kv head's fp32 sums, which the conversion kernel
-//        casts once every query head of the group is in;
-//   GQA/MQA, deterministic: this query head's share, in fp32, for the group
-//        reduction in head order.
+//        casts once every query head of the group is in; deterministic: in
+//        head order (BwdDkvTurn).
 // Traits gives SmemLayoutKV (one (kBlockN, head dim) tile), SmemCopyAtomStore
 // and GmemTiledCopyStore; Traits::kNThreads threads (tidx from 0) take part,
 // and sync() is their barrier (the whole block's, unless a kernel has threads
 // of other roles).
 struct BlockBarrier {
   __device__ void operator()() const { __syncthreads(); }
+};
+
+// GQA/MQA, deterministic mode: the query heads of a kv head add their dK / dV
+// of a key block into the kv head's fp32 sums in head order, so the sums
+// (and dK / dV) do not depend on which block adds first. Head g of the
+// group waits until its (batch, kv head, key block) counter reaches g, adds,
+// and increments it. A block waits only for the block of the head before
+// it, same key block and batch, which has a lower linear index (heads run
+// fastest in grid_heads_batch.h's pairs) and so was launched earlier: no
+// block waits on one that cannot start. fp32 adds in a fixed order: the
+// per-head shares this replaces, summed by a kernel of their own in head
+// order, gave the same sums with 4x (at 4:1) the fp32 bytes, and cost up to
+// 1.30x the default backward's time (PERF_LOG 2026-11-29).
+struct BwdDkvTurn {
+  int* counter;  // null outside deterministic GQA/MQA
+  int turn;
+
+  __forceinline__ __device__ BwdDkvTurn(const BwdParams& params, const BwdKeyBlock& block)
+      : counter(params.dkv_semaphore == nullptr
+                    ? nullptr
+                    : params.dkv_semaphore +
+                          (int64_t(block.batch) * params.nheads_k + block.head_kv) *
+                              params.dkv_semaphore_n_blocks +
+                          block.n_block),
+        turn(block.head - block.head_kv * block.group) {}
+
+  // Before the adds: one thread waits for the turn, sync() tells the others.
+  template <typename Sync>
+  __forceinline__ __device__ void wait(int tidx, Sync sync) const {
+    if (counter == nullptr) return;
+    if (tidx == 0) semaphore_wait_for(counter, turn);
+    sync();
+  }
+  // After them: the barrier orders every thread's adds before thread 0's
+  // release, which is cumulative (gpu_semaphore.h; the ordered dQ's pattern).
+  // No __threadfence: a fence in a kernel makes ptxas turn each of its fp32
+  // reductions (dQ's too) into an atomic that waits for its reply, ATOMG in
+  // place of REDG, at every head dim that adds dQ per thread (d64, d256:
+  // PERF_LOG 2026-11-29, "REDG, not ATOMG").
+  template <typename Sync>
+  __forceinline__ __device__ void release(int tidx, Sync sync) const {
+    if (counter == nullptr) return;
+    sync();
+    if (tidx == 0) semaphore_release_increment(counter);
+  }
 };
 template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
           typename Sync = BlockBarrier>
@@ -222,38 +258,25 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
     store_tile_predicated(gmem_tiled_copy_dKV, tdVrdV, tdVgdV, tdKVcdKV, tdVpdV, block.cols_left);
-  } else if (!params.deterministic) {
+  } else {
     const int64_t sum_offset =
         dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
         accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
         accum_thread_offset(tidx);
+    const BwdDkvTurn dkv_turn(params, block);
+    dkv_turn.wait(tidx, sync);
     atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
     atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);
-  } else {
-    const int64_t accum_offset =
-        dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
-        int64_t(block.col_begin) * kHeadDim;
-    float* dk_accum = params.dk_accum_ptr + accum_offset;
-    float* dv_accum = params.dv_accum_ptr + accum_offset;
-    Tensor tdKVcdKV = thr_mma_dkv.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int row = get<0>(tdKVcdKV(i));
-      const int col = get<1>(tdKVcdKV(i));
-      if (row < block.cols_left) {
-        dk_accum[row * kHeadDim + col] = acc_dk(i);
-        dv_accum[row * kHeadDim + col] = acc_dv(i);
-      }
-    }
+    dkv_turn.release(tidx, sync);
   }
 }
 
 // store_dk_dv for a specialised (d_qk, d_v) pair (Traits::kHeadDimV <
 // kHeadDim, the Hopper kernel only): dV has an MMA of its own (tiled_mma_dv,
 // N = d_v) and Traits's SmemLayoutV, GmemTiledCopyStoreV tiles of kHeadDimV
-// columns. Under GQA dV's fp32 sums and shares are rows of kHeadDimV
-// columns (the op sizes them by BwdPlan::head_dim_v), as
-// flash_bwd_convert_dkv_kernel and flash_bwd_reduce_dkv_kernel read them.
+// columns. Under GQA dV's fp32 sums are rows of kHeadDimV columns (the op
+// sizes them by BwdPlan::head_dim_v), as flash_bwd_convert_dkv_kernel reads
+// them.
 // (A function of its own, so that
 // every kernel of one MMA keeps store_dk_dv's code: the SM80 kernel, at 255
 // registers, allocated them differently through a shared generic version.)
@@ -324,9 +347,12 @@ __forceinline__ __device__ void store_dk_dv_pair(
     copy(gmem_tiled_copy_dV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dK, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
     store_tile_predicated(gmem_tiled_copy_dV, tdVrdV, tdVgdV, tdVcdV, tdVpdV, block.cols_left);
-  } else if (!params.deterministic) {
+  } else {
     // The kv head's sums, each in the fragment order of its MMA
-    // (bwd_accum_layout.h), dV's rows kHeadDimV wide.
+    // (bwd_accum_layout.h), dV's rows kHeadDimV wide; deterministic: in head
+    // order (BwdDkvTurn).
+    const BwdDkvTurn dkv_turn(params, block);
+    dkv_turn.wait(tidx, sync);
     atomic_add_fragment<Traits::kNThreads>(
         acc_dk, params.dk_sum_ptr +
                     dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
@@ -337,29 +363,7 @@ __forceinline__ __device__ void store_dk_dv_pair(
                     dkv_sum_offset<kBlockN, kHeadDimV>(params, binfo, block.batch, block.head_kv) +
                     accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(block.n_block, 0) +
                     accum_thread_offset(tidx));
-  } else {
-    // This query head's shares, dK's rows kHeadDim and dV's kHeadDimV wide,
-    // which flash_bwd_reduce_dkv_kernel sums.
-    float* dk_accum = params.dk_accum_ptr +
-                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDim) +
-                      int64_t(block.col_begin) * kHeadDim;
-    float* dv_accum = params.dv_accum_ptr +
-                      dkv_accum_offset(params, binfo, block.batch, block.head, kHeadDimV) +
-                      int64_t(block.col_begin) * kHeadDimV;
-    Tensor tdKcdK = thr_mma_dk.partition_C(cdKV);  // (MMA, MMA_N, MMA_D)
-    Tensor tdVcdV = thr_mma_dv.partition_C(cdV);   // (MMA, MMA_N, MMA_Dv)
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int row = get<0>(tdKcdK(i));
-      const int col = get<1>(tdKcdK(i));
-      if (row < block.cols_left) dk_accum[row * kHeadDim + col] = acc_dk(i);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dv); ++i) {
-      const int row = get<0>(tdVcdV(i));
-      const int col = get<1>(tdVcdV(i));
-      if (row < block.cols_left) dv_accum[row * kHeadDimV + col] = acc_dv(i);
-    }
+    dkv_turn.release(tidx, sync);
   }
 }
 

@@ -85,18 +85,19 @@ __forceinline__ __device__ float lse_to_log2(float lse) {
 
 // The plain score rule on a transposed (key, query) fragment, as the Hopper
 // kernels hold S^T and dP^T: the statistics are per column, read from the
-// query block's lse / D in shared memory (block_lse, block_d: one per query
-// row of the block) at each column's query row, which tScS_rowcol gives (the
-// (key, query) coordinates of every element). Only a positive normal scale
+// query block's lse / D in shared memory (block_lse_log2, block_d: one per
+// query row of the block; the lse already in log2 units, lse_to_log2, as the
+// Hopper statistics warp stores it) at each column's query row, which
+// tScS_rowcol gives (the (key, query) coordinates of every element). Only a positive normal scale
 // comes here (the launcher's promise), so, as with kScaleIsPositive above, a
 // masked -inf score reaches exp2 as -inf and gives 0.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorC& tScS_rowcol,
-                                                       const float* block_lse,
+                                                       const float* block_lse_log2,
                                                        float exp_scale_log2) {
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
-    const float lse_log2 = lse_to_log2(block_lse[get<1>(tScS_rowcol(0, ni))]);
+    const float lse_log2 = block_lse_log2[get<1>(tScS_rowcol(0, ni))];
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {
       scores(mi, ni) = exp2f(fmaf(scores(mi, ni), exp_scale_log2, -lse_log2));
@@ -127,7 +128,7 @@ __forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& d
 template <typename TensorS, typename TensorDP, typename TensorC>
 __forceinline__ __device__ void softcapped_p_and_ds_transposed(
     TensorS& scores, TensorDP& dp, const TensorC& tScS_rowcol, int key_base, int query_base,
-    int seqlen_q, int seqlen_k, const float* block_lse, const float* block_d,
+    int seqlen_q, int seqlen_k, const float* block_lse_log2, const float* block_d,
     const ScoreModsInUnits& score_mods) {
   const float exp_scale_log2 = score_mods.exp_scale_log2();
   // The ALiBi distances as apply_alibi_transposed makes them.
@@ -141,7 +142,7 @@ __forceinline__ __device__ void softcapped_p_and_ds_transposed(
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
     const int query_in_block = get<1>(tScS_rowcol(0, ni));
-    const float lse_log2 = lse_to_log2(block_lse[query_in_block]);
+    const float lse_log2 = block_lse_log2[query_in_block];
     const float d = block_d[query_in_block];
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {

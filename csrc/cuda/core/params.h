@@ -128,19 +128,20 @@ struct BwdParams : FwdParams {
   int* dq_semaphore;
   int dq_semaphore_m_blocks;
 
-  // GQA/MQA, default mode (else null): each kv head's fp32 dK and dV sums,
-  // zeroed, nheads_k x dkv_sum_rows_per_head rows (per batch entry unless
-  // varlen) of the compiled head dim, in the order bwd_accum_layout.h
-  // describes; every query head's blocks add into them.
+  // GQA/MQA (else null): each kv head's fp32 dK and dV sums, zeroed,
+  // nheads_k x dkv_sum_rows_per_head rows (per batch entry unless varlen) of
+  // the compiled head dim, in the order bwd_accum_layout.h describes; every
+  // query head's blocks add into them.
   float* dk_sum_ptr;
   float* dv_sum_ptr;
   int64_t dkv_sum_rows_per_head;
 
-  // GQA/MQA, deterministic mode (else null): per-query-head fp32 dK and dV,
-  // (batch, nheads, seqlen_k, compiled head dim) or (nheads, total_k, compiled
-  // head dim) for varlen, summed over each kv head's group in a fixed order.
-  float* dk_accum_ptr;
-  float* dv_accum_ptr;
+  // GQA/MQA, deterministic mode (else null): one zeroed counter per (batch,
+  // kv head, key block of dkv_semaphore_n_blocks), with which the query heads
+  // of a kv head add into its sums in head order (bwd_block_io.h,
+  // BwdDkvTurn).
+  int* dkv_semaphore;
+  int dkv_semaphore_n_blocks;
 };
 
 // fwd_kvcache: attention of q against a per-batch prefix of a (possibly paged)

@@ -42,6 +42,18 @@ __forceinline__ __device__ void wgmma_issue(TiledMma& tiled_mma, const TensorA& 
   }
 }
 
+// The first thread (from 0) of the warpgroup of MMA thread mma_tidx, made
+// warp-uniform by a shuffle from lane 0. A wgmma operand in shared memory is
+// a descriptor that depends on the warpgroup alone: partitioned from this
+// index it is a uniform value that ptxas keeps in uniform registers.
+// Partitioned from mma_tidx itself, every HGMMA first moved its descriptors
+// into them (R2UR, UMOV, UIADD3: ~6 instructions per HGMMA, ~130 per warp and
+// query block of the d128 backward; PERF_LOG 2026-11-29, "ncu beside FA4").
+// Accumulator partitions (partition_C) stay per thread.
+__forceinline__ __device__ int warp_group_first_thread(int mma_tidx) {
+  return __shfl_sync(0xffffffff, mma_tidx / 128, 0) * 128;
+}
+
 // The wgmma accumulator fragment is ((2 cols, 2 row halves, N/8 col groups),
 // MMA_M, MMA_N); as (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)) a thread
 // walks its rows for the softmax. The 4 threads sharing a row are a quad, as

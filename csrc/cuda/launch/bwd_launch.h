@@ -1,8 +1,8 @@
 // Host side of the backward pass for one (dtype, compiled head dim, or
 // specialised (d_qk, d_v) pair, whose main kernel is the Hopper one only): the
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
-// under GQA, the dK/dV conversion from the kv heads' sums (or, deterministic,
-// the group reduction of the per-head shares), all on one stream. The caller
+// under GQA, the dK/dV conversion from the kv heads' sums, all on one
+// stream. The caller
 // (ops/bwd_ops.cpp) allocates and zeroes the accumulators and makes the plan
 // (plan_bwd, plan.h) this switches on. Where the plan picks the Hopper main
 // kernel (bwd_kernel_sm90.h), the conversion kernels read the accumulators in
@@ -58,7 +58,7 @@ using BwdSm90TraitsFor =
                         bwd_sm90_stage_dq<kHeadDim>(kOrderedDQ), kHeadDimV>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
-// dK / dV from the kv heads' sums or shares. MainTraits is the main kernel's:
+// dK / dV from the kv heads' sums. MainTraits is the main kernel's:
 // its MMA partitions are the accumulators' layout (bwd_accum_layout.h).
 template <typename MainTraits>
 void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
@@ -70,20 +70,13 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   flash_bwd_convert_dq_kernel<MainTraits><<<dq_grid, MainTraits::kNThreads, 0, stream>>>(params);
   FA_CUDA_CHECK(cudaGetLastError());
 
-  // GQA/MQA: the main kernel's epilogue picks the same way (sums, or shares
-  // when deterministic).
-  if (params.nheads != params.nheads_k && !params.deterministic) {
+  // GQA/MQA: dK and dV from the kv heads' fp32 sums (deterministic mode
+  // filled them in head order, BwdDkvTurn).
+  if (params.nheads != params.nheads_k) {
     const int num_n_blocks = (params.seqlen_k + MainTraits::kBlockN - 1) / MainTraits::kBlockN;
     const dim3 dkv_grid = grid_over_heads_batch(num_n_blocks, params.nheads_k, params.batch);
     flash_bwd_convert_dkv_kernel<MainTraits>
         <<<dkv_grid, MainTraits::kNThreads, 0, stream>>>(params);
-    FA_CUDA_CHECK(cudaGetLastError());
-  } else if (params.nheads != params.nheads_k) {
-    const dim3 dkv_grid =
-        grid_over_heads_batch((params.seqlen_k + kConvertRowsPerBlock - 1) / kConvertRowsPerBlock,
-                              params.nheads_k, params.batch);
-    flash_bwd_reduce_dkv_kernel<Element, kHeadDim, MainTraits::kHeadDimV>
-        <<<dkv_grid, kBwdAuxThreads, 0, stream>>>(params);
     FA_CUDA_CHECK(cudaGetLastError());
   }
 }

@@ -82,26 +82,25 @@ BwdPlan plan_for(BwdParams& params) {
 }
 
 // The fp32 work buffers of the backward: D (the caller's softmax_d when it
-// asked for it), the dQ accumulator (zeroed) and,
-// under GQA, the kv heads' dK/dV sums (zeroed) or, deterministic, the
-// per-query-head dK/dV shares, of dkv_accum_shape: (batch, nheads, seqlen_k)
-// or (nheads, total_k), then the compiled head dim (dV's: the plan's compiled
-// d_v, BwdPlan::head_dim_v, where a specialised pair's kernel runs). Reads the
-// shape fields of params and params.num_splits, which must be set.
+// asked for it), the dQ accumulator (zeroed) and, under GQA, the kv heads'
+// dK/dV sums (zeroed; dV's rows of the plan's compiled d_v,
+// BwdPlan::head_dim_v, where a specialised pair's kernel runs), with their
+// turn counters in deterministic mode. Reads the shape fields of params and
+// params.num_splits, which must be set.
 struct BwdWorkspace {
   at::Tensor softmax_d;
   at::Tensor dq_accum;
-  at::Tensor dk_accum;  // the kv heads' sums or the per-head shares (see below)
+  at::Tensor dk_accum;  // GQA/MQA: the kv heads' sums
   at::Tensor dv_accum;
-  at::Tensor dq_semaphore;  // plan.ordered_dq only
+  at::Tensor dq_semaphore;   // plan.ordered_dq only
+  at::Tensor dkv_semaphore;  // deterministic GQA/MQA only
 };
 
 BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
-                                const at::Tensor& softmax_lse, at::IntArrayRef dkv_accum_shape,
-                                int compiled_head_dim,
+                                const at::Tensor& softmax_lse, int compiled_head_dim,
                                 const std::optional<at::Tensor>& softmax_d_out) {
   const auto f32 = softmax_lse.options().dtype(at::kFloat);
-  // dV's sums and shares: the pair kernel's own width, else d_qk's.
+  // dV's sums: the pair kernel's own width, else d_qk's.
   const int accum_head_dim_v = plan.kernel == BwdKernel::kSm90 && plan.head_dim_v < plan.head_dim
                                    ? plan.head_dim_v
                                    : compiled_head_dim;
@@ -130,29 +129,31 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
                   softmax_lse.options().dtype(at::kInt));
     params.dq_semaphore = ws.dq_semaphore.data_ptr<int>();
   }
-  params.dk_accum_ptr = nullptr;
-  params.dv_accum_ptr = nullptr;
   params.dk_sum_ptr = nullptr;
   params.dv_sum_ptr = nullptr;
-  if (params.nheads != params.nheads_k && params.deterministic) {
-    // Every row the reduction reads is written by the main kernel: no zeroing.
-    ws.dk_accum = at::empty(dkv_accum_shape, f32);
-    std::vector<int64_t> dv_shape(dkv_accum_shape.begin(), dkv_accum_shape.end());
-    dv_shape.back() = accum_head_dim_v;
-    ws.dv_accum = at::empty(dv_shape, f32);
-    params.dk_accum_ptr = ws.dk_accum.data_ptr<float>();
-    params.dv_accum_ptr = ws.dv_accum.data_ptr<float>();
-  } else if (params.nheads != params.nheads_k) {
+  params.dkv_semaphore = nullptr;
+  params.dkv_semaphore_n_blocks = 0;
+  if (params.nheads != params.nheads_k) {
     // The kv heads' sums, padded to whole key blocks (bwd_accum_layout.h).
-    params.dkv_sum_rows_per_head =
-        accum_rows_per_head(varlen, varlen ? params.total_k : params.seqlen_k, params.batch,
-                            bwd_block_shape(compiled_head_dim).block_n);
+    const int block_n = bwd_block_shape(compiled_head_dim).block_n;
+    params.dkv_sum_rows_per_head = accum_rows_per_head(
+        varlen, varlen ? params.total_k : params.seqlen_k, params.batch, block_n);
     const int64_t kv_heads_total =
         varlen ? params.nheads_k : int64_t(params.batch) * params.nheads_k;
     ws.dk_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, compiled_head_dim}, f32);
     ws.dv_accum = at::zeros({kv_heads_total, params.dkv_sum_rows_per_head, accum_head_dim_v}, f32);
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
+    if (params.deterministic) {
+      // One turn counter per (batch, kv head, key block): the query heads add
+      // in head order (bwd_block_io.h BwdDkvTurn); varlen sequences are at
+      // most seqlen_k (max_seqlen_k) long.
+      params.dkv_semaphore_n_blocks = (params.seqlen_k + block_n - 1) / block_n;
+      ws.dkv_semaphore =
+          at::zeros({int64_t(params.batch) * params.nheads_k * params.dkv_semaphore_n_blocks},
+                    softmax_lse.options().dtype(at::kInt));
+      params.dkv_semaphore = ws.dkv_semaphore.data_ptr<int>();
+    }
   }
   return ws;
 }
@@ -258,9 +259,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
-  const BwdWorkspace workspace = make_bwd_workspace(
-      params, plan, softmax_lse, {shape.batch, shape.nheads, shape.seqlen_k, compiled}, compiled,
-      softmax_d);
+  const BwdWorkspace workspace = make_bwd_workspace(params, plan, softmax_lse, compiled, softmax_d);
   const PaddedValues padded = pad_values_for_plan(params, plan, v, out, dout, dk, false);
   bwd_launcher_of_plan(plan, launcher, q_in.scalar_type())(
       params, plan, at::cuda::getCurrentCUDAStream().stream());
@@ -338,8 +337,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 
   const int compiled = round_up_head_dim(shape.head_dim);
   const BwdPlan plan = plan_for(params);
-  const BwdWorkspace workspace = make_bwd_workspace(
-      params, plan, softmax_lse, {shape.nheads, shape.total_k, compiled}, compiled, softmax_d);
+  const BwdWorkspace workspace = make_bwd_workspace(params, plan, softmax_lse, compiled, softmax_d);
   // The D kernel writes the used rows only; the caller's softmax_d gets 0 in
   // the rest, so that sink_grad takes nothing from them whatever out holds
   // there. One fill of an (nheads, total_q) fp32 tensor.

@@ -127,7 +127,10 @@ struct BwdSm90MainloopLoad {
 
   // The statistics warp: the lse and D of each query block, beside its Q and
   // dO; rows past the sequence get lse +inf and D 0, which make their P and
-  // dS zero.
+  // dS zero. The lse is stored in log2 units (lse_to_log2), once per row
+  // here, where each MMA thread converted it again for every column it holds
+  // (an FSETP, FSEL and FMUL per column and query block: 48 instructions per
+  // warp at d128; PERF_LOG 2026-11-29, "ncu beside FA4").
   __forceinline__ __device__ void load_row_stats(const BwdKeyBlock& block, int lane,
                                                  QStages& q_stages) const {
     auto& barriers = Storage::barriers();
@@ -140,7 +143,7 @@ struct BwdSm90MainloopLoad {
           CUTE_UNROLL
           for (int row = lane; row < kBlockM; row += 32) {
             const bool in_bounds = row < rows_left;
-            stats[row] = in_bounds ? lse_rows[m_block * kBlockM + row] : INFINITY;
+            stats[row] = in_bounds ? lse_to_log2(lse_rows[m_block * kBlockM + row]) : INFINITY;
             stats[kBlockM + row] = in_bounds ? d_rows[m_block * kBlockM + row] : 0.f;
           }
           full_barrier(barriers.q_full[stage]).arrive();
@@ -162,7 +165,7 @@ __forceinline__ __device__ auto bwd_sm90_score_coords(const ThrMmaSdP& thr_mma_s
 // The MMA warpgroups' products. Each warpgroup's slice: its 64 keys of S^T,
 // dP^T, dK and dV (split design: its half of the query columns of S^T and
 // dP^T, of the head-dim columns of dK and dV), and its half of dQ. Operands
-// in shared memory are wgmma descriptors, partitioned once per thread (in
+// in shared memory are wgmma descriptors, partitioned once per warpgroup (in
 // the constructor) and kept for the whole walk.
 //
 // kWithScoreMods: softcap, ALiBi and, where Traits::kDrawsDropout, dropout
@@ -217,6 +220,13 @@ struct BwdSm90MainloopMma {
   using SmemKt = decltype(Storage::kt());
   using SmemdS = decltype(Storage::ds());
   using SmemdSt = decltype(Storage::dst());
+  // dS^T / P^T as the register stores see them: the swizzle applied to the
+  // element offset from the buffer's (swizzle-aligned) base, not to the
+  // 64-bit address. Swizzling the address lost its shared-memory space: the
+  // 16 stores per thread and query block were generic ST.E behind 64-bit
+  // address arithmetic (~100 instructions per warp at d128, and registers
+  // that spilled; PERF_LOG 2026-11-29, "ncu beside FA4"). The same bytes.
+  using SmemdStStore = decltype(as_position_independent_swizzle_tensor(Storage::dst()));
   using ScoreCoords = decltype(bwd_sm90_score_coords<Traits>(std::declval<const ThrMmaSdP&>()));
   // A thread's keep bits of S^T (ROW,COL): one nibble per chunk of 8 query
   // columns.
@@ -226,6 +236,10 @@ struct BwdSm90MainloopMma {
   const BwdParams& params;
   const BlockInfo& binfo;
   const int mma_tidx;
+  // The warpgroup's first thread, warp-uniform: the operand descriptors below
+  // are partitioned from it (warp_group_first_thread), the accumulators and
+  // the dS store from mma_tidx.
+  const int wg_tidx;
 
   TiledMmaSdP tiled_mma_sdp;
   ThrMmaSdP thr_mma_sdp;
@@ -249,8 +263,8 @@ struct BwdSm90MainloopMma {
   // queries (4 bytes) per store.
   SmemTiledCopyPdS smem_tiled_copy_PdS;
   SmemThrCopyPdS smem_thr_copy_PdS;
-  SmemPartition<SmemdSt> tdSsdS;  // (CPY,CPY_M,CPY_N,BUF)
-  SmemPartition<SmemdSt> tPsP;    // (CPY,CPY_M,CPY_N,BUF)
+  SmemPartition<SmemdStStore> tdSsdS;  // (CPY,CPY_M,CPY_N,BUF)
+  SmemPartition<SmemdStStore> tPsP;    // (CPY,CPY_M,CPY_N,BUF)
   // Split design: dV and dK read all of P^T / dS^T from shared memory.
   FragmentA<ThrMmadV, SmemdSt> tdVsPt;    // (MMA,MMA_M,MMA_K,BUF)
   FragmentA<ThrMmadKV, SmemdSt> tdKsdSt;  // (MMA,MMA_M,MMA_K,BUF)
@@ -266,24 +280,26 @@ struct BwdSm90MainloopMma {
       : params(params_),
         binfo(binfo_),
         mma_tidx(mma_tidx_),
+        wg_tidx(warp_group_first_thread(mma_tidx_)),
         thr_mma_sdp(tiled_mma_sdp.get_thread_slice(mma_tidx)),
-        tSrK(thr_mma_sdp.partition_fragment_A(Storage::k())),
-        tSrQ(thr_mma_sdp.partition_fragment_B(Storage::q())),
-        tdPrV(thr_mma_sdp.partition_fragment_A(Storage::v())),
-        tdPrdO(thr_mma_sdp.partition_fragment_B(Storage::dout())),
+        tSrK(tiled_mma_sdp.get_thread_slice(wg_tidx).partition_fragment_A(Storage::k())),
+        tSrQ(tiled_mma_sdp.get_thread_slice(wg_tidx).partition_fragment_B(Storage::q())),
+        tdPrV(tiled_mma_sdp.get_thread_slice(wg_tidx).partition_fragment_A(Storage::v())),
+        tdPrdO(tiled_mma_sdp.get_thread_slice(wg_tidx).partition_fragment_B(Storage::dout())),
         thr_mma_dkv(tiled_mma_dkv.get_thread_slice(mma_tidx)),
         thr_mma_dv(tiled_mma_dv.get_thread_slice(mma_tidx)),
-        tdVrdOt(thr_mma_dv.partition_fragment_B(Storage::doutt())),
-        tdKrQt(thr_mma_dkv.partition_fragment_B(Storage::qt())),
+        tdVrdOt(tiled_mma_dv.get_thread_slice(wg_tidx).partition_fragment_B(Storage::doutt())),
+        tdKrQt(tiled_mma_dkv.get_thread_slice(wg_tidx).partition_fragment_B(Storage::qt())),
         thr_mma_dq(tiled_mma_dq.get_thread_slice(mma_tidx)),
-        tdQrdS(thr_mma_dq.partition_fragment_A(Storage::ds())),
-        tdQrKt(thr_mma_dq.partition_fragment_B(Storage::kt())),
+        tdQrdS(tiled_mma_dq.get_thread_slice(wg_tidx).partition_fragment_A(Storage::ds())),
+        tdQrKt(tiled_mma_dq.get_thread_slice(wg_tidx).partition_fragment_B(Storage::kt())),
         smem_tiled_copy_PdS(make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_sdp)),
         smem_thr_copy_PdS(smem_tiled_copy_PdS.get_thread_slice(mma_tidx)),
-        tdSsdS(smem_thr_copy_PdS.partition_D(Storage::dst())),
-        tPsP(smem_thr_copy_PdS.partition_D(Storage::pt())),
-        tdVsPt(thr_mma_dv.partition_fragment_A(Storage::pt())),
-        tdKsdSt(thr_mma_dkv.partition_fragment_A(Storage::dst())),
+        tdSsdS(
+            smem_thr_copy_PdS.partition_D(as_position_independent_swizzle_tensor(Storage::dst()))),
+        tPsP(smem_thr_copy_PdS.partition_D(as_position_independent_swizzle_tensor(Storage::pt()))),
+        tdVsPt(tiled_mma_dv.get_thread_slice(wg_tidx).partition_fragment_A(Storage::pt())),
+        tdKsdSt(tiled_mma_dkv.get_thread_slice(wg_tidx).partition_fragment_A(Storage::dst())),
         tScS_rowcol(bwd_sm90_score_coords<Traits>(thr_mma_sdp)),
         has_alibi(kWithScoreMods && params.alibi_slopes != nullptr),
         has_dropout(kDrawsDropout && params.dropout_p > 0.f),
@@ -473,8 +489,8 @@ struct BwdSm90MainloopMma {
     CUTE_STATIC_ASSERT_V(size<1>(scores) == size<1>(tScS_rowcol));
     const int seqlen_q = binfo.seqlen_q;
     const int seqlen_k = binfo.seqlen_k;
-    const float* row_lse = Storage::row_stats(stage);
-    const float* row_d = row_lse + kBlockM;
+    const float* row_lse_log2 = Storage::row_stats(stage);
+    const float* row_d = row_lse_log2 + kBlockM;
     if constexpr (kWithScoreMods) {
       score_mods.apply_softcap(scores);
       if (has_alibi) {
@@ -495,7 +511,7 @@ struct BwdSm90MainloopMma {
     }
     if constexpr (Traits::kShuffleRowStats) {
       static_assert(!kWithScoreMods, "score_mods_p_and_ds");
-      const BwdSm90ShuffledRowStats<kBlockM> stats(row_lse, row_d, mma_tidx % 32);
+      const BwdSm90ShuffledRowStats<kBlockM> stats(row_lse_log2, row_d, mma_tidx % 32);
       scores_to_p_transposed_shuffled(scores, stats, exp_scale_log2);
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
@@ -507,12 +523,12 @@ struct BwdSm90MainloopMma {
         if (has_dropout) dropout_mask.apply(dp, params.dropout_rescale);
       }
       softcapped_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
-                                     seqlen_k, row_lse, row_d, score_mods);
+                                     seqlen_k, row_lse_log2, row_d, score_mods);
       if constexpr (kDrawsDropout) {
         if (has_dropout) dropout_mask.apply(scores, params.dropout_rescale);
       }
     } else {
-      scores_to_p_transposed(scores, tScS_rowcol, row_lse, exp_scale_log2);
+      scores_to_p_transposed(scores, tScS_rowcol, row_lse_log2, exp_scale_log2);
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
       if constexpr (kDrawsDropout) {
@@ -557,8 +573,9 @@ struct BwdSm90MainloopMma {
     warpgroup_fence_operand(acc_dp);
     // The statistics only now, one held group at a time (the pass loads
     // them), not live through the score mods, the mask and the wait.
-    const float* row_lse = Storage::row_stats(stage);
-    BwdSm90ShuffledRowStats<kBlockM> stats(row_lse, row_lse + kBlockM, mma_tidx % 32, true_type{});
+    const float* row_lse_log2 = Storage::row_stats(stage);
+    BwdSm90ShuffledRowStats<kBlockM> stats(row_lse_log2, row_lse_log2 + kBlockM, mma_tidx % 32,
+                                           true_type{});
     // Softcap or not, as two passes, not a test per element.
     if (score_mods.has_softcap) {
       score_mods_p_and_ds_transposed_shuffled</*kSoftcap=*/true>(

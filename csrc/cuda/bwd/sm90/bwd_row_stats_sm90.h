@@ -43,14 +43,17 @@ struct BwdSm90ShuffledRowStats {
   float lse_log2_held[kValues];  // lse * log2(e) (lse_to_log2)
   float d_held[kValues];
 
-  // block_lse, block_d: the query block's lse and D in shared memory, one
+  // block_lse_log2, block_d: the query block's lse (log2 units) and D in shared memory, one
   // per query row. Loads every held value (load_all) or, with kLazy, none:
   // the caller loads each held group (load_held) before its columns, so that
   // only one group's values are live at a time.
   template <bool kLazy = false>
-  __forceinline__ __device__ BwdSm90ShuffledRowStats(const float* block_lse_, const float* block_d_,
-                                                     int lane, cute::bool_constant<kLazy> = {})
-      : block_lse(block_lse_), block_d(block_d_), first_col(8 * (lane / 4) + 2 * (lane % 4)) {
+  __forceinline__ __device__ BwdSm90ShuffledRowStats(const float* block_lse_log2_,
+                                                     const float* block_d_, int lane,
+                                                     cute::bool_constant<kLazy> = {})
+      : block_lse_log2(block_lse_log2_),
+        block_d(block_d_),
+        first_col(8 * (lane / 4) + 2 * (lane % 4)) {
     if constexpr (!kLazy) {
       for_each(make_seq<kHeld>{}, [&](auto h) { load_held(h); });
     }
@@ -63,7 +66,7 @@ struct BwdSm90ShuffledRowStats {
     CUTE_UNROLL
     for (int c = 0; c < 2; ++c) {
       const int col = first_col + 64 * kH + c;
-      lse_log2_held[2 * kH + c] = lse_to_log2(block_lse[col]);
+      lse_log2_held[2 * kH + c] = block_lse_log2[col];
       d_held[2 * kH + c] = block_d[col];
     }
   }
@@ -79,7 +82,7 @@ struct BwdSm90ShuffledRowStats {
   }
 
  private:
-  const float* block_lse;
+  const float* block_lse_log2;
   const float* block_d;
   const int first_col;  // 8 (lane / 4) + 2 (lane % 4): group lane / 4, column c = 0
 
