@@ -26,7 +26,10 @@ Then the attention calls of that generation alone (regime decode_loop, --decode-
 --gen-tokens steps of --layers calls, one query row per sequence against a cache
 that starts at --gen-prompt rows and grows by the step's row, with the model's
 heads; us_per_call is the loop's time per attention call, where a short decode
-call's host cost shows. Variants:
+call's host cost shows. host_us_per_call is the time the host takes to issue the
+first --host-steps steps (few enough launches for the launch queue to take them
+all), per call, without waiting for the GPU: near us_per_call, the loop is bound
+by the host; well below it, by the GPU. Variants:
 
   sdpa_flash       torch's FLASH kernels through F.scaled_dot_product_attention on
                    the cache's first rows (the row appended by a slice copy)
@@ -112,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also profile one more generate / decode loop per variant (torch.profiler): "
         "a table per variant in --out, and per-token counts of the calls that cost host "
         "time in the rows",
+    )
+    p.add_argument(
+        "--host-steps",
+        type=int,
+        default=16,
+        help="decode_loop steps whose issue time gives host_us_per_call (default 16)",
     )
     p.add_argument(
         "--decode-loop",
@@ -227,6 +236,19 @@ def timed(fn, device, warmup, iters):
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def issue_time(fn, device):
+    """The host's time to return from fn, which only enqueues GPU work, with an
+    idle GPU before it (median of three)."""
+    times = []
+    for _ in range(3):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    sync(device)
     return statistics.median(times)
 
 
@@ -421,8 +443,8 @@ def decode_loop_row(variant, args, device, dtype):
         q_t, k_t, v_t = q.transpose(1, 2), k_new.transpose(1, 2), v_new.transpose(1, 2)
         gqa = heads != kv_heads
 
-        def run():
-            for pos in range(prompt, prompt + steps):
+        def run(n_steps=steps):
+            for pos in range(prompt, prompt + n_steps):
                 for k_cache, v_cache in caches:
                     k_cache[:, :, pos : pos + 1].copy_(k_t)
                     v_cache[:, :, pos : pos + 1].copy_(v_t)
@@ -455,9 +477,9 @@ def decode_loop_row(variant, args, device, dtype):
                 step()
             step = graph.replay
 
-        def run():
+        def run(n_steps=steps):
             seqlens.fill_(prompt)
-            for _ in range(steps):
+            for _ in range(n_steps):
                 step()
 
     profiled = {}
@@ -465,6 +487,10 @@ def decode_loop_row(variant, args, device, dtype):
         peak_memory_reset(device)
         seconds = timed(run, device, 1, max(1, min(args.iters, 3)))
         peak = peak_memory_gib(device)
+        host_steps = max(1, min(steps, args.host_steps))
+        host_seconds = issue_time(lambda: run(host_steps), device)
+        host_steps = max(1, min(steps, args.host_steps))
+        host_seconds = issue_time(lambda: run(host_steps), device)
         if args.profile:
             path = os.path.join(args.out, f"profile_decode_loop_{variant}.txt")
             profiled = profile_run(run, device, path, steps)
@@ -478,6 +504,7 @@ def decode_loop_row(variant, args, device, dtype):
         ms=seconds * 1e3,
         tokens_per_s=batch * steps / seconds,
         us_per_call=seconds / (steps * layers) * 1e6,
+        host_us_per_call=host_seconds / (host_steps * layers) * 1e6,
         peak_mem_gib=peak,
         **profiled,
     )
@@ -536,7 +563,7 @@ def print_table(rows):
         if "same_tokens_as_first" in r:
             note = f"same tokens as first {100 * r['same_tokens_as_first']:.0f}%"
         if "us_per_call" in r:
-            note = f"{r['us_per_call']:.1f} us per attention call"
+            note = f"{r['us_per_call']:.1f} us per attention call, host {r['host_us_per_call']:.1f}"
         seq = r.get("seqlen", r.get("prompt", ""))
         print(
             f"{r['regime']:<14} {r['variant']:<16} {seq:>6} {r['batch']:>5} {r['ms']:>10.2f} "

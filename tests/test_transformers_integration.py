@@ -632,3 +632,7 @@ def test_benchmark_e2e_quick_cpu(tmp_path):
             assert r["max_logit_diff_vs_first"] < 1e-4
         if r.get("regime") == "generate" and "ms" in r:
             assert r["same_tokens_as_first"] == 1.0
+        if r.get("regime") == "decode_loop" and "ms" in r:
+            # The host's issue time of the first steps, per call: on the CPU the
+            # calls run as they are issued, so it cannot be far below the loop's.
+            assert 0 < r["host_us_per_call"] < 10 * r["us_per_call"]
