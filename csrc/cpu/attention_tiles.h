@@ -4,12 +4,15 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
+#include "common/fp8_rule.h"
 #include "common/mask_rule.h"
 #include "common/philox.h"
 #include "common/score_features.h"
@@ -58,8 +61,23 @@ inline int64_t lse_offset(const RowStrides& st, const SequenceSpan& span, int ro
 }
 
 template <typename T>
-inline void load_row(const T* src, float* dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// One element in fp32: an fp8 one dequantised with descale (common/fp8_rule.h),
+// which other dtypes ignore.
+template <typename T>
+inline float element_value(T x, float descale) {
+  if constexpr (kIsFp8<T>) {
+    return fp8_dequantize(static_cast<float>(x), descale);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// A row in fp32 (dequantised when fp8).
+template <typename T>
+inline void load_row(const T* src, float* dst, int n, float descale = 1.f) {
+  for (int i = 0; i < n; ++i) dst[i] = element_value(src[i], descale);
 }
 
 template <typename T>

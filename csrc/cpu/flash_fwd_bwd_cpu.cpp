@@ -46,25 +46,6 @@ float dropout_rescale(const AttentionProblem& p) {
   return p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
 }
 
-template <typename T>
-constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
-
-// One element in fp32: an fp8 one dequantised (common/fp8_rule.h).
-template <typename T>
-inline float element_value(T x, float descale) {
-  if constexpr (kIsFp8<T>) {
-    return fp8_dequantize(static_cast<float>(x), descale);
-  } else {
-    return static_cast<float>(x);
-  }
-}
-
-// A query row in fp32 (dequantised when fp8).
-template <typename T>
-inline void load_q_row(const T* src, float* dst, int n, float descale) {
-  for (int i = 0; i < n; ++i) dst[i] = element_value(src[i], descale);
-}
-
 // Loads keys [key0, key0 + cols) of one kv head: transposed (d x kBlockN) into
 // `transposed`, and row-major (kBlockN x d) into `rows` when given. An fp8
 // tile is dequantised with `descale`, which other dtypes ignore.
@@ -161,7 +142,7 @@ void forward_block(const AttentionProblem& p, const ForwardOutputs& o, const Wor
   const float k_descale = p.k_descale.at(b, kv_head);
   const float v_descale = p.v_descale.at(b, kv_head);
   for (int r = 0; r < rows; ++r) {
-    load_q_row(q_row<TQ>(p.q, p.q_strides, span, m0 + r, h), sc.q.data() + r * d, d, q_descale);
+    load_row(q_row<TQ>(p.q, p.q_strides, span, m0 + r, h), sc.q.data() + r * d, d, q_descale);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * d, 0.f);
   std::fill(sc.row_max.begin(), sc.row_max.end(), kNegInf);
