@@ -135,8 +135,9 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True))
     # Softcap, ALiBi and dropout run the Hopper kernel too (dropout except on
-    # d64's 128-row tile: plan.h bwd_sm90_draws_dropout); a scale that is not
-    # positive stays on the SM80 kernel.
+    # d64's 128-row tile: plan.h bwd_sm90_draws_dropout) and a negative scale
+    # (score_mods.h keeps its scores negated); a zero scale stays on the SM80
+    # kernel.
     slopes = torch.rand(2, device=DEVICE) * 0.3
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True, alibi_slopes=slopes))
@@ -144,7 +145,8 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     assert uses_sm90(dropout_names) == (head_dim != 64)
     deterministic_dropout = backward_kernel_names(q, k, v, dout, dropout_p=0.1, deterministic=True)
     assert uses_sm90(deterministic_dropout) == (head_dim != 64)
-    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
+    assert uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
+    assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=0.0))
     # So do inputs TMA cannot describe (a kv head stride of 0).
     k_shared = k[:, :, :1].expand(-1, -1, 2, -1)
     assert not uses_sm90(backward_kernel_names(q, k_shared, v, dout))
@@ -244,9 +246,11 @@ def test_bwd_softcap_alibi_other_head_dims(head_dim, window, deterministic, bwd_
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (70, 20)])
 def test_bwd_negative_softmax_scale(head_dim, features, window, bwd_kernel):
     """A negative scale (legal, if odd) turns a masked -inf score into +inf
-    if the scale multiplies it inside exp2: such a call runs the SM80
-    variant that tests for masked scores (whatever kernel was asked for),
-    and its gradients match the reference under causal and local masks."""
+    if the scale multiplies it inside exp2: such a call runs a variant that
+    does not (SM80's, which tests for masked scores, or the Hopper score-mods
+    one, which keeps the scores negated in units of |scale| and masks them
+    after), and its gradients match the reference under causal and local
+    masks."""
     batch, nheads = 2, 4
     q, k, v = random_qkv(batch, 300, 421, nheads, 2, head_dim, torch.bfloat16)
     dout = torch.randn_like(q)

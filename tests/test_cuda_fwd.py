@@ -247,9 +247,10 @@ def test_fwd_softcap_alibi_other_head_dims(head_dim, window, seqlen_q, seqlen_k,
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (70, 20)])
 def test_fwd_negative_softmax_scale(head_dim, features, spread, window, fwd_kernel):
     """A negative scale (legal, if odd) flips which raw score is a row's max:
-    the kernels that fold the scale into exp2 track the max of the raw scores,
-    so such a call runs the SM80 variant that scales each score first (it
-    gave NaN before, at any spread)."""
+    the plain kernels, which fold the scale into exp2, track the max of the
+    raw scores, so such a call runs a variant that does not: SM80's, which
+    scales each score first, or the Hopper score-mods one, which keeps the
+    scores negated in units of |scale| (score_mods.h)."""
     q, k, v = random_qkv(2, 256, 600, 4, 2, head_dim, torch.bfloat16)
     q, k = (q.float() * spread).bfloat16(), (k.float() * spread).bfloat16()
     softcap = 30.0 if features == "softcap" else 0.0

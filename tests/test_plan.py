@@ -199,8 +199,13 @@ def test_forward_variants():
     assert softcap["kernel"] == "sm90" and softcap["variant"] == "score_mods"
     alibi = fwd(*long, alibi=True, device=A100)
     assert alibi["kernel"] == "sm80" and alibi["variant"] == "score_extras"
+    # A negative scale: the score-mods variant, which keeps such scores negated
+    # (score_mods.h); a zero (or subnormal, infinite, NaN) one stays SM80.
     negative_scale = fwd(*long, softmax_scale=-0.1)
-    assert negative_scale["kernel"] == "sm80" and negative_scale["variant"] == "score_extras"
+    assert negative_scale["kernel"] == "sm90" and negative_scale["variant"] == "score_mods"
+    zero_scale = fwd(*long, softmax_scale=0.0)
+    assert zero_scale["kernel"] == "sm80" and zero_scale["variant"] == "score_extras"
+    assert "softmax scale" in zero_scale["reason"]
     unaligned = fwd(*long, tma_aligned=False)
     assert unaligned["kernel"] == "sm80" and "TMA" in unaligned["reason"]
     probs = fwd(*long, return_softmax=True)
@@ -262,13 +267,15 @@ def test_forward_dropout_on_hopper(head_dim):
     probs = fwd(*long, dropout_p=0.1, return_softmax=True)
     assert probs["kernel"] == "sm90" and probs["return_probs"] == 1
     # Still the SM80 kernel: a forced SM80, another device, a scale that is
-    # not positive and normal. The backward draws the same mask on Hopper
-    # (test_backward_dropout_on_hopper).
+    # not normal (a negative one draws on Hopper too). The backward draws the
+    # same mask on Hopper (test_backward_dropout_on_hopper).
     forced = fwd(*long, dropout_p=0.1, kernel_override="sm80")
     assert forced["kernel"] == "sm80" and forced["variant"] == "score_extras"
     assert fwd(*long, dropout_p=0.1, device=A100)["kernel"] == "sm80"
+    zero = fwd(*long, dropout_p=0.1, softmax_scale=0.0)
+    assert zero["kernel"] == "sm80" and "softmax scale" in zero["reason"]
     negative = fwd(*long, dropout_p=0.1, softmax_scale=-0.1)
-    assert negative["kernel"] == "sm80" and "softmax scale" in negative["reason"]
+    assert negative["kernel"] == "sm90" and negative["variant"] == "score_mods"
     backward = bwd(*long, causal=True, dropout_p=0.1)
     assert backward["kernel"] == "sm90" and backward["variant"] == "score_mods"
 
@@ -497,12 +504,14 @@ def test_backward_dropout_on_hopper(head_dim, causal):
     assert det["kernel"] == "sm90" and det["variant"] == "score_mods"
     assert det["ordered_dq"] == 0 and det["splits"] > 1
     # Still the SM80 kernel: a forced SM80, another device, a scale that is
-    # not positive and normal.
+    # not normal (a negative one draws on Hopper too).
     forced = bwd(*long, dropout_p=0.1, kernel_override="sm80")
     assert forced["kernel"] == "sm80" and forced["variant"] == "score_extras"
     assert bwd(*long, dropout_p=0.1, device=A100)["kernel"] == "sm80"
+    zero = bwd(*long, dropout_p=0.1, softmax_scale=0.0)
+    assert zero["kernel"] == "sm80" and "softmax scale" in zero["reason"]
     negative = bwd(*long, dropout_p=0.1, softmax_scale=-0.1)
-    assert negative["kernel"] == "sm80" and "softmax scale" in negative["reason"]
+    assert negative["kernel"] == "sm90" and negative["variant"] == "score_mods"
 
 
 def test_backward_d64_hopper_tile():
@@ -588,17 +597,20 @@ def test_backward_pair_kernel(d_qk, d_v):
         assert gqa["kernel"] == "sm90" and gqa["hdim_v"] == 128
     assert bwd(*long, varlen=True, head_dim_v=d_v)["hdim_v"] == 128
     # The SM80 kernel of d_qk, dO and V padded to it: another device, a
-    # forced SM80, TMA refused, no sm_90a code, a scale not positive and normal.
+    # forced SM80, TMA refused, no sm_90a code, a scale that is not normal.
     for sm80 in (
         bwd(*long, head_dim_v=d_v, device=A100),
         bwd(*long, head_dim_v=d_v, kernel_override="sm80"),
         bwd(*long, head_dim_v=d_v, tma_aligned=False),
         bwd(*long, head_dim_v=d_v, sm90a_built=False),
-        bwd(*long, head_dim_v=d_v, softmax_scale=-0.1),
+        bwd(*long, head_dim_v=d_v, softmax_scale=0.0),
     ):
         assert sm80["kernel"].startswith("sm80"), sm80
         assert (sm80["hdim"], sm80["hdim_v"]) == (192, 192), sm80
     assert bwd(*long, head_dim_v=d_v, kernel_override="sm90")["hdim_v"] == 128
+    negative = bwd(*long, head_dim_v=d_v, softmax_scale=-0.1)
+    assert negative["kernel"] == "sm90" and negative["variant"] == "score_mods"
+    assert negative["hdim_v"] == 128
 
 
 @pytest.mark.parametrize(

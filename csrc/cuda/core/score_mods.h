@@ -91,36 +91,44 @@ __forceinline__ __device__ void apply_alibi_transposed(TensorS& scores, const Te
 }
 
 // The Hopper kernels keep a score in units of `unit` (natural score = unit x
-// kept score): the softcap when it is on, else the softmax scale. So neither
+// kept score): the softcap when it is on, else |softmax scale|. So neither
 // costs a multiply per element: the scale or the softcap goes into the exp2
 // multiplier (unit x log2 e) and the lse (x unit), and ALiBi adds its bias
 // divided by the unit (alibi_bias is linear in the slope). Under softcap the
 // kept score is tanh(raw x scale / softcap) + bias / softcap, so the tanh
-// that the softcap's derivative needs is the kept score less the bias.
+// that the softcap's derivative needs is the kept score less the bias. A
+// negative scale without softcap keeps -raw (+ bias / unit): the unit stays
+// positive, so the running max is the max of the natural scores and a masked
+// score stays -inf (score_features.h scale_is_negative_normal).
 struct ScoreModsInUnits {
   float unit;
   float tanh_prescale;  // scale / softcap; 0: no softcap
   float alibi_slope;    // slope / unit; 0: no ALiBi
   bool has_softcap;
   bool has_alibi;
+  bool negates;  // a negative scale without softcap
 
   // alibi_slope: the call's slope for this (batch, head), when it has ALiBi.
   __forceinline__ __device__ ScoreModsInUnits(float softmax_scale, float softcap, bool alibi,
                                               float slope)
-      : unit(softcap_on(softcap) ? softcap : softmax_scale),
+      : unit(softcap_on(softcap) ? softcap : fabsf(softmax_scale)),
         tanh_prescale(softcap_on(softcap) ? softmax_scale / softcap : 0.f),
         alibi_slope(alibi ? slope / unit : 0.f),
         has_softcap(softcap_on(softcap)),
-        has_alibi(alibi) {}
+        has_alibi(alibi),
+        negates(!softcap_on(softcap) && softmax_scale < 0.f) {}
 
   __forceinline__ __device__ float exp_scale_log2() const { return unit * float(M_LOG2E); }
 
-  // Raw Q K^T -> kept score, before the mask.
+  // Raw Q K^T -> kept score, before ALiBi and the mask.
   template <typename TensorS>
-  __forceinline__ __device__ void apply_softcap(TensorS& scores) const {
+  __forceinline__ __device__ void keep(TensorS& scores) const {
     if (has_softcap) {
       CUTE_UNROLL
       for (int i = 0; i < size(scores); ++i) scores(i) = tanhf(scores(i) * tanh_prescale);
+    } else if (negates) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(scores); ++i) scores(i) = -scores(i);
     }
   }
 };

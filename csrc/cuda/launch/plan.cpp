@@ -221,8 +221,8 @@ const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const
     return "dropout on a Hopper tile without registers to spare for its draws (d64, d256: "
            "fwd_sm90_draws_dropout): the SM80 kernel";
   }
-  if (!rule.scale_positive_normal) {
-    return "softmax scale not positive and normal: the SM80 kernel's general variant";
+  if (!rule.sm90_scale()) {
+    return "softmax scale zero, subnormal or not finite: the SM80 kernel's general variant";
   }
   if (!tma_ok) return "TMA cannot describe q / k / v (alignment or strides): the SM80 kernel";
   return nullptr;
@@ -405,7 +405,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   // Softcap, ALiBi or dropout: the Hopper kernel's kWithScoreMods variant.
   const bool score_mods = rule.has_sm90_mods();
   const bool dropout = rule.dropout;
-  const bool scale_ok = rule.scale_positive_normal;
+  const bool scale_ok = rule.sm90_scale();
   const bool score_extras = rule.has_extras();
 
   const char* sm80_reason = nullptr;
@@ -423,7 +423,7 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
         "dropout on the 128-row Hopper tile, which does not draw it (d64: "
         "bwd_sm90_draws_dropout): the SM80 backward replays its keep mask";
   } else if (!scale_ok) {
-    sm80_reason = "softmax scale not positive and normal";
+    sm80_reason = "softmax scale zero, subnormal or not finite";
   } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v,
                                                                row.block_m_sm90, row.block_n,
                                                                kBwdSm90QdOStages)) {

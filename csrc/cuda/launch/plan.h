@@ -51,10 +51,11 @@ const char* kernel_override_name(KernelOverride value);
 
 // The kernel design a pass may use on this device before the call's shape is
 // looked at: kSm80 on every device but sm90 (9.0); there, kAuto or what the
-// override forces (the tests run both designs on every shape). A scale that
-// scale_is_positive_normal turns away runs the SM80 design whatever the
-// choice; softcap, ALiBi and dropout run on both (dropout where the Hopper
-// kernel draws it: fwd_sm90_draws_dropout, bwd_sm90_draws_dropout).
+// override forces (the tests run both designs on every shape). A zero,
+// subnormal or non-finite scale (ScoreFeatures::sm90_scale) runs the SM80
+// design whatever the choice; softcap, ALiBi, dropout and a negative scale
+// run on both (dropout where the Hopper kernel draws it:
+// fwd_sm90_draws_dropout, bwd_sm90_draws_dropout).
 enum class KernelChoice : uint8_t {
   kSm80,  // fwd_kernel_sm80.h / bwd_kernel_sm80.h
   kAuto,  // the Hopper kernel where its tile table has an entry and (forward)
@@ -81,8 +82,8 @@ enum class FwdKernel : uint8_t {
 
 // kSm80: the plain rule or the variant with softcap / ALiBi / dropout / a
 // scale that is not positive and normal (the score extras). kSm90: the plain
-// rule or the variant with softcap / ALiBi / dropout (the score mods;
-// ScoreFeatures::has_sm90_mods).
+// rule or the variant with softcap / ALiBi / dropout / a negative scale (the
+// score mods; ScoreFeatures::has_sm90_mods).
 enum class FwdVariant : uint8_t { kPlain, kScoreExtras, kScoreMods };
 
 enum class FwdGrid : uint8_t {

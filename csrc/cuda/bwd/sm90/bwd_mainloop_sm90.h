@@ -492,7 +492,7 @@ struct BwdSm90MainloopMma {
     const float* row_lse_log2 = Storage::row_stats(stage);
     const float* row_d = row_lse_log2 + kBlockM;
     if constexpr (kWithScoreMods) {
-      score_mods.apply_softcap(scores);
+      score_mods.keep(scores);
       if (has_alibi) {
         apply_alibi_transposed(scores, tScS_rowcol, block.col_begin, row_begin,
                                score_mods.alibi_slope, seqlen_q, seqlen_k);
@@ -558,7 +558,7 @@ struct BwdSm90MainloopMma {
     CUTE_STATIC_ASSERT_V(size<1>(scores) == size<1>(tScS_rowcol));
     const int seqlen_q = binfo.seqlen_q;
     const int seqlen_k = binfo.seqlen_k;
-    score_mods.apply_softcap(scores);
+    score_mods.keep(scores);
     if (has_alibi) {
       apply_alibi_transposed(scores, tScS_rowcol, block.col_begin, row_begin,
                              score_mods.alibi_slope, seqlen_q, seqlen_k);

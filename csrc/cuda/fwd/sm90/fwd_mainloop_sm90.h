@@ -576,7 +576,7 @@ struct FwdSm90MainloopMma {
       if (Traits::kSeparateO && i == n_tiles - 1) empty_barrier(barriers.q_empty).arrive();
 
       if constexpr (kWithScoreMods) {
-        score_mods.apply_softcap(scores);
+        score_mods.keep(scores);
         if (has_alibi) {
           apply_alibi(scores, tScS_rowcol, row_begin, col_base, score_mods.alibi_slope,
                       binfo.seqlen_q, binfo.seqlen_k);
