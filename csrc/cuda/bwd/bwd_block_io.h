@@ -208,11 +208,15 @@ struct BwdDkvTurn {
     if (tidx == 0) semaphore_wait_for(counter, turn);
     sync();
   }
-  // After them: each thread's adds are performed before the release.
+  // After them: the barrier orders every thread's adds before thread 0's
+  // release, which is cumulative (gpu_semaphore.h; the ordered dQ's pattern).
+  // No __threadfence: a fence in a kernel makes ptxas turn each of its fp32
+  // reductions (dQ's too) into an atomic that waits for its reply, ATOMG in
+  // place of REDG, at every head dim that adds dQ per thread (d64, d256:
+  // PERF_LOG 2026-11-29, "REDG, not ATOMG").
   template <typename Sync>
   __forceinline__ __device__ void release(int tidx, Sync sync) const {
     if (counter == nullptr) return;
-    __threadfence();
     sync();
     if (tidx == 0) semaphore_release_increment(counter);
   }
