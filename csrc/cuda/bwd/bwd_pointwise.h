@@ -88,9 +88,10 @@ __forceinline__ __device__ float lse_to_log2(float lse) {
 // query block's lse / D in shared memory (block_lse_log2, block_d: one per
 // query row of the block; the lse already in log2 units, lse_to_log2, as the
 // Hopper statistics warp stores it) at each column's query row, which
-// tScS_rowcol gives (the (key, query) coordinates of every element). Only a positive normal scale
-// comes here (the launcher's promise), so, as with kScaleIsPositive above, a
-// masked -inf score reaches exp2 as -inf and gives 0.
+// tScS_rowcol gives (the (key, query) coordinates of every element). Only a
+// positive normal scale comes here (the launcher's promise), so, as with
+// kScaleIsPositive above, a masked -inf score reaches exp2 as -inf and gives
+// 0.
 template <typename TensorS, typename TensorC>
 __forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorC& tScS_rowcol,
                                                        const float* block_lse_log2,

@@ -2,11 +2,10 @@
 // specialised (d_qk, d_v) pair, whose main kernel is the Hopper one only): the
 // D = rowsum(dO * O) kernel, the main dQ/dK/dV kernel, the dQ conversion and,
 // under GQA, the dK/dV conversion from the kv heads' sums, all on one
-// stream. The caller
-// (ops/bwd_ops.cpp) allocates and zeroes the accumulators and makes the plan
-// (plan_bwd, plan.h) this switches on. Where the plan picks the Hopper main
-// kernel (bwd_kernel_sm90.h), the conversion kernels read the accumulators in
-// its fragment order.
+// stream. The caller (ops/bwd_ops.cpp) allocates and zeroes the
+// accumulators and makes the plan (plan_bwd, plan.h) this switches on. Where
+// the plan picks the Hopper main kernel (bwd_kernel_sm90.h), the conversion
+// kernels read the accumulators in its fragment order.
 #pragma once
 
 #include <cuda_runtime.h>

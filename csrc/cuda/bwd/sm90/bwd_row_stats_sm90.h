@@ -43,10 +43,10 @@ struct BwdSm90ShuffledRowStats {
   float lse_log2_held[kValues];  // lse * log2(e) (lse_to_log2)
   float d_held[kValues];
 
-  // block_lse_log2, block_d: the query block's lse (log2 units) and D in shared memory, one
-  // per query row. Loads every held value (load_all) or, with kLazy, none:
-  // the caller loads each held group (load_held) before its columns, so that
-  // only one group's values are live at a time.
+  // block_lse_log2, block_d: the query block's lse (log2 units) and D in
+  // shared memory, one per query row. Loads every held value (load_all) or,
+  // with kLazy, none: the caller loads each held group (load_held) before its
+  // columns, so that only one group's values are live at a time.
   template <bool kLazy = false>
   __forceinline__ __device__ BwdSm90ShuffledRowStats(const float* block_lse_log2_,
                                                      const float* block_d_, int lane,
