@@ -167,14 +167,14 @@ struct BlockBarrier {
 // 1.30x the default backward's time (PERF_LOG 2026-11-29).
 // The (head, batch) of a block's pair index (grid_heads_batch.h) under the
 // turns above: kv heads fastest, then batch entries, then the group's member
-// g, so that head g's blocks come Hk x batch pairs after head g-1's (at GQA
-// 4:1, 16 x 1k, 3.9 waves of blocks) and find their turn already open. With
-// heads fastest the group's blocks ran side by side and head g waited out the
-// adds of heads 0..g-1, 1.14x the default backward's time at 1k (PERF_LOG
-// 2026-11-29, "deterministic GQA, heads in turn order"). The Hopper kernel
-// takes this order; every other call, and the SM80 kernel (whose plain d128
-// bf16 instantiation spilled 24 B with it), keeps the grid's, heads fastest,
-// where the turn's block also has the lower index.
+// g, so that head g's blocks come Hk x batch pairs after head g-1's. Meant to
+// open each turn before its adds arrive; measured, it changed nothing
+// (deterministic / default at GQA 4:1, 16 x 1k: 1.14 before, 1.17-1.18 with
+// it, within the runs' spread; PERF_LOG 2026-11-29 "candidate5 48d9016"), so
+// the turn's waits are not what the deterministic GQA backward pays there.
+// The Hopper kernel takes this order; every other call, and the SM80 kernel
+// (whose plain d128 bf16 instantiation spilled 24 B with it), keeps the
+// grid's, heads fastest, where the turn's block also has the lower index.
 __forceinline__ __device__ HeadBatch bwd_dkv_turn_order(const BwdParams& params, HeadBatch pair) {
   if (params.dkv_semaphore == nullptr) return pair;
   // At most 65535 * 65535 pairs: the index fits 32 unsigned bits.
