@@ -83,39 +83,50 @@ __forceinline__ __device__ float lse_to_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
 }
 
-// The plain score rule on a transposed (key, query) fragment, as the Hopper
-// kernels hold S^T and dP^T: the statistics are per column, read from the
-// query block's lse / D in shared memory (block_lse_log2, block_d: one per
-// query row of the block; the lse already in log2 units, lse_to_log2, as the
-// Hopper statistics warp stores it) at each column's query row, which
-// tScS_rowcol gives (the (key, query) coordinates of every element). Only a
-// positive normal scale comes here (the launcher's promise), so, as with
-// kScaleIsPositive above, a masked -inf score reaches exp2 as -inf and gives
-// 0.
-template <typename TensorS, typename TensorC>
-__forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorC& tScS_rowcol,
-                                                       const float* block_lse_log2,
+// A per-column statistic of a transposed (key, query) fragment, as the Hopper
+// kernels hold S^T and dP^T: the query block's lse (in log2 units,
+// lse_to_log2, as the Hopper statistics warp stores it) or D, one per query
+// row in shared memory, read into registers (stats: (COL)) at each column's
+// query row, which tScS_rowcol gives (the (key, query) coordinates of every
+// element); columns [kBegin, kEnd) only, so that a caller can read the first
+// ones earlier than the rest.
+template <int kBegin, int kEnd, typename TensorC, typename TensorStats>
+__forceinline__ __device__ void load_column_stats(const float* block_stats,
+                                                  const TensorC& tScS_rowcol, TensorStats& stats) {
+  static_assert(0 <= kBegin && kBegin <= kEnd, "a range of columns");
+  CUTE_STATIC_ASSERT_V(size(stats) == size<1>(tScS_rowcol));
+  CUTE_STATIC_ASSERT_V(Int<kEnd>{} <= size(stats));
+  CUTE_UNROLL
+  for (int ni = kBegin; ni < kEnd; ++ni) stats(ni) = block_stats[get<1>(tScS_rowcol(0, ni))];
+}
+
+// The plain score rule on a transposed (key, query) fragment: lse_log2 holds
+// each column's lse (load_column_stats). Only a positive normal scale
+// comes here (the launcher's promise), so, as with kScaleIsPositive above, a
+// masked -inf score reaches exp2 as -inf and gives 0.
+template <typename TensorS, typename TensorStats>
+__forceinline__ __device__ void scores_to_p_transposed(TensorS& scores, const TensorStats& lse_log2,
                                                        float exp_scale_log2) {
+  CUTE_STATIC_ASSERT_V(size<1>(scores) == size(lse_log2));
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
-    const float lse_log2 = block_lse_log2[get<1>(tScS_rowcol(0, ni))];
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {
-      scores(mi, ni) = exp2f(fmaf(scores(mi, ni), exp_scale_log2, -lse_log2));
+      scores(mi, ni) = exp2f(fmaf(scores(mi, ni), exp_scale_log2, -lse_log2(ni)));
     }
   }
 }
 
-// dp holds dP^T = V dO^T and becomes dS^T = P^T * (dP^T - D), D per column.
-template <typename TensorP, typename TensorDP, typename TensorC>
+// dp holds dP^T = V dO^T and becomes dS^T = P^T * (dP^T - D), D per column
+// (load_column_stats).
+template <typename TensorP, typename TensorDP, typename TensorStats>
 __forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& dp,
-                                                   const TensorC& tScS_rowcol,
-                                                   const float* block_d) {
+                                                   const TensorStats& d) {
+  CUTE_STATIC_ASSERT_V(size<1>(dp) == size(d));
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(dp); ++ni) {
-    const float d = block_d[get<1>(tScS_rowcol(0, ni))];
     CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(dp); ++mi) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - d);
+    for (int mi = 0; mi < size<0>(dp); ++mi) dp(mi, ni) = p(mi, ni) * (dp(mi, ni) - d(ni));
   }
 }
 
@@ -125,11 +136,11 @@ __forceinline__ __device__ void p_to_ds_transposed(const TensorP& p, TensorDP& d
 // (score_mods.h; tanh + bias / softcap, -inf where masked) and becomes P^T;
 // dp holds dP^T and becomes dS^T = P^T * (dP^T - D) * (1 - tanh^2), the tanh
 // being the kept score less the bias (apply_alibi_transposed's arithmetic).
-// The statistics are per column, as in scores_to_p_transposed.
-template <typename TensorS, typename TensorDP, typename TensorC>
+// The statistics are per column, in registers, as in scores_to_p_transposed.
+template <typename TensorS, typename TensorDP, typename TensorC, typename TensorStats>
 __forceinline__ __device__ void softcapped_p_and_ds_transposed(
     TensorS& scores, TensorDP& dp, const TensorC& tScS_rowcol, int key_base, int query_base,
-    int seqlen_q, int seqlen_k, const float* block_lse_log2, const float* block_d,
+    int seqlen_q, int seqlen_k, const TensorStats& lse_log2_cols, const TensorStats& d_cols,
     const ScoreModsInUnits& score_mods) {
   const float exp_scale_log2 = score_mods.exp_scale_log2();
   // The ALiBi distances as apply_alibi_transposed makes them.
@@ -142,9 +153,8 @@ __forceinline__ __device__ void softcapped_p_and_ds_transposed(
   }
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(scores); ++ni) {
-    const int query_in_block = get<1>(tScS_rowcol(0, ni));
-    const float lse_log2 = block_lse_log2[query_in_block];
-    const float d = block_d[query_in_block];
+    const float lse_log2 = lse_log2_cols(ni);
+    const float d = d_cols(ni);
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {
       const float kept = scores(mi, ni);

@@ -190,6 +190,13 @@ struct BwdSm90MainloopMma {
   // whose pass has P^T in fp32 after dS^T is made.
   static constexpr bool kDrawsDropout = kWithScoreMods && Traits::kDrawsDropout;
   static_assert(!kDrawsDropout || !kConvertInPointwise, "the mask zeroes P^T in fp32");
+  // The columns whose lse a thread reads under S^T and dP^T, before their
+  // wait, as FA3's mainloop reads its lse; the rest right after it. Read
+  // after the wait, the first exponential waited on the loads behind the
+  // other warpgroup's shared-memory traffic (about 7% of the d128 kernel's
+  // stall samples); all 16 read before it spilled 64 more bytes (PERF_LOG
+  // 2026-11-29 "statistics before the waits").
+  static constexpr int kLseColumnsEarly = 4;
 
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
   using TiledMmadKV = typename Traits::TiledMmadKV;
@@ -358,8 +365,14 @@ struct BwdSm90MainloopMma {
                                              size(acc_dv))::value == Traits::kAccumulatorRegisters,
                   "S^T, dP^T, dK and dV as the traits count them");
     DropoutMask dropout_mask;
+    Tensor tLSErLSE = make_tensor<float>(make_shape(size<1>(tScS_rowcol)));  // (COL)
     issue_s_dp(acc_s, acc_dp, stage, [&] {
-      // Under S^T and dP^T: the draws need only (key, query).
+      // Under S^T and dP^T: the first columns' lse (kLseColumnsEarly; the
+      // shuffled statistics load theirs in their pass), and the draws, which
+      // need only (key, query).
+      if constexpr (!Traits::kShuffleRowStats) {
+        load_column_stats<0, kLseColumnsEarly>(Storage::row_stats(stage), tScS_rowcol, tLSErLSE);
+      }
       if constexpr (kDrawsDropout) {
         if (has_dropout) draw_dropout(dropout_mask, block, row_begin);
       }
@@ -380,7 +393,7 @@ struct BwdSm90MainloopMma {
                                   wgmma_acc_layout_as_rowcol(acc_dp.layout()));  // (ROW,COL)
       score_mods_p_and_ds(acc_s, acc_dp, p_out, ds_out, block, row_begin, stage);
     } else {
-      p_and_ds(acc_s, acc_dp, block, row_begin, stage, dropout_mask);
+      p_and_ds(acc_s, acc_dp, block, row_begin, stage, tLSErLSE, dropout_mask);
       convert_type_into(acc_s, tdVrPt);
       convert_type_into(acc_dp, tdKrdSt);
     }
@@ -472,14 +485,15 @@ struct BwdSm90MainloopMma {
   }
 
   // S^T -> P^T in acc_s and dP^T -> dS^T in acc_dp: the score mods, the mask,
-  // the exponentials against the stage's lse, dS against its D, and dropout
-  // as the SM80 backward applies it (scores_to_p_and_ds): dP^T masked and
-  // rescaled before dS^T is made from it, P^T after (dS^T takes the
-  // undropped P^T). Waits for dP^T.
-  template <typename TensorAcc>
+  // the exponentials against the stage's lse (tLSErLSE, read under the
+  // products, unless kShuffleRowStats), dS against its D, and dropout as the
+  // SM80 backward applies it (scores_to_p_and_ds): dP^T masked and rescaled
+  // before dS^T is made from it, P^T after (dS^T takes the undropped P^T).
+  // Waits for dP^T.
+  template <typename TensorAcc, typename TensorStats>
   __forceinline__ __device__ void p_and_ds(TensorAcc& acc_s, TensorAcc& acc_dp,
                                            const BwdKeyBlock& block, int row_begin, int stage,
-                                           const DropoutMask& dropout_mask) {
+                                           TensorStats& tLSErLSE, const DropoutMask& dropout_mask) {
     Tensor scores =
         make_tensor(acc_s.data(), wgmma_acc_layout_as_rowcol(acc_s.layout()));  // (ROW,COL)
     Tensor dp =
@@ -491,6 +505,10 @@ struct BwdSm90MainloopMma {
     const int seqlen_k = binfo.seqlen_k;
     const float* row_lse_log2 = Storage::row_stats(stage);
     const float* row_d = row_lse_log2 + kBlockM;
+    if constexpr (!Traits::kShuffleRowStats) {
+      load_column_stats<kLseColumnsEarly, decltype(size(tLSErLSE))::value>(row_lse_log2,
+                                                                           tScS_rowcol, tLSErLSE);
+    }
     if constexpr (kWithScoreMods) {
       score_mods.keep(scores);
       if (has_alibi) {
@@ -519,22 +537,29 @@ struct BwdSm90MainloopMma {
     } else if (kWithScoreMods && score_mods.has_softcap) {
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
+      Tensor tDrD = make_tensor<float>(make_shape(size<1>(tScS_rowcol)));  // (COL)
+      load_column_stats<0, decltype(size(tDrD))::value>(row_d, tScS_rowcol, tDrD);
       if constexpr (kDrawsDropout) {
         if (has_dropout) dropout_mask.apply(dp, params.dropout_rescale);
       }
       softcapped_p_and_ds_transposed(scores, dp, tScS_rowcol, block.col_begin, row_begin, seqlen_q,
-                                     seqlen_k, row_lse_log2, row_d, score_mods);
+                                     seqlen_k, tLSErLSE, tDrD, score_mods);
       if constexpr (kDrawsDropout) {
         if (has_dropout) dropout_mask.apply(scores, params.dropout_rescale);
       }
     } else {
-      scores_to_p_transposed(scores, tScS_rowcol, row_lse_log2, exp_scale_log2);
+      scores_to_p_transposed(scores, tLSErLSE, exp_scale_log2);
       warpgroup_wait<0>();  // dP^T
       warpgroup_fence_operand(acc_dp);
+      // D only now: its wait is short, and read earlier it would be live
+      // beside everything the products hold (PERF_LOG 2026-11-29
+      // "statistics before the waits").
+      Tensor tDrD = make_tensor<float>(make_shape(size<1>(tScS_rowcol)));  // (COL)
+      load_column_stats<0, decltype(size(tDrD))::value>(row_d, tScS_rowcol, tDrD);
       if constexpr (kDrawsDropout) {
         if (has_dropout) dropout_mask.apply(dp, params.dropout_rescale);
       }
-      p_to_ds_transposed(scores, dp, tScS_rowcol, row_d);
+      p_to_ds_transposed(scores, dp, tDrD);
       if constexpr (kDrawsDropout) {
         if (has_dropout) dropout_mask.apply(scores, params.dropout_rescale);
       }
