@@ -11,7 +11,8 @@ long cache launched for one block per SM, the persistent grid, a grid of
 several waves that appends and rotates in the attention kernel, and a value
 head dim below the query / key one (v_cache read in place at d_v columns, also
 as a column slice of a wider buffer or of k_cache itself, appends written at
-d_v columns, the combine writing d_v columns of out).
+d_v columns, the combine writing d_v columns of out); and fixed-length fwd
+calls of decode shape, which run the split-KV kernel.
 """
 
 import torch
@@ -141,6 +142,37 @@ def main():
     call(2, 2, 203, 4, 1, 96, bf16, seqlen_new=2, page_size=16, head_dim_v=64, v_view="wide")
     call(sms // 4 + 1, 1, 4200, 32, 8, 192, bf16, seqlen_new=1, num_splits=1, head_dim_v=128)
     call(2, 1, 513, 16, 1, 256, bf16, page_size=64, num_splits=5, head_dim_v=128, v_view="k")
+    # Fixed-length fwd calls of decode shape, which run the split-KV kernel
+    # (plan_fwd_split): split and not, causal with more queries than keys,
+    # GQA and MQA, a strided query.
+    for batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal in [
+        (1, 1, 2000, 32, 8, 128, False),
+        (2, 4, 3, 16, 4, 64, True),
+        (3, 2, 777, 8, 1, 256, True),
+        (2 * sms, 1, 300, 8, 8, 96, False),
+    ]:
+        q = torch.randn(batch, nheads, seqlen_q, head_dim, device="cuda", dtype=bf16)
+        q = q.transpose(1, 2)
+        k, v = (
+            torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=bf16)
+            for _ in range(2)
+        )
+        torch.ops.flash_attn.fwd(
+            q,
+            k,
+            v,
+            None,
+            0.0,
+            head_dim**-0.5,
+            causal,
+            -1,
+            0 if causal else -1,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+        )
     torch.cuda.synchronize()
     print("sanitize_kvcache: all calls completed")
 

@@ -205,6 +205,99 @@ def test_fwd_local(dtype, head_dim, window, seqlen_q, seqlen_k, fwd_kernel):
     check_against_reference(q, k, v, out, lse, window_size=window)
 
 
+def splitkv_fwd_names(q, k, v, **kwargs):
+    names = forward_kernel_names(q, k, v, **kwargs)
+    assert any("flash_fwd_splitkv_kernel" in n for n in names), names
+    assert not any("flash_fwd_sm90_kernel" in n or "flash_fwd_kernel" in n for n in names), names
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 77), (1, 3000), (3, 700), (4, 2)])
+@pytest.mark.parametrize("nheads,nheads_k", [(32, 8), (6, 6), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_decode_shapes_on_splitkv(
+    dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_k, causal, monkeypatch
+):
+    """A fixed-length call whose query rows of a kv head fit one split-KV
+    query block runs the split-KV kernel (plan_fwd_split): one split or
+    several with the combine, rows that see no key (causal, more queries
+    than keys) included."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    if head_dim == 128 and nheads == 32:
+        splitkv_fwd_names(q, k, v, causal=causal)
+    out, lse, _, _ = run_fwd(q, k, v, causal=causal)
+    check_against_reference(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    "feature", ["window", "softcap", "alibi", "negative_scale", "strided", "out", "sink"]
+)
+def test_fwd_decode_shape_features_on_splitkv(head_dim, feature, monkeypatch):
+    """The score features, strided inputs, out= and sinks of a decode-shaped
+    fwd call on the split-KV kernel, against the reference."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    batch, nheads, nheads_k = 3, 16, 4
+    q, k, v = random_qkv(batch, 2, 1500, nheads, nheads_k, head_dim, torch.bfloat16)
+    kwargs, ref = {}, {}
+    if feature == "window":
+        kwargs, ref = dict(window=(300, 0)), dict(window_size=(300, 0))
+    elif feature == "softcap":
+        kwargs = ref = dict(softcap=20.0, causal=True)
+    elif feature == "alibi":
+        slopes = torch.rand(batch, nheads, device=DEVICE) * 0.3
+        kwargs = ref = dict(alibi_slopes=slopes, causal=True)
+    elif feature == "negative_scale":
+        kwargs = ref = dict(softmax_scale=-0.1)
+    elif feature == "strided":
+        q = torch.randn(batch, nheads, 2, head_dim, device=DEVICE).bfloat16().transpose(1, 2)
+        k, v = (
+            torch.randn(batch, 2 * nheads_k, 1500, head_dim, device=DEVICE)
+            .bfloat16()[:, ::2]
+            .transpose(1, 2)
+            for _ in range(2)
+        )
+    splitkv_fwd_names(q, k, v, **kwargs)
+    if feature == "out":
+        out = torch.full_like(q, float("nan"))
+        lse, _, _ = torch.ops.flash_attn.fwd_out(
+            q, k, v, None, 0.0, head_dim**-0.5, True, -1, 0, 0.0, False, 0, 0, None, out=out
+        )
+        check_against_reference(q, k, v, out, lse, causal=True)
+        return
+    if feature == "sink":
+        sink = torch.randn(nheads, device=DEVICE) * 2.0
+        out, lse, _, _ = torch.ops.flash_attn.fwd(
+            q,
+            k,
+            v,
+            None,
+            0.0,
+            head_dim**-0.5,
+            True,
+            -1,
+            0,
+            0.0,
+            False,
+            0,
+            0,
+            None,
+            learnable_sink=sink,
+        )
+        ref_out, ref_lse = attention_ref(q, k, v, causal=True, learnable_sink=sink)
+        same_out, _ = attention_ref(
+            q, k, v, causal=True, learnable_sink=sink, compute_dtype=q.dtype
+        )
+        assert_within_criterion(out, ref_out, same_out, name="out")
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)
+        return
+    out, lse, _, _ = run_fwd(q, k, v, **kwargs)
+    check_against_reference(q, k, v, out, lse, **ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("softcap", [0.0, 5.0, 30.0])

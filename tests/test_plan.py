@@ -439,6 +439,54 @@ def test_empty_forward():
     assert fwd(2, 0, 128, 4, 4, 128)["kernel"] == "none"
 
 
+@pytest.mark.parametrize("device", [H100, A100])
+def test_forward_decode_shape_on_the_splitkv_kernel(device):
+    """A fixed-length call whose query rows of a kv head fit one split-KV
+    query block (a decode step through flash_attn_func or SDPA) runs the
+    split-KV kernel with the split count a KV-cache call of its shape gets."""
+    for batch, seqlen_q, seqlen_k, nheads, nheads_k in [
+        (1, 1, 8192, 32, 8),
+        (8, 1, 640, 16, 16),
+        (64, 1, 4096, 32, 8),
+        (2, 4, 2048, 32, 8),
+    ]:
+        plan = fwd(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, device=device, causal=True)
+        split = decode(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, device=device)
+        assert plan["kernel"] == "splitkv", plan
+        assert plan["splits"] == split["splits"] >= 1, (plan, split)
+        assert plan["warps_n"] == split["warps_n"] and plan["block_m"] == split["block_m"]
+    # Batch 1 over 8k keys: split to fill the SMs.
+    assert fwd(1, 1, 8192, 32, 8, 128, device=device)["splits"] > 1
+    # Score extras ride along (the kernel's extras variant).
+    for kw in (
+        dict(softcap=30.0),
+        dict(alibi=True),
+        dict(softmax_scale=-0.1),
+        dict(window_size_left=64),
+    ):
+        assert fwd(1, 1, 8192, 32, 8, 128, device=device, **kw)["kernel"] == "splitkv", kw
+
+
+def test_forward_splitkv_only_where_it_serves():
+    decode_shape = (1, 1, 8192, 32, 8, 128)
+    assert fwd(*decode_shape)["kernel"] == "splitkv"
+    # More query rows of a kv head than one split-KV query block.
+    assert fwd(1, 256, 8192, 32, 8, 128)["kernel"] in ("sm80", "sm90")
+    assert fwd(2, 8192, 8192, 16, 16, 128)["kernel"] == "sm90"
+    # What only the forward kernels have, and a kernel named by override.
+    for kw in (
+        dict(dropout_p=0.1),
+        dict(return_softmax=True),
+        dict(head_dim_v=64),
+        dict(kernel_override="sm90"),
+        dict(kernel_override="sm80"),
+    ):
+        plan = fwd(*decode_shape, **kw)
+        assert plan["kernel"] in ("sm80", "sm90"), (kw, plan)
+    # Varlen calls split only by num_splits (plan_fwd_split from varlen_fwd).
+    assert fwd(*decode_shape, varlen=True)["kernel"] in ("sm80", "sm90")
+
+
 # --------------------------------------------------------------- backward
 
 
@@ -861,6 +909,24 @@ def test_plan_matches_launched_paged_forward(page_size, monkeypatch):
     assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
     if plan["kernel"] == "sm90":
         assert plan["keys"] == expected_paged_keys(page_size, plan["block_n"])
+
+
+@pytest.mark.cuda
+def test_plan_matches_launched_decode_shaped_forward(monkeypatch):
+    """seqlen_q 1 through the fwd op: the split-KV kernel (and its combine
+    where the plan splits), as the plan says."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    sm90a = "sm_90a" in flash_attn_cuda.build_info
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan = fwd(1, 1, 8192, 32, 8, 128, device=current_device(), causal=True, sm90a_built=sm90a)
+    assert plan["kernel"] == "splitkv"
+    names = launched_kernels(
+        lambda: ops.fwd(q, k, v, None, 0.0, 128**-0.5, True, -1, 0, 0.0, False, 0, 0, None)
+    )
+    assert any("splitkv" in n for n in names), names
+    assert not any("flash_fwd_sm90_kernel" in n or "flash_fwd_kernel" in n for n in names), names
+    assert any("combine" in n for n in names) == (plan["splits"] > 1), (plan, names)
 
 
 @pytest.mark.cuda

@@ -176,7 +176,7 @@ struct KvcacheParams : FwdParams {
   // strides 0), and seqlen_new is their total_k_new rows.
   const int* cu_seqlens_k_new;
   // FwdParams::cu_seqlens_k non-null: varlen_fwd's split run
-  // (ops/varlen_splitkv.cpp), whose keys and query rows are the varlen
+  // (ops/fwd_splitkv.cpp), whose keys and query rows are the varlen
   // forward's (BlockInfo): the cache fields above are unused then, but for
   // block_table / page_size / num_pages of paged keys.
 

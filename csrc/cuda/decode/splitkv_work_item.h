@@ -172,7 +172,7 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
         params, it.batch, {inputs.cache_seqlen, inputs.leftpad, inputs.entry, inputs.rotary_start});
     new_keys = params.seqlen_new;
   } else if (params.cu_seqlens_k != nullptr) {
-    // varlen_fwd's split run (ops/varlen_splitkv.cpp): the varlen forward's
+    // varlen_fwd's split run (ops/fwd_splitkv.cpp): the varlen forward's
     // sequences as BlockInfo reads them (its guards and messages), keys at
     // positions k_row_begin + j of the packed keys (batch stride 0), or of
     // the sequence's row of pages; nothing to append.

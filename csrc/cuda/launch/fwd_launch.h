@@ -185,6 +185,11 @@ void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t st
             "flash_attn_cuda: a specialised (head dim, head dim v) pair has no SM80 forward: " +
             describe(plan));
       }
+    case FwdKernel::kSplitKv:
+      throw std::runtime_error(
+          "flash_attn_cuda: a split-KV forward plan runs through run_fwd_splitkv "
+          "(ops/fwd_splitkv.cpp), not the forward launcher: " +
+          describe(plan));
   }
   if (plan.return_probs) launch_return_probs(params, stream);
 }

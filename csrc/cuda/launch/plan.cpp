@@ -239,6 +239,31 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     return plan;
   }
   plan.return_probs = params.p_ptr != nullptr;
+  if (params.cu_seqlens_q == nullptr && override_kernel == KernelOverride::kNone) {
+    FwdSplitShape split;
+    split.batch = params.batch;
+    split.nheads = params.nheads;
+    split.nheads_k = params.nheads_k;
+    split.max_seqlen_q = params.seqlen_q;
+    split.max_seqlen_k = params.seqlen_k;
+    split.head_dim = params.head_dim;
+    split.head_dim_v = params.head_dim_v;
+    split.requested_splits = 0;
+    split.score_extras = score_features_of(params).has_extras();
+    split.dropout = params.dropout_p > 0.f;
+    split.return_softmax = plan.return_probs;
+    const DecodePlan splitkv = plan_fwd_split(split, device);
+    if (splitkv.num_splits > 0) {
+      plan.kernel = FwdKernel::kSplitKv;
+      plan.head_dim = plan.head_dim_v = splitkv.compiled_head_dim;
+      plan.block_m = splitkv.block_m;
+      plan.splitkv = splitkv;
+      plan.reason =
+          "seqlen_q x (nheads / nheads_k) fits one split-KV query block: the split-KV kernel "
+          "(plan_fwd_split)";
+      return plan;
+    }
+  }
   const int compiled = round_up_head_dim(params.head_dim);
   const FwdTileRow row = fwd_tile_row(compiled);
   // The Hopper kernel's (d_qk, d_v) and row: a specialised pair's or d_qk's.
@@ -709,16 +734,20 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   return plan;
 }
 
-DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& device) {
-  DecodePlan no_split;
-  no_split.num_splits = 1;
+DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) {
+  DecodePlan none;
+  none.num_splits = 0;
   if (shape.requested_splits == 1) {
-    no_split.reason = "num_splits=1: the forward kernels, no split";
-    return no_split;
+    none.reason = "num_splits=1: the forward kernels, no split";
+    return none;
   }
   if (shape.dropout || shape.return_softmax || shape.seqused_q) {
-    no_split.reason = "dropout, return_softmax or seqused_q: only the forward kernels have them";
-    return no_split;
+    none.reason = "dropout, return_softmax or seqused_q: only the forward kernels have them";
+    return none;
+  }
+  if (shape.head_dim_v != shape.head_dim) {
+    none.reason = "d_v below d_qk: the forward kernels read V at its own width";
+    return none;
   }
   DecodeShape decode;
   decode.batch = shape.batch;
@@ -730,16 +759,16 @@ DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& de
   decode.paged = shape.paged;
   decode.requested_splits = shape.requested_splits;
   decode.score_extras = shape.score_extras;
-  decode.varlen = true;
+  decode.varlen = shape.varlen;
   const DecodePlan plan = plan_decode(decode, device);
-  if (plan.num_splits <= 1) {
-    no_split.reason = plan.reason;
-    return no_split;
+  if (shape.varlen && plan.num_splits <= 1) {
+    none.reason = plan.reason;
+    return none;
   }
   if (shape.requested_splits == 0 && plan.num_m_blocks > 1) {
-    no_split.reason =
+    none.reason =
         "num_splits=0: more query rows than one split-KV query block, the forward kernels";
-    return no_split;
+    return none;
   }
   return plan;
 }
@@ -769,11 +798,18 @@ const char* variant_name(FwdVariant variant) {
 }  // namespace
 
 std::string describe(const FwdPlan& plan) {
-  static const char* const kKernels[] = {"none", "sm80", "sm90"};
+  static const char* const kKernels[] = {"none", "sm80", "sm90", "splitkv"};
   static const char* const kGrids[] = {"heads_batch", "one_per_tile", "fixed_shares",
                                        "tile_counter"};
   static const char* const kKeys[] = {"contiguous", "paged_boxes", "paged_gather"};
   std::ostringstream out;
+  if (plan.kernel == FwdKernel::kSplitKv) {
+    out << "kernel=splitkv choice=" << choice_name(plan.choice) << " hdim=" << plan.head_dim
+        << " block_m=" << plan.block_m << " splits=" << plan.splitkv.num_splits
+        << " warps_n=" << plan.splitkv.warps_n << " items=" << plan.splitkv.num_items
+        << " return_probs=0 reason: " << plan.reason << "; " << plan.splitkv.reason;
+    return out.str();
+  }
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
       << " choice=" << choice_name(plan.choice) << " hdim=" << plan.head_dim
       << " hdim_v=" << plan.head_dim_v << " block_m=" << plan.block_m << " block_n=" << plan.block_n

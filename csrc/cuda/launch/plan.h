@@ -72,12 +72,55 @@ KernelChoice kernel_choice(const DeviceDesc& device, KernelOverride override_ker
 bool fwd_tma_can_load(const FwdParams& params);
 bool bwd_tma_can_load(const BwdParams& params);
 
+// ---------------------------------------------- decode (split-KV kernel)
+
+// What plan_decode reads of a fwd_kvcache call.
+struct DecodeShape {
+  int batch = 0;
+  int nheads = 0;
+  int nheads_k = 0;
+  int seqlen_q = 0;
+  int cache_capacity = 0;  // keys per cache row (paged: pages per row x page size)
+  int head_dim = 0;        // as given; the plan rounds it up to the compiled one
+  bool paged = false;
+  int64_t requested_splits = 0;        // num_splits: 0 chooses
+  bool score_extras = false;           // ScoreFeatures::has_extras
+  bool appending = false;              // new keys / values to write into the cache
+  int seqlen_new = 0;                  // their rows (0 unless appending)
+  int rotary_dim = 0;                  // 0: no rotary
+  bool rotary_tables_aligned = false;  // cos and sin start on 16-byte boundaries
+  int window_left = -1;                // normalised window
+  // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
+  // max_seqlen_q and each sequence has rows of its own.
+  bool varlen = false;
+};
+
+struct DecodePlan {
+  int compiled_head_dim = 0;
+  int warps_n = 1;  // 1: the 64-row variant; more: the decode variant
+  int block_m = 0;
+  int64_t num_m_blocks = 0;  // query blocks per (batch, kv head)
+  int num_splits = 1;
+  int64_t num_items = 0;    // work items: batch x kv heads x query blocks x splits
+  int launch_smem = 0;      // the split-KV launch's dynamic shared memory
+  int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
+  int cluster_x = 1;
+  bool append_in_attention = false;
+  bool programmatic_launch = false;  // sm90 and later: dependent launches
+  const char* reason = "";           // why this split count
+};
+
+DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device);
+
 // ---------------------------------------------------------------- forward
 
 enum class FwdKernel : uint8_t {
   kNone,  // nothing to compute (no query row, head or batch entry)
   kSm80,  // fwd_kernel_sm80.h
   kSm90,  // fwd_kernel_sm90.h
+  // The split-KV kernel (splitkv_kernel.h) of plan_decode, on a fixed-length
+  // call whose query rows fit one of its query blocks (FwdPlan::splitkv).
+  kSplitKv,
 };
 
 // kSm80: the plain rule or the variant with softcap / ALiBi / dropout / a
@@ -119,11 +162,14 @@ struct FwdPlan {
   int grid_y = 1;             // kHeadsBatch: heads, else 1
   int grid_z = 1;             // kHeadsBatch: batch, else 1
   bool return_probs = false;  // then return_probs.h writes the probabilities afterwards
+  DecodePlan splitkv;         // kSplitKv: its plan (plan_fwd_split), splits >= 1
   const char* reason = "";
 };
 
 // params: the shape, score rule and varlen-ness of the call (its pointers
-// are not read). tma_ok: fwd_tma_can_load of the call's tensors.
+// are not read). tma_ok: fwd_tma_can_load of the call's tensors. A
+// fixed-length call without a kernel override may get kSplitKv
+// (plan_fwd_split); an override names the forward kernel to run.
 FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
                  bool tma_ok);
 
@@ -237,54 +283,19 @@ constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool d
          2 * block_m * block_n * 2 + buffers * 2 * block_m * 4;
 }
 
-// ----------------------------------------------------------------- decode
+// ------------------------------------------ forward on the split-KV kernel
 
-// What plan_decode reads of a fwd_kvcache call.
-struct DecodeShape {
-  int batch = 0;
-  int nheads = 0;
-  int nheads_k = 0;
-  int seqlen_q = 0;
-  int cache_capacity = 0;  // keys per cache row (paged: pages per row x page size)
-  int head_dim = 0;        // as given; the plan rounds it up to the compiled one
-  bool paged = false;
-  int64_t requested_splits = 0;        // num_splits: 0 chooses
-  bool score_extras = false;           // ScoreFeatures::has_extras
-  bool appending = false;              // new keys / values to write into the cache
-  int seqlen_new = 0;                  // their rows (0 unless appending)
-  int rotary_dim = 0;                  // 0: no rotary
-  bool rotary_tables_aligned = false;  // cos and sin start on 16-byte boundaries
-  int window_left = -1;                // normalised window
-  // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
-  // max_seqlen_q and each sequence has rows of its own.
-  bool varlen = false;
-};
-
-struct DecodePlan {
-  int compiled_head_dim = 0;
-  int warps_n = 1;  // 1: the 64-row variant; more: the decode variant
-  int block_m = 0;
-  int64_t num_m_blocks = 0;  // query blocks per (batch, kv head)
-  int num_splits = 1;
-  int64_t num_items = 0;    // work items: batch x kv heads x query blocks x splits
-  int launch_smem = 0;      // the split-KV launch's dynamic shared memory
-  int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
-  int cluster_x = 1;
-  bool append_in_attention = false;
-  bool programmatic_launch = false;  // sm90 and later: dependent launches
-  const char* reason = "";           // why this split count
-};
-
-DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device);
-
-// What plan_varlen_split reads of a varlen_fwd call with num_splits (FA3's).
-struct VarlenSplitShape {
+// What plan_fwd_split reads of a forward call: a varlen_fwd call with
+// num_splits (FA3's), or a fixed-length fwd call (num_splits 0).
+struct FwdSplitShape {
   int batch = 0;
   int nheads = 0;
   int nheads_k = 0;
   int max_seqlen_q = 0;
   int max_seqlen_k = 0;  // paged: cut to the rows a table row addresses
   int head_dim = 0;
+  int head_dim_v = 0;
+  bool varlen = false;
   bool paged = false;
   int64_t requested_splits = 1;  // num_splits: 1 no split, 0 chooses
   bool score_extras = false;
@@ -294,13 +305,20 @@ struct VarlenSplitShape {
   bool seqused_q = false;
 };
 
-// The split-KV run of a varlen forward: the split-KV kernel over the packed
-// (or paged) keys, each sequence's keys cut num_splits ways and merged by the
-// lse. num_splits == 1 in the result: the forward kernels run as without it.
-// An explicit count > 1 splits (capped as plan_decode caps it); 0 splits only
-// where every sequence's query rows of a kv head fit one query block and the
-// split-KV plan would split (decode-like calls, whose grid leaves SMs idle).
-DecodePlan plan_varlen_split(const VarlenSplitShape& shape, const DeviceDesc& device);
+// The forward's run on the split-KV kernel, or not (num_splits 0 in the
+// result: the forward kernels). The split-KV kernel reads the keys (packed,
+// paged or of a fixed-length call) as the decode does, each sequence's keys
+// cut num_splits ways and merged by their lse. Varlen: an explicit count > 1
+// splits (capped as plan_decode caps it); 0 splits only where every
+// sequence's query rows of a kv head fit one query block and plan_decode
+// would split (decode-like calls, whose grid leaves SMs idle). Fixed length
+// (requested 0): wherever the query rows of a kv head fit one query block,
+// with plan_decode's split count, one included: such a call (seqlen_q 1 from
+// SDPA or flash_attn_func in a decode loop) fills a 128-row Hopper tile with
+// one row per head and reads K and V once per query head, where the
+// split-KV kernel packs a kv head's query rows into one block and splits its
+// keys over the SMs, as flash-attn's own forward does.
+DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device);
 
 // ------------------------------------------------------------- description
 

@@ -135,9 +135,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
-  const at::Tensor tile_counter = tile_counter_for(params, plan, q);
-  launcher_of_plan(plan, launcher, q.scalar_type())(params, plan,
-                                                    at::cuda::getCurrentCUDAStream().stream());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  if (plan.kernel == FwdKernel::kSplitKv) {
+    run_fwd_splitkv(params, plan.splitkv, q, stream);
+  } else {
+    const at::Tensor tile_counter = tile_counter_for(params, plan, q);
+    launcher_of_plan(plan, launcher, q.scalar_type())(params, plan, stream);
+  }
   return {finish_output(out_given, out), softmax_lse, s_dmask, rng_state_out};
 }
 
@@ -250,23 +254,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Paged: the lengths and table entries the kernels clamp are reported here.
   launch_check_paged_keys(params, stream);
-  // num_splits (FA3's): the split-KV run where plan_varlen_split takes it.
-  VarlenSplitShape split_shape;
+  // num_splits (FA3's): the split-KV run where plan_fwd_split takes it.
+  FwdSplitShape split_shape;
   split_shape.batch = shape.batch;
   split_shape.nheads = shape.nheads;
   split_shape.nheads_k = shape.nheads_k;
   split_shape.max_seqlen_q = shape.max_seqlen_q;
   split_shape.max_seqlen_k = shape.paged ? params.paged_max_seqlen_k : shape.max_seqlen_k;
   split_shape.head_dim = shape.head_dim;
+  split_shape.head_dim_v = shape.head_dim_v;
+  split_shape.varlen = true;
   split_shape.paged = shape.paged;
   split_shape.requested_splits = num_splits;
   split_shape.score_extras = score_features_of(params).has_extras();
   split_shape.dropout = dropout_p > 0.0;
   split_shape.return_softmax = return_softmax;
   split_shape.seqused_q = used_q.defined();
-  const DecodePlan split_plan = plan_varlen_split(split_shape, current_device_desc());
-  if (split_plan.num_splits > 1) {
-    run_varlen_splitkv(params, split_plan, q, stream);
+  const DecodePlan split_plan = plan_fwd_split(split_shape, current_device_desc());
+  if (split_plan.num_splits > 0) {
+    run_fwd_splitkv(params, split_plan, q, stream);
   } else {
     const FwdPlan plan = plan_for(params);
     const at::Tensor tile_counter = tile_counter_for(params, plan, q);

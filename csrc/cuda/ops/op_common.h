@@ -128,10 +128,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     int64_t num_splits, const std::optional<at::Tensor>& q_descale,
     const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale);
 
-// varlen_fwd's split-KV run (varlen_splitkv.cpp): params as the forward
-// kernels would take them, plan from plan_varlen_split (num_splits > 1).
-void run_varlen_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
-                        cudaStream_t stream);
+// The forward's split-KV run (fwd_splitkv.cpp): params as the forward
+// kernels would take them, plan from plan_fwd_split (num_splits >= 1; > 1
+// for varlen_fwd).
+void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
+                     cudaStream_t stream);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
