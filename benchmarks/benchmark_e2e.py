@@ -489,8 +489,6 @@ def decode_loop_row(variant, args, device, dtype):
         peak = peak_memory_gib(device)
         host_steps = max(1, min(steps, args.host_steps))
         host_seconds = issue_time(lambda: run(host_steps), device)
-        host_steps = max(1, min(steps, args.host_steps))
-        host_seconds = issue_time(lambda: run(host_steps), device)
         if args.profile:
             path = os.path.join(args.out, f"profile_decode_loop_{variant}.txt")
             profiled = profile_run(run, device, path, steps)
