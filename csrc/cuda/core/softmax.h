@@ -113,6 +113,31 @@ struct OnlineSoftmax {
     }
   }
 
+  // The max of row mi of this thread's scores and init, over four
+  // independent chains: one chain is a dependent max per column (32 deep at
+  // 128 keys) before the row's exponentials can start, four are 8 + 2 deep,
+  // as FA4's row max (PERF_LOG 2026-11-29 "four max chains"). A max is exact,
+  // so the result does not depend on the order; a NaN score is passed over as
+  // before (fmaxf returns the other operand, and no chain starts at NaN).
+  template <typename TensorS>
+  __forceinline__ __device__ static float thread_row_max(const TensorS& scores, int mi,
+                                                         float init) {
+    constexpr int kCols = decltype(size<1>(scores))::value;
+    // Short rows (the SM80 tiles of 32 keys: 8 columns) keep one chain: four
+    // gained little there and spilled 12 more bytes in the d128 extras kernel.
+    constexpr int kChains = kCols >= 16 && kCols % 4 == 0 ? 4 : 1;
+    float chain[kChains];
+    CUTE_UNROLL
+    for (int c = 0; c < kChains; ++c) chain[c] = init;
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) {
+      chain[ni % kChains] = fmaxf(chain[ni % kChains], scores(mi, ni));
+    }
+    CUTE_UNROLL
+    for (int c = 1; c < kChains; ++c) chain[0] = fmaxf(chain[0], chain[c]);
+    return chain[0];
+  }
+
   // The running max takes in the tile; the row sums follow it.
   template <typename TensorS>
   __forceinline__ __device__ void move_row_max(const TensorS& scores, float exp_scale_log2,
@@ -122,9 +147,7 @@ struct OnlineSoftmax {
     correction.max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float tile_max = row_max[mi];
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(scores); ++ni) tile_max = fmaxf(tile_max, scores(mi, ni));
+      float tile_max = thread_row_max(scores, mi, row_max[mi]);
       tile_max = quad_allreduce_max(tile_max);
       correction.max_moved |= tile_max != row_max[mi];
       max_scaled[mi] = scaled_row_max(tile_max, exp_scale_log2);
