@@ -14,7 +14,6 @@
 #include "cuda/bwd/bwd_accum_layout.h"
 #include "cuda/core/block_info.h"
 #include "cuda/core/gpu_semaphore.h"
-#include "cuda/core/grid_heads_batch.h"
 #include "cuda/core/params.h"
 #include "cuda/core/query_range.h"
 #include "cuda/core/tile_ops.h"
@@ -159,35 +158,12 @@ struct BlockBarrier {
 // (and dK / dV) do not depend on which block adds first. Head g of the
 // group waits until its (batch, kv head, key block) counter reaches g, adds,
 // and increments it. A block waits only for the block of the head before
-// it, same key block and batch, which has a lower linear index
-// (bwd_dkv_turn_order) and so was launched earlier: no block waits on one
-// that cannot start. fp32 adds in a fixed order: the
+// it, same key block and batch, which has a lower linear index (heads run
+// fastest in grid_heads_batch.h's pairs) and so was launched earlier: no
+// block waits on one that cannot start. fp32 adds in a fixed order: the
 // per-head shares this replaces, summed by a kernel of their own in head
 // order, gave the same sums with 4x (at 4:1) the fp32 bytes, and cost up to
 // 1.30x the default backward's time (PERF_LOG 2026-11-29).
-// The (head, batch) of a block's pair index (grid_heads_batch.h) under the
-// turns above: kv heads fastest, then batch entries, then the group's member
-// g, so that head g's blocks come Hk x batch pairs after head g-1's. Meant to
-// open each turn before its adds arrive; measured, it changed nothing
-// (deterministic / default at GQA 4:1, 16 x 1k: 1.14 before, 1.17-1.18 with
-// it, within the runs' spread; PERF_LOG 2026-11-29 "candidate5 48d9016"), so
-// the turn's waits are not what the deterministic GQA backward pays there.
-// The Hopper kernel takes this order; every other call, and the SM80 kernel
-// (whose plain d128 bf16 instantiation spilled 24 B with it), keeps the
-// grid's, heads fastest, where the turn's block also has the lower index.
-__forceinline__ __device__ HeadBatch bwd_dkv_turn_order(const BwdParams& params, HeadBatch pair) {
-  if (params.dkv_semaphore == nullptr) return pair;
-  // At most 65535 * 65535 pairs: the index fits 32 unsigned bits.
-  const unsigned index = unsigned(pair.head) + unsigned(params.nheads) * unsigned(pair.batch);
-  const unsigned kv_heads = unsigned(params.nheads_k);
-  const unsigned rest = index / kv_heads;  // batch + batch count * g
-  const unsigned head_kv = index - rest * kv_heads;
-  const unsigned member = rest / unsigned(params.batch);
-  const unsigned batch = rest - member * unsigned(params.batch);
-  const unsigned group = unsigned(params.nheads / params.nheads_k);
-  return {int(head_kv * group + member), int(batch)};
-}
-
 struct BwdDkvTurn {
   int* counter;  // null outside deterministic GQA/MQA
   int turn;

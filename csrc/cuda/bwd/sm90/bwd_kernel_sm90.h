@@ -93,7 +93,6 @@ __global__ void __launch_bounds__(Traits::kNLaunchThreads, 1)
   const int tidx = threadIdx.x;
   HeadBatch pair;
   if (!block_head_batch(params.nheads, params.batch, pair)) return;
-  pair = bwd_dkv_turn_order(params, pair);
   const int head = pair.head;
   const int batch = pair.batch;
   const BlockInfo binfo(params, batch);
