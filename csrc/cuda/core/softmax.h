@@ -116,7 +116,8 @@ struct OnlineSoftmax {
   // The max of row mi of this thread's scores and init, over four
   // independent chains: one chain is a dependent max per column (32 deep at
   // 128 keys) before the row's exponentials can start, four are 8 + 2 deep,
-  // as FA4's row max (PERF_LOG 2026-11-29 "four max chains"). A max is exact,
+  // as FA4's row max. Measured level with one chain on the H200 (PERF_LOG
+  // 2026-11-29 "candidate6 ba28c77"): kept as the shorter path. A max is exact,
   // so the result does not depend on the order; a NaN score is passed over as
   // before (fmaxf returns the other operand, and no chain starts at NaN).
   template <typename TensorS>

@@ -191,11 +191,11 @@ struct BwdSm90MainloopMma {
   static constexpr bool kDrawsDropout = kWithScoreMods && Traits::kDrawsDropout;
   static_assert(!kDrawsDropout || !kConvertInPointwise, "the mask zeroes P^T in fp32");
   // The columns whose lse a thread reads under S^T and dP^T, before their
-  // wait, as FA3's mainloop reads its lse; the rest right after it. Read
-  // after the wait, the first exponential waited on the loads behind the
-  // other warpgroup's shared-memory traffic (about 7% of the d128 kernel's
-  // stall samples); all 16 read before it spilled 64 more bytes (PERF_LOG
-  // 2026-11-29 "statistics before the waits").
+  // wait, as FA3's mainloop reads its lse; the rest right after it. The
+  // source page had the first exponential waiting on these loads (about 7%
+  // of the d128 kernel's stall samples), yet reading them early measured
+  // level on the H200 (PERF_LOG 2026-11-29 "statistics before the waits",
+  // "candidate6 ba28c77"); all 16 read early spilled 64 more bytes.
   static constexpr int kLseColumnsEarly = 4;
 
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
