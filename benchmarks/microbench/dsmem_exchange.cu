@@ -317,7 +317,13 @@ int resident_clusters() {
   config.attrs = &cluster;
   config.numAttrs = 1;
   int clusters = 0;
-  FA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, cluster_tile_loop<true>, &config));
+  if (cudaOccupancyMaxActiveClusters(&clusters, cluster_tile_loop<true>, &config) != cudaSuccess ||
+      clusters <= 0) {
+    (void)cudaGetLastError();  // fall back to half the SMs
+    int sms = 0;
+    FA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    clusters = sms / 2;
+  }
   return clusters;
 }
 
