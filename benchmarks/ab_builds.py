@@ -5,7 +5,12 @@ Each build is a source tree built in place (``python3 setup.py build_ext
 under each build in turn, A B A B ..., in separate processes on the same
 machine; every case's time is the median over its rounds, and the report gives
 B / A per case (time ratio: above 1 means B is slower) and the geometric mean
-per regime and mode.
+per regime and mode. It also says, per case, whether the two builds' outputs (and
+gradients) agree bit for bit (the benchmark's ``output_digest`` / ``grad_digest``):
+``bits`` is "equal" or "differ", or "varies" where build A's own rounds already
+disagree (a kernel whose summation order is not fixed, such as the default
+backward's dQ), and the summary counts them, so that a change meant to leave the
+results unchanged is checked by the same run that times it.
 
     python3 benchmarks/ab_builds.py --a /path/to/base --b /path/to/new \
         --rounds 3 --out ab.json -- --regimes train --dtypes bf16 --headdims 64,128
@@ -25,6 +30,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 KEY_FIELDS = (
@@ -40,6 +46,26 @@ KEY_FIELDS = (
     "nheads_k",
     "note",
 )
+
+
+DIGEST_FIELDS = ("output_digest", "grad_digest")
+
+
+def digest_of(row: dict) -> Optional[tuple]:
+    values = tuple(row.get(f) for f in DIGEST_FIELDS)
+    return values if any(v is not None for v in values) else None
+
+
+def bits_verdict(a_digests: list, b_digests: list) -> Optional[str]:
+    """equal / differ / varies (A's rounds disagree among themselves), or None
+    when a side has no digest."""
+    a = [d for d in a_digests if d is not None]
+    b = [d for d in b_digests if d is not None]
+    if not a or not b:
+        return None
+    if len(set(a)) > 1 or len(set(b)) > 1:
+        return "varies"
+    return "equal" if a[0] == b[0] else "differ"
 
 
 def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
@@ -75,12 +101,14 @@ def main() -> None:
     bench_args = [a for a in args.bench_args if a != "--"]
 
     times: dict[str, dict[tuple, list[float]]] = {"a": defaultdict(list), "b": defaultdict(list)}
+    digests: dict[str, dict[tuple, list]] = {"a": defaultdict(list), "b": defaultdict(list)}
     with tempfile.TemporaryDirectory() as scratch:
         for r in range(args.rounds):
             for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
                 out_dir = Path(scratch) / f"{side}{r}"
                 for row in run_once(getattr(args, side), bench_args, out_dir):
                     times[side][key_of(row)].append(row["ms"])
+                    digests[side][key_of(row)].append(digest_of(row))
 
     cases = []
     groups: dict[tuple, list[float]] = defaultdict(list)
@@ -94,18 +122,20 @@ def main() -> None:
             b_over_a=b_ms / a_ms,
             a_rounds=times["a"][key],
             b_rounds=times["b"][key],
+            bits=bits_verdict(digests["a"][key], digests["b"][key]),
         )
         cases.append(case)
         groups[(case["regime"], case["mode"])].append(b_ms / a_ms)
-    summary = {
-        f"{regime}/{mode}": {
+    summary = {}
+    for (regime, mode), ratios in sorted(groups.items()):
+        verdicts = [c["bits"] for c in cases if (c["regime"], c["mode"]) == (regime, mode)]
+        summary[f"{regime}/{mode}"] = {
             "cases": len(ratios),
             "geomean_b_over_a": math.exp(sum(map(math.log, ratios)) / len(ratios)),
             "max_b_over_a": max(ratios),
             "min_b_over_a": min(ratios),
+            "bits": {v: verdicts.count(v) for v in ("equal", "differ", "varies") if v in verdicts},
         }
-        for (regime, mode), ratios in sorted(groups.items())
-    }
     report = {
         "a": str(args.a),
         "b": str(args.b),
@@ -116,9 +146,10 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(report, indent=1))
     for name, s in summary.items():
+        bits = ", ".join(f"{n} {v}" for v, n in s["bits"].items()) or "no digests"
         print(
             f"{name}: {s['cases']} cases, B/A geomean {s['geomean_b_over_a']:.4f}, "
-            f"range {s['min_b_over_a']:.4f}-{s['max_b_over_a']:.4f}"
+            f"range {s['min_b_over_a']:.4f}-{s['max_b_over_a']:.4f}; bits: {bits}"
         )
 
 

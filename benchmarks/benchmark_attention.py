@@ -791,7 +791,8 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
             prepared.note = f"dropout_p={dropout_p}"
             prepared.extra.update(check_dropout(attn, q, k, v, shape, dropout_p))
         else:
-            prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
+            # The digests let ab_builds.py tell whether two builds agree bit for bit.
+            prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape, digest=True))
         return prepared
 
     if shape.causal and sq != sk and provider != "flex":
@@ -872,13 +873,32 @@ def _compare(
     return diff if math.isfinite(diff) else float("nan")
 
 
-def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] = None) -> dict:
+def bits_digest(*tensors: torch.Tensor) -> str:
+    """A fingerprint of the tensors' bits, computed where they are: two builds that
+    should agree bit for bit (ab_builds.py) compare these instead of their values.
+    Two weighted sums of the raw 16- or 32-bit words, in int64 (wrapping): any
+    realistic difference changes them."""
+    parts = []
+    for t in tensors:
+        t = t.detach().contiguous()
+        words = t.view(torch.int16 if t.element_size() == 2 else torch.int32).flatten()
+        x = words.to(torch.int64)
+        weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 65521 + 1
+        parts.append(f"{int(x.sum())}:{int((x * weights).sum())}")
+    return "/".join(parts)
+
+
+def check_against_sdpa(
+    forward, q, k, v, shape: Shape, key_rows: Optional[int] = None, digest: bool = False
+) -> dict:
     """Max |ours - SDPA| on ours' own inputs: a fast number from a wrong kernel is worthless.
 
     q, k, v are (batch, seqlen, heads, headdim), v's headdim d_v for a head-dim
     pair, and so the outputs compared; SDPA runs on whichever backend it picks.
     When q requires grad, dq, dk, dv are compared too. Returns {} when
-    SDPA itself cannot run the case (the measurement then reports ours' errors)."""
+    SDPA itself cannot run the case (the measurement then reports ours' errors).
+    With digest, the result also holds bits_digest of the output
+    (``output_digest``) and of the gradients (``grad_digest``)."""
     if shape.causal and shape.seqlen_q != shape.seqlen_k:
         return {}  # SDPA's is_causal is top-left aligned
     kwargs = {"is_causal": shape.causal}
@@ -897,6 +917,8 @@ def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] =
             out = forward()
             if isinstance(out, (tuple, list)):
                 out = out[0]
+            if digest:
+                result["output_digest"] = bits_digest(out)
             ref = sdpa(q, k, v)
             result["max_abs_diff_vs_sdpa"] = _compare(out, ref, "output", result)
             del out, ref
@@ -909,6 +931,8 @@ def check_against_sdpa(forward, q, k, v, shape: Shape, key_rows: Optional[int] =
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         del out
+        if digest:
+            result["grad_digest"] = bits_digest(*grads)
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         ref_grads = torch.autograd.grad(sdpa(*leaves), leaves, dout)
         result["max_abs_diff_grad_vs_sdpa"] = max(

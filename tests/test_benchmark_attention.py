@@ -360,3 +360,68 @@ def test_headdim_pair_on_the_cpu_quick_grid(bench, tmp_path, monkeypatch):
     ours = [r for r in pair if r["provider"] == bench.OURS]
     assert ours and all(not r["error"] and not r.get("warning") for r in ours)
     assert all(r["max_abs_diff_vs_sdpa"] is not None for r in ours)
+
+
+def test_bits_digest_tells_one_bit_apart(bench):
+    """ab_builds.py's bitwise check rests on this fingerprint."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(3, 70, 5, 24).to(dtype)
+        assert bench.bits_digest(x) == bench.bits_digest(x.clone())
+        # Same values as another layout's copy: the digest reads the values, not strides.
+        assert bench.bits_digest(x) == bench.bits_digest(
+            x.transpose(1, 2).contiguous().transpose(1, 2)
+        )
+        y = x.clone()
+        flat = y.view(torch.int16 if y.element_size() == 2 else torch.int32).view(-1)
+        flat[1234] ^= 1  # the lowest bit of one element
+        assert bench.bits_digest(x) != bench.bits_digest(y)
+        # Two equal values swapped between places are told apart too (position weights).
+        z = x.clone().view(-1)
+        z[[0, 1]] = z[[1, 0]]
+        if not torch.equal(z.view_as(x), x):
+            assert bench.bits_digest(x) != bench.bits_digest(z.view_as(x))
+    assert bench.bits_digest(torch.ones(4), torch.zeros(4)).count("/") == 1
+
+
+def test_ours_rows_carry_digests_on_the_cpu(bench, tmp_path, monkeypatch):
+    """Ours' rows carry the output digest (and, with a backward, the gradients'),
+    the same in two runs of the same grid: what ab_builds.py compares."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    digests = []
+    for run in range(2):
+        out = tmp_path / f"out{run}"
+        argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+        argv += ["--cpu-budget-s", "0.002", "--regimes", "train", "--seqlens", "128"]
+        argv += ["--dtypes", "fp32", "--headdims", "32", "--headdim-pairs", ""]
+        argv += ["--modes", "fwd,fwd_bwd"]
+        assert bench.main(argv) == 0
+        rows = json.loads((out / "results.json").read_text())["rows"]
+        ours = [r for r in rows if r["provider"] == bench.OURS and not r["error"]]
+        assert ours and all(r.get("output_digest") for r in ours)
+        assert all(r.get("grad_digest") for r in ours if r["mode"] == "fwd_bwd")
+        digests.append(
+            sorted((r["mode"], r["causal"], r["output_digest"], r.get("grad_digest")) for r in ours)
+        )
+    assert digests[0] == digests[1]
+
+
+def _ab_builds():
+    spec = importlib.util.spec_from_file_location(
+        "ab_builds_under_test", ROOT / "benchmarks" / "ab_builds.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_builds_bits_verdict():
+    ab = _ab_builds()
+    same, other = ("o1", "g1"), ("o2", "g1")
+    assert ab.bits_verdict([same, same], [same, same]) == "equal"
+    assert ab.bits_verdict([same, same], [other, other]) == "differ"
+    # A's own rounds disagree (a kernel without a fixed summation order): no verdict on B.
+    assert ab.bits_verdict([same, other], [same, same]) == "varies"
+    assert ab.bits_verdict([same], [None]) is None
+    assert ab.digest_of({"output_digest": "x"}) == ("x", None)
+    assert ab.digest_of({"ms": 1.0}) is None
