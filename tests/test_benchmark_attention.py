@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -406,17 +407,8 @@ def test_ours_rows_carry_digests_on_the_cpu(bench, tmp_path, monkeypatch):
     assert digests[0] == digests[1]
 
 
-def _ab_builds():
-    spec = importlib.util.spec_from_file_location(
-        "ab_builds_under_test", ROOT / "benchmarks" / "ab_builds.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ab_builds_bits_verdict():
-    ab = _ab_builds()
+    ab = load_script(ROOT / "benchmarks" / "ab_builds.py", "ab_builds_under_test")
     same, other = ("o1", "g1"), ("o2", "g1")
     assert ab.bits_verdict([same, same], [same, same]) == "equal"
     assert ab.bits_verdict([same, same], [other, other]) == "differ"

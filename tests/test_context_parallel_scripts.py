@@ -7,7 +7,6 @@ DTensors because SDPA's CPU kernel is not what context parallelism intercepts).
 The real runs are on several GPUs: scripts/run_context_parallel.sh.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from script_module import load_script
 
 from conftest import PACKAGE_PARENT
 
@@ -153,10 +153,7 @@ def test_bench_two_gloo_ranks(tmp_path):
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("context_parallel_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "context_parallel_bench")
 
 
 def test_comm_share_from_a_trace(tmp_path):

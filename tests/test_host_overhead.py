@@ -1,26 +1,21 @@
 """benchmarks/host_overhead.py on the CPU: every entry point runs, the op counts come
 back, and --stub-ops leaves the flash_attn ops as they were."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "host_overhead_under_test", ROOT / "benchmarks" / "host_overhead.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_host_overhead():
+    return load_script(ROOT / "benchmarks" / "host_overhead.py", "host_overhead_under_test")
 
 
 def rows_of(tmp_path, *args):
-    script = load_script()
+    script = load_host_overhead()
     threads = torch.get_num_threads()
     try:
         assert (

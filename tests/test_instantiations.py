@@ -2,19 +2,15 @@
 writes: the head-dim / dtype lists and the files that define CuTe's extended wgmma
 shapes have one source, the generator."""
 
-import importlib.util
 from pathlib import Path
+
+from script_module import load_script
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "generate_instantiations", CUDA_DIR / "generate_instantiations.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(CUDA_DIR / "generate_instantiations.py", "generate_instantiations")
 
 
 def test_committed_files_match_the_generator(tmp_path):

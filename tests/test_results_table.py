@@ -5,12 +5,12 @@ the two cannot drift; benchmarks/results/ holds one current run per GPU, each wi
 command and the commit it measured.
 """
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -18,12 +18,7 @@ COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
 def _results_table():
-    spec = importlib.util.spec_from_file_location(
-        "results_table", ROOT / "benchmarks" / "results_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "results_table.py", "results_table")
 
 
 def _gpu_folders():

@@ -4,12 +4,12 @@ CPU only: setup.py is loaded as a module (it builds only when run as a script) a
 view of the GPUs is replaced by a stand-in.
 """
 
-import importlib.util
 import re
 import types
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC_13 = {f"sm_{a}" for a in (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)}
@@ -17,9 +17,7 @@ NVCC_13 = {f"sm_{a}" for a in (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)}
 
 @pytest.fixture
 def setup_py(monkeypatch):
-    spec = importlib.util.spec_from_file_location("flash_attn_cuda_setup_plan", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "setup.py", "flash_attn_cuda_setup_plan")
     for name in ("FLASH_ATTN_CUDA_ARCHS", "FLASH_ATTN_SKIP_CUDA_BUILD", "MAX_JOBS", "CUTLASS_DIR"):
         monkeypatch.delenv(name, raising=False)
     return module

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PIN_FILE = ROOT / "third_party" / "cutlass_requirement.txt"
@@ -38,12 +39,8 @@ def _build_requires():
 
 
 def _load_setup():
-    spec = importlib.util.spec_from_file_location(
-        "flash_attn_cuda_setup_under_test", ROOT / "setup.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # setup.py only builds when run as a script
-    return module
+    # setup.py only builds when run as a script
+    return load_script(ROOT / "setup.py", "flash_attn_cuda_setup_under_test")
 
 
 def test_pin_file_holds_one_exact_requirement():
