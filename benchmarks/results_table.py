@@ -231,11 +231,23 @@ def _runs(meta: dict) -> str:
     """'training: commit ee579b0, 2026-11-25; decode: ...' from meta.sources, or the run's own meta."""
     sources = meta.get("sources")
     if isinstance(sources, list) and sources and isinstance(sources[0], dict):
-        seen: dict = {}
+        # (regime, commit, day) -> the modes its runs measured, in order of appearance
+        runs: dict = {}
         for src in sources:
             regime = {"train": "training"}.get(src.get("regime"), src.get("regime"))
-            seen.setdefault(regime, (src.get("commit"), (src.get("started") or "")[:10]))
-        return "; ".join(f"{regime}: commit {c}, {day}" for regime, (c, day) in seen.items())
+            modes = runs.setdefault(
+                (regime, src.get("commit"), (src.get("started") or "")[:10]), []
+            )
+            for mode in str(src.get("modes") or "").split(","):
+                if mode and mode not in modes:
+                    modes.append(mode)
+        regimes = [regime for regime, _, _ in runs]
+        parts = []
+        for (regime, commit, day), modes in runs.items():
+            # A regime measured at several commits says which modes each one holds.
+            label = regime if regimes.count(regime) == 1 else f"{regime} {', '.join(modes)}"
+            parts.append(f"{label}: commit {commit}, {day}")
+        return "; ".join(parts)
     return f"commit {meta.get('commit')}, {(meta.get('started') or '')[:10]}"
 
 

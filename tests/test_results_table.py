@@ -251,3 +251,22 @@ def test_dropout_rows_give_the_cost_of_dropout(tmp_path):
     assert all("over 2 cells, worst 1.30x (d128 causal bf16 4096)" in ln for ln in lines)
     assert f"{(1.08 * 1.3) ** 0.5:.2f}x over 2 cells" in lines[0]
     assert lines[0] in full
+
+
+def test_runs_name_the_modes_when_a_regime_has_several_commits():
+    rt = _results_table()
+    src = [
+        dict(regime="train", modes="fwd", commit="aaa1111", started="2026-02-03 01:00:00"),
+        dict(regime="train", modes="fwd", commit="aaa1111", started="2026-02-03 02:00:00"),
+        dict(regime="train", modes="bwd", commit="bbb2222", started="2026-01-02 01:00:00"),
+        dict(regime="train", modes="fwd_bwd", commit="bbb2222", started="2026-01-02 02:00:00"),
+        dict(regime="decode", modes="fwd", commit="ccc3333", started="2026-01-01 01:00:00"),
+    ]
+    assert rt._runs({"sources": src}) == (
+        "training fwd: commit aaa1111, 2026-02-03; training bwd, fwd_bwd: commit bbb2222, "
+        "2026-01-02; decode: commit ccc3333, 2026-01-01"
+    )
+    # One commit per regime: no modes in the label.
+    assert rt._runs({"sources": src[2:]}) == (
+        "training: commit bbb2222, 2026-01-02; decode: commit ccc3333, 2026-01-01"
+    )
