@@ -167,13 +167,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kMmaThreads, 1)
   // Tiles in [-1, 1), different in each block of the cluster (its own half
   // of the head dim).
   auto fill = [&](Element* data, int n, uint32_t salt) {
-    for (int i = tidx; i < n; i += kMmaThreads) {
-      uint32_t x = uint32_t(i) * 2654435761u ^ (salt + 977u * (blockIdx.x / 2) + 131u * rank);
-      x ^= x >> 15;
-      x *= 2246822519u;
-      x ^= x >> 13;
-      data[i] = Element(float(x & 0xFFFF) / 32768.f - 1.f);
-    }
+    fill_random_tile(data, n, salt + 977u * (blockIdx.x / 2) + 131u * rank, kMmaThreads);
   };
   fill(smem.q.data(), int(cosize_v<Traits::SmemLayoutQ>), 1);
   fill(smem.k.data(), int(cosize_v<Traits::SmemLayoutK>), 2);

@@ -13,18 +13,29 @@
 #include "cuda/core/cuda_check.h"
 #include "cuda/core/params.h"
 
-// Deterministic pseudo-random fill in [-1, 1): never zeros, which run faster
-// on tensor cores than real data.
+// Deterministic pseudo-random values in [-1, 1) by index and salt: not
+// zeros, which run faster on tensor cores than real data.
+__device__ __forceinline__ float random_in_unit(uint32_t i, uint32_t salt) {
+  uint32_t x = i * 2654435761u ^ salt;
+  x ^= x >> 15;
+  x *= 2246822519u;
+  x ^= x >> 13;
+  return float(x & 0xFFFF) / 32768.f - 1.f;
+}
+
 template <typename T>
 __global__ void fill_random(T* data, int64_t n, uint32_t salt) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ salt;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = T(float(x & 0xFFFF) / 32768.f - 1.f);
+    data[i] = T(random_in_unit(static_cast<uint32_t>(i), salt));
   }
+}
+
+// The same values into a tile in shared memory, by the block's `threads`
+// threads (the microbenchmarks that keep their tiles resident).
+template <typename T>
+__device__ __forceinline__ void fill_random_tile(T* data, int n, uint32_t salt, int threads) {
+  for (int i = threadIdx.x; i < n; i += threads) data[i] = T(random_in_unit(uint32_t(i), salt));
 }
 
 // Median of `iters` event-timed calls of launch(), after `warmup` untimed ones.
