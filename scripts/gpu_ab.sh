@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Same-run A/B of this checkout's working tree (B) against a git revision (A)
+# on a machine with a GPU: builds both outside the checkout, then runs
+# benchmarks/ab_builds.py (time B / A per case, and whether their outputs agree
+# bit for bit).
+#
+#   scripts/gpu_ab.sh [--base REV] [--rounds N] [--out FILE] -- BENCHMARK_ARGS...
+#
+# e.g. FLASH_ATTN_CUDA_HDIMS=128 FLASH_ATTN_CUDA_DTYPES=bf16 scripts/gpu_ab.sh -- \
+#        --regimes train --dtypes bf16 --headdims 128 --modes fwd --seqlens 1024,8192
+#
+# REV (default HEAD) is exported with `git archive`, and the working tree is
+# copied beside it, under AB_DIR (default /tmp/flash_attn_ab). Each tree builds
+# with scripts/gpu_check.sh's build step, so with its choice of compiler and
+# arch; FLASH_ATTN_CUDA_HDIMS / _DTYPES restrict both builds (one head dim and
+# dtype build in about a minute on 16 cores). A second call on the same
+# machine keeps both builds and recompiles what changed: the copy keeps the
+# files' times, and the export gives every file REV's commit time. Build logs
+# go to AB_DIR/logs_{a,b}/, the report to FILE (default AB_DIR/ab.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+base_rev=HEAD rounds=3 out=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --base) base_rev=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "gpu_ab.sh: unknown argument '$1' (usage in the script's header)" >&2; exit 2 ;;
+  esac
+done
+ab=${AB_DIR:-/tmp/flash_attn_ab}
+out=${out:-$ab/ab.json}
+mkdir -p "$ab/a" "$ab/b"
+
+# The CUTLASS wheel of an offline machine (.whl/, as scripts/gpu_check.sh).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target "$ab/site" .whl/*.whl
+  export PYTHONPATH=$ab/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+git archive --format=tar "$base_rev" | tar -x -C "$ab/a"
+# What a build does not need stays behind: git's folder, build outputs, the
+# wheels and staged anchors.
+tar -c --exclude=./.git --exclude=./build --exclude='*.so' --exclude=./.whl --exclude=./.site \
+  --exclude=./.anchors --exclude=./gpu_check_out . | tar -x -C "$ab/b"
+echo "gpu_ab: A = $(git rev-parse --short "$base_rev"), B = the working tree" \
+  "($(git status --porcelain | wc -l) paths differ from HEAD)"
+
+for side in a b; do
+  RESULTS_DIR=$ab/logs_$side bash "$ab/$side/scripts/gpu_check.sh" build
+done
+python3 "$ab/b/benchmarks/ab_builds.py" --a "$ab/a" --b "$ab/b" --rounds "$rounds" --out "$out" \
+  -- "$@"
