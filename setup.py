@@ -586,34 +586,59 @@ def _host_cxx_standard() -> str:
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
 
-def _warn_if_static_cxx_runtime() -> None:
-    """Warns when the C++ compiler would link a static libstdc++ into the extension.
+# Compilers (C++, C) tried in turn when the default one would link a static C++ runtime
+# and neither CXX nor CC is set: the system's, whose runtime is the shared one.
+SHARED_RUNTIME_COMPILERS = (("/usr/bin/g++", "/usr/bin/gcc"),)
 
-    A compiler that finds no shared libstdc++ (`-print-file-name=libstdc++.so`
-    answers a bare name) links its static archive into _C.so. The process then
-    holds two C++ runtimes, torch's shared one and the extension's copy, and
-    formatting a number into a stream inside the extension crashes: an argument
-    check that should raise (TORCH_CHECK with a number in its message) kills the
-    process instead. Seen with a g++ whose installation ships only libstdc++.a.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    cxx = os.environ.get("CXX", "c++")
+
+def _links_shared_cxx_runtime(cxx: str) -> bool | None:
+    """Whether `cxx` finds a shared libstdc++ (`-print-file-name=libstdc++.so` answers a
+    path, not the bare name); None when it cannot be asked."""
     try:
         found = subprocess.run(
             [cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=60
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(found) and os.path.isabs(found)
+
+
+def _use_shared_cxx_runtime() -> None:
+    """Keeps the extension on the shared C++ runtime.
+
+    A compiler that finds no shared libstdc++ links its static archive into _C.so. The
+    process then holds two C++ runtimes, torch's shared one and the extension's copy, and
+    formatting a number into a stream inside the extension crashes: an argument check that
+    should raise (TORCH_CHECK with a number in its message) kills the process instead.
+    Seen with a g++ whose installation ships only libstdc++.a (the default compiler of a
+    GPU machine here). When neither CXX nor CC is set, the build then takes the first of
+    SHARED_RUNTIME_COMPILERS that links the shared runtime, for both the host code and
+    nvcc's host compiler, and says so; otherwise it warns.
+    """
+    if not sys.platform.startswith("linux"):
         return
-    if found and not os.path.isabs(found):
-        print(
-            f"flash_attn_cuda: WARNING: the C++ compiler {cxx!r} finds no shared libstdc++ "
-            "(-print-file-name=libstdc++.so gives no path), so the extension would carry a "
-            "static copy of the C++ runtime beside torch's, and its argument errors can crash "
-            "the process instead of raising. Set CXX (and CC) to a compiler that links the "
-            "shared libstdc++, for example CXX=/usr/bin/g++.",
-            file=sys.stderr,
-        )
+    cxx = os.environ.get("CXX", "c++")
+    if _links_shared_cxx_runtime(cxx) is not False:
+        return
+    if "CXX" not in os.environ and "CC" not in os.environ:
+        for alt_cxx, alt_cc in SHARED_RUNTIME_COMPILERS:
+            if os.access(alt_cc, os.X_OK) and _links_shared_cxx_runtime(alt_cxx):
+                os.environ["CXX"], os.environ["CC"] = alt_cxx, alt_cc
+                print(
+                    f"flash_attn_cuda: the default C++ compiler {cxx!r} finds no shared "
+                    f"libstdc++; building with CXX={alt_cxx} and CC={alt_cc}, which do, so "
+                    "that argument errors raise instead of crashing (set CXX to choose).",
+                    file=sys.stderr,
+                )
+                return
+    print(
+        f"flash_attn_cuda: WARNING: the C++ compiler {cxx!r} finds no shared libstdc++ "
+        "(-print-file-name=libstdc++.so gives no path), so the extension would carry a "
+        "static copy of the C++ runtime beside torch's, and its argument errors can crash "
+        "the process instead of raising. Set CXX (and CC) to a compiler that links the "
+        "shared libstdc++, for example CXX=/usr/bin/g++.",
+        file=sys.stderr,
+    )
 
 
 def _extension(config: dict[str, Any]) -> tuple[Any, str, bool]:
@@ -821,8 +846,8 @@ def _build_ext_class(cpp_extension: ModuleType) -> type:
 
 
 def main() -> None:
+    _use_shared_cxx_runtime()
     config = _configure()
-    _warn_if_static_cxx_runtime()
     extension, summary, building_cuda = _extension(config)
     if "MAX_JOBS" not in os.environ:
         max_jobs = _default_max_jobs(building_cuda)

@@ -11,7 +11,7 @@
 #
 # REV (default HEAD) is exported with `git archive`, and the working tree is
 # copied beside it, under AB_DIR (default /tmp/flash_attn_ab). Each tree builds
-# with scripts/gpu_check.sh's build step, so with its choice of compiler and
+# with scripts/gpu_check.sh's build step (setup.py's choice of compiler) and its
 # arch; FLASH_ATTN_CUDA_HDIMS / _DTYPES restrict both builds (one head dim and
 # dtype build in about a minute on 16 cores). A second call on the same
 # machine keeps both builds and recompiles what changed: the copy keeps the

@@ -22,16 +22,6 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 
 do_build() {
-  # A compiler that finds no shared libstdc++ links a static copy into the
-  # extension, and its argument errors then crash instead of raising
-  # (setup.py warns); take the system g++ instead when it has the shared one.
-  case "$(${CXX:-c++} -print-file-name=libstdc++.so 2>/dev/null)" in
-    /*) ;;
-    *) if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then
-         echo "gpu_check: ${CXX:-c++} has no shared libstdc++; building with /usr/bin/g++"
-         export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-       fi ;;
-  esac
   if [ -z "${FLASH_ATTN_CUDA_ARCHS:-}" ]; then
     # sm90 builds as sm_90a: the Hopper forward kernel (wgmma) needs it.
     FLASH_ATTN_CUDA_ARCHS=$(python3 -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}" + ("a" if (m, n) == (9, 0) else ""))')

@@ -143,3 +143,59 @@ def test_pair_kernels_are_built_with_their_d_qk(setup_py, kernel):
     assert setup_py._instantiation_selected(pair, [128, 192], ["fp16", "bf16"])
     assert not setup_py._instantiation_selected(pair, [128], ["bf16"])
     assert not setup_py._instantiation_selected(pair, [192], ["fp16"])
+
+
+def _fake_compiler(path, answer):
+    """A compiler that answers `-print-file-name=libstdc++.so` with `answer`."""
+    path.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def compilers(tmp_path, monkeypatch, setup_py):
+    """A default `c++` on PATH that finds only the static runtime, and a system pair that
+    finds the shared one; CXX and CC unset."""
+    if not setup_py.sys.platform.startswith("linux"):
+        pytest.skip("the C++ runtime check runs on Linux only")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_compiler(bin_dir / "c++", "libstdc++.so")
+    good = _fake_compiler(tmp_path / "g++", "/usr/lib/libstdc++.so")
+    good_cc = _fake_compiler(tmp_path / "gcc", "/usr/lib/libstdc++.so")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    for name in ("CXX", "CC"):
+        # Set, then unset: monkeypatch then restores the variable the function sets.
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(setup_py, "SHARED_RUNTIME_COMPILERS", ((good, good_cc),))
+    return good, good_cc
+
+
+def test_static_runtime_compiler_is_replaced_when_unset(setup_py, compilers, capsys):
+    setup_py._use_shared_cxx_runtime()
+    assert (setup_py.os.environ["CXX"], setup_py.os.environ["CC"]) == compilers
+    assert "finds no shared libstdc++; building with CXX=" in capsys.readouterr().err
+
+
+def test_static_runtime_compiler_named_by_the_user_is_kept_with_a_warning(
+    setup_py, compilers, monkeypatch, capsys
+):
+    monkeypatch.setenv("CXX", "c++")
+    setup_py._use_shared_cxx_runtime()
+    assert setup_py.os.environ["CXX"] == "c++" and "CC" not in setup_py.os.environ
+    assert "WARNING" in capsys.readouterr().err
+
+
+def test_static_runtime_without_an_alternative_warns(setup_py, compilers, monkeypatch, capsys):
+    monkeypatch.setattr(setup_py, "SHARED_RUNTIME_COMPILERS", (("/nonexistent/g++", "/x/gcc"),))
+    setup_py._use_shared_cxx_runtime()
+    assert "CXX" not in setup_py.os.environ
+    assert "WARNING" in capsys.readouterr().err
+
+
+def test_shared_runtime_compiler_is_left_alone(setup_py, compilers, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path / "shared-c++", "/usr/lib/libstdc++.so"))
+    setup_py._use_shared_cxx_runtime()
+    assert "CC" not in setup_py.os.environ
+    assert capsys.readouterr().err == ""
