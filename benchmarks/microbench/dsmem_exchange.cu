@@ -37,11 +37,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "cuda/core/cuda_check.h"
-#include "cuda/core/softmax.h"
-#include "cuda/core/tile_ops.h"
-#include "cuda/core/tile_ops_sm90.h"
-#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
-#include "microbench_util.cuh"
+#include "resident_tiles_sm90.cuh"
 
 using namespace cute;
 
@@ -57,9 +53,7 @@ constexpr int kPartialFloats = kWarpGroupRows * kBlockN;  // one warpgroup's S, 
 constexpr uint32_t kPartialBytes = kPartialFloats * sizeof(float);
 
 struct SharedStorage {
-  array_aligned<Element, cosize_v<Traits::SmemLayoutQ>, 1024> q;
-  array_aligned<Element, cosize_v<Traits::SmemLayoutK>, 1024> k;
-  array_aligned<Element, cosize_v<Traits::SmemLayoutV>, 1024> v;
+  ResidentTiles<Traits> tiles;
   // [warpgroup]: the peer's S partial of this warpgroup's rows, thread t's
   // j-th float4 at (j * 128 + t) (a warp's 32 stores are 512 contiguous bytes).
   array_aligned<float, 2 * kPartialFloats, 16> partial;
@@ -140,14 +134,7 @@ struct SPartialExchange {
     }
     if (t == 0) arrive_expect_bytes(my_full, kPartialBytes);
     wait_cluster_phase(my_full, i & 1);
-    CUTE_UNROLL
-    for (int j = 0; j < kVecs; ++j) {
-      const float4 x = reinterpret_cast<const float4*>(my_partial)[j * 128 + t];
-      acc_s(4 * j) += x.x;
-      acc_s(4 * j + 1) += x.y;
-      acc_s(4 * j + 2) += x.z;
-      acc_s(4 * j + 3) += x.w;
-    }
+    add_partial(acc_s, my_partial, t);
     arrive_remote(peer_read);
   }
 };
@@ -166,13 +153,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kMmaThreads, 1)
 
   // Tiles in [-1, 1), different in each block of the cluster (its own half
   // of the head dim).
-  auto fill = [&](Element* data, int n, uint32_t salt) {
-    fill_random_tile(data, n, salt + 977u * (blockIdx.x / 2) + 131u * rank, kMmaThreads);
-  };
-  fill(smem.q.data(), int(cosize_v<Traits::SmemLayoutQ>), 1);
-  fill(smem.k.data(), int(cosize_v<Traits::SmemLayoutK>), 2);
-  fill(smem.v.data(), int(cosize_v<Traits::SmemLayoutV>), 3);
-  cutlass::arch::fence_view_async_shared();  // the wgmmas read the tiles through the async proxy
+  smem.tiles.fill(977u * (blockIdx.x / 2) + 131u * rank, kMmaThreads);
   if (tidx == 0) {
     for (int w = 0; w < 2; ++w) {
       cutlass::arch::ClusterBarrier::init(&smem.partial_full[w], 1);
@@ -183,16 +164,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kMmaThreads, 1)
   // The peer's barriers are initialised before anything is sent to them.
   cute::cluster_sync();
 
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), Traits::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), Traits::SmemLayoutVt{});
   typename Traits::TiledMmaS tiled_mma_s;
   typename Traits::TiledMmaO tiled_mma_o;
-  auto thr_mma_s = tiled_mma_s.get_thread_slice(tidx);
-  auto thr_mma_o = tiled_mma_o.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);    // (MMA,MMA_M,MMA_K)
-  Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA,MMA_N,MMA_K,stage)
-  Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA,MMA_Dv,MMA_K,stage)
+  auto [tSrQ, tSrK, tOrVt] = smem.tiles.operands(tidx);
   // (MMA,MMA_M,MMA_N)
   Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{});
@@ -253,11 +227,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kMmaThreads, 1)
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc_o);
 
-  // Keep O alive: one value a thread.
-  float o = 0.f;
-  CUTE_UNROLL
-  for (int j = 0; j < size(acc_o); ++j) o += acc_o(j);
-  o_sink[blockIdx.x * kMmaThreads + tidx] = o + softmax.row_sum[0];
+  sink_output(acc_o, softmax.row_sum[0], &o_sink[blockIdx.x * kMmaThreads + tidx]);
   // No block leaves while its peer may still write into it or arrive on it.
   cute::cluster_sync();
 }

@@ -42,11 +42,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "cuda/core/cuda_check.h"
-#include "cuda/core/softmax.h"
-#include "cuda/core/tile_ops.h"
-#include "cuda/core/tile_ops_sm90.h"
-#include "cuda/fwd/sm90/fwd_kernel_traits_sm90.h"
-#include "microbench_util.cuh"
+#include "resident_tiles_sm90.cuh"
 
 using namespace cute;
 
@@ -66,9 +62,7 @@ static_assert(Traits::kStages == 2, "a stage per warpgroup: its half of the key 
 constexpr uint32_t kExchangeBarrier = 1;
 
 struct SharedStorage {
-  array_aligned<Element, cosize_v<Traits::SmemLayoutQ>, 1024> q;
-  array_aligned<Element, cosize_v<Traits::SmemLayoutK>, 1024> k;
-  array_aligned<Element, cosize_v<Traits::SmemLayoutV>, 1024> v;
+  ResidentTiles<Traits> tiles;
   // [tile parity][warpgroup]: the warpgroup's S partial, thread t's j-th
   // float4 at (j * 128 + t). Two buffers, so that one barrier per tile
   // suffices: a warpgroup writes a buffer again only after the barrier of
@@ -92,14 +86,7 @@ __device__ __forceinline__ void add_other_half(SharedStorage& smem, TensorAcc& a
         make_float4(acc_s(4 * j), acc_s(4 * j + 1), acc_s(4 * j + 2), acc_s(4 * j + 3));
   }
   cutlass::arch::NamedBarrier::sync(kMmaThreads, kExchangeBarrier);
-  CUTE_UNROLL
-  for (int j = 0; j < kVecs; ++j) {
-    const float4 x = reinterpret_cast<const float4*>(other)[j * 128 + t];
-    acc_s(4 * j) += x.x;
-    acc_s(4 * j + 1) += x.y;
-    acc_s(4 * j + 2) += x.z;
-    acc_s(4 * j + 3) += x.w;
-  }
+  add_partial(acc_s, other, t);
 }
 
 // One block: 64 query rows split by head dim over two warpgroups, against
@@ -114,25 +101,12 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   const int warp_group = tidx / 128;
   const int t = tidx % 128;
 
-  fill_random_tile(smem.q.data(), int(cosize_v<Traits::SmemLayoutQ>), 1 + 977u * blockIdx.x,
-                   kMmaThreads);
-  fill_random_tile(smem.k.data(), int(cosize_v<Traits::SmemLayoutK>), 2 + 977u * blockIdx.x,
-                   kMmaThreads);
-  fill_random_tile(smem.v.data(), int(cosize_v<Traits::SmemLayoutV>), 3 + 977u * blockIdx.x,
-                   kMmaThreads);
-  cutlass::arch::fence_view_async_shared();  // the wgmmas read the tiles through the async proxy
+  smem.tiles.fill(977u * blockIdx.x, kMmaThreads);
   __syncthreads();
 
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), Traits::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), Traits::SmemLayoutVt{});
   typename Traits::TiledMmaS tiled_mma_s;
   typename Traits::TiledMmaO tiled_mma_o;
-  auto thr_mma_s = tiled_mma_s.get_thread_slice(tidx);
-  auto thr_mma_o = tiled_mma_o.get_thread_slice(tidx);
-  Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);    // (MMA,MMA_M,MMA_K)
-  Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA,MMA_N,MMA_K,stage)
-  Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA,MMA_Dv,MMA_K,stage)
+  auto [tSrQ, tSrK, tOrVt] = smem.tiles.operands(tidx);
   // This warpgroup's half of every key tile.
   Tensor tSrK_half = tSrK(_, _, _, warp_group);    // (MMA,MMA_N,MMA_K)
   Tensor tOrVt_half = tOrVt(_, _, _, warp_group);  // (MMA,MMA_Dv,MMA_K)
@@ -222,11 +196,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc_o);
 
-  // Keep O alive: one value a thread.
-  float o = 0.f;
-  CUTE_UNROLL
-  for (int j = 0; j < size(acc_o); ++j) o += acc_o(j);
-  o_sink[blockIdx.x * kMmaThreads + tidx] = o + softmax.row_sum[0];
+  sink_output(acc_o, softmax.row_sum[0], &o_sink[blockIdx.x * kMmaThreads + tidx]);
 }
 
 template <bool kExchange, bool kLookahead>
