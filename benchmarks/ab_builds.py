@@ -1,7 +1,7 @@
 """Same-run A/B of two builds of flash_attn_cuda on one GPU.
 
 Each build is a source tree built in place (``python3 setup.py build_ext
---inplace``). The benchmark (benchmark_attention.py, our provider only) runs
+--inplace``). The benchmark (benchmark_attention.py, our providers only: --providers) runs
 under each build in turn, A B A B ..., in separate processes on the same
 machine; every case's time is the median over its rounds, and the report gives
 B / A per case (time ratio: above 1 means B is slower) and the geometric mean
@@ -34,6 +34,7 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 KEY_FIELDS = (
+    "provider",
     "regime",
     "mode",
     "dtype",
@@ -68,14 +69,14 @@ def bits_verdict(a_digests: list, b_digests: list) -> Optional[str]:
     return "equal" if a[0] == b[0] else "differ"
 
 
-def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
+def run_once(tree: Path, bench_args: list[str], out_dir: Path, providers: str) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
     cmd = [
         sys.executable,
         str(HERE / "benchmark_attention.py"),
         "--providers",
-        "flash_attn_cuda",
+        providers,
         "--no-plots",
         "--out",
         str(out_dir),
@@ -83,7 +84,8 @@ def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
     ]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads((out_dir / "results.json").read_text())["rows"]
-    return [r for r in rows if r.get("provider") == "flash_attn_cuda" and r.get("ms")]
+    ours = set(providers.split(","))
+    return [r for r in rows if r.get("provider") in ours and r.get("ms")]
 
 
 def key_of(row: dict) -> tuple:
@@ -96,6 +98,12 @@ def main() -> None:
     parser.add_argument("--b", type=Path, required=True, help="tree of build B (candidate)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True, help="JSON report")
+    parser.add_argument(
+        "--providers",
+        default="flash_attn_cuda",
+        help="comma list of our providers to time (flash_attn_cuda, "
+        "flash_attn_cuda_deterministic, flash_attn_cuda_dropout)",
+    )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
@@ -106,7 +114,7 @@ def main() -> None:
         for r in range(args.rounds):
             for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
                 out_dir = Path(scratch) / f"{side}{r}"
-                for row in run_once(getattr(args, side), bench_args, out_dir):
+                for row in run_once(getattr(args, side), bench_args, out_dir, args.providers):
                     times[side][key_of(row)].append(row["ms"])
                     digests[side][key_of(row)].append(digest_of(row))
 
@@ -125,11 +133,15 @@ def main() -> None:
             bits=bits_verdict(digests["a"][key], digests["b"][key]),
         )
         cases.append(case)
-        groups[(case["regime"], case["mode"])].append(b_ms / a_ms)
+        groups[(case["provider"], case["regime"], case["mode"])].append(b_ms / a_ms)
     summary = {}
-    for (regime, mode), ratios in sorted(groups.items()):
-        verdicts = [c["bits"] for c in cases if (c["regime"], c["mode"]) == (regime, mode)]
-        summary[f"{regime}/{mode}"] = {
+    for (provider, regime, mode), ratios in sorted(groups.items()):
+        verdicts = [
+            c["bits"]
+            for c in cases
+            if (c["provider"], c["regime"], c["mode"]) == (provider, regime, mode)
+        ]
+        summary[f"{provider}/{regime}/{mode}"] = {
             "cases": len(ratios),
             "geomean_b_over_a": math.exp(sum(map(math.log, ratios)) / len(ratios)),
             "max_b_over_a": max(ratios),

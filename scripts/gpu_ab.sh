@@ -4,7 +4,7 @@
 # benchmarks/ab_builds.py (time B / A per case, and whether their outputs agree
 # bit for bit).
 #
-#   scripts/gpu_ab.sh [--base REV] [--rounds N] [--out FILE] -- BENCHMARK_ARGS...
+#   scripts/gpu_ab.sh [--base REV] [--rounds N] [--out FILE] [--providers P] -- BENCHMARK_ARGS...
 #
 # e.g. FLASH_ATTN_CUDA_HDIMS=128 FLASH_ATTN_CUDA_DTYPES=bf16 scripts/gpu_ab.sh -- \
 #        --regimes train --dtypes bf16 --headdims 128 --modes fwd --seqlens 1024,8192
@@ -19,12 +19,13 @@
 # go to AB_DIR/logs_{a,b}/, the report to FILE (default AB_DIR/ab.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-base_rev=HEAD rounds=3 out=""
+base_rev=HEAD rounds=3 out="" providers=flash_attn_cuda
 while [ $# -gt 0 ]; do
   case $1 in
     --base) base_rev=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --providers) providers=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "gpu_ab.sh: unknown argument '$1' (usage in the script's header)" >&2; exit 2 ;;
   esac
@@ -51,4 +52,4 @@ for side in a b; do
   RESULTS_DIR=$ab/logs_$side bash "$ab/$side/scripts/gpu_check.sh" build
 done
 python3 "$ab/b/benchmarks/ab_builds.py" --a "$ab/a" --b "$ab/b" --rounds "$rounds" --out "$out" \
-  -- "$@"
+  --providers "$providers" -- "$@"

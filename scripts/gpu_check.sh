@@ -28,6 +28,18 @@ do_build() {
     export FLASH_ATTN_CUDA_ARCHS
   fi
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  # A CXX set by the machine to a g++ that finds no shared libstdc++ would link the
+  # static C++ runtime into the extension, and then an argument check that should
+  # raise kills the process (setup.py's _use_shared_cxx_runtime, which only warns
+  # about a CXX the user set). This script's builds drop such a CXX / CC and let
+  # setup.py pick a compiler that links the shared runtime.
+  local cxx=${CXX:-c++}
+  if [ -n "${CXX:-}${CC:-}" ] &&
+    [ "$("$cxx" -print-file-name=libstdc++.so 2>/dev/null)" = libstdc++.so ]; then
+    echo "gpu_check: $cxx finds no shared libstdc++; building without CXX / CC set" \
+      | tee -a "$RESULTS_DIR/build_time.txt"
+    unset CXX CC
+  fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RESULTS_DIR/gpu.txt"
   local start=$SECONDS
   FLASH_ATTN_FORCE_CUDA_BUILD=1 FLASH_ATTN_PTXAS_VERBOSE=${FLASH_ATTN_PTXAS_VERBOSE:-1} \

@@ -3,6 +3,7 @@
 Every test here needs a GPU and is skipped with a reason without one.
 """
 
+import itertools
 import re
 
 import pytest
@@ -1033,20 +1034,16 @@ def test_fwd_dropout_matches_reference_mask(dtype, causal, dropout_p):
     assert torch.equal(dropped_visible, (~keep) & visible & (probs != 0))
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
-def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kernel):
+def check_kernel_keep_mask(
+    batch, nheads, seqlen_q, seqlen_k, head_dim, causal, dropout_p, fwd_kernel
+):
     """The forward kernel's own keep mask, bit for bit. S_dmask comes from a
     kernel of its own (return_probs.cu) and does not show it; out does: with
     q = 0 every visible score is equal, and with V the identity from key
     columns [part * d, part * d + d) onto the head dim, out[i, t] is nonzero
     exactly where key part * d + t is visible and kept, and equals
     1 / ((1 - p) * visible keys): the row sum is of the undropped P, the
-    rescale 1 / (1 - p). On sm90 (fwd_kernel sm90) this is the Hopper
-    kernel's PairedDropoutMask (dropout.h), several query and key tiles and
-    a partial last one of each."""
-    batch, nheads, seqlen_q, seqlen_k = 2, 3, 300, 333
+    rescale 1 / (1 - p)."""
     dtype = torch.bfloat16
     seed, offset = 0x123456789ABCDEF, 991
     q = torch.zeros(batch, seqlen_q, nheads, head_dim, device=DEVICE, dtype=dtype)
@@ -1055,7 +1052,8 @@ def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kern
         seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p
     ).to(DEVICE)
     visible = reference.visible_mask(seqlen_q, seqlen_k, -1, 0 if causal else -1, DEVICE)
-    kept_value = 1.0 / ((1.0 - dropout_p) * visible.sum(-1, keepdim=True).double())  # (sq, 1)
+    # (sq, 1); a row that sees no key (causal, seqlen_q > seqlen_k) has none to keep
+    kept_value = 1.0 / ((1.0 - dropout_p) * visible.sum(-1, keepdim=True).clamp(min=1).double())
     for part in range((seqlen_k + head_dim - 1) // head_dim):
         cols = torch.arange(part * head_dim, min((part + 1) * head_dim, seqlen_k), device=DEVICE)
         v = torch.zeros(batch, seqlen_k, nheads, head_dim, device=DEVICE, dtype=dtype)
@@ -1071,6 +1069,82 @@ def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kern
         assert torch.equal(got != 0, want), "keep mask differs from the contract's"
         expected = (kept_value * want).expand_as(got)
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
+def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kernel):
+    """check_kernel_keep_mask over several query and key tiles and a partial
+    last one of each. On sm90 (fwd_kernel sm90) this is the Hopper kernel's
+    PairedDropoutMask (dropout.h) at d96-d224."""
+    check_kernel_keep_mask(2, 3, 300, 333, head_dim, causal, dropout_p, fwd_kernel)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_dropout_kernel_mask_many_tiles(head_dim, causal, fwd_kernel):
+    """More query blocks than an H200 has SMs (40 heads x 6 blocks): without a
+    causal bound the Hopper grid is persistent, fixed shares, so one block
+    walks several query blocks and the draw warps' keep buffers and their
+    mbarrier phases run on across them; with it, one block per tile of
+    differing key counts."""
+    check_kernel_keep_mask(1, 40, 768, 300, head_dim, causal, 0.3, fwd_kernel)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_dropout_varlen_kernel_mask(head_dim, causal, fwd_kernel):
+    """The varlen forward's keep mask, bit for bit, as check_kernel_keep_mask:
+    sequences shorter than a query block, an empty one (its tiles are skipped
+    by the draw warps as by the MMA warpgroups) and several blocks long, each
+    its own batch index of the contract."""
+    nheads, dropout_p = 3, 0.27
+    seed, offset = 77, 5
+    lens_q = [130, 0, 7, 300, 64]
+    lens_k = [200, 5, 140, 129, 64]
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(int(cu_k[-1]), nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    keeps = reference.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, dropout_p)
+    for part in range((max(lens_k) + head_dim - 1) // head_dim):
+        v = torch.zeros(int(cu_k[-1]), nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+        for b, len_k in enumerate(lens_k):
+            cols = torch.arange(part * head_dim, (part + 1) * head_dim, device=DEVICE)
+            cols = cols[cols < len_k]
+            v[int(cu_k[b]) + cols, :, cols - part * head_dim] = 1
+        poison_allocator()
+        out = torch.ops.flash_attn.varlen_fwd(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            None,
+            None,
+            max(lens_q),
+            max(lens_k),
+            dropout_p,
+            head_dim**-0.5,
+            causal,
+            -1,
+            -1,
+            0.0,
+            False,
+            seed,
+            offset,
+            None,
+        )[0]
+        for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+            if len_q == 0:
+                continue
+            cols = torch.arange(part * head_dim, (part + 1) * head_dim, device=DEVICE)
+            cols = cols[cols < len_k]
+            got = out[int(cu_q[b]) : int(cu_q[b]) + len_q, :, : len(cols)].permute(1, 0, 2)
+            visible = reference.visible_mask(len_q, len_k, -1, 0 if causal else -1, DEVICE)
+            want = (keeps[b].to(DEVICE) & visible)[..., cols]
+            assert torch.equal(got != 0, want), f"sequence {b}, key part {part}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
