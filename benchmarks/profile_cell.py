@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--providers",
         default="ours,fa4,cudnn",
-        help="comma list of ours, fa4, cudnn (a missing FA4 is reported and skipped)",
+        help="comma list of ours, ours_dropout (dropout_p as the benchmark's dropout "
+        "provider), fa4, cudnn (a missing FA4 is reported and skipped)",
     )
     parser.add_argument("--iters", type=int, default=1, help="profiled calls per provider")
     parser.add_argument("--warmup", type=int, default=5)
@@ -55,7 +56,7 @@ def provider_names(args: argparse.Namespace) -> dict:
     """Short name -> the benchmark's provider name."""
     ours = bench.OURS_DETERMINISTIC if args.deterministic else bench.OURS
     fa4 = bench.FA4_DETERMINISTIC if args.deterministic else bench.FA4
-    known = {"ours": ours, "fa4": fa4, "cudnn": "sdpa_cudnn"}
+    known = {"ours": ours, "ours_dropout": bench.OURS_DROPOUT, "fa4": fa4, "cudnn": "sdpa_cudnn"}
     names = [p.strip() for p in args.providers.split(",") if p.strip()]
     unknown = [p for p in names if p not in known]
     if unknown:
