@@ -13,7 +13,8 @@
 //   - P shared: the handoff: warpgroup 0 writes P and the factors, fences
 //     them for the async proxy and arrives on a named barrier; warpgroup 1
 //     meets it, issues its P V, and hands the buffer back (two buffers).
-// Each in the forward's order and with warpgroup 0's S issued one tile ahead.
+// Each in the forward's order and with warpgroup 0's S issued one tile ahead;
+// P shared also with P stored in pairs and by stmatrix (StoreP).
 // Kill criterion (section 6): P shared costs more than 1.25x measurement 1b's
 // plain loop per tile.
 //
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -90,7 +92,13 @@ static_assert(sizeof(SharedStorage) <= 227 * 1024, "fits a Hopper block's shared
 __device__ __forceinline__ uint32_t p_full(int b) { return 1 + b; }
 __device__ __forceinline__ uint32_t p_empty(int b) { return 3 + b; }
 
-template <bool kHandoff, bool kLookahead>
+// How warpgroup 0 writes P into the shared buffer: element by element from
+// the accumulator (2-byte stores into the swizzled tile), in pairs (32-bit
+// stores, as our backward stores P and dS), or by stmatrix (SM90_U32x4_STSM_N,
+// four 8 x 8 matrices an instruction).
+enum class StoreP { kElements, kPairs, kStmatrix };
+
+template <bool kHandoff, bool kLookahead, StoreP kStore = StoreP::kElements>
 __global__ void __launch_bounds__(kThreads, 1)
     pshare_tile_loop(int n_tiles, float exp_scale_log2, float* o_dump) {
   extern __shared__ char smem_raw[];
@@ -132,6 +140,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Tensor tSrK = thr_mma_s.partition_fragment_B(sK);    // (MMA,MMA_N,MMA_K,stage)
     Tensor tOrVt = thr_mma_o.partition_fragment_B(sVt);  // (MMA,MMA_Dv,MMA_K,stage)
     Tensor tPsP = thr_mma_s.partition_C(sP);             // (MMA,MMA_M,MMA_N,buffer)
+    using StoreAtom =
+        std::conditional_t<kStore == StoreP::kStmatrix, Copy_Atom<SM90_U32x4_STSM_N, Element>,
+                           Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>>;
+    auto smem_tiled_copy_p = make_tiled_copy_C(StoreAtom{}, tiled_mma_s);
+    auto smem_thr_copy_p = smem_tiled_copy_p.get_thread_slice(t);
+    Tensor tPsP_copy = smem_thr_copy_p.partition_D(sP);  // (CPY,CPY_M,CPY_N,buffer)
     // (MMA,MMA_M,MMA_N): S of the tile in hand, and of the next (lookahead)
     Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kM>, Int<kN>>{});
     Tensor acc_s_next = partition_fragment_C(tiled_mma_s, Shape<Int<kM>, Int<kN>>{});
@@ -163,9 +177,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kHandoff) {
         const int b = i & 1;
         if (i >= 2) NamedBarrier::sync(kThreads, p_empty(b));  // P(i - 2) V read
-        Tensor tPsP_b = tPsP(_, _, _, b);                      // (MMA,MMA_M,MMA_N)
-        CUTE_UNROLL
-        for (int j = 0; j < size(acc); ++j) tPsP_b(j) = static_cast<Element>(acc(j));
+        if constexpr (kStore == StoreP::kElements) {
+          Tensor tPsP_b = tPsP(_, _, _, b);  // (MMA,MMA_M,MMA_N)
+          CUTE_UNROLL
+          for (int j = 0; j < size(acc); ++j) tPsP_b(j) = static_cast<Element>(acc(j));
+        } else {
+          Tensor rP = make_tensor_like<Element>(acc);  // (MMA,MMA_M,MMA_N)
+          CUTE_UNROLL
+          for (int j = 0; j < size(acc); ++j) rP(j) = static_cast<Element>(acc(j));
+          copy(smem_tiled_copy_p, smem_thr_copy_p.retile_S(rP), tPsP_copy(_, _, _, b));
+        }
         smem.factor[b][t][0] = correction.factor[0];
         smem.factor[b][t][1] = correction.factor[1];
         cutlass::arch::fence_view_async_shared();  // the other's wgmma reads P
@@ -249,10 +270,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < size(acc_o); ++j) out[j] = acc_o(j);
 }
 
-template <bool kHandoff, bool kLookahead>
+template <bool kHandoff, bool kLookahead, StoreP kStore = StoreP::kElements>
 double run(int n_tiles, int blocks, float* o_dump) {
   const int smem_bytes = int(sizeof(SharedStorage));
-  auto kernel = pshare_tile_loop<kHandoff, kLookahead>;
+  auto kernel = pshare_tile_loop<kHandoff, kLookahead, kStore>;
   FA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const float exp_scale_log2 = 1.44269504f / 22.6274f;  // 1 / sqrt(512) in log2 units
@@ -301,15 +322,21 @@ int main(int argc, char** argv) {
     double differ;
   };
   std::vector<Loop> loops;
-  auto measure = [&](const char* name, auto handoff, auto lookahead) {
+  auto measure = [&](const char* name, auto handoff, auto lookahead, auto store) {
     constexpr bool kHandoff = decltype(handoff)::value;
-    const double ms = run<kHandoff, decltype(lookahead)::value>(n_tiles, blocks, o_dump);
+    const double ms =
+        run<kHandoff, decltype(lookahead)::value, decltype(store)::value>(n_tiles, blocks, o_dump);
     loops.push_back({name, kHandoff, ms, halves_differ_by(o_dump, blocks)});
   };
-  measure("products", cute::false_type{}, cute::false_type{});
-  measure("P shared", cute::true_type{}, cute::false_type{});
-  measure("products, lookahead", cute::false_type{}, cute::true_type{});
-  measure("P shared, lookahead", cute::true_type{}, cute::true_type{});
+  using Elements = std::integral_constant<StoreP, StoreP::kElements>;
+  measure("products", cute::false_type{}, cute::false_type{}, Elements{});
+  measure("P shared", cute::true_type{}, cute::false_type{}, Elements{});
+  measure("products, lookahead", cute::false_type{}, cute::true_type{}, Elements{});
+  measure("P shared, lookahead", cute::true_type{}, cute::true_type{}, Elements{});
+  measure("P shared, pairs", cute::true_type{}, cute::false_type{},
+          std::integral_constant<StoreP, StoreP::kPairs>{});
+  measure("P shared, stmatrix", cute::true_type{}, cute::false_type{},
+          std::integral_constant<StoreP, StoreP::kStmatrix>{});
 
   // Per block and tile: S (64 x 32 x 512) and P V (64 x 512 x 32).
   const double flop = 2.0 * 2 * kM * kN * kD * double(n_tiles) * blocks;
@@ -323,7 +350,8 @@ int main(int argc, char** argv) {
     // With the handoff the halves agree to fp32 rounding; without it they do not.
     ok = ok && (loop.handoff ? loop.differ < 1e-4 : loop.differ > 1e-2);
   }
-  const double best = std::min(loops[1].ms, loops[3].ms);
+  const double best =
+      std::min(std::min(loops[1].ms, loops[3].ms), std::min(loops[4].ms, loops[5].ms));
   std::printf(
       "best P shared: %.0f cycles per tile (kill criterion: > 1.25 x measurement 1b's "
       "plain loop, 1,459 on the H200 of 2026-11-30)\n",
