@@ -231,16 +231,9 @@ bool warp_groups_agree(const float* s_dump, int blocks) {
 }
 
 int main(int argc, char** argv) {
-  int clock_khz = 0, sms = 0;
-  FA_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  FA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int n_tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
-  const int blocks = argc > 2 ? std::atoi(argv[2]) : sms;
-  if (n_tiles < 2 || n_tiles % 2 != 0 || blocks < 1) {
-    std::fprintf(stderr, "headsplit_exchange: tiles must be even and >= 2 (got %d), blocks >= 1\n",
-                 n_tiles);
-    return 2;
-  }
+  TileLoopArgs args;
+  if (!parse_tile_loop_args(argc, argv, "headsplit_exchange", args)) return 2;
+  const int clock_khz = args.clock_khz, n_tiles = args.n_tiles, blocks = args.blocks;
   float *s_dump, *o_sink;
   FA_CUDA_CHECK(
       cudaMalloc(&s_dump, size_t(blocks) * kMmaThreads * kPartialFloats / 128 * sizeof(float)));

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -117,4 +119,26 @@ flash::BwdParams make_bwd_problem(int batch, int seqlen, int nheads, int head_di
   params.dropout_rescale = 1.f;
   params.is_bf16 = true;
   return params;
+}
+
+// The device and arguments of a microbenchmark that loops one block per SM over
+// resident tiles (headsplit_exchange.cu, pshare_d512.cu): `name [tiles per
+// block, even] [blocks]`. False, with a message, when they are out of range.
+struct TileLoopArgs {
+  int clock_khz = 0;  // to turn milliseconds into cycles per tile
+  int sms = 0;
+  int n_tiles = 0;
+  int blocks = 0;
+};
+inline bool parse_tile_loop_args(int argc, char** argv, const char* name, TileLoopArgs& args) {
+  FA_CUDA_CHECK(cudaDeviceGetAttribute(&args.clock_khz, cudaDevAttrClockRate, 0));
+  FA_CUDA_CHECK(cudaDeviceGetAttribute(&args.sms, cudaDevAttrMultiProcessorCount, 0));
+  args.n_tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
+  args.blocks = argc > 2 ? std::atoi(argv[2]) : args.sms;
+  if (args.n_tiles < 2 || args.n_tiles % 2 != 0 || args.blocks < 1) {
+    std::fprintf(stderr, "%s: tiles must be even and >= 2 (got %d), blocks >= 1 (got %d)\n", name,
+                 args.n_tiles, args.blocks);
+    return false;
+  }
+  return true;
 }

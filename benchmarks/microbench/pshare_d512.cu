@@ -302,16 +302,9 @@ double halves_differ_by(const float* o_dump, int blocks) {
 }
 
 int main(int argc, char** argv) {
-  int clock_khz = 0, sms = 0;
-  FA_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  FA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int n_tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
-  const int blocks = argc > 2 ? std::atoi(argv[2]) : sms;
-  if (n_tiles < 2 || n_tiles % 2 != 0 || blocks < 1) {
-    std::fprintf(stderr, "pshare_d512: tiles must be even and >= 2 (got %d), blocks >= 1\n",
-                 n_tiles);
-    return 2;
-  }
+  TileLoopArgs args;
+  if (!parse_tile_loop_args(argc, argv, "pshare_d512", args)) return 2;
+  const int clock_khz = args.clock_khz, n_tiles = args.n_tiles, blocks = args.blocks;
   float* o_dump;
   FA_CUDA_CHECK(cudaMalloc(&o_dump, size_t(blocks) * kThreads * kM * kDHalf / 128 * sizeof(float)));
 
