@@ -44,45 +44,17 @@
 #include "cuda/core/softmax.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/core/tile_ops_sm90.h"
+#include "d512_block_sm90.cuh"
 #include "microbench_util.cuh"
 
 using namespace cute;
 
-using Element = cutlass::bfloat16_t;
-constexpr int kM = 64;       // query rows
-constexpr int kN = 32;       // keys per tile
-constexpr int kD = 512;      // d_qk = d_v
-constexpr int kDHalf = 256;  // a warpgroup's columns of V and O
-constexpr int kThreads = 256;
+using namespace d512;
 
-using SmemLayoutQ =
-    decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
-// The pair step's two key tiles: tile 2p + w in slot w.
-using SmemLayoutK =
-    decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, _2>{}));
-// One half of V's columns for the pair step's two tiles (slot w: tile 2p + w).
-using SmemLayoutVHalf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kN>, Int<kDHalf>, _2>{}));
-// A V half seen as (Dv/2, N, slot): the MN-major B operand of P V.
-using SmemLayoutVtHalf = decltype(composition(
-    SmemLayoutVHalf{}, make_ordered_layout(Shape<Int<kDHalf>, Int<kN>, _2>{}, Step<_2, _1, _3>{})));
 // P (M, N) bf16, K-major for P V's A operand: buffer 2 (p & 1) + w holds the
 // P that warpgroup w made in pair step p.
 using SmemLayoutP =
     decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{}, Shape<Int<kM>, Int<kN>, _4>{}));
-
-using OneWarpGroup = Layout<Shape<_1, _1, _1>>;
-using TiledMmaS = decltype(make_tiled_mma(
-    GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kN>, Int<kD>>>(),
-    OneWarpGroup{}));
-using TiledMmaORs = decltype(make_tiled_mma(
-    GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM>, Int<kDHalf>, Int<kN>>,
-                         GMMA::Major::K, GMMA::Major::MN>(),
-    OneWarpGroup{}));
-using TiledMmaOSs = decltype(make_tiled_mma(
-    GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kDHalf>, Int<kN>>,
-                         GMMA::Major::K, GMMA::Major::MN>(),
-    OneWarpGroup{}));
 
 constexpr int kNRows = 2;  // rows r and r + 8 of a warp's 16, per thread
 
@@ -267,24 +239,6 @@ double run(int n_pairs, int blocks, float* o_dump) {
   launch();
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   return median_ms(launch, 20, 3);
-}
-
-// The largest relative difference between the two warpgroups' O, over blocks.
-double halves_differ_by(const float* o_dump, int blocks) {
-  const int per_thread = kM * kDHalf / 128;
-  std::vector<float> host(size_t(blocks) * kThreads * per_thread);
-  FA_CUDA_CHECK(
-      cudaMemcpy(host.data(), o_dump, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  double worst = 0;
-  for (int b = 0; b < blocks; ++b) {
-    const float* a = host.data() + size_t(b) * kThreads * per_thread;
-    const float* c = a + size_t(128) * per_thread;
-    for (int i = 0; i < 128 * per_thread; ++i) {
-      const double d = std::fabs(double(a[i]) - c[i]) / (std::fabs(double(a[i])) + 1e-6);
-      worst = d > worst ? d : worst;
-    }
-  }
-  return worst;
 }
 
 int main(int argc, char** argv) {

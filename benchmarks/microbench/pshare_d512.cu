@@ -41,42 +41,16 @@
 #include "cuda/core/softmax.h"
 #include "cuda/core/tile_ops.h"
 #include "cuda/core/tile_ops_sm90.h"
+#include "d512_block_sm90.cuh"
 #include "microbench_util.cuh"
 
 using namespace cute;
 
-using Element = cutlass::bfloat16_t;
-constexpr int kM = 64;       // query rows
-constexpr int kN = 32;       // keys per tile
-constexpr int kD = 512;      // d_qk = d_v
-constexpr int kDHalf = 256;  // a warpgroup's columns of V and O
-constexpr int kThreads = 256;
+using namespace d512;
 
-using SmemLayoutQ =
-    decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kM>, Int<kD>>{}));
-using SmemLayoutK =
-    decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kN>, Int<kD>, _2>{}));
-using SmemLayoutVHalf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                               Shape<Int<kN>, Int<kDHalf>, _2>{}));
-// A V half seen as (Dv/2, N, stage): the MN-major B operand of P V.
-using SmemLayoutVtHalf = decltype(composition(
-    SmemLayoutVHalf{}, make_ordered_layout(Shape<Int<kDHalf>, Int<kN>, _2>{}, Step<_2, _1, _3>{})));
 // P (M, N) bf16, K-major for P V's A operand: 64-byte rows.
 using SmemLayoutP =
     decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{}, Shape<Int<kM>, Int<kN>, _2>{}));
-
-using OneWarpGroup = Layout<Shape<_1, _1, _1>>;
-using TiledMmaS = decltype(make_tiled_mma(
-    GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kN>, Int<kD>>>(),
-    OneWarpGroup{}));
-using TiledMmaORs = decltype(make_tiled_mma(
-    GMMA::rs_op_selector<Element, Element, float, Shape<Int<kM>, Int<kDHalf>, Int<kN>>,
-                         GMMA::Major::K, GMMA::Major::MN>(),
-    OneWarpGroup{}));
-using TiledMmaOSs = decltype(make_tiled_mma(
-    GMMA::ss_op_selector<Element, Element, float, Shape<Int<kM>, Int<kDHalf>, Int<kN>>,
-                         GMMA::Major::K, GMMA::Major::MN>(),
-    OneWarpGroup{}));
 
 struct SharedStorage {
   array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
@@ -281,24 +255,6 @@ double run(int n_tiles, int blocks, float* o_dump) {
   launch();
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   return median_ms(launch, 20, 3);
-}
-
-// The largest relative difference between the two warpgroups' O, over blocks.
-double halves_differ_by(const float* o_dump, int blocks) {
-  const int per_thread = kM * kDHalf / 128;
-  std::vector<float> host(size_t(blocks) * kThreads * per_thread);
-  FA_CUDA_CHECK(
-      cudaMemcpy(host.data(), o_dump, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  double worst = 0;
-  for (int b = 0; b < blocks; ++b) {
-    const float* a = host.data() + size_t(b) * kThreads * per_thread;
-    const float* c = a + size_t(128) * per_thread;
-    for (int i = 0; i < 128 * per_thread; ++i) {
-      const double d = std::fabs(double(a[i]) - c[i]) / (std::fabs(double(a[i])) + 1e-6);
-      worst = d > worst ? d : worst;
-    }
-  }
-  return worst;
 }
 
 int main(int argc, char** argv) {
