@@ -7,8 +7,8 @@
 //
 // Each block runs `warps` warps on one SM (one block per SM, every SM); each
 // thread makes `units` units of four calls, the calls of a unit either
-// interleaved round by round (dropout_random_bits_interleaved, as the Hopper
-// forward's draw warps make them) or one after another (dropout_random_bits,
+// interleaved round by round (dropout_random_bits_interleaved below, as design 2's
+// draw warps made them) or one after another (dropout_random_bits,
 // as the MMA threads do). The block's first thread times its block with
 // clock64, so the rate is in calls per SM-clock whatever the clock runs at.
 //
@@ -31,6 +31,55 @@
 
 namespace {
 
+// kCalls calls of dropout_random_bits for one (batch, head) and row, at
+// columns col0 + kColStep * i: the same function, its rounds interleaved
+// across the calls, so that a thread has kCalls independent chains of
+// dependent multiplies in flight rather than one after another.
+template <int kCalls, int kColStep>
+__device__ __forceinline__ void dropout_random_bits_interleaved(uint64_t seed, uint64_t offset,
+                                                                int batch, int head, int nheads,
+                                                                int row, int col0,
+                                                                flash::PhiloxOut (&out)[kCalls]) {
+  const uint32_t bh =
+      static_cast<uint32_t>(batch) * static_cast<uint32_t>(nheads) + static_cast<uint32_t>(head);
+  uint32_t c[kCalls][4];
+#pragma unroll
+  for (int i = 0; i < kCalls; ++i) {
+    c[i][0] = static_cast<uint32_t>(col0 + kColStep * i) >> 2;
+    c[i][1] = static_cast<uint32_t>(row);
+    c[i][2] = bh;
+    c[i][3] = static_cast<uint32_t>(offset);
+  }
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  // The key schedule from the seed here, two adds a round for all the calls,
+  // rather than its 20 words hoisted out of the caller's loop into registers
+  // that the calls in flight need.
+  asm volatile("" : "+r"(k0), "+r"(k1));
+  // philox4x32_10's rounds (common/philox.h), call by call within each
+  // round: the measured instrument only, kept out of the kernels' header (a
+  // shared round function changed the register allocation of the kernels
+  // that draw per thread).
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+#pragma unroll
+    for (int i = 0; i < kCalls; ++i) {
+      const uint32_t hi0 = flash::mulhi_u32(kMul0, c[i][0]), lo0 = kMul0 * c[i][0];
+      const uint32_t hi1 = flash::mulhi_u32(kMul1, c[i][2]), lo1 = kMul1 * c[i][2];
+      const uint32_t n0 = hi1 ^ c[i][1] ^ k0, n2 = hi0 ^ c[i][3] ^ k1;
+      c[i][0] = n0;
+      c[i][1] = lo1;
+      c[i][2] = n2;
+      c[i][3] = lo0;
+    }
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+#pragma unroll
+  for (int i = 0; i < kCalls; ++i) out[i] = {{c[i][0], c[i][1], c[i][2], c[i][3]}};
+}
+
 constexpr int kCallsPerUnit = 4;
 
 template <bool kInterleaved>
@@ -44,8 +93,7 @@ __global__ void philox_calls(uint64_t seed, uint64_t offset, uint32_t threshold,
     const int col0 = 32 * u;
     flash::PhiloxOut bits[kCallsPerUnit];
     if constexpr (kInterleaved) {
-      flash::dropout_random_bits_interleaved<kCallsPerUnit, 8>(seed, offset, 0, 0, 1, row, col0,
-                                                               bits);
+      dropout_random_bits_interleaved<kCallsPerUnit, 8>(seed, offset, 0, 0, 1, row, col0, bits);
     } else {
 #pragma unroll
       for (int j = 0; j < kCallsPerUnit; ++j) {

@@ -54,55 +54,6 @@ FA_HOST_DEVICE PhiloxOut dropout_random_bits(uint64_t seed, uint64_t offset, int
                        static_cast<uint32_t>(seed >> 32));
 }
 
-// kCalls calls of dropout_random_bits for one (batch, head) and row, at
-// columns col0 + kColStep * i: the same function, its rounds interleaved
-// across the calls, so that a thread has kCalls independent chains of
-// dependent multiplies in flight rather than one after another.
-template <int kCalls, int kColStep>
-FA_HOST_DEVICE void dropout_random_bits_interleaved(uint64_t seed, uint64_t offset, int batch,
-                                                    int head, int nheads, int row, int col0,
-                                                    PhiloxOut (&out)[kCalls]) {
-  const uint32_t bh =
-      static_cast<uint32_t>(batch) * static_cast<uint32_t>(nheads) + static_cast<uint32_t>(head);
-  uint32_t c[kCalls][4];
-  FA_UNROLL
-  for (int i = 0; i < kCalls; ++i) {
-    c[i][0] = static_cast<uint32_t>(col0 + kColStep * i) >> 2;
-    c[i][1] = static_cast<uint32_t>(row);
-    c[i][2] = bh;
-    c[i][3] = static_cast<uint32_t>(offset);
-  }
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#if defined(__CUDA_ARCH__)
-  // The key schedule from the seed here, two adds a round for all the calls,
-  // rather than its 20 words hoisted out of the caller's loop into registers
-  // that the calls in flight need.
-  asm volatile("" : "+r"(k0), "+r"(k1));
-#endif
-  // philox4x32_10's rounds, call by call within each round. (Its own loop
-  // is left as it is: a shared round function changed the register
-  // allocation of the kernels that draw per thread.)
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  FA_UNROLL
-  for (int round = 0; round < 10; ++round) {
-    FA_UNROLL
-    for (int i = 0; i < kCalls; ++i) {
-      const uint32_t hi0 = mulhi_u32(kMul0, c[i][0]), lo0 = kMul0 * c[i][0];
-      const uint32_t hi1 = mulhi_u32(kMul1, c[i][2]), lo1 = kMul1 * c[i][2];
-      const uint32_t n0 = hi1 ^ c[i][1] ^ k0, n2 = hi0 ^ c[i][3] ^ k1;
-      c[i][0] = n0;
-      c[i][1] = lo1;
-      c[i][2] = n2;
-      c[i][3] = lo0;
-    }
-    k0 += kWeyl0;
-    k1 += kWeyl1;
-  }
-  FA_UNROLL
-  for (int i = 0; i < kCalls; ++i) out[i] = {{c[i][0], c[i][1], c[i][2], c[i][3]}};
-}
-
 // Elements whose 32-bit draw is below this threshold are dropped.
 FA_HOST_DEVICE uint32_t dropout_threshold(float dropout_p) {
   const double scaled = static_cast<double>(dropout_p) * 4294967296.0;
