@@ -212,20 +212,45 @@ def test_forward_variants():
     assert probs["return_probs"] == 1
 
 
-def hopper_draws_dropout(head_dim):
+def tile_draws_dropout(head_dim, block_m):
     """plan.h fwd_sm90_draws_dropout: 64 registers to spare beside S, O and P
-    in flight (FwdSm90KernelTraits::kDrawsDropout)."""
-    row = FWD_TABLE[head_dim]
-    registers = 240 if row["kBlockMSm90"] // 64 == 2 else 160
-    block_n = row["kBlockNSm90"]
+    in flight (FwdSm90KernelTraits::kDrawsDropout) on a tile of block_m rows."""
+    registers = 240 if block_m // 64 == 2 else 160
+    block_n = FWD_TABLE[head_dim]["kBlockNSm90"]
     return registers - (block_n // 2 + head_dim // 2 + block_n // 4) >= 64
 
 
+def hopper_dropout_block_m(head_dim):
+    """plan.cpp fwd_sm90_grid_block_m: the query block the Hopper forward
+    draws dropout on (the table's, else the 128-row tile's), or None."""
+    table_block_m = FWD_TABLE[head_dim]["kBlockMSm90"]
+    for block_m in (table_block_m, 128):
+        if tile_draws_dropout(head_dim, block_m):
+            return block_m
+    return None
+
+
 def test_hopper_dropout_head_dims():
-    """Which head dims the Hopper forward draws dropout at (PERF_LOG
-    2026-11-29, issue 57 step 1: d64 and d256 spilled in the loop)."""
+    """Which head dims the Hopper forward draws dropout at, and on which tile
+    (PERF_LOG 2026-11-29, issue 57 step 1: d64's 192-row tile and d256 spilled
+    in the loop; d64 draws on its 128-row tile)."""
     hopper = [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]]
-    assert [d for d in hopper if hopper_draws_dropout(d)] == [96, 128, 160, 192, 224]
+    assert [d for d in hopper if tile_draws_dropout(d, FWD_TABLE[d]["kBlockMSm90"])] == [
+        96,
+        128,
+        160,
+        192,
+        224,
+    ]
+    assert {d: hopper_dropout_block_m(d) for d in hopper} == {
+        64: 128,
+        96: 128,
+        128: 128,
+        160: 128,
+        192: 128,
+        224: 128,
+        256: None,
+    }
 
 
 @pytest.mark.parametrize("head_dim", [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]])
@@ -238,9 +263,10 @@ def test_forward_dropout_on_hopper(head_dim):
     long = (2, 8192, 8192, 16, 16, head_dim)
     plain = fwd(*long, causal=True)
     dropout = fwd(*long, causal=True, dropout_p=0.1)
-    if not hopper_draws_dropout(head_dim):
-        # No registers to spare for the draws (d64, d256): the SM80 kernel,
-        # forced or not.
+    block_m = hopper_dropout_block_m(head_dim)
+    if block_m is None:
+        # No registers to spare for the draws on any tile (d256): the SM80
+        # kernel, forced or not.
         assert plain["kernel"] == "sm90"
         assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
         assert "fwd_sm90_draws_dropout" in dropout["reason"]
@@ -249,8 +275,13 @@ def test_forward_dropout_on_hopper(head_dim):
         assert fwd(*long, softcap=30.0)["kernel"] == "sm90"
         return
     assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
-    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], row["kBlockNSm90"])
-    assert dropout["grid_kind"] == plain["grid_kind"]
+    # d64 draws on its 128-row tile, not the table's 192 rows that its plain
+    # and softcap calls run.
+    assert (dropout["block_m"], dropout["block_n"]) == (block_m, row["kBlockNSm90"])
+    assert plain["block_m"] == row["kBlockMSm90"]
+    assert fwd(*long, causal=True, softcap=30.0)["block_m"] == row["kBlockMSm90"]
+    if block_m == row["kBlockMSm90"]:
+        assert dropout["grid_kind"] == plain["grid_kind"]
     assert "dropout" not in dropout["reason"]
     # Any p in (0, 1), with softcap and ALiBi too.
     for p in (1e-6, 0.5, 0.999):
@@ -277,7 +308,8 @@ def test_forward_dropout_on_hopper(head_dim):
     negative = fwd(*long, dropout_p=0.1, softmax_scale=-0.1)
     assert negative["kernel"] == "sm90" and negative["variant"] == "score_mods"
     backward = bwd(*long, causal=True, dropout_p=0.1)
-    assert backward["kernel"] == "sm90" and backward["variant"] == "score_mods"
+    expected = "sm90" if hopper_bwd_draws_dropout(head_dim) else "sm80"
+    assert backward["kernel"] == expected
 
 
 def test_forward_dropout_not_on_the_counter_grid():

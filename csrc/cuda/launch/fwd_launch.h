@@ -79,6 +79,9 @@ using FwdSm90GridTraits =
 // 688b18f). kWithScoreMods (softcap, ALiBi or dropout) runs the kernel's variant with
 // them on the fixed-share or one-per-tile grid; the counter grid's short
 // causal tiles keep the plain rule only, one instantiation fewer per head dim.
+// Dropout where the table's tile cannot draw it but the 128-row one can (d64:
+// plan.cpp's fwd_sm90_grid_block_m) runs the score-mods variant of the
+// 128-row kernel on those grids.
 template <typename Element, int kHeadDim, int kHeadDimV, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Paged keys (FwdPlan::keys) run the kernel's kPagedKeys instantiation;
@@ -114,6 +117,34 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
   static_assert(
       Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDimV, Traits::kBlockM, Traits::kBlockN),
       "plan.h's rule for the Hopper forward's dropout matches the traits");
+  static_assert(
+      CounterTraits::kDrawsDropout ==
+          fwd_sm90_draws_dropout(kHeadDimV, CounterTraits::kBlockM, CounterTraits::kBlockN),
+      "plan.h's rule for the Hopper forward's dropout matches the traits");
+  // The 128-row kernel with the score mods, for dropout (fwd_sm90_grid_block_m).
+  constexpr bool kDropoutOnCounterTile = kWithScoreMods && !Traits::kDrawsDropout &&
+                                         CounterTraits::kDrawsDropout &&
+                                         CounterTraits::kBlockM != Traits::kBlockM;
+  // The fixed-share (persistent_only) or one-per-tile grid; false if the
+  // plan's kernel has no such grid.
+  const auto launch_grid = [&](auto persistent_only) {
+    if constexpr (kDropoutOnCounterTile) {
+      if (plan.block_m == CounterTraits::kBlockM) {
+        if constexpr (!decltype(persistent_only)::value || CounterTraits::kPersistent) {
+          launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, false, true>,
+                 &flash_fwd_sm90_kernel<CounterTraits, false, true, true>);
+          return true;
+        }
+        return false;
+      }
+    }
+    if constexpr (!decltype(persistent_only)::value || Traits::kPersistent) {
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
+             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
+      return true;
+    }
+    return false;
+  };
   switch (plan.grid) {
     case FwdGrid::kTileCounter:
       if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {
@@ -128,16 +159,11 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
       }
       break;
     case FwdGrid::kFixedShares:
-      if constexpr (Traits::kPersistent) {
-        launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
-               &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
-        return;
-      }
+      if (launch_grid(cute::true_type{})) return;
       break;
     case FwdGrid::kOnePerTile:
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
-             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
-      return;
+      if (launch_grid(cute::false_type{})) return;
+      break;
     default: break;
   }
   throw std::runtime_error("flash_attn_cuda: no Hopper forward grid for this plan: " +

@@ -188,8 +188,9 @@ constexpr bool fwd_sm90_persistent(int head_dim, int head_dim_v, int block_m, in
 // Whether the Hopper forward of this compiled d_v (O's width) and tile draws
 // dropout: where a thread has at least 64 registers to spare beside S, O and
 // P in flight under S = Q K^T (FwdSm90KernelTraits::kDrawsDropout, which
-// fwd_launch.h checks this against): d96-d224 but not d64 (three MMA
-// warpgroups of 160 registers) or d256, whose draws spilled in the loop.
+// fwd_launch.h checks this against): d96-d224 and d64's 128-row tile, but
+// not d64's 192-row one (three MMA warpgroups of 160 registers) or d256,
+// whose draws spilled in the loop.
 constexpr bool fwd_sm90_draws_dropout(int head_dim_v, int block_m, int block_n) {
   const int mma_registers = block_m / 64 == 2 ? 240 : 160;
   return mma_registers - (block_n / 2 + head_dim_v / 2 + block_n / 4) >= 64;
