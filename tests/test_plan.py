@@ -212,44 +212,43 @@ def test_forward_variants():
     assert probs["return_probs"] == 1
 
 
-def tile_draws_dropout(head_dim, block_m):
+def tile_draws_dropout(head_dim, block_m, block_n):
     """plan.h fwd_sm90_draws_dropout: 64 registers to spare beside S, O and P
-    in flight (FwdSm90KernelTraits::kDrawsDropout) on a tile of block_m rows."""
+    in flight (FwdSm90KernelTraits::kDrawsDropout) on a block_m x block_n tile."""
     registers = 240 if block_m // 64 == 2 else 160
-    block_n = FWD_TABLE[head_dim]["kBlockNSm90"]
     return registers - (block_n // 2 + head_dim // 2 + block_n // 4) >= 64
 
 
-def hopper_dropout_block_m(head_dim):
-    """plan.cpp fwd_sm90_grid_block_m: the query block the Hopper forward
-    draws dropout on (the table's, else the 128-row tile's), or None."""
-    table_block_m = FWD_TABLE[head_dim]["kBlockMSm90"]
-    for block_m in (table_block_m, 128):
-        if tile_draws_dropout(head_dim, block_m):
-            return block_m
+def hopper_dropout_tile(head_dim):
+    """plan.h fwd_sm90_dropout_tile: the Hopper forward's tile for dropout (the
+    table's, else 128 rows of its keys, else 128 x 64), or None."""
+    row = FWD_TABLE[head_dim]
+    table = (row["kBlockMSm90"], row["kBlockNSm90"])
+    for tile in (table, (128, table[1]), (128, 64)):
+        if tile[1] <= table[1] and tile_draws_dropout(head_dim, *tile):
+            return tile
     return None
 
 
 def test_hopper_dropout_head_dims():
     """Which head dims the Hopper forward draws dropout at, and on which tile
-    (PERF_LOG 2026-11-29, issue 57 step 1: d64's 192-row tile and d256 spilled
-    in the loop; d64 draws on its 128-row tile)."""
+    (PERF_LOG 2026-11-29, issue 57 step 1: d64's 192-row tile and d256's
+    128 x 80 spilled in the loop; they draw on 128 x 128 and 128 x 64)."""
     hopper = [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]]
-    assert [d for d in hopper if tile_draws_dropout(d, FWD_TABLE[d]["kBlockMSm90"])] == [
-        96,
-        128,
-        160,
-        192,
-        224,
+    table_draws = [
+        d
+        for d in hopper
+        if tile_draws_dropout(d, FWD_TABLE[d]["kBlockMSm90"], FWD_TABLE[d]["kBlockNSm90"])
     ]
-    assert {d: hopper_dropout_block_m(d) for d in hopper} == {
-        64: 128,
-        96: 128,
-        128: 128,
-        160: 128,
-        192: 128,
-        224: 128,
-        256: None,
+    assert table_draws == [96, 128, 160, 192, 224]
+    assert {d: hopper_dropout_tile(d) for d in hopper} == {
+        64: (128, 128),
+        96: (128, 128),
+        128: (128, 128),
+        160: (128, 96),
+        192: (128, 96),
+        224: (128, 80),
+        256: (128, 64),
     }
 
 
@@ -263,24 +262,17 @@ def test_forward_dropout_on_hopper(head_dim):
     long = (2, 8192, 8192, 16, 16, head_dim)
     plain = fwd(*long, causal=True)
     dropout = fwd(*long, causal=True, dropout_p=0.1)
-    block_m = hopper_dropout_block_m(head_dim)
-    if block_m is None:
-        # No registers to spare for the draws on any tile (d256): the SM80
-        # kernel, forced or not.
-        assert plain["kernel"] == "sm90"
-        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-        assert "fwd_sm90_draws_dropout" in dropout["reason"]
-        forced = fwd(*long, dropout_p=0.1, kernel_override="sm90")
-        assert forced["kernel"] == "sm80"
-        assert fwd(*long, softcap=30.0)["kernel"] == "sm90"
-        return
+    tile = hopper_dropout_tile(head_dim)
+    assert tile is not None
     assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
-    # d64 draws on its 128-row tile, not the table's 192 rows that its plain
-    # and softcap calls run.
-    assert (dropout["block_m"], dropout["block_n"]) == (block_m, row["kBlockNSm90"])
-    assert plain["block_m"] == row["kBlockMSm90"]
-    assert fwd(*long, causal=True, softcap=30.0)["block_m"] == row["kBlockMSm90"]
-    if block_m == row["kBlockMSm90"]:
+    # d64 and d256 draw on a tile of their own (128 x 128, 128 x 64), not the
+    # table's, which their plain and softcap calls run.
+    assert (dropout["block_m"], dropout["block_n"]) == tile
+    table = (row["kBlockMSm90"], row["kBlockNSm90"])
+    assert (plain["block_m"], plain["block_n"]) == table
+    softcap = fwd(*long, causal=True, softcap=30.0)
+    assert (softcap["block_m"], softcap["block_n"]) == table
+    if tile == table:
         assert dropout["grid_kind"] == plain["grid_kind"]
     assert "dropout" not in dropout["reason"]
     # Any p in (0, 1), with softcap and ALiBi too.
