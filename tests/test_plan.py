@@ -300,8 +300,7 @@ def test_forward_dropout_on_hopper(head_dim):
     negative = fwd(*long, dropout_p=0.1, softmax_scale=-0.1)
     assert negative["kernel"] == "sm90" and negative["variant"] == "score_mods"
     backward = bwd(*long, causal=True, dropout_p=0.1)
-    expected = "sm90" if hopper_bwd_draws_dropout(head_dim) else "sm80"
-    assert backward["kernel"] == expected
+    assert backward["kernel"] == "sm90" and backward["variant"] == "score_mods"
 
 
 def test_forward_dropout_not_on_the_counter_grid():
@@ -528,40 +527,48 @@ def test_backward_kernels():
     assert bwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
 
 
-def hopper_bwd_draws_dropout(head_dim):
+def bwd_tile_draws_dropout(head_dim, block_m):
     """plan.h bwd_sm90_draws_dropout: 64-row query blocks and 48 registers to
     spare beside S^T, dP^T, dK and dV (BwdSm90KernelTraits::kDrawsDropout)."""
-    row = BWD_TABLE[head_dim]
-    block_m, block_n = row["kBlockMSm90"], row["kBlockN"]
+    block_n = BWD_TABLE[head_dim]["kBlockN"]
     accumulators = block_n * (block_m + head_dim) // 128
     return block_m == 64 and 240 - accumulators >= 48
 
 
+def hopper_bwd_dropout_block_m(head_dim):
+    """plan.h bwd_sm90_dropout_block_m: the table's query block where it draws
+    dropout, else 64 rows where they do, else None."""
+    table = BWD_TABLE[head_dim]["kBlockMSm90"]
+    for block_m in (table, 64):
+        if block_m <= table and bwd_tile_draws_dropout(head_dim, block_m):
+            return block_m
+    return None
+
+
 def test_hopper_backward_dropout_head_dims():
     """Which head dims the Hopper backward draws dropout at
-    (docs/dropout_sm90.md section 6): all but d64's 128-row tile."""
+    (docs/dropout_sm90.md section 6): every one, d64 on 64-row query blocks
+    instead of its table's 128."""
     hopper = [d for d in sorted(BWD_TABLE) if BWD_TABLE[d]["kBlockMSm90"]]
-    assert [d for d in hopper if hopper_bwd_draws_dropout(d)] == [32, 96, 128, 160, 192, 224, 256]
+    table_draws = [d for d in hopper if bwd_tile_draws_dropout(d, BWD_TABLE[d]["kBlockMSm90"])]
+    assert table_draws == [32, 96, 128, 160, 192, 224, 256]
+    assert {d: hopper_bwd_dropout_block_m(d) for d in hopper} == {d: 64 for d in hopper}
 
 
 @pytest.mark.parametrize("head_dim", sorted(BWD_TABLE))
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_dropout_on_hopper(head_dim, causal):
     """The backward of a call with dropout runs the Hopper kernel's score-mods
-    variant wherever it draws the mask, as softcap and ALiBi do; elsewhere
-    (d64) the SM80 kernel, which replays the same mask, with the reason."""
+    variant, as softcap and ALiBi do, on a tile that draws the mask: the
+    table's, or at d64 64-row query blocks instead of 128."""
     long = (2, 8192, 8192, 16, 16, head_dim)
     plain = bwd(*long, causal=causal)
     assert plain["kernel"] == "sm90"
     dropout = bwd(*long, causal=causal, dropout_p=0.1)
-    if not hopper_bwd_draws_dropout(head_dim):
-        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-        assert "bwd_sm90_draws_dropout" in dropout["reason"]
-        assert bwd(*long, dropout_p=0.1, kernel_override="sm90")["kernel"] == "sm80"
-        assert bwd(*long, softcap=30.0)["kernel"] == "sm90"
-        return
     assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
-    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], plain["block_n"])
+    block_m = hopper_bwd_dropout_block_m(head_dim)
+    assert (dropout["block_m"], dropout["block_n"]) == (block_m, plain["block_n"])
+    assert bwd(*long, causal=causal, softcap=30.0)["block_m"] == plain["block_m"]
     assert dropout["grid"] == plain["grid"] and dropout["splits"] == 1
     assert "dropout" not in dropout["reason"]
     for p in (1e-6, 0.5, 0.9, 0.999):

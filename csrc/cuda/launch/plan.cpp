@@ -443,6 +443,11 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   const bool dropout = rule.dropout;
   const bool scale_ok = rule.sm90_scale();
   const bool score_extras = rule.has_extras();
+  // The Hopper kernel's query block: the table's, or for dropout the tile
+  // that draws it (d64: 64 rows), 0 if none does.
+  const int sm90_block_m =
+      dropout ? bwd_sm90_dropout_block_m(compiled, compiled_v, row.block_m_sm90, row.block_n)
+              : row.block_m_sm90;
 
   const char* sm80_reason = nullptr;
   if (!device.sm90a_built) {
@@ -453,23 +458,21 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     sm80_reason = device.cc_major == 9 && device.cc_minor == 0
                       ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
                       : "not an sm90 device";
-  } else if (dropout &&
-             !bwd_sm90_draws_dropout(compiled, compiled_v, row.block_m_sm90, row.block_n)) {
+  } else if (sm90_block_m == 0) {
     sm80_reason =
-        "dropout on the 128-row Hopper tile, which does not draw it (d64: "
-        "bwd_sm90_draws_dropout): the SM80 backward replays its keep mask";
+        "dropout on a Hopper tile that does not draw it (bwd_sm90_dropout_block_m): the SM80 "
+        "backward replays its keep mask";
   } else if (!scale_ok) {
     sm80_reason = "softmax scale zero, subnormal or not finite";
-  } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v,
-                                                               row.block_m_sm90, row.block_n,
-                                                               kBwdSm90QdOStages)) {
+  } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v, sm90_block_m,
+                                                               row.block_n, kBwdSm90QdOStages)) {
     sm80_reason = "the device's blocks cannot hold the Hopper kernel's shared memory";
   } else if (!tma_ok) {
     sm80_reason = "TMA cannot describe q / dO / k / v (alignment or strides)";
   } else {
     plan.kernel = BwdKernel::kSm90;
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
-    plan.block_m = row.block_m_sm90;
+    plan.block_m = sm90_block_m;
     plan.head_dim = compiled;
     plan.head_dim_v = compiled_v;
     plan.reason = compiled_v == compiled

@@ -282,6 +282,21 @@ constexpr bool bwd_sm90_draws_dropout(int head_dim, int head_dim_v, int block_m,
   return block_m == 64 && 240 - accumulators >= 48;
 }
 
+// The Hopper backward's query block for a call with dropout: the table's
+// where its tile draws it; else kBwdSm90DropoutBlockM rows (d64, whose
+// 128-row tile does not: its 64-row tile, the design it ran before 128 rows
+// won on the plain rule, PERF_LOG 2026-11-24 ee3e75a); else 0, no Hopper
+// tile draws it. plan_bwd and bwd_launch.h both ask this.
+constexpr int kBwdSm90DropoutBlockM = 64;
+constexpr int bwd_sm90_dropout_block_m(int head_dim, int head_dim_v, int block_m, int block_n) {
+  if (bwd_sm90_draws_dropout(head_dim, head_dim_v, block_m, block_n)) return block_m;
+  if (block_m > kBwdSm90DropoutBlockM &&
+      bwd_sm90_draws_dropout(head_dim, head_dim_v, kBwdSm90DropoutBlockM, block_n)) {
+    return kBwdSm90DropoutBlockM;
+  }
+  return 0;
+}
+
 // params: shape, score rule, varlen-ness and params.deterministic (pointers
 // not read). tma_ok: bwd_tma_can_load of the call's tensors.
 BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
