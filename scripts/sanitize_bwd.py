@@ -158,6 +158,10 @@ def main():
     fixed(1, 200, 260, 2, 1, 128, fp16, window=(70, 20), alibi=True, deterministic=True)
     fixed(1, 130, 200, 2, 2, 256, bf16, softcap=10.0)
     varlen([50, 7, 130], [100, 77, 201], 4, 2, 96, bf16, causal=True, softcap=5.0, alibi=True)
+    # Dropout at d64: the Hopper backward's 64-row tile of its own
+    # (plan.h bwd_sm90_dropout_block_m), GQA, and with dQ splits.
+    fixed(2, 300, 421, 4, 2, 64, bf16, causal=True, dropout_p=0.2)
+    fixed(1, 200, 260, 2, 1, 64, fp16, dropout_p=0.1, deterministic=True)
     # d_v < d_qk: MHA (dV through shared memory), GQA (the kv heads' fp32 sums)
     # and GQA deterministic (the per-head shares' reduction), and dropout (SM80).
     fixed(1, 130, 200, 2, 2, 192, bf16, causal=True, head_dim_v=128)

@@ -177,6 +177,10 @@ def main():
     )
     fixed(1, 150, 300, 2, 2, 200, bf16, window=(50, 0))
     fixed(1, 33, 97, 2, 2, 200, fp16, dropout_p=0.1)
+    # Dropout on the Hopper tiles of their own (plan.h fwd_sm90_dropout_tile):
+    # d64's 128 x 128 and d256's 128 x 64, where the table's tiles do not draw.
+    fixed(2, 300, 1100, 4, 2, 64, bf16, causal=True, dropout_p=0.2)
+    fixed(1, 200, 600, 2, 1, 256, fp16, dropout_p=0.1, return_softmax=True)
     fixed(1, 0, 5, 2, 2, 64, bf16)
     fixed(1, 5, 0, 2, 2, 64, bf16)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)

@@ -134,15 +134,15 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_BWD_KERNEL", raising=False)
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True))
-    # Softcap, ALiBi and dropout run the Hopper kernel too (dropout except on
-    # d64's 128-row tile: plan.h bwd_sm90_draws_dropout) and a negative scale
-    # (score_mods.h keeps its scores negated); a zero scale stays on the SM80
-    # kernel.
+    # Softcap, ALiBi and dropout run the Hopper kernel too (dropout at d64 on
+    # 64-row query blocks: plan.h bwd_sm90_dropout_block_m) and a negative
+    # scale (score_mods.h keeps its scores negated); a zero scale stays on the
+    # SM80 kernel.
     slopes = torch.rand(2, device=DEVICE) * 0.3
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True, alibi_slopes=slopes))
     dropout_names = backward_kernel_names(q, k, v, dout, softcap=5.0, dropout_p=0.1)
-    assert uses_sm90(dropout_names) == (head_dim != 64)
+    assert uses_sm90(dropout_names)
     deterministic_dropout = backward_kernel_names(q, k, v, dout, dropout_p=0.1, deterministic=True)
     assert uses_sm90(deterministic_dropout) == (head_dim != 64)
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
@@ -294,7 +294,7 @@ def test_bwd_dropout_matches_reference_mask(
 ):
     """Both backward kernels replay the contract's mask (csrc/common/philox.h):
     the Hopper one draws it in its score-mods variant wherever
-    bwd_sm90_draws_dropout holds (d64 runs the SM80 kernel either way);
+    bwd_sm90_dropout_block_m names a tile (d64 at 64 rows);
     sequence lengths that are not multiples of any tile, GQA and MQA."""
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 97, 133
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
@@ -367,7 +367,7 @@ def test_bwd_dropout_with_softcap_alibi_window(dtype, head_dim, bwd_kernel):
     )
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -27,10 +27,10 @@ from cuda_inputs import (
 
 pytestmark = pytest.mark.cuda
 
-# The Hopper forward draws dropout where its tile leaves registers to spare
-# (plan.h fwd_sm90_draws_dropout): not at d64 or d256, which run it on the
-# SM80 kernel (d32 has no Hopper forward).
-HEAD_DIMS_WITHOUT_HOPPER_DROPOUT = (32, 64, 256)
+# The Hopper forward draws dropout at every head dim it serves, on a tile that
+# leaves registers to spare (plan.h fwd_sm90_dropout_tile: d64 128 x 128,
+# d256 128 x 64); d32 has no Hopper forward.
+HEAD_DIMS_WITHOUT_HOPPER_DROPOUT = (32,)
 
 SEQLEN_PAIRS = [
     (1, 1),
@@ -150,8 +150,7 @@ def test_fwd_kernel_choice_on_sm90(
     assert uses_sm90(forward_kernel_names(q, k_short, v_short, softcap=5.0)) == (
         128 >= min_keys_sm90
     )
-    # ... but dropout not on d64's tile of three MMA warpgroups (plan.h
-    # fwd_sm90_draws_dropout).
+    # ... and dropout, on a tile that draws it (plan.h fwd_sm90_dropout_tile).
     draws = head_dim not in HEAD_DIMS_WITHOUT_HOPPER_DROPOUT
     assert uses_sm90(forward_kernel_names(q, k, v, softcap=5.0, dropout_p=0.1)) == draws
     assert uses_sm90(forward_kernel_names(q, k, v, causal=True, dropout_p=0.1)) == draws
@@ -1077,11 +1076,12 @@ def check_kernel_keep_mask(
 def test_fwd_dropout_kernel_mask_bit_exact(head_dim, causal, dropout_p, fwd_kernel):
     """check_kernel_keep_mask over several query and key tiles and a partial
     last one of each. On sm90 (fwd_kernel sm90) this is the Hopper kernel's
-    PairedDropoutMask (dropout.h) at d96-d224."""
+    PairedDropoutMask (dropout.h) at every head dim from d64 (plan.h
+    fwd_sm90_dropout_tile)."""
     check_kernel_keep_mask(2, 3, 300, 333, head_dim, causal, dropout_p, fwd_kernel)
 
 
-@pytest.mark.parametrize("head_dim", [96, 128, 192])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_dropout_kernel_mask_many_tiles(head_dim, causal, fwd_kernel):
     """More query blocks than an H200 has SMs (40 heads x 6 blocks): without a
@@ -1092,7 +1092,7 @@ def test_fwd_dropout_kernel_mask_many_tiles(head_dim, causal, fwd_kernel):
     check_kernel_keep_mask(1, 40, 768, 300, head_dim, causal, 0.3, fwd_kernel)
 
 
-@pytest.mark.parametrize("head_dim", [96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_dropout_varlen_kernel_mask(head_dim, causal, fwd_kernel):
     """The varlen forward's keep mask, bit for bit, as check_kernel_keep_mask:
@@ -1148,7 +1148,7 @@ def test_fwd_dropout_varlen_kernel_mask(head_dim, causal, fwd_kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [96, 128, 192, 224])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 224, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mods", [False, True])
 def test_fwd_dropout_hopper_matches_sm80_and_reference(dtype, head_dim, causal, mods, monkeypatch):

@@ -212,20 +212,44 @@ def test_forward_variants():
     assert probs["return_probs"] == 1
 
 
-def hopper_draws_dropout(head_dim):
+def tile_draws_dropout(head_dim, block_m, block_n):
     """plan.h fwd_sm90_draws_dropout: 64 registers to spare beside S, O and P
-    in flight (FwdSm90KernelTraits::kDrawsDropout)."""
-    row = FWD_TABLE[head_dim]
-    registers = 240 if row["kBlockMSm90"] // 64 == 2 else 160
-    block_n = row["kBlockNSm90"]
+    in flight (FwdSm90KernelTraits::kDrawsDropout) on a block_m x block_n tile."""
+    registers = 240 if block_m // 64 == 2 else 160
     return registers - (block_n // 2 + head_dim // 2 + block_n // 4) >= 64
 
 
+def hopper_dropout_tile(head_dim):
+    """plan.h fwd_sm90_dropout_tile: the Hopper forward's tile for dropout (the
+    table's, else 128 rows of its keys, else 128 x 64), or None."""
+    row = FWD_TABLE[head_dim]
+    table = (row["kBlockMSm90"], row["kBlockNSm90"])
+    for tile in (table, (128, table[1]), (128, 64)):
+        if tile[1] <= table[1] and tile_draws_dropout(head_dim, *tile):
+            return tile
+    return None
+
+
 def test_hopper_dropout_head_dims():
-    """Which head dims the Hopper forward draws dropout at (PERF_LOG
-    2026-11-29, issue 57 step 1: d64 and d256 spilled in the loop)."""
+    """Which head dims the Hopper forward draws dropout at, and on which tile
+    (PERF_LOG 2026-11-29, issue 57 step 1: d64's 192-row tile and d256's
+    128 x 80 spilled in the loop; they draw on 128 x 128 and 128 x 64)."""
     hopper = [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]]
-    assert [d for d in hopper if hopper_draws_dropout(d)] == [96, 128, 160, 192, 224]
+    table_draws = [
+        d
+        for d in hopper
+        if tile_draws_dropout(d, FWD_TABLE[d]["kBlockMSm90"], FWD_TABLE[d]["kBlockNSm90"])
+    ]
+    assert table_draws == [96, 128, 160, 192, 224]
+    assert {d: hopper_dropout_tile(d) for d in hopper} == {
+        64: (128, 128),
+        96: (128, 128),
+        128: (128, 128),
+        160: (128, 96),
+        192: (128, 96),
+        224: (128, 80),
+        256: (128, 64),
+    }
 
 
 @pytest.mark.parametrize("head_dim", [d for d in sorted(FWD_TABLE) if FWD_TABLE[d]["kBlockNSm90"]])
@@ -238,19 +262,18 @@ def test_forward_dropout_on_hopper(head_dim):
     long = (2, 8192, 8192, 16, 16, head_dim)
     plain = fwd(*long, causal=True)
     dropout = fwd(*long, causal=True, dropout_p=0.1)
-    if not hopper_draws_dropout(head_dim):
-        # No registers to spare for the draws (d64, d256): the SM80 kernel,
-        # forced or not.
-        assert plain["kernel"] == "sm90"
-        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-        assert "fwd_sm90_draws_dropout" in dropout["reason"]
-        forced = fwd(*long, dropout_p=0.1, kernel_override="sm90")
-        assert forced["kernel"] == "sm80"
-        assert fwd(*long, softcap=30.0)["kernel"] == "sm90"
-        return
+    tile = hopper_dropout_tile(head_dim)
+    assert tile is not None
     assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
-    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], row["kBlockNSm90"])
-    assert dropout["grid_kind"] == plain["grid_kind"]
+    # d64 and d256 draw on a tile of their own (128 x 128, 128 x 64), not the
+    # table's, which their plain and softcap calls run.
+    assert (dropout["block_m"], dropout["block_n"]) == tile
+    table = (row["kBlockMSm90"], row["kBlockNSm90"])
+    assert (plain["block_m"], plain["block_n"]) == table
+    softcap = fwd(*long, causal=True, softcap=30.0)
+    assert (softcap["block_m"], softcap["block_n"]) == table
+    if tile == table:
+        assert dropout["grid_kind"] == plain["grid_kind"]
     assert "dropout" not in dropout["reason"]
     # Any p in (0, 1), with softcap and ALiBi too.
     for p in (1e-6, 0.5, 0.999):
@@ -504,40 +527,48 @@ def test_backward_kernels():
     assert bwd(0, 128, 128, 4, 4, 128)["kernel"] == "none"
 
 
-def hopper_bwd_draws_dropout(head_dim):
+def bwd_tile_draws_dropout(head_dim, block_m):
     """plan.h bwd_sm90_draws_dropout: 64-row query blocks and 48 registers to
     spare beside S^T, dP^T, dK and dV (BwdSm90KernelTraits::kDrawsDropout)."""
-    row = BWD_TABLE[head_dim]
-    block_m, block_n = row["kBlockMSm90"], row["kBlockN"]
+    block_n = BWD_TABLE[head_dim]["kBlockN"]
     accumulators = block_n * (block_m + head_dim) // 128
     return block_m == 64 and 240 - accumulators >= 48
 
 
+def hopper_bwd_dropout_block_m(head_dim):
+    """plan.h bwd_sm90_dropout_block_m: the table's query block where it draws
+    dropout, else 64 rows where they do, else None."""
+    table = BWD_TABLE[head_dim]["kBlockMSm90"]
+    for block_m in (table, 64):
+        if block_m <= table and bwd_tile_draws_dropout(head_dim, block_m):
+            return block_m
+    return None
+
+
 def test_hopper_backward_dropout_head_dims():
     """Which head dims the Hopper backward draws dropout at
-    (docs/dropout_sm90.md section 6): all but d64's 128-row tile."""
+    (docs/dropout_sm90.md section 6): every one, d64 on 64-row query blocks
+    instead of its table's 128."""
     hopper = [d for d in sorted(BWD_TABLE) if BWD_TABLE[d]["kBlockMSm90"]]
-    assert [d for d in hopper if hopper_bwd_draws_dropout(d)] == [32, 96, 128, 160, 192, 224, 256]
+    table_draws = [d for d in hopper if bwd_tile_draws_dropout(d, BWD_TABLE[d]["kBlockMSm90"])]
+    assert table_draws == [32, 96, 128, 160, 192, 224, 256]
+    assert {d: hopper_bwd_dropout_block_m(d) for d in hopper} == {d: 64 for d in hopper}
 
 
 @pytest.mark.parametrize("head_dim", sorted(BWD_TABLE))
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_dropout_on_hopper(head_dim, causal):
     """The backward of a call with dropout runs the Hopper kernel's score-mods
-    variant wherever it draws the mask, as softcap and ALiBi do; elsewhere
-    (d64) the SM80 kernel, which replays the same mask, with the reason."""
+    variant, as softcap and ALiBi do, on a tile that draws the mask: the
+    table's, or at d64 64-row query blocks instead of 128."""
     long = (2, 8192, 8192, 16, 16, head_dim)
     plain = bwd(*long, causal=causal)
     assert plain["kernel"] == "sm90"
     dropout = bwd(*long, causal=causal, dropout_p=0.1)
-    if not hopper_bwd_draws_dropout(head_dim):
-        assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-        assert "bwd_sm90_draws_dropout" in dropout["reason"]
-        assert bwd(*long, dropout_p=0.1, kernel_override="sm90")["kernel"] == "sm80"
-        assert bwd(*long, softcap=30.0)["kernel"] == "sm90"
-        return
     assert dropout["kernel"] == "sm90" and dropout["variant"] == "score_mods"
-    assert (dropout["block_m"], dropout["block_n"]) == (plain["block_m"], plain["block_n"])
+    block_m = hopper_bwd_dropout_block_m(head_dim)
+    assert (dropout["block_m"], dropout["block_n"]) == (block_m, plain["block_n"])
+    assert bwd(*long, causal=causal, softcap=30.0)["block_m"] == plain["block_m"]
     assert dropout["grid"] == plain["grid"] and dropout["splits"] == 1
     assert "dropout" not in dropout["reason"]
     for p in (1e-6, 0.5, 0.9, 0.999):

@@ -14,9 +14,10 @@ template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct FwdTileConfig;
 
 // Three tiles per head dim: the plain kernel's, the one of the variant that
-// carries softcap / ALiBi / dropout (on sm90, only dropout at d64 / d256 and
-// a scale that is not positive and normal), and the Hopper kernel's (plain,
-// or with softcap / ALiBi / dropout)
+// carries softcap / ALiBi / dropout (on sm90, only dropout at d256 and a
+// scale that is not positive and normal), and the Hopper kernel's (plain,
+// or with softcap / ALiBi / dropout; dropout at d64 on its 128-row tile,
+// plan.cpp's fwd_sm90_grid_block_m)
 // (fwd_kernel_sm90.h: one MMA warpgroup per 64 query rows and a TMA
 // producer; block N 0 = the head dim stays on the SM80 kernel on sm90 too),
 // with the fewest keys (max seqlen_k) from which the Hopper kernel runs by

@@ -55,6 +55,21 @@ using BwdSm90TraitsFor =
     BwdSm90KernelTraits<kHeadDim, BwdTileConfig<kHeadDim, kHeadDimV>::kBlockMSm90,
                         BwdTileConfig<kHeadDim, kHeadDimV>::kBlockN, Element, kBwdSm90QdOStages,
                         bwd_sm90_stage_dq<kHeadDim>(kOrderedDQ), kHeadDimV>;
+// The Hopper kernel of a call with dropout where the table's tile does not
+// draw it and another does (plan.h bwd_sm90_dropout_block_m: d64 at 64 rows);
+// elsewhere the table's.
+template <int kHeadDim, int kHeadDimV>
+constexpr int bwd_sm90_dropout_traits_block_m() {
+  using Config = BwdTileConfig<kHeadDim, kHeadDimV>;
+  const int block_m =
+      bwd_sm90_dropout_block_m(kHeadDim, kHeadDimV, Config::kBlockMSm90, Config::kBlockN);
+  return block_m > 0 ? block_m : Config::kBlockMSm90;
+}
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
+using BwdSm90DropoutTraitsFor =
+    BwdSm90KernelTraits<kHeadDim, bwd_sm90_dropout_traits_block_m<kHeadDim, kHeadDimV>(),
+                        BwdTileConfig<kHeadDim, kHeadDimV>::kBlockN, Element, kBwdSm90QdOStages,
+                        bwd_sm90_stage_dq<kHeadDim>(false), kHeadDimV>;
 
 // The steps after the main kernel: dQ from its accumulator and, under GQA,
 // dK / dV from the kv heads' sums. MainTraits is the main kernel's:
@@ -80,22 +95,22 @@ void run_flash_bwd_convert(const BwdParams& params, cudaStream_t stream) {
   }
 }
 
-// The Hopper main kernel; the plan checked that the device's blocks hold its
-// shared memory and that TMA can describe the inputs.
-template <typename Element, int kHeadDim, bool kWithScoreMods, bool kOrderedDQ = false,
-          int kHeadDimV = kHeadDim>
-void launch_bwd_sm90_main(const BwdParams& params, dim3 grid, cudaStream_t stream) {
-  using Sm90Traits = BwdSm90TraitsFor<Element, kHeadDim, kOrderedDQ, kHeadDimV>;
-  if (!BwdSm90Tma<Sm90Traits>::can_load(params) ||
+// The Hopper main kernel of Sm90Traits; the plan checked that the device's
+// blocks hold its shared memory and that TMA can describe the inputs.
+template <typename Sm90Traits, bool kWithScoreMods, bool kOrderedDQ = false>
+void launch_bwd_sm90_main(const BwdParams& params, const BwdPlan& plan, dim3 grid,
+                          cudaStream_t stream) {
+  if (plan.block_m != Sm90Traits::kBlockM || !BwdSm90Tma<Sm90Traits>::can_load(params) ||
       (params.dropout_p > 0.f && !(kWithScoreMods && Sm90Traits::kDrawsDropout))) {
     throw std::runtime_error(
-        "flash_attn_cuda: the backward plan disagrees with the Hopper kernel (TMA or dropout "
-        "rule)");
+        "flash_attn_cuda: the backward plan disagrees with the Hopper kernel (query block, TMA "
+        "or dropout rule): " +
+        describe(plan));
   }
-  static_assert(
-      Sm90Traits::kDrawsDropout ==
-          bwd_sm90_draws_dropout(kHeadDim, kHeadDimV, Sm90Traits::kBlockM, Sm90Traits::kBlockN),
-      "plan.h's rule for the Hopper backward's dropout matches the traits");
+  static_assert(Sm90Traits::kDrawsDropout ==
+                    bwd_sm90_draws_dropout(Sm90Traits::kHeadDim, Sm90Traits::kHeadDimV,
+                                           Sm90Traits::kBlockM, Sm90Traits::kBlockN),
+                "plan.h's rule for the Hopper backward's dropout matches the traits");
   // The dQ order counters are per query block of this kernel's tile.
   if (kOrderedDQ &&
       (params.dq_semaphore == nullptr ||
@@ -192,12 +207,27 @@ void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t st
       // other scales do not.
       // Ordered dQ (deterministic, plan.ordered_dq) is a variant of the
       // plain kernel.
+      // Dropout where the table's tile does not draw it runs a tile of its
+      // own (bwd_sm90_dropout_block_m), whose MMA partitions lay out the dQ
+      // accumulator, so its conversion too.
+      using Sm90DropoutTraits = BwdSm90DropoutTraitsFor<Element, kHeadDim, kHeadDimV>;
+      static_assert(Traits::kBlockM % Sm90DropoutTraits::kBlockM == 0 &&
+                        Sm90DropoutTraits::kBlockN == Traits::kBlockN &&
+                        Sm90DropoutTraits::kSmemSize <= kSm90SmemPerBlock,
+                    "the table's block shape sizes the accumulators and the grid");
+      if constexpr (Sm90DropoutTraits::kBlockM != Sm90Traits::kBlockM) {
+        if (plan.variant == FwdVariant::kScoreMods && plan.block_m == Sm90DropoutTraits::kBlockM) {
+          launch_bwd_sm90_main<Sm90DropoutTraits, true>(params, plan, grid, stream);
+          run_flash_bwd_convert<Sm90DropoutTraits>(params, stream);
+          return;
+        }
+      }
       if (plan.variant == FwdVariant::kScoreMods) {
-        launch_bwd_sm90_main<Element, kHeadDim, true, false, kHeadDimV>(params, grid, stream);
+        launch_bwd_sm90_main<Sm90Traits, true>(params, plan, grid, stream);
       } else if (plan.ordered_dq) {
-        launch_bwd_sm90_main<Element, kHeadDim, false, true, kHeadDimV>(params, grid, stream);
+        launch_bwd_sm90_main<Sm90OrderedTraits, false, true>(params, plan, grid, stream);
       } else {
-        launch_bwd_sm90_main<Element, kHeadDim, false, false, kHeadDimV>(params, grid, stream);
+        launch_bwd_sm90_main<Sm90Traits, false>(params, plan, grid, stream);
       }
       run_flash_bwd_convert<Sm90Traits>(params, stream);
       return;

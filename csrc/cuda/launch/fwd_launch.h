@@ -69,6 +69,21 @@ template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
 using FwdSm90GridTraits =
     FwdSm90KernelTraits<kHeadDim, FwdTileConfig<kHeadDim, kHeadDimV>::kBlockMSm90,
                         FwdTileConfig<kHeadDim, kHeadDimV>::kBlockNSm90, Element, kHeadDimV>;
+// The kernel of a call with dropout where the table's tile cannot draw it and
+// another can (plan.h fwd_sm90_dropout_tile: d64 128 x 128, d256 128 x 64);
+// elsewhere the table's, whose score-mods variant draws it or never runs it.
+template <int kHeadDim, int kHeadDimV>
+constexpr FwdSm90TileShape fwd_sm90_dropout_traits_tile() {
+  using Config = FwdTileConfig<kHeadDim, kHeadDimV>;
+  const FwdSm90TileShape tile =
+      fwd_sm90_dropout_tile(kHeadDimV, Config::kBlockMSm90, Config::kBlockNSm90);
+  return tile.block_m > 0 ? tile : FwdSm90TileShape{Config::kBlockMSm90, Config::kBlockNSm90};
+}
+template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
+using FwdSm90DropoutTraits =
+    FwdSm90KernelTraits<kHeadDim, fwd_sm90_dropout_traits_tile<kHeadDim, kHeadDimV>().block_m,
+                        fwd_sm90_dropout_traits_tile<kHeadDim, kHeadDimV>().block_n, Element,
+                        kHeadDimV>;
 
 // The Hopper kernel on the grid the plan chose (plan_fwd in plan.cpp says when
 // each grid runs, and why): one block per SM walking query blocks in turn
@@ -79,6 +94,9 @@ using FwdSm90GridTraits =
 // 688b18f). kWithScoreMods (softcap, ALiBi or dropout) runs the kernel's variant with
 // them on the fixed-share or one-per-tile grid; the counter grid's short
 // causal tiles keep the plain rule only, one instantiation fewer per head dim.
+// Dropout where the table's tile cannot draw it but another can (d64, d256:
+// plan.h's fwd_sm90_dropout_tile) runs the score-mods variant of that tile's
+// kernel on those grids.
 template <typename Element, int kHeadDim, int kHeadDimV, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Paged keys (FwdPlan::keys) run the kernel's kPagedKeys instantiation;
@@ -87,7 +105,8 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
   const bool gather_keys = plan.keys == FwdKeys::kPagedGather;
   const auto launch = [&](auto traits, auto contiguous_kernel, auto paged_kernel) {
     using Traits = decltype(traits);
-    if (plan.block_m != Traits::kBlockM || paged != (params.block_table != nullptr) ||
+    if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN ||
+        paged != (params.block_table != nullptr) ||
         !FwdSm90Tma<Traits>::can_load(params, gather_keys) ||
         (params.dropout_p > 0.f && !(kWithScoreMods && Traits::kDrawsDropout))) {
       throw std::runtime_error(
@@ -114,6 +133,34 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
   static_assert(
       Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDimV, Traits::kBlockM, Traits::kBlockN),
       "plan.h's rule for the Hopper forward's dropout matches the traits");
+  using DropoutTraits = FwdSm90DropoutTraits<Element, kHeadDim, kHeadDimV>;
+  static_assert(
+      DropoutTraits::kDrawsDropout ==
+          fwd_sm90_draws_dropout(kHeadDimV, DropoutTraits::kBlockM, DropoutTraits::kBlockN),
+      "plan.h's rule for the Hopper forward's dropout matches the traits");
+  // A kernel of its own for dropout (fwd_sm90_dropout_tile), with the score mods.
+  constexpr bool kDropoutTile =
+      kWithScoreMods && !Traits::kDrawsDropout && DropoutTraits::kDrawsDropout;
+  // The fixed-share (persistent_only) or one-per-tile grid; false if the
+  // plan's kernel has no such grid.
+  const auto launch_grid = [&](auto persistent_only) {
+    if constexpr (kDropoutTile) {
+      if (plan.block_m == DropoutTraits::kBlockM && plan.block_n == DropoutTraits::kBlockN) {
+        if constexpr (!decltype(persistent_only)::value || DropoutTraits::kPersistent) {
+          launch(DropoutTraits{}, &flash_fwd_sm90_kernel<DropoutTraits, false, true>,
+                 &flash_fwd_sm90_kernel<DropoutTraits, false, true, true>);
+          return true;
+        }
+        return false;
+      }
+    }
+    if constexpr (!decltype(persistent_only)::value || Traits::kPersistent) {
+      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
+             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
+      return true;
+    }
+    return false;
+  };
   switch (plan.grid) {
     case FwdGrid::kTileCounter:
       if constexpr (CounterTraits::kPersistent && !kWithScoreMods) {
@@ -128,16 +175,11 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
       }
       break;
     case FwdGrid::kFixedShares:
-      if constexpr (Traits::kPersistent) {
-        launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
-               &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
-        return;
-      }
+      if (launch_grid(cute::true_type{})) return;
       break;
     case FwdGrid::kOnePerTile:
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
-             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
-      return;
+      if (launch_grid(cute::false_type{})) return;
+      break;
     default: break;
   }
   throw std::runtime_error("flash_attn_cuda: no Hopper forward grid for this plan: " +

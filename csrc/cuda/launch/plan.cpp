@@ -198,11 +198,23 @@ FwdKeys fwd_sm90_keys(const FwdParams& params, int block_n) {
              : FwdKeys::kPagedGather;
 }
 
+// The tile of the Hopper forward's fixed-share and one-per-tile grids: the
+// table's, or for dropout fwd_sm90_dropout_tile's (plan.h), which leaves the
+// table's where none draws (then fwd_sm90_refusal refuses the call).
+FwdSm90TileShape fwd_sm90_grid_tile(const ScoreFeatures& rule, int compiled_head_dim_v,
+                                    const FwdTileRow& row) {
+  const FwdSm90TileShape table{row.block_m_sm90, row.block_n_sm90};
+  if (!rule.dropout) return table;
+  const FwdSm90TileShape dropout =
+      fwd_sm90_dropout_tile(compiled_head_dim_v, row.block_m_sm90, row.block_n_sm90);
+  return dropout.block_m > 0 ? dropout : table;
+}
+
 // Why the Hopper forward does not take a call that its build and tile table
-// would allow, or null if it does.
+// would allow, or null if it does; tile is the grid's (fwd_sm90_grid_tile).
 const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const DeviceDesc& device,
-                             int compiled_head_dim_v, const FwdTileRow& row, bool grid_fits,
-                             bool tma_ok) {
+                             int compiled_head_dim_v, const FwdTileRow& row,
+                             const FwdSm90TileShape& tile, bool grid_fits, bool tma_ok) {
   const ScoreFeatures rule = score_features_of(params);
   if (choice == KernelChoice::kSm80) {
     return device.cc_major == 9 && device.cc_minor == 0
@@ -216,10 +228,9 @@ const char* fwd_sm90_refusal(const FwdParams& params, KernelChoice choice, const
            "kMinBlocksPerSmSm90 per SM (fwd_sm90_by_shape): the SM80 kernel";
   }
   if (!grid_fits) return "more tiles than a grid x holds: the SM80 kernel's 3-D grid";
-  if (rule.dropout &&
-      !fwd_sm90_draws_dropout(compiled_head_dim_v, row.block_m_sm90, row.block_n_sm90)) {
-    return "dropout on a Hopper tile without registers to spare for its draws (d64, d256: "
-           "fwd_sm90_draws_dropout): the SM80 kernel";
+  if (rule.dropout && !fwd_sm90_draws_dropout(compiled_head_dim_v, tile.block_m, tile.block_n)) {
+    return "dropout on a Hopper tile without registers to spare for its draws "
+           "(fwd_sm90_dropout_tile): the SM80 kernel";
   }
   if (!rule.sm90_scale()) {
     return "softmax scale zero, subnormal or not finite: the SM80 kernel's general variant";
@@ -280,20 +291,20 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   } else if (sm90_row.block_n_sm90 <= 0) {
     sm80_reason = "no Hopper tile at this head dim (FwdTileConfig block N 0): the SM80 kernel";
   } else {
-    const bool persistent =
-        fwd_sm90_persistent(compiled, compiled_v, sm90_row.block_m_sm90, sm90_row.block_n_sm90);
-    const int64_t num_tiles = fwd_sm90_num_tiles(params, sm90_row.block_m_sm90);
+    const FwdSm90TileShape tile = fwd_sm90_grid_tile(rule, compiled_v, sm90_row);
+    const bool persistent = fwd_sm90_persistent(compiled, compiled_v, tile.block_m, tile.block_n);
+    const int64_t num_tiles = fwd_sm90_num_tiles(params, tile.block_m);
     // Only the persistent grids walk more tiles than grid x holds.
     const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
-    sm80_reason =
-        fwd_sm90_refusal(params, plan.choice, device, compiled_v, sm90_row, grid_fits, tma_ok);
+    sm80_reason = fwd_sm90_refusal(params, plan.choice, device, compiled_v, sm90_row, tile,
+                                   grid_fits, tma_ok);
     if (sm80_reason == nullptr) {
       plan.kernel = FwdKernel::kSm90;
       plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
       plan.head_dim = compiled;
       plan.head_dim_v = compiled_v;
-      plan.block_n = sm90_row.block_n_sm90;
-      plan.keys = fwd_sm90_keys(params, sm90_row.block_n_sm90);
+      plan.block_n = tile.block_n;
+      plan.keys = fwd_sm90_keys(params, tile.block_n);
       // The counter grid runs 128-row tiles and the plain rule only (one
       // instantiation fewer per head dim).
       if (fwd_sm90_persistent(compiled, compiled_v, kFwdSm90BlockM, sm90_row.block_n_sm90) &&
@@ -305,7 +316,7 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
             "Hopper kernel; short tiles of differing work, more than SMs: persistent grid taking "
             "tiles from a counter (fwd_sm90_takes_tiles_from_counter)";
       } else {
-        plan.block_m = sm90_row.block_m_sm90;
+        plan.block_m = tile.block_m;
         const bool more_tiles_than_sms = device.num_sms > 0 && num_tiles > device.num_sms;
         // Fixed shares also where one block per tile would not fit grid x.
         if (persistent && more_tiles_than_sms &&
@@ -432,6 +443,11 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   const bool dropout = rule.dropout;
   const bool scale_ok = rule.sm90_scale();
   const bool score_extras = rule.has_extras();
+  // The Hopper kernel's query block: the table's, or for dropout the tile
+  // that draws it (d64: 64 rows), 0 if none does.
+  const int sm90_block_m =
+      dropout ? bwd_sm90_dropout_block_m(compiled, compiled_v, row.block_m_sm90, row.block_n)
+              : row.block_m_sm90;
 
   const char* sm80_reason = nullptr;
   if (!device.sm90a_built) {
@@ -442,23 +458,21 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
     sm80_reason = device.cc_major == 9 && device.cc_minor == 0
                       ? "FLASH_ATTN_BWD_KERNEL=sm80 forces the SM80 kernel"
                       : "not an sm90 device";
-  } else if (dropout &&
-             !bwd_sm90_draws_dropout(compiled, compiled_v, row.block_m_sm90, row.block_n)) {
+  } else if (sm90_block_m == 0) {
     sm80_reason =
-        "dropout on the 128-row Hopper tile, which does not draw it (d64: "
-        "bwd_sm90_draws_dropout): the SM80 backward replays its keep mask";
+        "dropout on a Hopper tile that does not draw it (bwd_sm90_dropout_block_m): the SM80 "
+        "backward replays its keep mask";
   } else if (!scale_ok) {
     sm80_reason = "softmax scale zero, subnormal or not finite";
-  } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v,
-                                                               row.block_m_sm90, row.block_n,
-                                                               kBwdSm90QdOStages)) {
+  } else if (device.smem_per_block_optin < bwd_sm90_smem_bytes(compiled, compiled_v, sm90_block_m,
+                                                               row.block_n, kBwdSm90QdOStages)) {
     sm80_reason = "the device's blocks cannot hold the Hopper kernel's shared memory";
   } else if (!tma_ok) {
     sm80_reason = "TMA cannot describe q / dO / k / v (alignment or strides)";
   } else {
     plan.kernel = BwdKernel::kSm90;
     plan.variant = score_mods ? FwdVariant::kScoreMods : FwdVariant::kPlain;
-    plan.block_m = row.block_m_sm90;
+    plan.block_m = sm90_block_m;
     plan.head_dim = compiled;
     plan.head_dim_v = compiled_v;
     plan.reason = compiled_v == compiled

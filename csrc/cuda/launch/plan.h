@@ -27,6 +27,7 @@
 #include <string>
 
 #include "cuda/core/params.h"
+#include "cuda/fwd/fwd_tile_schedule.h"
 
 namespace flash {
 
@@ -188,11 +189,35 @@ constexpr bool fwd_sm90_persistent(int head_dim, int head_dim_v, int block_m, in
 // Whether the Hopper forward of this compiled d_v (O's width) and tile draws
 // dropout: where a thread has at least 64 registers to spare beside S, O and
 // P in flight under S = Q K^T (FwdSm90KernelTraits::kDrawsDropout, which
-// fwd_launch.h checks this against): d96-d224 but not d64 (three MMA
-// warpgroups of 160 registers) or d256, whose draws spilled in the loop.
+// fwd_launch.h checks this against): d96-d224 but not d64's 192-row tile
+// (three MMA warpgroups of 160 registers) or d256's 128 x 80, whose draws
+// spilled in the loop.
 constexpr bool fwd_sm90_draws_dropout(int head_dim_v, int block_m, int block_n) {
   const int mma_registers = block_m / 64 == 2 ? 240 : 160;
   return mma_registers - (block_n / 2 + head_dim_v / 2 + block_n / 4) >= 64;
+}
+
+// The Hopper forward's tile for a call with dropout: the table's (block_m,
+// block_n) where it draws; else 128 rows of the table's keys (d64, whose
+// 192-row tile runs three MMA warpgroups of 160 registers); else 128 rows of
+// kFwdSm90DropoutBlockN keys (d256, whose 80-key tile leaves 52 registers);
+// else {0, 0}: no Hopper tile draws it. plan_fwd and fwd_launch.h both ask
+// this. The other tiles ran 1.5-1.7x faster than the SM80 forward at d64
+// (PERF_LOG 2026-11-30, "d64 dropout on the 128-row tile").
+struct FwdSm90TileShape {
+  int block_m = 0, block_n = 0;
+};
+constexpr int kFwdSm90DropoutBlockN = 64;
+constexpr FwdSm90TileShape fwd_sm90_dropout_tile(int head_dim_v, int block_m, int block_n) {
+  if (fwd_sm90_draws_dropout(head_dim_v, block_m, block_n)) return {block_m, block_n};
+  if (fwd_sm90_draws_dropout(head_dim_v, kFwdSm90BlockM, block_n)) {
+    return {kFwdSm90BlockM, block_n};
+  }
+  if (block_n > kFwdSm90DropoutBlockN &&
+      fwd_sm90_draws_dropout(head_dim_v, kFwdSm90BlockM, kFwdSm90DropoutBlockN)) {
+    return {kFwdSm90BlockM, kFwdSm90DropoutBlockN};
+  }
+  return {};
 }
 
 // Whether the tiles do different work (a causal or local bound, or the
@@ -255,6 +280,21 @@ struct BwdPlan {
 constexpr bool bwd_sm90_draws_dropout(int head_dim, int head_dim_v, int block_m, int block_n) {
   const int accumulators = block_n * (2 * block_m + head_dim + head_dim_v) / 256;
   return block_m == 64 && 240 - accumulators >= 48;
+}
+
+// The Hopper backward's query block for a call with dropout: the table's
+// where its tile draws it; else kBwdSm90DropoutBlockM rows (d64, whose
+// 128-row tile does not: its 64-row tile, the design it ran before 128 rows
+// won on the plain rule, PERF_LOG 2026-11-24 ee3e75a); else 0, no Hopper
+// tile draws it. plan_bwd and bwd_launch.h both ask this.
+constexpr int kBwdSm90DropoutBlockM = 64;
+constexpr int bwd_sm90_dropout_block_m(int head_dim, int head_dim_v, int block_m, int block_n) {
+  if (bwd_sm90_draws_dropout(head_dim, head_dim_v, block_m, block_n)) return block_m;
+  if (block_m > kBwdSm90DropoutBlockM &&
+      bwd_sm90_draws_dropout(head_dim, head_dim_v, kBwdSm90DropoutBlockM, block_n)) {
+    return kBwdSm90DropoutBlockM;
+  }
+  return 0;
 }
 
 // params: shape, score rule, varlen-ness and params.deterministic (pointers

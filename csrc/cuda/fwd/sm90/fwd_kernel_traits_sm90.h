@@ -100,9 +100,10 @@ struct FwdSm90KernelTraits {
   // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under
   // S = Q K^T a thread holds S's and O's fp32 accumulators and P's 16-bit
   // pairs in flight. With 80 registers to spare beside them (d128) the
-  // draws fit; with 52 (d256) or 32 (d64's three warpgroups of 160) they
-  // spilled in the loop (PERF_LOG 2026-11-29, issue 57 step 1). plan.h's
-  // fwd_sm90_draws_dropout, which fwd_launch.h checks against this.
+  // draws fit; with 52 (d256 at 80 keys) or 32 (d64's three warpgroups of
+  // 160) they spilled in the loop (PERF_LOG 2026-11-29, issue 57 step 1), so
+  // those head dims draw on tiles of their own (plan.h fwd_sm90_dropout_tile).
+  // plan.h's fwd_sm90_draws_dropout, which fwd_launch.h checks against this.
   static constexpr int kInFlightRegisters = kBlockN / 2 + kHeadDimV / 2 + kBlockN / 4;
   static constexpr bool kDrawsDropout = kMmaRegisters - kInFlightRegisters >= 64;
 
