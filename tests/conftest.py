@@ -11,6 +11,7 @@
   reproduces when the test is rerun alone; FLASH_ATTN_TEST_SEED shifts all
   seeds to draw different inputs.
 * Tests marked `cuda` are skipped, with a reason, when no GPU is available.
+* Under pytest-xdist each worker runs torch on its share of the CPU cores.
 * FLASH_ATTN_TEST_GPUS=0,1 with pytest-xdist (`-n 8`) spreads the workers over those
   GPUs, worker i on GPU i mod their count: a machine of several GPUs runs the CUDA
   files in a fraction of the time (4 workers per GPU, as on one).
@@ -48,6 +49,13 @@ def worker_gpu(worker, gpus):
 _gpu = worker_gpu(os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("FLASH_ATTN_TEST_GPUS"))
 if _gpu is not None:
     os.environ["CUDA_VISIBLE_DEVICES"] = _gpu
+
+# xdist workers share the machine's cores. Left alone, each worker's torch starts a
+# thread per core for its CPU work (the references' Philox masks, their float64
+# attention), N workers N times too many threads; each takes its share instead.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 def _built_in_place():
