@@ -24,23 +24,9 @@ import os
 import statistics
 
 import torch
+from ab_score_extras import median_ms
 
 VARIANTS = ("plain", "sm90", "sm80")
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def set_kernels(variant: str) -> None:
