@@ -81,8 +81,11 @@ int main(int argc, char** argv) {
   auto run_ref_main = [&] {
     ref_kernel<<<grid, RefTraits::kNThreads, RefTraits::kSmemSize>>>(params);
   };
+  // The plan's field the launcher checks against the kernel: its query block.
+  flash::BwdPlan plan;
+  plan.block_m = Traits::kBlockM;
   auto run_sm90_main = [&] {
-    flash::launch_bwd_sm90_main<Element, HEAD_DIM, false>(params, grid, nullptr);
+    flash::launch_bwd_sm90_main<Traits, false>(params, plan, grid, nullptr);
   };
   auto run_ref = [&] {
     flash::flash_bwd_dot_do_o_kernel<Element, HEAD_DIM>
