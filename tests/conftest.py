@@ -36,6 +36,8 @@ if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 ROOT = os.path.dirname(TESTS_DIR)
 
+from reduced_build import left_out_reason  # noqa: E402
+
 
 def worker_gpu(worker, gpus):
     """The GPU an xdist worker ("gw5") takes from a list ("0,1"); None: leave it be."""
@@ -90,28 +92,6 @@ PACKAGE_PARENT, _PACKAGE_ERROR = _choose_package()
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
-
-# setup.py ends build_info with the first on a reduced build; the C++
-# launchers' refusal of a left-out head dim or dtype contains the second.
-REDUCED_KERNEL_SET_MARK = "reduced kernel set"
-LEFT_OUT_MESSAGE = "which this build left out"
-
-
-def left_out_reason(error, build_info):
-    """The build's refusal, when `error` or an error it wraps (as
-    torch.library.opcheck wraps the op's) refuses a kernel that a reduced build
-    (`build_info` from flash_attn_cuda) left out; None for any other error."""
-    if REDUCED_KERNEL_SET_MARK not in (build_info or ""):
-        return None
-    while error is not None:
-        if isinstance(error, RuntimeError):
-            reason = next(
-                (line.strip() for line in str(error).splitlines() if LEFT_OUT_MESSAGE in line), None
-            )
-            if reason is not None:
-                return reason
-        error = error.__cause__
-    return None
 
 
 def _build_info():

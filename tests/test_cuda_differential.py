@@ -44,7 +44,7 @@ import torch
 
 import flash_attn_cuda  # noqa: F401  (registers torch.ops.flash_attn)
 import differential_cases as dc
-from conftest import left_out_reason
+from reduced_build import left_out_reason
 
 DEVICE = "cuda"
 NUM_CASES = dc.case_count()

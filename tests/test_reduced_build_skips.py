@@ -2,7 +2,8 @@
 only the build's own refusal of a left-out kernel, on a build marked reduced,
 turns a CUDA test into a skip."""
 
-from conftest import LEFT_OUT_MESSAGE, REDUCED_KERNEL_SET_MARK, left_out_reason
+import pytest
+from reduced_build import LEFT_OUT_MESSAGE, REDUCED_KERNEL_SET_MARK, left_out_reason
 
 REFUSAL = (
     f"flash_attn_cuda: head_dim 64 in bf16 needs the compiled head dim 64, {LEFT_OUT_MESSAGE}; "
@@ -43,3 +44,58 @@ def test_refusal_wrapped_by_opcheck_is_a_skip():
     other = Exception("opcheck(op, ...): test_faketensor failed")
     other.__cause__ = RuntimeError("flash_attn_cuda: q must be on a CUDA device")
     assert left_out_reason(other, REDUCED) is None
+
+
+def _sanitize_calls(monkeypatch, build_info):
+    """scripts/sanitize_calls.py, fresh, on a build described by build_info."""
+    import importlib.util
+    import os
+
+    import flash_attn_cuda
+
+    monkeypatch.setattr(flash_attn_cuda, "build_info", build_info)
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "sanitize_calls.py")
+    spec = importlib.util.spec_from_file_location("sanitize_calls_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sanitizer_call_sets_count_what_a_reduced_build_left_out(monkeypatch):
+    calls = _sanitize_calls(monkeypatch, REDUCED)
+
+    @calls.skips_left_out
+    def left_out():
+        raise RuntimeError(REFUSAL)
+
+    @calls.skips_left_out
+    def served(x):
+        return x + 1
+
+    assert calls.summary("sanitize_x") == "sanitize_x: all calls completed"
+    assert served(1) == 2
+    assert left_out() is None
+    assert calls.summary("sanitize_x") == (
+        f"sanitize_x: all calls completed but 1 of kernels this reduced build left out "
+        f"(the first: {REFUSAL})"
+    )
+
+
+def test_sanitizer_call_sets_fail_on_other_errors_and_on_full_builds(monkeypatch):
+    calls = _sanitize_calls(monkeypatch, FULL)
+
+    @calls.skips_left_out
+    def left_out():
+        raise RuntimeError(REFUSAL)
+
+    with pytest.raises(RuntimeError, match="which this build left out"):
+        left_out()
+    calls = _sanitize_calls(monkeypatch, REDUCED)
+
+    @calls.skips_left_out
+    def bad_input():
+        raise RuntimeError("flash_attn_cuda: q must be on a CUDA device")
+
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        bad_input()
+    assert calls.summary("sanitize_x") == "sanitize_x: all calls completed"
