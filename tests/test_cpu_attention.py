@@ -584,6 +584,40 @@ def test_varlen_paged_kv(page_size):
         assert_close64(lse, lse_ref, FP32_TOL, "lse")
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_varlen_paged_kv_with_dropout(page_size):
+    """Dropout over paged keys draws the contract's mask by (batch, head, row,
+    col), wherever the keys live: the float64 reference with the varlen masks."""
+    lens_q, lens_k = [5, 0, 40, 9], [33, 16, 60, 0]
+    nheads, nheads_k, head_dim, dropout_p, seed, offset = 4, 2, 32, 0.3, 11, 4
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, nheads, nheads_k, head_dim)
+    blocks_per_seq = [(n + page_size - 1) // page_size for n in lens_k]
+    num_blocks = sum(blocks_per_seq) + 2
+    k_cache = randn(num_blocks, page_size, nheads_k, head_dim)
+    v_cache = randn(num_blocks, page_size, nheads_k, head_dim)
+    block_table = torch.full((len(lens_k), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    free_blocks = torch.randperm(num_blocks).tolist()
+    for b, n in enumerate(lens_k):
+        for i in range(blocks_per_seq[b]):
+            block = free_blocks.pop()
+            block_table[b, i] = block
+            count = min(page_size, n - i * page_size)
+            src = slice(int(cu_k[b]) + i * page_size, int(cu_k[b]) + i * page_size + count)
+            k_cache[block, :count] = k[src]
+            v_cache[block, :count] = v[src]
+    out, lse, _, _ = call_varlen_fwd(
+        q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, block_table=block_table,
+        causal=True, dropout_p=dropout_p, seed=seed, offset=offset,
+    )  # fmt: skip
+    keeps = ref.dropout_keep_masks_varlen(seed, offset, cu_q, cu_k, nheads, dropout_p)
+    out_ref, lse_ref = ref.varlen_attention_ref(
+        q.double(), k.double(), v.double(), cu_q, cu_k, causal=True,
+        dropout_p=dropout_p, keep_masks=keeps,
+    )  # fmt: skip
+    assert_close64(out, out_ref, FP32_TOL, "out")
+    assert_close64(lse, lse_ref, FP32_TOL, "lse")
+
+
 # ---------------------------------------------------------------------------
 # Dropout
 # ---------------------------------------------------------------------------
