@@ -5,7 +5,8 @@
 
 Shapes are small and odd so that partial query and key tiles, the padded head
 dim, a value head dim below the query / key one (d_v < d_qk: V read and O written at
-d_v columns), GQA, varlen (paged too), the mask, the score extras and dropout all run at least once,
+d_v columns), GQA, varlen (paged too), the mask, the score extras and dropout (over paged keys
+too) all run at least once,
 on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one.
 """
 
@@ -99,7 +100,16 @@ def varlen(
 
 @skips_left_out
 def varlen_paged(
-    lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, dtype, *, head_dim_v=None
+    lengths_q,
+    lengths_k,
+    page_size,
+    nheads,
+    nheads_k,
+    head_dim,
+    dtype,
+    *,
+    head_dim_v=None,
+    dropout_p=0.0,
 ):
     """Keys in pages of a shuffled pool; unused table entries -1 and one table
     entry out of range past the last page a sequence reaches (never read)."""
@@ -127,7 +137,7 @@ def varlen_paged(
         None,
         max(lengths_q),
         max(lengths_k),
-        0.0,
+        dropout_p,
         head_dim**-0.5,
         True,
         -1,
@@ -197,6 +207,11 @@ def main():
     fixed(2, 1100, 300, 8, 2, 128, fp16, head_dim_v=64)
     fixed(1, 129, 131, 2, 2, 96, bf16, dropout_p=0.2, return_softmax=True, head_dim_v=64)
     varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 256, bf16, head_dim_v=128)
+    # Dropout over paged keys: the Hopper dropout tiles' paged instantiations
+    # (d64 128 x 128, d256 128 x 64; plan.h fwd_sm90_dropout_tile), by the row
+    # gather (16-row pages) and by TMA boxes (64-row pages).
+    varlen_paged([70, 0, 130], [90, 40, 200], 16, 4, 2, 64, bf16, dropout_p=0.2)
+    varlen_paged([70, 3], [150, 200], 64, 2, 1, 256, fp16, dropout_p=0.15)
     torch.cuda.synchronize()
     print(summary("sanitize_fwd"))
 
