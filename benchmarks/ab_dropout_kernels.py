@@ -5,8 +5,8 @@ script times, for each training cell, three calls of one build in one process, e
 variants one after the other in every round:
 
 - `plain`: no dropout (the Hopper kernels);
-- `sm90`: dropout_p = 0.1 on the kernels the plan picks (the Hopper kernels where they serve it);
-- `sm80`: dropout_p = 0.1 with FLASH_ATTN_FWD_KERNEL / FLASH_ATTN_BWD_KERNEL=sm80, which the
+- `sm90`: dropout (--dropout-p, default 0.1) on the kernels the plan picks (the Hopper kernels where they serve it);
+- `sm80`: the same dropout with FLASH_ATTN_FWD_KERNEL / FLASH_ATTN_BWD_KERNEL=sm80, which the
   ops read on every call (csrc/cuda/ops/op_common.h), so the SM80-design kernels run.
 
     python3 benchmarks/ab_dropout_kernels.py --headdims 64,128,256 --rounds 3 --out FILE
@@ -37,8 +37,8 @@ def set_kernels(variant: str) -> None:
             os.environ.pop(name, None)
 
 
-def call(fa, q, k, v, grad, causal: bool, variant: str, mode: str):
-    p = 0.0 if variant == "plain" else 0.1
+def call(fa, q, k, v, grad, causal: bool, variant: str, mode: str, dropout_p: float):
+    p = 0.0 if variant == "plain" else dropout_p
 
     def run():
         set_kernels(variant)
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--modes", default="fwd,fwd_bwd")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dropout-p", type=float, default=0.1)
     parser.add_argument("--out", help="JSON file of every case's times")
     args = parser.parse_args()
 
@@ -82,7 +83,9 @@ def main() -> None:
             row = times.setdefault(name, {v: [] for v in VARIANTS})
             for variant in VARIANTS:
                 row[variant].append(
-                    median_ms(call(fa, q, k, v, grad, causal, variant, mode), args.iters)
+                    median_ms(
+                        call(fa, q, k, v, grad, causal, variant, mode, args.dropout_p), args.iters
+                    )
                 )
     set_kernels("plain")
     report = {}
@@ -103,7 +106,15 @@ def main() -> None:
         print(f"{d}: sm90/sm80 geomean {geo:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "times_ms": report}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "dropout_p": args.dropout_p,
+                    "times_ms": report,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
