@@ -72,9 +72,15 @@ def test_import_without_any_install_says_to_build(checkout, tmp_path):
     assert "pip install --no-build-isolation -e ." in message
 
 
+def _copy_conftest(tests_dir):
+    """The checkout's conftest.py and the module it imports."""
+    for name in ("conftest.py", "reduced_build.py"):
+        shutil.copy(os.path.join(ROOT, "tests", name), tests_dir)
+
+
 def test_pytest_in_the_checkout_tests_the_installed_package(checkout):
     (checkout / "tests").mkdir()
-    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), checkout / "tests")
+    _copy_conftest(checkout / "tests")
     (checkout / "tests" / "test_where.py").write_text(
         "import flash_attn_cuda\n\n\n"
         "def test_where():\n"
@@ -92,7 +98,7 @@ def test_pytest_in_the_checkout_tests_the_installed_package(checkout):
 @pytest.mark.skipif(INSTALLED_IN_SITE, reason="flash_attn_cuda is installed in site-packages")
 def test_pytest_without_any_install_stops_with_the_message(checkout, tmp_path):
     (checkout / "tests").mkdir()
-    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), checkout / "tests")
+    _copy_conftest(checkout / "tests")
     (checkout / "tests" / "test_a.py").write_text("import flash_attn_cuda\n")
     (checkout / "tests" / "test_b.py").write_text("import flash_attn_cuda\n")
     empty = tmp_path / "empty"
