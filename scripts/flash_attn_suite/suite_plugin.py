@@ -33,7 +33,7 @@ NOT_APPLICABLE = {
     ),
 }
 
-# As tests/conftest.py: build_info of a reduced build ends with the first, the
+# As tests/reduced_build.py: build_info of a reduced build ends with the first, the
 # refusal of a left-out head dim or dtype contains the second.
 REDUCED_KERNEL_SET_MARK = "reduced kernel set"
 LEFT_OUT_MESSAGE = "which this build left out"
