@@ -847,6 +847,30 @@ def scatter_into_pages(k, v, cu_k, page_size, spare_blocks=3):
     return k_cache, v_cache, table
 
 
+def check_paged_matches_contiguous(q, k, v, cu_q, cu_k, page_size, args):
+    """varlen_fwd(*args after block_table) over k / v scattered into pages of
+    page_size rows: bitwise the contiguous call's out and lse on the same
+    kernel, no row left unwritten (outputs land in NaN-poisoned memory), and
+    the CPU path's out within rounding. Returns (paged lse, CPU lse)."""
+    k_cache, v_cache, table = scatter_into_pages(k, v, cu_k, page_size)
+    poison_allocator()
+    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, *args
+    )
+    poison_allocator()
+    out_paged, lse_paged, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args
+    )
+    assert not out_paged.isnan().any(), "an output row was left unwritten"
+    assert torch.equal(out_paged, out)
+    assert torch.equal(lse_paged, lse)
+    out_cpu, lse_cpu, _, _ = torch.ops.flash_attn.varlen_fwd(
+        q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, table, *args
+    )
+    torch.testing.assert_close(out_paged.cpu(), out_cpu, atol=2e-2, rtol=2e-2)
+    return lse_paged, lse_cpu
+
+
 # Pages that give TMA boxes of 64 rows or more go to the Hopper producer's
 # boxes, the others to its row gather (plan.h FwdKeys, paged_box_rows.h);
 # 48 and 24 rows do not divide a key tile, 3 and 5 rows no power of two.
@@ -875,7 +899,6 @@ def test_varlen_fwd_paged_matches_contiguous(
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
-    k_cache, v_cache, table = scatter_into_pages(k, v, cu_k, page_size)
     args = (
         None,
         max_q,
@@ -891,21 +914,7 @@ def test_varlen_fwd_paged_matches_contiguous(
         0,
         None,
     )
-    poison_allocator()
-    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, *args
-    )
-    poison_allocator()
-    out_paged, lse_paged, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args
-    )
-    assert not out_paged.isnan().any(), "an output row was left unwritten"
-    assert torch.equal(out_paged, out)
-    assert torch.equal(lse_paged, lse)
-    out_cpu, lse_cpu, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, table, *args
-    )
-    torch.testing.assert_close(out_paged.cpu(), out_cpu, atol=2e-2, rtol=2e-2)
+    lse_paged, lse_cpu = check_paged_matches_contiguous(q, k, v, cu_q, cu_k, page_size, args)
     finite = torch.isfinite(lse_cpu)
     assert torch.equal(torch.isinf(lse_paged.cpu()), ~finite)
     torch.testing.assert_close(lse_paged.cpu()[finite], lse_cpu[finite], atol=2e-3, rtol=1e-3)
@@ -926,25 +935,10 @@ def test_varlen_fwd_paged_dropout_matches_contiguous(head_dim, page_size, causal
     q = torch.randn(int(cu_q[-1]), nheads, head_dim, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(int(cu_k[-1]), nheads_k, head_dim, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    k_cache, v_cache, table = scatter_into_pages(k, v, cu_k, page_size)
     # (alibi, max_q, max_k, p, scale, causal, window left / right, softcap,
     # return_softmax, seed, offset, generator)
     args = (None, max_q, max_k, dropout_p, head_dim**-0.5, causal, -1, -1, 0.0, False, 77, 5, None)
-    poison_allocator()
-    out, lse, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), None, *args
-    )
-    poison_allocator()
-    out_paged, lse_paged, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), table.to(DEVICE), *args
-    )
-    assert not out_paged.isnan().any(), "an output row was left unwritten"
-    assert torch.equal(out_paged, out)
-    assert torch.equal(lse_paged, lse)
-    out_cpu, _, _, _ = torch.ops.flash_attn.varlen_fwd(
-        q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, table, *args
-    )
-    torch.testing.assert_close(out_paged.cpu(), out_cpu, atol=2e-2, rtol=2e-2)
+    check_paged_matches_contiguous(q, k, v, cu_q, cu_k, page_size, args)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 5, 16, 64])
