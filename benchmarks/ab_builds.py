@@ -39,6 +39,7 @@ KEY_FIELDS = (
     "mode",
     "dtype",
     "headdim",
+    "headdim_v",
     "causal",
     "seqlen_q",
     "seqlen_k",
@@ -46,6 +47,9 @@ KEY_FIELDS = (
     "nheads",
     "nheads_k",
     "note",
+    # The decode and paged_prefill regimes time the same shape once per cache
+    # layout (contiguous, paged1, paged16, ...).
+    "kv_layout",
 )
 
 
@@ -92,6 +96,15 @@ def key_of(row: dict) -> tuple:
     return tuple(row.get(f) for f in KEY_FIELDS)
 
 
+def group_of(case: dict) -> tuple:
+    """The summary's group: provider, regime (with its cache layout where the
+    regime has several, e.g. decode[paged16]) and mode."""
+    regime = case["regime"]
+    if case.get("kv_layout") not in (None, "contiguous"):
+        regime += f"[{case['kv_layout']}]"
+    return (case["provider"], regime, case["mode"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--a", type=Path, required=True, help="tree of build A (baseline)")
@@ -133,14 +146,10 @@ def main() -> None:
             bits=bits_verdict(digests["a"][key], digests["b"][key]),
         )
         cases.append(case)
-        groups[(case["provider"], case["regime"], case["mode"])].append(b_ms / a_ms)
+        groups[group_of(case)].append(b_ms / a_ms)
     summary = {}
     for (provider, regime, mode), ratios in sorted(groups.items()):
-        verdicts = [
-            c["bits"]
-            for c in cases
-            if (c["provider"], c["regime"], c["mode"]) == (provider, regime, mode)
-        ]
+        verdicts = [c["bits"] for c in cases if group_of(c) == (provider, regime, mode)]
         summary[f"{provider}/{regime}/{mode}"] = {
             "cases": len(ratios),
             "geomean_b_over_a": math.exp(sum(map(math.log, ratios)) / len(ratios)),

@@ -417,3 +417,25 @@ def test_ab_builds_bits_verdict():
     assert ab.bits_verdict([same], [None]) is None
     assert ab.digest_of({"output_digest": "x"}) == ("x", None)
     assert ab.digest_of({"ms": 1.0}) is None
+
+
+def test_ab_builds_keys_tell_every_case_apart(bench, tmp_path, monkeypatch):
+    """ab_builds.py pairs A's and B's rows by key_of: two cases of one run that
+    share a key (a decode shape timed on a contiguous and on a paged cache, say)
+    would be merged into one case and their times mixed."""
+    _ours_or_skip()
+    ab = load_script(ROOT / "benchmarks" / "ab_builds.py", "ab_builds_under_test")
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "decode,paged_prefill", "--decode-paged"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == bench.OURS and r.get("ms")]
+    layouts = {r["kv_layout"] for r in ours}
+    assert "contiguous" in layouts and len(layouts) > 1
+    keys = [ab.key_of(r) for r in ours]
+    assert len(set(keys)) == len(keys)
+    groups = {ab.group_of(dict(zip(ab.KEY_FIELDS, k))) for k in keys}
+    assert (bench.OURS, "decode", "fwd") in groups
+    assert any(regime.startswith("decode[paged") for _, regime, _ in groups)
