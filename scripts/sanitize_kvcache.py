@@ -106,6 +106,23 @@ def call(
     )
 
 
+@skips_left_out
+def fwd_call(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal):
+    """A fixed-length fwd call of decode shape (the split-KV kernel), with a
+    strided query."""
+    q = torch.randn(batch, nheads, seqlen_q, head_dim, device="cuda", dtype=torch.bfloat16)
+    q = q.transpose(1, 2)
+    k, v = (
+        torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    scale = head_dim**-0.5
+    window_right = 0 if causal else -1
+    torch.ops.flash_attn.fwd(
+        q, k, v, None, 0.0, scale, causal, -1, window_right, 0.0, False, 0, 0, None
+    )
+
+
 def main():
     torch.manual_seed(0)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -147,34 +164,13 @@ def main():
     # Fixed-length fwd calls of decode shape, which run the split-KV kernel
     # (plan_fwd_split): split and not, causal with more queries than keys,
     # GQA and MQA, a strided query.
-    for batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal in [
+    for shape in [
         (1, 1, 2000, 32, 8, 128, False),
         (2, 4, 3, 16, 4, 64, True),
         (3, 2, 777, 8, 1, 256, True),
         (2 * sms, 1, 300, 8, 8, 96, False),
     ]:
-        q = torch.randn(batch, nheads, seqlen_q, head_dim, device="cuda", dtype=bf16)
-        q = q.transpose(1, 2)
-        k, v = (
-            torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=bf16)
-            for _ in range(2)
-        )
-        torch.ops.flash_attn.fwd(
-            q,
-            k,
-            v,
-            None,
-            0.0,
-            head_dim**-0.5,
-            causal,
-            -1,
-            0 if causal else -1,
-            0.0,
-            False,
-            0,
-            0,
-            None,
-        )
+        fwd_call(*shape)
     torch.cuda.synchronize()
     print(summary("sanitize_kvcache"))
 

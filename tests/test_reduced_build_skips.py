@@ -99,3 +99,18 @@ def test_sanitizer_call_sets_fail_on_other_errors_and_on_full_builds(monkeypatch
     with pytest.raises(RuntimeError, match="CUDA device"):
         bad_input()
     assert calls.summary("sanitize_x") == "sanitize_x: all calls completed"
+
+
+def test_refusal_before_the_expected_error_is_a_skip():
+    """A bad-value test expects the op's own error; a reduced build refuses the
+    call first, and pytest.raises fails on the message with an AssertionError
+    raised while handling the refusal."""
+    with pytest.raises(AssertionError) as mismatch:
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be non-decreasing"):
+            raise RuntimeError(REFUSAL)
+    assert left_out_reason(mismatch.value, REDUCED) == REFUSAL
+    assert left_out_reason(mismatch.value, FULL) is None
+    with pytest.raises(AssertionError) as other:
+        with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be non-decreasing"):
+            raise RuntimeError("flash_attn_cuda: cu_seqlens_q[1] = 3 > cu_seqlens_q[2] = 0")
+    assert left_out_reason(other.value, REDUCED) is None
