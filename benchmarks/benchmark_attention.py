@@ -38,6 +38,10 @@ import torch.nn.functional as F
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
+# The rule that tells a reduced build's refusal of a left-out head dim or dtype
+# (FLASH_ATTN_CUDA_HDIMS / _DTYPES) from an error, shared with the tests.
+sys.path.insert(1, os.path.join(BENCH_DIR, "..", "tests"))
+from reduced_build import left_out_reason  # noqa: E402
 
 OURS = "flash_attn_cuda"
 SDPA_BACKENDS = {
@@ -1414,6 +1418,17 @@ class Run:
         self.broken = f"CUDA context lost after: {first_line(exc, 200)}"
         print(f"!! {self.broken}; the remaining cases are recorded as skipped", flush=True)
 
+    def error_text(self, exc: Exception, provider: str) -> str:
+        """A row's error for what a provider's build or timed call raised. Our
+        kernels' refusal of a head dim or dtype that a reduced build left out
+        (FLASH_ATTN_CUDA_HDIMS, as ab_builds.py's builds are) is a skip, not a
+        failure."""
+        left_out = left_out_reason(exc, our_build_info()) if provider in OWN_PROVIDERS else None
+        if left_out is not None:
+            return f"skipped: {left_out}"
+        self.check_context(exc)
+        return f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
+
     def run_provider(self, regime, shape, provider, modes, build, label, extra=None, record=True):
         """Build one provider's inputs once, then measure each mode; never raises.
         Returns the rows by mode; record=False leaves recording them to the caller."""
@@ -1432,10 +1447,7 @@ class Run:
             except (Unavailable, FellBack) as exc:
                 build_error = str(exc)
             except Exception as exc:
-                build_error = first_line(exc)
-                if is_oom(exc):
-                    build_error = f"OOM: {build_error}"
-                self.check_context(exc)
+                build_error = self.error_text(exc, provider)
         for mode in modes:
             row = rows[mode]
             if prepared is None:
@@ -1461,8 +1473,7 @@ class Run:
                 except (Unavailable, FellBack) as exc:
                     row["error"] = str(exc)
                 except Exception as exc:
-                    row["error"] = f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
-                    self.check_context(exc)
+                    row["error"] = self.error_text(exc, provider)
             if record:
                 self.record(
                     row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}"
@@ -2359,6 +2370,15 @@ def main(argv=None) -> int:
     if device.type == "cpu" and not args.cpu_standin:
         print("(no GPU found: every number above is a CPU number)")
     return exit_status(run)
+
+
+def our_build_info() -> Optional[str]:
+    """flash_attn_cuda.build_info, or None where the package does not import."""
+    try:
+        import flash_attn_cuda
+    except ImportError:
+        return None
+    return getattr(flash_attn_cuda, "build_info", None)
 
 
 def exit_status(run: Run) -> int:

@@ -439,3 +439,38 @@ def test_ab_builds_keys_tell_every_case_apart(bench, tmp_path, monkeypatch):
     groups = {ab.group_of(dict(zip(ab.KEY_FIELDS, k))) for k in keys}
     assert (bench.OURS, "decode", "fwd") in groups
     assert any(regime.startswith("decode[paged") for _, regime, _ in groups)
+
+
+@pytest.mark.parametrize("reduced", [True, False])
+def test_left_out_head_dim_is_a_skip_on_a_reduced_build(bench, tmp_path, monkeypatch, reduced):
+    """A cell whose head dim a reduced build left out (the 192 / 128 pair of a
+    d128 build, say) is recorded as skipped and does not fail the run; on a
+    build of every kernel the same refusal fails it."""
+    _ours_or_skip()
+    from reduced_build import LEFT_OUT_MESSAGE, REDUCED_KERNEL_SET_MARK
+
+    import flash_attn_cuda
+
+    refusal = (
+        f"flash_attn_cuda: head_dim 32 in fp32 needs the compiled head dim 32, {LEFT_OUT_MESSAGE}"
+    )
+
+    def refusing(name, device):
+        def op(*args, **kwargs):
+            raise RuntimeError(refusal)
+
+        return op
+
+    info = "hdims 128; dtypes bf16" + (f"; {REDUCED_KERNEL_SET_MARK}" if reduced else "")
+    monkeypatch.setattr(flash_attn_cuda, "build_info", info)
+    monkeypatch.setattr(bench, "ours_op", refusing)
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "train", "--seqlens", "128"]
+    argv += ["--dtypes", "fp32", "--headdims", "32", "--headdim-pairs", "", "--modes", "fwd"]
+    assert bench.main(argv) == (0 if reduced else 1)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == bench.OURS]
+    assert ours and all(r["error"] for r in ours)
+    assert all(r["error"].startswith("skipped:") == reduced for r in ours)
