@@ -37,13 +37,15 @@ __all__ = [
 _HEAD_DIM_ALIGNMENT = 8
 
 # The largest head dim per device, csrc/common/head_dim_bounds.h's: the CUDA
-# kernels' tile tables stop at 256; the CPU path serves up to 1024 (head dim
-# 512, MLA's 576 / 512), the function the CUDA kernels of issue 56 will serve.
+# kernels' tile tables stop at 256, but flash_attn_with_kvcache's split-KV
+# kernel serves 512; the CPU path serves up to 1024 (head dim 512, MLA's
+# 576 / 512), the function the CUDA kernels of issue 56 will serve.
 _MAX_HEAD_DIM = {"cuda": 256, "cpu": 1024}
+_MAX_KVCACHE_HEAD_DIM = {"cuda": 512, "cpu": 1024}
 
 
-def _max_head_dim(device) -> int:
-    return _MAX_HEAD_DIM["cpu" if torch.device(device).type == "cpu" else "cuda"]
+def _max_head_dim(device, bounds=_MAX_HEAD_DIM) -> int:
+    return bounds["cpu" if torch.device(device).type == "cpu" else "cuda"]
 
 
 # Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
@@ -114,9 +116,11 @@ def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str)
         )
 
 
-def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+def _check_head_dim(
+    q: torch.Tensor, v: Optional[torch.Tensor] = None, bounds=_MAX_HEAD_DIM
+) -> None:
     # Checked before padding, so that the messages name the caller's head dims.
-    bound = _max_head_dim(q.device)
+    bound = _max_head_dim(q.device, bounds)
     if q.shape[-1] > bound:
         where = (
             "on the CPU"
@@ -1481,7 +1485,8 @@ def flash_attn_with_kvcache(
     append).
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 256 (1024 on CPU). A
+        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 512 on CUDA
+            (head dims above 256 on sm80 and sm90 GPUs) and 1024 on CPU. A
             headdim that is not a multiple of 8 works on zero-padded copies of
             the caches, which costs a copy of both caches per call.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with
@@ -1574,7 +1579,7 @@ def flash_attn_with_kvcache(
         )
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim_v)")
-    _check_head_dim(q, v_cache)
+    _check_head_dim(q, v_cache, _MAX_KVCACHE_HEAD_DIM)
     # The caches are written in place, so a copy to fix their layout would
     # silently drop the update.
     if k_cache.stride(-1) != 1:

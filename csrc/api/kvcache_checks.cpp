@@ -161,7 +161,7 @@ KvcacheShape check_fwd_kvcache_args(
   }
   TORCH_CHECK(shape.batch > 0, "fwd_kvcache: q must have batch > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
-  const int max_dim = max_head_dim(q.is_cuda());
+  const int max_dim = max_kvcache_head_dim(q.is_cuda());
   TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= max_dim,
               "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most ",
               max_dim, " on ",

@@ -43,22 +43,25 @@ struct SplitKvEpilogue {
   const int64_t rows_per_split;
 
   // Step 1, by each warp with rows: its output rows as they stand (not yet
-  // normalised) into o_parts, its (row max, row sum) into row_stats, for its
-  // real rows. No barrier is needed before it.
+  // normalised) into o_parts, at its columns from vcol0 on, and its (row max,
+  // row sum) into row_stats, for its real rows; the warps of one slab that
+  // hold other columns (Traits::kWarpsV) have the same statistics, which the
+  // first of them writes. No barrier is needed before it.
   template <typename Softmax, typename AccORowcol, typename TScSRowcol, typename TOcORowcol>
   __device__ void write_parts(const Softmax& softmax, const AccORowcol& acc_o_rowcol,
                               const TScSRowcol& tScS_rowcol, const TOcORowcol& tOcO_rowcol,
-                              int warp_row0, int warp_n, int lane, int rows_left) const {
+                              int warp_row0, int vcol0, int warp_n, int warp_v, int lane,
+                              int rows_left) const {
     constexpr int kNRows = decltype(cute::size<0>(acc_o_rowcol))::value;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const float row_sum = quad_allreduce_sum(softmax.row_sum[mi]);
       const int tile_row = warp_row0 + cute::get<0>(tScS_rowcol(mi, 0));
       if (tile_row >= rows_left) continue;
-      if (lane % 4 == 0) {
+      if (lane % 4 == 0 && warp_v == 0) {
         row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum);
       }
-      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
+      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride + vcol0;
       CUTE_UNROLL
       for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 2) {
         const int col = cute::get<1>(tOcO_rowcol(0, ni));

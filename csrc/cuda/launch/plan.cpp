@@ -724,7 +724,12 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   const int group = shape.nheads_k > 0 ? shape.nheads / shape.nheads_k : 0;
   const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
   plan.warps_n = splitkv_warps_n_for(compiled, rows_per_kv_head, device.smem_per_block_optin);
-  plan.block_m = splitkv_block_m(plan.warps_n);
+  if (plan.warps_n == 0) {  // d512 on a device of 99 KB blocks (sm86 / sm89)
+    plan.num_splits = 0;
+    plan.reason = "no split-KV variant of this head dim fits the device's shared memory per block";
+    return plan;
+  }
+  plan.block_m = splitkv_block_m(compiled, plan.warps_n);
   plan.num_m_blocks = ceil_div(rows_per_kv_head, plan.block_m);
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * plan.num_m_blocks;
   plan.num_splits =

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/append_rotary_launch.h"
 #include "cuda/launch/launcher_registry.h"
@@ -204,7 +205,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                                  reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
   decode.window_left = window.left;
   decode.varlen = shape.varlen_q || shape.varlen_new;
-  const DecodePlan plan = plan_decode(decode, current_device_desc());
+  const DeviceDesc device = current_device_desc();
+  const DecodePlan plan = plan_decode(decode, device);
+  TORCH_CHECK(plan.warps_n > 0, "fwd_kvcache (CUDA): head_dim ", shape.head_dim,
+              " needs a split-KV block of ",
+              splitkv_smem_bytes(compiled, splitkv_decode_warps_n(compiled)),
+              " bytes of shared memory, and this device's blocks hold at most ",
+              device.smem_per_block_optin, " (an sm80 or sm90 GPU serves it)");
   TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
               int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
               " is more than the kernel's grid holds (", 65535 * plan.block_m, ")");

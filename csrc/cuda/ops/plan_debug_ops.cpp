@@ -11,6 +11,7 @@
 #include <string>
 
 #include "api/checks.h"
+#include "common/head_dim_bounds.h"
 #include "cuda/launch/plan.h"
 
 namespace flash {
@@ -134,7 +135,8 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
                            int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                            int64_t smem_per_block_optin, int64_t smem_per_sm,
                            int64_t reserved_smem_per_block) {
-  TORCH_CHECK(head_dim > 0 && head_dim <= 256, "_plan_decode: head_dim must be in [1, 256], got ",
+  TORCH_CHECK(head_dim > 0 && head_dim <= kMaxHeadDimCudaKvcache,
+              "_plan_decode: head_dim must be in [1, ", kMaxHeadDimCudaKvcache, "], got ",
               head_dim);
   TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0,
               "_plan_decode: nheads must be a multiple of nheads_k");

@@ -1,0 +1,192 @@
+"""CUDA tests of fwd_kvcache at head dims above 256 (compiled head dim 512).
+
+The split-KV kernel's d512 instance splits each warp's output columns: its four
+warps are two key slabs x two halves of the value dim, the two warps of a slab
+computing the same scores (splitkv_tile_config.h, splitkv_warps_v). It is the
+only CUDA kernel of these head dims; the forward and backward ops still refuse
+them (head_dim_bounds.h). Inputs and checks are test_cuda_kvcache.py's: the
+float64 reference, the CPU op, the caches after an append.
+
+Every test here needs a GPU and is skipped with a reason without one.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attn_cuda
+from test_cpu_kvcache import check_against_reference, make_inputs, op_args, page_cache, unpage
+from test_cuda_kvcache import DTYPE_IDS, DTYPES, check_all, run_cuda
+
+pytestmark = pytest.mark.cuda
+
+fwd_kvcache = torch.ops.flash_attn.fwd_kvcache
+
+
+def inputs(head_dim=512, head_dim_v=None, **overrides):
+    """make_inputs at head_dim, with v_cache (and v) cut to head_dim_v columns."""
+    fields = dict(
+        batch=3,
+        seqlen_q=1,
+        capacity=301,
+        nheads=8,
+        nheads_k=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
+    fields.update(overrides)
+    args = make_inputs(**fields)
+    if head_dim_v is not None and head_dim_v != head_dim:
+        args["v_cache"] = args["v_cache"][..., :head_dim_v].contiguous()
+        if args.get("v") is not None:
+            args["v"] = args["v"][..., :head_dim_v].contiguous()
+    return args
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "seqlen_new,rotary", [(0, None), (3, None), (3, "neox")], ids=["no_new", "new", "new_rotary"]
+)
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (6, 1)], ids=["mha", "gqa4", "mqa6"])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 16])
+def test_matches_reference(dtype, causal, seqlen_new, rotary, heads, seqlen_q):
+    """Query rows of a kv head = seqlen_q x group: 1 to 96, so one to six query
+    blocks of 16 rows (d512 has no 64-row variant)."""
+    args = inputs(
+        seqlen_q=seqlen_q,
+        nheads=heads[0],
+        nheads_k=heads[1],
+        dtype=dtype,
+        seqlen_new=seqlen_new,
+        rotary=rotary,
+        causal=causal,
+    )
+    check_all(args, run_cuda(args), seqlen_new, rotary)
+
+
+@pytest.mark.parametrize("head_dim", [264, 320, 384, 448, 504, 512])
+def test_head_dims_above_256(head_dim):
+    """Every head dim in (256, 512] runs the d512 kernel on zero-padded columns."""
+    args = inputs(head_dim=head_dim, seqlen_q=2, seqlen_new=2, rotary="neox", causal=True)
+    check_all(args, run_cuda(args), 2, "neox")
+
+
+@pytest.mark.parametrize("head_dim_v", [128, 256, 264, 384, 512])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_value_dims_below_512(head_dim_v, num_splits):
+    """d_v < d_qk = 512: the value halves that hold no column of V compute
+    zeros, and the merge writes O's d_v columns only."""
+    args = inputs(head_dim_v=head_dim_v, seqlen_q=2, nheads=16, nheads_k=4, causal=True)
+    args["num_splits"] = num_splits
+    got = run_cuda(args)
+    assert got[0].shape[-1] == head_dim_v
+    check_all(args, got, 0, None)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_matches_contiguous(page_size, num_splits):
+    capacity = 512 if page_size == 256 else 320
+    args = inputs(
+        capacity=capacity,
+        seqlen_q=2,
+        nheads=16,
+        nheads_k=4,
+        seqlen_new=2,
+        rotary="neox",
+        causal=True,
+    )
+    args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
+    paged = dict(args)
+    page_cache(paged, page_size)
+    contiguous = run_cuda(args, num_splits=num_splits)
+    got = run_cuda(paged, num_splits=num_splits)
+    out, lse, k_after, v_after = got
+    # Same key tiles in the same order: the page layout changes addresses only.
+    assert torch.equal(out, contiguous[0]) and torch.equal(lse, contiguous[1])
+    assert torch.equal(unpage(k_after, paged["block_table"]), contiguous[2])
+    assert torch.equal(unpage(v_after, paged["block_table"]), contiguous[3])
+    check_all(paged, got, 2, "neox")
+
+
+@pytest.mark.parametrize("batch,nheads,nheads_k", [(1, 32, 8), (16, 32, 8), (2, 8, 1)])
+def test_long_cache_default_splits(batch, nheads, nheads_k):
+    """Decode as served: one query, the op's split count, thousands of keys, so
+    that each split streams many 32-key tiles through both stages."""
+    args = inputs(
+        batch=batch, capacity=4133, nheads=nheads, nheads_k=nheads_k, seqlen_new=1, rotary="neox"
+    )
+    check_all(args, run_cuda(args), 1, "neox")
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_num_splits_agree(num_splits):
+    args = inputs(capacity=2000, nheads=16, nheads_k=4, seqlen_q=4, causal=True)
+    one = run_cuda(args, num_splits=1)
+    got = run_cuda(args, num_splits=num_splits)
+    torch.testing.assert_close(got[0].float(), one[0].float(), atol=2e-2, rtol=2e-2)
+    check_against_reference(args, got[0], got[1])
+
+
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "window", "sink"])
+def test_score_features(feature):
+    """The score-extras instance (softcap, ALiBi) and the mask and sink paths
+    of the plain one, at d512."""
+    args = inputs(capacity=700, seqlen_q=3, nheads=8, nheads_k=2, causal=True)
+    if feature == "softcap":
+        args["softcap"] = 30.0
+    elif feature == "alibi":
+        args["alibi_slopes"] = torch.rand(8, dtype=torch.float32)
+    elif feature == "window":
+        args["window_size_left"], args["window_size_right"] = 100, 0
+    else:
+        args["learnable_sink"] = torch.randn(8, dtype=torch.float32)
+    for num_splits in (1, 4):
+        out, lse, _, _ = run_cuda(args, num_splits=num_splits)
+        check_against_reference(dict(args, num_splits=num_splits), out, lse)
+
+
+def test_varlen_query():
+    """FA3's varlen query (cu_seqlens_q) over the d512 kernel's query blocks."""
+    lens = [3, 0, 20]
+    # Not causal: a row's keys then do not depend on its sequence's length.
+    args = inputs(batch=3, seqlen_q=max(lens), nheads=8, nheads_k=2)
+    q = args["q"]
+    packed = torch.cat([q[b, :n] for b, n in enumerate(lens)])
+    cu = torch.tensor([0, 3, 3, 23], dtype=torch.int32)
+    varlen = dict(args, q=packed, cu_seqlens_q=cu, max_seqlen_q=max(lens))
+    out = run_cuda(varlen)[0]
+    dense = run_cuda(args)[0]
+    for b, n in enumerate(lens):
+        start = int(cu[b])
+        assert torch.equal(out[start : start + n], dense[b, :n])
+
+
+def test_v_as_column_slice_of_k():
+    """v_cache = k_cache[..., :256] (a view, no copy), as absorbed decode passes it."""
+    from flash_attn_cuda import flash_attn_with_kvcache
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 1, 32, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_cache = torch.randn(4, 900, 1, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    v_cache = k_cache[..., :256]
+    seqlens = torch.tensor([899, 1, 450, 64], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    padded = flash_attn_with_kvcache(
+        q, k_cache.clone(), F.pad(v_cache, (0, 256)), cache_seqlens=seqlens
+    )
+    assert torch.equal(out, padded[..., :256])
+
+
+def test_forward_and_larger_head_dims_refused():
+    """Only fwd_kvcache serves head dims above 256 on CUDA; above 512 nothing does."""
+    q = torch.randn(1, 4, 2, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"at most 256 on cuda"):
+        flash_attn_cuda.flash_attn_func(q, q, q)
+    q = torch.randn(1, 1, 2, 520, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 64, 2, 520, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"at most 512 on cuda"):
+        flash_attn_cuda.flash_attn_with_kvcache(q, cache, cache)
+    with pytest.raises(RuntimeError, match=r"head_dim .* at most 512 on CUDA .*, got 520"):
+        fwd_kvcache(**op_args(q, cache, cache))
