@@ -2163,6 +2163,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--decode-seqlens-q", default=None, help="comma list (default: 1,4; --quick: 1)")
     p.add_argument(
+        "--decode-headdim",
+        type=int,
+        default=None,
+        help="head dim of the decode regime (default: 128; on the CPU 32-64); e.g. 512, "
+        "which flash_attn_with_kvcache serves on CUDA",
+    )
+    p.add_argument(
         "--decode-seqlens-k",
         default=None,
         help="comma list (default: 4096..131072, powers of 2 / 1024,4096,16384; --quick: "
@@ -2304,6 +2311,10 @@ def select(args) -> tuple:
         grid.decode_seqlens_q = parse_list(args.decode_seqlens_q, int)
     if args.decode_seqlens_k:
         grid.decode_seqlens_k = parse_list(args.decode_seqlens_k, int)
+    if args.decode_headdim is not None:
+        if not 8 <= args.decode_headdim <= 1024:
+            raise SystemExit(f"--decode-headdim must be in [8, 1024], got {args.decode_headdim}")
+        grid.decode_headdim = args.decode_headdim
     if args.decode_batches:
         grid.decode_batches = parse_list(args.decode_batches, int)
     if args.decode_rounds is not None and args.decode_rounds < 1:

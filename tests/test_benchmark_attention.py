@@ -474,3 +474,19 @@ def test_left_out_head_dim_is_a_skip_on_a_reduced_build(bench, tmp_path, monkeyp
     ours = [r for r in rows if r["provider"] == bench.OURS]
     assert ours and all(r["error"] for r in ours)
     assert all(r["error"].startswith("skipped:") == reduced for r in ours)
+
+
+def test_decode_headdim_argument(bench, tmp_path, monkeypatch):
+    """--decode-headdim sets the decode regime's head dim (512 is served by
+    flash_attn_with_kvcache on CUDA); ours and the anchors run at it."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "decode", "--decode-headdim", "40"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == bench.OURS and r.get("ms")]
+    assert ours and {r["headdim"] for r in rows} == {40}
+    with pytest.raises(SystemExit, match="--decode-headdim must be in"):
+        bench.main(argv[:-1] + ["4"])
