@@ -32,3 +32,15 @@ def test_gpu_ab_refuses_an_unknown_argument(tmp_path):
     assert result.returncode == 2
     assert "unknown argument '--bogus'" in result.stderr
     assert not (tmp_path / "ab").exists(), "nothing is copied before the arguments are read"
+
+
+def test_gpu_ab_refuses_a_base_tree_that_is_no_source_tree(tmp_path):
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_ab.sh"), "--base-tree", str(tmp_path), "--", "x"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "AB_DIR": str(tmp_path / "ab")},
+    )
+    assert result.returncode == 2
+    assert "is not a source tree" in result.stderr
+    assert not (tmp_path / "ab").exists(), "nothing is copied before the arguments are read"
