@@ -16,15 +16,15 @@ import torch.nn.functional as F
 
 import flash_attn_cuda
 from test_cpu_kvcache import check_against_reference, make_inputs, op_args, page_cache, unpage
-from test_cuda_kvcache import DTYPE_IDS, DTYPES, check_all, run_cuda
+from test_cuda_kvcache import DTYPE_IDS, DTYPES, check_all, check_matches_cpu_op, run_cuda
 
 pytestmark = pytest.mark.cuda
 
 fwd_kvcache = torch.ops.flash_attn.fwd_kvcache
 
 
-def inputs(head_dim=512, head_dim_v=None, **overrides):
-    """make_inputs at head_dim, with v_cache (and v) cut to head_dim_v columns."""
+def inputs(head_dim=512, **overrides):
+    """make_inputs at head_dim, 8:2 heads, one query, bf16 unless overridden."""
     fields = dict(
         batch=3,
         seqlen_q=1,
@@ -35,12 +35,7 @@ def inputs(head_dim=512, head_dim_v=None, **overrides):
         dtype=torch.bfloat16,
     )
     fields.update(overrides)
-    args = make_inputs(**fields)
-    if head_dim_v is not None and head_dim_v != head_dim:
-        args["v_cache"] = args["v_cache"][..., :head_dim_v].contiguous()
-        if args.get("v") is not None:
-            args["v"] = args["v"][..., :head_dim_v].contiguous()
-    return args
+    return make_inputs(**fields)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -72,16 +67,23 @@ def test_head_dims_above_256(head_dim):
     check_all(args, run_cuda(args), 2, "neox")
 
 
-@pytest.mark.parametrize("head_dim_v", [128, 256, 264, 384, 512])
+@pytest.mark.parametrize("head_dim_v", [128, 256, 264, 384, 504])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_value_dims_below_512(head_dim_v, num_splits):
-    """d_v < d_qk = 512: the value halves that hold no column of V compute
-    zeros, and the merge writes O's d_v columns only."""
-    args = inputs(head_dim_v=head_dim_v, seqlen_q=2, nheads=16, nheads_k=4, causal=True)
+    """d_v < d_qk = 512: V's columns past d_v are zero-filled in shared memory,
+    so a value half past d_v computes zeros, and the merge writes O's d_v
+    columns only. Bit for bit the same call on V zero-padded to 512 columns
+    (which the float64 reference and the CPU op check), cut to d_v."""
+    args = inputs(seqlen_q=2, nheads=16, nheads_k=4, causal=True, seqlen_new=2)
     args["num_splits"] = num_splits
-    got = run_cuda(args)
-    assert got[0].shape[-1] == head_dim_v
-    check_all(args, got, 0, None)
+    padded = run_cuda(args)
+    check_all(args, padded, 2, None)
+    narrow = dict(args, v_cache=args["v_cache"][..., :head_dim_v].contiguous())
+    narrow["v"] = args["v"][..., :head_dim_v].contiguous()
+    out, lse, k_after, v_after = run_cuda(narrow)
+    assert out.shape[-1] == head_dim_v
+    assert torch.equal(out, padded[0][..., :head_dim_v]) and torch.equal(lse, padded[1])
+    assert torch.equal(k_after, padded[2]) and torch.equal(v_after, padded[3][..., :head_dim_v])
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
@@ -143,8 +145,12 @@ def test_score_features(feature):
     else:
         args["learnable_sink"] = torch.randn(8, dtype=torch.float32)
     for num_splits in (1, 4):
-        out, lse, _, _ = run_cuda(args, num_splits=num_splits)
-        check_against_reference(dict(args, num_splits=num_splits), out, lse)
+        call = dict(args, num_splits=num_splits)
+        got = run_cuda(call)
+        if feature == "sink":  # the float64 reference has no sinks; the CPU op has
+            check_matches_cpu_op(call, got, None)
+        else:
+            check_against_reference(call, got[0], got[1])
 
 
 def test_varlen_query():
