@@ -38,10 +38,11 @@ _HEAD_DIM_ALIGNMENT = 8
 
 # The largest head dim per device, csrc/common/head_dim_bounds.h's: the CUDA
 # kernels' tile tables stop at 256, but flash_attn_with_kvcache's split-KV
-# kernel serves 512; the CPU path serves up to 1024 (head dim 512, MLA's
-# 576 / 512), the function the CUDA kernels of issue 56 will serve.
+# kernel serves 512, and absorbed MLA's 576 with d_v <= 512 (the op checks
+# d_v); the CPU path serves up to 1024, the function the CUDA kernels of
+# issue 56 will serve.
 _MAX_HEAD_DIM = {"cuda": 256, "cpu": 1024}
-_MAX_KVCACHE_HEAD_DIM = {"cuda": 512, "cpu": 1024}
+_MAX_KVCACHE_HEAD_DIM = {"cuda": 576, "cpu": 1024}
 
 
 def _max_head_dim(device, bounds=_MAX_HEAD_DIM) -> int:
@@ -1486,7 +1487,8 @@ def flash_attn_with_kvcache(
 
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), headdim at most 512 on CUDA
-            (head dims above 256 on sm80 and sm90 GPUs) and 1024 on CPU. A
+            (head dims above 256 on sm80 and sm90 GPUs), or 576 with a headdim_v
+            of at most 512 (absorbed MLA's latent cache), and 1024 on CPU. A
             headdim that is not a multiple of 8 works on zero-padded copies of
             the caches, which costs a copy of both caches per call.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with

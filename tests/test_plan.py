@@ -848,8 +848,13 @@ def test_decode_head_dim_512():
     assert (
         decode(16, 1, 16384, 32, 8, 512, seqlen_new=1, rotary_dim=512)["append_in_attention"] == 1
     )
-    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 512\], got 520"):
-        decode(1, 1, 64, 8, 8, 520)
+    # Absorbed MLA's 576 (d_v 512): the same split, 165,888 B, an sm80 block too.
+    plan = decode(64, 1, 4096, 128, 1, 576)
+    assert plan["head_dim"] == 576 and plan["warps_n"] == 2 and plan["block_m"] == 16
+    assert plan["m_blocks"] == 8 and plan["smem"] == 165888
+    assert decode(64, 1, 4096, 128, 1, 576, device=A100)["warps_n"] == 2
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 576\], got 584"):
+        decode(1, 1, 64, 8, 8, 584)
 
 
 def test_decode_append_in_attention():

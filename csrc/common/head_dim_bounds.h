@@ -6,7 +6,7 @@
 // CUDA: the tile tables stop at 256 (fwd_tile_config.h, bwd_tile_config.h;
 // head dim 512 and absorbed MLA's 576 / 512 are issue 56's, designed in
 // docs/head_dims_dv_and_512.md), except fwd_kvcache's split-KV kernel, which
-// serves up to 512. CPU: the tiles work on column strips of 8
+// serves up to 512, and 576 with d_v <= 512. CPU: the tiles work on column strips of 8
 // at any width, with per-thread scratch of a few rows of head_dim floats; the
 // bound covers those head dims (and MLA's 576) with room, so that the CPU
 // path computes the function the CUDA kernels will serve.
@@ -16,9 +16,10 @@ namespace flash {
 
 constexpr int kMaxHeadDimCuda = 256;
 constexpr int kMaxHeadDimCpu = 1024;
-// fwd_kvcache on CUDA: the split-KV kernel has a d512 instance, whose warps
-// split the value dim in halves (splitkv_tile_config.h, splitkv_warps_v).
-constexpr int kMaxHeadDimCudaKvcache = 512;
+// fwd_kvcache on CUDA: the split-KV kernel has d512 and d576 instances,
+// whose warps split the value dim in halves (splitkv_tile_config.h,
+// splitkv_warps_v); 576 is absorbed MLA's latent cache, with d_v <= 512.
+constexpr int kMaxHeadDimCudaKvcache = 576;
 
 constexpr int max_head_dim(bool cuda) { return cuda ? kMaxHeadDimCuda : kMaxHeadDimCpu; }
 constexpr int max_kvcache_head_dim(bool cuda) {

@@ -10,10 +10,10 @@ checks that it is current).
 from pathlib import Path
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
-# Head dims with the split-KV (fwd_kvcache) kernel only: 512's warps split the
-# value dim in halves (splitkv_tile_config.h); its forward and backward are
-# issue 56's, not built yet.
-SPLITKV_ONLY_HEAD_DIMS = [512]
+# Head dims with the split-KV (fwd_kvcache) kernel only: their warps split the
+# value dim in halves (splitkv_tile_config.h); 576 is absorbed MLA's latent
+# cache (d_v <= 512). Their forward and backward are issue 56's, not built yet.
+SPLITKV_ONLY_HEAD_DIMS = [512, 576]
 DTYPES = {"fp16": ("cutlass::half_t", "false"), "bf16": ("cutlass::bfloat16_t", "true")}
 
 # Head dims whose Hopper kernels use wgmma widths that CuTe's op selector only

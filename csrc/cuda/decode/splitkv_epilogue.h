@@ -28,6 +28,7 @@ struct SplitKvEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimVTotal;  // O's columns
   static constexpr int kWarpsN = Traits::kWarpsN;
   static constexpr int kPartStride = splitkv_merge_row_floats(kHeadDim);
 
@@ -76,7 +77,7 @@ struct SplitKvEpilogue {
   // the final output (16-bit) or to this split's fp32 partial output; the
   // thread of a row's first chunk also writes its lse.
   __device__ void combine_parts(const SplitKvMergeTarget& target) const {
-    constexpr int kChunksPerRow = kHeadDim / 4;
+    constexpr int kChunksPerRow = kHeadDimV / 4;
     CUTE_UNROLL
     for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
       const int tile_row = chunk / kChunksPerRow;
@@ -140,7 +141,7 @@ struct SplitKvEpilogue {
         *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
       } else {
         const int64_t partial_row = target.split * rows_per_split + lse_index;
-        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
+        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDimV + col) = sum;
       }
       if (col == 0) {
         if (final_output) {

@@ -31,8 +31,9 @@ struct SplitKvKernelTraits {
   static constexpr int kWarpsM = kNWarps / (kWarpsN * kWarpsV);
   static constexpr int kBlockM = 16 * kWarpsM;
   static constexpr int kSlabN = kBlockN / kWarpsN;
-  // The output columns of one warp.
-  static constexpr int kHeadDimV = kHeadDim / kWarpsV;
+  // The value dim (splitkv_head_dim_v: 512 at MLA's 576) and one warp's part of it.
+  static constexpr int kHeadDimVTotal = splitkv_head_dim_v(kHeadDim);
+  static constexpr int kHeadDimV = kHeadDimVTotal / kWarpsV;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kStages = splitkv_stages(kHeadDim, kWarpsN);
   static_assert(kNWarps % (kWarpsN * kWarpsV) == 0 && kBlockN % (16 * kWarpsN) == 0,

@@ -25,6 +25,14 @@ constexpr int splitkv_block_n(int compiled_head_dim) {
 // "Head dim 512, decode").
 constexpr int splitkv_warps_v(int compiled_head_dim) { return compiled_head_dim > 256 ? 2 : 1; }
 
+// The value dim a compiled head dim's kernel computes: its own, but 512 for
+// 576, absorbed MLA's latent cache (d_qk = 576, d_v = 512: V is the first 512
+// columns of the cache rows, docs/head_dims_dv_and_512.md section 4). O, the
+// merge's rows and the partial results are this wide.
+constexpr int splitkv_head_dim_v(int compiled_head_dim) {
+  return compiled_head_dim == 576 ? 512 : compiled_head_dim;
+}
+
 // The four warps of a block split each K/V tile into warps_n slabs of keys and
 // the query rows into 4 / warps_n slabs of 16 rows. warps_n = 1 (64 query
 // rows, every warp reads the whole tile) suits many rows. Decode has a few
@@ -72,7 +80,9 @@ constexpr int splitkv_q_slots(int compiled_head_dim, int warps_n, bool several_i
 // shared memory: per warp and row, the output row in fp32, padded by 8 floats
 // so that the float2 writes of the 8 rows of a warp's accumulator land on
 // distinct banks, and a (row max, row sum) pair.
-constexpr int splitkv_merge_row_floats(int compiled_head_dim) { return compiled_head_dim + 8; }
+constexpr int splitkv_merge_row_floats(int compiled_head_dim) {
+  return splitkv_head_dim_v(compiled_head_dim) + 8;
+}
 constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
   return 4 * warps_n * splitkv_block_m(compiled_head_dim, warps_n) *
          (splitkv_merge_row_floats(compiled_head_dim) + 2);
@@ -117,6 +127,8 @@ static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128,
 static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 &&
                   splitkv_smem_bytes(512, 2) == 147456 && splitkv_smem_bytes(512, 2) <= 163 * 1024,
               "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages, an sm80 block");
+static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
+              "absorbed MLA's 576: the same split, an sm80 block");
 
 // The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
 // a device with max_smem_per_block bytes of shared memory per block: the

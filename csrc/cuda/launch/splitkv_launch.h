@@ -152,8 +152,10 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
     if (rows == 0) return;
     LaunchOptions options;
     options.programmatic = plan.programmatic_launch;
-    launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
-              dim3(kCombineThreads), 0, stream, options, combine_params);
+    // The partial results are as wide as the value dim (splitkv_head_dim_v).
+    launch_ex(&splitkv_combine_kernel<Element, splitkv_head_dim_v(kHeadDim)>,
+              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream, options,
+              combine_params);
   }
 }
 

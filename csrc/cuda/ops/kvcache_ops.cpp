@@ -100,6 +100,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
               is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
               "FLASH_ATTN_CUDA_DTYPES including it");
+  TORCH_CHECK(shape.head_dim_v <= splitkv_head_dim_v(compiled), "fwd_kvcache (CUDA): head_dim ",
+              shape.head_dim,
+              " (above 512) is served for absorbed MLA's latent cache, whose values are at most "
+              "512 columns: d_v (the head dim of v_cache) must be at most ",
+              splitkv_head_dim_v(compiled), ", got ", shape.head_dim_v);
   check_cache_aligned(k_cache, "k_cache");
   check_cache_aligned(v_cache, "v_cache");
   const Window window =
@@ -248,21 +253,23 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.lse_accum_ptr = nullptr;
   if (params.num_splits > 1) {
     // One allocation (decode calls are short; each allocator call shows):
-    // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then
+    // partial outputs (num_splits, batch, nheads, seqlen_q, accum_cols), then
     // their lse (num_splits, batch, nheads, seqlen_q); a varlen q's rows are
-    // (nheads, total_q) (splitkv_rows_per_split). compiled is a multiple of
-    // 32, so every partial row stays 16-byte aligned.
+    // (nheads, total_q) (splitkv_rows_per_split). accum_cols, the kernel's
+    // value dim (the compiled head dim; 512 at 576, splitkv_head_dim_v), is a
+    // multiple of 32, so every partial row stays 16-byte aligned.
+    const int64_t accum_cols = splitkv_head_dim_v(compiled);
     const int64_t rows_per_split = shape.varlen_q
                                        ? int64_t(shape.nheads) * shape.total_q
                                        : int64_t(shape.batch) * shape.nheads * shape.seqlen_q;
     const int64_t partial_rows = int64_t(params.num_splits) * rows_per_split;
-    split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
+    split_accum = at::empty({partial_rows * (accum_cols + 1)}, q.options().dtype(at::kFloat));
     params.out_accum_ptr = split_accum.data_ptr<float>();
-    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
+    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * accum_cols;
     if (shape.varlen_q) {
       // Rows of q outside every sequence have no work item: a partial lse of
       // -inf merges them to out 0, lse +inf, as the CPU path gives them.
-      split_accum.narrow(0, partial_rows * compiled, partial_rows)
+      split_accum.narrow(0, partial_rows * accum_cols, partial_rows)
           .fill_(-std::numeric_limits<float>::infinity());
     }
   }
