@@ -15,8 +15,15 @@ import torch
 import torch.nn.functional as F
 
 import flash_attn_cuda
-from test_cpu_kvcache import check_against_reference, make_inputs, op_args, page_cache, unpage
-from test_cuda_kvcache import DTYPE_IDS, DTYPES, check_all, check_matches_cpu_op, run_cuda
+from test_cpu_kvcache import check_against_reference, make_inputs, op_args
+from test_cuda_kvcache import (
+    DTYPE_IDS,
+    DTYPES,
+    check_all,
+    check_matches_cpu_op,
+    check_paged_matches_contiguous,
+    run_cuda,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -100,16 +107,7 @@ def test_paged_matches_contiguous(page_size, num_splits):
         causal=True,
     )
     args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
-    paged = dict(args)
-    page_cache(paged, page_size)
-    contiguous = run_cuda(args, num_splits=num_splits)
-    got = run_cuda(paged, num_splits=num_splits)
-    out, lse, k_after, v_after = got
-    # Same key tiles in the same order: the page layout changes addresses only.
-    assert torch.equal(out, contiguous[0]) and torch.equal(lse, contiguous[1])
-    assert torch.equal(unpage(k_after, paged["block_table"]), contiguous[2])
-    assert torch.equal(unpage(v_after, paged["block_table"]), contiguous[3])
-    check_all(paged, got, 2, "neox")
+    check_paged_matches_contiguous(args, page_size, num_splits, 2, "neox")
 
 
 @pytest.mark.parametrize("batch,nheads,nheads_k", [(1, 32, 8), (16, 32, 8), (2, 8, 1)])
