@@ -199,3 +199,45 @@ def test_forward_and_larger_head_dims_refused():
         flash_attn_cuda.flash_attn_with_kvcache(q, cache, cache[..., :512])
     with pytest.raises(RuntimeError, match=r"head_dim .* at most 576 on CUDA .*, got 584"):
         fwd_kvcache(**op_args(q, cache, cache[..., :512]))
+
+
+D512_BAD_INDEX_CASES = [
+    "table_entry_1000",
+    "seqlens_past_table",
+    "append_past_table",
+    "append_past_contiguous",
+    "batch_idx_7",
+    "leftpad_past_seqlens",
+    "paged_batch_idx_past_table",
+    "varlen_cu_new_past_rows",
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("case", D512_BAD_INDEX_CASES)
+def test_bad_index_values_at_d512(case, num_splits, monkeypatch):
+    """test_cuda_index_safety.py's KV-cache cases at head dim 512: the CPU
+    path's error, deferred (check_index_errors) and with sync checks, and no
+    write outside the caches."""
+    import test_cuda_index_safety as safety
+
+    monkeypatch.setattr(safety, "HEAD_DIM", 512)
+    kwargs, buffers, pattern = safety._kvcache_case(case)
+    kwargs["num_splits"] = num_splits
+    expected = safety._cpu_message(safety._kvcache_call, kwargs)
+    assert pattern in expected, expected
+    previous = flash_attn_cuda.set_sync_index_checks(False)
+    try:
+        flash_attn_cuda.check_index_errors()  # nothing recorded before
+        safety._kvcache_call(**kwargs)
+        with pytest.raises(RuntimeError) as info:
+            flash_attn_cuda.check_index_errors()
+        assert str(info.value).splitlines()[0] == expected
+        flash_attn_cuda.set_sync_index_checks(True)
+        with pytest.raises(RuntimeError) as info:
+            safety._kvcache_call(**kwargs)
+        assert str(info.value).splitlines()[0] == expected
+    finally:
+        flash_attn_cuda.set_sync_index_checks(previous)
+    for buffer in buffers:
+        assert (buffer[0] == 7.0).all() and (buffer[-1] == 7.0).all()
