@@ -674,6 +674,29 @@ def test_append_into_a_shared_latent_cache(device):
         )
 
 
+def test_compile_fullgraph_absorbed_mla_decode_with_append_on_cpu():
+    """torch.compile(fullgraph=True) through absorbed MLA's decode step: the
+    shared latent cache (v_cache = k_cache[..., :512]) appended in place, the
+    same bits and cache as eager."""
+    torch._dynamo.reset()
+
+    def step(q, cache, new, seqlens):
+        return flash_attn_with_kvcache(
+            q, cache, cache[..., :512], new, new[..., :512], cache_seqlens=seqlens
+        )
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 8, 576, dtype=torch.bfloat16)
+    cache = torch.randn(2, 64, 1, 576, dtype=torch.bfloat16)
+    new = torch.randn(2, 1, 1, 576, dtype=torch.bfloat16)
+    seqlens = torch.tensor([10, 60], dtype=torch.int32)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    eager = step(q, eager_cache, new, seqlens)
+    compiled = torch.compile(step, fullgraph=True)(q, compiled_cache, new, seqlens)
+    assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
+    assert not torch.equal(eager_cache, cache)
+
+
 def test_compile_fullgraph_head_dim_512_on_cpu():
     torch._dynamo.reset()
 
