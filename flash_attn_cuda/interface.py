@@ -36,12 +36,12 @@ __all__ = [
 # nothing to q.k and produce zero output columns, so the math is unchanged.
 _HEAD_DIM_ALIGNMENT = 8
 
-# The largest head dim per device, csrc/common/head_dim_bounds.h's: the CUDA
-# kernels' tile tables stop at 256, but flash_attn_with_kvcache's split-KV
-# kernel serves 512, and absorbed MLA's 576 with d_v <= 512 (the op checks
-# d_v); the CPU path serves up to 1024, the function the CUDA kernels of
-# issue 56 will serve.
-_MAX_HEAD_DIM = {"cuda": 256, "cpu": 1024}
+# The largest head dim per device, csrc/common/head_dim_bounds.h's: on CUDA
+# the forwards serve up to 512 (above 256 on the split-KV kernel, forward
+# only: the backward op refuses them by name), flash_attn_with_kvcache also
+# absorbed MLA's 576 with d_v <= 512 (the op checks d_v); the CPU path serves
+# up to 1024, the function the CUDA kernels of issue 56 will serve.
+_MAX_HEAD_DIM = {"cuda": 512, "cpu": 1024}
 _MAX_KVCACHE_HEAD_DIM = {"cuda": 576, "cpu": 1024}
 
 
@@ -1038,7 +1038,9 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
             (fp32 is also accepted on CPU; float8_e4m3fn too, with the
             descales below, on CPU until the FP8 CUDA kernels exist). Any
-            headdim up to 256 works (up to 1024 on CPU); one that is not a
+            headdim up to 256 works, forward and backward, and up to 512 forward
+            only (above 256 on the split-KV kernel: no dropout, no S_dmask; the
+            backward raises); up to 1024 on CPU; one that is not a
             multiple of 8 is zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.

@@ -184,10 +184,10 @@ def test_v_as_column_slice_of_k():
 
 
 def test_forward_and_larger_head_dims_refused():
-    """Only fwd_kvcache serves head dims above 256 on CUDA; above 512 only
-    absorbed MLA's (d_qk up to 576, d_v up to 512); above 576 nothing."""
-    q = torch.randn(1, 4, 2, 512, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"at most 256 on cuda"):
+    """The forwards serve head dims up to 512 on CUDA; fwd_kvcache above 512
+    only absorbed MLA's (d_qk up to 576, d_v up to 512); above 576 nothing."""
+    q = torch.randn(1, 4, 2, 520, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"at most 512 on cuda"):
         flash_attn_cuda.flash_attn_func(q, q, q)
     q = torch.randn(1, 1, 2, 520, device="cuda", dtype=torch.bfloat16)
     cache = torch.randn(1, 64, 2, 520, device="cuda", dtype=torch.bfloat16)

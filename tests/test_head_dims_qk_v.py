@@ -717,17 +717,25 @@ def test_compile_fullgraph_head_dim_512_on_cpu():
 @CUDA
 @pytest.mark.parametrize("d_qk,d_v", [(512, 512), (576, 512), (264, 128)])
 def test_head_dims_past_256_are_refused_on_cuda(d_qk, d_v):
-    """The CUDA kernels stop at 256 (common/head_dim_bounds.h), but for the
-    KV-cache op's, which serve 512 and absorbed MLA's 576 / 512: a clear error
-    that names the head dim and the bound, from the Python layer and from the
-    op itself."""
+    """On CUDA the forwards serve head dims up to 512 (above 256 on the split-KV
+    kernel, forward only) and the KV-cache op absorbed MLA's 576 / 512
+    (common/head_dim_bounds.h); what is past a bound gets a clear error that
+    names the head dim and the bound, from the Python layer and from the op,
+    and so does the backward above 256."""
     q = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
     k = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
     v = rand(1, 4, 2, d_v, device="cuda", dtype=torch.bfloat16)
-    match = rf"at most 256 on cuda \(larger head dims run on the CPU path only\), got {d_qk}"
-    with pytest.raises(ValueError, match=match):
-        flash_attn_func(q, k, v)
-    with pytest.raises(RuntimeError, match=rf"\[8, 256\] on CUDA .*got {d_qk}"):
-        ops.fwd(q, k, v, None, 0.0, d_qk**-0.5, False, -1, -1, 0.0, False, 0, 0, None)
-    # tests/test_cuda_kvcache_d512.py and test_cuda_kvcache_mla.py check the results.
+    if d_qk <= 512:  # tests/test_cuda_fwd_d512.py checks the results
+        out = flash_attn_func(q.requires_grad_(), k, v)
+        assert out.shape == (1, 4, 2, d_v)
+        with pytest.raises(RuntimeError, match=rf"backward of head dimension {d_qk} is not built"):
+            out.sum().backward()
+        q = q.detach()
+    else:
+        match = rf"at most 512 on cuda \(larger head dims run on the CPU path only\), got {d_qk}"
+        with pytest.raises(ValueError, match=match):
+            flash_attn_func(q, k, v)
+        with pytest.raises(RuntimeError, match=rf"\[8, 512\] on CUDA .*got {d_qk}"):
+            ops.fwd(q, k, v, None, 0.0, d_qk**-0.5, False, -1, -1, 0.0, False, 0, 0, None)
+    # tests/test_cuda_kvcache_d512.py and the absorbed-MLA test here check the results.
     assert flash_attn_with_kvcache(q[:, :1], k, v).shape == (1, 1, 2, d_v)

@@ -857,6 +857,27 @@ def test_decode_head_dim_512():
         decode(1, 1, 64, 8, 8, 584)
 
 
+def test_forward_above_256_on_the_splitkv_kernel():
+    """Head dims 257-512 have no forward kernel: every forward the split-KV
+    kernel serves runs on it, whatever the rows, the split request or a kernel
+    override; the others (dropout, S_dmask) and a device whose blocks cannot
+    hold it get no kernel, which the op refuses by name; _plan_bwd has no
+    head dim above 256."""
+    for head_dim in (264, 512):
+        plan = fwd(2, 4096, 4096, 16, 16, head_dim)
+        assert plan["kernel"] == "splitkv" and plan["hdim"] == 512 and plan["block_m"] == 16
+        assert "head dim above 256" in plan["reason"]
+    assert fwd(2, 4096, 4096, 16, 16, 512, kernel_override="sm80")["kernel"] == "splitkv"
+    assert fwd(2, 4096, 4096, 16, 16, 512, head_dim_v=256)["kernel"] == "splitkv"
+    assert fwd(2, 1024, 1024, 16, 16, 512, dropout_p=0.1)["kernel"] == "none"
+    assert fwd(2, 1024, 1024, 16, 16, 512, return_softmax=True)["kernel"] == "none"
+    assert fwd(2, 1024, 1024, 16, 16, 512, device=L40)["kernel"] == "none"
+    # Below 256 nothing changes: many rows take the forward kernels.
+    assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 256\], got 512"):
+        bwd(2, 1024, 1024, 16, 16, 512)
+
+
 def test_decode_append_in_attention():
     base = (16, 1, 16384, 32, 8, 128)
     assert decode(*base, seqlen_new=1)["append_in_attention"] == 1
