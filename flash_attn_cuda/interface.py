@@ -42,6 +42,8 @@ _HEAD_DIM_ALIGNMENT = 8
 # absorbed MLA's 576 with d_v <= 512 (the op checks d_v); the CPU path serves
 # up to 1024, the function the CUDA kernels of issue 56 will serve.
 _MAX_HEAD_DIM = {"cuda": 512, "cpu": 1024}
+# S_dmask (return_attn_probs) and the backward: the forward kernels' 256 on CUDA.
+_MAX_S_DMASK_HEAD_DIM = {"cuda": 256, "cpu": 1024}
 _MAX_KVCACHE_HEAD_DIM = {"cuda": 576, "cpu": 1024}
 
 
@@ -71,7 +73,7 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     (head_dim is checked against the supported range).
     """
     del is_dropout, is_causal  # the width depends on none of them
-    bound = _max_head_dim(device if device is not None else "cuda")
+    bound = _max_head_dim(device if device is not None else "cuda", _MAX_S_DMASK_HEAD_DIM)
     if not 0 < head_dim <= bound:
         raise ValueError(f"head_dim must be in [1, {bound}], got {head_dim}")
     return _S_DMASK_BLOCK_N
