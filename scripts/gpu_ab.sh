@@ -66,15 +66,14 @@ tar -c --exclude=./.git --exclude=./build --exclude='*.so' --exclude=./.whl --ex
 # Both builds at once, each with half the jobs: one build's last, longest
 # files leave most cores idle.
 jobs=$(( ${MAX_JOBS:-$(nproc)} / 2 ))
-pids=()
+declare -A pids
 for side in a b; do
   MAX_JOBS=$(( jobs > 0 ? jobs : 1 )) RESULTS_DIR=$ab/logs_$side \
     bash "$ab/$side/scripts/gpu_check.sh" build > "$ab/build_$side.out" 2>&1 &
-  pids+=($!)
+  pids[$side]=$!
 done
-for i in 0 1; do
-  side=$([ $i -eq 0 ] && echo a || echo b)
-  if ! wait "${pids[$i]}"; then
+for side in a b; do
+  if ! wait "${pids[$side]}"; then
     echo "gpu_ab: build $side failed (its log: $ab/logs_$side/build.log)" >&2
     tail -30 "$ab/build_$side.out" >&2
     exit 1
