@@ -114,8 +114,8 @@ def test_varlen_fwd_matches_reference(num_splits, page_size):
 
 
 def test_backward_and_unserved_features_refused():
-    """The backward, dropout, S_dmask and seqused_q are not served above head
-    dim 256 on CUDA: each is refused by name."""
+    """The backward, dropout (and with it S_dmask) and seqused_q are not served
+    above head dim 256 on CUDA: each is refused by name."""
     q = randn(1, 8, 2, 512).requires_grad_()
     k, v = randn(1, 8, 2, 512), randn(1, 8, 2, 512)
     out = flash_attn_func(q, k, v)
@@ -123,8 +123,11 @@ def test_backward_and_unserved_features_refused():
         out.sum().backward()
     with pytest.raises(RuntimeError, match=r"does not serve dropout_p > 0"):
         flash_attn_func(q.detach(), k, v, dropout_p=0.1)
-    with pytest.raises(RuntimeError, match=r"does not serve return_attn_probs"):
-        flash_attn_func(q.detach(), k, v, return_attn_probs=True, dropout_p=0.0)
+    # flash-attn draws S_dmask only with dropout (refused above), so
+    # return_attn_probs at p = 0 is served: the same out, and the LSE.
+    out2, lse, _ = flash_attn_func(q.detach(), k, v, return_attn_probs=True)
+    assert torch.equal(out2, out.detach())
+    assert lse.shape == (1, 2, 8) and torch.isfinite(lse).all()
     cu = torch.tensor([0, 8], device=DEVICE, dtype=torch.int32)
     used = torch.tensor([4], device=DEVICE, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"does not serve seqused_q"):
