@@ -490,3 +490,26 @@ def test_decode_headdim_argument(bench, tmp_path, monkeypatch):
     assert ours and {r["headdim"] for r in rows} == {40}
     with pytest.raises(SystemExit, match="--decode-headdim must be in"):
         bench.main(argv[:-1] + ["4"])
+
+
+def test_decode_mla_rows(bench, tmp_path, monkeypatch):
+    """--decode-mla adds absorbed MLA decode rows (128:1 heads, 576 / 512, v_cache
+    a view of k_cache): ours only, contiguous and paged, checked against SDPA,
+    and bytes counted once per latent row."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "decode", "--decode-mla"]
+    argv += ["--decode-paged", "--decode-page-sizes", "1,64", "--decode-seqlens-k", "256"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    mla = [r for r in rows if r.get("headdim_v") == 512]
+    assert {r["provider"] for r in mla} == {bench.OURS}
+    assert {r["kv_layout"] for r in mla} == {"contiguous", "paged1", "paged64"}
+    assert all((r["nheads"], r["nheads_k"], r["headdim"]) == (128, 1, 576) for r in mla)
+    assert all(not r["error"] and r["max_abs_diff_vs_sdpa"] is not None for r in mla)
+    for r in mla:
+        latent_bytes = r["batch"] * r["seqlen_k"] * 576 * (4 if r["dtype"] == "fp32" else 2)
+        assert r["gbps"] == pytest.approx(latent_bytes / (r["ms"] * 1e-3) / 1e9)
+    assert any(r.get("headdim_v") is None for r in rows if r["provider"] == bench.OURS)
