@@ -62,7 +62,8 @@ def _package_version() -> str:
 
 VERSION = _package_version()
 
-ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# 512 and 576: the split-KV (fwd_kvcache) kernel only (csrc/cuda/generate_instantiations.py).
+ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512, 576)
 ALL_DTYPES = ("fp16", "bf16")
 # sm_90a (not sm_90): the Hopper forward kernel uses wgmma, which only the
 # arch-specific target has; sm_90a machine code runs on every sm90 GPU. The default when

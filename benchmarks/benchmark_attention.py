@@ -38,6 +38,10 @@ import torch.nn.functional as F
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
+# The rule that tells a reduced build's refusal of a left-out head dim or dtype
+# (FLASH_ATTN_CUDA_HDIMS / _DTYPES) from an error, shared with the tests.
+sys.path.insert(1, os.path.join(BENCH_DIR, "..", "tests"))
+from reduced_build import left_out_reason  # noqa: E402
 
 OURS = "flash_attn_cuda"
 SDPA_BACKENDS = {
@@ -150,6 +154,9 @@ class Grid:
     decode_headdim: int = 128
     decode_dtype: str = "bf16"
     decode_page_sizes: list = field(default_factory=list)
+    # Absorbed MLA decode cases beside the regular ones (--decode-mla): 128
+    # query heads over one latent head of 576 columns, v_cache = k_cache[..., :512].
+    decode_mla: bool = False
     memory_seqlens: list = field(default_factory=list)
     memory_batch: int = 1
     memory_nheads: int = 16
@@ -983,28 +990,35 @@ def check_dropout(attn, q, k, v, shape: Shape, dropout_p: float) -> dict:
     return result
 
 
+def mla_decode_shape(dtype: str, batch: int, seqlen_q: int, seqlen_k: int) -> Shape:
+    """Absorbed MLA decode (DeepSeek's): 128 query heads of 576 columns over one
+    latent head, whose first 512 columns are the values."""
+    return Shape(dtype, batch, seqlen_q, seqlen_k, 128, 1, 576, False, headdim_v=512)
+
+
 def build_decode(
     provider: str, shape: Shape, page_size: Optional[int], device: torch.device
 ) -> Prepared:
-    """Decode: q (b, sq, 32, d) against a (b, sk, 8, d) K/V cache, forward only."""
+    """Decode: q (b, sq, 32, d) against a (b, sk, 8, d) K/V cache, forward only.
+    A shape with headdim_v is absorbed MLA's: v_cache is k_cache[..., :headdim_v],
+    the latent cache read in place (mla_decode_shape)."""
     dtype = DTYPES[shape.dtype]
     b, sq, sk = shape.batch, shape.seqlen_q, shape.seqlen_k
-    h, hk, d = shape.nheads, shape.nheads_k, shape.headdim
+    h, hk, d, dv = shape.nheads, shape.nheads_k, shape.headdim, shape.dv
+    latent = shape.headdim_v is not None
 
     if provider == OURS:
         attn = ours_op("flash_attn_with_kvcache", device)
         q = random_tensor((b, sq, h, d), dtype, device)
         cache_seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
         block_table = None
+        rows = (b, sk) if page_size is None else (b * -(-sk // page_size), page_size)
+        k_cache = random_tensor(rows + (hk, d), dtype, device)
+        v_cache = k_cache[..., :dv] if latent else random_tensor(rows + (hk, d), dtype, device)
         if page_size is None:
-            k_cache = random_tensor((b, sk, hk, d), dtype, device)
-            v_cache = random_tensor((b, sk, hk, d), dtype, device)
             k_view, v_view = k_cache, v_cache
         else:
-            pages_per_seq = -(-sk // page_size)
-            num_pages = b * pages_per_seq
-            k_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
-            v_cache = random_tensor((num_pages, page_size, hk, d), dtype, device)
+            num_pages, pages_per_seq = rows[0], rows[0] // b
             # Pages scattered at random, as an allocator that has run a while leaves them.
             block_table = (
                 torch.randperm(num_pages, device=device).to(torch.int32).view(b, pages_per_seq)
@@ -1026,13 +1040,15 @@ def build_decode(
         if k_cache.numel() * k_cache.element_size() <= CHECK_MAX_CACHE_BYTES:
             if block_table is not None:
                 k_view = k_cache[block_table.long()].reshape(b, -1, hk, d)
-                v_view = v_cache[block_table.long()].reshape(b, -1, hk, d)
+                v_view = v_cache[block_table.long()].reshape(b, -1, hk, dv)
             prepared.extra.update(
                 check_against_sdpa(forward, q, k_view, v_view, shape, key_rows=sk)
             )
             del k_view, v_view
         prepared.extra["kv_layout"] = "contiguous" if page_size is None else f"paged{page_size}"
         return prepared
+    if latent:
+        raise Unavailable(f"{provider} is not measured on absorbed MLA's latent cache")
 
     if provider not in SDPA_BACKENDS and provider != "sdpa_cpu":
         raise Unavailable(f"{provider} is not measured in the decode regime")
@@ -1414,6 +1430,17 @@ class Run:
         self.broken = f"CUDA context lost after: {first_line(exc, 200)}"
         print(f"!! {self.broken}; the remaining cases are recorded as skipped", flush=True)
 
+    def error_text(self, exc: Exception, provider: str) -> str:
+        """A row's error for what a provider's build or timed call raised. Our
+        kernels' refusal of a head dim or dtype that a reduced build left out
+        (FLASH_ATTN_CUDA_HDIMS, as ab_builds.py's builds are) is a skip, not a
+        failure."""
+        left_out = left_out_reason(exc, our_build_info()) if provider in OWN_PROVIDERS else None
+        if left_out is not None:
+            return f"skipped: {left_out}"
+        self.check_context(exc)
+        return f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
+
     def run_provider(self, regime, shape, provider, modes, build, label, extra=None, record=True):
         """Build one provider's inputs once, then measure each mode; never raises.
         Returns the rows by mode; record=False leaves recording them to the caller."""
@@ -1432,10 +1459,7 @@ class Run:
             except (Unavailable, FellBack) as exc:
                 build_error = str(exc)
             except Exception as exc:
-                build_error = first_line(exc)
-                if is_oom(exc):
-                    build_error = f"OOM: {build_error}"
-                self.check_context(exc)
+                build_error = self.error_text(exc, provider)
         for mode in modes:
             row = rows[mode]
             if prepared is None:
@@ -1461,8 +1485,7 @@ class Run:
                 except (Unavailable, FellBack) as exc:
                     row["error"] = str(exc)
                 except Exception as exc:
-                    row["error"] = f"OOM: {first_line(exc)}" if is_oom(exc) else first_line(exc)
-                    self.check_context(exc)
+                    row["error"] = self.error_text(exc, provider)
             if record:
                 self.record(
                     row, f"{label} {provider_label(row)} {mode if regime != 'decode' else ''}"
@@ -1499,8 +1522,10 @@ class Run:
         row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
         if row["regime"] == "decode" and ms > 0:
             elem = DTYPES[row["dtype"]].itemsize
+            # K and V; absorbed MLA's latent rows (headdim_v set) hold both, read once.
+            copies = 1.0 if row.get("headdim_v") is not None else 2.0
             kv_bytes = (
-                2.0 * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
+                copies * row["batch"] * row["seqlen_k"] * row["nheads_k"] * row["headdim"] * elem
             )
             row["gbps"] = kv_bytes / (ms * 1e-3) / 1e9
             if self.copy_gbps:
@@ -1574,6 +1599,9 @@ class Run:
                         if provider == OURS:
                             cases.extend((OURS, ps) for ps in g.decode_page_sizes)
                     yield shape, cases
+                    if g.decode_mla and OURS in providers:
+                        mla = mla_decode_shape(g.decode_dtype, batch, sq, sk)
+                        yield mla, [(OURS, None)] + [(OURS, ps) for ps in g.decode_page_sizes]
 
     def prefill_cases(self):
         """Only flash_attn_cuda: SDPA's is_causal is top-left aligned, not a chunk's mask."""
@@ -1900,13 +1928,15 @@ def print_tables(meta: dict, rows: list) -> None:
         for r in decode:
             if provider_label(r) not in labels:
                 labels.append(provider_label(r))
+        # One table per query length and head shape (absorbed MLA's apart).
         by_sq = {}
         for r in decode:
-            by_sq.setdefault(r["seqlen_q"], {}).setdefault((r["seqlen_k"], r["batch"]), {})[
+            key = (r["seqlen_q"], r["nheads"], r["nheads_k"], r["headdim"], r.get("headdim_v") or 0)
+            by_sq.setdefault(key, {}).setdefault((r["seqlen_k"], r["batch"]), {})[
                 provider_label(r)
             ] = r
         copy = meta.get("copy_gbps")
-        for sq, by_shape in sorted(by_sq.items()):
+        for (sq, *_), by_shape in sorted(by_sq.items()):
             sample = next(iter(next(iter(by_shape.values())).values()))
             header = (
                 ["seqlen_k", "batch"] + [f"{lb} us" for lb in labels] + [f"{OURS} GB/s", "% copy"]
@@ -1927,7 +1957,8 @@ def print_tables(meta: dict, rows: list) -> None:
                 lines.append(line)
             _print_table(
                 f"decode seqlen_q={sq} heads {sample['nheads']}:{sample['nheads_k']} headdim="
-                f"{sample['headdim']} {sample['dtype']}: microseconds; GB/s of K/V read; copy bandwidth "
+                f"{head_dims(sample['headdim'], sample.get('headdim_v'))} {sample['dtype']}: "
+                "microseconds; GB/s of K/V read; copy bandwidth "
                 f"{_fmt(copy, '.0f')} GB/s (read + write)",
                 header,
                 lines,
@@ -2152,6 +2183,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--decode-seqlens-q", default=None, help="comma list (default: 1,4; --quick: 1)")
     p.add_argument(
+        "--decode-mla",
+        action="store_true",
+        help="also measure absorbed MLA decode (128 heads over one latent head, 576 / 512, "
+        "v_cache = k_cache[..., :512]) at each decode batch, seqlen_q and seqlen_k, with the "
+        "page sizes of --decode-paged; ours only",
+    )
+    p.add_argument(
+        "--decode-headdim",
+        type=int,
+        default=None,
+        help="head dim of the decode regime (default: 128; on the CPU 32-64); e.g. 512, "
+        "which flash_attn_with_kvcache serves on CUDA",
+    )
+    p.add_argument(
         "--decode-seqlens-k",
         default=None,
         help="comma list (default: 4096..131072, powers of 2 / 1024,4096,16384; --quick: "
@@ -2293,6 +2338,11 @@ def select(args) -> tuple:
         grid.decode_seqlens_q = parse_list(args.decode_seqlens_q, int)
     if args.decode_seqlens_k:
         grid.decode_seqlens_k = parse_list(args.decode_seqlens_k, int)
+    grid.decode_mla = args.decode_mla
+    if args.decode_headdim is not None:
+        if not 8 <= args.decode_headdim <= 1024:
+            raise SystemExit(f"--decode-headdim must be in [8, 1024], got {args.decode_headdim}")
+        grid.decode_headdim = args.decode_headdim
     if args.decode_batches:
         grid.decode_batches = parse_list(args.decode_batches, int)
     if args.decode_rounds is not None and args.decode_rounds < 1:
@@ -2359,6 +2409,15 @@ def main(argv=None) -> int:
     if device.type == "cpu" and not args.cpu_standin:
         print("(no GPU found: every number above is a CPU number)")
     return exit_status(run)
+
+
+def our_build_info() -> Optional[str]:
+    """flash_attn_cuda.build_info, or None where the package does not import."""
+    try:
+        import flash_attn_cuda
+    except ImportError:
+        return None
+    return getattr(flash_attn_cuda, "build_info", None)
 
 
 def exit_status(run: Run) -> int:

@@ -36,14 +36,19 @@ __all__ = [
 # nothing to q.k and produce zero output columns, so the math is unchanged.
 _HEAD_DIM_ALIGNMENT = 8
 
-# The largest head dim per device, csrc/common/head_dim_bounds.h's: the CUDA
-# kernels' tile tables stop at 256; the CPU path serves up to 1024 (head dim
-# 512, MLA's 576 / 512), the function the CUDA kernels of issue 56 will serve.
-_MAX_HEAD_DIM = {"cuda": 256, "cpu": 1024}
+# The largest head dim per device, csrc/common/head_dim_bounds.h's: on CUDA
+# the forwards serve up to 512 (above 256 on the split-KV kernel, forward
+# only: the backward op refuses them by name), flash_attn_with_kvcache also
+# absorbed MLA's 576 with d_v <= 512 (the op checks d_v); the CPU path serves
+# up to 1024, the function the CUDA kernels of issue 56 will serve.
+_MAX_HEAD_DIM = {"cuda": 512, "cpu": 1024}
+# S_dmask (return_attn_probs) and the backward: the forward kernels' 256 on CUDA.
+_MAX_S_DMASK_HEAD_DIM = {"cuda": 256, "cpu": 1024}
+_MAX_KVCACHE_HEAD_DIM = {"cuda": 576, "cpu": 1024}
 
 
-def _max_head_dim(device) -> int:
-    return _MAX_HEAD_DIM["cpu" if torch.device(device).type == "cpu" else "cuda"]
+def _max_head_dim(device, bounds=_MAX_HEAD_DIM) -> int:
+    return bounds["cpu" if torch.device(device).type == "cpu" else "cuda"]
 
 
 # Seeds are drawn below 2**62 so that torch.randint's exclusive upper bound fits
@@ -68,7 +73,7 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     (head_dim is checked against the supported range).
     """
     del is_dropout, is_causal  # the width depends on none of them
-    bound = _max_head_dim(device if device is not None else "cuda")
+    bound = _max_head_dim(device if device is not None else "cuda", _MAX_S_DMASK_HEAD_DIM)
     if not 0 < head_dim <= bound:
         raise ValueError(f"head_dim must be in [1, {bound}], got {head_dim}")
     return _S_DMASK_BLOCK_N
@@ -114,9 +119,11 @@ def _check_packed(t: torch.Tensor, name: str, dim: int, count: int, layout: str)
         )
 
 
-def _check_head_dim(q: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+def _check_head_dim(
+    q: torch.Tensor, v: Optional[torch.Tensor] = None, bounds=_MAX_HEAD_DIM
+) -> None:
     # Checked before padding, so that the messages name the caller's head dims.
-    bound = _max_head_dim(q.device)
+    bound = _max_head_dim(q.device, bounds)
     if q.shape[-1] > bound:
         where = (
             "on the CPU"
@@ -1033,7 +1040,9 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
             (fp32 is also accepted on CPU; float8_e4m3fn too, with the
             descales below, on CPU until the FP8 CUDA kernels exist). Any
-            headdim up to 256 works (up to 1024 on CPU); one that is not a
+            headdim up to 256 works, forward and backward, and up to 512 forward
+            only (above 256 on the split-KV kernel: no dropout, no S_dmask; the
+            backward raises); up to 1024 on CPU; one that is not a
             multiple of 8 is zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
@@ -1481,7 +1490,9 @@ def flash_attn_with_kvcache(
     append).
 
     Args:
-        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 256 (1024 on CPU). A
+        q: (batch_size, seqlen_q, nheads, headdim), headdim at most 512 on CUDA
+            (head dims above 256 on sm80 and sm90 GPUs), or 576 with a headdim_v
+            of at most 512 (absorbed MLA's latent cache), and 1024 on CPU. A
             headdim that is not a multiple of 8 works on zero-padded copies of
             the caches, which costs a copy of both caches per call.
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with
@@ -1574,7 +1585,7 @@ def flash_attn_with_kvcache(
         )
     _check_ndim(k_cache, "k_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
     _check_ndim(v_cache, "v_cache", 4, "(batch_size_cache, seqlen_cache, nheads_k, headdim_v)")
-    _check_head_dim(q, v_cache)
+    _check_head_dim(q, v_cache, _MAX_KVCACHE_HEAD_DIM)
     # The caches are written in place, so a copy to fix their layout would
     # silently drop the update.
     if k_cache.stride(-1) != 1:

@@ -212,6 +212,13 @@ def main():
     # gather (16-row pages) and by TMA boxes (64-row pages).
     varlen_paged([70, 0, 130], [90, 40, 200], 16, 4, 2, 64, bf16, dropout_p=0.2)
     varlen_paged([70, 3], [150, 200], 64, 2, 1, 256, fp16, dropout_p=0.15)
+    # Head dims 257-512: the split-KV kernel's d512 instance, fixed length
+    # (16-row blocks, one split) and varlen (two splits or more, the combine),
+    # paged, d_v below d_qk.
+    fixed(2, 130, 200, 8, 2, 512, bf16, causal=True)
+    fixed(1, 40, 300, 4, 1, 320, fp16, softcap=5.0, head_dim_v=256)
+    varlen([5, 0, 70], [9, 130, 1], 4, 2, 512, bf16, causal=True)
+    varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 512, bf16, head_dim_v=384)
     torch.cuda.synchronize()
     print(summary("sanitize_fwd"))
 

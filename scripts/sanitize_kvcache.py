@@ -41,6 +41,7 @@ def call(
     num_splits=0,
     head_dim_v=None,
     v_view=None,
+    softcap=0.0,
 ):
     """v_view: None, "wide" (v_cache the first d_v columns of a d_qk-wide
     buffer) or "k" (v_cache = k_cache[..., :d_v], MLA's absorbed cache; no
@@ -99,7 +100,7 @@ def call(
         causal,
         -1,
         -1,
-        0.0,
+        softcap,
         True,
         num_splits,
         rotary_seqlens=rotary_starts,
@@ -161,6 +162,19 @@ def main():
     call(2, 2, 203, 4, 1, 96, bf16, seqlen_new=2, page_size=16, head_dim_v=64, v_view="wide")
     call(sms // 4 + 1, 1, 4200, 32, 8, 192, bf16, seqlen_new=1, num_splits=1, head_dim_v=128)
     call(2, 1, 513, 16, 1, 256, bf16, page_size=64, num_splits=5, head_dim_v=128, v_view="k")
+    # Head dims above 256 (the d512 kernel: two key slabs x two value halves,
+    # 16-row query blocks): split and not, many rows per kv head, the in-kernel
+    # append, pages of 1 and 64, softcap, d_v below 512 and v as k's view.
+    call(2, 1, 1000, 32, 8, 512, bf16)
+    call(1, 1, 3000, 8, 2, 512, fp16, num_splits=16, causal=True)
+    call(2, 5, 301, 32, 8, 512, bf16, seqlen_new=1, rotary=True, causal=True, num_splits=1)
+    call(2, 2, 203, 8, 2, 320, bf16, seqlen_new=2, page_size=1, num_splits=3)
+    call(2, 1, 513, 16, 1, 512, bf16, page_size=64, num_splits=5, head_dim_v=256, v_view="k")
+    call(2, 1, 301, 8, 2, 512, bf16, head_dim_v=128, v_view="wide", softcap=30.0)
+    # Absorbed MLA (576 / 512, v_cache = k_cache[..., :512]): 128 heads over one
+    # latent head, 8 query blocks, pages of 64 and 1.
+    call(2, 1, 513, 128, 1, 576, bf16, page_size=64, num_splits=5, head_dim_v=512, v_view="k")
+    call(2, 2, 200, 128, 1, 576, bf16, page_size=1, head_dim_v=512, v_view="k")
     # Fixed-length fwd calls of decode shape, which run the split-KV kernel
     # (plan_fwd_split): split and not, causal with more queries than keys,
     # GQA and MQA, a strided query.

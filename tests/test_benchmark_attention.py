@@ -439,3 +439,77 @@ def test_ab_builds_keys_tell_every_case_apart(bench, tmp_path, monkeypatch):
     groups = {ab.group_of(dict(zip(ab.KEY_FIELDS, k))) for k in keys}
     assert (bench.OURS, "decode", "fwd") in groups
     assert any(regime.startswith("decode[paged") for _, regime, _ in groups)
+
+
+@pytest.mark.parametrize("reduced", [True, False])
+def test_left_out_head_dim_is_a_skip_on_a_reduced_build(bench, tmp_path, monkeypatch, reduced):
+    """A cell whose head dim a reduced build left out (the 192 / 128 pair of a
+    d128 build, say) is recorded as skipped and does not fail the run; on a
+    build of every kernel the same refusal fails it."""
+    _ours_or_skip()
+    from reduced_build import LEFT_OUT_MESSAGE, REDUCED_KERNEL_SET_MARK
+
+    import flash_attn_cuda
+
+    refusal = (
+        f"flash_attn_cuda: head_dim 32 in fp32 needs the compiled head dim 32, {LEFT_OUT_MESSAGE}"
+    )
+
+    def refusing(name, device):
+        def op(*args, **kwargs):
+            raise RuntimeError(refusal)
+
+        return op
+
+    info = "hdims 128; dtypes bf16" + (f"; {REDUCED_KERNEL_SET_MARK}" if reduced else "")
+    monkeypatch.setattr(flash_attn_cuda, "build_info", info)
+    monkeypatch.setattr(bench, "ours_op", refusing)
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "train", "--seqlens", "128"]
+    argv += ["--dtypes", "fp32", "--headdims", "32", "--headdim-pairs", "", "--modes", "fwd"]
+    assert bench.main(argv) == (0 if reduced else 1)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == bench.OURS]
+    assert ours and all(r["error"] for r in ours)
+    assert all(r["error"].startswith("skipped:") == reduced for r in ours)
+
+
+def test_decode_headdim_argument(bench, tmp_path, monkeypatch):
+    """--decode-headdim sets the decode regime's head dim (512 is served by
+    flash_attn_with_kvcache on CUDA); ours and the anchors run at it."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "decode", "--decode-headdim", "40"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == bench.OURS and r.get("ms")]
+    assert ours and {r["headdim"] for r in rows} == {40}
+    with pytest.raises(SystemExit, match="--decode-headdim must be in"):
+        bench.main(argv[:-1] + ["4"])
+
+
+def test_decode_mla_rows(bench, tmp_path, monkeypatch):
+    """--decode-mla adds absorbed MLA decode rows (128:1 heads, 576 / 512, v_cache
+    a view of k_cache): ours only, contiguous and paged, checked against SDPA,
+    and bytes counted once per latent row."""
+    _ours_or_skip()
+    monkeypatch.setattr(sys, "argv", ["benchmark_attention.py"])
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--no-plots", "--out", str(out)]
+    argv += ["--cpu-budget-s", "0.002", "--regimes", "decode", "--decode-mla"]
+    argv += ["--decode-paged", "--decode-page-sizes", "1,64", "--decode-seqlens-k", "256"]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    mla = [r for r in rows if r.get("headdim_v") == 512]
+    assert {r["provider"] for r in mla} == {bench.OURS}
+    assert {r["kv_layout"] for r in mla} == {"contiguous", "paged1", "paged64"}
+    assert all((r["nheads"], r["nheads_k"], r["headdim"]) == (128, 1, 576) for r in mla)
+    assert all(not r["error"] and r["max_abs_diff_vs_sdpa"] is not None for r in mla)
+    for r in mla:
+        latent_bytes = r["batch"] * r["seqlen_k"] * 576 * (4 if r["dtype"] == "fp32" else 2)
+        assert r["gbps"] == pytest.approx(latent_bytes / (r["ms"] * 1e-3) / 1e9)
+    assert any(r.get("headdim_v") is None for r in rows if r["provider"] == bench.OURS)

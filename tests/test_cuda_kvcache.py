@@ -469,16 +469,22 @@ def test_paged_matches_contiguous(dtype, page_size, num_splits):
     )
     # Lengths crossing page and tile boundaries, one reaching the last page.
     args["cache_seqlens"] = torch.tensor([255, 17, capacity - 2], dtype=torch.int32)
+    check_paged_matches_contiguous(args, page_size, num_splits, 2, "neox")
+
+
+def check_paged_matches_contiguous(args, page_size, num_splits, seqlen_new, rotary):
+    """The call on args' contiguous caches and on the same caches cut into
+    pages of page_size rows: the same key tiles in the same order, so the same
+    bits (the page layout changes addresses only); then check_all."""
     paged = dict(args)
     page_cache(paged, page_size)
     contiguous = run_cuda(args, num_splits=num_splits)
     got = run_cuda(paged, num_splits=num_splits)
     out, lse, k_after, v_after = got
-    # Same key tiles in the same order: the page layout changes addresses only.
     assert torch.equal(out, contiguous[0]) and torch.equal(lse, contiguous[1])
     assert torch.equal(unpage(k_after, paged["block_table"]), contiguous[2])
     assert torch.equal(unpage(v_after, paged["block_table"]), contiguous[3])
-    check_all(paged, got, 2, "neox")
+    check_all(paged, got, seqlen_new, rotary)
 
 
 @pytest.mark.parametrize("page_size", [16, 256])

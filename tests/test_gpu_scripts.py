@@ -22,13 +22,23 @@ def test_script_parses(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_gpu_ab_refuses_an_unknown_argument(tmp_path):
+def _gpu_ab_refusal(tmp_path, *args):
+    """gpu_ab.sh's stderr for arguments it must refuse before it copies or builds."""
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_ab.sh"), "--rounds", "2", "--bogus"],
+        ["bash", str(ROOT / "scripts" / "gpu_ab.sh"), *args],
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "AB_DIR": str(tmp_path / "ab")},
     )
     assert result.returncode == 2
-    assert "unknown argument '--bogus'" in result.stderr
     assert not (tmp_path / "ab").exists(), "nothing is copied before the arguments are read"
+    return result.stderr
+
+
+def test_gpu_ab_refuses_an_unknown_argument(tmp_path):
+    assert "unknown argument '--bogus'" in _gpu_ab_refusal(tmp_path, "--rounds", "2", "--bogus")
+
+
+def test_gpu_ab_refuses_a_base_tree_that_is_no_source_tree(tmp_path):
+    stderr = _gpu_ab_refusal(tmp_path, "--base-tree", str(tmp_path), "--", "x")
+    assert "is not a source tree" in stderr

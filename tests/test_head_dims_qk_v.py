@@ -578,28 +578,42 @@ def test_bad_d_v_shapes(device):
 # ------------------------------------------------------ head dims past 256
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seqlen_q", [1, 2])
 @pytest.mark.parametrize("page_size", [None, 1, 64])
-def test_absorbed_mla_decode_reads_v_from_the_key_cache(page_size):
-    """Absorbed MLA decode (issue 56 item 2) on the CPU path: 128 query heads of
-    576 columns over one latent head, and v_cache the view k_cache[..., :512]
-    of the same rows, paged in FlashMLA's 64-row pages or 1-row pages."""
+@pytest.mark.parametrize("num_splits", [0, 1, 4])
+def test_absorbed_mla_decode_reads_v_from_the_key_cache(device, seqlen_q, page_size, num_splits):
+    """Absorbed MLA decode (issue 56 item 2): 128 query heads of 576 columns
+    over one latent head, and v_cache the view k_cache[..., :512] of the same
+    rows, paged in FlashMLA's 64-row pages or 1-row pages. On CUDA the
+    split-KV kernel of compiled head dim 576 (value dim 512) serves it."""
+    if device == "cpu" and num_splits:
+        pytest.skip("the CPU path does not split the keys")
     batch, capacity, nheads, d_qk, d_v = 2, 128, 128, 576, 512
-    q = rand(batch, 1, nheads, d_qk, device="cpu", dtype=torch.bfloat16)
-    latent = rand(batch, capacity, 1, d_qk, device="cpu", dtype=torch.bfloat16)
-    seqlens = torch.tensor([77, capacity], dtype=torch.int32)
+    q = rand(batch, seqlen_q, nheads, d_qk, device=device, dtype=torch.bfloat16)
+    latent = rand(batch, capacity, 1, d_qk, device=device, dtype=torch.bfloat16)
+    seqlens = torch.tensor([77, capacity], dtype=torch.int32, device=device)
     table, k_cache = None, latent
     if page_size is not None:
         pages = capacity // page_size
-        order = torch.randperm(batch * pages)
-        k_cache = torch.empty(batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16)
+        order = torch.randperm(batch * pages, device=device)
+        k_cache = torch.empty(
+            batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16, device=device
+        )
         k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
         table = order.view(batch, pages).to(torch.int32)
     v_cache = k_cache[..., :d_v]
     assert v_cache.data_ptr() == k_cache.data_ptr() and not v_cache.is_contiguous()
     out, lse = flash_attn_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, return_softmax_lse=True
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=seqlens,
+        block_table=table,
+        num_splits=num_splits,
+        return_softmax_lse=True,
     )
-    assert out.shape == (batch, 1, nheads, d_v)
+    assert out.shape == (batch, seqlen_q, nheads, d_v)
 
     def ref(compute_dtype):
         outs, lses = [], []
@@ -619,6 +633,68 @@ def test_absorbed_mla_decode_reads_v_from_the_key_cache(page_size):
     out_same, lse_same = ref(torch.bfloat16)
     check(out, out_exact, out_same, "out")
     check_lse(lse, lse_exact, lse_same)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_append_into_a_shared_latent_cache(device):
+    """v_cache = k_cache[..., :d_v] (absorbed MLA's cache): an append writes k
+    and v into the same bytes, so v must be k[..., :d_v]; then the call equals
+    the one on separate caches. Another v, or a rotary append (which would
+    rotate k's columns but not v's copy of them), is refused by name."""
+    batch, capacity, nheads, d_qk, d_v = 2, 40, 4, 64, 32
+    q = rand(batch, 1, nheads, d_qk, device=device, dtype=torch.bfloat16)
+    k_cache = rand(batch, capacity, 1, d_qk, device=device, dtype=torch.bfloat16)
+    k_new = rand(batch, 2, 1, d_qk, device=device, dtype=torch.bfloat16)
+    seqlens = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    k_sep, v_sep = k_cache.clone(), k_cache[..., :d_v].clone()
+    out = flash_attn_with_kvcache(
+        q, k_cache, k_cache[..., :d_v], k_new, k_new[..., :d_v], cache_seqlens=seqlens
+    )
+    out_sep = flash_attn_with_kvcache(
+        q, k_sep, v_sep, k_new, k_new[..., :d_v].clone(), cache_seqlens=seqlens
+    )
+    assert torch.equal(out, out_sep)
+    assert torch.equal(k_cache, k_sep) and torch.equal(k_cache[..., :d_v], v_sep)
+    with pytest.raises(RuntimeError, match=r"v must be k\[\.\.\., :32\] \(the same memory\)"):
+        flash_attn_with_kvcache(
+            q, k_cache, k_cache[..., :d_v], k_new, k_new[..., :d_v].clone(), cache_seqlens=seqlens
+        )
+    angle = torch.rand(capacity, 8, device=device)
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"rotate k before the call"):
+        flash_attn_with_kvcache(
+            q,
+            k_cache,
+            k_cache[..., :d_v],
+            k_new,
+            k_new[..., :d_v],
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=seqlens,
+        )
+
+
+def test_compile_fullgraph_absorbed_mla_decode_with_append_on_cpu():
+    """torch.compile(fullgraph=True) through absorbed MLA's decode step: the
+    shared latent cache (v_cache = k_cache[..., :512]) appended in place, the
+    same bits and cache as eager."""
+    torch._dynamo.reset()
+
+    def step(q, cache, new, seqlens):
+        return flash_attn_with_kvcache(
+            q, cache, cache[..., :512], new, new[..., :512], cache_seqlens=seqlens
+        )
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 8, 576, dtype=torch.bfloat16)
+    cache = torch.randn(2, 64, 1, 576, dtype=torch.bfloat16)
+    new = torch.randn(2, 1, 1, 576, dtype=torch.bfloat16)
+    seqlens = torch.tensor([10, 60], dtype=torch.int32)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    eager = step(q, eager_cache, new, seqlens)
+    compiled = torch.compile(step, fullgraph=True)(q, compiled_cache, new, seqlens)
+    assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
+    assert not torch.equal(eager_cache, cache)
 
 
 def test_compile_fullgraph_head_dim_512_on_cpu():
@@ -641,16 +717,25 @@ def test_compile_fullgraph_head_dim_512_on_cpu():
 @CUDA
 @pytest.mark.parametrize("d_qk,d_v", [(512, 512), (576, 512), (264, 128)])
 def test_head_dims_past_256_are_refused_on_cuda(d_qk, d_v):
-    """The CUDA kernels stop at 256 (common/head_dim_bounds.h): a clear error
-    that names the head dim and the bound, from the Python layer and from the
-    op itself."""
+    """On CUDA the forwards serve head dims up to 512 (above 256 on the split-KV
+    kernel, forward only) and the KV-cache op absorbed MLA's 576 / 512
+    (common/head_dim_bounds.h); what is past a bound gets a clear error that
+    names the head dim and the bound, from the Python layer and from the op,
+    and so does the backward above 256."""
     q = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
     k = rand(1, 4, 2, d_qk, device="cuda", dtype=torch.bfloat16)
     v = rand(1, 4, 2, d_v, device="cuda", dtype=torch.bfloat16)
-    match = rf"at most 256 on cuda \(larger head dims run on the CPU path only\), got {d_qk}"
-    with pytest.raises(ValueError, match=match):
-        flash_attn_func(q, k, v)
-    with pytest.raises(RuntimeError, match=rf"\[8, 256\] on CUDA .*got {d_qk}"):
-        ops.fwd(q, k, v, None, 0.0, d_qk**-0.5, False, -1, -1, 0.0, False, 0, 0, None)
-    with pytest.raises(ValueError, match=match):
-        flash_attn_with_kvcache(q[:, :1], k, v)
+    if d_qk <= 512:  # tests/test_cuda_fwd_d512.py checks the results
+        out = flash_attn_func(q.requires_grad_(), k, v)
+        assert out.shape == (1, 4, 2, d_v)
+        with pytest.raises(RuntimeError, match=rf"backward of head dimension {d_qk} is not built"):
+            out.sum().backward()
+        q = q.detach()
+    else:
+        match = rf"at most 512 on cuda \(larger head dims run on the CPU path only\), got {d_qk}"
+        with pytest.raises(ValueError, match=match):
+            flash_attn_func(q, k, v)
+        with pytest.raises(RuntimeError, match=rf"\[8, 512\] on CUDA .*got {d_qk}"):
+            ops.fwd(q, k, v, None, 0.0, d_qk**-0.5, False, -1, -1, 0.0, False, 0, 0, None)
+    # tests/test_cuda_kvcache_d512.py and the absorbed-MLA test here check the results.
+    assert flash_attn_with_kvcache(q[:, :1], k, v).shape == (1, 1, 2, d_v)

@@ -826,6 +826,58 @@ def test_decode_variants_and_grid():
     assert decode(64, 1, 1024, 32, 8, 128, softcap=30.0)["persistent"] == 0
 
 
+def test_decode_head_dim_512():
+    """d512 (head dims 257-512): the decode variant of 2 key slabs x 2 value
+    halves, 16 rows a block whatever the row count, two 64 KB stages (147,456
+    B: one block per SM on sm90 and sm80), never persistent; an sm89 block
+    cannot hold it."""
+    for head_dim in (264, 512):
+        plan = decode(1, 1, 4096, 32, 8, head_dim)
+        assert plan["head_dim"] == 512 and plan["warps_n"] == 2 and plan["block_m"] == 16
+        assert plan["m_blocks"] == 1 and plan["smem"] == 147456
+    # Many rows: several 16-row query blocks, no 64-row variant.
+    plan = decode(4, 64, 4096, 32, 8, 512)
+    assert plan["warps_n"] == 2 and plan["block_m"] == 16 and plan["m_blocks"] == 16
+    # Short items of a large batch would take the persistent grid at d128.
+    assert decode(64, 1, 1024, 32, 8, 128)["persistent"] == 1
+    assert decode(64, 1, 1024, 32, 8, 512)["persistent"] == 0
+    assert decode(16, 1, 8192, 32, 8, 512, device=A100)["warps_n"] == 2
+    plan = decode(16, 1, 8192, 32, 8, 512, device=L40)
+    assert plan["warps_n"] == 0 and plan["splits"] == 0
+    # The in-kernel append's table rows still fit beside the tiles (160 KiB).
+    assert (
+        decode(16, 1, 16384, 32, 8, 512, seqlen_new=1, rotary_dim=512)["append_in_attention"] == 1
+    )
+    # Absorbed MLA's 576 (d_v 512): the same split, 165,888 B, an sm80 block too.
+    plan = decode(64, 1, 4096, 128, 1, 576)
+    assert plan["head_dim"] == 576 and plan["warps_n"] == 2 and plan["block_m"] == 16
+    assert plan["m_blocks"] == 8 and plan["smem"] == 165888
+    assert decode(64, 1, 4096, 128, 1, 576, device=A100)["warps_n"] == 2
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 576\], got 584"):
+        decode(1, 1, 64, 8, 8, 584)
+
+
+def test_forward_above_256_on_the_splitkv_kernel():
+    """Head dims 257-512 have no forward kernel: every forward the split-KV
+    kernel serves runs on it, whatever the rows, the split request or a kernel
+    override; the others (dropout, S_dmask) and a device whose blocks cannot
+    hold it get no kernel, which the op refuses by name; _plan_bwd has no
+    head dim above 256."""
+    for head_dim in (264, 512):
+        plan = fwd(2, 4096, 4096, 16, 16, head_dim)
+        assert plan["kernel"] == "splitkv" and plan["hdim"] == 512 and plan["block_m"] == 16
+        assert "head dim above 256" in plan["reason"]
+    assert fwd(2, 4096, 4096, 16, 16, 512, kernel_override="sm80")["kernel"] == "splitkv"
+    assert fwd(2, 4096, 4096, 16, 16, 512, head_dim_v=256)["kernel"] == "splitkv"
+    assert fwd(2, 1024, 1024, 16, 16, 512, dropout_p=0.1)["kernel"] == "none"
+    assert fwd(2, 1024, 1024, 16, 16, 512, return_softmax=True)["kernel"] == "none"
+    assert fwd(2, 1024, 1024, 16, 16, 512, device=L40)["kernel"] == "none"
+    # Below 256 nothing changes: many rows take the forward kernels.
+    assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 256\], got 512"):
+        bwd(2, 1024, 1024, 16, 16, 512)
+
+
 def test_decode_append_in_attention():
     base = (16, 1, 16384, 32, 8, 128)
     assert decode(*base, seqlen_new=1)["append_in_attention"] == 1

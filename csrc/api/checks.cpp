@@ -59,7 +59,17 @@ int checked_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
-// The bound of q's device (common/head_dim_bounds.h).
+// The backward's bound (common/head_dim_bounds.h): below the forward's on CUDA,
+// where head dims above 256 have a forward only.
+void check_bwd_head_dim(int64_t head_dim, const at::Tensor& q) {
+  const int bound = max_bwd_head_dim(q.is_cuda());
+  TORCH_CHECK(head_dim <= bound, "flash_attn: the backward of head dimension ", head_dim,
+              " is not built on CUDA (its forward runs on the split-KV kernel, forward only): "
+              "the head dimension (last dim of q) must be at most ",
+              bound, " for the backward, got ", head_dim);
+}
+
+// The forward's bound of q's device (common/head_dim_bounds.h).
 void check_head_dim(int64_t head_dim, const at::Tensor& q) {
   const int bound = max_head_dim(q.is_cuda());
   TORCH_CHECK(head_dim >= 8 && head_dim <= bound && head_dim % 8 == 0,
@@ -247,6 +257,7 @@ FwdShape check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::T
   const FwdShape shape =
       check_fwd_args(q, k, v, alibi_slopes, dropout_p, softmax_scale, window_size_left,
                      window_size_right, softcap, rng_state, allowed_dtypes);
+  check_bwd_head_dim(shape.head_dim, q);
   check_grad_io(dout, out, q, shape.head_dim_v);
   check_lse(softmax_lse, q, {shape.batch, shape.nheads, shape.seqlen_q},
             "(batch, nheads, seqlen_q)");
@@ -344,6 +355,7 @@ VarlenShape check_varlen_bwd_args(
       q, k, v, cu_seqlens_q, cu_seqlens_k, std::nullopt, seqused_k, seqused_q, alibi_slopes,
       max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left, window_size_right,
       softcap, rng_state, allowed_dtypes);
+  check_bwd_head_dim(shape.head_dim, q);
   check_grad_io(dout, out, q, shape.head_dim_v);
   check_lse(softmax_lse, q, {shape.nheads, shape.total_q}, "(nheads, total_q)");
   check_backward_dropout(dropout_p, rng_state);

@@ -161,7 +161,7 @@ KvcacheShape check_fwd_kvcache_args(
   }
   TORCH_CHECK(shape.batch > 0, "fwd_kvcache: q must have batch > 0, got shape ", q.sizes());
   TORCH_CHECK(shape.nheads > 0, "fwd_kvcache: q must have nheads > 0, got shape ", q.sizes());
-  const int max_dim = max_head_dim(q.is_cuda());
+  const int max_dim = max_kvcache_head_dim(q.is_cuda());
   TORCH_CHECK(shape.head_dim % 8 == 0 && shape.head_dim > 0 && shape.head_dim <= max_dim,
               "fwd_kvcache: head_dim (last dim of q) must be a positive multiple of 8 and at most ",
               max_dim, " on ",
@@ -281,6 +281,23 @@ KvcacheShape check_fwd_kvcache_args(
                 v->size(-1));
     check_last_dim_contiguous(*k, "k");
     check_last_dim_contiguous(*v, "v");
+    // Absorbed MLA's cache: v_cache is k_cache's first d_v columns (same
+    // memory, same strides). An append writes k's rows and v's into the
+    // same bytes, so v must be k's first d_v columns too, and k's rotation
+    // (of its first rotary_dim columns) would leave v's copy unrotated.
+    const bool shared_cache =
+        v_cache.data_ptr() == k_cache.data_ptr() && v_cache.strides() == k_cache.strides();
+    if (shared_cache && shape.seqlen_new > 0) {
+      TORCH_CHECK(v->data_ptr() == k->data_ptr() && v->strides() == k->strides(),
+                  "fwd_kvcache: v_cache is k_cache's first ", v_cache.size(-1),
+                  " columns (the same memory), so an append writes k and v into the same "
+                  "bytes: v must be k[..., :",
+                  v_cache.size(-1), "] (the same memory), got another tensor");
+      TORCH_CHECK(!rotary_cos.has_value(), "fwd_kvcache: v_cache is k_cache's first ",
+                  v_cache.size(-1),
+                  " columns (the same memory): rotary_cos / rotary_sin would rotate the appended "
+                  "keys but not the same columns of v; rotate k before the call instead");
+    }
     TORCH_CHECK(shape.seqlen_q <= shape.cache_capacity, "fwd_kvcache: with k / v, seqlen_q (",
                 shape.seqlen_q, ") must be at most the cache length (", shape.cache_capacity, ")");
     // Varlen new keys: each sequence's count is checked with its values.

@@ -5,7 +5,8 @@
 //
 // CUDA: the tile tables stop at 256 (fwd_tile_config.h, bwd_tile_config.h;
 // head dim 512 and absorbed MLA's 576 / 512 are issue 56's, designed in
-// docs/head_dims_dv_and_512.md). CPU: the tiles work on column strips of 8
+// docs/head_dims_dv_and_512.md), except fwd_kvcache's split-KV kernel, which
+// serves up to 512, and 576 with d_v <= 512. CPU: the tiles work on column strips of 8
 // at any width, with per-thread scratch of a few rows of head_dim floats; the
 // bound covers those head dims (and MLA's 576) with room, so that the CPU
 // path computes the function the CUDA kernels will serve.
@@ -13,9 +14,24 @@
 
 namespace flash {
 
+// CUDA backward (and the SDPA provider, which trains): the tile tables' 256.
 constexpr int kMaxHeadDimCuda = 256;
+// CUDA forward: head dims 257-512 run on the split-KV kernel's d512 instance
+// (splitkv_tile_config.h), forward only (no dropout, S_dmask or seqused_q).
+constexpr int kMaxHeadDimCudaFwd = 512;
 constexpr int kMaxHeadDimCpu = 1024;
+// fwd_kvcache on CUDA: the split-KV kernel has d512 and d576 instances,
+// whose warps split the value dim in halves (splitkv_tile_config.h,
+// splitkv_warps_v); 576 is absorbed MLA's latent cache, with d_v <= 512.
+constexpr int kMaxHeadDimCudaKvcache = 576;
 
-constexpr int max_head_dim(bool cuda) { return cuda ? kMaxHeadDimCuda : kMaxHeadDimCpu; }
+// The forward ops' bound (the backward's is max_bwd_head_dim).
+constexpr int max_head_dim(bool cuda) { return cuda ? kMaxHeadDimCudaFwd : kMaxHeadDimCpu; }
+constexpr int max_bwd_head_dim(bool cuda) { return cuda ? kMaxHeadDimCuda : kMaxHeadDimCpu; }
+// Head dims served on CUDA by the split-KV kernel only (no forward or backward kernel).
+constexpr bool splitkv_only_head_dim(int head_dim) { return head_dim > kMaxHeadDimCuda; }
+constexpr int max_kvcache_head_dim(bool cuda) {
+  return cuda ? kMaxHeadDimCudaKvcache : kMaxHeadDimCpu;
+}
 
 }  // namespace flash

@@ -10,6 +10,10 @@ checks that it is current).
 from pathlib import Path
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
+# Head dims with the split-KV (fwd_kvcache) kernel only: their warps split the
+# value dim in halves (splitkv_tile_config.h); 576 is absorbed MLA's latent
+# cache (d_v <= 512). Their forward and backward are issue 56's, not built yet.
+SPLITKV_ONLY_HEAD_DIMS = [512, 576]
 DTYPES = {"fp16": ("cutlass::half_t", "false"), "bf16": ("cutlass::bfloat16_t", "true")}
 
 # Head dims whose Hopper kernels use wgmma widths that CuTe's op selector only
@@ -122,6 +126,12 @@ def write_instantiations(out_dir: Path) -> None:
                         extended_wgmma=EXTENDED_WGMMA_DEFINE if extended else "",
                     )
                 )
+            path = out_dir / f"flash_fwd_splitkv_hdim{head_dim}_{dtype}.cu"
+            path.write_text(
+                SPLITKV_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
+            )
+    for head_dim in SPLITKV_ONLY_HEAD_DIMS:
+        for dtype, (element, is_bf16) in DTYPES.items():
             path = out_dir / f"flash_fwd_splitkv_hdim{head_dim}_{dtype}.cu"
             path.write_text(
                 SPLITKV_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)

@@ -28,6 +28,7 @@ struct SplitKvEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimVTotal;  // O's columns
   static constexpr int kWarpsN = Traits::kWarpsN;
   static constexpr int kPartStride = splitkv_merge_row_floats(kHeadDim);
 
@@ -43,22 +44,25 @@ struct SplitKvEpilogue {
   const int64_t rows_per_split;
 
   // Step 1, by each warp with rows: its output rows as they stand (not yet
-  // normalised) into o_parts, its (row max, row sum) into row_stats, for its
-  // real rows. No barrier is needed before it.
+  // normalised) into o_parts, at its columns from vcol0 on, and its (row max,
+  // row sum) into row_stats, for its real rows; the warps of one slab that
+  // hold other columns (Traits::kWarpsV) have the same statistics, which the
+  // first of them writes. No barrier is needed before it.
   template <typename Softmax, typename AccORowcol, typename TScSRowcol, typename TOcORowcol>
   __device__ void write_parts(const Softmax& softmax, const AccORowcol& acc_o_rowcol,
                               const TScSRowcol& tScS_rowcol, const TOcORowcol& tOcO_rowcol,
-                              int warp_row0, int warp_n, int lane, int rows_left) const {
+                              int warp_row0, int vcol0, int warp_n, int warp_v, int lane,
+                              int rows_left) const {
     constexpr int kNRows = decltype(cute::size<0>(acc_o_rowcol))::value;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const float row_sum = quad_allreduce_sum(softmax.row_sum[mi]);
       const int tile_row = warp_row0 + cute::get<0>(tScS_rowcol(mi, 0));
       if (tile_row >= rows_left) continue;
-      if (lane % 4 == 0) {
+      if (lane % 4 == 0 && warp_v == 0) {
         row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum);
       }
-      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride;
+      float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride + vcol0;
       CUTE_UNROLL
       for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 2) {
         const int col = cute::get<1>(tOcO_rowcol(0, ni));
@@ -73,7 +77,7 @@ struct SplitKvEpilogue {
   // the final output (16-bit) or to this split's fp32 partial output; the
   // thread of a row's first chunk also writes its lse.
   __device__ void combine_parts(const SplitKvMergeTarget& target) const {
-    constexpr int kChunksPerRow = kHeadDim / 4;
+    constexpr int kChunksPerRow = kHeadDimV / 4;
     CUTE_UNROLL
     for (int chunk = tidx; chunk < kBlockM * kChunksPerRow; chunk += Traits::kNThreads) {
       const int tile_row = chunk / kChunksPerRow;
@@ -137,7 +141,7 @@ struct SplitKvEpilogue {
         *reinterpret_cast<cutlass::Array<Element, 4>*>(out_row + col) = quad;
       } else {
         const int64_t partial_row = target.split * rows_per_split + lse_index;
-        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDim + col) = sum;
+        *reinterpret_cast<float4*>(params.out_accum_ptr + partial_row * kHeadDimV + col) = sum;
       }
       if (col == 0) {
         if (final_output) {

@@ -89,8 +89,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ char smem[];
   const int tidx = threadIdx.x;
   const int lane = tidx % 32;
-  const int warp_n = (tidx / 32) % kWarpsN;  // which slab of keys of each tile
-  const int warp_m = (tidx / 32) / kWarpsN;  // which 16 query rows
+  constexpr int kWarpsV = Traits::kWarpsV;
+  const int warp_n = (tidx / 32) % kWarpsN;              // which slab of keys of each tile
+  const int warp_v = (tidx / 32 / kWarpsN) % kWarpsV;    // which columns of the value dim
+  const int warp_m = (tidx / 32) / (kWarpsN * kWarpsV);  // which 16 query rows
 
   const int group = params.nheads / params.nheads_k;
   const int seqlen_q = params.seqlen_q;
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const bool rotating = append_here && params.rotary_dim > 0;
 
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
-  const Smem smem_tiles(smem, warp_n, warp_m);
+  const Smem smem_tiles(smem, warp_n, warp_m, warp_v);
   constexpr int q_slots = Smem::kQSlots;
 
   SplitKvGmemPartition<Traits> gmem(tidx);
@@ -150,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // Each warp multiplies its 16 query rows by its slab of keys on its own.
   using Tiling = SplitKvWarpTiling<Traits, kSeveralItems>;
-  Tiling warp(lane, warp_n, warp_m);
+  Tiling warp(lane, warp_n, warp_m, warp_v);
   SplitKvWarpFragments<Traits, kSeveralItems> frag;
   const SplitKvMma<Traits, kSeveralItems> mma{smem_tiles, warp, frag};
   using ScoreMod = SplitKvScoreMod<Traits, decltype(warp.tScS_rowcol), Tiling::kNRows>;
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       stage = stage == kStages - 1 ? 0 : stage + 1;
       merge.after_tile_step(epilogue);
     }
-    merge.end_item(epilogue, it, warp_has_rows, softmax, warp, frag, warp_n, lane);
+    merge.end_item(epilogue, it, warp_has_rows, softmax, warp, frag, warp_n, warp_v, lane);
     if constexpr (!kSeveralItems) break;
   }
   merge.end_block(epilogue);

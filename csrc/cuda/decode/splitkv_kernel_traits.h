@@ -13,12 +13,13 @@ namespace flash {
 using namespace cute;
 
 // The split-KV (decode) kernel: kWarpsN warps side by side along the keys of a
-// K/V tile, kNWarps / kWarpsN along the query rows (splitkv_tile_config.h). Each
-// warp runs its own 16 x kSlabN MMAs on its slab of keys with its own online
-// softmax; the warps' partial rows are merged once, at the end. So the tiles
-// are laid out slab by slab: slab w of a K/V tile (keys w * kSlabN ...) and
-// row slab w of the Q tile are each one contiguous swizzled tile, which a warp
-// addresses on its own.
+// K/V tile, kWarpsV along the output columns (2 at d512, else 1), the rest
+// along the query rows (splitkv_tile_config.h). Each warp runs its own
+// 16 x kSlabN MMAs on its slab of keys with its own online softmax, and its
+// P V on its kHeadDimV columns of the value dim; the warps' partial rows are
+// merged once, at the end. So the tiles are laid out slab by slab: slab w of a
+// K/V tile (keys w * kSlabN ...) and row slab w of the Q tile are each one
+// contiguous swizzled tile, which a warp addresses on its own.
 template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_>
 struct SplitKvKernelTraits {
   using Element = Element_;
@@ -26,13 +27,19 @@ struct SplitKvKernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpsN = kWarpsN_;
   static constexpr int kNWarps = kNWarps_;
-  static constexpr int kWarpsM = kNWarps / kWarpsN;
+  static constexpr int kWarpsV = splitkv_warps_v(kHeadDim);
+  static constexpr int kWarpsM = kNWarps / (kWarpsN * kWarpsV);
   static constexpr int kBlockM = 16 * kWarpsM;
   static constexpr int kSlabN = kBlockN / kWarpsN;
+  // The value dim (splitkv_head_dim_v: 512 at MLA's 576) and one warp's part of it.
+  static constexpr int kHeadDimVTotal = splitkv_head_dim_v(kHeadDim);
+  static constexpr int kHeadDimV = kHeadDimVTotal / kWarpsV;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kStages = splitkv_stages(kWarpsN);
-  static_assert(kNWarps % kWarpsN == 0 && kBlockN % (16 * kWarpsN) == 0,
-                "whole warps per key slab, at least one k16 step of P V per slab");
+  static constexpr int kStages = splitkv_stages(kHeadDim, kWarpsN);
+  static_assert(kNWarps % (kWarpsN * kWarpsV) == 0 && kBlockN % (16 * kWarpsN) == 0,
+                "whole warps per key slab and value part, at least one k16 step of P V per slab");
+  static_assert(kWarpsV == 1 || kWarpsN > 1, "the 64-row variant keeps O whole in each warp");
+  static_assert(kBlockM == splitkv_block_m(kHeadDim, kWarpsN) || kWarpsN == 1);
 
   // MMA atom, swizzle atom and copies as in the SM80 forward kernel's
   // traits (of a 64-row tile, which no part used here depends on).
@@ -56,9 +63,15 @@ struct SplitKvKernelTraits {
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutKVSlab{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // V slab seen as (head dim, key): the B operand of P V without moving data.
+  // A warp's part of the V slab seen as (head dim, key), (kHeadDimV, kSlabN):
+  // the B operand of P V without moving data. The slab is laid out in strips
+  // of the swizzle atom's 64 columns, each kSlabN x 64 elements long and a
+  // whole number of swizzle periods (512 elements), so the part of warp v is
+  // this layout at kHeadDimV * kSlabN * v elements further (SplitKvSmem::slab_vt).
   using SmemLayoutVtSlab = decltype(composition(
-      SmemLayoutKVSlab{}, make_layout(Shape<Int<kHeadDim>, Int<kSlabN>>{}, GenRowMajor{})));
+      SmemLayoutKVSlab{}, make_layout(Shape<Int<kHeadDimV>, Int<kSlabN>>{}, GenRowMajor{})));
+  static_assert(kWarpsV == 1 || (kHeadDimV % 64 == 0 && (kHeadDimV * kSlabN) % 512 == 0),
+                "a value part starts at a strip of the swizzle atom");
   using SmemLayoutVtSlabNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVtSlab{}));
   static constexpr int kQSlabElems = 16 * kHeadDim;
   static constexpr int kKVSlabElems = kSlabN * kHeadDim;

@@ -39,18 +39,20 @@ struct SplitKvSmem {
   static constexpr int kQElems = cute::cosize_v<typename Traits::SmemLayoutQ>;
   static_assert(kTileElems == Traits::kSmemSizeKV / 2 / int(sizeof(Element)) &&
                 kQElems == Traits::kSmemSizeQ / int(sizeof(Element)));
-  static constexpr int kQSlots = splitkv_q_slots(Traits::kWarpsN, kSeveralItems);
+  static constexpr int kQSlots = splitkv_q_slots(Traits::kHeadDim, Traits::kWarpsN, kSeveralItems);
 
   Element* const kv_smem;
   Element* const q_smem;
   const int warp_n;  // which slab of keys of each tile
   const int warp_m;  // which 16 query rows
+  const int warp_v;  // which Traits::kHeadDimV columns of the value dim
 
-  __device__ SplitKvSmem(char* smem, int warp_n_, int warp_m_)
+  __device__ SplitKvSmem(char* smem, int warp_n_, int warp_m_, int warp_v_)
       : kv_smem(reinterpret_cast<Element*>(smem)),
         q_smem(reinterpret_cast<Element*>(smem) + 2 * Traits::kStages * kTileElems),
         warp_n(warp_n_),
-        warp_m(warp_m_) {}
+        warp_m(warp_m_),
+        warp_v(warp_v_) {}
 
   static __device__ int next_q_slot(int slot) { return slot + 1 == kQSlots ? 0 : slot + 1; }
   // (M, D) of a Q slot, (N, D) of a stage's K or V tile.
@@ -65,8 +67,9 @@ struct SplitKvSmem {
     return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
                        typename Traits::SmemLayoutKV{});
   }
-  // This warp's slab of a stage's K tile, (kSlabN, D), and V tile seen
-  // transposed, (D, kSlabN), and its 16 rows of a Q slot, (16, D).
+  // This warp's slab of a stage's K tile, (kSlabN, D), and its part of the V
+  // tile's slab seen transposed, (kHeadDimV, kSlabN), and its 16 rows of a Q
+  // slot, (16, D).
   __device__ auto slab_k(int stage) const {
     return make_tensor(
         make_smem_ptr(kv_smem + (2 * stage) * kTileElems + warp_n * Traits::kKVSlabElems),
@@ -74,7 +77,8 @@ struct SplitKvSmem {
   }
   __device__ auto slab_vt(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems + warp_n * Traits::kKVSlabElems),
+        make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems + warp_n * Traits::kKVSlabElems +
+                      warp_v * Traits::kHeadDimV * Traits::kSlabN),
         typename Traits::SmemLayoutVtSlab{});
   }
   __device__ auto slab_q(int slot) const {
@@ -96,6 +100,7 @@ struct SplitKvWarpTiling {
   using Element = typename Traits::Element;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kSlabN = Traits::kSlabN;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
 
   using WarpMma = typename Traits::WarpMma;
@@ -119,7 +124,7 @@ struct SplitKvWarpTiling {
   using SlabK = decltype(std::declval<const Smem&>().slab_k(0));
   using SlabVtNoSwizzle = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
                                                typename Traits::SmemLayoutVtSlabNoSwizzle{}));
-  using AccO = decltype(partition_fragment_C(WarpMma{}, Shape<_16, Int<kHeadDim>>{}));
+  using AccO = decltype(partition_fragment_C(WarpMma{}, Shape<_16, Int<kHeadDimV>>{}));
   // (MMA,MMA_M,MMA_N) -> (row,col) of a warp's 16 x kCols accumulator
   template <int kCols>
   using IdentityC = decltype(std::declval<const ThrMma&>().partition_C(
@@ -138,16 +143,18 @@ struct SplitKvWarpTiling {
   SmemTiledCopyV smem_tiled_copy_V;
   ThrCopyOf<SmemTiledCopyV> smem_thr_copy_V;
   // (row, col) of each accumulator element within the warp's 16 x kSlabN
-  // scores and its 16 x kHeadDim output; the warp's rows start at warp_row0
-  // of the tile, its keys at warp_col0 of each key tile.
-  RowcolOf<IdentityC<kSlabN>> tScS_rowcol;    // (ROW,COL) = ((2,MMA_M),(2,MMA_N)) -> (row,col)
-  RowcolOf<IdentityC<kHeadDim>> tOcO_rowcol;  // (ROW,COL) -> (row,col)
+  // scores and its 16 x kHeadDimV output; the warp's rows start at warp_row0
+  // of the tile, its keys at warp_col0 of each key tile, its output columns
+  // at warp_vcol0.
+  RowcolOf<IdentityC<kSlabN>> tScS_rowcol;     // (ROW,COL) = ((2,MMA_M),(2,MMA_N)) -> (row,col)
+  RowcolOf<IdentityC<kHeadDimV>> tOcO_rowcol;  // (ROW,COL) -> (row,col)
   const int warp_row0;
   const int warp_col0;
+  const int warp_vcol0;
   static constexpr int kNRows = decltype(size<0>(std::declval<RowcolOf<AccO>&>()))::value;
   static_assert(kNRows == 2, "a thread holds two rows of the warp's 16");
 
-  __forceinline__ __device__ SplitKvWarpTiling(int lane, int warp_n, int warp_m)
+  __forceinline__ __device__ SplitKvWarpTiling(int lane, int warp_n, int warp_m, int warp_v)
       : smem_tiled_copy_Q(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, warp_mma)),
         smem_thr_copy_Q(smem_tiled_copy_Q.get_thread_slice(lane)),
         smem_tiled_copy_K(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, warp_mma)),
@@ -157,9 +164,10 @@ struct SplitKvWarpTiling {
         tScS_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
             make_identity_tensor(Shape<_16, Int<kSlabN>>{})))),
         tOcO_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
-            make_identity_tensor(Shape<_16, Int<kHeadDim>>{})))),
+            make_identity_tensor(Shape<_16, Int<kHeadDimV>>{})))),
         warp_row0(16 * warp_m),
-        warp_col0(kSlabN * warp_n) {}
+        warp_col0(kSlabN * warp_n),
+        warp_vcol0(kHeadDimV * warp_v) {}
 };
 
 template <typename Traits, bool kSeveralItems>
@@ -274,7 +282,7 @@ struct SplitKvMma {
   }
 
   // The online softmax of the scores (acc_s seen as (ROW,COL)), then
-  // acc_o += P V with the warp's slab of the V tile in `stage`.
+  // acc_o += P V with the warp's part of its slab of the V tile in `stage`.
   template <typename TensorAccS, typename TensorScores, typename Softmax>
   __forceinline__ __device__ void softmax_pv(TensorAccS& acc_s, TensorScores& scores,
                                              Softmax& softmax, float exp_scale_log2,

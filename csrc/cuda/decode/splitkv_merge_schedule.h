@@ -67,7 +67,7 @@ struct SplitKvMergeSchedule {
   __forceinline__ __device__ void end_item(const Epilogue& epilogue, const SplitKvItem& it,
                                            bool warp_has_rows, const Softmax& softmax,
                                            const Tiling& w, const Fragments& f, int warp_n,
-                                           int lane) {
+                                           int warp_v, int lane) {
     const int tile_steps = it.n_block_max - it.n_block_min;
     if constexpr (kSeveralItems) {
       if (merge_pending) {  // this item had no tile step to run it in
@@ -79,7 +79,7 @@ struct SplitKvMergeSchedule {
     }
     if (warp_has_rows) {
       epilogue.write_parts(softmax, f.acc_o_rowcol(), w.tScS_rowcol, w.tOcO_rowcol, w.warp_row0,
-                           warp_n, lane, it.rows_left);
+                           w.warp_vcol0, warp_n, warp_v, lane, it.rows_left);
     }
     const SplitKvMergeTarget target{it.batch,     it.head_kv,   it.split,
                                     it.row_begin, it.rows_left, it.q_row0};

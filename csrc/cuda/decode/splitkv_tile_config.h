@@ -11,9 +11,26 @@ constexpr int kMaxKvSplits = 128;
 
 // Key tile: 16-32 KB of K+V per stage. Above d128 the tile narrows to 32 keys
 // so that two stages (and two blocks per SM on sm90) still fit, and the block
-// stays under the 99 KB per block of sm86/sm89.
+// stays under the 99 KB per block of sm86/sm89. At d512 a stage is 64 KB.
 constexpr int splitkv_block_n(int compiled_head_dim) {
   return compiled_head_dim <= 64 ? 128 : (compiled_head_dim <= 128 ? 64 : 32);
+}
+
+// The warps that split a warp's output columns (the value dim). Up to d256 a
+// warp holds its 16 rows of O whole (128 fp32 registers a thread at d256). At
+// d512 that would be 256: the four warps become 2 key slabs x 2 halves of the
+// value dim; the two warps of a slab compute the same scores and softmax
+// (bit for bit: same operands, same instructions) and each multiplies P by
+// its half of V, so nothing is exchanged (docs/head_dims_dv_and_512.md,
+// "Head dim 512, decode").
+constexpr int splitkv_warps_v(int compiled_head_dim) { return compiled_head_dim > 256 ? 2 : 1; }
+
+// The value dim a compiled head dim's kernel computes: its own, but 512 for
+// 576, absorbed MLA's latent cache (d_qk = 576, d_v = 512: V is the first 512
+// columns of the cache rows, docs/head_dims_dv_and_512.md section 4). O, the
+// merge's rows and the partial results are this wide.
+constexpr int splitkv_head_dim_v(int compiled_head_dim) {
+  return compiled_head_dim == 576 ? 512 : compiled_head_dim;
 }
 
 // The four warps of a block split each K/V tile into warps_n slabs of keys and
@@ -26,13 +43,16 @@ constexpr int splitkv_block_n(int compiled_head_dim) {
 // 128-thread global copy (16 rows for head dims that are multiples of 64, 32
 // rows for the others).
 constexpr int splitkv_decode_warps_n(int compiled_head_dim) {
+  const int warps = kSplitKvWarps / splitkv_warps_v(compiled_head_dim);
   const int by_keys = splitkv_block_n(compiled_head_dim) / 16;
-  const int by_rows = compiled_head_dim % 64 == 0 ? kSplitKvWarps : kSplitKvWarps / 2;
+  const int by_rows = compiled_head_dim % 64 == 0 ? warps : warps / 2;
   const int warps_n = by_keys < by_rows ? by_keys : by_rows;
-  return warps_n < kSplitKvWarps ? warps_n : kSplitKvWarps;
+  return warps_n < warps ? warps_n : warps;
 }
 
-constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_n); }
+constexpr int splitkv_block_m(int compiled_head_dim, int warps_n) {
+  return 16 * (kSplitKvWarps / (warps_n * splitkv_warps_v(compiled_head_dim)));
+}
 
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
@@ -40,24 +60,32 @@ constexpr int splitkv_block_m(int warps_n) { return 16 * (kSplitKvWarps / warps_
 // blocks of two or three stages, or than 128-key tiles (PERF_LOG 2026-11-22
 // 0296a76). The 64-row variant keeps two, so that it
 // fits the 99 KB per block of sm86/sm89 at every head dim.
-constexpr int splitkv_stages(int warps_n) { return warps_n > 1 ? 3 : 2; }
+// At d512 the decode variant keeps two (64 KB each, 147 KB with Q: an sm80
+// block holds it; three would need 213 KB, sm90 only). Two 64 KB stages are
+// still far more bytes in flight per SM than the memory's latency needs.
+constexpr int splitkv_stages(int compiled_head_dim, int warps_n) {
+  return warps_n > 1 && splitkv_warps_v(compiled_head_dim) == 1 ? 3 : 2;
+}
 
 // A block that runs several work items in turn (the persistent grid that
 // plan_decode picks, launch/plan.cpp) loads an item's Q tile with its first
 // K/V tile, while it still computes earlier items: it keeps a Q tile for the
 // item being computed and for each of the kStages items whose first tile may
 // be in flight (one tile each at least). A block of one item keeps one.
-constexpr int splitkv_q_slots(int warps_n, bool several_items) {
-  return several_items ? splitkv_stages(warps_n) + 1 : 1;
+constexpr int splitkv_q_slots(int compiled_head_dim, int warps_n, bool several_items) {
+  return several_items ? splitkv_stages(compiled_head_dim, warps_n) + 1 : 1;
 }
 
 // The merge of the warps that share rows (one per key slab) goes through
 // shared memory: per warp and row, the output row in fp32, padded by 8 floats
 // so that the float2 writes of the 8 rows of a warp's accumulator land on
 // distinct banks, and a (row max, row sum) pair.
-constexpr int splitkv_merge_row_floats(int compiled_head_dim) { return compiled_head_dim + 8; }
+constexpr int splitkv_merge_row_floats(int compiled_head_dim) {
+  return splitkv_head_dim_v(compiled_head_dim) + 8;
+}
 constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
-  return 4 * warps_n * splitkv_block_m(warps_n) * (splitkv_merge_row_floats(compiled_head_dim) + 2);
+  return 4 * warps_n * splitkv_block_m(compiled_head_dim, warps_n) *
+         (splitkv_merge_row_floats(compiled_head_dim) + 2);
 }
 
 // Dynamic shared memory of one thread block (16-bit elements): the stages of
@@ -65,9 +93,11 @@ constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
 // bytes once its last tile is done; a block of several has the next item's
 // tiles in flight by then, so its merge has bytes of its own.
 constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false) {
-  const int tiles = 2 * compiled_head_dim *
-                    (2 * splitkv_stages(warps_n) * splitkv_block_n(compiled_head_dim) +
-                     splitkv_q_slots(warps_n, several_items) * splitkv_block_m(warps_n));
+  const int tiles =
+      2 * compiled_head_dim *
+      (2 * splitkv_stages(compiled_head_dim, warps_n) * splitkv_block_n(compiled_head_dim) +
+       splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
+           splitkv_block_m(compiled_head_dim, warps_n));
   return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
 // Longest append the split-KV kernel does itself (params.append_in_attention:
@@ -79,30 +109,39 @@ constexpr int kAppendInAttentionMaxRows = 16;
 // Rotary table rows that the appending kernel keeps in shared memory, for
 // positions rotary_start + [0, rows) (rotary_start: rotary_seqlens[b], else cache_seqlens[b]): the
 // query rows of its block (one position per query under a causal / local mask) and the new keys.
-constexpr int splitkv_rotary_table_rows(int warps_n) {
-  return splitkv_block_m(warps_n) > kAppendInAttentionMaxRows ? splitkv_block_m(warps_n)
-                                                              : kAppendInAttentionMaxRows;
+constexpr int splitkv_rotary_table_rows(int compiled_head_dim, int warps_n) {
+  return splitkv_block_m(compiled_head_dim, warps_n) > kAppendInAttentionMaxRows
+             ? splitkv_block_m(compiled_head_dim, warps_n)
+             : kAppendInAttentionMaxRows;
 }
 
 // Dynamic shared memory of the appending kernel: the tiles, then per table
 // row compiled_head_dim / 2 cosines and as many sines (16-bit).
 constexpr int splitkv_append_smem_bytes(int compiled_head_dim, int warps_n) {
   return splitkv_smem_bytes(compiled_head_dim, warps_n) +
-         2 * splitkv_rotary_table_rows(warps_n) * compiled_head_dim;
+         2 * splitkv_rotary_table_rows(compiled_head_dim, warps_n) * compiled_head_dim;
 }
 
 static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
               "the 64-row variant fits sm86/sm89 (99 KB per block)");
+static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 &&
+                  splitkv_smem_bytes(512, 2) == 147456 && splitkv_smem_bytes(512, 2) <= 163 * 1024,
+              "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages, an sm80 block");
+static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
+              "absorbed MLA's 576: the same split, an sm80 block");
 
 // The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
 // a device with max_smem_per_block bytes of shared memory per block: the
 // decode variant when the rows fit one block and its stages fit the device.
+// At d512 there is no 64-row variant (a warp cannot hold 16 rows of O whole):
+// the decode variant serves every call, many rows as several query blocks,
+// and 0 says that the device's blocks cannot hold it (sm86 / sm89).
 inline int splitkv_warps_n_for(int compiled_head_dim, long long rows_total,
                                long long max_smem_per_block) {
   const int decode = splitkv_decode_warps_n(compiled_head_dim);
-  const bool fits = rows_total <= splitkv_block_m(decode) &&
-                    splitkv_smem_bytes(compiled_head_dim, decode) <= max_smem_per_block;
-  return fits ? decode : 1;
+  const bool decode_fits = splitkv_smem_bytes(compiled_head_dim, decode) <= max_smem_per_block;
+  if (splitkv_warps_v(compiled_head_dim) > 1) return decode_fits ? decode : 0;
+  return rows_total <= splitkv_block_m(compiled_head_dim, decode) && decode_fits ? decode : 1;
 }
 
 }  // namespace flash

@@ -70,7 +70,10 @@ template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192, 128> { static constexpr int kBlockM = 0, kBlockN = 0, kNWarps = 0, kBlockNExtras = 0, kNWarpsExtras = 0, kBlockMSm90 = 128, kBlockNSm90 = 112, kMinSeqlenKSm90 = 0, kMinBlocksPerSmSm90 = 0; };
 // clang-format on
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
-constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+// 512 and 576 (absorbed MLA, d_v <= 512) have the split-KV (fwd_kvcache)
+// kernel only: the forward and backward ops bound the head dim at 256
+// (head_dim_bounds.h) before they look here.
+constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256, 512, 576};
 
 inline int round_up_head_dim(int head_dim) {
   for (int compiled : kCompiledHeadDims) {

@@ -8,6 +8,7 @@
 #include <limits>
 #include <sstream>
 
+#include "common/head_dim_bounds.h"
 #include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/core/paged_box_rows.h"
 #include "cuda/decode/splitkv_tile_config.h"
@@ -250,7 +251,10 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     return plan;
   }
   plan.return_probs = params.p_ptr != nullptr;
-  if (params.cu_seqlens_q == nullptr && override_kernel == KernelOverride::kNone) {
+  // A kernel override picks between the forward kernels, which head dims
+  // above 256 do not have: those run on the split-KV kernel whatever it says.
+  if (params.cu_seqlens_q == nullptr &&
+      (override_kernel == KernelOverride::kNone || splitkv_only_head_dim(params.head_dim))) {
     FwdSplitShape split;
     split.batch = params.batch;
     split.nheads = params.nheads;
@@ -269,11 +273,19 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       plan.head_dim = plan.head_dim_v = splitkv.compiled_head_dim;
       plan.block_m = splitkv.block_m;
       plan.splitkv = splitkv;
-      plan.reason =
-          "seqlen_q x (nheads / nheads_k) fits one split-KV query block: the split-KV kernel "
-          "(plan_fwd_split)";
+      plan.reason = splitkv_only_head_dim(params.head_dim)
+                        ? "head dim above 256: the split-KV kernel, its only kernel "
+                          "(plan_fwd_split)"
+                        : "seqlen_q x (nheads / nheads_k) fits one split-KV query block: the "
+                          "split-KV kernel (plan_fwd_split)";
       return plan;
     }
+  }
+  if (splitkv_only_head_dim(params.head_dim)) {
+    plan.reason =
+        "head dim above 256 and no split-KV plan (dropout, S_dmask, seqused_q or the "
+        "device's shared memory): no kernel";
+    return plan;  // kNone: the op refuses the call first
   }
   const int compiled = round_up_head_dim(params.head_dim);
   const FwdTileRow row = fwd_tile_row(compiled);
@@ -724,7 +736,12 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   const int group = shape.nheads_k > 0 ? shape.nheads / shape.nheads_k : 0;
   const int64_t rows_per_kv_head = int64_t(shape.seqlen_q) * group;
   plan.warps_n = splitkv_warps_n_for(compiled, rows_per_kv_head, device.smem_per_block_optin);
-  plan.block_m = splitkv_block_m(plan.warps_n);
+  if (plan.warps_n == 0) {  // d512 on a device of 99 KB blocks (sm86 / sm89)
+    plan.num_splits = 0;
+    plan.reason = "no split-KV variant of this head dim fits the device's shared memory per block";
+    return plan;
+  }
+  plan.block_m = splitkv_block_m(compiled, plan.warps_n);
   plan.num_m_blocks = ceil_div(rows_per_kv_head, plan.block_m);
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * plan.num_m_blocks;
   plan.num_splits =
@@ -751,7 +768,10 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
 DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) {
   DecodePlan none;
   none.num_splits = 0;
-  if (shape.requested_splits == 1) {
+  // Head dims above 256 have the split-KV kernel only: it serves every call it
+  // can, whatever the split count or row count (the op refuses the others).
+  const bool only_splitkv = splitkv_only_head_dim(shape.head_dim);
+  if (shape.requested_splits == 1 && !only_splitkv) {
     none.reason = "num_splits=1: the forward kernels, no split";
     return none;
   }
@@ -759,7 +779,7 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
     none.reason = "dropout, return_softmax or seqused_q: only the forward kernels have them";
     return none;
   }
-  if (shape.head_dim_v != shape.head_dim) {
+  if (shape.head_dim_v != shape.head_dim && !only_splitkv) {
     none.reason = "d_v below d_qk: the forward kernels read V at its own width";
     return none;
   }
@@ -774,12 +794,19 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
   decode.requested_splits = shape.requested_splits;
   decode.score_extras = shape.score_extras;
   decode.varlen = shape.varlen;
-  const DecodePlan plan = plan_decode(decode, device);
+  DecodePlan plan = plan_decode(decode, device);
+  // A varlen run needs two splits or more: the combine writes the rows of q
+  // outside every sequence (out 0, lse +inf), which no work item covers.
+  if (only_splitkv && shape.varlen && plan.warps_n > 0 && plan.num_splits <= 1) {
+    decode.requested_splits = 2;
+    plan = plan_decode(decode, device);
+    plan.reason = "varlen above head dim 256: two splits, so that the combine writes every row";
+  }
   if (shape.varlen && plan.num_splits <= 1) {
     none.reason = plan.reason;
     return none;
   }
-  if (shape.requested_splits == 0 && plan.num_m_blocks > 1) {
+  if (shape.requested_splits == 0 && plan.num_m_blocks > 1 && !only_splitkv) {
     none.reason =
         "num_splits=0: more query rows than one split-KV query block, the forward kernels";
     return none;

@@ -98,7 +98,9 @@ struct DecodeShape {
 
 struct DecodePlan {
   int compiled_head_dim = 0;
-  int warps_n = 1;  // 1: the 64-row variant; more: the decode variant
+  // 1: the 64-row variant; more: the decode variant; 0: none fits the device
+  // (num_splits 0, reason says why)
+  int warps_n = 1;
   int block_m = 0;
   int64_t num_m_blocks = 0;  // query blocks per (batch, kv head)
   int num_splits = 1;

@@ -66,6 +66,18 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
         "item and one query block of a fixed-length call appends itself "
         "(plan.append_in_attention must be false)");
   }
+  // A block of several items keeps its Q slots and merge bytes beside the
+  // tiles: more than any block may hold at d512, where plan_decode never
+  // picks the persistent grid (splitkv_grid_blocks).
+  constexpr bool kPersistentFits =
+      kWarpsN > 1 && splitkv_smem_bytes(kHeadDim, kWarpsN, true) <= kSm90SmemPerBlock;
+  if constexpr (!kPersistentFits) {
+    if (several_items) {
+      throw std::runtime_error(
+          "flash_attn_cuda: fwd_kvcache: no persistent split-KV kernel at head dim " +
+          std::to_string(kHeadDim));
+    }
+  }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
       if (plan.append_in_attention) {
@@ -74,8 +86,10 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
                    : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false,
                                                true>;
       }
-      if (several_items) {
-        return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, true>;
+      if constexpr (kPersistentFits) {
+        if (several_items) {
+          return &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, true>;
+        }
       }
       return params.block_table != nullptr
                  ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false>
@@ -107,10 +121,13 @@ template <typename Element, int kHeadDim>
 void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
                            cudaStream_t stream) {
   constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
+  // d512 has the decode variant only (splitkv_warps_n_for).
+  constexpr bool kHasRowsVariant = splitkv_warps_v(kHeadDim) == 1;
   if (plan.warps_n == kDecodeWarpsN) {
     launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, plan, stream);
-  } else if (plan.warps_n == 1) {
-    launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, plan, stream);
+  } else if (kHasRowsVariant && plan.warps_n == 1) {
+    if constexpr (kHasRowsVariant)
+      launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, plan, stream);
   } else {
     throw std::runtime_error("flash_attn_cuda: fwd_kvcache: no split-KV kernel variant with " +
                              std::to_string(plan.warps_n) + " warps along the keys");
@@ -135,8 +152,10 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
     if (rows == 0) return;
     LaunchOptions options;
     options.programmatic = plan.programmatic_launch;
-    launch_ex(&splitkv_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows)),
-              dim3(kCombineThreads), 0, stream, options, combine_params);
+    // The partial results are as wide as the value dim (splitkv_head_dim_v).
+    launch_ex(&splitkv_combine_kernel<Element, splitkv_head_dim_v(kHeadDim)>,
+              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream, options,
+              combine_params);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/head_dim_bounds.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/fwd/paged_keys_check.h"
 #include "cuda/launch/launcher_registry.h"
@@ -30,6 +31,37 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
               "FLASH_ATTN_CUDA_DTYPES including it");
   return launcher;
+}
+
+// Head dims above 256 run on the split-KV kernel alone (plan_fwd_split),
+// which has no dropout, no S_dmask and no seqused_q: those calls are refused
+// by name, before anything is allocated.
+void check_splitkv_only_call(int64_t head_dim, double dropout_p, bool return_softmax,
+                             bool seqused_q) {
+  if (!splitkv_only_head_dim(static_cast<int>(head_dim))) return;
+  const char* what = dropout_p > 0.0  ? "dropout_p > 0"
+                     : return_softmax ? "return_attn_probs (S_dmask)"
+                     : seqused_q      ? "seqused_q"
+                                      : nullptr;
+  TORCH_CHECK(what == nullptr,
+              "flash_attn (CUDA): head dims above 256 run on the split-KV "
+              "kernel, which does not serve ",
+              what, "; head_dim is ", head_dim, " (the CPU path serves it)");
+}
+
+// The launcher of the forward kernels, or none for head dims that have only
+// the split-KV kernel.
+FwdLauncher launcher_unless_splitkv_only(int head_dim, at::ScalarType dtype) {
+  return splitkv_only_head_dim(head_dim) ? nullptr : launcher_for(head_dim, dtype);
+}
+
+// The plan of a head dim above 256 is the split-KV kernel's, or none where the
+// device's blocks cannot hold it.
+void check_plan_has_a_kernel(const FwdParams& params, bool splitkv) {
+  TORCH_CHECK(splitkv || !splitkv_only_head_dim(params.head_dim), "flash_attn (CUDA): head_dim ",
+              params.head_dim,
+              " runs on the split-KV kernel only, whose blocks this device's shared memory "
+              "does not hold (an sm80 or sm90 GPU serves it)");
 }
 
 // The launcher of the plan's compiled (d_qk, d_v): launcher_for's, found
@@ -101,7 +133,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   // d_v < d_qk runs on the kernel of d_qk, which reads v and writes out at
   // their own width (FwdParams::head_dim_v): no padded copy.
-  const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
+  check_splitkv_only_call(shape.head_dim, dropout_p, return_softmax, /*seqused_q=*/false);
+  const FwdLauncher launcher = launcher_unless_splitkv_only(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor k = aligned_for_16b_loads(k_in);
   const at::Tensor v = aligned_for_16b_loads(v_in);
@@ -135,6 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
   const FwdPlan plan = plan_for(params);
+  check_plan_has_a_kernel(params, plan.kernel == FwdKernel::kSplitKv);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   if (plan.kernel == FwdKernel::kSplitKv) {
     run_fwd_splitkv(params, plan.splitkv, q, stream);
@@ -173,7 +207,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   // d_v < d_qk: v and out at their own width, as in fwd_cuda_into.
-  const FwdLauncher launcher = launcher_for(shape.head_dim, q_in.scalar_type());
+  check_splitkv_only_call(shape.head_dim, dropout_p, return_softmax, seqused_q.has_value());
+  const FwdLauncher launcher = launcher_unless_splitkv_only(shape.head_dim, q_in.scalar_type());
   const at::Tensor q = aligned_for_16b_loads(q_in);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   // Paged K/V are read in place: the kernels locate each key through the
@@ -271,6 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   split_shape.return_softmax = return_softmax;
   split_shape.seqused_q = used_q.defined();
   const DecodePlan split_plan = plan_fwd_split(split_shape, current_device_desc());
+  check_plan_has_a_kernel(params, split_plan.num_splits > 0);
   if (split_plan.num_splits > 0) {
     run_fwd_splitkv(params, split_plan, q, stream);
   } else {

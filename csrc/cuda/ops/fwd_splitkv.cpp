@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/launcher_registry.h"
 #include "cuda/ops/op_common.h"
@@ -64,14 +65,16 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
     TORCH_CHECK(rows_per_split <= std::numeric_limits<int32_t>::max(), "flash_attn (CUDA): ", op,
                 ": the query rows of all heads, ", rows_per_split, ", exceed 2^31 - 1");
     const int64_t partial_rows = int64_t(kv.num_splits) * rows_per_split;
-    accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
+    // The partial rows are as wide as the kernel's value dim (splitkv_head_dim_v).
+    const int64_t accum_cols = splitkv_head_dim_v(compiled);
+    accum = at::empty({partial_rows * (accum_cols + 1)}, q.options().dtype(at::kFloat));
     kv.out_accum_ptr = accum.data_ptr<float>();
-    kv.lse_accum_ptr = kv.out_accum_ptr + partial_rows * compiled;
+    kv.lse_accum_ptr = kv.out_accum_ptr + partial_rows * accum_cols;
     if (varlen) {
       // A row no split writes (outside every sequence) merges from lse -inf
       // to out 0, lse +inf (the sink with one); its partial rows are never
       // read.
-      accum.narrow(0, partial_rows * compiled, partial_rows)
+      accum.narrow(0, partial_rows * accum_cols, partial_rows)
           .fill_(-std::numeric_limits<float>::infinity());
     }
   }

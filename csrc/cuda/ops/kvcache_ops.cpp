@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/fwd_tile_config.h"
 #include "cuda/launch/append_rotary_launch.h"
 #include "cuda/launch/launcher_registry.h"
@@ -99,6 +100,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
               is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
               "FLASH_ATTN_CUDA_DTYPES including it");
+  TORCH_CHECK(shape.head_dim_v <= splitkv_head_dim_v(compiled), "fwd_kvcache (CUDA): head_dim ",
+              shape.head_dim,
+              " (above 512) is served for absorbed MLA's latent cache, whose values are at most "
+              "512 columns: d_v (the head dim of v_cache) must be at most ",
+              splitkv_head_dim_v(compiled), ", got ", shape.head_dim_v);
   check_cache_aligned(k_cache, "k_cache");
   check_cache_aligned(v_cache, "v_cache");
   const Window window =
@@ -204,7 +210,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                                  reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
   decode.window_left = window.left;
   decode.varlen = shape.varlen_q || shape.varlen_new;
-  const DecodePlan plan = plan_decode(decode, current_device_desc());
+  const DeviceDesc device = current_device_desc();
+  const DecodePlan plan = plan_decode(decode, device);
+  TORCH_CHECK(plan.warps_n > 0, "fwd_kvcache (CUDA): head_dim ", shape.head_dim,
+              " needs a split-KV block of ",
+              splitkv_smem_bytes(compiled, splitkv_decode_warps_n(compiled)),
+              " bytes of shared memory, and this device's blocks hold at most ",
+              device.smem_per_block_optin, " (an sm80 or sm90 GPU serves it)");
   TORCH_CHECK(plan.num_m_blocks <= 65535, "fwd_kvcache (CUDA): seqlen_q * (nheads / nheads_k) = ",
               int64_t(shape.seqlen_q) * (shape.nheads / shape.nheads_k),
               " is more than the kernel's grid holds (", 65535 * plan.block_m, ")");
@@ -241,21 +253,23 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.lse_accum_ptr = nullptr;
   if (params.num_splits > 1) {
     // One allocation (decode calls are short; each allocator call shows):
-    // partial outputs (num_splits, batch, nheads, seqlen_q, compiled), then
+    // partial outputs (num_splits, batch, nheads, seqlen_q, accum_cols), then
     // their lse (num_splits, batch, nheads, seqlen_q); a varlen q's rows are
-    // (nheads, total_q) (splitkv_rows_per_split). compiled is a multiple of
-    // 32, so every partial row stays 16-byte aligned.
+    // (nheads, total_q) (splitkv_rows_per_split). accum_cols, the kernel's
+    // value dim (the compiled head dim; 512 at 576, splitkv_head_dim_v), is a
+    // multiple of 32, so every partial row stays 16-byte aligned.
+    const int64_t accum_cols = splitkv_head_dim_v(compiled);
     const int64_t rows_per_split = shape.varlen_q
                                        ? int64_t(shape.nheads) * shape.total_q
                                        : int64_t(shape.batch) * shape.nheads * shape.seqlen_q;
     const int64_t partial_rows = int64_t(params.num_splits) * rows_per_split;
-    split_accum = at::empty({partial_rows * (compiled + 1)}, q.options().dtype(at::kFloat));
+    split_accum = at::empty({partial_rows * (accum_cols + 1)}, q.options().dtype(at::kFloat));
     params.out_accum_ptr = split_accum.data_ptr<float>();
-    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * compiled;
+    params.lse_accum_ptr = params.out_accum_ptr + partial_rows * accum_cols;
     if (shape.varlen_q) {
       // Rows of q outside every sequence have no work item: a partial lse of
       // -inf merges them to out 0, lse +inf, as the CPU path gives them.
-      split_accum.narrow(0, partial_rows * compiled, partial_rows)
+      split_accum.narrow(0, partial_rows * accum_cols, partial_rows)
           .fill_(-std::numeric_limits<float>::infinity());
     }
   }

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "api/checks.h"
+#include "common/head_dim_bounds.h"
 #include "cuda/launch/plan.h"
 
 namespace flash {
@@ -46,9 +47,9 @@ KernelOverride override_of(const std::string& kernel_override) {
 void fill_call(FwdParams& params, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t nheads,
                int64_t nheads_k, int64_t head_dim, bool causal, int64_t window_size_left,
                int64_t window_size_right, double softcap, bool alibi, double dropout_p,
-               std::optional<double> softmax_scale, bool varlen) {
-  TORCH_CHECK(head_dim > 0 && head_dim <= 256, "_plan: head_dim must be in [1, 256], got ",
-              head_dim);
+               std::optional<double> softmax_scale, bool varlen, int max_head_dim) {
+  TORCH_CHECK(head_dim > 0 && head_dim <= max_head_dim, "_plan: head_dim must be in [1, ",
+              max_head_dim, "], got ", head_dim);
   TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0,
               "_plan: nheads must be a multiple of nheads_k");
   params.batch = static_cast<int>(batch);
@@ -84,7 +85,8 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t head_dim_v) {
   FwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
-            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen);
+            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen,
+            kMaxHeadDimCudaFwd);
   // head_dim_v < 0: d_v = d_qk. A smaller d_v may pick a specialised pair's
   // Hopper kernel (plan_fwd).
   TORCH_CHECK(head_dim_v < 0 || (head_dim_v > 0 && head_dim_v <= head_dim),
@@ -114,7 +116,7 @@ std::string plan_bwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         std::string kernel_override, bool tma_aligned, int64_t head_dim_v) {
   BwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
-            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen);
+            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen, kMaxHeadDimCuda);
   params.deterministic = deterministic;
   // head_dim_v < 0: d_v = d_qk. A smaller d_v may pick a specialised pair's
   // Hopper kernel (plan_bwd), as in _plan_fwd.
@@ -134,7 +136,8 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
                            int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                            int64_t smem_per_block_optin, int64_t smem_per_sm,
                            int64_t reserved_smem_per_block) {
-  TORCH_CHECK(head_dim > 0 && head_dim <= 256, "_plan_decode: head_dim must be in [1, 256], got ",
+  TORCH_CHECK(head_dim > 0 && head_dim <= kMaxHeadDimCudaKvcache,
+              "_plan_decode: head_dim must be in [1, ", kMaxHeadDimCudaKvcache, "], got ",
               head_dim);
   TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0,
               "_plan_decode: nheads must be a multiple of nheads_k");
