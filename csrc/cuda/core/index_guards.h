@@ -257,4 +257,15 @@ __forceinline__ __device__ int guarded_page(const IndexErrorSink& sink, IndexOp 
   return report_and_clamp_page(sink, op, seq, page_index, page, num_pages);
 }
 
+// The same check where the entry is used rather than where it was loaded: the
+// split-KV kernel loads a tile's entries a tile ahead of its copies, and a
+// check at the load would wait there on the table read. page_index() is only
+// evaluated on the cold path.
+template <typename PageIndex>
+__forceinline__ __device__ int guarded_page_at_use(const IndexErrorSink& sink, IndexOp op, int seq,
+                                                   PageIndex page_index, int page, int num_pages) {
+  if (static_cast<unsigned>(page) < static_cast<unsigned>(num_pages)) return page;
+  return report_and_clamp_page(sink, op, seq, page_index(), page, num_pages);
+}
+
 }  // namespace flash

@@ -140,9 +140,10 @@ struct SplitKvTileLoader {
   // Paged cache: location of this thread's K/V copy rows of key block
   // n_block. The block table is read once per distinct page (a page of 64
   // rows or more holds all of a thread's rows of a tile); row_page[m] is left
-  // stale when row m shares row m - 1's page, and the rows are resolved when
-  // the copies are issued, a tile later: no instruction waits on a table read
-  // in between (a copy of the loaded value from row to row would).
+  // stale when row m shares row m - 1's page, and the rows are resolved, and
+  // their entries checked against the pool, when the copies are issued, a
+  // tile later (load_tile): no instruction waits on a table read in between
+  // (a check or a copy of the loaded value from row to row would).
   __device__ void locate_tile(const SplitKvItem& it, int n_block) {
     if (!is_paged(it)) return;
     const int key0 = n_block * kBlockN;
@@ -154,11 +155,7 @@ struct SplitKvTileLoader {
       it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] =
-            key < it.seqlen_k
-                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index,
-                               it.cache.block_table_row[page_index], params.num_pages)
-                : 0;
+        row_page[m] = key < it.seqlen_k ? it.cache.block_table_row[page_index] : 0;
       }
       previous_index = page_index;
     }
@@ -207,7 +204,19 @@ struct SplitKvTileLoader {
       int64_t page = 0;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
-        page = row_shares_page[m] ? page : int64_t(row_page[m]);
+        const int row = get<0>(tKVcKV(0, m, 0));
+        if (!row_shares_page[m]) {
+          // The table index of the row's page, for the report only.
+          auto page_index = [&] {
+            int index, in_page;
+            it.cache.page_size.divmod(it.cache.leftpad + n_block * kBlockN + row, index, in_page);
+            return index;
+          };
+          page = row < rows_in_tile
+                     ? guarded_page_at_use(params.index_errors, IndexOp::kKvcache, it.cache.entry,
+                                           page_index, row_page[m], params.num_pages)
+                     : 0;
+        }
         const int64_t in_page = row_in_page[m];
         copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
