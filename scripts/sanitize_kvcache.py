@@ -172,9 +172,14 @@ def main():
     call(2, 1, 513, 16, 1, 512, bf16, page_size=64, num_splits=5, head_dim_v=256, v_view="k")
     call(2, 1, 301, 8, 2, 512, bf16, head_dim_v=128, v_view="wide", softcap=30.0)
     # Absorbed MLA (576 / 512, v_cache = k_cache[..., :512]): 128 heads over one
-    # latent head, 8 query blocks, pages of 64 and 1.
+    # latent head, 8 query blocks, pages of 64 and 1, and a contiguous cache;
+    # V read in the K tile (splitkv_reads_v_in_k), but with the append or
+    # softcap, which load it.
     call(2, 1, 513, 128, 1, 576, bf16, page_size=64, num_splits=5, head_dim_v=512, v_view="k")
     call(2, 2, 200, 128, 1, 576, bf16, page_size=1, head_dim_v=512, v_view="k")
+    call(3, 1, 301, 128, 1, 576, fp16, head_dim_v=512, v_view="k", causal=True)
+    call(2, 1, 300, 64, 1, 576, bf16, head_dim_v=256, v_view="k", num_splits=3)
+    call(2, 1, 300, 64, 1, 576, bf16, head_dim_v=512, v_view="k", softcap=30.0)
     # Fixed-length fwd calls of decode shape, which run the split-KV kernel
     # (plan_fwd_split): split and not, causal with more queries than keys,
     # GQA and MQA, a strided query.

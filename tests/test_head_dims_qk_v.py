@@ -635,6 +635,50 @@ def test_absorbed_mla_decode_reads_v_from_the_key_cache(device, seqlen_q, page_s
     check_lse(lse, lse_exact, lse_same)
 
 
+@CUDA
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (2, True)])
+@pytest.mark.parametrize("page_size", [None, 1, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("d_v", [512, 256])
+def test_shared_latent_cache_matches_a_separate_v_bit_for_bit(
+    seqlen_q, causal, page_size, num_splits, d_v
+):
+    """With v_cache a view of k_cache the 576 kernel reads V in the K tile
+    and loads none (splitkv_reads_v_in_k); given V as a tensor of its own with
+    the same values it loads it. Same operands, same instructions: the two
+    give the same bits, out and lse, at a fixed split count."""
+    batch, capacity, nheads, d_qk = 3, 192, 128, 576
+    q = rand(batch, seqlen_q, nheads, d_qk, device="cuda", dtype=torch.bfloat16)
+    latent = rand(batch, capacity, 1, d_qk, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([1, 131, capacity], dtype=torch.int32, device="cuda")
+    table, k_cache = None, latent
+    if page_size is not None:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages, device="cuda")
+        k_cache = torch.empty(
+            batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16, device="cuda"
+        )
+        k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
+        table = order.view(batch, pages).to(torch.int32)
+    results = []
+    for v_cache in (k_cache[..., :d_v], k_cache[..., :d_v].contiguous()):
+        out, lse = flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=seqlens,
+            block_table=table,
+            causal=causal,
+            num_splits=num_splits,
+            return_softmax_lse=True,
+        )
+        results.append((out, lse))
+    (out_view, lse_view), (out_copy, lse_copy) = results
+    assert out_view.shape == (batch, seqlen_q, nheads, d_v)
+    assert torch.equal(out_view, out_copy) and torch.equal(lse_view, lse_copy)
+    assert torch.isfinite(out_view).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_append_into_a_shared_latent_cache(device):
     """v_cache = k_cache[..., :d_v] (absorbed MLA's cache): an append writes k

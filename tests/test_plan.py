@@ -853,8 +853,30 @@ def test_decode_head_dim_512():
     assert plan["head_dim"] == 576 and plan["warps_n"] == 2 and plan["block_m"] == 16
     assert plan["m_blocks"] == 8 and plan["smem"] == 165888
     assert decode(64, 1, 4096, 128, 1, 576, device=A100)["warps_n"] == 2
+    assert plan["v_in_k"] == 0
     with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 576\], got 584"):
         decode(1, 1, 64, 8, 8, 584)
+
+
+def test_mla_shared_cache_reads_v_in_the_k_tile():
+    """Absorbed MLA's shared cache (v_cache = k_cache[..., :512]) at 576: the
+    kernel reads V in the K tile, so a block holds Q and two K stages (92,160
+    B) and two blocks share an SM; the splits fill two blocks per SM. Score
+    extras, an append and other head dims keep the kernel that loads V."""
+    for paged in (False, True):
+        plan = decode(64, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)
+        assert plan["v_in_k"] == 1 and plan["smem"] == 92160 and plan["persistent"] == 0
+        assert plan["m_blocks"] == 8 and plan["splits"] == 1  # 512 blocks: two waves of 264
+        # 128 blocks would fill half of the 264 slots: two splits fill them.
+        assert decode(16, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)["splits"] == 2
+    assert decode(16, 1, 4096, 128, 1, 576)["splits"] == 1  # one block an SM: 128 of 132
+    on_a100 = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, device=A100)
+    assert on_a100["v_in_k"] == 1 and on_a100["smem"] == 92160
+    for kw in (dict(softcap=30.0), dict(alibi=True), dict(seqlen_new=1)):
+        plan = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, **kw)
+        assert plan["v_in_k"] == 0 and plan["smem"] == 165888, kw
+    assert decode(16, 1, 4096, 32, 8, 512, v_in_k=True)["v_in_k"] == 0
+    assert decode(16, 1, 4096, 32, 8, 128, v_in_k=True)["v_in_k"] == 0
 
 
 def test_forward_above_256_on_the_splitkv_kernel():

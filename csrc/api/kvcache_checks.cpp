@@ -227,6 +227,9 @@ KvcacheShape check_fwd_kvcache_args(
   }
   check_last_dim_contiguous(k_cache, "k_cache");
   check_last_dim_contiguous(v_cache, "v_cache");
+  // The caches agree on every dim but the last (above), so the same address
+  // and strides make v_cache a column slice of k_cache.
+  shape.v_in_k = v_cache.data_ptr() == k_cache.data_ptr() && v_cache.strides() == k_cache.strides();
 
   // per-batch index vectors
   check_batch_vector(cache_seqlens, q, shape.batch, "cache_seqlens");
@@ -285,9 +288,7 @@ KvcacheShape check_fwd_kvcache_args(
     // memory, same strides). An append writes k's rows and v's into the
     // same bytes, so v must be k's first d_v columns too, and k's rotation
     // (of its first rotary_dim columns) would leave v's copy unrotated.
-    const bool shared_cache =
-        v_cache.data_ptr() == k_cache.data_ptr() && v_cache.strides() == k_cache.strides();
-    if (shared_cache && shape.seqlen_new > 0) {
+    if (shape.v_in_k && shape.seqlen_new > 0) {
       TORCH_CHECK(v->data_ptr() == k->data_ptr() && v->strides() == k->strides(),
                   "fwd_kvcache: v_cache is k_cache's first ", v_cache.size(-1),
                   " columns (the same memory), so an append writes k and v into the same "

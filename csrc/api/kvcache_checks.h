@@ -59,6 +59,10 @@ struct KvcacheShape {
   bool varlen_new;    // cu_seqlens_k_new given: k / v are (total_k_new, nheads_k, head_dim)
   int rotary_dim;     // 0 without rotary_cos / rotary_sin
   int seqlen_rotary;  // rows of rotary_cos / rotary_sin
+  // Absorbed MLA's shared cache: v_cache is k_cache's first head_dim_v
+  // columns (the same memory, the same strides), so each cache row holds V
+  // inside K (docs/head_dims_dv_and_512.md section 4, "Detection").
+  bool v_in_k;
 };
 
 // allowed_dtypes is the set the calling device accepts (fp16/bf16 on CUDA;

@@ -101,6 +101,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   static_assert(!(kAppends && kSeveralItems),
                 "the persistent grid leaves the append to a pre-kernel");
+  static_assert(!(kAppends && Traits::kVInK),
+                "V read in the K tile: an append into a shared cache runs in the pre-kernel");
   const bool append_here = kAppends && params.append_in_attention;
   const bool appending = append_here && params.seqlen_new > 0;
   const bool rotating = append_here && params.rotary_dim > 0;

@@ -20,7 +20,10 @@ using namespace cute;
 // merged once, at the end. So the tiles are laid out slab by slab: slab w of a
 // K/V tile (keys w * kSlabN ...) and row slab w of the Q tile are each one
 // contiguous swizzled tile, which a warp addresses on its own.
-template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_>
+// kVInK_: V is read from the K tile (splitkv_reads_v_in_k): a stage holds a
+// K tile alone, and each V view below points into it.
+template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_,
+          bool kVInK_ = false>
 struct SplitKvKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -36,6 +39,10 @@ struct SplitKvKernelTraits {
   static constexpr int kHeadDimV = kHeadDimVTotal / kWarpsV;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kStages = splitkv_stages(kHeadDim, kWarpsN);
+  static constexpr bool kVInK = kVInK_;
+  static constexpr int kTilesPerStage = kVInK ? 1 : 2;  // (K) or (K, V)
+  static_assert(!kVInK || (splitkv_reads_v_in_k(kHeadDim) && kHeadDimVTotal <= kHeadDim),
+                "V read in the K tile: the value dim lies within the K tile's columns");
   static_assert(kNWarps % (kWarpsN * kWarpsV) == 0 && kBlockN % (16 * kWarpsN) == 0,
                 "whole warps per key slab and value part, at least one k16 step of P V per slab");
   static_assert(kWarpsV == 1 || kWarpsN > 1, "the 64-row variant keeps O whole in each warp");
@@ -78,7 +85,7 @@ struct SplitKvKernelTraits {
   static_assert(kQSlabElems % 512 == 0 && kKVSlabElems % 512 == 0);
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = kTilesPerStage * kBlockN * kHeadDim * int(sizeof(Element));
 };
 
 }  // namespace flash

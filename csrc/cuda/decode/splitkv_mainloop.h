@@ -27,7 +27,8 @@ namespace flash {
 // other instances take either, chosen per call.
 enum class CacheLayout { kContiguous, kPaged, kEither };
 
-// Shared memory: Traits::kStages (K tile, V tile) stages, so that the copies
+// Shared memory: Traits::kStages (K tile, V tile) stages (K tile alone with
+// Traits::kVInK, V then read in it), so that the copies
 // of the next tiles run while the current one is computed (decode does little
 // math per byte; the kernel lives on the bytes it keeps in flight), then the
 // Q slots, then (several items) the merge's own bytes, or (appending) the
@@ -37,7 +38,10 @@ struct SplitKvSmem {
   using Element = typename Traits::Element;
   static constexpr int kTileElems = cute::cosize_v<typename Traits::SmemLayoutKV>;
   static constexpr int kQElems = cute::cosize_v<typename Traits::SmemLayoutQ>;
-  static_assert(kTileElems == Traits::kSmemSizeKV / 2 / int(sizeof(Element)) &&
+  static constexpr int kTilesPerStage = Traits::kTilesPerStage;
+  // Where a stage's V tile starts, in tiles past its K tile: 0 with kVInK.
+  static constexpr int kVTileOffset = kTilesPerStage - 1;
+  static_assert(kTileElems == Traits::kSmemSizeKV / kTilesPerStage / int(sizeof(Element)) &&
                 kQElems == Traits::kSmemSizeQ / int(sizeof(Element)));
   static constexpr int kQSlots = splitkv_q_slots(Traits::kHeadDim, Traits::kWarpsN, kSeveralItems);
 
@@ -49,7 +53,7 @@ struct SplitKvSmem {
 
   __device__ SplitKvSmem(char* smem, int warp_n_, int warp_m_, int warp_v_)
       : kv_smem(reinterpret_cast<Element*>(smem)),
-        q_smem(reinterpret_cast<Element*>(smem) + 2 * Traits::kStages * kTileElems),
+        q_smem(reinterpret_cast<Element*>(smem) + kTilesPerStage * Traits::kStages * kTileElems),
         warp_n(warp_n_),
         warp_m(warp_m_),
         warp_v(warp_v_) {}
@@ -60,25 +64,26 @@ struct SplitKvSmem {
     return make_tensor(make_smem_ptr(q_smem + slot * kQElems), typename Traits::SmemLayoutQ{});
   }
   __device__ auto stage_k(int stage) const {
-    return make_tensor(make_smem_ptr(kv_smem + (2 * stage) * kTileElems),
+    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * stage) * kTileElems),
                        typename Traits::SmemLayoutKV{});
   }
   __device__ auto stage_v(int stage) const {
-    return make_tensor(make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems),
-                       typename Traits::SmemLayoutKV{});
+    return make_tensor(
+        make_smem_ptr(kv_smem + (kTilesPerStage * stage + kVTileOffset) * kTileElems),
+        typename Traits::SmemLayoutKV{});
   }
   // This warp's slab of a stage's K tile, (kSlabN, D), and its part of the V
   // tile's slab seen transposed, (kHeadDimV, kSlabN), and its 16 rows of a Q
   // slot, (16, D).
   __device__ auto slab_k(int stage) const {
-    return make_tensor(
-        make_smem_ptr(kv_smem + (2 * stage) * kTileElems + warp_n * Traits::kKVSlabElems),
-        typename Traits::SmemLayoutKVSlab{});
+    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * stage) * kTileElems +
+                                     warp_n * Traits::kKVSlabElems),
+                       typename Traits::SmemLayoutKVSlab{});
   }
   __device__ auto slab_vt(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (2 * stage + 1) * kTileElems + warp_n * Traits::kKVSlabElems +
-                      warp_v * Traits::kHeadDimV * Traits::kSlabN),
+        make_smem_ptr(kv_smem + (kTilesPerStage * stage + kVTileOffset) * kTileElems +
+                      warp_n * Traits::kKVSlabElems + warp_v * Traits::kHeadDimV * Traits::kSlabN),
         typename Traits::SmemLayoutVtSlab{});
   }
   __device__ auto slab_q(int slot) const {

@@ -161,7 +161,8 @@ struct SplitKvTileLoader {
     }
   }
 
-  // K and V of one tile into one stage. Rows past the keys, K's columns past
+  // K and V of one tile into one stage (K alone with Traits::kVInK: its
+  // columns up to head_dim_v are V's). Rows past the keys, K's columns past
   // head_dim and V's past head_dim_v are zero-filled (zeros, not stale data:
   // P V multiplies them by 0, and O's columns past head_dim_v are not stored).
   // In the prologue (in_prologue), rows from the item's first new row on are
@@ -197,7 +198,7 @@ struct SplitKvTileLoader {
         const bool k_ok = row_ok && col < params_.head_dim;
         const bool v_ok = row_ok && col < params_.head_dim_v;
         cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok);
-        cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
+        if constexpr (!Traits::kVInK) cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
       }
     };
     if (is_paged(it)) {

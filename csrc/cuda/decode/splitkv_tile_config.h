@@ -54,6 +54,15 @@ constexpr int splitkv_block_m(int compiled_head_dim, int warps_n) {
   return 16 * (kSplitKvWarps / (warps_n * splitkv_warps_v(compiled_head_dim)));
 }
 
+// Absorbed MLA's shared cache (KvcacheShape::v_in_k: v_cache is k_cache's
+// first 512 columns) at 576: the kernel reads V from the K tile, its first
+// 512 columns seen transposed, and loads no V tile. A stage is then one tile,
+// and two blocks share an SM: at 128 query heads over one latent head the call
+// does 242 FLOP per cache byte, compute-bound on mma.sync at four warps an SM
+// with half of the L2 reads spent on V (PERF_LOG 2026-11-30 "MLA decode on
+// split-KV, measured", and "V read in the K tile").
+constexpr bool splitkv_reads_v_in_k(int compiled_head_dim) { return compiled_head_dim == 576; }
+
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
 // block per SM: 128 blocks of three stages streamed the cache faster than 256
@@ -89,15 +98,18 @@ constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
 }
 
 // Dynamic shared memory of one thread block (16-bit elements): the stages of
-// K and V tiles and the Q tile(s). A block of one item merges in the tiles'
-// bytes once its last tile is done; a block of several has the next item's
-// tiles in flight by then, so its merge has bytes of its own.
-constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false) {
-  const int tiles =
-      2 * compiled_head_dim *
-      (2 * splitkv_stages(compiled_head_dim, warps_n) * splitkv_block_n(compiled_head_dim) +
-       splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
-           splitkv_block_m(compiled_head_dim, warps_n));
+// K and V tiles (K alone with v_in_k, splitkv_reads_v_in_k) and the Q
+// tile(s). A block of one item merges in the tiles' bytes once its last tile
+// is done; a block of several has the next item's tiles in flight by then, so
+// its merge has bytes of its own.
+constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false,
+                                 bool v_in_k = false) {
+  const int tiles_per_stage = v_in_k ? 1 : 2;
+  const int tiles = 2 * compiled_head_dim *
+                    (tiles_per_stage * splitkv_stages(compiled_head_dim, warps_n) *
+                         splitkv_block_n(compiled_head_dim) +
+                     splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
+                         splitkv_block_m(compiled_head_dim, warps_n));
   return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
 // Longest append the split-KV kernel does itself (params.append_in_attention:
@@ -129,6 +141,9 @@ static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 
               "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages, an sm80 block");
 static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
               "absorbed MLA's 576: the same split, an sm80 block");
+static_assert(splitkv_smem_bytes(576, 2, false, true) == 92160 &&
+                  2 * (splitkv_smem_bytes(576, 2, false, true) + 1024) <= 228 * 1024,
+              "576 with V read in the K tile: two blocks an sm90 SM");
 
 // The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
 // a device with max_smem_per_block bytes of shared memory per block: the

@@ -549,8 +549,8 @@ int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
 // per-batch lengths live on the device), at most kMaxKvSplits. An explicit
 // count is honoured up to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
-                     int compiled_head_dim, int warps_n, bool paged, const DeviceDesc& device,
-                     const char** reason) {
+                     int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
+                     const DeviceDesc& device, const char** reason) {
   const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
@@ -561,11 +561,13 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   // The decode variant over a contiguous cache is meant to run one block per
   // SM (splitkv_stages); over a paged one its page lookups lengthen each
   // tile's copy, which a second block per SM hides (PERF_LOG 2026-11-22
-  // 0296a76).
+  // 0296a76). V read in the K tile (v_in_k) is compute-bound and runs as many
+  // blocks per SM as fit (splitkv_reads_v_in_k).
   const int64_t blocks_per_sm =
-      warps_n > 1 && !paged
+      warps_n > 1 && !paged && !v_in_k
           ? 1
-          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n), device);
+          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k),
+                                  device);
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * device.num_sms);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -611,10 +613,11 @@ int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int n
 // With 128 threads, shared memory is what bounds the blocks per SM, so a block
 // meant to run alone asks for just over half of the SM's. Paged caches keep
 // two (choose_kv_splits).
-int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, int cache_capacity,
-                              int num_splits, int64_t grid_blocks, const DeviceDesc& device) {
-  const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n);
-  if (warps_n == 1 || paged) return tiles_smem;
+int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
+                              int cache_capacity, int num_splits, int64_t grid_blocks,
+                              const DeviceDesc& device) {
+  const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k);
+  if (warps_n == 1 || paged || v_in_k) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int key_blocks_per_block =
       splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
@@ -744,19 +747,24 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.block_m = splitkv_block_m(compiled, plan.warps_n);
   plan.num_m_blocks = ceil_div(rows_per_kv_head, plan.block_m);
   const int64_t blocks_without_split = int64_t(shape.batch) * shape.nheads_k * plan.num_m_blocks;
+  // V read in the K tile: the plain kernel of one block per item, so no
+  // score extras and no append (whose pre-kernel then runs first).
+  plan.v_in_k = shape.v_in_k && splitkv_reads_v_in_k(compiled) && plan.warps_n > 1 &&
+                !shape.score_extras && !shape.appending && shape.rotary_dim == 0;
   plan.num_splits =
       choose_kv_splits(shape.requested_splits, blocks_without_split, shape.cache_capacity, compiled,
-                       plan.warps_n, shape.paged, device, &plan.reason);
+                       plan.warps_n, shape.paged, plan.v_in_k, device, &plan.reason);
   plan.num_items = blocks_without_split * plan.num_splits;
   plan.launch_smem =
-      splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, shape.cache_capacity,
-                                plan.num_splits, plan.num_items, device);
+      splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, plan.v_in_k,
+                                shape.cache_capacity, plan.num_splits, plan.num_items, device);
   plan.grid_blocks =
       splitkv_grid_blocks(compiled, plan.warps_n, shape.paged, shape.score_extras,
                           shape.cache_capacity, plan.num_splits, plan.num_items, device);
   // The persistent kernel is compiled for fixed-length calls only
-  // (splitkv_item's kVarlen): a varlen call gets a block per item.
-  if (shape.varlen) plan.grid_blocks = plan.num_items;
+  // (splitkv_item's kVarlen), and without V read in the K tile: those get a
+  // block per item.
+  if (shape.varlen || plan.v_in_k) plan.grid_blocks = plan.num_items;
   plan.cluster_x =
       splitkv_cluster_x(plan.warps_n, shape.paged, int64_t(shape.batch) * shape.nheads_k,
                         plan.grid_blocks < plan.num_items, device);
@@ -879,7 +887,7 @@ std::string describe(const DecodePlan& plan) {
       << " splits=" << plan.num_splits << " items=" << plan.num_items
       << " smem=" << plan.launch_smem << " grid=" << plan.grid_blocks
       << " persistent=" << int(plan.grid_blocks < plan.num_items) << " cluster=" << plan.cluster_x
-      << " append_in_attention=" << int(plan.append_in_attention)
+      << " append_in_attention=" << int(plan.append_in_attention) << " v_in_k=" << int(plan.v_in_k)
       << " programmatic=" << int(plan.programmatic_launch) << " reason: " << plan.reason;
   return out.str();
 }

@@ -94,6 +94,7 @@ struct DecodeShape {
   // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
   // max_seqlen_q and each sequence has rows of its own.
   bool varlen = false;
+  bool v_in_k = false;  // v_cache is k_cache's first head_dim_v columns (KvcacheShape::v_in_k)
 };
 
 struct DecodePlan {
@@ -109,6 +110,9 @@ struct DecodePlan {
   int64_t grid_blocks = 0;  // num_items, or SMs for the persistent grid
   int cluster_x = 1;
   bool append_in_attention = false;
+  // The kernel reads V in the K tile and loads none (splitkv_reads_v_in_k):
+  // the plain kernel of one block per item, without an append.
+  bool v_in_k = false;
   bool programmatic_launch = false;  // sm90 and later: dependent launches
   const char* reason = "";           // why this split count
 };

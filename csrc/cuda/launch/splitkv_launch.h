@@ -78,6 +78,36 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
           std::to_string(kHeadDim));
     }
   }
+  LaunchOptions options;
+  options.programmatic = plan.programmatic_launch;
+  options.cluster_x = plan.cluster_x;
+  // V read in the K tile (plan.v_in_k, splitkv_reads_v_in_k): the plain
+  // kernel of one block per item, its stages K tiles alone.
+  if (plan.v_in_k) {
+    if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1) {
+      using VInKTraits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN,
+                                             kSplitKvWarps, Element, true>;
+      constexpr int kVInKSmem =
+          VInKTraits::kSmemSizeQ + VInKTraits::kStages * VInKTraits::kSmemSizeKV;
+      static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true));
+      if (with_score_extras || plan.append_in_attention || several_items ||
+          plan.launch_smem != kVInKSmem) {
+        throw std::runtime_error(
+            "flash_attn_cuda: fwd_kvcache: V read in the K tile has the plain kernel of one "
+            "block per item only, launched with its own shared memory");
+      }
+      const auto kernel =
+          params.block_table != nullptr
+              ? &flash_fwd_splitkv_kernel<VInKTraits, false, CacheLayout::kPaged, false>
+              : &flash_fwd_splitkv_kernel<VInKTraits, false, CacheLayout::kContiguous, false>;
+      launch_ex(kernel, grid, dim3(VInKTraits::kNThreads), kVInKSmem, stream, options, params);
+      return;
+    } else {
+      throw std::runtime_error(
+          "flash_attn_cuda: fwd_kvcache: no kernel reads V in the K tile at head dim " +
+          std::to_string(kHeadDim));
+    }
+  }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
       if (plan.append_in_attention) {
@@ -109,9 +139,6 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   const int smem_bytes = several_items
                              ? splitkv_smem_bytes(kHeadDim, kWarpsN, true)
                              : (plan.launch_smem > kernel_smem ? plan.launch_smem : kernel_smem);
-  LaunchOptions options;
-  options.programmatic = plan.programmatic_launch;
-  options.cluster_x = plan.cluster_x;
   launch_ex(kernel, grid, dim3(Traits::kNThreads), smem_bytes, stream, options, params);
 }
 

@@ -210,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
                                  reinterpret_cast<uintptr_t>(rotary_sin->data_ptr()) % 16 == 0;
   decode.window_left = window.left;
   decode.varlen = shape.varlen_q || shape.varlen_new;
+  decode.v_in_k = shape.v_in_k;
   const DeviceDesc device = current_device_desc();
   const DecodePlan plan = plan_decode(decode, device);
   TORCH_CHECK(plan.warps_n > 0, "fwd_kvcache (CUDA): head_dim ", shape.head_dim,
