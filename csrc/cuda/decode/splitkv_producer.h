@@ -161,6 +161,24 @@ struct SplitKvTileLoader {
     }
   }
 
+  // Cold path of load_tile: reports the first of this thread's block-table
+  // entries of key block n_block that lies outside the pool.
+  __device__ void report_page_out_of_pool(const SplitKvItem& it, int n_block) const {
+    int row = 0, page = 0;
+    CUTE_UNROLL
+    for (int m = kCopyRows - 1; m >= 0; --m) {  // the first bad row wins
+      if (!row_shares_page[m] &&
+          static_cast<unsigned>(row_page[m]) >= static_cast<unsigned>(params.num_pages)) {
+        row = get<0>(tKVcKV(0, m, 0));
+        page = row_page[m];
+      }
+    }
+    int page_index, in_page;
+    it.cache.page_size.divmod(it.cache.leftpad + n_block * kBlockN + row, page_index, in_page);
+    report_and_clamp_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index, page,
+                          params.num_pages);
+  }
+
   // K and V of one tile into one stage (K alone with Traits::kVInK: its
   // columns up to head_dim_v are V's). Rows past the keys, K's columns past
   // head_dim and V's past head_dim_v are zero-filled (zeros, not stale data:
@@ -202,26 +220,20 @@ struct SplitKvTileLoader {
       }
     };
     if (is_paged(it)) {
+      // locate_tile left page 0 for the rows past the keys. An entry outside
+      // the pool reads page 0 too, and is reported after the copies.
+      bool out_of_pool = false;
       int64_t page = 0;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
-        const int row = get<0>(tKVcKV(0, m, 0));
         if (!row_shares_page[m]) {
-          // The table index of the row's page, for the report only.
-          auto page_index = [&] {
-            int index, in_page;
-            it.cache.page_size.divmod(it.cache.leftpad + n_block * kBlockN + row, index, in_page);
-            return index;
-          };
-          page = row < rows_in_tile
-                     ? guarded_page_at_use(params.index_errors, IndexOp::kKvcache, it.cache.entry,
-                                           page_index, row_page[m], params.num_pages)
-                     : 0;
+          page = page_in_pool_or_zero(row_page[m], params.num_pages, out_of_pool);
         }
         const int64_t in_page = row_in_page[m];
         copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
       }
+      if (out_of_pool) report_page_out_of_pool(it, n_block);
     } else {
       const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
       const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
