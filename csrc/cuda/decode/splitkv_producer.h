@@ -140,10 +140,9 @@ struct SplitKvTileLoader {
   // Paged cache: location of this thread's K/V copy rows of key block
   // n_block. The block table is read once per distinct page (a page of 64
   // rows or more holds all of a thread's rows of a tile); row_page[m] is left
-  // stale when row m shares row m - 1's page, and the rows are resolved, and
-  // their entries checked against the pool, when the copies are issued, a
-  // tile later (load_tile): no instruction waits on a table read in between
-  // (a check or a copy of the loaded value from row to row would).
+  // stale when row m shares row m - 1's page, and the rows are resolved when
+  // the copies are issued, a tile later: no instruction waits on a table read
+  // in between (a copy of the loaded value from row to row would).
   __device__ void locate_tile(const SplitKvItem& it, int n_block) {
     if (!is_paged(it)) return;
     const int key0 = n_block * kBlockN;
@@ -155,28 +154,14 @@ struct SplitKvTileLoader {
       it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] = key < it.seqlen_k ? it.cache.block_table_row[page_index] : 0;
+        row_page[m] =
+            key < it.seqlen_k
+                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index,
+                               it.cache.block_table_row[page_index], params.num_pages)
+                : 0;
       }
       previous_index = page_index;
     }
-  }
-
-  // Cold path of load_tile: reports the first of this thread's block-table
-  // entries of key block n_block that lies outside the pool.
-  __device__ void report_page_out_of_pool(const SplitKvItem& it, int n_block) const {
-    int row = 0, page = 0;
-    CUTE_UNROLL
-    for (int m = kCopyRows - 1; m >= 0; --m) {  // the first bad row wins
-      if (!row_shares_page[m] &&
-          static_cast<unsigned>(row_page[m]) >= static_cast<unsigned>(params.num_pages)) {
-        row = get<0>(tKVcKV(0, m, 0));
-        page = row_page[m];
-      }
-    }
-    int page_index, in_page;
-    it.cache.page_size.divmod(it.cache.leftpad + n_block * kBlockN + row, page_index, in_page);
-    report_and_clamp_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index, page,
-                          params.num_pages);
   }
 
   // K and V of one tile into one stage (K alone with Traits::kVInK: its
@@ -220,20 +205,14 @@ struct SplitKvTileLoader {
       }
     };
     if (is_paged(it)) {
-      // locate_tile left page 0 for the rows past the keys. An entry outside
-      // the pool reads page 0 too, and is reported after the copies.
-      bool out_of_pool = false;
       int64_t page = 0;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
-        if (!row_shares_page[m]) {
-          page = page_in_pool_or_zero(row_page[m], params.num_pages, out_of_pool);
-        }
+        page = row_shares_page[m] ? page : int64_t(row_page[m]);
         const int64_t in_page = row_in_page[m];
         copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
       }
-      if (out_of_pool) report_page_out_of_pool(it, n_block);
     } else {
       const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
       const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
