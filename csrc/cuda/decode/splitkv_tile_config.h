@@ -97,19 +97,26 @@ constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
          (splitkv_merge_row_floats(compiled_head_dim) + 2);
 }
 
-// Dynamic shared memory of one thread block (16-bit elements): the stages of
-// K and V tiles (K alone with v_in_k, splitkv_reads_v_in_k) and the Q
-// tile(s). A block of one item merges in the tiles' bytes once its last tile
-// is done; a block of several has the next item's tiles in flight by then, so
-// its merge has bytes of its own.
+// Dynamic shared memory of one thread block: the stages of K and V tiles (K
+// alone with v_in_k, splitkv_reads_v_in_k) and the Q tile(s), 16-bit. An
+// e4m3 cache (fp8_cache) keeps its stages in bytes of their own past those,
+// and one 16-bit K / V tile set that each tile is converted into before the
+// products (docs/fp8.md, "The split-KV kernel over an e4m3 cache"). A block
+// of one item merges in the tiles' bytes once its last tile is done; a block
+// of several has the next item's tiles in flight by then, so its merge has
+// bytes of its own.
 constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false,
-                                 bool v_in_k = false) {
+                                 bool v_in_k = false, bool fp8_cache = false) {
   const int tiles_per_stage = v_in_k ? 1 : 2;
-  const int tiles = 2 * compiled_head_dim *
-                    (tiles_per_stage * splitkv_stages(compiled_head_dim, warps_n) *
-                         splitkv_block_n(compiled_head_dim) +
-                     splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
-                         splitkv_block_m(compiled_head_dim, warps_n));
+  const int stages = splitkv_stages(compiled_head_dim, warps_n);
+  const int tile_elems = splitkv_block_n(compiled_head_dim) * compiled_head_dim;
+  const int staging_bytes = fp8_cache ? tiles_per_stage * stages * tile_elems : 0;
+  const int tiles =
+      staging_bytes +
+      2 * compiled_head_dim *
+          (tiles_per_stage * (fp8_cache ? 1 : stages) * splitkv_block_n(compiled_head_dim) +
+           splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
+               splitkv_block_m(compiled_head_dim, warps_n));
   return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
 // Longest append the split-KV kernel does itself (params.append_in_attention:
@@ -141,6 +148,8 @@ static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 
               "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages, an sm80 block");
 static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
               "absorbed MLA's 576: the same split, an sm80 block");
+static_assert(splitkv_smem_bytes(128, 4, false, false, true) == 3 * 16384 + 32768 + 4096,
+              "d128 over an e4m3 cache: three 16 KB staging stages, one 32 KB tile set, Q");
 static_assert(splitkv_smem_bytes(576, 2, false, true) == 92160 &&
                   2 * (splitkv_smem_bytes(576, 2, false, true) + 1024) <= 228 * 1024,
               "576 with V read in the K tile: two blocks an sm90 SM");
