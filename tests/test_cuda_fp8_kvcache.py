@@ -9,9 +9,9 @@ dequantised cache (tests/test_cpu_fp8.py's kvcache_reference), and agrees
 with the CPU op, which computes the same function. Descales differ per
 (batch entry, kv head), so a descale read for the wrong entry or head fails.
 
-Every test here needs a GPU of compute capability 8.9 or newer and an fp8
-build (FLASH_ATTN_CUDA_DTYPES with fp8); each is skipped with a reason
-otherwise.
+An append quantises into the cache as the CPU op does, bit for bit. Every
+test here needs a GPU of compute capability 8.9 or newer and an fp8 build
+(FLASH_ATTN_CUDA_DTYPES with fp8); each is skipped with a reason otherwise.
 """
 
 import pytest
@@ -19,7 +19,7 @@ import torch
 
 import reference as ref
 from flash_attn_cuda import flash_attn_with_kvcache
-from test_cpu_fp8 import descales, fp8_rand, kvcache_reference, make_cache
+from test_cpu_fp8 import descales, kvcache_reference, make_cache
 
 pytestmark = pytest.mark.cuda
 
@@ -159,14 +159,104 @@ def test_descales_default_to_one_and_broadcast():
     check(out, lse, q, k_cache, v_cache, k_s, v_s, seqlens, table, cpu_out)
 
 
-def test_append_into_an_fp8_cache_is_refused_on_cuda():
-    """The CUDA append does not quantise yet: refused by name, the cache untouched."""
-    k_cache = fp8_rand(1, 32, 1, 64).to(DEVICE)
-    v_cache = fp8_rand(1, 32, 1, 64).to(DEVICE)
-    before = k_cache.clone()
-    q = torch.randn(1, 1, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    new = torch.randn(1, 1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
-    seqlens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(RuntimeError, match=r"appending k / v into a float8_e4m3fn cache"):
-        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
-    assert torch.equal(k_cache.view(torch.uint8), before.view(torch.uint8))
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_append_quantises_as_the_cpu_op(page_size, dtype, rotary):
+    """k / v appended into an e4m3 cache are stored as the CPU op stores them,
+    bit for bit (the rotation in q's dtype, then value / descale in fp32,
+    saturated to +-448, rounded to nearest even); the attention over the
+    result meets the criterion. Some new values saturate."""
+    batch, capacity, nheads, nheads_k, d, seqlen_new = 3, 64, 8, 2, 128, 3
+    k_cache, v_cache, table = make_cache(batch, capacity, nheads_k, d, page_size)
+    cache_seqlens = torch.tensor([0, 17, 61], dtype=torch.int32)
+    q = torch.randn(batch, 1, nheads, d, dtype=dtype)
+    k_new = (torch.randn(batch, seqlen_new, nheads_k, d) * 40).to(dtype)
+    v_new = (torch.randn(batch, seqlen_new, nheads_k, d) * 40).to(dtype)
+    k_s, v_s = descales(batch, nheads_k) * 0.2, descales(batch, nheads_k) * 0.2
+    extra = {}
+    if rotary:
+        angles = torch.rand(capacity, d // 4) * 6.28
+        extra = dict(rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype))
+    caches, outs = [], []
+    for device in (DEVICE, "cpu"):
+        kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)
+
+        def to(t, device=device):
+            return None if t is None else t.to(device)
+
+        out, lse = flash_attn_with_kvcache(
+            to(q),
+            kc,
+            vc,
+            to(k_new),
+            to(v_new),
+            cache_seqlens=to(cache_seqlens),
+            block_table=to(table),
+            k_descale=to(k_s),
+            v_descale=to(v_s),
+            return_softmax_lse=True,
+            **{k: to(v) for k, v in extra.items()},
+        )
+        caches.append((kc.cpu(), vc.cpu()))
+        outs.append((out.cpu(), lse.cpu()))
+    (k_gpu, v_gpu), (k_cpu, v_cpu) = caches
+    assert torch.equal(k_gpu.view(torch.uint8), k_cpu.view(torch.uint8))
+    assert torch.equal(v_gpu.view(torch.uint8), v_cpu.view(torch.uint8))
+    assert int((k_cpu.float().abs() == 448).sum()) > 0
+    (out_gpu, lse_gpu), (out_cpu, lse_cpu) = outs
+    if rotary:
+        # Both attend with q rotated by the same rule over the same cache bytes:
+        # they differ by the order of the fp32 sums and P's rounding only.
+        torch.testing.assert_close(out_gpu.float(), out_cpu.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse_gpu, lse_cpu, atol=1e-3, rtol=1e-4)
+        return
+    seqlens_k = cache_seqlens + seqlen_new
+    ref_out, ref_lse, same_out = kvcache_reference(q, k_cpu, v_cpu, k_s, v_s, seqlens_k, table)
+    ref.assert_within_criterion(out_gpu, ref_out, same_out)
+    torch.testing.assert_close(lse_gpu.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_append_quantises_what_a_16_bit_cache_holds():
+    """FA3's varlen new keys with cache_batch_idx and rotary: the e4m3 cache's
+    new rows are the bf16 cache's new rows (the same call) quantised, bit for
+    bit, a NaN kept as NaN."""
+    batch, capacity, nheads, nheads_k, d = 3, 32, 4, 2, 64
+    dev = dict(device=DEVICE)
+    k_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16, **dev)
+    v_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16, **dev)
+    k_fp8 = k_bf16.to(torch.float8_e4m3fn)
+    v_fp8 = v_bf16.to(torch.float8_e4m3fn)
+    cache_batch_idx = torch.tensor([2, 0, 3], dtype=torch.int32, **dev)
+    cache_seqlens = torch.tensor([4, 0, 20], dtype=torch.int32, **dev)
+    cu_new = torch.tensor([0, 2, 2, 7], dtype=torch.int32, **dev)
+    k_new = (torch.randn(7, nheads_k, d, **dev) * 30).to(torch.bfloat16)
+    v_new = (torch.randn(7, nheads_k, d, **dev) * 30).to(torch.bfloat16)
+    k_new[3, 1, 5] = float("nan")
+    q = torch.randn(batch, 1, nheads, d, dtype=torch.bfloat16, **dev)
+    cos = torch.randn(capacity, 16, dtype=torch.bfloat16, **dev)
+    sin = torch.randn(capacity, 16, dtype=torch.bfloat16, **dev)
+    k_s = (descales(batch, nheads_k) * 0.1).to(DEVICE)
+    v_s = (descales(batch, nheads_k) * 0.1).to(DEVICE)
+    common = dict(
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx,
+        causal=True,
+        cu_seqlens_k_new=cu_new,
+    )
+    flash_attn_with_kvcache(q, k_bf16, v_bf16, k_new, v_new, **common)
+    flash_attn_with_kvcache(q, k_fp8, v_fp8, k_new, v_new, **common, k_descale=k_s, v_descale=v_s)
+    for b in range(batch):
+        row = int(cache_batch_idx[b])
+        new = slice(int(cache_seqlens[b]), int(cache_seqlens[b]) + int(cu_new[b + 1] - cu_new[b]))
+        for fp8_cache, bf16_cache, scale in ((k_fp8, k_bf16, k_s), (v_fp8, v_bf16, v_s)):
+            expected = ref.quantize_e4m3(
+                bf16_cache[row, new].cpu(), scale[b].view(1, nheads_k, 1).cpu()
+            )
+            got = fp8_cache[row, new].cpu()
+            nan = torch.isnan(expected.float())
+            assert torch.equal(torch.isnan(got.float()), nan)
+            assert torch.equal(got.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan])
+    assert torch.isnan(k_fp8[3, 21, 1].float()).any()

@@ -231,6 +231,7 @@ struct KvcacheParams : FwdParams {
   const float* k_descale_ptr;
   const float* v_descale_ptr;
   DescaleStrides k_descale, v_descale;
+  bool cache_fp8;  // the append quantises into an e4m3 cache (append_rotary_kernel.h)
 };
 
 // The score rule of a call (score_features.h): the plans pick the kernel

@@ -105,15 +105,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const int compiled = round_up_head_dim(shape.head_dim);
   const bool is_bf16 = q_in.scalar_type() == at::kBFloat16;
   // An e4m3 cache (fp8_kvcache_call and check_fp8_served_on_cuda let it
-  // through): its descales and features as on the CPU, no append yet.
+  // through): its descales and features as on the CPU.
   const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   if (fp8_cache) {
     check_fp8_descales("fwd_kvcache", descales, q_in, shape.batch, shape.nheads_k);
     check_fp8_features("fwd_kvcache", 0.0, false, alibi_slopes_in);
-    TORCH_CHECK(!k_in.has_value(),
-                "fwd_kvcache (CUDA): appending k / v into a float8_e4m3fn cache is not built "
-                "on CUDA yet (the CPU path quantises them, docs/fp8.md); write the new rows "
-                "into the cache before the call");
   }
   const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16, fp8_cache);
   TORCH_CHECK(launcher != nullptr, "fwd_kvcache (CUDA): head_dim ", shape.head_dim, " in ",
@@ -215,6 +211,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.v_descale_ptr = fp8_cache ? data_or_null<float>(descales.v) : nullptr;
   params.k_descale = descale_strides(descales.k);
   params.v_descale = descale_strides(descales.v);
+  params.cache_fp8 = fp8_cache;  // the append pre-kernel quantises into the cache
 
   // The plan (plan_decode): variant, splits, grid, clusters, shared memory
   // and where the append / rotary runs.
