@@ -87,8 +87,9 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
     if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1) {
       using VInKTraits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN,
                                              kSplitKvWarps, Element, true>;
-      constexpr int kVInKSmem =
-          VInKTraits::kSmemSizeQ + VInKTraits::kStages * VInKTraits::kSmemSizeKV;
+      constexpr int kVInKSmem = VInKTraits::kSmemSizeQ +
+                                VInKTraits::kStages * VInKTraits::kSmemSizeKV +
+                                VInKTraits::kSmemSizeScoreExchange;
       static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true));
       if (with_score_extras || plan.append_in_attention || several_items ||
           plan.launch_smem != kVInKSmem) {
@@ -131,7 +132,8 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   const auto kernel = with_score_extras
                           ? &flash_fwd_splitkv_kernel<Traits, true, CacheLayout::kEither, false>
                           : plain_kernel();
-  constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
+  constexpr int kSmemSize =
+      Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV + Traits::kSmemSizeScoreExchange;
   static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
   const int kernel_smem =
