@@ -828,13 +828,13 @@ def test_decode_variants_and_grid():
 
 def test_decode_head_dim_512():
     """d512 (head dims 257-512): the decode variant of 2 key slabs x 2 value
-    halves, 16 rows a block whatever the row count, two 64 KB stages (147,456
-    B: one block per SM on sm90 and sm80), never persistent; an sm89 block
-    cannot hold it."""
+    halves, 16 rows a block whatever the row count, two 64 KB stages and the
+    4 KB score exchange (151,552 B: one block per SM on sm90 and sm80), never
+    persistent; an sm89 block cannot hold it."""
     for head_dim in (264, 512):
         plan = decode(1, 1, 4096, 32, 8, head_dim)
         assert plan["head_dim"] == 512 and plan["warps_n"] == 2 and plan["block_m"] == 16
-        assert plan["m_blocks"] == 1 and plan["smem"] == 147456
+        assert plan["m_blocks"] == 1 and plan["smem"] == 147456 + 4096
     # Many rows: several 16-row query blocks, no 64-row variant.
     plan = decode(4, 64, 4096, 32, 8, 512)
     assert plan["warps_n"] == 2 and plan["block_m"] == 16 and plan["m_blocks"] == 16
@@ -860,18 +860,19 @@ def test_decode_head_dim_512():
 
 def test_mla_shared_cache_reads_v_in_the_k_tile():
     """Absorbed MLA's shared cache (v_cache = k_cache[..., :512]) at 576: the
-    kernel reads V in the K tile, so a block holds Q and two K stages (92,160
-    B) and two blocks share an SM; the splits fill two blocks per SM. Score
+    kernel reads V in the K tile, so a block holds Q, two K stages and the
+    score exchange (96,256 B) and two blocks share an SM; the splits fill two
+    blocks per SM. Score
     extras, an append and other head dims keep the kernel that loads V."""
     for paged in (False, True):
         plan = decode(64, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)
-        assert plan["v_in_k"] == 1 and plan["smem"] == 92160 and plan["persistent"] == 0
+        assert plan["v_in_k"] == 1 and plan["smem"] == 96256 and plan["persistent"] == 0
         assert plan["m_blocks"] == 8 and plan["splits"] == 1  # 512 blocks: two waves of 264
         # 128 blocks would fill half of the 264 slots: two splits fill them.
         assert decode(16, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)["splits"] == 2
     assert decode(16, 1, 4096, 128, 1, 576)["splits"] == 1  # one block an SM: 128 of 132
     on_a100 = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, device=A100)
-    assert on_a100["v_in_k"] == 1 and on_a100["smem"] == 92160
+    assert on_a100["v_in_k"] == 1 and on_a100["smem"] == 96256
     for kw in (dict(softcap=30.0), dict(alibi=True), dict(seqlen_new=1)):
         plan = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, **kw)
         assert plan["v_in_k"] == 0 and plan["smem"] == 165888, kw

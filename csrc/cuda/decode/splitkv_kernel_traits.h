@@ -53,6 +53,10 @@ struct SplitKvKernelTraits {
   static constexpr int kTilesPerStage = kVInK ? 1 : 2;  // (K) or (K, V)
   static_assert(!kVInK || (splitkv_reads_v_in_k(kHeadDim) && kHeadDimVTotal <= kHeadDim),
                 "V read in the K tile: the value dim lies within the K tile's columns");
+  // The two warps of a key slab split the k-slices of S (splitkv_splits_scores).
+  static constexpr bool kSplitScores = splitkv_splits_scores(kHeadDim, kVInK);
+  static_assert(!kSplitScores || (kWarpsV == 2 && (kHeadDim / 16) % 2 == 0),
+                "two value halves, an even number of k16 slices of S");
   static_assert(kNWarps % (kWarpsN * kWarpsV) == 0 && kBlockN % (16 * kWarpsN) == 0,
                 "whole warps per key slab and value part, at least one k16 step of P V per slab");
   static_assert(kWarpsV == 1 || kWarpsN > 1, "the 64-row variant keeps O whole in each warp");
@@ -96,12 +100,14 @@ struct SplitKvKernelTraits {
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kTilesPerStage * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeScoreExchange = kSplitScores ? 4 * kNWarps * 16 * kSlabN : 0;
   // Element tile sets the products read: one per stage, or with an e4m3
   // cache the one its stages are converted into (and the stages' own bytes).
   static constexpr int kTileSets = kCacheFp8 ? 1 : kStages;
   static constexpr int kSmemSizeStaging =
       kCacheFp8 ? kStages * kTilesPerStage * kBlockN * kHeadDim : 0;
-  static constexpr int kSmemSize = kSmemSizeQ + kTileSets * kSmemSizeKV + kSmemSizeStaging;
+  static constexpr int kSmemSize =
+      kSmemSizeQ + kTileSets * kSmemSizeKV + kSmemSizeScoreExchange + kSmemSizeStaging;
 };
 
 }  // namespace flash

@@ -95,14 +95,24 @@ struct SplitKvSmem {
     return make_tensor(make_smem_ptr(q_smem + slot * kQElems + warp_m * Traits::kQSlabElems),
                        typename Traits::SmemLayoutQSlab{});
   }
-  // The first byte past the Q slots (the appending kernel's table rows).
-  __device__ Element* past_q_slots() const { return q_smem + kQSlots * kQElems; }
+  // The score exchange (Traits::kSplitScores), past the Q slots: per pair of
+  // warps that share a key slab, each warp's partial scores, element-major
+  // (16 x kSlabN / 32 floats a lane, lane-minor).
+  __device__ float* score_exchange() const {
+    return reinterpret_cast<float*>(q_smem + kQSlots * kQElems);
+  }
+  // The first byte past the Q slots and the score exchange (the appending
+  // kernel's table rows; an e4m3 cache's staging stages).
+  __device__ Element* past_q_slots() const {
+    return q_smem + kQSlots * kQElems +
+           Traits::kSmemSizeScoreExchange / static_cast<int>(sizeof(Element));
+  }
   // An e4m3 cache's bytes of stage `stage`'s K tile (v = 0) or V tile (v =
-  // 1), past the Q slots. Element (row, col) of a tile is the byte at the
-  // Element offset it has in the converted tile (stage_k / stage_v): the 8
-  // elements of a copy, which the swizzle moves whole, are 8 contiguous bytes.
+  // 1), past the score exchange. Element (row, col) of a tile is the byte at
+  // the Element offset it has in the converted tile (stage_k / stage_v): the
+  // 8 elements of a copy, which the swizzle moves whole, are 8 contiguous bytes.
   __device__ uint8_t* staging(int stage, int v) const {
-    return reinterpret_cast<uint8_t*>(q_smem + kQSlots * kQElems) +
+    return reinterpret_cast<uint8_t*>(past_q_slots()) +
            (kTilesPerStage * stage + v * kVTileOffset) * kTileElems;
   }
 };
@@ -317,13 +327,46 @@ struct SplitKvMma {
   Fragments& f;
 
   // acc_s (MMA,MMA_M,MMA_N) = Q K^T of the warp's rows of its Q slot (tSsQ)
-  // and its slab of the K tile in `stage`.
+  // and its slab of the K tile in `stage`. With Traits::kSplitScores the two
+  // warps of the slab (value halves 0 and 1) each make the product over half
+  // of the k-slices, then add the other's half through shared memory; fp32
+  // addition commutes, so both hold the same bits of S.
   template <typename TensorAccS, typename TensorSsQ>
   __forceinline__ __device__ void qk(TensorAccS& acc_s, const TensorSsQ& tSsQ, int stage) const {
     clear(acc_s);
     Tensor tSsK = w.smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
-    gemm_smem_smem(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
-                   w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+    if constexpr (Traits::kSplitScores) {
+      constexpr int kHalf = decltype(size<2>(f.tSrQ))::value / 2;
+      const int warp_v = w.warp_vcol0 / Traits::kHeadDimV;
+      if (warp_v == 0) {
+        gemm_smem_smem<0, kHalf>(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                                 w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+      } else {
+        gemm_smem_smem<kHalf>(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                              w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+      }
+      add_partner_scores(acc_s, warp_v);
+    } else {
+      gemm_smem_smem(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                     w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+    }
+  }
+
+  // acc_s += the partial scores of the other warp of this warp's key slab
+  // (kSplitScores). The pair meets at a named barrier of its 64 threads (ids
+  // 1 and up; 0 is __syncthreads); the kernel's __syncthreads at the end of
+  // each key tile orders this tile's reads before the next tile's writes.
+  template <typename TensorAccS>
+  __forceinline__ __device__ void add_partner_scores(TensorAccS& acc_s, int warp_v) const {
+    constexpr int kElems = decltype(size(acc_s))::value;
+    const int lane = threadIdx.x % 32;
+    const int pair = w.warp_col0 / kSlabN + Traits::kWarpsN * (w.warp_row0 / 16);
+    float* const exchange = smem_tiles.score_exchange() + pair * 2 * kElems * 32;
+    CUTE_UNROLL
+    for (int e = 0; e < kElems; ++e) exchange[(warp_v * kElems + e) * 32 + lane] = acc_s(e);
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + pair), "r"(64) : "memory");
+    CUTE_UNROLL
+    for (int e = 0; e < kElems; ++e) acc_s(e) += exchange[((1 - warp_v) * kElems + e) * 32 + lane];
   }
 
   // The online softmax of the scores (acc_s seen as (ROW,COL)), then

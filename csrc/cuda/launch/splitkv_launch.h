@@ -97,8 +97,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
     if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1 && !kFp8) {
       using VInKTraits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN,
                                              kSplitKvWarps, Element, true>;
-      constexpr int kVInKSmem =
-          VInKTraits::kSmemSizeQ + VInKTraits::kStages * VInKTraits::kSmemSizeKV;
+      constexpr int kVInKSmem = VInKTraits::kSmemSize;
       static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true));
       if (with_score_extras || plan.append_in_attention || several_items ||
           plan.launch_smem != kVInKSmem) {
