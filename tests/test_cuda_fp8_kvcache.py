@@ -19,7 +19,12 @@ import torch
 
 import reference as ref
 from flash_attn_cuda import flash_attn_with_kvcache
-from test_cpu_fp8 import descales, kvcache_reference, make_cache
+from test_cpu_fp8 import (
+    check_append_quantises_what_a_16_bit_cache_holds,
+    descales,
+    kvcache_reference,
+    make_cache,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -220,43 +225,5 @@ def test_append_quantises_as_the_cpu_op(page_size, dtype, rotary):
 def test_append_quantises_what_a_16_bit_cache_holds():
     """FA3's varlen new keys with cache_batch_idx and rotary: the e4m3 cache's
     new rows are the bf16 cache's new rows (the same call) quantised, bit for
-    bit, a NaN kept as NaN."""
-    batch, capacity, nheads, nheads_k, d = 3, 32, 4, 2, 64
-    dev = dict(device=DEVICE)
-    k_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16, **dev)
-    v_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16, **dev)
-    k_fp8 = k_bf16.to(torch.float8_e4m3fn)
-    v_fp8 = v_bf16.to(torch.float8_e4m3fn)
-    cache_batch_idx = torch.tensor([2, 0, 3], dtype=torch.int32, **dev)
-    cache_seqlens = torch.tensor([4, 0, 20], dtype=torch.int32, **dev)
-    cu_new = torch.tensor([0, 2, 2, 7], dtype=torch.int32, **dev)
-    k_new = (torch.randn(7, nheads_k, d, **dev) * 30).to(torch.bfloat16)
-    v_new = (torch.randn(7, nheads_k, d, **dev) * 30).to(torch.bfloat16)
-    k_new[3, 1, 5] = float("nan")
-    q = torch.randn(batch, 1, nheads, d, dtype=torch.bfloat16, **dev)
-    cos = torch.randn(capacity, 16, dtype=torch.bfloat16, **dev)
-    sin = torch.randn(capacity, 16, dtype=torch.bfloat16, **dev)
-    k_s = (descales(batch, nheads_k) * 0.1).to(DEVICE)
-    v_s = (descales(batch, nheads_k) * 0.1).to(DEVICE)
-    common = dict(
-        rotary_cos=cos,
-        rotary_sin=sin,
-        cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx,
-        causal=True,
-        cu_seqlens_k_new=cu_new,
-    )
-    flash_attn_with_kvcache(q, k_bf16, v_bf16, k_new, v_new, **common)
-    flash_attn_with_kvcache(q, k_fp8, v_fp8, k_new, v_new, **common, k_descale=k_s, v_descale=v_s)
-    for b in range(batch):
-        row = int(cache_batch_idx[b])
-        new = slice(int(cache_seqlens[b]), int(cache_seqlens[b]) + int(cu_new[b + 1] - cu_new[b]))
-        for fp8_cache, bf16_cache, scale in ((k_fp8, k_bf16, k_s), (v_fp8, v_bf16, v_s)):
-            expected = ref.quantize_e4m3(
-                bf16_cache[row, new].cpu(), scale[b].view(1, nheads_k, 1).cpu()
-            )
-            got = fp8_cache[row, new].cpu()
-            nan = torch.isnan(expected.float())
-            assert torch.equal(torch.isnan(got.float()), nan)
-            assert torch.equal(got.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan])
-    assert torch.isnan(k_fp8[3, 21, 1].float()).any()
+    bit, a NaN kept as NaN: tests/test_cpu_fp8.py's check, on CUDA."""
+    check_append_quantises_what_a_16_bit_cache_holds(DEVICE)
