@@ -227,3 +227,33 @@ def test_append_quantises_what_a_16_bit_cache_holds():
     new rows are the bf16 cache's new rows (the same call) quantised, bit for
     bit, a NaN kept as NaN: tests/test_cpu_fp8.py's check, on CUDA."""
     check_append_quantises_what_a_16_bit_cache_holds(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 64])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_absorbed_mla_over_an_e4m3_latent_cache(page_size, num_splits):
+    """Absorbed MLA (576 / 512, 128 query heads over one latent head) over an
+    e4m3 latent cache, v_cache = k_cache[..., :512]: the kernel reads V in the
+    K tile it converted, k_descale on the scores and v_descale on O."""
+    batch, capacity, nheads, d_qk, d_v = 2, 128, 128, 576, 512
+    k_cache, _, table = make_cache(batch, capacity, 1, d_qk, page_size)
+    v_cache = k_cache[..., :d_v]
+    seqlens = torch.tensor([77, capacity], dtype=torch.int32)
+    q = torch.randn(batch, 1, nheads, d_qk, dtype=torch.bfloat16)
+    k_s, v_s = descales(batch, 1), descales(batch, 1)
+    kc = k_cache.to(DEVICE)
+    out, lse = flash_attn_with_kvcache(
+        q.to(DEVICE),
+        kc,
+        kc[..., :d_v],
+        cache_seqlens=seqlens.to(DEVICE),
+        block_table=None if table is None else table.to(DEVICE),
+        k_descale=k_s.to(DEVICE),
+        v_descale=v_s.to(DEVICE),
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
+    assert out.shape == (batch, 1, nheads, d_v)
+    ref_out, ref_lse, same_out = kvcache_reference(q, k_cache, v_cache, k_s, v_s, seqlens, table)
+    ref.assert_within_criterion(out.cpu(), ref_out, same_out)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-5)

@@ -157,6 +157,10 @@ def write_instantiations(out_dir: Path) -> None:
             path.write_text(
                 SPLITKV_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
             )
+            path = out_dir / f"flash_fwd_splitkv_fp8kv_hdim{head_dim}_{dtype}.cu"
+            path.write_text(
+                SPLITKV_FP8_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
+            )
     for head_dim, head_dim_v in FWD_PAIRS:
         for dtype, (element, is_bf16) in DTYPES.items():
             path = out_dir / f"flash_fwd_hdim{head_dim}_dv{head_dim_v}_{dtype}.cu"

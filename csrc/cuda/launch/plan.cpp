@@ -750,8 +750,7 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   // V read in the K tile: the plain kernel of one block per item, so no
   // score extras and no append (whose pre-kernel then runs first).
   plan.v_in_k = shape.v_in_k && splitkv_reads_v_in_k(compiled) && plan.warps_n > 1 &&
-                !shape.score_extras && !shape.appending && shape.rotary_dim == 0 &&
-                !shape.fp8_cache;
+                !shape.score_extras && !shape.appending && shape.rotary_dim == 0;
   plan.num_splits = choose_kv_splits(shape.requested_splits, blocks_without_split,
                                      shape.cache_capacity, compiled, plan.warps_n, shape.paged,
                                      plan.v_in_k, shape.fp8_cache, device, &plan.reason);

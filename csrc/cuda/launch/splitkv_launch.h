@@ -23,9 +23,9 @@
 namespace flash {
 
 // CacheElement: Element, or cutlass::float_e4m3_t for an e4m3 cache, whose
-// kernels are the plain ones of one block per item and the score-extras one:
-// no persistent grid, no in-kernel append, no V read in the K tile (the plan
-// picks none of them for it).
+// kernels are the plain ones of one block per item (V read in the K tile too)
+// and the score-extras one: no persistent grid and no in-kernel append (the
+// plan picks neither for it).
 template <typename Element, int kHeadDim, int kWarpsN, typename CacheElement = Element>
 void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
                               cudaStream_t stream) {
@@ -71,7 +71,7 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
         "item and one query block of a fixed-length call appends itself "
         "(plan.append_in_attention must be false)");
   }
-  if (kFp8 && (several_items || plan.append_in_attention || plan.v_in_k)) {
+  if (kFp8 && (several_items || plan.append_in_attention)) {
     throw std::runtime_error(
         "flash_attn_cuda: fwd_kvcache: an e4m3 cache has the kernels of one block per item, "
         "without the in-kernel append");
@@ -94,11 +94,11 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   // V read in the K tile (plan.v_in_k, splitkv_reads_v_in_k): the plain
   // kernel of one block per item, its stages K tiles alone.
   if (plan.v_in_k) {
-    if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1 && !kFp8) {
+    if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1) {
       using VInKTraits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN,
-                                             kSplitKvWarps, Element, true>;
+                                             kSplitKvWarps, Element, true, CacheElement>;
       constexpr int kVInKSmem = VInKTraits::kSmemSize;
-      static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true));
+      static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true, kFp8));
       if (with_score_extras || plan.append_in_attention || several_items ||
           plan.launch_smem != kVInKSmem) {
         throw std::runtime_error(
