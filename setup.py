@@ -11,7 +11,9 @@ Environment switches (see README.md and MAX_JOBS.md):
                                    the Hopper kernels need). Default: the archs of
                                    the GPUs torch sees, else 80;90a.
   FLASH_ATTN_CUDA_HDIMS=64,128     head dims to instantiate (default: all).
-  FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16).
+  FLASH_ATTN_CUDA_DTYPES=bf16      dtypes to instantiate (default: fp16,bf16,fp8;
+                                   fp8: the KV-cache kernel over an e4m3 cache,
+                                   for each q dtype selected beside it).
   FLASH_ATTN_PTXAS_VERBOSE=1       print registers / spills per kernel.
   FLASH_ATTN_NVCC_THREADS=N        nvcc --threads (archs of one file in parallel).
   FLASH_ATTN_CXX_STD=c++17         C++ standard of the files with torch headers
@@ -64,7 +66,9 @@ VERSION = _package_version()
 
 # 512 and 576: the split-KV (fwd_kvcache) kernel only (csrc/cuda/generate_instantiations.py).
 ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256, 512, 576)
-ALL_DTYPES = ("fp16", "bf16")
+# fp8: fwd_kvcache's split-KV kernel over a float8_e4m3fn cache (docs/fp8.md),
+# built for the q dtypes selected beside it.
+ALL_DTYPES = ("fp16", "bf16", "fp8")
 # sm_90a (not sm_90): the Hopper forward kernel uses wgmma, which only the
 # arch-specific target has; sm_90a machine code runs on every sm90 GPU. The default when
 # FLASH_ATTN_CUDA_ARCHS is unset and torch sees no GPU to build for.
@@ -150,13 +154,20 @@ def _parse_dtypes() -> list[str]:
         "half": "fp16",
         "bf16": "bf16",
         "bfloat16": "bf16",
+        "fp8": "fp8",
+        "float8_e4m3fn": "fp8",
     }
     dtypes = []
     for item in _split_list(value):
         if item not in aliases:
-            _fail(f"FLASH_ATTN_CUDA_DTYPES: '{item}' is not one of fp16,bf16")
+            _fail(f"FLASH_ATTN_CUDA_DTYPES: '{item}' is not one of fp16,bf16,fp8")
         if aliases[item] not in dtypes:
             dtypes.append(aliases[item])
+    if dtypes == ["fp8"]:
+        _fail(
+            "FLASH_ATTN_CUDA_DTYPES: fp8 (the KV-cache kernel over an e4m3 cache) is built "
+            "for q's dtype: give fp16 or bf16 beside it, e.g. bf16,fp8"
+        )
     return [d for d in ALL_DTYPES if d in dtypes]
 
 
@@ -458,6 +469,9 @@ def _instantiation_selected(path: str, hdims: Sequence[int], dtypes: Sequence[st
         return False
     dtype = re.search(r"(?:^|_)(fp16|bf16)(?:_|$)", name)
     if dtype and dtype.group(1) not in dtypes:
+        return False
+    # The e4m3-cache kernels: their q dtype and fp8 both selected.
+    if "_fp8kv_" in name and "fp8" not in dtypes:
         return False
     return True
 

@@ -64,13 +64,17 @@ FA4_DETERMINISTIC = "fa4_deterministic"
 # anchor draws the same mask (FA3 / FA4 have no dropout, cuDNN only p in 1/16ths).
 OURS_DROPOUT = "flash_attn_cuda_dropout"
 DROPOUT_P = 0.1
+# Measured only when named in --providers: decode over a float8_e4m3fn KV cache
+# holding the same values (descales of 1), whose ratio to flash_attn_cuda is
+# what the e4m3 cache saves (issue 58, docs/fp8.md).
+OURS_FP8KV = "flash_attn_cuda_fp8kv"
 # Known on a GPU beyond GPU_PROVIDERS: FA4 (a default where it imports), the
-# deterministic backwards and dropout.
-GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC, OURS_DROPOUT]
+# deterministic backwards, dropout and the e4m3 cache.
+GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC, OURS_DROPOUT, OURS_FP8KV]
 CPU_PROVIDERS = [OURS, "sdpa_cpu"]
-CPU_OPTIONAL_PROVIDERS = [OURS_DROPOUT]
+CPU_OPTIONAL_PROVIDERS = [OURS_DROPOUT, OURS_FP8KV]
 # This project's rows, on which the exit status gates.
-OWN_PROVIDERS = {OURS, OURS_DETERMINISTIC, OURS_DROPOUT}
+OWN_PROVIDERS = {OURS, OURS_DETERMINISTIC, OURS_DROPOUT, OURS_FP8KV}
 DETERMINISTIC_PROVIDERS = {OURS_DETERMINISTIC, FA4_DETERMINISTIC}
 # The row a provider's ratio is taken against: a deterministic anchor against our
 # deterministic backward, every other provider against our default kernels.
@@ -81,7 +85,9 @@ TRAIN_ONLY = {FA4, FA4_DETERMINISTIC, OURS_DROPOUT}
 # flex_attention would need one compile per decode shape for little insight;
 # decode has no backward, so the deterministic variant is the plain one.
 DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC} | TRAIN_ONLY
-MEMORY_EXCLUDED = TRAIN_ONLY
+# The e4m3 cache is a KV-cache call only.
+DECODE_ONLY = {OURS_FP8KV}
+MEMORY_EXCLUDED = TRAIN_ONLY | DECODE_ONLY
 
 MODES = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each mode as a multiple of the forward pass (flash-attn's convention).
@@ -1007,7 +1013,12 @@ def build_decode(
     h, hk, d, dv = shape.nheads, shape.nheads_k, shape.headdim, shape.dv
     latent = shape.headdim_v is not None
 
-    if provider == OURS:
+    if provider in (OURS, OURS_FP8KV):
+        fp8 = provider == OURS_FP8KV
+        if fp8 and latent:
+            raise Unavailable(f"{provider}: absorbed MLA over an e4m3 cache is not built")
+        if fp8 and dtype not in (torch.bfloat16, torch.float16):
+            raise Unavailable(f"{provider}: an e4m3 cache is read with a bf16 / fp16 q")
         attn = ours_op("flash_attn_with_kvcache", device)
         q = random_tensor((b, sq, h, d), dtype, device)
         cache_seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
@@ -1015,8 +1026,16 @@ def build_decode(
         rows = (b, sk) if page_size is None else (b * -(-sk // page_size), page_size)
         k_cache = random_tensor(rows + (hk, d), dtype, device)
         v_cache = k_cache[..., :dv] if latent else random_tensor(rows + (hk, d), dtype, device)
+        descales = {}
+        if fp8:
+            # The same values in e4m3 (randn's fit it), read with descales of 1.
+            k_cache, v_cache = (t.to(torch.float8_e4m3fn) for t in (k_cache, v_cache))
+            ones = torch.ones(b, hk, device=device)
+            descales = dict(k_descale=ones, v_descale=ones)
         if page_size is None:
-            k_view, v_view = k_cache, v_cache
+            k_view, v_view = (
+                (t.to(dtype) for t in (k_cache, v_cache)) if fp8 else (k_cache, v_cache)
+            )
         else:
             num_pages, pages_per_seq = rows[0], rows[0] // b
             # Pages scattered at random, as an allocator that has run a while leaves them.
@@ -1032,6 +1051,7 @@ def build_decode(
                 cache_seqlens=cache_seqlens,
                 block_table=block_table,
                 causal=shape.causal,
+                **descales,
             )
 
         prepared = Prepared(forward=forward)
@@ -1039,8 +1059,8 @@ def build_decode(
         # size where that copy is cheap.
         if k_cache.numel() * k_cache.element_size() <= CHECK_MAX_CACHE_BYTES:
             if block_table is not None:
-                k_view = k_cache[block_table.long()].reshape(b, -1, hk, d)
-                v_view = v_cache[block_table.long()].reshape(b, -1, hk, dv)
+                k_view = k_cache[block_table.long()].reshape(b, -1, hk, d).to(dtype)
+                v_view = v_cache[block_table.long()].reshape(b, -1, hk, dv).to(dtype)
             prepared.extra.update(
                 check_against_sdpa(forward, q, k_view, v_view, shape, key_rows=sk)
             )
@@ -1596,8 +1616,8 @@ class Run:
                     cases = []
                     for provider in providers:
                         cases.append((provider, None))
-                        if provider == OURS:
-                            cases.extend((OURS, ps) for ps in g.decode_page_sizes)
+                        if provider in (OURS, OURS_FP8KV):
+                            cases.extend((provider, ps) for ps in g.decode_page_sizes)
                     yield shape, cases
                     if g.decode_mla and OURS in providers:
                         mla = mla_decode_shape(g.decode_dtype, batch, sq, sk)
@@ -1667,6 +1687,8 @@ class Run:
         self.write_json()
 
     def train_modes(self, provider: str) -> list:
+        if provider in DECODE_ONLY:
+            return []
         if provider in DETERMINISTIC_PROVIDERS:
             # Its forward is the plain one; only the backward differs.
             return [m for m in self.grid.modes if m != "fwd"]

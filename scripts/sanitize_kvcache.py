@@ -42,10 +42,12 @@ def call(
     head_dim_v=None,
     v_view=None,
     softcap=0.0,
+    fp8_cache=False,
 ):
     """v_view: None, "wide" (v_cache the first d_v columns of a d_qk-wide
     buffer) or "k" (v_cache = k_cache[..., :d_v], MLA's absorbed cache; no
-    append)."""
+    append). fp8_cache: the caches in float8_e4m3fn with per-(batch, kv head)
+    descales (docs/fp8.md)."""
     dev = "cuda"
     d_v = head_dim_v or head_dim
     batch_cache = batch + 1 if batch_idx else batch
@@ -83,6 +85,13 @@ def call(
             0, capacity - max(seqlen_new, seqlen_q) + 1, (batch,), dtype=torch.int32
         ).to(dev)
     cache_leftpad = torch.minimum(lengths, torch.full_like(lengths, 3)).to(dev) if leftpad else None
+    descales = {}
+    if fp8_cache:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        descales = {
+            name: torch.rand(batch, nheads_k, device=dev) * 0.5 + 0.05
+            for name in ("k_descale", "v_descale")
+        }
     return torch.ops.flash_attn.fwd_kvcache(
         q,
         k_cache,
@@ -104,6 +113,7 @@ def call(
         True,
         num_splits,
         rotary_seqlens=rotary_starts,
+        **descales,
     )
 
 
@@ -180,6 +190,16 @@ def main():
     call(3, 1, 301, 128, 1, 576, fp16, head_dim_v=512, v_view="k", causal=True)
     call(2, 1, 300, 64, 1, 576, bf16, head_dim_v=256, v_view="k", num_splits=3)
     call(2, 1, 300, 64, 1, 576, bf16, head_dim_v=512, v_view="k", softcap=30.0)
+    # An e4m3 cache (docs/fp8.md): staged and converted tiles, contiguous and
+    # paged, split and not, the 64-row variant, softcap, and the append that
+    # quantises into the cache.
+    call(2, 1, 301, 32, 8, 128, bf16, fp8_cache=True)
+    call(2, 1, 513, 16, 4, 128, fp16, page_size=16, num_splits=5, fp8_cache=True)
+    call(1, 1, 2000, 8, 2, 64, bf16, page_size=1, num_splits=16, fp8_cache=True)
+    call(2, 8, 300, 8, 2, 128, fp16, causal=True, fp8_cache=True)
+    call(2, 1, 301, 8, 2, 256, bf16, softcap=30.0, fp8_cache=True)
+    call(3, 4, 131, 8, 2, 64, fp16, seqlen_new=3, rotary=True, causal=True, fp8_cache=True)
+    call(2, 2, 203, 4, 1, 128, bf16, seqlen_new=2, page_size=16, fp8_cache=True)
     # Fixed-length fwd calls of decode shape, which run the split-KV kernel
     # (plan_fwd_split): split and not, causal with more queries than keys,
     # GQA and MQA, a strided query.

@@ -513,3 +513,26 @@ def test_decode_mla_rows(bench, tmp_path, monkeypatch):
         latent_bytes = r["batch"] * r["seqlen_k"] * 576 * (4 if r["dtype"] == "fp32" else 2)
         assert r["gbps"] == pytest.approx(latent_bytes / (r["ms"] * 1e-3) / 1e9)
     assert any(r.get("headdim_v") is None for r in rows if r["provider"] == bench.OURS)
+
+
+def test_fp8kv_decode_rows(bench):
+    """flash_attn_cuda_fp8kv (named in --providers): decode over an e4m3 cache
+    holding the same values, contiguous and paged, checked against SDPA on the
+    cache's values; refused with the reason at fp32 (q must be bf16 / fp16)
+    and for absorbed MLA; no training or memory rows."""
+    _ours_or_skip()
+    cpu = torch.device("cpu")
+    shape = bench.Shape("bf16", 2, 1, 64, 8, 2, 64, False)
+    for page_size in (None, 16):
+        prepared = bench.build_decode(bench.OURS_FP8KV, shape, page_size, cpu)
+        out = prepared.forward()
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 8, 64)
+        assert prepared.extra["kv_layout"] == ("contiguous" if page_size is None else "paged16")
+        assert prepared.extra["max_abs_diff_vs_sdpa"] < 0.05
+    with pytest.raises(bench.Unavailable, match="read with a bf16 / fp16 q"):
+        bench.build_decode(
+            bench.OURS_FP8KV, bench.Shape("fp32", 2, 1, 64, 8, 2, 64, False), None, cpu
+        )
+    with pytest.raises(bench.Unavailable, match="absorbed MLA"):
+        bench.build_decode(bench.OURS_FP8KV, bench.mla_decode_shape("bf16", 1, 1, 64), None, cpu)
+    assert bench.OURS_FP8KV in bench.MEMORY_EXCLUDED and bench.OURS_FP8KV in bench.DECODE_ONLY

@@ -388,10 +388,11 @@ def test_fp8_kvcache_append_and_attend(page_size, dtype, features):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
-def test_fp8_kvcache_quantises_what_a_16_bit_cache_holds():
+def check_append_quantises_what_a_16_bit_cache_holds(device):
     """With rotary, cache_batch_idx and a varlen append, the fp8 cache's new rows
     are the bf16 cache's new rows quantised (value / descale of the batch entry,
-    not of its cache row, saturated), bit for bit."""
+    not of its cache row, saturated), bit for bit, a NaN kept as NaN. On
+    `device`; tests/test_cuda_fp8_kvcache.py runs it on CUDA."""
     batch, capacity, nheads, nheads_k, d = 3, 32, 4, 2, 64
     k_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16)
     v_bf16 = torch.randn(batch + 1, capacity, nheads_k, d, dtype=torch.bfloat16)
@@ -411,6 +412,22 @@ def test_fp8_kvcache_quantises_what_a_16_bit_cache_holds():
         torch.randn(capacity, 16, dtype=torch.bfloat16),
     )
     k_s, v_s = descales(batch, nheads_k) * 0.1, descales(batch, nheads_k) * 0.1
+    (k_bf16, v_bf16, k_fp8, v_fp8, cache_batch_idx, cache_seqlens, cu_new, k_new, v_new, q) = (
+        t.to(device)
+        for t in (
+            k_bf16,
+            v_bf16,
+            k_fp8,
+            v_fp8,
+            cache_batch_idx,
+            cache_seqlens,
+            cu_new,
+            k_new,
+            v_new,
+            q,
+        )
+    )
+    cos, sin, k_s, v_s = cos.to(device), sin.to(device), k_s.to(device), v_s.to(device)
     common = dict(
         rotary_cos=cos,
         rotary_sin=sin,
@@ -425,10 +442,16 @@ def test_fp8_kvcache_quantises_what_a_16_bit_cache_holds():
         row = int(cache_batch_idx[b])
         new = slice(int(cache_seqlens[b]), int(cache_seqlens[b]) + int(cu_new[b + 1] - cu_new[b]))
         for fp8_cache, bf16_cache, scale in ((k_fp8, k_bf16, k_s), (v_fp8, v_bf16, v_s)):
-            expected = ref.quantize_e4m3(bf16_cache[row, new], scale[b].view(1, nheads_k, 1))
-            assert_same_fp8(fp8_cache[row, new], expected)
+            expected = ref.quantize_e4m3(
+                bf16_cache[row, new].cpu(), scale[b].view(1, nheads_k, 1).cpu()
+            )
+            assert_same_fp8(fp8_cache[row, new].cpu(), expected)
     # The NaN stays NaN (k of sequence 2, its second new row, head 1).
     assert torch.isnan(k_fp8[3, 21, 1].float()).any()
+
+
+def test_fp8_kvcache_quantises_what_a_16_bit_cache_holds():
+    check_append_quantises_what_a_16_bit_cache_holds("cpu")
 
 
 def test_fp8_kvcache_saturates_to_448():

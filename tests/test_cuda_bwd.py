@@ -135,16 +135,16 @@ def test_bwd_kernel_choice_on_sm90(head_dim, monkeypatch):
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, deterministic=True))
     # Softcap, ALiBi and dropout run the Hopper kernel too (dropout at d64 on
-    # 64-row query blocks: plan.h bwd_sm90_dropout_block_m) and a negative
-    # scale (score_mods.h keeps its scores negated); a zero scale stays on the
-    # SM80 kernel.
+    # 64-row query blocks: plan.h bwd_sm90_dropout_block_m, deterministic or
+    # not) and a negative scale (score_mods.h keeps its scores negated); a zero
+    # scale stays on the SM80 kernel.
     slopes = torch.rand(2, device=DEVICE) * 0.3
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softcap=5.0))
     assert uses_sm90(backward_kernel_names(q, k, v, dout, causal=True, alibi_slopes=slopes))
     dropout_names = backward_kernel_names(q, k, v, dout, softcap=5.0, dropout_p=0.1)
     assert uses_sm90(dropout_names)
     deterministic_dropout = backward_kernel_names(q, k, v, dout, dropout_p=0.1, deterministic=True)
-    assert uses_sm90(deterministic_dropout) == (head_dim != 64)
+    assert uses_sm90(deterministic_dropout)
     assert uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=-0.1))
     assert not uses_sm90(backward_kernel_names(q, k, v, dout, softmax_scale=0.0))
     # So do inputs TMA cannot describe (a kv head stride of 0).

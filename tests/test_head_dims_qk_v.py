@@ -640,13 +640,13 @@ def test_absorbed_mla_decode_reads_v_from_the_key_cache(device, seqlen_q, page_s
 @pytest.mark.parametrize("page_size", [None, 1, 64])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("d_v", [512, 256])
-def test_shared_latent_cache_matches_a_separate_v_bit_for_bit(
-    seqlen_q, causal, page_size, num_splits, d_v
-):
+def test_shared_latent_cache_matches_a_separate_v(seqlen_q, causal, page_size, num_splits, d_v):
     """With v_cache a view of k_cache the 576 kernel reads V in the K tile
-    and loads none (splitkv_reads_v_in_k); given V as a tensor of its own with
-    the same values it loads it. Same operands, same instructions: the two
-    give the same bits, out and lse, at a fixed split count."""
+    and loads none (splitkv_reads_v_in_k), its two value halves splitting the
+    score product between them (splitkv_splits_scores); given V as a tensor of
+    its own with the same values it loads it and each half computes all of S.
+    The scores are summed in another order, so the two calls agree to the
+    criterion against float64, not bit for bit; both keep lse's meaning."""
     batch, capacity, nheads, d_qk = 3, 192, 128, 576
     q = rand(batch, seqlen_q, nheads, d_qk, device="cuda", dtype=torch.bfloat16)
     latent = rand(batch, capacity, 1, d_qk, device="cuda", dtype=torch.bfloat16)
@@ -660,7 +660,24 @@ def test_shared_latent_cache_matches_a_separate_v_bit_for_bit(
         )
         k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
         table = order.view(batch, pages).to(torch.int32)
-    results = []
+
+    def ref(compute_dtype):
+        outs, lses = [], []
+        for b in range(batch):
+            n = int(seqlens[b])
+            o, lse_b = attention_ref(
+                q[b : b + 1],
+                latent[b : b + 1, :n],
+                latent[b : b + 1, :n, :, :d_v],
+                causal=causal,
+                compute_dtype=compute_dtype,
+            )
+            outs.append(o)
+            lses.append(lse_b)
+        return torch.cat(outs), torch.cat(lses)
+
+    out_exact, lse_exact = ref(torch.float64)
+    out_same, lse_same = ref(torch.bfloat16)
     for v_cache in (k_cache[..., :d_v], k_cache[..., :d_v].contiguous()):
         out, lse = flash_attn_with_kvcache(
             q,
@@ -672,11 +689,9 @@ def test_shared_latent_cache_matches_a_separate_v_bit_for_bit(
             num_splits=num_splits,
             return_softmax_lse=True,
         )
-        results.append((out, lse))
-    (out_view, lse_view), (out_copy, lse_copy) = results
-    assert out_view.shape == (batch, seqlen_q, nheads, d_v)
-    assert torch.equal(out_view, out_copy) and torch.equal(lse_view, lse_copy)
-    assert torch.isfinite(out_view).all()
+        assert out.shape == (batch, seqlen_q, nheads, d_v)
+        check(out, out_exact, out_same, "out")
+        check_lse(lse, lse_exact, lse_same)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -828,13 +828,13 @@ def test_decode_variants_and_grid():
 
 def test_decode_head_dim_512():
     """d512 (head dims 257-512): the decode variant of 2 key slabs x 2 value
-    halves, 16 rows a block whatever the row count, two 64 KB stages (147,456
-    B: one block per SM on sm90 and sm80), never persistent; an sm89 block
-    cannot hold it."""
+    halves, 16 rows a block whatever the row count, two 64 KB stages and the
+    4 KB score exchange (151,552 B: one block per SM on sm90 and sm80), never
+    persistent; an sm89 block cannot hold it."""
     for head_dim in (264, 512):
         plan = decode(1, 1, 4096, 32, 8, head_dim)
         assert plan["head_dim"] == 512 and plan["warps_n"] == 2 and plan["block_m"] == 16
-        assert plan["m_blocks"] == 1 and plan["smem"] == 147456
+        assert plan["m_blocks"] == 1 and plan["smem"] == 147456 + 4096
     # Many rows: several 16-row query blocks, no 64-row variant.
     plan = decode(4, 64, 4096, 32, 8, 512)
     assert plan["warps_n"] == 2 and plan["block_m"] == 16 and plan["m_blocks"] == 16
@@ -860,18 +860,19 @@ def test_decode_head_dim_512():
 
 def test_mla_shared_cache_reads_v_in_the_k_tile():
     """Absorbed MLA's shared cache (v_cache = k_cache[..., :512]) at 576: the
-    kernel reads V in the K tile, so a block holds Q and two K stages (92,160
-    B) and two blocks share an SM; the splits fill two blocks per SM. Score
+    kernel reads V in the K tile, so a block holds Q, two K stages and the
+    score exchange (96,256 B) and two blocks share an SM; the splits fill two
+    blocks per SM. Score
     extras, an append and other head dims keep the kernel that loads V."""
     for paged in (False, True):
         plan = decode(64, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)
-        assert plan["v_in_k"] == 1 and plan["smem"] == 92160 and plan["persistent"] == 0
+        assert plan["v_in_k"] == 1 and plan["smem"] == 96256 and plan["persistent"] == 0
         assert plan["m_blocks"] == 8 and plan["splits"] == 1  # 512 blocks: two waves of 264
         # 128 blocks would fill half of the 264 slots: two splits fill them.
         assert decode(16, 1, 4096, 128, 1, 576, v_in_k=True, paged=paged)["splits"] == 2
     assert decode(16, 1, 4096, 128, 1, 576)["splits"] == 1  # one block an SM: 128 of 132
     on_a100 = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, device=A100)
-    assert on_a100["v_in_k"] == 1 and on_a100["smem"] == 92160
+    assert on_a100["v_in_k"] == 1 and on_a100["smem"] == 96256
     for kw in (dict(softcap=30.0), dict(alibi=True), dict(seqlen_new=1)):
         plan = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, **kw)
         assert plan["v_in_k"] == 0 and plan["smem"] == 165888, kw
@@ -1066,3 +1067,28 @@ def test_plan_matches_launched_decode():
     )
     combined = any("combine" in n for n in names)
     assert combined == (plan["splits"] > 1), (plan, names)
+
+
+def test_fp8_cache_plans_the_staged_kernel():
+    """An e4m3 cache (docs/fp8.md): three 8-bit staging stages beside one
+    16-bit tile set (d128: 3 x 16 KB + 32 KB + Q 4 KB = 86,016 B, against
+    the 16-bit kernel's 102,400), a block per item (no persistent grid) and
+    no in-kernel append."""
+    paged = decode(16, 1, 8192, 32, 8, 128, paged=True, fp8_cache=True)
+    assert paged["smem"] == 86016 and paged["warps_n"] == 4
+    assert decode(16, 1, 8192, 32, 8, 128, paged=True)["smem"] == 102400
+    # Short items of a large batch take the persistent grid on a 16-bit cache only.
+    assert decode(64, 1, 1024, 32, 8, 128)["persistent"] == 1
+    assert decode(64, 1, 1024, 32, 8, 128, fp8_cache=True)["persistent"] == 0
+    appending = decode(16, 1, 8192, 32, 8, 128, seqlen_new=1, fp8_cache=True)
+    assert appending["append_in_attention"] == 0
+    # Absorbed MLA over an e4m3 latent cache reads V in the K tile too: one
+    # staging and one 16-bit K tile a stage's worth, as the bf16 K stages.
+    mla = decode(16, 1, 4096, 128, 1, 576, v_in_k=True, fp8_cache=True)
+    assert mla["v_in_k"] == 1
+    assert mla["smem"] == decode(16, 1, 4096, 128, 1, 576, v_in_k=True)["smem"]
+    # The 64-row variant (many rows a kv head) stages as well: its two 16 KB
+    # staging stages and one tile set take what its two 16-bit stages took.
+    rows = decode(2, 16, 4096, 32, 8, 128, fp8_cache=True)
+    assert rows["warps_n"] == 1 and rows["smem"] == 81920
+    assert decode(2, 16, 4096, 32, 8, 128)["smem"] == 81920

@@ -147,6 +147,25 @@ def test_pair_kernels_are_built_with_their_d_qk(setup_py, kernel):
     assert not setup_py._instantiation_selected(pair, [192], ["fp16"])
 
 
+def test_fp8_selects_the_e4m3_cache_kernels_of_the_q_dtypes(setup_py, monkeypatch):
+    """FLASH_ATTN_CUDA_DTYPES' fp8 builds fwd_kvcache's kernels over an e4m3
+    cache for the q dtypes beside it (the default has all three); fp8 alone
+    names no q dtype and fails with the reason."""
+    fp8kv = "csrc/cuda/instantiations/flash_fwd_splitkv_fp8kv_hdim128_bf16.cu"
+    assert setup_py._instantiation_selected(fp8kv, [128], ["bf16", "fp8"])
+    assert not setup_py._instantiation_selected(fp8kv, [128], ["bf16"])
+    assert not setup_py._instantiation_selected(fp8kv, [128], ["fp16", "fp8"])
+    assert not setup_py._instantiation_selected(fp8kv, [64], ["bf16", "fp8"])
+    plain = "csrc/cuda/instantiations/flash_fwd_splitkv_hdim128_bf16.cu"
+    assert setup_py._instantiation_selected(plain, [128], ["bf16", "fp8"])
+    assert "fp8" in setup_py.ALL_DTYPES
+    monkeypatch.setenv("FLASH_ATTN_CUDA_DTYPES", "bf16,fp8")
+    assert setup_py._parse_dtypes() == ["bf16", "fp8"]
+    monkeypatch.setenv("FLASH_ATTN_CUDA_DTYPES", "fp8")
+    with pytest.raises(SystemExit, match="give fp16 or bf16 beside it"):
+        setup_py._parse_dtypes()
+
+
 def _fake_compiler(path, answer):
     """A compiler that answers `-print-file-name=libstdc++.so` with `answer`."""
     path.write_text(f"#!/bin/sh\necho '{answer}'\n")

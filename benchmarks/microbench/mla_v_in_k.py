@@ -18,24 +18,9 @@ bit for bit at a fixed split count.
 import argparse
 
 import torch
+from event_timing import median_us
 
 from flash_attn_cuda import flash_attn_with_kvcache
-
-
-def median_us(fn, flush, calls=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main():

@@ -257,4 +257,17 @@ __forceinline__ __device__ int guarded_page(const IndexErrorSink& sink, IndexOp 
   return report_and_clamp_page(sink, op, seq, page_index, page, num_pages);
 }
 
+// The same check without a branch, for a loop of copies: an entry outside the
+// pool sets `out_of_pool` and reads page 0, and the caller reports the first
+// such entry once, after the loop, on a cold path (report_and_clamp_page). The
+// split-KV kernel loads a tile's entries a tile ahead of its copies (a check
+// at the load would wait there on the table read), and a branch per entry
+// cost its copy loop a reconvergence each (PERF_LOG 2026-11-30 "page entries
+// checked per tile").
+__forceinline__ __device__ int page_in_pool_or_zero(int page, int num_pages, bool& out_of_pool) {
+  const bool in_pool = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+  out_of_pool = out_of_pool || !in_pool;
+  return in_pool ? page : 0;
+}
+
 }  // namespace flash

@@ -29,6 +29,16 @@ __forceinline__ __device__ void cp_async_16_or_zero(void* smem_dst, const void* 
   cp_async_16_or_zero(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, valid);
 }
 
+// The same for 8 bytes (an e4m3 cache's 8 elements). cp.async of 8 bytes
+// has no .cg form: it goes through L1 (.ca).
+__forceinline__ __device__ void cp_async_8_or_zero(void* smem_dst, const void* gmem_src,
+                                                   bool valid) {
+  const int src_size = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(gmem_src), "r"(src_size));
+}
+
 // Global -> shared copy of a tile whose rows live at unrelated addresses:
 // row_ptr(tile_row) gives the first element of a row. Rows at or past
 // num_rows and columns past head_dim are zero-filled.

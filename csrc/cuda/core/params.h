@@ -149,6 +149,13 @@ struct BwdParams : FwdParams {
 // pointers and strides describe the cache; seqlen_k is the cache capacity (one
 // sequence's rows). Key j of batch b is cache position cache_leftpad[b] + j,
 // for j < cache_seqlens[b] + seqlen_new - cache_leftpad[b].
+// An e4m3 cache's descales (docs/fp8.md): an fp32 (batch, nheads_k) tensor
+// of any strides (vLLM passes expanded ones, stride 0).
+struct DescaleStrides {
+  int64_t batch_stride;
+  int64_t head_stride;
+};
+
 struct KvcacheParams : FwdParams {
   const int* cache_seqlens;  // null: every sequence fills the cache
   const int* cache_leftpad;  // null: no left padding
@@ -216,6 +223,15 @@ struct KvcacheParams : FwdParams {
   // seqlen_new <= kAppendInAttentionMaxRows, among the other conditions of
   // append_in_attention_fits (plan_decode, launch/plan.cpp).
   bool append_in_attention;
+
+  // An e4m3 cache (k_ptr / v_ptr point to float8_e4m3fn): element x of K or V
+  // read for batch entry b and kv head g stands for x * k_descale[b, g] or
+  // x * v_descale[b, g]; null: 1. b is the query batch entry, not
+  // cache_batch_idx[b].
+  const float* k_descale_ptr;
+  const float* v_descale_ptr;
+  DescaleStrides k_descale, v_descale;
+  bool cache_fp8;  // the append quantises into an e4m3 cache (append_rotary_kernel.h)
 };
 
 // The score rule of a call (score_features.h): the plans pick the kernel

@@ -13,10 +13,11 @@ namespace flash {
 using namespace cute;
 
 // acc += A * B with both operands streamed from shared memory. The ldmatrix
-// of k-slice i+1 is issued before the MMAs of slice i so they overlap.
-template <typename TensorAcc, typename TensorA, typename TensorB, typename TensorSmemA,
-          typename TensorSmemB, typename TiledMma, typename TiledCopyA, typename TiledCopyB,
-          typename ThrCopyA, typename ThrCopyB>
+// of k-slice i+1 is issued before the MMAs of slice i so they overlap. Over
+// k-slices [kBegin, kEnd) only when given (kEnd -1: to the last).
+template <int kBegin = 0, int kEnd = -1, typename TensorAcc, typename TensorA, typename TensorB,
+          typename TensorSmemA, typename TensorSmemB, typename TiledMma, typename TiledCopyA,
+          typename TiledCopyB, typename ThrCopyA, typename ThrCopyB>
 __forceinline__ __device__ void gemm_smem_smem(TensorAcc& acc, TensorA& tCrA, TensorB& tCrB,
                                                const TensorSmemA& tCsA, const TensorSmemB& tCsB,
                                                const TiledMma& tiled_mma,
@@ -24,13 +25,16 @@ __forceinline__ __device__ void gemm_smem_smem(TensorAcc& acc, TensorA& tCrA, Te
                                                const TiledCopyB& smem_tiled_copy_B,
                                                const ThrCopyA& smem_thr_copy_A,
                                                const ThrCopyB& smem_thr_copy_B) {
+  constexpr int kSlices = decltype(size<2>(tCrA))::value;
+  constexpr int kLast = kEnd < 0 ? kSlices : kEnd;
+  static_assert(0 <= kBegin && kBegin < kLast && kLast <= kSlices, "a range of the k-slices");
   Tensor tCrA_copy_view = smem_thr_copy_A.retile_D(tCrA);  // (CPY, CPY_M, CPY_K)
   Tensor tCrB_copy_view = smem_thr_copy_B.retile_D(tCrB);  // (CPY, CPY_N, CPY_K)
-  copy(smem_tiled_copy_A, tCsA(_, _, _0{}), tCrA_copy_view(_, _, _0{}));
-  copy(smem_tiled_copy_B, tCsB(_, _, _0{}), tCrB_copy_view(_, _, _0{}));
+  copy(smem_tiled_copy_A, tCsA(_, _, Int<kBegin>{}), tCrA_copy_view(_, _, Int<kBegin>{}));
+  copy(smem_tiled_copy_B, tCsB(_, _, Int<kBegin>{}), tCrB_copy_view(_, _, Int<kBegin>{}));
   CUTE_UNROLL
-  for (int k = 0; k < size<2>(tCrA); ++k) {
-    if (k < size<2>(tCrA) - 1) {
+  for (int k = kBegin; k < kLast; ++k) {
+    if (k < kLast - 1) {
       copy(smem_tiled_copy_A, tCsA(_, _, k + 1), tCrA_copy_view(_, _, k + 1));
       copy(smem_tiled_copy_B, tCsB(_, _, k + 1), tCrB_copy_view(_, _, k + 1));
     }

@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda/core/dependent_grid.h"
+#include "cuda/core/fp8_convert.h"
 #include "cuda/core/params.h"
 #include "cuda/decode/rotary.h"
 #include "cuda/decode/splitkv_work_item.h"
@@ -80,8 +81,10 @@ inline __device__ RowOfSequence row_of_sequence(const KvcacheParams& p, const in
 }
 
 // Chunk `index` of the appended (row, kv head) vectors of k and v: rows of
-// (batch, seqlen_new), or of the varlen (total_k_new) new keys.
-template <typename T>
+// (batch, seqlen_new), or of the varlen (total_k_new) new keys. An e4m3
+// cache (kFp8Cache) stores each chunk quantised with the batch entry's and
+// kv head's descale (quantize_e4m3x8), after the rotation in q's dtype.
+template <typename T, bool kFp8Cache>
 __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
   const int chunks = p.head_dim / kElemsPerThread;
   const int chunk = static_cast<int>(index % chunks);
@@ -105,14 +108,34 @@ __device__ void append_chunk(const KvcacheParams& p, int64_t index) {
                    src_row * p.new_k.row_stride + h * p.new_k.head_stride;
   const T* v_src = static_cast<const T*>(p.new_v_ptr) + src_batch * p.new_v.batch_stride +
                    src_row * p.new_v.row_stride + h * p.new_v.head_stride;
-  T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
-  T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
   const RotaryRows<T> rotary =
       rotary_rows<T>(p.rotary_cos_ptr, p.rotary_sin_ptr, p.rotary_dim, entry.rotary_start + i);
   const int d0 = chunk * kElemsPerThread;
-  copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
-  // v has head_dim_v columns of the head_dim the chunks walk.
-  if (d0 < p.head_dim_v) copy_chunk(v_src, v_cache, d0, rotary, 0, false);
+  if constexpr (kFp8Cache) {
+    uint8_t* k_cache = const_cast<uint8_t*>(static_cast<const uint8_t*>(p.k_ptr)) + k_dst;
+    uint8_t* v_cache = const_cast<uint8_t*>(static_cast<const uint8_t*>(p.v_ptr)) + v_dst;
+    const float k_descale =
+        p.k_descale_ptr
+            ? p.k_descale_ptr[b * p.k_descale.batch_stride + h * p.k_descale.head_stride]
+            : 1.f;
+    const float v_descale =
+        p.v_descale_ptr
+            ? p.v_descale_ptr[b * p.v_descale.batch_stride + h * p.v_descale.head_stride]
+            : 1.f;
+    const uint4 k_chunk =
+        rotary_chunk(k_src, d0, rotary.cos_row, rotary.sin_row, p.rotary_dim, p.rotary_interleaved);
+    *reinterpret_cast<uint2*>(k_cache + d0) = quantize_e4m3x8<T>(k_chunk, k_descale);
+    if (d0 < p.head_dim_v) {
+      const uint4 v_chunk = rotary_chunk(v_src, d0, rotary.cos_row, rotary.sin_row, 0, false);
+      *reinterpret_cast<uint2*>(v_cache + d0) = quantize_e4m3x8<T>(v_chunk, v_descale);
+    }
+  } else {
+    T* k_cache = const_cast<T*>(static_cast<const T*>(p.k_ptr)) + k_dst;
+    T* v_cache = const_cast<T*>(static_cast<const T*>(p.v_ptr)) + v_dst;
+    copy_chunk(k_src, k_cache, d0, rotary, p.rotary_dim, p.rotary_interleaved);
+    // v has head_dim_v columns of the head_dim the chunks walk.
+    if (d0 < p.head_dim_v) copy_chunk(v_src, v_cache, d0, rotary, 0, false);
+  }
 }
 
 // Chunk `index` of the (query row, head) vectors of q: rows of (batch,
@@ -145,7 +168,7 @@ __device__ void rotate_q_chunk(const KvcacheParams& p, int64_t index) {
 // than its copies (PERF_LOG 2026-11-23 ae57aaa).
 }  // namespace append_rotary
 
-template <typename T>
+template <typename T, bool kFp8Cache = false>
 __global__ void __launch_bounds__(kAppendRotaryThreads)
     append_rotary_kernel(const KvcacheParams p, int64_t append_chunks, int64_t all_chunks) {
   // Launched as a dependent grid (params.programmatic_launch): q and the new
@@ -157,7 +180,7 @@ __global__ void __launch_bounds__(kAppendRotaryThreads)
   wait_for_preceding_grid();
   const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index < append_chunks) {
-    append_rotary::append_chunk<T>(p, index);
+    append_rotary::append_chunk<T, kFp8Cache>(p, index);
   } else if (index < all_chunks) {
     append_rotary::rotate_q_chunk<T>(p, index - append_chunks);
   }

@@ -42,6 +42,9 @@ struct SplitKvEpilogue {
   const float lse_scale;
   const bool final_output;
   const int64_t rows_per_split;
+  // An e4m3 cache's v_descale of the block's item (one item a block): O's
+  // rows are scaled by it in the merge (docs/fp8.md).
+  const float v_descale = 1.f;
 
   // Step 1, by each warp with rows: its output rows as they stand (not yet
   // normalised) into o_parts, at its columns from vcol0 on, and its (row max,
@@ -114,7 +117,8 @@ struct SplitKvEpilogue {
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
       CUTE_UNROLL
       for (int w = 0; w < kWarpsN; ++w) {
-        const float weight = stats[w].x * inv_sum;
+        float weight = stats[w].x * inv_sum;
+        if constexpr (Traits::kCacheFp8) weight *= v_descale;
         const float4 part = *reinterpret_cast<const float4*>(
             o_parts + (w * kBlockM + tile_row) * kPartStride + col);
         sum.x += weight * part.x;

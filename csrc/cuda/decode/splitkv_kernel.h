@@ -158,7 +158,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   SplitKvWarpFragments<Traits, kSeveralItems> frag;
   const SplitKvMma<Traits, kSeveralItems> mma{smem_tiles, warp, frag};
   using ScoreMod = SplitKvScoreMod<Traits, decltype(warp.tScS_rowcol), Tiling::kNRows>;
-  const SplitKvScoreScale<kWithScoreExtras> scale(params);
+  // An e4m3 cache's descales of the block's one item (docs/fp8.md): K's
+  // fold into the scores' scale, V's into the merge's weights.
+  float k_descale = 1.f, v_descale = 1.f;
+  if constexpr (Traits::kCacheFp8) {
+    static_assert(!kSeveralItems && !kAppends, "an e4m3 cache: one item a block, no append");
+    k_descale = kvcache_descale(params.k_descale_ptr, params.k_descale, first_item);
+    v_descale = kvcache_descale(params.v_descale_ptr, params.v_descale, first_item);
+  }
+  using ScoreScale = SplitKvScoreScale<kWithScoreExtras, Traits::kCacheFp8>;
+  const ScoreScale scale = [&] {
+    if constexpr (Traits::kCacheFp8) {
+      return ScoreScale(params, k_descale);
+    } else {
+      return ScoreScale(params);
+    }
+  }();
 
   using Merge = SplitKvMergeSchedule<Traits, kSeveralItems>;
   float* const o_parts = Merge::o_parts(smem);
@@ -169,8 +184,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float2* const row_stats = Merge::row_stats(o_parts);
   const float exp_scale_log2 = scale.exp_scale_log2, lse_scale = scale.lse_scale;
   const SplitKvEpilogue<Traits, kSeveralItems> epilogue{
-      params,   tidx,           o_parts,   row_stats,    group,
-      seqlen_q, exp_scale_log2, lse_scale, final_output, rows_per_split};
+      params,         tidx,      o_parts,      row_stats,      group,    seqlen_q,
+      exp_scale_log2, lse_scale, final_output, rows_per_split, v_descale};
   Merge merge;
 
   int stage = 0;
@@ -194,6 +209,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     for (int n_block = it.n_block_max - 1; n_block >= it.n_block_min; --n_block) {
       cute::cp_async_wait<kStages - 1>();
+      if constexpr (Traits::kCacheFp8) loader.convert_stage(stage);
       __syncthreads();
       if (warp_has_rows) {
         // (MMA,MMA_M,MMA_N)

@@ -3,7 +3,10 @@
 // of one warp, and the copy atoms, which are the SM80 forward kernel's.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
 
 #include "cuda/decode/splitkv_tile_config.h"
 #include "cuda/fwd/sm80/fwd_kernel_traits_sm80.h"
@@ -21,11 +24,18 @@ using namespace cute;
 // K/V tile (keys w * kSlabN ...) and row slab w of the Q tile are each one
 // contiguous swizzled tile, which a warp addresses on its own.
 // kVInK_: V is read from the K tile (splitkv_reads_v_in_k): a stage holds a
-// K tile alone, and each V view below points into it.
+// K tile alone, and each V view below points into it. CacheElement_: the
+// cache's element, Element_ (q's) or cutlass::float_e4m3_t: an e4m3 cache's
+// tiles are staged as bytes and converted into one Element tile set before
+// the products (docs/fp8.md).
 template <int kHeadDim_, int kBlockN_, int kWarpsN_, int kNWarps_, typename Element_,
-          bool kVInK_ = false>
+          bool kVInK_ = false, typename CacheElement_ = Element_>
 struct SplitKvKernelTraits {
   using Element = Element_;
+  using CacheElement = CacheElement_;
+  static constexpr bool kCacheFp8 = !std::is_same_v<CacheElement, Element>;
+  static_assert(!kCacheFp8 || std::is_same_v<CacheElement, cutlass::float_e4m3_t>,
+                "a cache of q's dtype, or e4m3");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpsN = kWarpsN_;
@@ -43,6 +53,10 @@ struct SplitKvKernelTraits {
   static constexpr int kTilesPerStage = kVInK ? 1 : 2;  // (K) or (K, V)
   static_assert(!kVInK || (splitkv_reads_v_in_k(kHeadDim) && kHeadDimVTotal <= kHeadDim),
                 "V read in the K tile: the value dim lies within the K tile's columns");
+  // The two warps of a key slab split the k-slices of S (splitkv_splits_scores).
+  static constexpr bool kSplitScores = splitkv_splits_scores(kHeadDim, kVInK);
+  static_assert(!kSplitScores || (kWarpsV == 2 && (kHeadDim / 16) % 2 == 0),
+                "two value halves, an even number of k16 slices of S");
   static_assert(kNWarps % (kWarpsN * kWarpsV) == 0 && kBlockN % (16 * kWarpsN) == 0,
                 "whole warps per key slab and value part, at least one k16 step of P V per slab");
   static_assert(kWarpsV == 1 || kWarpsN > 1, "the 64-row variant keeps O whole in each warp");
@@ -86,6 +100,14 @@ struct SplitKvKernelTraits {
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kTilesPerStage * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeScoreExchange = kSplitScores ? 4 * kNWarps * 16 * kSlabN : 0;
+  // Element tile sets the products read: one per stage, or with an e4m3
+  // cache the one its stages are converted into (and the stages' own bytes).
+  static constexpr int kTileSets = kCacheFp8 ? 1 : kStages;
+  static constexpr int kSmemSizeStaging =
+      kCacheFp8 ? kStages * kTilesPerStage * kBlockN * kHeadDim : 0;
+  static constexpr int kSmemSize =
+      kSmemSizeQ + kTileSets * kSmemSizeKV + kSmemSizeScoreExchange + kSmemSizeStaging;
 };
 
 }  // namespace flash

@@ -39,6 +39,11 @@ struct SplitKvSmem {
   static constexpr int kTileElems = cute::cosize_v<typename Traits::SmemLayoutKV>;
   static constexpr int kQElems = cute::cosize_v<typename Traits::SmemLayoutQ>;
   static constexpr int kTilesPerStage = Traits::kTilesPerStage;
+  // The Element tile set of a stage: its own, or with an e4m3 cache the one
+  // set every stage is converted into.
+  static __device__ __forceinline__ int tile_set(int stage) {
+    return Traits::kCacheFp8 ? 0 : stage;
+  }
   // Where a stage's V tile starts, in tiles past its K tile: 0 with kVInK.
   static constexpr int kVTileOffset = kTilesPerStage - 1;
   static_assert(kTileElems == Traits::kSmemSizeKV / kTilesPerStage / int(sizeof(Element)) &&
@@ -53,7 +58,7 @@ struct SplitKvSmem {
 
   __device__ SplitKvSmem(char* smem, int warp_n_, int warp_m_, int warp_v_)
       : kv_smem(reinterpret_cast<Element*>(smem)),
-        q_smem(reinterpret_cast<Element*>(smem) + kTilesPerStage * Traits::kStages * kTileElems),
+        q_smem(reinterpret_cast<Element*>(smem) + kTilesPerStage * Traits::kTileSets * kTileElems),
         warp_n(warp_n_),
         warp_m(warp_m_),
         warp_v(warp_v_) {}
@@ -64,25 +69,25 @@ struct SplitKvSmem {
     return make_tensor(make_smem_ptr(q_smem + slot * kQElems), typename Traits::SmemLayoutQ{});
   }
   __device__ auto stage_k(int stage) const {
-    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * stage) * kTileElems),
+    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage)) * kTileElems),
                        typename Traits::SmemLayoutKV{});
   }
   __device__ auto stage_v(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (kTilesPerStage * stage + kVTileOffset) * kTileElems),
+        make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems),
         typename Traits::SmemLayoutKV{});
   }
   // This warp's slab of a stage's K tile, (kSlabN, D), and its part of the V
   // tile's slab seen transposed, (kHeadDimV, kSlabN), and its 16 rows of a Q
   // slot, (16, D).
   __device__ auto slab_k(int stage) const {
-    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * stage) * kTileElems +
+    return make_tensor(make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage)) * kTileElems +
                                      warp_n * Traits::kKVSlabElems),
                        typename Traits::SmemLayoutKVSlab{});
   }
   __device__ auto slab_vt(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (kTilesPerStage * stage + kVTileOffset) * kTileElems +
+        make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems +
                       warp_n * Traits::kKVSlabElems + warp_v * Traits::kHeadDimV * Traits::kSlabN),
         typename Traits::SmemLayoutVtSlab{});
   }
@@ -90,8 +95,26 @@ struct SplitKvSmem {
     return make_tensor(make_smem_ptr(q_smem + slot * kQElems + warp_m * Traits::kQSlabElems),
                        typename Traits::SmemLayoutQSlab{});
   }
-  // The first byte past the Q slots (the appending kernel's table rows).
-  __device__ Element* past_q_slots() const { return q_smem + kQSlots * kQElems; }
+  // The score exchange (Traits::kSplitScores), past the Q slots: per pair of
+  // warps that share a key slab, each warp's partial scores, element-major
+  // (16 x kSlabN / 32 floats a lane, lane-minor).
+  __device__ float* score_exchange() const {
+    return reinterpret_cast<float*>(q_smem + kQSlots * kQElems);
+  }
+  // The first byte past the Q slots and the score exchange (the appending
+  // kernel's table rows; an e4m3 cache's staging stages).
+  __device__ Element* past_q_slots() const {
+    return q_smem + kQSlots * kQElems +
+           Traits::kSmemSizeScoreExchange / static_cast<int>(sizeof(Element));
+  }
+  // An e4m3 cache's bytes of stage `stage`'s K tile (v = 0) or V tile (v =
+  // 1), past the score exchange. Element (row, col) of a tile is the byte at
+  // the Element offset it has in the converted tile (stage_k / stage_v): the
+  // 8 elements of a copy, which the swizzle moves whole, are 8 contiguous bytes.
+  __device__ uint8_t* staging(int stage, int v) const {
+    return reinterpret_cast<uint8_t*>(past_q_slots()) +
+           (kTilesPerStage * stage + v * kVTileOffset) * kTileElems;
+  }
 };
 
 // One warp's MMA state, built once per block, in two parts: its register
@@ -195,7 +218,7 @@ struct SplitKvWarpFragments {
 // scores are scaled (and capped, and biased) before the softmax, which then
 // exponentiates in log2 units; otherwise the softmax folds the scale into
 // its exponent.
-template <bool kWithScoreExtras>
+template <bool kWithScoreExtras, bool kDescaled = false>
 struct SplitKvScoreScale {
   const bool has_alibi;
   const bool prescale_scores;
@@ -208,6 +231,33 @@ struct SplitKvScoreScale {
                                              !scale_is_positive_normal(params.softmax_scale_log2))),
         exp_scale_log2(prescale_scores ? float(M_LOG2E) : params.softmax_scale_log2),
         lse_scale(prescale_scores ? 1.f : params.softmax_scale) {}
+
+  // The scale of the scores (before softcap): the call's.
+  __forceinline__ __device__ float softmax_scale(const KvcacheParams& params) const {
+    return params.softmax_scale;
+  }
+};
+
+// An e4m3 cache: the block's item's k_descale multiplies the call's scale, so
+// the scores are scale * k_descale * (q k) (docs/fp8.md, "Descales"); a block
+// of such a kernel runs one item.
+template <bool kWithScoreExtras>
+struct SplitKvScoreScale<kWithScoreExtras, true> {
+  const float scale;  // the call's softmax_scale * k_descale
+  const bool has_alibi;
+  const bool prescale_scores;
+  const float exp_scale_log2;
+  const float lse_scale;
+
+  __forceinline__ __device__ SplitKvScoreScale(const KvcacheParams& params, float k_descale)
+      : scale(params.softmax_scale * k_descale),
+        has_alibi(kWithScoreExtras && params.alibi_slopes != nullptr),
+        prescale_scores(kWithScoreExtras && (softcap_on(params.softcap) || has_alibi ||
+                                             !scale_is_positive_normal(scale * float(M_LOG2E)))),
+        exp_scale_log2(prescale_scores ? float(M_LOG2E) : scale * float(M_LOG2E)),
+        lse_scale(prescale_scores ? 1.f : scale) {}
+
+  __forceinline__ __device__ float softmax_scale(const KvcacheParams&) const { return scale; }
 };
 
 // The score extras and the mask of one warp's scores of a key tile, for one
@@ -245,7 +295,7 @@ struct SplitKvScoreMod {
                                                const KvcacheParams& params, const ScoreScale& scale,
                                                int seqlen_q, int seqlen_k, int col_base) const {
     if (scale.prescale_scores) {
-      apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+      apply_scale_and_softcap(scores, scale.softmax_scale(params), params.softcap);
       if (scale.has_alibi) {
         CUTE_UNROLL
         for (int mi = 0; mi < kNRows; ++mi) {
@@ -277,13 +327,46 @@ struct SplitKvMma {
   Fragments& f;
 
   // acc_s (MMA,MMA_M,MMA_N) = Q K^T of the warp's rows of its Q slot (tSsQ)
-  // and its slab of the K tile in `stage`.
+  // and its slab of the K tile in `stage`. With Traits::kSplitScores the two
+  // warps of the slab (value halves 0 and 1) each make the product over half
+  // of the k-slices, then add the other's half through shared memory; fp32
+  // addition commutes, so both hold the same bits of S.
   template <typename TensorAccS, typename TensorSsQ>
   __forceinline__ __device__ void qk(TensorAccS& acc_s, const TensorSsQ& tSsQ, int stage) const {
     clear(acc_s);
     Tensor tSsK = w.smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
-    gemm_smem_smem(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
-                   w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+    if constexpr (Traits::kSplitScores) {
+      constexpr int kHalf = decltype(size<2>(f.tSrQ))::value / 2;
+      const int warp_v = w.warp_vcol0 / Traits::kHeadDimV;
+      if (warp_v == 0) {
+        gemm_smem_smem<0, kHalf>(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                                 w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+      } else {
+        gemm_smem_smem<kHalf>(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                              w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+      }
+      add_partner_scores(acc_s, warp_v);
+    } else {
+      gemm_smem_smem(acc_s, f.tSrQ, f.tSrK, tSsQ, tSsK, w.warp_mma, w.smem_tiled_copy_Q,
+                     w.smem_tiled_copy_K, w.smem_thr_copy_Q, w.smem_thr_copy_K);
+    }
+  }
+
+  // acc_s += the partial scores of the other warp of this warp's key slab
+  // (kSplitScores). The pair meets at a named barrier of its 64 threads (ids
+  // 1 and up; 0 is __syncthreads); the kernel's __syncthreads at the end of
+  // each key tile orders this tile's reads before the next tile's writes.
+  template <typename TensorAccS>
+  __forceinline__ __device__ void add_partner_scores(TensorAccS& acc_s, int warp_v) const {
+    constexpr int kElems = decltype(size(acc_s))::value;
+    const int lane = threadIdx.x % 32;
+    const int pair = w.warp_col0 / kSlabN + Traits::kWarpsN * (w.warp_row0 / 16);
+    float* const exchange = smem_tiles.score_exchange() + pair * 2 * kElems * 32;
+    CUTE_UNROLL
+    for (int e = 0; e < kElems; ++e) exchange[(warp_v * kElems + e) * 32 + lane] = acc_s(e);
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + pair), "r"(64) : "memory");
+    CUTE_UNROLL
+    for (int e = 0; e < kElems; ++e) acc_s(e) += exchange[((1 - warp_v) * kElems + e) * 32 + lane];
   }
 
   // The online softmax of the scores (acc_s seen as (ROW,COL)), then

@@ -28,8 +28,7 @@ struct SplitKvMergeSchedule {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kWarpsN = Traits::kWarpsN;
   static constexpr int kPartStride = splitkv_merge_row_floats(kHeadDim);
-  static_assert(splitkv_merge_bytes(kHeadDim, kWarpsN) <=
-                    Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV,
+  static_assert(splitkv_merge_bytes(kHeadDim, kWarpsN) <= Traits::kSmemSize,
                 "a block of one item merges in its tiles' shared memory");
   using Epilogue = SplitKvEpilogue<Traits, kSeveralItems>;
 

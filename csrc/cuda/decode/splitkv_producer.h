@@ -15,6 +15,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/core/fp8_convert.h"
 #include "cuda/core/index_guards.h"
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_mainloop.h"
@@ -56,6 +57,7 @@ struct SplitKvGmemPartition {
 template <typename Traits, CacheLayout kLayout, bool kSeveralItems, bool kAppends>
 struct SplitKvTileLoader {
   using Element = typename Traits::Element;
+  using CacheElement = typename Traits::CacheElement;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -83,8 +85,8 @@ struct SplitKvTileLoader {
   const KvcacheParams& params;
   const Smem& smem_tiles;
   const Element* const q_ptr;
-  const Element* const k_ptr;
-  const Element* const v_ptr;
+  const CacheElement* const k_ptr;
+  const CacheElement* const v_ptr;
   const int group;
   const bool appending;
   GmemThrCopyQKV& gmem_thr_copy_QKV;
@@ -105,8 +107,8 @@ struct SplitKvTileLoader {
       : params(params_),
         smem_tiles(smem_tiles_),
         q_ptr(static_cast<const Element*>(params_.q_ptr)),
-        k_ptr(static_cast<const Element*>(params_.k_ptr)),
-        v_ptr(static_cast<const Element*>(params_.v_ptr)),
+        k_ptr(static_cast<const CacheElement*>(params_.k_ptr)),
+        v_ptr(static_cast<const CacheElement*>(params_.v_ptr)),
         group(group_),
         appending(appending_),
         gmem_thr_copy_QKV(gmem_thr_copy_QKV_),
@@ -140,9 +142,10 @@ struct SplitKvTileLoader {
   // Paged cache: location of this thread's K/V copy rows of key block
   // n_block. The block table is read once per distinct page (a page of 64
   // rows or more holds all of a thread's rows of a tile); row_page[m] is left
-  // stale when row m shares row m - 1's page, and the rows are resolved when
-  // the copies are issued, a tile later: no instruction waits on a table read
-  // in between (a copy of the loaded value from row to row would).
+  // stale when row m shares row m - 1's page, and the rows are resolved, and
+  // their entries checked against the pool, when the copies are issued, a
+  // tile later (load_tile): no instruction waits on a table read in between
+  // (a check or a copy of the loaded value from row to row would).
   __device__ void locate_tile(const SplitKvItem& it, int n_block) {
     if (!is_paged(it)) return;
     const int key0 = n_block * kBlockN;
@@ -154,13 +157,51 @@ struct SplitKvTileLoader {
       it.cache.page_size.divmod(it.cache.leftpad + key, page_index, row_in_page[m]);
       row_shares_page[m] = page_index == previous_index;
       if (!row_shares_page[m]) {
-        row_page[m] =
-            key < it.seqlen_k
-                ? guarded_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index,
-                               it.cache.block_table_row[page_index], params.num_pages)
-                : 0;
+        row_page[m] = key < it.seqlen_k ? it.cache.block_table_row[page_index] : 0;
       }
       previous_index = page_index;
+    }
+  }
+
+  // Cold path of load_tile: reports the first of this thread's block-table
+  // entries of key block n_block that lies outside the pool.
+  __device__ void report_page_out_of_pool(const SplitKvItem& it, int n_block) const {
+    int row = 0, page = 0;
+    CUTE_UNROLL
+    for (int m = kCopyRows - 1; m >= 0; --m) {  // the first bad row wins
+      if (!row_shares_page[m] &&
+          static_cast<unsigned>(row_page[m]) >= static_cast<unsigned>(params.num_pages)) {
+        row = get<0>(tKVcKV(0, m, 0));
+        page = row_page[m];
+      }
+    }
+    int page_index, in_page;
+    it.cache.page_size.divmod(it.cache.leftpad + n_block * kBlockN + row, page_index, in_page);
+    report_and_clamp_page(params.index_errors, IndexOp::kKvcache, it.cache.entry, page_index, page,
+                          params.num_pages);
+  }
+
+  // An e4m3 cache: this thread's pieces of stage `stage`, which its own
+  // copies brought (the caller waited for them), converted into the Element
+  // tile set at the same offsets. Only this thread's pieces are read and
+  // written, so the kernel's __syncthreads before the products publishes
+  // the tiles and the one after them frees the set for the next stage.
+  // e4m3 values are all float16 and bfloat16 values: the conversion is exact.
+  __device__ void convert_stage(int stage) const {
+    static_assert(Traits::kCacheFp8);
+    Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
+    Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
+    const Element* const k_tile = raw_pointer_cast(smem_tiles.stage_k(stage).data());
+    const uint8_t* const k_staging = smem_tiles.staging(stage, 0);
+    const uint8_t* const v_staging = smem_tiles.staging(stage, 1);
+    CUTE_UNROLL
+    for (int m = 0; m < kCopyRows; ++m) {
+      CUTE_UNROLL
+      for (int k = 0; k < kCopyCols; ++k) {
+        const int64_t at = &tKsK(0, m, k) - k_tile;
+        convert_e4m3x8(k_staging + at, &tKsK(0, m, k));
+        if constexpr (!Traits::kVInK) convert_e4m3x8(v_staging + at, &tVsV(0, m, k));
+      }
     }
   }
 
@@ -180,8 +221,8 @@ struct SplitKvTileLoader {
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
     // Rows are copied by the coordinates of the same partition.
     CUTE_STATIC_ASSERT_V(size<1>(tKsK) == size<1>(tKVcKV) && size<2>(tKsK) == size<2>(tKVcKV));
-    const Element* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
-    const Element* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
+    const CacheElement* k_base = k_ptr + int64_t(it.head_kv) * params.k.head_stride;
+    const CacheElement* v_base = v_ptr + int64_t(it.head_kv) * params.v.head_stride;
     const int rows_in_tile = it.seqlen_k - n_block * kBlockN;
     // kAppends &&: a constant false without the append, as the kernel's
     // `appending` is there.
@@ -191,7 +232,12 @@ struct SplitKvTileLoader {
     // through `this`: through `this`, the kernel compiles differently.
     auto& tKVcKV_ = tKVcKV;
     const KvcacheParams& params_ = params;
-    auto copy_row = [&](int m, const Element* k_row, const Element* v_row) {
+    // An e4m3 cache's pieces go to the stage's staging bytes at their
+    // converted tile offsets (SplitKvSmem::staging), 8 bytes each.
+    const Element* const k_tile = raw_pointer_cast(smem_tiles.stage_k(stage).data());
+    uint8_t* const k_staging = smem_tiles.staging(stage, 0);
+    uint8_t* const v_staging = smem_tiles.staging(stage, 1);
+    auto copy_row = [&](int m, const CacheElement* k_row, const CacheElement* v_row) {
       const int row = get<0>(tKVcKV_(0, m, 0));
       const bool row_ok = row < rows_in_tile;
       if (kMaySkipNewRows && row_ok && row >= new_rows_from) return;
@@ -200,25 +246,37 @@ struct SplitKvTileLoader {
         const int col = get<1>(tKVcKV_(0, m, k));
         const bool k_ok = row_ok && col < params_.head_dim;
         const bool v_ok = row_ok && col < params_.head_dim_v;
-        cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok);
-        if constexpr (!Traits::kVInK) cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
+        if constexpr (Traits::kCacheFp8) {
+          const int64_t at = &tKsK(0, m, k) - k_tile;
+          cp_async_8_or_zero(k_staging + at, k_row + col, k_ok);
+          if constexpr (!Traits::kVInK) cp_async_8_or_zero(v_staging + at, v_row + col, v_ok);
+        } else {
+          cp_async_16_or_zero(&tKsK(0, m, k), k_row + col, k_ok);
+          if constexpr (!Traits::kVInK) cp_async_16_or_zero(&tVsV(0, m, k), v_row + col, v_ok);
+        }
       }
     };
     if (is_paged(it)) {
+      // locate_tile left page 0 for the rows past the keys. An entry outside
+      // the pool reads page 0 too, and is reported after the copies.
+      bool out_of_pool = false;
       int64_t page = 0;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
-        page = row_shares_page[m] ? page : int64_t(row_page[m]);
+        if (!row_shares_page[m]) {
+          page = page_in_pool_or_zero(row_page[m], params.num_pages, out_of_pool);
+        }
         const int64_t in_page = row_in_page[m];
         copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
       }
+      if (out_of_pool) report_page_out_of_pool(it, n_block);
     } else {
       const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
-      const Element* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
-                             first_pos * params.k.row_stride;
-      const Element* v_row = v_base + int64_t(it.cache.entry) * params.v.batch_stride +
-                             first_pos * params.v.row_stride;
+      const CacheElement* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +
+                                  first_pos * params.k.row_stride;
+      const CacheElement* v_row = v_base + int64_t(it.cache.entry) * params.v.batch_stride +
+                                  first_pos * params.v.row_stride;
       CUTE_UNROLL
       for (int m = 0; m < kCopyRows; ++m) {
         copy_row(m, k_row, v_row);

@@ -63,6 +63,18 @@ constexpr int splitkv_block_m(int compiled_head_dim, int warps_n) {
 // split-KV, measured", and "V read in the K tile").
 constexpr bool splitkv_reads_v_in_k(int compiled_head_dim) { return compiled_head_dim == 576; }
 
+// Whether the two warps of a key slab (its two value halves, kWarpsV = 2)
+// split the score product's k-slices between them and add their partial
+// scores through shared memory, instead of each computing all of S: the
+// product of Q K^T over 512 or 576 columns is most of their MMAs and
+// shared-memory reads, and these calls (the d512 forward, absorbed MLA's 128
+// heads) are bound by them (PERF_LOG 2026-11-30 "scores split between the
+// value halves"). Not the 576 kernel that loads V, whose block would outgrow
+// an sm80 SM's shared memory by the exchange's bytes.
+constexpr bool splitkv_splits_scores(int compiled_head_dim, bool v_in_k) {
+  return splitkv_warps_v(compiled_head_dim) == 2 && (compiled_head_dim == 512 || v_in_k);
+}
+
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
 // block per SM: 128 blocks of three stages streamed the cache faster than 256
@@ -97,19 +109,35 @@ constexpr int splitkv_merge_bytes(int compiled_head_dim, int warps_n) {
          (splitkv_merge_row_floats(compiled_head_dim) + 2);
 }
 
-// Dynamic shared memory of one thread block (16-bit elements): the stages of
-// K and V tiles (K alone with v_in_k, splitkv_reads_v_in_k) and the Q
-// tile(s). A block of one item merges in the tiles' bytes once its last tile
-// is done; a block of several has the next item's tiles in flight by then, so
-// its merge has bytes of its own.
+// The partial scores the warps exchange (splitkv_splits_scores): each
+// warp's 16 x slab fp32 scores.
+constexpr int splitkv_score_exchange_bytes(int compiled_head_dim, int warps_n, bool v_in_k) {
+  return splitkv_splits_scores(compiled_head_dim, v_in_k)
+             ? 4 * kSplitKvWarps * 16 * (splitkv_block_n(compiled_head_dim) / warps_n)
+             : 0;
+}
+
+// Dynamic shared memory of one thread block: the stages of K and V tiles (K
+// alone with v_in_k, splitkv_reads_v_in_k) and the Q tile(s), 16-bit, and the
+// score exchange (splitkv_splits_scores). An e4m3 cache (fp8_cache) keeps its
+// stages in bytes of their own past those, and one 16-bit K / V tile set that
+// each tile is converted into before the products (docs/fp8.md, "The
+// split-KV kernel over an e4m3 cache"). A block of one item merges in the
+// tiles' bytes once its last tile is done; a block of several has the next
+// item's tiles in flight by then, so its merge has bytes of its own.
 constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool several_items = false,
-                                 bool v_in_k = false) {
+                                 bool v_in_k = false, bool fp8_cache = false) {
   const int tiles_per_stage = v_in_k ? 1 : 2;
-  const int tiles = 2 * compiled_head_dim *
-                    (tiles_per_stage * splitkv_stages(compiled_head_dim, warps_n) *
-                         splitkv_block_n(compiled_head_dim) +
-                     splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
-                         splitkv_block_m(compiled_head_dim, warps_n));
+  const int stages = splitkv_stages(compiled_head_dim, warps_n);
+  const int tile_elems = splitkv_block_n(compiled_head_dim) * compiled_head_dim;
+  const int staging_bytes = fp8_cache ? tiles_per_stage * stages * tile_elems : 0;
+  const int tiles =
+      staging_bytes +
+      2 * compiled_head_dim *
+          (tiles_per_stage * (fp8_cache ? 1 : stages) * splitkv_block_n(compiled_head_dim) +
+           splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
+               splitkv_block_m(compiled_head_dim, warps_n)) +
+      splitkv_score_exchange_bytes(compiled_head_dim, warps_n, v_in_k);
   return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
 }
 // Longest append the split-KV kernel does itself (params.append_in_attention:
@@ -137,13 +165,17 @@ constexpr int splitkv_append_smem_bytes(int compiled_head_dim, int warps_n) {
 static_assert(splitkv_smem_bytes(256, 1) <= 99 * 1024 && splitkv_smem_bytes(128, 1) <= 99 * 1024,
               "the 64-row variant fits sm86/sm89 (99 KB per block)");
 static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 &&
-                  splitkv_smem_bytes(512, 2) == 147456 && splitkv_smem_bytes(512, 2) <= 163 * 1024,
-              "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages, an sm80 block");
+                  splitkv_smem_bytes(512, 2) == 147456 + 4096 &&
+                  splitkv_smem_bytes(512, 2) <= 163 * 1024,
+              "d512: 2 key slabs x 2 value halves of 16 rows, two 64 KB stages and the score "
+              "exchange, an sm80 block");
 static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
               "absorbed MLA's 576: the same split, an sm80 block");
-static_assert(splitkv_smem_bytes(576, 2, false, true) == 92160 &&
+static_assert(splitkv_smem_bytes(128, 4, false, false, true) == 3 * 16384 + 32768 + 4096,
+              "d128 over an e4m3 cache: three 16 KB staging stages, one 32 KB tile set, Q");
+static_assert(splitkv_smem_bytes(576, 2, false, true) == 92160 + 4096 &&
                   2 * (splitkv_smem_bytes(576, 2, false, true) + 1024) <= 228 * 1024,
-              "576 with V read in the K tile: two blocks an sm90 SM");
+              "576 with V read in the K tile and the score exchange: two blocks an sm90 SM");
 
 // The variant for rows_total = seqlen_q x (nheads / nheads_k) packed rows on
 // a device with max_smem_per_block bytes of shared memory per block: the

@@ -226,4 +226,13 @@ __forceinline__ __device__ SplitKvItem splitkv_item(const KvcacheParams& params,
   return it;
 }
 
+// An e4m3 cache's descale of an item's (batch entry, kv head)
+// (KvcacheParams::k_descale_ptr / v_descale_ptr; null: 1).
+__forceinline__ __device__ float kvcache_descale(const float* descale, DescaleStrides strides,
+                                                 const SplitKvItem& it) {
+  return descale == nullptr
+             ? 1.f
+             : descale[it.batch * strides.batch_stride + it.head_kv * strides.head_stride];
+}
+
 }  // namespace flash

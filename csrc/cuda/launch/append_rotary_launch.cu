@@ -13,7 +13,7 @@
 namespace flash {
 namespace {
 
-template <typename T>
+template <typename T, bool kFp8Cache>
 void launch(const KvcacheParams& p, cudaStream_t stream) {
   const int chunks = p.head_dim / kRotaryChunkElems;
   const bool appending = p.seqlen_new > 0 && p.new_k_ptr != nullptr;
@@ -29,17 +29,19 @@ void launch(const KvcacheParams& p, cudaStream_t stream) {
   options.programmatic = p.programmatic_launch;
   const dim3 grid(
       static_cast<unsigned>((all_chunks + kAppendRotaryThreads - 1) / kAppendRotaryThreads));
-  launch_ex(&append_rotary_kernel<T>, grid, dim3(kAppendRotaryThreads), 0, stream, options, p,
-            append_chunks, all_chunks);
+  launch_ex(&append_rotary_kernel<T, kFp8Cache>, grid, dim3(kAppendRotaryThreads), 0, stream,
+            options, p, append_chunks, all_chunks);
 }
 
 }  // namespace
 
 void launch_kvcache_append_rotary(const KvcacheParams& params, cudaStream_t stream) {
+  // An e4m3 cache quantises the appended rows (kFp8Cache).
   if (params.is_bf16) {
-    launch<__nv_bfloat16>(params, stream);
+    params.cache_fp8 ? launch<__nv_bfloat16, true>(params, stream)
+                     : launch<__nv_bfloat16, false>(params, stream);
   } else {
-    launch<__half>(params, stream);
+    params.cache_fp8 ? launch<__half, true>(params, stream) : launch<__half, false>(params, stream);
   }
 }
 

@@ -45,21 +45,22 @@ BwdLauncherRegistration::BwdLauncherRegistration(int compiled_head_dim, int comp
 
 namespace {
 
-std::map<std::pair<int, bool>, SplitKvLauncher>& splitkv_table() {
-  static std::map<std::pair<int, bool>, SplitKvLauncher> table;
+// (compiled head dim, q is bf16, the cache is e4m3)
+std::map<std::tuple<int, bool, bool>, SplitKvLauncher>& splitkv_table() {
+  static std::map<std::tuple<int, bool, bool>, SplitKvLauncher> table;
   return table;
 }
 
 }  // namespace
 
-SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16) {
-  const auto it = splitkv_table().find({compiled_head_dim, is_bf16});
+SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16, bool fp8_cache) {
+  const auto it = splitkv_table().find({compiled_head_dim, is_bf16, fp8_cache});
   return it == splitkv_table().end() ? nullptr : it->second;
 }
 
 SplitKvLauncherRegistration::SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16,
-                                                         SplitKvLauncher launcher) {
-  splitkv_table()[{compiled_head_dim, is_bf16}] = launcher;
+                                                         SplitKvLauncher launcher, bool fp8_cache) {
+  splitkv_table()[{compiled_head_dim, is_bf16, fp8_cache}] = launcher;
 }
 
 }  // namespace flash

@@ -48,11 +48,13 @@ struct BwdLauncherRegistration {
 
 using SplitKvLauncher = void (*)(const KvcacheParams&, const DecodePlan&, cudaStream_t);
 
-// Null when fwd_kvcache's attention for (head_dim, dtype) was not compiled in.
-SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16);
+// Null when fwd_kvcache's attention for (head_dim, q's dtype, cache dtype:
+// q's or e4m3, fp8_cache) was not compiled in.
+SplitKvLauncher find_splitkv_launcher(int compiled_head_dim, bool is_bf16, bool fp8_cache = false);
 
 struct SplitKvLauncherRegistration {
-  SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16, SplitKvLauncher launcher);
+  SplitKvLauncherRegistration(int compiled_head_dim, bool is_bf16, SplitKvLauncher launcher,
+                              bool fp8_cache = false);
 };
 
 // Whether the build has sm_90a machine code (FLASH_ATTN_HAS_SM90A, which

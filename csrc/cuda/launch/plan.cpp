@@ -549,7 +549,7 @@ int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
 // per-batch lengths live on the device), at most kMaxKvSplits. An explicit
 // count is honoured up to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
-                     int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
+                     int compiled_head_dim, int warps_n, bool paged, bool v_in_k, bool fp8_cache,
                      const DeviceDesc& device, const char** reason) {
   const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
@@ -566,8 +566,8 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   const int64_t blocks_per_sm =
       warps_n > 1 && !paged && !v_in_k
           ? 1
-          : splitkv_blocks_per_sm(splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k),
-                                  device);
+          : splitkv_blocks_per_sm(
+                splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache), device);
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * device.num_sms);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -614,9 +614,9 @@ int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int n
 // meant to run alone asks for just over half of the SM's. Paged caches keep
 // two (choose_kv_splits).
 int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
-                              int cache_capacity, int num_splits, int64_t grid_blocks,
-                              const DeviceDesc& device) {
-  const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k);
+                              bool fp8_cache, int cache_capacity, int num_splits,
+                              int64_t grid_blocks, const DeviceDesc& device) {
+  const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache);
   if (warps_n == 1 || paged || v_in_k) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int key_blocks_per_block =
@@ -751,25 +751,26 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   // score extras and no append (whose pre-kernel then runs first).
   plan.v_in_k = shape.v_in_k && splitkv_reads_v_in_k(compiled) && plan.warps_n > 1 &&
                 !shape.score_extras && !shape.appending && shape.rotary_dim == 0;
-  plan.num_splits =
-      choose_kv_splits(shape.requested_splits, blocks_without_split, shape.cache_capacity, compiled,
-                       plan.warps_n, shape.paged, plan.v_in_k, device, &plan.reason);
+  plan.num_splits = choose_kv_splits(shape.requested_splits, blocks_without_split,
+                                     shape.cache_capacity, compiled, plan.warps_n, shape.paged,
+                                     plan.v_in_k, shape.fp8_cache, device, &plan.reason);
   plan.num_items = blocks_without_split * plan.num_splits;
   plan.launch_smem =
-      splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, plan.v_in_k,
+      splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, plan.v_in_k, shape.fp8_cache,
                                 shape.cache_capacity, plan.num_splits, plan.num_items, device);
   plan.grid_blocks =
       splitkv_grid_blocks(compiled, plan.warps_n, shape.paged, shape.score_extras,
                           shape.cache_capacity, plan.num_splits, plan.num_items, device);
-  // The persistent kernel is compiled for fixed-length calls only
-  // (splitkv_item's kVarlen), and without V read in the K tile: those get a
-  // block per item.
-  if (shape.varlen || plan.v_in_k) plan.grid_blocks = plan.num_items;
+  // The persistent kernel is compiled for fixed-length calls over a 16-bit
+  // cache only (splitkv_item's kVarlen), and without V read in the K tile:
+  // the others get a block per item.
+  if (shape.varlen || plan.v_in_k || shape.fp8_cache) plan.grid_blocks = plan.num_items;
   plan.cluster_x =
       splitkv_cluster_x(plan.warps_n, shape.paged, int64_t(shape.batch) * shape.nheads_k,
                         plan.grid_blocks < plan.num_items, device);
-  plan.append_in_attention =
-      (shape.appending || shape.rotary_dim > 0) && append_in_attention_fits(shape, plan, device);
+  // An e4m3 cache has no appending kernel (its append quantises, docs/fp8.md).
+  plan.append_in_attention = (shape.appending || shape.rotary_dim > 0) && !shape.fp8_cache &&
+                             append_in_attention_fits(shape, plan, device);
   return plan;
 }
 

@@ -94,7 +94,8 @@ struct DecodeShape {
   // FA3's varlen form (cu_seqlens_q / cu_seqlens_k_new): seqlen_q is
   // max_seqlen_q and each sequence has rows of its own.
   bool varlen = false;
-  bool v_in_k = false;  // v_cache is k_cache's first head_dim_v columns (KvcacheShape::v_in_k)
+  bool v_in_k = false;     // v_cache is k_cache's first head_dim_v columns (KvcacheShape::v_in_k)
+  bool fp8_cache = false;  // k_cache / v_cache are float8_e4m3fn (docs/fp8.md)
 };
 
 struct DecodePlan {

@@ -22,11 +22,16 @@
 
 namespace flash {
 
-template <typename Element, int kHeadDim, int kWarpsN>
+// CacheElement: Element, or cutlass::float_e4m3_t for an e4m3 cache, whose
+// kernels are the plain ones of one block per item (V read in the K tile too)
+// and the score-extras one: no persistent grid and no in-kernel append (the
+// plan picks neither for it).
+template <typename Element, int kHeadDim, int kWarpsN, typename CacheElement = Element>
 void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
                               cudaStream_t stream) {
-  using Traits =
-      SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps, Element>;
+  using Traits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN, kSplitKvWarps,
+                                     Element, false, CacheElement>;
+  constexpr bool kFp8 = Traits::kCacheFp8;
   const int rows_total = params.seqlen_q * (params.nheads / params.nheads_k);
   const int num_m_blocks = (rows_total + Traits::kBlockM - 1) / Traits::kBlockM;
   if (num_m_blocks == 0 || params.batch == 0 || params.nheads == 0) return;
@@ -66,11 +71,16 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
         "item and one query block of a fixed-length call appends itself "
         "(plan.append_in_attention must be false)");
   }
+  if (kFp8 && (several_items || plan.append_in_attention)) {
+    throw std::runtime_error(
+        "flash_attn_cuda: fwd_kvcache: an e4m3 cache has the kernels of one block per item, "
+        "without the in-kernel append");
+  }
   // A block of several items keeps its Q slots and merge bytes beside the
   // tiles: more than any block may hold at d512, where plan_decode never
   // picks the persistent grid (splitkv_grid_blocks).
   constexpr bool kPersistentFits =
-      kWarpsN > 1 && splitkv_smem_bytes(kHeadDim, kWarpsN, true) <= kSm90SmemPerBlock;
+      !kFp8 && kWarpsN > 1 && splitkv_smem_bytes(kHeadDim, kWarpsN, true) <= kSm90SmemPerBlock;
   if constexpr (!kPersistentFits) {
     if (several_items) {
       throw std::runtime_error(
@@ -86,10 +96,9 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   if (plan.v_in_k) {
     if constexpr (splitkv_reads_v_in_k(kHeadDim) && kWarpsN > 1) {
       using VInKTraits = SplitKvKernelTraits<kHeadDim, splitkv_block_n(kHeadDim), kWarpsN,
-                                             kSplitKvWarps, Element, true>;
-      constexpr int kVInKSmem =
-          VInKTraits::kSmemSizeQ + VInKTraits::kStages * VInKTraits::kSmemSizeKV;
-      static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true));
+                                             kSplitKvWarps, Element, true, CacheElement>;
+      constexpr int kVInKSmem = VInKTraits::kSmemSize;
+      static_assert(kVInKSmem == splitkv_smem_bytes(kHeadDim, kWarpsN, false, true, kFp8));
       if (with_score_extras || plan.append_in_attention || several_items ||
           plan.launch_smem != kVInKSmem) {
         throw std::runtime_error(
@@ -110,11 +119,13 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   }
   auto plain_kernel = [&] {
     if constexpr (kWarpsN > 1) {
-      if (plan.append_in_attention) {
-        return params.block_table != nullptr
-                   ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false, true>
-                   : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false,
-                                               true>;
+      if constexpr (!kFp8) {
+        if (plan.append_in_attention) {
+          return params.block_table != nullptr
+                     ? &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kPaged, false, true>
+                     : &flash_fwd_splitkv_kernel<Traits, false, CacheLayout::kContiguous, false,
+                                                 true>;
+        }
       }
       if constexpr (kPersistentFits) {
         if (several_items) {
@@ -131,8 +142,9 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
   const auto kernel = with_score_extras
                           ? &flash_fwd_splitkv_kernel<Traits, true, CacheLayout::kEither, false>
                           : plain_kernel();
-  constexpr int kSmemSize = Traits::kSmemSizeQ + Traits::kStages * Traits::kSmemSizeKV;
-  static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN) && sizeof(Element) == 2,
+  constexpr int kSmemSize = Traits::kSmemSize;
+  static_assert(kSmemSize == splitkv_smem_bytes(kHeadDim, kWarpsN, false, false, kFp8) &&
+                    sizeof(Element) == 2,
                 "host code sizes the grid from splitkv_smem_bytes");
   const int kernel_smem =
       plan.append_in_attention ? splitkv_append_smem_bytes(kHeadDim, kWarpsN) : kSmemSize;
@@ -144,17 +156,17 @@ void launch_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& pla
 
 // The plan picked the variant (plan.warps_n, splitkv_warps_n_for) and sized
 // the split count for it.
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, typename CacheElement = Element>
 void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
                            cudaStream_t stream) {
   constexpr int kDecodeWarpsN = splitkv_decode_warps_n(kHeadDim);
   // d512 has the decode variant only (splitkv_warps_n_for).
   constexpr bool kHasRowsVariant = splitkv_warps_v(kHeadDim) == 1;
   if (plan.warps_n == kDecodeWarpsN) {
-    launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN>(params, plan, stream);
+    launch_flash_fwd_splitkv<Element, kHeadDim, kDecodeWarpsN, CacheElement>(params, plan, stream);
   } else if (kHasRowsVariant && plan.warps_n == 1) {
     if constexpr (kHasRowsVariant)
-      launch_flash_fwd_splitkv<Element, kHeadDim, 1>(params, plan, stream);
+      launch_flash_fwd_splitkv<Element, kHeadDim, 1, CacheElement>(params, plan, stream);
   } else {
     throw std::runtime_error("flash_attn_cuda: fwd_kvcache: no split-KV kernel variant with " +
                              std::to_string(plan.warps_n) + " warps along the keys");

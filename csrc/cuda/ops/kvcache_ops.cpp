@@ -24,15 +24,17 @@ namespace flash {
 namespace {
 
 // The cache is written in place, so it cannot be copied into an aligned
-// layout: every row must already start on a 16-byte boundary.
+// layout: every row must already start on the boundary of the kernel's
+// copies of 8 elements (16 bytes; 8 for an e4m3 cache).
 void check_cache_aligned(const at::Tensor& cache, const char* name) {
-  bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0;
+  const int64_t bytes = 8 * cache.element_size();
+  bool aligned = reinterpret_cast<uintptr_t>(cache.data_ptr()) % bytes == 0;
   for (int64_t dim = 0; dim + 1 < cache.dim(); ++dim) {
     aligned = aligned && (cache.size(dim) <= 1 || cache.stride(dim) % 8 == 0);
   }
-  TORCH_CHECK(aligned, "fwd_kvcache (CUDA): ", name,
-              " must start on a 16-byte boundary and have strides that are multiples of 8 "
-              "elements on every dim but the last, got strides ",
+  TORCH_CHECK(aligned, "fwd_kvcache (CUDA): ", name, " must start on a ", bytes,
+              "-byte boundary and have strides that are multiples of 8 elements on every dim "
+              "but the last, got strides ",
               cache.strides());
 }
 
@@ -49,6 +51,12 @@ std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t)
 template <typename T>
 const T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// A descale's (batch, nheads_k) strides (check_fp8_descales checked the shape).
+DescaleStrides descale_strides(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return {0, 0};
+  return {t->stride(0), t->stride(1)};
 }
 
 // Append (+ rotary), in a kernel of its own or in the split-KV attention
@@ -71,7 +79,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
     int64_t window_size_left, int64_t window_size_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::optional<at::Tensor>& out_given,
     const std::optional<at::Tensor>& learnable_sink_in,
-    const std::optional<at::Tensor>& rotary_seqlens_in, const KvcacheVarlenArgs& varlen) {
+    const std::optional<at::Tensor>& rotary_seqlens_in, const KvcacheVarlenArgs& varlen,
+    const Fp8Descales& descales) {
   const KvcacheShape shape = check_fwd_kvcache_args(
       q_in, k_cache, v_cache, k_in, v_in, cache_seqlens_in, rotary_cos_in, rotary_sin_in,
       cache_batch_idx_in, cache_leftpad_in, block_table_in, rotary_seqlens_in, alibi_slopes_in,
@@ -95,11 +104,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   const int compiled = round_up_head_dim(shape.head_dim);
   const bool is_bf16 = q_in.scalar_type() == at::kBFloat16;
-  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16);
+  // An e4m3 cache (fp8_kvcache_call and check_fp8_served_on_cuda let it
+  // through): its descales and features as on the CPU.
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (fp8_cache) {
+    check_fp8_descales("fwd_kvcache", descales, q_in, shape.batch, shape.nheads_k);
+    check_fp8_features("fwd_kvcache", 0.0, false, alibi_slopes_in);
+  }
+  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, is_bf16, fp8_cache);
   TORCH_CHECK(launcher != nullptr, "fwd_kvcache (CUDA): head_dim ", shape.head_dim, " in ",
-              is_bf16 ? "bf16" : "fp16", " needs the compiled head dim ", compiled,
+              is_bf16 ? "bf16" : "fp16", fp8_cache ? " over a float8_e4m3fn cache" : "",
+              " needs the compiled head dim ", compiled,
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS and "
-              "FLASH_ATTN_CUDA_DTYPES including it");
+              "FLASH_ATTN_CUDA_DTYPES including it",
+              fp8_cache ? " (and fp8)" : "");
   TORCH_CHECK(shape.head_dim_v <= splitkv_head_dim_v(compiled), "fwd_kvcache (CUDA): head_dim ",
               shape.head_dim,
               " (above 512) is served for absorbed MLA's latent cache, whose values are at most "
@@ -189,6 +207,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.q_unrotated = strides_of(q, shape.varlen_q);
 
   params.append_in_attention = false;
+  params.k_descale_ptr = fp8_cache ? data_or_null<float>(descales.k) : nullptr;
+  params.v_descale_ptr = fp8_cache ? data_or_null<float>(descales.v) : nullptr;
+  params.k_descale = descale_strides(descales.k);
+  params.v_descale = descale_strides(descales.v);
+  params.cache_fp8 = fp8_cache;  // the append pre-kernel quantises into the cache
 
   // The plan (plan_decode): variant, splits, grid, clusters, shared memory
   // and where the append / rotary runs.
@@ -211,6 +234,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   decode.window_left = window.left;
   decode.varlen = shape.varlen_q || shape.varlen_new;
   decode.v_in_k = shape.v_in_k;
+  decode.fp8_cache = fp8_cache;
   const DeviceDesc device = current_device_desc();
   const DecodePlan plan = plan_decode(decode, device);
   TORCH_CHECK(plan.warps_n > 0, "fwd_kvcache (CUDA): head_dim ", shape.head_dim,
@@ -294,13 +318,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
     const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
     const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda(
-      "fwd_kvcache", fp8_kvcache_call(q, k_cache, v_cache, {q_descale, k_descale, v_descale}), q);
-  return fwd_kvcache_cuda_into(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
-                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                               softmax_scale, causal, window_size_left, window_size_right, softcap,
-                               rotary_interleaved, num_splits, std::nullopt, learnable_sink,
-                               rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q});
+  const Fp8Descales descales{q_descale, k_descale, v_descale};
+  check_fp8_served_on_cuda("fwd_kvcache", fp8_kvcache_call(q, k_cache, v_cache, descales), q);
+  return fwd_kvcache_cuda_into(
+      q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, rotary_interleaved, num_splits, std::nullopt, learnable_sink,
+      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}, descales);
 }
 
 at::Tensor fwd_kvcache_out_cuda(
@@ -316,14 +340,13 @@ at::Tensor fwd_kvcache_out_cuda(
     const std::optional<at::Tensor>& cu_seqlens_k_new, std::optional<int64_t> max_seqlen_q,
     const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
     const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda("fwd_kvcache_out",
-                           fp8_kvcache_call(q, k_cache, v_cache, {q_descale, k_descale, v_descale}),
-                           q);
+  const Fp8Descales descales{q_descale, k_descale, v_descale};
+  check_fp8_served_on_cuda("fwd_kvcache_out", fp8_kvcache_call(q, k_cache, v_cache, descales), q);
   return std::get<1>(fwd_kvcache_cuda_into(
       q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
       cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_size_left,
       window_size_right, softcap, rotary_interleaved, num_splits, out, learnable_sink,
-      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}));
+      rotary_seqlens, {cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q}, descales));
 }
 
 }  // namespace flash

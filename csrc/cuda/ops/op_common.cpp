@@ -54,12 +54,20 @@ void check_device_supported(const at::Tensor& q) {
 
 void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q) {
   if (call == Fp8Call::kNone) return;
-  const char* inputs = call == Fp8Call::kAttention ? "q, k and v" : "k_cache and v_cache";
-  TORCH_CHECK(
-      false, "flash_attn: ", op, " was called with ", inputs, " of dtype float8_e4m3fn on ",
-      q.device(),
-      ", but the FP8 CUDA kernels are not built yet; the CPU path serves FP8 (docs/fp8.md), "
-      "or pass float16 / bfloat16");
+  if (call == Fp8Call::kKvCache) {
+    // The split-KV kernel converts the e4m3 tiles with cvt.rn.f16x2.e4m3x2.
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+    TORCH_CHECK(props->major * 10 + props->minor >= 89, "flash_attn: ", op,
+                ": an FP8 KV cache (k_cache / v_cache of dtype float8_e4m3fn) needs a GPU of "
+                "compute capability 8.9 or newer, got ",
+                q.device(), " of compute capability ", props->major, ".", props->minor,
+                "; the CPU path serves it (docs/fp8.md), or pass a float16 / bfloat16 cache");
+    return;
+  }
+  TORCH_CHECK(false, "flash_attn: ", op, " was called with q, k and v of dtype float8_e4m3fn on ",
+              q.device(),
+              ", but the FP8 attention kernels are not built on CUDA yet; the CPU path serves "
+              "FP8 attention (docs/fp8.md), or pass float16 / bfloat16");
 }
 
 IndexErrorSink begin_index_checks(const at::Tensor& q) {

@@ -27,9 +27,9 @@ void check_device_supported(const at::Tensor& q);
 
 // The one place that decides which CUDA devices serve an fp8 call (call:
 // fp8_attention_call / fp8_kvcache_call, api/fp8_checks.h; op: the op's
-// name for the message). The FP8 CUDA kernels are not built yet: every fp8
-// call is refused, naming the call. With kernels, sm90 serves and older
-// GPUs are told that fp8 needs sm90.
+// name for the message). An FP8 KV cache is served on sm89 and newer (the
+// split-KV kernel's e4m3 conversion); FP8 attention (q, k, v in e4m3) has no
+// CUDA kernel yet and is refused, naming the call.
 void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q);
 
 // Every op starts here, after its device guard: raises what a kernel of an

@@ -135,7 +135,7 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
                            int64_t seqlen_new, int64_t rotary_dim, bool rotary_aligned,
                            int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                            int64_t smem_per_block_optin, int64_t smem_per_sm,
-                           int64_t reserved_smem_per_block, bool v_in_k) {
+                           int64_t reserved_smem_per_block, bool v_in_k, bool fp8_cache) {
   TORCH_CHECK(head_dim > 0 && head_dim <= kMaxHeadDimCudaKvcache,
               "_plan_decode: head_dim must be in [1, ", kMaxHeadDimCudaKvcache, "], got ",
               head_dim);
@@ -163,6 +163,7 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
   shape.rotary_tables_aligned = rotary_dim > 0 && rotary_aligned;
   shape.window_left = window.left;
   shape.v_in_k = v_in_k;
+  shape.fp8_cache = fp8_cache;
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, /*sm90a_built=*/true);
   return describe(plan_decode(shape, device));

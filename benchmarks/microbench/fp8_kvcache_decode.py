@@ -1,0 +1,78 @@
+"""Decode over an FP8 (float8_e4m3fn) KV cache against the same step over a
+bfloat16 cache, in one process (issue 58 item 2: at most 0.6x the time at
+batch 16, 32k keys, d128).
+
+flash_attn_with_kvcache, seqlen_q 1, GQA 32:8, head dim 128, bf16 q, batch 1 /
+16 / 64 at 8k and 32k keys, contiguous and in pages of 16 rows; the e4m3
+cache holds the bf16 cache's values quantised with per-(batch, kv head)
+descales. Each time is the median of 50 calls (CUDA events, a 256 MB buffer
+written before each call), the faster of two rounds. The share of copy
+bandwidth counts the cache bytes read once against --copy-gbs; max|diff| is
+the largest difference between the two outputs (the quantisation's, not the
+kernel's: tests/test_cuda_fp8_kvcache.py checks the FP8 result against
+float64).
+
+    python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221]   (after building the package)
+"""
+
+import argparse
+
+import torch
+from event_timing import median_us
+
+from flash_attn_cuda import flash_attn_with_kvcache
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copy-gbs", type=float, default=4221.0, help="device copy bandwidth")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    nheads, nheads_k, d = 32, 8, 128
+    print("batch   keys  page  bf16_us  fp8_us  fp8/bf16  fp8_%copy  max|diff|")
+    for batch, keys in [(1, 8192), (1, 32768), (16, 8192), (16, 32768), (64, 8192), (64, 32768)]:
+        for page in (None, 16):
+            rows = (batch, keys) if page is None else (batch * keys // page, page)
+            k16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=torch.bfloat16)
+            v16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=torch.bfloat16)
+            k_s = torch.rand(batch, nheads_k, device="cuda") * 0.02 + 0.01
+            v_s = torch.rand(batch, nheads_k, device="cuda") * 0.02 + 0.01
+            table = None
+            if page is not None:
+                pages = rows[0]
+                table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+                # Each page's rows take the descale of the batch entry that reads it.
+                owner = torch.empty(pages, dtype=torch.long, device="cuda")
+                owner[table.long().flatten()] = torch.arange(
+                    batch, device="cuda"
+                ).repeat_interleave(keys // page)
+                ks, vs = k_s[owner][:, None, :, None], v_s[owner][:, None, :, None]
+            else:
+                ks, vs = k_s[:, None, :, None], v_s[:, None, :, None]
+            k8 = (k16.float() / ks).clamp(-448, 448).to(torch.float8_e4m3fn)
+            v8 = (v16.float() / vs).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=torch.bfloat16)
+            seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+
+            def bf16(q=q, k=k16, v=v16, s=seqlens, t=table):
+                return flash_attn_with_kvcache(q, k, v, cache_seqlens=s, block_table=t)
+
+            def fp8(q=q, k=k8, v=v8, s=seqlens, t=table, ks=k_s, vs=v_s):
+                return flash_attn_with_kvcache(
+                    q, k, v, cache_seqlens=s, block_table=t, k_descale=ks, v_descale=vs
+                )
+
+            diff = (bf16().float() - fp8().float()).abs().max().item()
+            t16 = min(median_us(bf16, flush) for _ in range(2))
+            t8 = min(median_us(fp8, flush) for _ in range(2))
+            share = 100 * 2 * batch * keys * nheads_k * d / (t8 * 1e3) / args.copy_gbs
+            print(
+                f"{batch:5d} {keys:6d} {page or '-':>5} {t16:8.1f} {t8:7.1f} {t8 / t16:9.3f} "
+                f"{share:10.1f} {diff:10.3g}"
+            )
+            del k16, v16, k8, v8
+
+
+if __name__ == "__main__":
+    main()
