@@ -1092,3 +1092,20 @@ def test_fp8_cache_plans_the_staged_kernel():
     rows = decode(2, 16, 4096, 32, 8, 128, fp8_cache=True)
     assert rows["warps_n"] == 1 and rows["smem"] == 81920
     assert decode(2, 16, 4096, 32, 8, 128)["smem"] == 81920
+
+
+def test_fp8_attention_plans_the_split_kv_kernel():
+    """FP8 attention (docs/fp8.md) has the split-KV kernel's e4m3 instances only:
+    every fixed-length call plans it, whatever its rows or a kernel override, the
+    many-row calls on the 64-row variant; a call with dropout gets no kernel (the
+    op refuses it by name first)."""
+    prefill = fwd(1, 8192, 8192, 16, 4, 128, causal=True, fp8=True)
+    assert prefill["kernel"] == "splitkv" and "FP8 attention" in prefill["reason"]
+    assert prefill["warps_n"] == 1 and prefill["block_m"] == 64
+    assert fwd(1, 8192, 8192, 16, 4, 128, causal=True)["kernel"] != "splitkv"
+    forced = fwd(1, 8192, 8192, 16, 4, 128, fp8=True, kernel_override="sm80")
+    assert forced["kernel"] == "splitkv"
+    decode_shaped = fwd(16, 1, 32768, 32, 8, 128, fp8=True)
+    assert decode_shaped["kernel"] == "splitkv" and decode_shaped["warps_n"] == 4
+    assert fwd(2, 300, 300, 8, 2, 512, fp8=True)["kernel"] == "splitkv"
+    assert fwd(1, 64, 64, 4, 4, 128, dropout_p=0.1, fp8=True)["kernel"] == "none"

@@ -252,9 +252,11 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.return_probs = params.p_ptr != nullptr;
   // A kernel override picks between the forward kernels, which head dims
-  // above 256 do not have: those run on the split-KV kernel whatever it says.
+  // above 256 and FP8 attention do not have: those run on the split-KV
+  // kernel whatever it says.
+  const bool only_splitkv = splitkv_only_head_dim(params.head_dim) || params.kv_fp8;
   if (params.cu_seqlens_q == nullptr &&
-      (override_kernel == KernelOverride::kNone || splitkv_only_head_dim(params.head_dim))) {
+      (override_kernel == KernelOverride::kNone || only_splitkv)) {
     FwdSplitShape split;
     split.batch = params.batch;
     split.nheads = params.nheads;
@@ -267,13 +269,16 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     split.score_extras = score_features_of(params).has_extras();
     split.dropout = params.dropout_p > 0.f;
     split.return_softmax = plan.return_probs;
+    split.fp8 = params.kv_fp8;
     const DecodePlan splitkv = plan_fwd_split(split, device);
     if (splitkv.num_splits > 0) {
       plan.kernel = FwdKernel::kSplitKv;
       plan.head_dim = plan.head_dim_v = splitkv.compiled_head_dim;
       plan.block_m = splitkv.block_m;
       plan.splitkv = splitkv;
-      plan.reason = splitkv_only_head_dim(params.head_dim)
+      plan.reason = params.kv_fp8 ? "FP8 attention: the split-KV kernel over e4m3 keys and "
+                                    "values, its only kernel (plan_fwd_split)"
+                    : only_splitkv
                         ? "head dim above 256: the split-KV kernel, its only kernel "
                           "(plan_fwd_split)"
                         : "seqlen_q x (nheads / nheads_k) fits one split-KV query block: the "
@@ -281,10 +286,10 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       return plan;
     }
   }
-  if (splitkv_only_head_dim(params.head_dim)) {
+  if (only_splitkv) {
     plan.reason =
-        "head dim above 256 and no split-KV plan (dropout, S_dmask, seqused_q or the "
-        "device's shared memory): no kernel";
+        "head dim above 256 or FP8 attention and no split-KV plan (dropout, S_dmask, "
+        "seqused_q or the device's shared memory): no kernel";
     return plan;  // kNone: the op refuses the call first
   }
   const int compiled = round_up_head_dim(params.head_dim);
@@ -777,9 +782,10 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
 DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) {
   DecodePlan none;
   none.num_splits = 0;
-  // Head dims above 256 have the split-KV kernel only: it serves every call it
-  // can, whatever the split count or row count (the op refuses the others).
-  const bool only_splitkv = splitkv_only_head_dim(shape.head_dim);
+  // Head dims above 256 and FP8 attention have the split-KV kernel only: it
+  // serves every call it can, whatever the split count or row count (the op
+  // refuses the others).
+  const bool only_splitkv = splitkv_only_head_dim(shape.head_dim) || shape.fp8;
   if (shape.requested_splits == 1 && !only_splitkv) {
     none.reason = "num_splits=1: the forward kernels, no split";
     return none;
@@ -803,13 +809,15 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
   decode.requested_splits = shape.requested_splits;
   decode.score_extras = shape.score_extras;
   decode.varlen = shape.varlen;
+  decode.fp8_cache = shape.fp8;
   DecodePlan plan = plan_decode(decode, device);
   // A varlen run needs two splits or more: the combine writes the rows of q
   // outside every sequence (out 0, lse +inf), which no work item covers.
   if (only_splitkv && shape.varlen && plan.warps_n > 0 && plan.num_splits <= 1) {
     decode.requested_splits = 2;
     plan = plan_decode(decode, device);
-    plan.reason = "varlen above head dim 256: two splits, so that the combine writes every row";
+    plan.reason =
+        "varlen above head dim 256 or in FP8: two splits, so that the combine writes every row";
   }
   if (shape.varlen && plan.num_splits <= 1) {
     none.reason = plan.reason;

@@ -350,6 +350,9 @@ struct FwdSplitShape {
   bool dropout = false;
   bool return_softmax = false;
   bool seqused_q = false;
+  // FP8 attention: k and v in e4m3, which only the split-KV kernel reads
+  // (its e4m3-cache instances), like a head dim above 256.
+  bool fp8 = false;
 };
 
 // The forward's run on the split-KV kernel, or not (num_splits 0 in the
