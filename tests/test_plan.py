@@ -1092,3 +1092,16 @@ def test_fp8_cache_plans_the_staged_kernel():
     rows = decode(2, 16, 4096, 32, 8, 128, fp8_cache=True)
     assert rows["warps_n"] == 1 and rows["smem"] == 81920
     assert decode(2, 16, 4096, 32, 8, 128)["smem"] == 81920
+
+
+def test_fp8_cache_runs_two_blocks_an_sm():
+    """A contiguous 16-bit cache with long runs of keys streams one block an
+    SM (the launch asks for over half the SM's shared memory); an e4m3 cache
+    launches with its tiles' 86,016 B, two blocks an SM, and counts its
+    splits for two, so batch 16 x 8 kv heads (128 items) splits in two to fill
+    the SMs' 2 x 132 slots (PERF_LOG 2026-11-30 "FP8 KV cache, measured")."""
+    bf16 = decode(16, 1, 32768, 32, 8, 128)
+    fp8 = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True)
+    assert bf16["smem"] > H100["smem_per_sm"] // 2 and bf16["splits"] == 1
+    assert fp8["smem"] == 86016 and 2 * fp8["smem"] <= H100["smem_per_sm"] - 2048
+    assert fp8["splits"] == 2 and fp8["grid"] == 256
