@@ -1109,3 +1109,17 @@ def test_fp8_attention_plans_the_split_kv_kernel():
     assert decode_shaped["kernel"] == "splitkv" and decode_shaped["warps_n"] == 4
     assert fwd(2, 300, 300, 8, 2, 512, fp8=True)["kernel"] == "splitkv"
     assert fwd(1, 64, 64, 4, 4, 128, dropout_p=0.1, fp8=True)["kernel"] == "none"
+
+
+def test_fp8_cache_runs_two_blocks_an_sm():
+    """A contiguous 16-bit cache with long runs of keys streams one block an
+    SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache
+    launches with its tiles' 86,016 B, two blocks an SM, and counts its
+    splits for two, so batch 16 x 8 kv heads (128 items) splits in two to fill
+    the SMs' 2 x 132 slots (PERF_LOG 2026-11-30 "FP8 KV cache, measured")."""
+    bf16 = decode(16, 1, 32768, 32, 8, 128)
+    fp8 = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True)
+    reserved = H100["reserved_smem_per_block"]
+    assert 2 * (bf16["smem"] + reserved) > H100["smem_per_sm"] and bf16["splits"] == 1
+    assert fp8["smem"] == 86016 and 2 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
+    assert fp8["splits"] == 2 and fp8["grid"] == 256

@@ -567,9 +567,12 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   // SM (splitkv_stages); over a paged one its page lookups lengthen each
   // tile's copy, which a second block per SM hides (PERF_LOG 2026-11-22
   // 0296a76). V read in the K tile (v_in_k) is compute-bound and runs as many
-  // blocks per SM as fit (splitkv_reads_v_in_k).
+  // blocks per SM as fit (splitkv_reads_v_in_k); so does an e4m3 cache, whose
+  // tile conversion after each wait a second block's copies overlap (one
+  // block an SM left the stream at 20% of DRAM: PERF_LOG 2026-11-30 "FP8 KV
+  // cache, measured").
   const int64_t blocks_per_sm =
-      warps_n > 1 && !paged && !v_in_k
+      warps_n > 1 && !paged && !v_in_k && !fp8_cache
           ? 1
           : splitkv_blocks_per_sm(
                 splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache), device);
@@ -616,13 +619,13 @@ int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int n
 // fixed latency (Q, the first tile, the merge and the stores), which a second
 // block per SM overlaps (kShortRunKeyBlocks; PERF_LOG 2026-11-23 d04c754).
 // With 128 threads, shared memory is what bounds the blocks per SM, so a block
-// meant to run alone asks for just over half of the SM's. Paged caches keep
-// two (choose_kv_splits).
+// meant to run alone asks for just over half of the SM's. Paged caches, V
+// read in the K tile and e4m3 caches keep as many as fit (choose_kv_splits).
 int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
                               bool fp8_cache, int cache_capacity, int num_splits,
                               int64_t grid_blocks, const DeviceDesc& device) {
   const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache);
-  if (warps_n == 1 || paged || v_in_k) return tiles_smem;
+  if (warps_n == 1 || paged || v_in_k || fp8_cache) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int key_blocks_per_block =
       splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
