@@ -75,7 +75,7 @@ void check_plan_has_a_kernel(const FwdParams& params, bool splitkv) {
 // scores' factor, attention_descales); k and v stay e4m3. Other calls: as
 // given, rows 16-byte aligned.
 at::Tensor q_for_kernels(const at::Tensor& q_in, Fp8Call fp8) {
-  return fp8 == Fp8Call::kAttention ? q_in.to(at::kBFloat16) : aligned_for_16b_loads(q_in);
+  return aligned_for_16b_loads(fp8 == Fp8Call::kAttention ? q_in.to(at::kBFloat16) : q_in);
 }
 
 // The dtypes the shape checks accept for this fp8 form.
