@@ -16,8 +16,6 @@ Every test needs a GPU of compute capability 8.9 or newer and a build with fp8
 (conftest.py).
 """
 
-import math
-
 import pytest
 import torch
 
@@ -28,7 +26,7 @@ from test_cpu_fp8 import (
     FIXED_SHAPES,
     check_out_lse,
     fixed_case,
-    fp8_rand,
+    paged_case,
     varlen_case,
     varlen_refs,
 )
@@ -184,41 +182,17 @@ def test_varlen_paged(page_size, causal):
     """Paged e4m3 K / V through a shuffled block table, each sequence read with
     its own descales."""
     seqlens_q, seqlens_k = [3, 1, 20], [37, 1, 150]
-    nheads, nheads_k, d = 8, 2, 64
-    _, _, _, cu_q, cu_k, scales = varlen_case(seqlens_q, seqlens_k, nheads, nheads_k, d)
-    q = fp8_rand(int(cu_q[-1]), nheads, d)
-    pages = [math.ceil(s / page_size) for s in seqlens_k]
-    num_blocks = sum(pages) + 3
-    k_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
-    v_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
-    order = torch.randperm(num_blocks)
-    block_table = torch.zeros(len(seqlens_k), max(pages), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages):
-        block_table[b, :n] = order[used : used + n]
-        used += n
+    call, (k, v) = paged_case(seqlens_q, seqlens_k, page_size, 8, 2, 64)
+    q, k_pages, v_pages, block_table, cu_q, cu_k, scales = call
     out, lse = flash_attn_varlen_func(
-        cuda(q),
-        cuda(k_pages),
-        cuda(v_pages),
-        cuda(cu_q),
-        cuda(cu_k),
+        *(cuda(t) for t in (q, k_pages, v_pages, cu_q, cu_k)),
         max(seqlens_q),
         max(seqlens_k),
         causal=causal,
         block_table=cuda(block_table),
         return_softmax_lse=True,
-        q_descale=cuda(scales[0]),
-        k_descale=cuda(scales[1]),
-        v_descale=cuda(scales[2]),
+        **dict(zip(("q_descale", "k_descale", "v_descale"), (cuda(s) for s in scales))),
     )
-    k_packed, v_packed = [], []
-    for b, seqlen in enumerate(seqlens_k):
-        rows = torch.arange(seqlen)
-        blocks = block_table[b].long()[rows // page_size]
-        k_packed.append(k_pages[blocks, rows % page_size])
-        v_packed.append(v_pages[blocks, rows % page_size])
-    k, v = torch.cat(k_packed), torch.cat(v_packed)
     ref_out, ref_lse, same_out = varlen_refs(q, k, v, cu_q, cu_k, scales, causal=causal)
     check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
 
