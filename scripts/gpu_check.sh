@@ -2,7 +2,11 @@
 # Build, test and benchmark on a machine with a GPU, in one go, writing logs
 # and results under $RESULTS_DIR (default ./gpu_check_out).
 #
-#   scripts/gpu_check.sh [build|test|bench|all]...   (default: all)
+#   scripts/gpu_check.sh [build|test|sanitize|bench|all]...   (default: all)
+#
+# sanitize: scripts/run_sanitizers.sh (compute-sanitizer memcheck and racecheck
+# over the scripts/sanitize_*.py call sets), its logs in RESULTS_DIR and its
+# summary in RESULTS_DIR/sanitizers.txt; not part of all (it takes minutes).
 #
 # Environment: FLASH_ATTN_CUDA_ARCHS (default: this GPU's arch), MAX_JOBS,
 # TESTS (pytest selection, default tests/test_cuda_*.py), WORKERS (default 4 per GPU), BENCH_ARGS.
@@ -62,6 +66,12 @@ do_test() {
     tee "$RESULTS_DIR/tests.log" | grep -vE '^[.sx]+ +\[ *[0-9]+%\]$' | tail -40
 }
 
+do_sanitize() {
+  # The call sets import the package built in place here.
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} RESULTS_DIR=$RESULTS_DIR \
+    bash scripts/run_sanitizers.sh 2>&1 | tee "$RESULTS_DIR/sanitizers.txt"
+}
+
 do_bench() {
   # shellcheck disable=SC2086
   python3 benchmarks/benchmark_attention.py --out "$RESULTS_DIR/bench" ${BENCH_ARGS:---quick} \
@@ -72,8 +82,9 @@ for step in "${steps[@]}"; do
   case $step in
     build) do_build ;;
     test) do_test ;;
+    sanitize) do_sanitize ;;
     bench) do_bench ;;
     all) do_build; do_test; do_bench ;;
-    *) echo "unknown step $step (build|test|bench|all)"; exit 2 ;;
+    *) echo "unknown step $step (build|test|sanitize|bench|all)"; exit 2 ;;
   esac
 done
