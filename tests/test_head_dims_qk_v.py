@@ -578,6 +578,48 @@ def test_bad_d_v_shapes(device):
 # ------------------------------------------------------ head dims past 256
 
 
+def latent_cache(latent, page_size):
+    """An absorbed-MLA cache of the latent rows (batch, capacity, 1, d_qk):
+    the tensor itself, or its rows in pages of page_size through a shuffled
+    block table. Returns (k_cache, block_table or None)."""
+    if page_size is None:
+        return latent, None
+    batch, capacity, _, d_qk = latent.shape
+    pages = capacity // page_size
+    order = torch.randperm(batch * pages, device=latent.device)
+    k_cache = torch.empty(
+        batch * pages, page_size, 1, d_qk, dtype=latent.dtype, device=latent.device
+    )
+    k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
+    return k_cache, order.view(batch, pages).to(torch.int32)
+
+
+def check_against_latent_reference(out, lse, q, latent, seqlens, d_v, causal=False):
+    """out and lse of an absorbed-MLA call against float64 attention over each
+    entry's first seqlens[b] latent rows, V their first d_v columns (the
+    criterion's baseline: the same attention in bfloat16)."""
+
+    def ref(compute_dtype):
+        outs, lses = [], []
+        for b in range(q.shape[0]):
+            n = int(seqlens[b])
+            o, lse_b = attention_ref(
+                q[b : b + 1],
+                latent[b : b + 1, :n],
+                latent[b : b + 1, :n, :, :d_v],
+                causal=causal,
+                compute_dtype=compute_dtype,
+            )
+            outs.append(o)
+            lses.append(lse_b)
+        return torch.cat(outs), torch.cat(lses)
+
+    out_exact, lse_exact = ref(torch.float64)
+    out_same, lse_same = ref(torch.bfloat16)
+    check(out, out_exact, out_same, "out")
+    check_lse(lse, lse_exact, lse_same)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seqlen_q", [1, 2])
 @pytest.mark.parametrize("page_size", [None, 1, 64])
@@ -593,15 +635,7 @@ def test_absorbed_mla_decode_reads_v_from_the_key_cache(device, seqlen_q, page_s
     q = rand(batch, seqlen_q, nheads, d_qk, device=device, dtype=torch.bfloat16)
     latent = rand(batch, capacity, 1, d_qk, device=device, dtype=torch.bfloat16)
     seqlens = torch.tensor([77, capacity], dtype=torch.int32, device=device)
-    table, k_cache = None, latent
-    if page_size is not None:
-        pages = capacity // page_size
-        order = torch.randperm(batch * pages, device=device)
-        k_cache = torch.empty(
-            batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16, device=device
-        )
-        k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
-        table = order.view(batch, pages).to(torch.int32)
+    k_cache, table = latent_cache(latent, page_size)
     v_cache = k_cache[..., :d_v]
     assert v_cache.data_ptr() == k_cache.data_ptr() and not v_cache.is_contiguous()
     out, lse = flash_attn_with_kvcache(
@@ -614,25 +648,7 @@ def test_absorbed_mla_decode_reads_v_from_the_key_cache(device, seqlen_q, page_s
         return_softmax_lse=True,
     )
     assert out.shape == (batch, seqlen_q, nheads, d_v)
-
-    def ref(compute_dtype):
-        outs, lses = [], []
-        for b in range(batch):
-            n = int(seqlens[b])
-            o, lse_b = attention_ref(
-                q[b : b + 1],
-                latent[b : b + 1, :n],
-                latent[b : b + 1, :n, :, :d_v],
-                compute_dtype=compute_dtype,
-            )
-            outs.append(o)
-            lses.append(lse_b)
-        return torch.cat(outs), torch.cat(lses)
-
-    out_exact, lse_exact = ref(torch.float64)
-    out_same, lse_same = ref(torch.bfloat16)
-    check(out, out_exact, out_same, "out")
-    check_lse(lse, lse_exact, lse_same)
+    check_against_latent_reference(out, lse, q, latent, seqlens, d_v)
 
 
 @CUDA
@@ -651,33 +667,7 @@ def test_shared_latent_cache_matches_a_separate_v(seqlen_q, causal, page_size, n
     q = rand(batch, seqlen_q, nheads, d_qk, device="cuda", dtype=torch.bfloat16)
     latent = rand(batch, capacity, 1, d_qk, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor([1, 131, capacity], dtype=torch.int32, device="cuda")
-    table, k_cache = None, latent
-    if page_size is not None:
-        pages = capacity // page_size
-        order = torch.randperm(batch * pages, device="cuda")
-        k_cache = torch.empty(
-            batch * pages, page_size, 1, d_qk, dtype=torch.bfloat16, device="cuda"
-        )
-        k_cache[order] = latent.reshape(-1, page_size, 1, d_qk)
-        table = order.view(batch, pages).to(torch.int32)
-
-    def ref(compute_dtype):
-        outs, lses = [], []
-        for b in range(batch):
-            n = int(seqlens[b])
-            o, lse_b = attention_ref(
-                q[b : b + 1],
-                latent[b : b + 1, :n],
-                latent[b : b + 1, :n, :, :d_v],
-                causal=causal,
-                compute_dtype=compute_dtype,
-            )
-            outs.append(o)
-            lses.append(lse_b)
-        return torch.cat(outs), torch.cat(lses)
-
-    out_exact, lse_exact = ref(torch.float64)
-    out_same, lse_same = ref(torch.bfloat16)
+    k_cache, table = latent_cache(latent, page_size)
     for v_cache in (k_cache[..., :d_v], k_cache[..., :d_v].contiguous()):
         out, lse = flash_attn_with_kvcache(
             q,
@@ -690,8 +680,7 @@ def test_shared_latent_cache_matches_a_separate_v(seqlen_q, causal, page_size, n
             return_softmax_lse=True,
         )
         assert out.shape == (batch, seqlen_q, nheads, d_v)
-        check(out, out_exact, out_same, "out")
-        check_lse(lse, lse_exact, lse_same)
+        check_against_latent_reference(out, lse, q, latent, seqlens, d_v, causal)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,7 +2,25 @@
 process: the median of `calls` runs of fn timed with CUDA events, a buffer
 written before each run so that no input is left in L2 by the one before."""
 
+import argparse
+
 import torch
+
+
+def setup(doc):
+    """The scripts' common start: --copy-gbs (the device copy bandwidth their
+    shares count against) parsed with the first line of `doc` as description,
+    the seed, and the 256 MB flush buffer. Returns (args, flush)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--copy-gbs", type=float, default=4221.0, help="device copy bandwidth")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    return args, torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+
+def best_us(fn, flush, rounds=2):
+    """The faster of `rounds` medians (median_us)."""
+    return min(median_us(fn, flush) for _ in range(rounds))
 
 
 def median_us(fn, flush, calls=50):

@@ -15,20 +15,14 @@ float64).
     python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221]   (after building the package)
 """
 
-import argparse
-
 import torch
-from event_timing import median_us
+from event_timing import best_us, setup
 
 from flash_attn_cuda import flash_attn_with_kvcache
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copy-gbs", type=float, default=4221.0, help="device copy bandwidth")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    args, flush = setup(__doc__)
     nheads, nheads_k, d = 32, 8, 128
     print("batch   keys  page  bf16_us  fp8_us  fp8/bf16  fp8_%copy  max|diff|")
     for batch, keys in [(1, 8192), (1, 32768), (16, 8192), (16, 32768), (64, 8192), (64, 32768)]:
@@ -64,8 +58,8 @@ def main():
                 )
 
             diff = (bf16().float() - fp8().float()).abs().max().item()
-            t16 = min(median_us(bf16, flush) for _ in range(2))
-            t8 = min(median_us(fp8, flush) for _ in range(2))
+            t16 = best_us(bf16, flush)
+            t8 = best_us(fp8, flush)
             share = 100 * 2 * batch * keys * nheads_k * d / (t8 * 1e3) / args.copy_gbs
             print(
                 f"{batch:5d} {keys:6d} {page or '-':>5} {t16:8.1f} {t8:7.1f} {t8 / t16:9.3f} "

@@ -15,20 +15,14 @@ bit for bit at a fixed split count.
     python benchmarks/microbench/mla_v_in_k.py [--copy-gbs 4221]   (after building the package)
 """
 
-import argparse
-
 import torch
-from event_timing import median_us
+from event_timing import best_us, setup
 
 from flash_attn_cuda import flash_attn_with_kvcache
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copy-gbs", type=float, default=4221.0, help="device copy bandwidth")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    args, flush = setup(__doc__)
     print("batch  keys  page  view_us  copy_us  view/copy  view_TFLOP/s  view_%copy")
     for batch, keys in [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 32768)]:
         for page in (None, 64):
@@ -49,8 +43,8 @@ def main():
                     q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table
                 )
 
-            t_view = min(median_us(lambda: call(v_view), flush) for _ in range(2))
-            t_copy = min(median_us(lambda: call(v_copy), flush) for _ in range(2))
+            t_view = best_us(lambda: call(v_view), flush)
+            t_copy = best_us(lambda: call(v_copy), flush)
             flops = 2 * batch * 128 * keys * (576 + 512)
             share = 100 * batch * keys * 576 * 2 / (t_view * 1e3) / args.copy_gbs
             print(
