@@ -187,5 +187,5 @@ TORCH_LIBRARY(flash_attn, m) {
       "float? softmax_scale=None, int seqlen_new=0, int rotary_dim=0, bool rotary_aligned=True, "
       "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
       "int smem_per_sm=233472, int reserved_smem_per_block=1024, bool v_in_k=False, "
-      "bool fp8_cache=False) -> str");
+      "bool fp8_cache=False, int min_splits=1) -> str");
 }

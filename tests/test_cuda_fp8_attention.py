@@ -139,7 +139,7 @@ def test_out_argument():
         cuda(q), cuda(k), cuda(v), q_descale=dq_s, k_descale=dk_s, v_descale=dv_s
     )
     assert torch.equal(out, expected)
-    with pytest.raises(RuntimeError, match="out must have dtype"):
+    with pytest.raises(ValueError, match=r"out must have the output dtype .*bfloat16.*float16"):
         flash_attn_func(
             cuda(q),
             cuda(k),
@@ -194,6 +194,35 @@ def test_varlen_paged(page_size, causal):
         **dict(zip(("q_descale", "k_descale", "v_descale"), (cuda(s) for s in scales))),
     )
     ref_out, ref_lse, same_out = varlen_refs(q, k, v, cu_q, cu_k, scales, causal=causal)
+    check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_varlen_keys_within_one_block(head_dim, page_size):
+    """Every sequence's keys fit one key block: the run still takes two splits
+    (the combine writes every row), the second one empty."""
+    seqlens_q, seqlens_k = [5, 0, 30], [9, 40, 33]
+    features = dict(causal=True)
+    if page_size is None:
+        q, k, v, cu_q, cu_k, scales = varlen_case(seqlens_q, seqlens_k, 4, 2, head_dim)
+        keys = (k, v)
+    else:
+        call, (k, v) = paged_case(seqlens_q, seqlens_k, page_size, 4, 2, head_dim)
+        q, k_pages, v_pages, table, cu_q, cu_k, scales = call
+        keys, features["block_table"] = (k_pages, v_pages), cuda(table)
+    out, lse = flash_attn_varlen_func(
+        cuda(q),
+        *(cuda(t) for t in keys),
+        cuda(cu_q),
+        cuda(cu_k),
+        max(seqlens_q),
+        max(seqlens_k),
+        return_softmax_lse=True,
+        **features,
+        **dict(zip(("q_descale", "k_descale", "v_descale"), (cuda(s) for s in scales))),
+    )
+    ref_out, ref_lse, same_out = varlen_refs(q, k, v, cu_q, cu_k, scales, causal=True)
     check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
 
 

@@ -1111,6 +1111,22 @@ def test_fp8_attention_plans_the_split_kv_kernel():
     assert fwd(1, 64, 64, 4, 4, 128, dropout_p=0.1, fp8=True)["kernel"] == "none"
 
 
+def test_decode_min_splits():
+    """A varlen forward on the split-KV kernel alone (FP8 attention, head dims
+    above 256) takes two splits even where every key fits one key block:
+    plan_fwd_split sets DecodeShape::min_splits, and the second split is empty
+    (the CUDA cases: test_cuda_fp8_attention.py, test_cuda_fwd_d512.py)."""
+    assert decode(3, 64, 40, 4, 2, 128, fp8_cache=True)["splits"] == 1
+    raised = decode(3, 64, 40, 4, 2, 128, fp8_cache=True, min_splits=2)
+    assert raised["splits"] == 2 and "min_splits" in raised["reason"]
+    assert raised["items"] == 2 * decode(3, 64, 40, 4, 2, 128, fp8_cache=True)["items"]
+    # A count the plan chose above the floor stays.
+    chosen = decode(1, 1, 32768, 32, 8, 128)["splits"]
+    assert chosen > 2 and decode(1, 1, 32768, 32, 8, 128, min_splits=2)["splits"] == chosen
+    with pytest.raises(RuntimeError, match="min_splits must be >= 1, got 0"):
+        decode(1, 1, 64, 4, 4, 128, min_splits=0)
+
+
 def test_fp8_cache_runs_two_blocks_an_sm():
     """A contiguous 16-bit cache with long runs of keys streams one block an
     SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache

@@ -762,6 +762,12 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.num_splits = choose_kv_splits(shape.requested_splits, blocks_without_split,
                                      shape.cache_capacity, compiled, plan.warps_n, shape.paged,
                                      plan.v_in_k, shape.fp8_cache, device, &plan.reason);
+  // A split past the last key block has no keys: its item writes an empty
+  // partial (lse -inf), which the combine weighs 0 (splitkv_work_item.h).
+  if (plan.num_splits < shape.min_splits) {
+    plan.num_splits = std::min(shape.min_splits, kMaxKvSplits);
+    plan.reason = "the fewest splits the call needs (DecodeShape::min_splits)";
+  }
   plan.num_items = blocks_without_split * plan.num_splits;
   plan.launch_smem =
       splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, plan.v_in_k, shape.fp8_cache,
@@ -813,15 +819,11 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
   decode.score_extras = shape.score_extras;
   decode.varlen = shape.varlen;
   decode.fp8_cache = shape.fp8;
+  // A varlen run needs two splits or more, even over keys that fill one
+  // block: the combine writes the rows of q outside every sequence (out 0,
+  // lse +inf), which no work item covers.
+  if (only_splitkv && shape.varlen) decode.min_splits = 2;
   DecodePlan plan = plan_decode(decode, device);
-  // A varlen run needs two splits or more: the combine writes the rows of q
-  // outside every sequence (out 0, lse +inf), which no work item covers.
-  if (only_splitkv && shape.varlen && plan.warps_n > 0 && plan.num_splits <= 1) {
-    decode.requested_splits = 2;
-    plan = plan_decode(decode, device);
-    plan.reason =
-        "varlen above head dim 256 or in FP8: two splits, so that the combine writes every row";
-  }
   if (shape.varlen && plan.num_splits <= 1) {
     none.reason = plan.reason;
     return none;

@@ -96,6 +96,9 @@ struct DecodeShape {
   bool varlen = false;
   bool v_in_k = false;     // v_cache is k_cache's first head_dim_v columns (KvcacheShape::v_in_k)
   bool fp8_cache = false;  // k_cache / v_cache are float8_e4m3fn (docs/fp8.md)
+  // The fewest splits the run needs, even where the keys fill one block: a
+  // varlen forward on the split-KV kernel alone takes 2 (plan_fwd_split).
+  int min_splits = 1;
 };
 
 struct DecodePlan {

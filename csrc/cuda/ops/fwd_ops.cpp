@@ -178,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   at::Tensor s_dmask =
       return_softmax
           ? at::zeros({shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k}, q.options())
-          : at::empty({0}, q.options());
+          : at::empty({0}, q_in.options());  // the CPU op's and the fake's dtype
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
@@ -291,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
       return_softmax
           ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q, shape.max_seqlen_k},
                       q.options())
-          : at::empty({0}, q.options());
+          : at::empty({0}, q_in.options());  // the CPU op's and the fake's dtype
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
