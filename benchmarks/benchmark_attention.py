@@ -68,20 +68,34 @@ DROPOUT_P = 0.1
 # holding the same values (descales of 1), whose ratio to flash_attn_cuda is
 # what the e4m3 cache saves (issue 58, docs/fp8.md).
 OURS_FP8KV = "flash_attn_cuda_fp8kv"
+# Measured only when named in --providers: FP8 attention, q, k and v in
+# float8_e4m3fn holding the training inputs' values rounded (descales of 1),
+# bfloat16 out, forward only (issue 58; FA3 publishes about 1.2 PFLOP/s on an
+# H100). Its FLOPs are counted as the 16-bit call's.
+OURS_FP8 = "flash_attn_cuda_fp8"
 # Known on a GPU beyond GPU_PROVIDERS: FA4 (a default where it imports), the
-# deterministic backwards, dropout and the e4m3 cache.
-GPU_OPTIONAL_PROVIDERS = [FA4, OURS_DETERMINISTIC, FA4_DETERMINISTIC, OURS_DROPOUT, OURS_FP8KV]
+# deterministic backwards, dropout, the e4m3 cache and FP8 attention.
+GPU_OPTIONAL_PROVIDERS = [
+    FA4,
+    OURS_DETERMINISTIC,
+    FA4_DETERMINISTIC,
+    OURS_DROPOUT,
+    OURS_FP8KV,
+    OURS_FP8,
+]
 CPU_PROVIDERS = [OURS, "sdpa_cpu"]
-CPU_OPTIONAL_PROVIDERS = [OURS_DROPOUT, OURS_FP8KV]
+CPU_OPTIONAL_PROVIDERS = [OURS_DROPOUT, OURS_FP8KV, OURS_FP8]
 # This project's rows, on which the exit status gates.
-OWN_PROVIDERS = {OURS, OURS_DETERMINISTIC, OURS_DROPOUT, OURS_FP8KV}
+OWN_PROVIDERS = {OURS, OURS_DETERMINISTIC, OURS_DROPOUT, OURS_FP8KV, OURS_FP8}
 DETERMINISTIC_PROVIDERS = {OURS_DETERMINISTIC, FA4_DETERMINISTIC}
 # The row a provider's ratio is taken against: a deterministic anchor against our
 # deterministic backward, every other provider against our default kernels.
 REFERENCE_OF = {FA4_DETERMINISTIC: OURS_DETERMINISTIC}
 # FA4 is a training anchor: no KV-cache call, and its memory is not the question;
 # dropout is a training feature.
-TRAIN_ONLY = {FA4, FA4_DETERMINISTIC, OURS_DROPOUT}
+TRAIN_ONLY = {FA4, FA4_DETERMINISTIC, OURS_DROPOUT, OURS_FP8}
+# Forward only: FP8 attention has no backward.
+FWD_ONLY = {OURS_FP8}
 # flex_attention would need one compile per decode shape for little insight;
 # decode has no backward, so the deterministic variant is the plain one.
 DECODE_EXCLUDED = {"flex", OURS_DETERMINISTIC} | TRAIN_ONLY
@@ -785,6 +799,20 @@ def build_train(provider: str, shape: Shape, device: torch.device, with_grad: bo
         # Besides catching a wrong anchor, the check's forward and backward calls
         # compile FA4's kernels for this shape before any timing starts.
         prepared.extra.update(check_against_sdpa(prepared.forward, q, k, v, shape))
+        return prepared
+
+    if provider == OURS_FP8:
+        attn = ours_op("flash_attn_func", device)
+        fp8 = torch.float8_e4m3fn
+        q, k, v = (
+            random_tensor(size, dtype, device, False).to(fp8)
+            for size in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, dv))
+        )
+        prepared = Prepared(forward=lambda: attn(q, k, v, causal=shape.causal), grad_inputs=())
+        prepared.note = "float8_e4m3fn q, k, v; bfloat16 out"
+        # SDPA on the same values in bfloat16 (every e4m3 value is one).
+        exact = [t.to(torch.bfloat16) for t in (q, k, v)]
+        prepared.extra.update(check_against_sdpa(prepared.forward, *exact, shape))
         return prepared
 
     if provider in (OURS, OURS_DETERMINISTIC, OURS_DROPOUT):
@@ -1692,6 +1720,8 @@ class Run:
         if provider in DETERMINISTIC_PROVIDERS:
             # Its forward is the plain one; only the backward differs.
             return [m for m in self.grid.modes if m != "fwd"]
+        if provider in FWD_ONLY:
+            return [m for m in self.grid.modes if m == "fwd"]
         return self.grid.modes
 
     def run_train(self) -> None:

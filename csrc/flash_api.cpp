@@ -170,7 +170,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
       "int smem_per_sm=233472, int reserved_smem_per_block=1024, "
       "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True, "
-      "int page_size=0, int head_dim_v=-1) -> str");
+      "int page_size=0, int head_dim_v=-1, bool fp8=False) -> str");
   m.def(
       "_plan_bwd(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
       "*, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
@@ -187,5 +187,5 @@ TORCH_LIBRARY(flash_attn, m) {
       "float? softmax_scale=None, int seqlen_new=0, int rotary_dim=0, bool rotary_aligned=True, "
       "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
       "int smem_per_sm=233472, int reserved_smem_per_block=1024, bool v_in_k=False, "
-      "bool fp8_cache=False) -> str");
+      "bool fp8_cache=False, int min_splits=1) -> str");
 }

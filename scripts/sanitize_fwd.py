@@ -7,7 +7,8 @@ Shapes are small and odd so that partial query and key tiles, the padded head
 dim, a value head dim below the query / key one (d_v < d_qk: V read and O written at
 d_v columns), GQA, varlen (paged too), the mask, the score extras and dropout (over paged keys
 too) all run at least once,
-on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one.
+on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one;
+FP8 attention on the split-KV kernel's e4m3 instances (sm89 and newer).
 """
 
 import torch
@@ -150,6 +151,50 @@ def varlen_paged(
     )
 
 
+def fp8_rand(*shape):
+    return (torch.randn(*shape, device="cuda") * 2).clamp(-6, 6).to(torch.float8_e4m3fn)
+
+
+def fp8_descales(batch, nheads_k):
+    return {
+        name: torch.rand(batch, nheads_k, device="cuda") * 0.5 + 0.05
+        for name in ("q_descale", "k_descale", "v_descale")
+    }
+
+
+@skips_left_out
+def fp8_fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, *, causal=False, softcap=0.0):
+    """FP8 attention (e4m3 q, k, v; docs/fp8.md): the split-KV kernel's e4m3
+    instances, q converted to bfloat16 by the op."""
+    q = fp8_rand(batch, seqlen_q, nheads, head_dim)
+    k = fp8_rand(batch, seqlen_k, nheads_k, head_dim)
+    v = fp8_rand(batch, seqlen_k, nheads_k, head_dim)
+    return torch.ops.flash_attn.fwd(
+        q, k, v, None, 0.0, head_dim**-0.5, causal, -1, -1, softcap, False, 0, 0, None,
+        **fp8_descales(batch, nheads_k),
+    )  # fmt: skip
+
+
+@skips_left_out
+def fp8_varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim):
+    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
+    cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
+    pages = [(n + page_size - 1) // page_size for n in lengths_k]
+    num_blocks = sum(pages) + 1
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(lengths_k), max(pages)), -1, dtype=torch.int32)
+    for b, count in enumerate(pages):
+        table[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    q = fp8_rand(sum(lengths_q), nheads, head_dim)
+    k = fp8_rand(num_blocks, page_size, nheads_k, head_dim)
+    v = fp8_rand(num_blocks, page_size, nheads_k, head_dim)
+    return torch.ops.flash_attn.varlen_fwd(
+        q, k, v, cu_q, cu_k, table.cuda(), None, max(lengths_q), max(lengths_k), 0.0,
+        head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None,
+        **fp8_descales(len(lengths_q), nheads_k),
+    )  # fmt: skip
+
+
 def main():
     torch.manual_seed(0)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -219,6 +264,13 @@ def main():
     fixed(1, 40, 300, 4, 1, 320, fp16, softcap=5.0, head_dim_v=256)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 512, bf16, causal=True)
     varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 512, bf16, head_dim_v=384)
+    # FP8 attention (sm89 and newer): the split-KV kernel's e4m3 instances, a
+    # decode-shaped call, a prefill one (the 64-row variant), softcap, paged.
+    if torch.cuda.get_device_capability() >= (8, 9):
+        fp8_fixed(3, 1, 300, 8, 2, 128)
+        fp8_fixed(1, 200, 333, 4, 1, 64, causal=True)
+        fp8_fixed(2, 70, 90, 4, 2, 256, softcap=5.0)
+        fp8_varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 128)
     torch.cuda.synchronize()
     print(summary("sanitize_fwd"))
 

@@ -240,26 +240,41 @@ def test_fp8_varlen_with_empty_sequence(features):
     assert torch.equal(out[22:25], torch.zeros_like(out[22:25]))  # sequence 3: no key
 
 
+def paged_case(seqlens_q, seqlens_k, page_size, nheads, nheads_k, d):
+    """A varlen fp8 call over paged K / V in a pool of spare pages, through a
+    shuffled block table: (q, k_pages, v_pages, block_table, cu_q, cu_k,
+    scales), and the packed keys and values the pages hold (k, v)."""
+    _, _, _, cu_q, cu_k, scales = varlen_case(seqlens_q, seqlens_k, nheads, nheads_k, d)
+    q = fp8_rand(int(cu_q[-1]), nheads, d)
+    pages = [math.ceil(s / page_size) for s in seqlens_k]
+    num_blocks = sum(pages) + 3
+    k_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
+    v_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
+    order = torch.randperm(num_blocks)
+    block_table = torch.zeros(len(seqlens_k), max(pages), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        block_table[b, :n] = order[used : used + n]
+        used += n
+    # The keys of each sequence gathered from its pages, packed end to end.
+    k_packed, v_packed = [], []
+    for b, seqlen in enumerate(seqlens_k):
+        rows = torch.arange(seqlen)
+        blocks = block_table[b].long()[rows // page_size]
+        k_packed.append(k_pages[blocks, rows % page_size])
+        v_packed.append(v_pages[blocks, rows % page_size])
+    call = (q, k_pages, v_pages, block_table, cu_q, cu_k, scales)
+    return call, (torch.cat(k_packed), torch.cat(v_packed))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_varlen_paged(page_size, causal):
     """Paged fp8 K/V through a shuffled block table: each sequence dequantises its
     pages with its own descales."""
     seqlens_q, seqlens_k = [3, 1, 20], [37, 1, 50]
-    nheads, nheads_k, d = 8, 2, 64
-    _, _, _, cu_q, cu_k, scales = varlen_case(seqlens_q, seqlens_k, nheads, nheads_k, d)
-    q = fp8_rand(int(cu_q[-1]), nheads, d)
-    pages = [math.ceil(s / page_size) for s in seqlens_k]
-    max_pages = max(pages)
-    num_blocks = sum(pages) + 3
-    k_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
-    v_pages = fp8_rand(num_blocks, page_size, nheads_k, d)
-    order = torch.randperm(num_blocks)
-    block_table = torch.zeros(len(seqlens_k), max_pages, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages):
-        block_table[b, :n] = order[used : used + n]
-        used += n
+    call, (k, v) = paged_case(seqlens_q, seqlens_k, page_size, 8, 2, 64)
+    q, k_pages, v_pages, block_table, cu_q, cu_k, scales = call
     out, lse = flash_attn_varlen_func(
         q,
         k_pages,
@@ -275,14 +290,6 @@ def test_fp8_varlen_paged(page_size, causal):
         k_descale=scales[1],
         v_descale=scales[2],
     )
-    # The keys of each sequence gathered from its pages, packed end to end.
-    k_packed, v_packed = [], []
-    for b, seqlen in enumerate(seqlens_k):
-        rows = torch.arange(seqlen)
-        blocks = block_table[b].long()[rows // page_size]
-        k_packed.append(k_pages[blocks, rows % page_size])
-        v_packed.append(v_pages[blocks, rows % page_size])
-    k, v = torch.cat(k_packed), torch.cat(v_packed)
     ref_out, ref_lse, same_out = varlen_refs(q, k, v, cu_q, cu_k, scales, causal=causal)
     check_out_lse(out, lse, ref_out, ref_lse, same_out)
 

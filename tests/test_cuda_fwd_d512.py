@@ -74,13 +74,19 @@ def test_fwd_score_features(feature):
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
 @pytest.mark.parametrize("page_size", [None, 16, 64])
-def test_varlen_fwd_matches_reference(num_splits, page_size):
+@pytest.mark.parametrize(
+    "lens_q, lens_k",
+    [([5, 0, 130, 40], [64, 30, 200, 40]), ([5, 0, 7, 2], [16, 9, 1, 0])],
+    ids=["long", "keys_within_one_block"],
+)
+def test_varlen_fwd_matches_reference(num_splits, page_size, lens_q, lens_k):
     """Varlen (an empty sequence among them), paged or not, any split count (a
-    varlen run takes two splits at least: the combine writes every row)."""
-    lens_q, lens_k = [5, 0, 130, 40], [64, 30, 200, 40]
-    cu_q = torch.tensor([0, 5, 5, 135, 175], device=DEVICE, dtype=torch.int32)
-    cu_k = torch.tensor([0, 64, 94, 294, 334], device=DEVICE, dtype=torch.int32)
-    q, k, v = randn(175, 8, 512), randn(334, 2, 512), randn(334, 2, 512)
+    varlen run takes two splits at least: the combine writes every row, even
+    where every sequence's keys fit one key block and the second split has
+    none)."""
+    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).int()
+    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).int()
+    q, k, v = randn(sum(lens_q), 8, 512), randn(sum(lens_k), 2, 512), randn(sum(lens_k), 2, 512)
     kwargs = dict(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=True)
     table = None
     k_in, v_in = k, v

@@ -1,6 +1,6 @@
 """FP8 at the op boundary (docs/fp8.md): opcheck and torch.compile of the fp8
-calls on the CPU, the errors bad fp8 input gets, and the CUDA refusal of FP8
-attention (no CUDA kernel yet; the FP8 KV cache has one, tested in
+calls on the CPU, the errors bad fp8 input gets, and which CUDA devices serve
+fp8 (the CUDA results: tests/test_cuda_fp8_attention.py and
 tests/test_cuda_fp8_kvcache.py)."""
 
 import pytest
@@ -268,29 +268,31 @@ def test_fp8_return_softmax_refused_by_the_op():
 
 
 # ---------------------------------------------------------------------------
-# CUDA: FP8 attention refused until its kernel is built; an FP8 KV cache served
-# on sm89 and newer (tests/test_cuda_fp8_kvcache.py)
+# CUDA: FP8 attention and an FP8 KV cache served on sm89 and newer
+# (tests/test_cuda_fp8_attention.py, tests/test_cuda_fp8_kvcache.py), refused
+# by name on older GPUs
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
-def test_cuda_refuses_fp8_attention_with_a_clear_error():
+def test_cuda_serves_fp8_on_sm89_and_refuses_it_before():
     q, k = fp8_rand(2, 5, 4, 32, device="cuda"), fp8_rand(2, 6, 2, 32, device="cuda")
-    with pytest.raises(
-        RuntimeError,
-        match="fwd was called with q, k and v of dtype float8_e4m3fn.*not built on CUDA yet",
-    ):
-        flash_attn_func(q, k, k, k_descale=descales(2, 2, "cuda"))
     cu = torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="varlen_fwd was called.*not built on CUDA yet"):
-        flash_attn_varlen_func(
-            q.flatten(0, 1), k.flatten(0, 1)[:10], k.flatten(0, 1)[:10], cu, cu, 5, 5
-        )
     q16 = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device="cuda")
+    k_cache = fp8_rand(2, 8, 2, 32, device="cuda")
     if torch.cuda.get_device_capability() < (8, 9):
-        k_cache = fp8_rand(2, 8, 2, 32, device="cuda")
+        with pytest.raises(RuntimeError, match="FP8 attention .* compute capability 8.9 or newer"):
+            flash_attn_func(q, k, k, k_descale=descales(2, 2, "cuda"))
+        with pytest.raises(RuntimeError, match="FP8 attention .* compute capability 8.9 or newer"):
+            flash_attn_varlen_func(
+                q.flatten(0, 1), k.flatten(0, 1)[:10], k.flatten(0, 1)[:10], cu, cu, 5, 5
+            )
         with pytest.raises(RuntimeError, match="FP8 KV cache .* compute capability 8.9 or newer"):
             flash_attn_with_kvcache(q16, k_cache, k_cache.clone())
+    else:
+        out = flash_attn_func(q, k, k, k_descale=descales(2, 2, "cuda"))
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 32)
+        assert torch.isfinite(out).all()
     # The shared checks come first: the same message as on the CPU.
     with pytest.raises(RuntimeError, match="q_descale is given but q, k and v are not float8"):
         flash_attn_func(q16, q16, q16, q_descale=torch.ones(2, 4, device="cuda"))

@@ -1092,3 +1092,50 @@ def test_fp8_cache_plans_the_staged_kernel():
     rows = decode(2, 16, 4096, 32, 8, 128, fp8_cache=True)
     assert rows["warps_n"] == 1 and rows["smem"] == 81920
     assert decode(2, 16, 4096, 32, 8, 128)["smem"] == 81920
+
+
+def test_fp8_attention_plans_the_split_kv_kernel():
+    """FP8 attention (docs/fp8.md) has the split-KV kernel's e4m3 instances only:
+    every fixed-length call plans it, whatever its rows or a kernel override, the
+    many-row calls on the 64-row variant; a call with dropout gets no kernel (the
+    op refuses it by name first)."""
+    prefill = fwd(1, 8192, 8192, 16, 4, 128, causal=True, fp8=True)
+    assert prefill["kernel"] == "splitkv" and "FP8 attention" in prefill["reason"]
+    assert prefill["warps_n"] == 1 and prefill["block_m"] == 64
+    assert fwd(1, 8192, 8192, 16, 4, 128, causal=True)["kernel"] != "splitkv"
+    forced = fwd(1, 8192, 8192, 16, 4, 128, fp8=True, kernel_override="sm80")
+    assert forced["kernel"] == "splitkv"
+    decode_shaped = fwd(16, 1, 32768, 32, 8, 128, fp8=True)
+    assert decode_shaped["kernel"] == "splitkv" and decode_shaped["warps_n"] == 4
+    assert fwd(2, 300, 300, 8, 2, 512, fp8=True)["kernel"] == "splitkv"
+    assert fwd(1, 64, 64, 4, 4, 128, dropout_p=0.1, fp8=True)["kernel"] == "none"
+
+
+def test_decode_min_splits():
+    """A varlen forward on the split-KV kernel alone (FP8 attention, head dims
+    above 256) takes two splits even where every key fits one key block:
+    plan_fwd_split sets DecodeShape::min_splits, and the second split is empty
+    (the CUDA cases: test_cuda_fp8_attention.py, test_cuda_fwd_d512.py)."""
+    assert decode(3, 64, 40, 4, 2, 128, fp8_cache=True)["splits"] == 1
+    raised = decode(3, 64, 40, 4, 2, 128, fp8_cache=True, min_splits=2)
+    assert raised["splits"] == 2 and "min_splits" in raised["reason"]
+    assert raised["items"] == 2 * decode(3, 64, 40, 4, 2, 128, fp8_cache=True)["items"]
+    # A count the plan chose above the floor stays.
+    chosen = decode(1, 1, 32768, 32, 8, 128)["splits"]
+    assert chosen > 2 and decode(1, 1, 32768, 32, 8, 128, min_splits=2)["splits"] == chosen
+    with pytest.raises(RuntimeError, match="min_splits must be >= 1, got 0"):
+        decode(1, 1, 64, 4, 4, 128, min_splits=0)
+
+
+def test_fp8_cache_runs_two_blocks_an_sm():
+    """A contiguous 16-bit cache with long runs of keys streams one block an
+    SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache
+    launches with its tiles' 86,016 B, two blocks an SM, and counts its
+    splits for two, so batch 16 x 8 kv heads (128 items) splits in two to fill
+    the SMs' 2 x 132 slots (PERF_LOG 2026-11-30 "FP8 KV cache, measured")."""
+    bf16 = decode(16, 1, 32768, 32, 8, 128)
+    fp8 = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True)
+    reserved = H100["reserved_smem_per_block"]
+    assert 2 * (bf16["smem"] + reserved) > H100["smem_per_sm"] and bf16["splits"] == 1
+    assert fp8["smem"] == 86016 and 2 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
+    assert fp8["splits"] == 2 and fp8["grid"] == 256

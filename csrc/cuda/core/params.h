@@ -94,6 +94,10 @@ struct FwdParams {
   const int64_t* rng_state;  // device pointer to [seed, offset]
 
   bool is_bf16;
+  // FP8 attention (docs/fp8.md): k and v are float8_e4m3fn, q was converted
+  // to bfloat16 (exactly); the split-KV kernel serves it (plan_fwd_split).
+  // Beside is_bf16, in what was padding: BwdParams' layout is unchanged.
+  bool kv_fp8;
 
   // Where a kernel records a bad value of cu_seqlens / cache_seqlens /
   // block_table / ... that it clamped (index_guards.h); null: clamp only.

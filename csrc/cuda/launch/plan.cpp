@@ -252,9 +252,11 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   }
   plan.return_probs = params.p_ptr != nullptr;
   // A kernel override picks between the forward kernels, which head dims
-  // above 256 do not have: those run on the split-KV kernel whatever it says.
+  // above 256 and FP8 attention do not have: those run on the split-KV
+  // kernel whatever it says.
+  const bool only_splitkv = splitkv_only_head_dim(params.head_dim) || params.kv_fp8;
   if (params.cu_seqlens_q == nullptr &&
-      (override_kernel == KernelOverride::kNone || splitkv_only_head_dim(params.head_dim))) {
+      (override_kernel == KernelOverride::kNone || only_splitkv)) {
     FwdSplitShape split;
     split.batch = params.batch;
     split.nheads = params.nheads;
@@ -267,13 +269,16 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     split.score_extras = score_features_of(params).has_extras();
     split.dropout = params.dropout_p > 0.f;
     split.return_softmax = plan.return_probs;
+    split.fp8 = params.kv_fp8;
     const DecodePlan splitkv = plan_fwd_split(split, device);
     if (splitkv.num_splits > 0) {
       plan.kernel = FwdKernel::kSplitKv;
       plan.head_dim = plan.head_dim_v = splitkv.compiled_head_dim;
       plan.block_m = splitkv.block_m;
       plan.splitkv = splitkv;
-      plan.reason = splitkv_only_head_dim(params.head_dim)
+      plan.reason = params.kv_fp8 ? "FP8 attention: the split-KV kernel over e4m3 keys and "
+                                    "values, its only kernel (plan_fwd_split)"
+                    : only_splitkv
                         ? "head dim above 256: the split-KV kernel, its only kernel "
                           "(plan_fwd_split)"
                         : "seqlen_q x (nheads / nheads_k) fits one split-KV query block: the "
@@ -281,10 +286,10 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       return plan;
     }
   }
-  if (splitkv_only_head_dim(params.head_dim)) {
+  if (only_splitkv) {
     plan.reason =
-        "head dim above 256 and no split-KV plan (dropout, S_dmask, seqused_q or the "
-        "device's shared memory): no kernel";
+        "head dim above 256 or FP8 attention and no split-KV plan (dropout, S_dmask, "
+        "seqused_q or the device's shared memory): no kernel";
     return plan;  // kNone: the op refuses the call first
   }
   const int compiled = round_up_head_dim(params.head_dim);
@@ -562,9 +567,12 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
   // SM (splitkv_stages); over a paged one its page lookups lengthen each
   // tile's copy, which a second block per SM hides (PERF_LOG 2026-11-22
   // 0296a76). V read in the K tile (v_in_k) is compute-bound and runs as many
-  // blocks per SM as fit (splitkv_reads_v_in_k).
+  // blocks per SM as fit (splitkv_reads_v_in_k); so does an e4m3 cache, whose
+  // tile conversion after each wait a second block's copies overlap (one
+  // block an SM left the stream at 20% of DRAM: PERF_LOG 2026-11-30 "FP8 KV
+  // cache, measured").
   const int64_t blocks_per_sm =
-      warps_n > 1 && !paged && !v_in_k
+      warps_n > 1 && !paged && !v_in_k && !fp8_cache
           ? 1
           : splitkv_blocks_per_sm(
                 splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache), device);
@@ -611,13 +619,13 @@ int splitkv_key_blocks_per_item(int compiled_head_dim, int cache_capacity, int n
 // fixed latency (Q, the first tile, the merge and the stores), which a second
 // block per SM overlaps (kShortRunKeyBlocks; PERF_LOG 2026-11-23 d04c754).
 // With 128 threads, shared memory is what bounds the blocks per SM, so a block
-// meant to run alone asks for just over half of the SM's. Paged caches keep
-// two (choose_kv_splits).
+// meant to run alone asks for just over half of the SM's. Paged caches, V
+// read in the K tile and e4m3 caches keep as many as fit (choose_kv_splits).
 int splitkv_launch_smem_bytes(int compiled_head_dim, int warps_n, bool paged, bool v_in_k,
                               bool fp8_cache, int cache_capacity, int num_splits,
                               int64_t grid_blocks, const DeviceDesc& device) {
   const int tiles_smem = splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache);
-  if (warps_n == 1 || paged || v_in_k) return tiles_smem;
+  if (warps_n == 1 || paged || v_in_k || fp8_cache) return tiles_smem;
   constexpr int kLongRunKeyBlocks = 128;
   const int key_blocks_per_block =
       splitkv_key_blocks_per_item(compiled_head_dim, cache_capacity, num_splits);
@@ -754,6 +762,12 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   plan.num_splits = choose_kv_splits(shape.requested_splits, blocks_without_split,
                                      shape.cache_capacity, compiled, plan.warps_n, shape.paged,
                                      plan.v_in_k, shape.fp8_cache, device, &plan.reason);
+  // A split past the last key block has no keys: its item writes an empty
+  // partial (lse -inf), which the combine weighs 0 (splitkv_work_item.h).
+  if (plan.num_splits < shape.min_splits) {
+    plan.num_splits = std::min(shape.min_splits, kMaxKvSplits);
+    plan.reason = "the fewest splits the call needs (DecodeShape::min_splits)";
+  }
   plan.num_items = blocks_without_split * plan.num_splits;
   plan.launch_smem =
       splitkv_launch_smem_bytes(compiled, plan.warps_n, shape.paged, plan.v_in_k, shape.fp8_cache,
@@ -777,9 +791,10 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
 DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) {
   DecodePlan none;
   none.num_splits = 0;
-  // Head dims above 256 have the split-KV kernel only: it serves every call it
-  // can, whatever the split count or row count (the op refuses the others).
-  const bool only_splitkv = splitkv_only_head_dim(shape.head_dim);
+  // Head dims above 256 and FP8 attention have the split-KV kernel only: it
+  // serves every call it can, whatever the split count or row count (the op
+  // refuses the others).
+  const bool only_splitkv = splitkv_only_head_dim(shape.head_dim) || shape.fp8;
   if (shape.requested_splits == 1 && !only_splitkv) {
     none.reason = "num_splits=1: the forward kernels, no split";
     return none;
@@ -803,14 +818,12 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
   decode.requested_splits = shape.requested_splits;
   decode.score_extras = shape.score_extras;
   decode.varlen = shape.varlen;
+  decode.fp8_cache = shape.fp8;
+  // A varlen run needs two splits or more, even over keys that fill one
+  // block: the combine writes the rows of q outside every sequence (out 0,
+  // lse +inf), which no work item covers.
+  if (only_splitkv && shape.varlen) decode.min_splits = 2;
   DecodePlan plan = plan_decode(decode, device);
-  // A varlen run needs two splits or more: the combine writes the rows of q
-  // outside every sequence (out 0, lse +inf), which no work item covers.
-  if (only_splitkv && shape.varlen && plan.warps_n > 0 && plan.num_splits <= 1) {
-    decode.requested_splits = 2;
-    plan = plan_decode(decode, device);
-    plan.reason = "varlen above head dim 256: two splits, so that the combine writes every row";
-  }
   if (shape.varlen && plan.num_splits <= 1) {
     none.reason = plan.reason;
     return none;

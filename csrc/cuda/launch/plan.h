@@ -96,6 +96,9 @@ struct DecodeShape {
   bool varlen = false;
   bool v_in_k = false;     // v_cache is k_cache's first head_dim_v columns (KvcacheShape::v_in_k)
   bool fp8_cache = false;  // k_cache / v_cache are float8_e4m3fn (docs/fp8.md)
+  // The fewest splits the run needs, even where the keys fill one block: a
+  // varlen forward on the split-KV kernel alone takes 2 (plan_fwd_split).
+  int min_splits = 1;
 };
 
 struct DecodePlan {
@@ -350,6 +353,9 @@ struct FwdSplitShape {
   bool dropout = false;
   bool return_softmax = false;
   bool seqused_q = false;
+  // FP8 attention: k and v in e4m3, which only the split-KV kernel reads
+  // (its e4m3-cache instances), like a head dim above 256.
+  bool fp8 = false;
 };
 
 // The forward's run on the split-KV kernel, or not (num_splits 0 in the

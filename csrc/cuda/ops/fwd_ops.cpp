@@ -33,35 +33,56 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
-// Head dims above 256 run on the split-KV kernel alone (plan_fwd_split),
-// which has no dropout, no S_dmask and no seqused_q: those calls are refused
-// by name, before anything is allocated.
-void check_splitkv_only_call(int64_t head_dim, double dropout_p, bool return_softmax,
+// Head dims above 256 and FP8 attention run on the split-KV kernel alone
+// (plan_fwd_split), which has no dropout, no S_dmask and no seqused_q: those
+// calls are refused by name, before anything is allocated (FP8 attention's
+// dropout and S_dmask by check_fp8_features, first).
+bool splitkv_only_call(int64_t head_dim, Fp8Call fp8) {
+  return splitkv_only_head_dim(static_cast<int>(head_dim)) || fp8 == Fp8Call::kAttention;
+}
+
+void check_splitkv_only_call(int64_t head_dim, Fp8Call fp8, double dropout_p, bool return_softmax,
                              bool seqused_q) {
-  if (!splitkv_only_head_dim(static_cast<int>(head_dim))) return;
+  if (!splitkv_only_call(head_dim, fp8)) return;
   const char* what = dropout_p > 0.0  ? "dropout_p > 0"
                      : return_softmax ? "return_attn_probs (S_dmask)"
                      : seqused_q      ? "seqused_q"
                                       : nullptr;
-  TORCH_CHECK(what == nullptr,
-              "flash_attn (CUDA): head dims above 256 run on the split-KV "
-              "kernel, which does not serve ",
-              what, "; head_dim is ", head_dim, " (the CPU path serves it)");
+  TORCH_CHECK(what == nullptr, "flash_attn (CUDA): ",
+              fp8 == Fp8Call::kAttention ? "FP8 attention runs" : "head dims above 256 run",
+              " on the split-KV kernel, which does not serve ", what, "; head_dim is ", head_dim,
+              " (the CPU path serves it)");
 }
 
-// The launcher of the forward kernels, or none for head dims that have only
-// the split-KV kernel.
-FwdLauncher launcher_unless_splitkv_only(int head_dim, at::ScalarType dtype) {
-  return splitkv_only_head_dim(head_dim) ? nullptr : launcher_for(head_dim, dtype);
+// The launcher of the forward kernels, or none for calls that have only the
+// split-KV kernel.
+FwdLauncher launcher_unless_splitkv_only(int head_dim, Fp8Call fp8, at::ScalarType dtype) {
+  return splitkv_only_call(head_dim, fp8) ? nullptr : launcher_for(head_dim, dtype);
 }
 
-// The plan of a head dim above 256 is the split-KV kernel's, or none where the
-// device's blocks cannot hold it.
+// The plan of a head dim above 256 or of FP8 attention is the split-KV
+// kernel's, or none where the device's blocks cannot hold it.
 void check_plan_has_a_kernel(const FwdParams& params, bool splitkv) {
-  TORCH_CHECK(splitkv || !splitkv_only_head_dim(params.head_dim), "flash_attn (CUDA): head_dim ",
+  TORCH_CHECK(splitkv || !(splitkv_only_head_dim(params.head_dim) || params.kv_fp8),
+              "flash_attn (CUDA): ", params.kv_fp8 ? "FP8 attention at head_dim " : "head_dim ",
               params.head_dim,
               " runs on the split-KV kernel only, whose blocks this device's shared memory "
-              "does not hold (an sm80 or sm90 GPU serves it)");
+              "does not hold (an sm89 or sm90 GPU serves it)");
+}
+
+// FP8 attention's inputs as the split-KV kernel reads them: q converted to
+// bfloat16, which holds every e4m3 value exactly (its descale goes into the
+// scores' factor, attention_descales); k and v stay e4m3. Other calls: as
+// given, rows 16-byte aligned.
+at::Tensor q_for_kernels(const at::Tensor& q_in, Fp8Call fp8) {
+  return aligned_for_16b_loads(fp8 == Fp8Call::kAttention ? q_in.to(at::kBFloat16) : q_in);
+}
+
+// The dtypes the shape checks accept for this fp8 form.
+inline constexpr at::ScalarType kCudaFp8Dtypes[] = {at::kFloat8_e4m3fn};
+c10::ArrayRef<at::ScalarType> cuda_dtypes_for(Fp8Call fp8) {
+  if (fp8 == Fp8Call::kAttention) return kCudaFp8Dtypes;
+  return kCudaDtypes;
 }
 
 // The launcher of the plan's compiled (d_qk, d_v): launcher_for's, found
@@ -117,14 +138,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
     bool causal, int64_t window_size_left, int64_t window_size_right, double softcap,
     bool return_softmax, int64_t philox_seed, int64_t philox_offset,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& out_given,
-    const std::optional<at::Tensor>& learnable_sink_in) {
+    const std::optional<at::Tensor>& learnable_sink_in, const char* op,
+    const Fp8Descales& descales) {
+  const Fp8Call fp8 = fp8_attention_call(q_in, k_in, v_in, descales);
+  check_fp8_served_on_cuda(op, fp8, q_in);
   const FwdShape shape =
       check_fwd_args(q_in, k_in, v_in, alibi_slopes_in, dropout_p, softmax_scale, window_size_left,
-                     window_size_right, softcap, rng_state, kCudaDtypes);
+                     window_size_right, softcap, rng_state, cuda_dtypes_for(fp8));
   const std::vector<int64_t> out_shape{shape.batch, shape.seqlen_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
     check_out_arg("flash_attn", *out_given, q_in, out_shape,
-                  "(batch, seqlen_q, nheads, head_dim_v)", {&q_in, &k_in, &v_in});
+                  "(batch, seqlen_q, nheads, head_dim_v)", {&q_in, &k_in, &v_in},
+                  fp8_out_dtype(fp8, q_in.scalar_type()));
+  }
+  if (fp8 != Fp8Call::kNone) {
+    check_fp8_descales("flash_attn", descales, q_in, shape.batch, shape.nheads_k);
+    check_fp8_features("flash_attn", dropout_p, return_softmax, alibi_slopes_in);
   }
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
@@ -133,9 +162,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   // d_v < d_qk runs on the kernel of d_qk, which reads v and writes out at
   // their own width (FwdParams::head_dim_v): no padded copy.
-  check_splitkv_only_call(shape.head_dim, dropout_p, return_softmax, /*seqused_q=*/false);
-  const FwdLauncher launcher = launcher_unless_splitkv_only(shape.head_dim, q_in.scalar_type());
-  const at::Tensor q = aligned_for_16b_loads(q_in);
+  check_splitkv_only_call(shape.head_dim, fp8, dropout_p, return_softmax, /*seqused_q=*/false);
+  const FwdLauncher launcher =
+      launcher_unless_splitkv_only(shape.head_dim, fp8, q_in.scalar_type());
+  const at::Tensor q = q_for_kernels(q_in, fp8);
   const at::Tensor k = aligned_for_16b_loads(k_in);
   const at::Tensor v = aligned_for_16b_loads(v_in);
   const std::optional<at::Tensor> alibi_slopes = contiguous_alibi(alibi_slopes_in);
@@ -148,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   at::Tensor s_dmask =
       return_softmax
           ? at::zeros({shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k}, q.options())
-          : at::empty({0}, q.options());
+          : at::empty({0}, q_in.options());  // the CPU op's and the fake's dtype
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
@@ -167,11 +197,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
                    rng_state_out);
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
+  params.kv_fp8 = fp8 == Fp8Call::kAttention;
   const FwdPlan plan = plan_for(params);
   check_plan_has_a_kernel(params, plan.kernel == FwdKernel::kSplitKv);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   if (plan.kernel == FwdKernel::kSplitKv) {
-    run_fwd_splitkv(params, plan.splitkv, q, stream);
+    const SplitKvDescales fp8_descales =
+        params.kv_fp8 ? attention_descales(descales) : SplitKvDescales{};
+    run_fwd_splitkv(params, plan.splitkv, q, stream, fp8_descales);
   } else {
     const at::Tensor tile_counter = tile_counter_for(params, plan, q);
     launcher_of_plan(plan, launcher, q.scalar_type())(params, plan, stream);
@@ -190,16 +223,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
     int64_t philox_seed, int64_t philox_offset, const std::optional<at::Tensor>& rng_state,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& out_given,
     const std::optional<at::Tensor>& learnable_sink_in, const std::optional<at::Tensor>& seqused_q,
-    int64_t num_splits) {
+    int64_t num_splits, const char* op, const Fp8Descales& descales) {
+  const Fp8Call fp8 = fp8_attention_call(q_in, k_in, v_in, descales);
+  check_fp8_served_on_cuda(op, fp8, q_in);
   check_num_splits(num_splits);
   const VarlenShape shape = check_varlen_fwd_args(
       q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, seqused_q,
       alibi_slopes_in, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size_left,
-      window_size_right, softcap, rng_state, kCudaDtypes);
+      window_size_right, softcap, rng_state, cuda_dtypes_for(fp8));
   const std::vector<int64_t> out_shape{shape.total_q, shape.nheads, shape.head_dim_v};
   if (out_given.has_value()) {
     check_out_arg("flash_attn", *out_given, q_in, out_shape, "(total_q, nheads, head_dim_v)",
-                  {&q_in, &k_in, &v_in});
+                  {&q_in, &k_in, &v_in}, fp8_out_dtype(fp8, q_in.scalar_type()));
+  }
+  if (fp8 != Fp8Call::kNone) {
+    check_fp8_descales("flash_attn", descales, q_in, shape.batch, shape.nheads_k);
+    check_fp8_features("flash_attn", dropout_p, return_softmax, alibi_slopes_in);
   }
   const std::optional<at::Tensor> learnable_sink =
       check_learnable_sink("flash_attn", learnable_sink_in, q_in, shape.nheads);
@@ -207,9 +246,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   check_device_supported(q_in);
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   // d_v < d_qk: v and out at their own width, as in fwd_cuda_into.
-  check_splitkv_only_call(shape.head_dim, dropout_p, return_softmax, seqused_q.has_value());
-  const FwdLauncher launcher = launcher_unless_splitkv_only(shape.head_dim, q_in.scalar_type());
-  const at::Tensor q = aligned_for_16b_loads(q_in);
+  check_splitkv_only_call(shape.head_dim, fp8, dropout_p, return_softmax, seqused_q.has_value());
+  const FwdLauncher launcher =
+      launcher_unless_splitkv_only(shape.head_dim, fp8, q_in.scalar_type());
+  const at::Tensor q = q_for_kernels(q_in, fp8);
   const at::Tensor cu_q = cu_seqlens_q.contiguous();
   // Paged K/V are read in place: the kernels locate each key through the
   // block table (paged_rows.h), cu_seqlens_k then gives lengths only.
@@ -251,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
       return_softmax
           ? at::zeros({shape.batch, shape.nheads, shape.max_seqlen_q, shape.max_seqlen_k},
                       q.options())
-          : at::empty({0}, q.options());
+          : at::empty({0}, q_in.options());  // the CPU op's and the fake's dtype
   at::Tensor rng_state_out = rng_state_for(philox_seed, philox_offset, rng_state, dropout_p, q);
 
   FwdParams params{};
@@ -286,6 +326,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
                    rng_state_out);
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
+  params.kv_fp8 = fp8 == Fp8Call::kAttention;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Paged: the lengths and table entries the kernels clamp are reported here.
   launch_check_paged_keys(params, stream);
@@ -305,10 +346,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   split_shape.dropout = dropout_p > 0.0;
   split_shape.return_softmax = return_softmax;
   split_shape.seqused_q = used_q.defined();
+  split_shape.fp8 = params.kv_fp8;
   const DecodePlan split_plan = plan_fwd_split(split_shape, current_device_desc());
   check_plan_has_a_kernel(params, split_plan.num_splits > 0);
   if (split_plan.num_splits > 0) {
-    run_fwd_splitkv(params, split_plan, q, stream);
+    const SplitKvDescales fp8_descales =
+        params.kv_fp8 ? attention_descales(descales) : SplitKvDescales{};
+    run_fwd_splitkv(params, split_plan, q, stream, fp8_descales);
   } else {
     const FwdPlan plan = plan_for(params);
     const at::Tensor tile_counter = tile_counter_for(params, plan, q);
@@ -328,11 +372,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& learnable_sink,
     const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
     const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda("fwd", fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}),
-                           q);
   return fwd_cuda_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
                        window_size_right, softcap, return_softmax, philox_seed, philox_offset,
-                       rng_state, std::nullopt, learnable_sink);
+                       rng_state, std::nullopt, learnable_sink, "fwd",
+                       {q_descale, k_descale, v_descale});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
@@ -343,11 +386,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_out_cuda(
     const std::optional<at::Tensor>& rng_state, const at::Tensor& out,
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& q_descale,
     const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda("fwd_out",
-                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
-  auto [written, softmax_lse, s_dmask, rng_state_out] = fwd_cuda_into(
-      q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-      softcap, return_softmax, philox_seed, philox_offset, rng_state, out, learnable_sink);
+  auto [written, softmax_lse, s_dmask, rng_state_out] =
+      fwd_cuda_into(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
+                    window_size_right, softcap, return_softmax, philox_seed, philox_offset,
+                    rng_state, out, learnable_sink, "fwd_out", {q_descale, k_descale, v_descale});
   return {softmax_lse, s_dmask, rng_state_out};
 }
 
@@ -362,13 +404,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const std::optional<at::Tensor>& seqused_q, int64_t num_splits,
     const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
     const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda("varlen_fwd",
-                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
-  return varlen_fwd_cuda_into(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-                              max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                              window_size_left, window_size_right, softcap, return_softmax,
-                              philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
-                              learnable_sink, seqused_q, num_splits);
+  return varlen_fwd_cuda_into(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      return_softmax, philox_seed, philox_offset, rng_state, seqused_k, std::nullopt,
+      learnable_sink, seqused_q, num_splits, "varlen_fwd", {q_descale, k_descale, v_descale});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
@@ -382,13 +422,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
     const std::optional<at::Tensor>& learnable_sink, const std::optional<at::Tensor>& seqused_q,
     int64_t num_splits, const std::optional<at::Tensor>& q_descale,
     const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale) {
-  check_fp8_served_on_cuda("varlen_fwd_out",
-                           fp8_attention_call(q, k, v, {q_descale, k_descale, v_descale}), q);
   auto [written, softmax_lse, s_dmask, rng_state_out] = varlen_fwd_cuda_into(
       q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
       return_softmax, philox_seed, philox_offset, rng_state, seqused_k, out, learnable_sink,
-      seqused_q, num_splits);
+      seqused_q, num_splits, "varlen_fwd_out", {q_descale, k_descale, v_descale});
   return {softmax_lse, s_dmask, rng_state_out};
 }
 

@@ -7,7 +7,8 @@
 // messages; splitkv_item in decode/splitkv_work_item.h). With num_splits > 1
 // each item's keys are cut num_splits ways and the combine kernel merges the
 // partial results by their lse; with one split the kernel writes out and lse
-// itself.
+// itself. FP8 attention (params.kv_fp8) runs here whatever its shape, on the
+// instances over e4m3 keys and values, with the scores' and V's descales.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -21,18 +22,21 @@
 namespace flash {
 
 void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const SplitKvDescales& descales) {
   const bool varlen = params.cu_seqlens_k != nullptr;
   TORCH_CHECK(plan.num_splits >= 1 && (plan.num_splits > 1 || !varlen) &&
                   params.seqused_q == nullptr && params.p_ptr == nullptr,
               "flash_attn (CUDA): the forward's split-KV run needs a plan from plan_fwd_split");
   const char* op = varlen ? "varlen_fwd with num_splits" : "fwd";
   const int compiled = plan.compiled_head_dim;
-  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, params.is_bf16);
+  const SplitKvLauncher launcher = find_splitkv_launcher(compiled, params.is_bf16, params.kv_fp8);
   TORCH_CHECK(launcher != nullptr, "flash_attn (CUDA): ", op, ": head_dim ", params.head_dim,
-              " in ", params.is_bf16 ? "bf16" : "fp16",
+              params.kv_fp8 ? " in FP8 (e4m3 k and v, bf16 out)"
+                            : (params.is_bf16 ? " in bf16" : " in fp16"),
               " needs the split-KV kernel of the compiled head dim ", compiled,
-              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS including it");
+              params.kv_fp8 ? " over e4m3 keys" : "",
+              ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS",
+              params.kv_fp8 ? " and FLASH_ATTN_CUDA_DTYPES (bf16,fp8)" : "", " including it");
 
   TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(), "flash_attn (CUDA): ", op,
               ": batch * nheads_k * query blocks * num_splits = ", plan.num_items,
@@ -52,6 +56,7 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
   kv.num_splits = plan.num_splits;
   kv.append_in_attention = false;
   kv.programmatic_launch = plan.programmatic_launch;
+  set_descales(kv, descales);
 
   at::Tensor accum;
   kv.out_accum_ptr = nullptr;

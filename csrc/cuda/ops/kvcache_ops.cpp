@@ -53,12 +53,6 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// A descale's (batch, nheads_k) strides (check_fp8_descales checked the shape).
-DescaleStrides descale_strides(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return {0, 0};
-  return {t->stride(0), t->stride(1)};
-}
-
 // Append (+ rotary), in a kernel of its own or in the split-KV attention
 // kernel over the cache (params.append_in_attention), then the attention. The
 // contents of cache_seqlens / cache_leftpad / cache_batch_idx / block_table
@@ -207,10 +201,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_into(
   params.q_unrotated = strides_of(q, shape.varlen_q);
 
   params.append_in_attention = false;
-  params.k_descale_ptr = fp8_cache ? data_or_null<float>(descales.k) : nullptr;
-  params.v_descale_ptr = fp8_cache ? data_or_null<float>(descales.v) : nullptr;
-  params.k_descale = descale_strides(descales.k);
-  params.v_descale = descale_strides(descales.v);
+  set_descales(params, fp8_cache ? SplitKvDescales{descales.k.value_or(at::Tensor()),
+                                                   descales.v.value_or(at::Tensor())}
+                                 : SplitKvDescales{});
   params.cache_fp8 = fp8_cache;  // the append pre-kernel quantises into the cache
 
   // The plan (plan_decode): variant, splits, grid, clusters, shared memory

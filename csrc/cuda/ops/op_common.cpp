@@ -54,20 +54,41 @@ void check_device_supported(const at::Tensor& q) {
 
 void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q) {
   if (call == Fp8Call::kNone) return;
-  if (call == Fp8Call::kKvCache) {
-    // The split-KV kernel converts the e4m3 tiles with cvt.rn.f16x2.e4m3x2.
-    const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
-    TORCH_CHECK(props->major * 10 + props->minor >= 89, "flash_attn: ", op,
-                ": an FP8 KV cache (k_cache / v_cache of dtype float8_e4m3fn) needs a GPU of "
-                "compute capability 8.9 or newer, got ",
-                q.device(), " of compute capability ", props->major, ".", props->minor,
-                "; the CPU path serves it (docs/fp8.md), or pass a float16 / bfloat16 cache");
-    return;
+  // The split-KV kernel converts the e4m3 tiles with cvt.rn.f16x2.e4m3x2.
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major * 10 + props->minor >= 89, "flash_attn: ", op, ": ",
+              call == Fp8Call::kKvCache
+                  ? "an FP8 KV cache (k_cache / v_cache of dtype float8_e4m3fn)"
+                  : "FP8 attention (q, k and v of dtype float8_e4m3fn)",
+              " needs a GPU of compute capability 8.9 or newer, got ", q.device(),
+              " of compute capability ", props->major, ".", props->minor,
+              "; the CPU path serves it (docs/fp8.md), or pass float16 / bfloat16");
+}
+
+void set_descales(KvcacheParams& params, const SplitKvDescales& descales) {
+  auto strides = [](const at::Tensor& t) -> DescaleStrides {
+    return t.defined() ? DescaleStrides{t.stride(0), t.stride(1)} : DescaleStrides{0, 0};
+  };
+  params.k_descale_ptr = descales.k.defined() ? descales.k.data_ptr<float>() : nullptr;
+  params.v_descale_ptr = descales.v.defined() ? descales.v.data_ptr<float>() : nullptr;
+  params.k_descale = strides(descales.k);
+  params.v_descale = strides(descales.v);
+}
+
+SplitKvDescales attention_descales(const Fp8Descales& descales) {
+  // The scores of FP8 attention are (q q_descale) . (k k_descale) =
+  // (q . k) q_descale k_descale: one factor per (batch, kv head), in fp32
+  // (docs/fp8.md, "The dequantisation rule").
+  SplitKvDescales result;
+  if (descales.q.has_value() && descales.k.has_value()) {
+    result.k = *descales.q * *descales.k;
+  } else if (descales.q.has_value()) {
+    result.k = *descales.q;
+  } else if (descales.k.has_value()) {
+    result.k = *descales.k;
   }
-  TORCH_CHECK(false, "flash_attn: ", op, " was called with q, k and v of dtype float8_e4m3fn on ",
-              q.device(),
-              ", but the FP8 attention kernels are not built on CUDA yet; the CPU path serves "
-              "FP8 attention (docs/fp8.md), or pass float16 / bfloat16");
+  if (descales.v.has_value()) result.v = *descales.v;
+  return result;
 }
 
 IndexErrorSink begin_index_checks(const at::Tensor& q) {

@@ -27,10 +27,26 @@ void check_device_supported(const at::Tensor& q);
 
 // The one place that decides which CUDA devices serve an fp8 call (call:
 // fp8_attention_call / fp8_kvcache_call, api/fp8_checks.h; op: the op's
-// name for the message). An FP8 KV cache is served on sm89 and newer (the
-// split-KV kernel's e4m3 conversion); FP8 attention (q, k, v in e4m3) has no
-// CUDA kernel yet and is refused, naming the call.
+// name for the message). Both are served on sm89 and newer, by the split-KV
+// kernel's e4m3 instances (their conversion, cvt.rn.f16x2.e4m3x2): an FP8
+// KV cache, and FP8 attention (q, k, v in e4m3), whose q the op converts to
+// bfloat16 first (exactly).
 void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q);
+
+// The descales the split-KV kernel reads over e4m3 keys and values
+// (docs/fp8.md): k's (for FP8 attention q_descale * k_descale, the scores'
+// factor) and v's, fp32 (batch, nheads_k) of any strides, or undefined: 1.
+// Sets the params' pointers and strides; the caller keeps the tensors alive
+// across the launch.
+struct SplitKvDescales {
+  at::Tensor k;
+  at::Tensor v;
+};
+void set_descales(KvcacheParams& params, const SplitKvDescales& descales);
+
+// FP8 attention's descales for the split-KV kernel: k_descale times
+// q_descale (either may be absent), and v_descale.
+SplitKvDescales attention_descales(const Fp8Descales& descales);
 
 // Every op starts here, after its device guard: raises what a kernel of an
 // earlier call on this device recorded (index_error_state.h) and returns the
@@ -130,9 +146,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
 
 // The forward's split-KV run (fwd_splitkv.cpp): params as the forward
 // kernels would take them, plan from plan_fwd_split (num_splits >= 1; > 1
-// for varlen_fwd).
+// for varlen_fwd); with params.kv_fp8 the e4m3 instances and descales.
 void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const SplitKvDescales& descales = {});
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,

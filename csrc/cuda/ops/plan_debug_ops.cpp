@@ -82,7 +82,7 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t smem_per_block_optin, int64_t smem_per_sm,
                         int64_t reserved_smem_per_block, bool sm90a_built,
                         std::string kernel_override, bool tma_aligned, int64_t page_size,
-                        int64_t head_dim_v) {
+                        int64_t head_dim_v, bool fp8) {
   FwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
             window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen,
@@ -101,6 +101,8 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
     params.block_table = kSomeSeqlens;
     params.page_size = IntDivisor(static_cast<int>(page_size));
   }
+  // fp8: FP8 attention (e4m3 k and v, q converted to bfloat16 by the op).
+  params.kv_fp8 = fp8;
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, sm90a_built);
   return describe(plan_fwd(params, device, override_of(kernel_override), tma_aligned));
@@ -135,13 +137,15 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
                            int64_t seqlen_new, int64_t rotary_dim, bool rotary_aligned,
                            int64_t cc_major, int64_t cc_minor, int64_t num_sms,
                            int64_t smem_per_block_optin, int64_t smem_per_sm,
-                           int64_t reserved_smem_per_block, bool v_in_k, bool fp8_cache) {
+                           int64_t reserved_smem_per_block, bool v_in_k, bool fp8_cache,
+                           int64_t min_splits) {
   TORCH_CHECK(head_dim > 0 && head_dim <= kMaxHeadDimCudaKvcache,
               "_plan_decode: head_dim must be in [1, ", kMaxHeadDimCudaKvcache, "], got ",
               head_dim);
   TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0,
               "_plan_decode: nheads must be a multiple of nheads_k");
   TORCH_CHECK(num_splits >= 0, "_plan_decode: num_splits must be >= 0 (0 chooses)");
+  TORCH_CHECK(min_splits >= 1, "_plan_decode: min_splits must be >= 1, got ", min_splits);
   const double scale = softmax_scale.value_or(1.0 / std::sqrt(double(head_dim)));
   const Window window =
       normalize_window(causal, window_size_left, window_size_right, cache_capacity);
@@ -164,6 +168,7 @@ std::string plan_decode_op(int64_t batch, int64_t seqlen_q, int64_t cache_capaci
   shape.window_left = window.left;
   shape.v_in_k = v_in_k;
   shape.fp8_cache = fp8_cache;
+  shape.min_splits = static_cast<int>(min_splits);
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, /*sm90a_built=*/true);
   return describe(plan_decode(shape, device));
