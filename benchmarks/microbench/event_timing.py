@@ -7,12 +7,15 @@ import argparse
 import torch
 
 
-def setup(doc):
+def setup(doc, add_arguments=None):
     """The scripts' common start: --copy-gbs (the device copy bandwidth their
-    shares count against) parsed with the first line of `doc` as description,
-    the seed, and the 256 MB flush buffer. Returns (args, flush)."""
+    shares count against) and what add_arguments(parser) adds, parsed with the
+    first line of `doc` as description, the seed, and the 256 MB flush buffer.
+    Returns (args, flush)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--copy-gbs", type=float, default=4221.0, help="device copy bandwidth")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     return args, torch.empty(256 << 20, dtype=torch.int8, device="cuda")

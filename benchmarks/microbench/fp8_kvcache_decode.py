@@ -12,7 +12,10 @@ the largest difference between the two outputs (the quantisation's, not the
 kernel's: tests/test_cuda_fp8_kvcache.py checks the FP8 result against
 float64).
 
-    python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221]   (after building the package)
+--q-dtype float16 runs q (and the 16-bit cache it is held against) in float16.
+
+    python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221] [--q-dtype float16]
+    (after building the package)
 """
 
 import torch
@@ -22,14 +25,19 @@ from flash_attn_cuda import flash_attn_with_kvcache
 
 
 def main():
-    args, flush = setup(__doc__)
+    def add_arguments(parser):
+        parser.add_argument("--q-dtype", choices=["bfloat16", "float16"], default="bfloat16")
+
+    args, flush = setup(__doc__, add_arguments)
+    dtype = getattr(torch, args.q_dtype)
     nheads, nheads_k, d = 32, 8, 128
-    print("batch   keys  page  bf16_us  fp8_us  fp8/bf16  fp8_%copy  max|diff|")
+    name = {"bfloat16": "bf16", "float16": "fp16"}[args.q_dtype]
+    print(f"batch   keys  page  {name}_us  fp8_us  fp8/{name}  fp8_%copy  max|diff|")
     for batch, keys in [(1, 8192), (1, 32768), (16, 8192), (16, 32768), (64, 8192), (64, 32768)]:
         for page in (None, 16):
             rows = (batch, keys) if page is None else (batch * keys // page, page)
-            k16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=torch.bfloat16)
-            v16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=torch.bfloat16)
+            k16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)
+            v16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)
             k_s = torch.rand(batch, nheads_k, device="cuda") * 0.02 + 0.01
             v_s = torch.rand(batch, nheads_k, device="cuda") * 0.02 + 0.01
             table = None
@@ -46,7 +54,7 @@ def main():
                 ks, vs = k_s[:, None, :, None], v_s[:, None, :, None]
             k8 = (k16.float() / ks).clamp(-448, 448).to(torch.float8_e4m3fn)
             v8 = (v16.float() / vs).clamp(-448, 448).to(torch.float8_e4m3fn)
-            q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=dtype)
             seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
 
             def bf16(q=q, k=k16, v=v16, s=seqlens, t=table):

@@ -68,9 +68,22 @@ struct SplitKvKernelTraits {
   using MmaAtom = typename FwdTraits::MmaAtom;
   // One warp's MMA: 16 rows x 16 (k16 steps of P V read 16 keys).
   using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+  // The element of the V tile and of P in P V: q's, but float16 over an
+  // e4m3 cache with bfloat16 q and a V tile of its own. e4m3 converts to
+  // float16 in one instruction a pair (cvt.rn.f16x2.e4m3x2) and to bfloat16
+  // in four (through fp32), and every e4m3 value is a float16 value, so V is
+  // exact either way; P, in [0, 1], rounds to float16's 11 bits instead of
+  // bfloat16's 8 (docs/fp8.md, "P V in float16").
+  using ElementV =
+      std::conditional_t<kCacheFp8 && !kVInK_ && std::is_same_v<Element, cutlass::bfloat16_t>,
+                         cutlass::half_t, Element>;
+  static_assert(sizeof(ElementV) == sizeof(Element), "V's tile has K's layout and bytes");
+  using FwdTraitsV = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, ElementV>;
+  using WarpMmaPV =
+      TiledMMA<typename FwdTraitsV::MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
   using SmemLayoutAtom = typename FwdTraits::SmemLayoutAtom;
   using SmemCopyAtom = typename FwdTraits::SmemCopyAtom;
-  using SmemCopyAtomTransposed = typename FwdTraits::SmemCopyAtomTransposed;
+  using SmemCopyAtomTransposed = typename FwdTraitsV::SmemCopyAtomTransposed;
   using GmemTiledCopyQKV = typename FwdTraits::GmemTiledCopyQKV;
   static_assert(kBlockM % (kNThreads / FwdTraits::kGmemThreadsPerRow) == 0,
                 "the Q tile is a whole number of global-copy passes");

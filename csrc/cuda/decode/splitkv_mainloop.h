@@ -36,6 +36,7 @@ enum class CacheLayout { kContiguous, kPaged, kEither };
 template <typename Traits, bool kSeveralItems>
 struct SplitKvSmem {
   using Element = typename Traits::Element;
+  using ElementV = typename Traits::ElementV;
   static constexpr int kTileElems = cute::cosize_v<typename Traits::SmemLayoutKV>;
   static constexpr int kQElems = cute::cosize_v<typename Traits::SmemLayoutQ>;
   static constexpr int kTilesPerStage = Traits::kTilesPerStage;
@@ -74,7 +75,8 @@ struct SplitKvSmem {
   }
   __device__ auto stage_v(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems),
+        make_smem_ptr(reinterpret_cast<ElementV*>(
+            kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems)),
         typename Traits::SmemLayoutKV{});
   }
   // This warp's slab of a stage's K tile, (kSlabN, D), and its part of the V
@@ -87,8 +89,9 @@ struct SplitKvSmem {
   }
   __device__ auto slab_vt(int stage) const {
     return make_tensor(
-        make_smem_ptr(kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems +
-                      warp_n * Traits::kKVSlabElems + warp_v * Traits::kHeadDimV * Traits::kSlabN),
+        make_smem_ptr(reinterpret_cast<ElementV*>(
+            kv_smem + (kTilesPerStage * tile_set(stage) + kVTileOffset) * kTileElems +
+            warp_n * Traits::kKVSlabElems + warp_v * Traits::kHeadDimV * Traits::kSlabN)),
         typename Traits::SmemLayoutVtSlab{});
   }
   __device__ auto slab_q(int slot) const {
@@ -131,12 +134,14 @@ struct SplitKvWarpTiling {
   static constexpr int kHeadDimV = Traits::kHeadDimV;
   using Smem = SplitKvSmem<Traits, kSeveralItems>;
 
-  using WarpMma = typename Traits::WarpMma;
+  using WarpMma = typename Traits::WarpMma;      // S = Q K^T
+  using WarpMmaPV = typename Traits::WarpMmaPV;  // O += P V (Traits::ElementV)
   using ThrMma = decltype(WarpMma{}.get_thread_slice(0));
+  using ThrMmaPV = decltype(WarpMmaPV{}.get_thread_slice(0));
   using SmemTiledCopyQ = decltype(make_tiled_copy_A(typename Traits::SmemCopyAtom{}, WarpMma{}));
   using SmemTiledCopyK = decltype(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, WarpMma{}));
   using SmemTiledCopyV =
-      decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, WarpMma{}));
+      decltype(make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, WarpMmaPV{}));
   template <typename TiledCopy>
   using ThrCopyOf = decltype(TiledCopy{}.get_thread_slice(0));
   // The types of the warp's operand fragments over a shared-memory view of
@@ -146,16 +151,23 @@ struct SplitKvWarpTiling {
   template <typename T>
   using FragmentB = decltype(std::declval<const ThrMma&>().partition_fragment_B(std::declval<T>()));
   template <typename T>
+  using FragmentBPV =
+      decltype(std::declval<const ThrMmaPV&>().partition_fragment_B(std::declval<T>()));
+  template <typename T>
   using RowcolOf = decltype(make_tensor(std::declval<T&>().data(),
                                         acc_layout_as_rowcol(std::declval<T&>().layout())));
   using SlabQ = decltype(std::declval<const Smem&>().slab_q(0));
   using SlabK = decltype(std::declval<const Smem&>().slab_k(0));
-  using SlabVtNoSwizzle = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
-                                               typename Traits::SmemLayoutVtSlabNoSwizzle{}));
-  using AccO = decltype(partition_fragment_C(WarpMma{}, Shape<_16, Int<kHeadDimV>>{}));
+  using SlabVtNoSwizzle =
+      decltype(make_tensor(make_smem_ptr(static_cast<typename Traits::ElementV*>(nullptr)),
+                           typename Traits::SmemLayoutVtSlabNoSwizzle{}));
+  using AccO = decltype(partition_fragment_C(WarpMmaPV{}, Shape<_16, Int<kHeadDimV>>{}));
   // (MMA,MMA_M,MMA_N) -> (row,col) of a warp's 16 x kCols accumulator
   template <int kCols>
   using IdentityC = decltype(std::declval<const ThrMma&>().partition_C(
+      make_identity_tensor(Shape<_16, Int<kCols>>{})));
+  template <int kCols>
+  using IdentityCPV = decltype(std::declval<const ThrMmaPV&>().partition_C(
       make_identity_tensor(Shape<_16, Int<kCols>>{})));
 
   template <typename T>
@@ -164,6 +176,7 @@ struct SplitKvWarpTiling {
   }
 
   WarpMma warp_mma;
+  WarpMmaPV warp_mma_pv;
   SmemTiledCopyQ smem_tiled_copy_Q;
   ThrCopyOf<SmemTiledCopyQ> smem_thr_copy_Q;
   SmemTiledCopyK smem_tiled_copy_K;
@@ -174,8 +187,8 @@ struct SplitKvWarpTiling {
   // scores and its 16 x kHeadDimV output; the warp's rows start at warp_row0
   // of the tile, its keys at warp_col0 of each key tile, its output columns
   // at warp_vcol0.
-  RowcolOf<IdentityC<kSlabN>> tScS_rowcol;     // (ROW,COL) = ((2,MMA_M),(2,MMA_N)) -> (row,col)
-  RowcolOf<IdentityC<kHeadDimV>> tOcO_rowcol;  // (ROW,COL) -> (row,col)
+  RowcolOf<IdentityC<kSlabN>> tScS_rowcol;       // (ROW,COL) = ((2,MMA_M),(2,MMA_N)) -> (row,col)
+  RowcolOf<IdentityCPV<kHeadDimV>> tOcO_rowcol;  // (ROW,COL) -> (row,col)
   const int warp_row0;
   const int warp_col0;
   const int warp_vcol0;
@@ -187,11 +200,12 @@ struct SplitKvWarpTiling {
         smem_thr_copy_Q(smem_tiled_copy_Q.get_thread_slice(lane)),
         smem_tiled_copy_K(make_tiled_copy_B(typename Traits::SmemCopyAtom{}, warp_mma)),
         smem_thr_copy_K(smem_tiled_copy_K.get_thread_slice(lane)),
-        smem_tiled_copy_V(make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, warp_mma)),
+        smem_tiled_copy_V(
+            make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, warp_mma_pv)),
         smem_thr_copy_V(smem_tiled_copy_V.get_thread_slice(lane)),
         tScS_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
             make_identity_tensor(Shape<_16, Int<kSlabN>>{})))),
-        tOcO_rowcol(as_rowcol(warp_mma.get_thread_slice(lane).partition_C(
+        tOcO_rowcol(as_rowcol(warp_mma_pv.get_thread_slice(lane).partition_C(
             make_identity_tensor(Shape<_16, Int<kHeadDimV>>{})))),
         warp_row0(16 * warp_m),
         warp_col0(kSlabN * warp_n),
@@ -201,10 +215,11 @@ struct SplitKvWarpTiling {
 template <typename Traits, bool kSeveralItems>
 struct SplitKvWarpFragments {
   using Tiling = SplitKvWarpTiling<Traits, kSeveralItems>;
-  typename Tiling::template FragmentA<typename Tiling::SlabQ> tSrQ;             // (MMA,MMA_M,MMA_K)
-  typename Tiling::template FragmentB<typename Tiling::SlabK> tSrK;             // (MMA,MMA_N,MMA_K)
-  typename Tiling::template FragmentB<typename Tiling::SlabVtNoSwizzle> tOrVt;  // (MMA,MMA_D,MMA_K)
-  typename Tiling::AccO acc_o;                                                  // (MMA,MMA_M,MMA_D)
+  typename Tiling::template FragmentA<typename Tiling::SlabQ> tSrQ;  // (MMA,MMA_M,MMA_K)
+  typename Tiling::template FragmentB<typename Tiling::SlabK> tSrK;  // (MMA,MMA_N,MMA_K)
+  typename Tiling::template FragmentBPV<typename Tiling::SlabVtNoSwizzle>
+      tOrVt;                    // (MMA,MMA_D,MMA_K)
+  typename Tiling::AccO acc_o;  // (MMA,MMA_M,MMA_D)
 
   // acc_o seen as (ROW,COL). Made where it is used rather than held: a view
   // held here would point into the object itself, which then could not live
@@ -378,14 +393,14 @@ struct SplitKvMma {
     Tensor acc_o_rowcol = f.acc_o_rowcol();  // (ROW,COL)
     softmax.update(scores, acc_o_rowcol, exp_scale_log2);
 
-    Tensor rP = convert_type<Element>(acc_s);  // (MMA,MMA_M,MMA_N)
+    Tensor rP = convert_type<typename Traits::ElementV>(acc_s);  // (MMA,MMA_M,MMA_N)
     // (MMA,MMA_M,MMA_K), K = the slab's keys
     Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
     Tensor tOsVt = w.smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
     // The softmax rescales the rows of O by the rows of S; MMA_K of P V.
     CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(acc_o_rowcol));
     CUTE_STATIC_ASSERT_V(size<2>(tOrP) == size<2>(f.tOrVt));
-    gemm_reg_smem(f.acc_o, tOrP, f.tOrVt, tOsVt, w.warp_mma, w.smem_tiled_copy_V,
+    gemm_reg_smem(f.acc_o, tOrP, f.tOrVt, tOsVt, w.warp_mma_pv, w.smem_tiled_copy_V,
                   w.smem_thr_copy_V);
   }
 };
