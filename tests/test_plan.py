@@ -1070,12 +1070,15 @@ def test_plan_matches_launched_decode():
 
 
 def test_fp8_cache_plans_the_staged_kernel():
-    """An e4m3 cache (docs/fp8.md): three 8-bit staging stages beside one
-    16-bit tile set (d128: 3 x 16 KB + 32 KB + Q 4 KB = 86,016 B, against
-    the 16-bit kernel's 102,400), a block per item (no persistent grid) and
-    no in-kernel append."""
+    """An e4m3 cache (docs/fp8.md): the decode variant keeps three 8-bit
+    staging stages and Q, its warps reading their fragments from the staged
+    bytes (d128: 3 x 16 KB + Q 4 KB = 53,248 B, against the 16-bit kernel's
+    102,400), where the others convert into a 16-bit tile set beside them; a
+    block per item (no persistent grid) and no in-kernel append."""
     paged = decode(16, 1, 8192, 32, 8, 128, paged=True, fp8_cache=True)
-    assert paged["smem"] == 86016 and paged["warps_n"] == 4
+    assert paged["smem"] == 53248 and paged["warps_n"] == 4
+    # d96: rows not whole 64-byte atoms: 3 x 12 KB staged, a 24 KB tile set, Q of 32 rows.
+    assert decode(16, 1, 8192, 32, 8, 96, fp8_cache=True)["smem"] == 3 * 12288 + 24576 + 6144
     assert decode(16, 1, 8192, 32, 8, 128, paged=True)["smem"] == 102400
     # Short items of a large batch take the persistent grid on a 16-bit cache only.
     assert decode(64, 1, 1024, 32, 8, 128)["persistent"] == 1
@@ -1130,12 +1133,12 @@ def test_decode_min_splits():
 def test_fp8_cache_runs_two_blocks_an_sm():
     """A contiguous 16-bit cache with long runs of keys streams one block an
     SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache
-    launches with its tiles' 86,016 B, two blocks an SM, and counts its
+    launches with its stages' 53,248 B, two blocks an SM, and counts its
     splits for two, so batch 16 x 8 kv heads (128 items) splits in two to fill
     the SMs' 2 x 132 slots (PERF_LOG 2026-11-30 "FP8 KV cache, measured")."""
     bf16 = decode(16, 1, 32768, 32, 8, 128)
     fp8 = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True)
     reserved = H100["reserved_smem_per_block"]
     assert 2 * (bf16["smem"] + reserved) > H100["smem_per_sm"] and bf16["splits"] == 1
-    assert fp8["smem"] == 86016 and 2 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
+    assert fp8["smem"] == 53248 and 2 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
     assert fp8["splits"] == 2 and fp8["grid"] == 256

@@ -39,6 +39,16 @@ __forceinline__ __device__ void cp_async_8_or_zero(void* smem_dst, const void* g
                "l"(gmem_src), "r"(src_size));
 }
 
+// The same for 4 bytes (a pair of Q's 16-bit columns put in its e4m3-fragment
+// slot, SplitKvTileLoader::load_q).
+__forceinline__ __device__ void cp_async_4_or_zero(void* smem_dst, const void* gmem_src,
+                                                   bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(gmem_src), "r"(src_size));
+}
+
 // Global -> shared copy of a tile whose rows live at unrelated addresses:
 // row_ptr(tile_row) gives the first element of a row. Rows at or past
 // num_rows and columns past head_dim are zero-filled.

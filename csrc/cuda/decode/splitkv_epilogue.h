@@ -66,11 +66,24 @@ struct SplitKvEpilogue {
         row_stats[tile_row * kWarpsN + warp_n] = make_float2(softmax.row_max[mi], row_sum);
       }
       float* part_row = o_parts + (warp_n * kBlockM + tile_row) * kPartStride + vcol0;
-      CUTE_UNROLL
-      for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 2) {
-        const int col = cute::get<1>(tOcO_rowcol(0, ni));
-        *reinterpret_cast<float2*>(part_row + col) =
-            make_float2(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 1));
+      if constexpr (Traits::kFragmentsFromStage) {
+        // n-blocks 2h and 2h + 1 hold the even and odd columns of slice h
+        // (SplitKvMma::pv_from_stage): a thread's four values of a row there
+        // are columns 16h + 4t .. 16h + 4t + 3, in the order below.
+        CUTE_UNROLL
+        for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 4) {
+          const int col = ni / 4 * 16 + 4 * (lane % 4);
+          *reinterpret_cast<float4*>(part_row + col) =
+              make_float4(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 2),
+                          acc_o_rowcol(mi, ni + 1), acc_o_rowcol(mi, ni + 3));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 2) {
+          const int col = cute::get<1>(tOcO_rowcol(0, ni));
+          *reinterpret_cast<float2*>(part_row + col) =
+              make_float2(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 1));
+        }
       }
     }
   }

@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     for (int n_block = it.n_block_max - 1; n_block >= it.n_block_min; --n_block) {
       cute::cp_async_wait<kStages - 1>();
-      if constexpr (Traits::kCacheFp8) loader.convert_stage(stage);
+      if constexpr (Traits::kCacheFp8 && !Traits::kFragmentsFromStage) loader.convert_stage(stage);
       __syncthreads();
       if (warp_has_rows) {
         // (MMA,MMA_M,MMA_N)

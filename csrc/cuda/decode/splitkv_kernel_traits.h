@@ -114,9 +114,27 @@ struct SplitKvKernelTraits {
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kTilesPerStage * kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeScoreExchange = kSplitScores ? 4 * kNWarps * 16 * kSlabN : 0;
+  // Over an e4m3 cache: the warps load their K and V fragments from the
+  // staged bytes and convert them in registers (splitkv_fragments_from_stage;
+  // docs/fp8.md, "Next: fragments straight from the e4m3 stage").
+  static constexpr bool kFragmentsFromStage =
+      splitkv_fragments_from_stage(kHeadDim, kWarpsN, kVInK, kCacheFp8);
+  // The staged bytes of a K or V tile there, slab by slab like the 16-bit
+  // tiles: rows of 64-byte atoms of 8 rows whose 16-byte units are swizzled
+  // by the row (bits 4-5 by bits 7-8), so that the 8 rows ldmatrix reads at
+  // one unit lie on distinct banks, and a copy's 8 bytes stay in one unit.
+  using SmemLayoutStagingAtom =
+      decltype(composition(Swizzle<2, 4, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  using SmemLayoutStagingSlab =
+      decltype(tile_to_shape(SmemLayoutStagingAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
+  using SmemLayoutStaging =
+      decltype(tile_to_shape(SmemLayoutStagingSlab{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  static_assert(!kFragmentsFromStage || (kSlabN % 16 == 0 && kHeadDim % 64 == 0),
+                "whole 16-key steps of P V and 64-byte atoms across a row");
   // Element tile sets the products read: one per stage, or with an e4m3
-  // cache the one its stages are converted into (and the stages' own bytes).
-  static constexpr int kTileSets = kCacheFp8 ? 1 : kStages;
+  // cache the one its stages are converted into (and the stages' own bytes),
+  // or none where the fragments come from the stage.
+  static constexpr int kTileSets = kFragmentsFromStage ? 0 : (kCacheFp8 ? 1 : kStages);
   static constexpr int kSmemSizeStaging =
       kCacheFp8 ? kStages * kTilesPerStage * kBlockN * kHeadDim : 0;
   static constexpr int kSmemSize =

@@ -12,6 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/mask_rule.h"
+#include "cuda/core/fp8_fragments.h"
 #include "cuda/core/paged_rows.h"
 #include "cuda/core/params.h"
 #include "cuda/core/score_mods.h"
@@ -117,6 +118,12 @@ struct SplitKvSmem {
   __device__ uint8_t* staging(int stage, int v) const {
     return reinterpret_cast<uint8_t*>(past_q_slots()) +
            (kTilesPerStage * stage + v * kVTileOffset) * kTileElems;
+  }
+  // Traits::kFragmentsFromStage: this warp's slab of a stage's staged K (v =
+  // 0) or V (v = 1) bytes, (kSlabN, D), in Traits::SmemLayoutStagingSlab.
+  __device__ auto staging_slab(int stage, int v) const {
+    return make_tensor(make_smem_ptr(staging(stage, v) + warp_n * Traits::kKVSlabElems),
+                       typename Traits::SmemLayoutStagingSlab{});
   }
 };
 
@@ -348,6 +355,10 @@ struct SplitKvMma {
   // addition commutes, so both hold the same bits of S.
   template <typename TensorAccS, typename TensorSsQ>
   __forceinline__ __device__ void qk(TensorAccS& acc_s, const TensorSsQ& tSsQ, int stage) const {
+    if constexpr (Traits::kFragmentsFromStage) {
+      qk_from_stage(acc_s, tSsQ, stage);
+      return;
+    }
     clear(acc_s);
     Tensor tSsK = w.smem_thr_copy_K.partition_S(smem_tiles.slab_k(stage));  // (CPY,CPY_N,CPY_K)
     if constexpr (Traits::kSplitScores) {
@@ -384,6 +395,77 @@ struct SplitKvMma {
     for (int e = 0; e < kElems; ++e) acc_s(e) += exchange[((1 - warp_v) * kElems + e) * 32 + lane];
   }
 
+  // Traits::kFragmentsFromStage: acc_s = Q K^T with K's fragments read from
+  // the warp's slab of staged e4m3 bytes (ldmatrix over byte pairs, one
+  // matrix an 8-key block of a 16-column slice) and converted in registers,
+  // a slice at a time; Q's slots hold the column order they come in
+  // (core/fp8_fragments.h).
+  template <typename TensorAccS, typename TensorSsQ>
+  __forceinline__ __device__ void qk_from_stage(TensorAccS& acc_s, const TensorSsQ& tSsQ,
+                                                int stage) const {
+    constexpr int kSlices = decltype(size<2>(f.tSrK))::value;   // MMA_K: 16 columns each
+    constexpr int kNBlocks = decltype(size<1>(f.tSrK))::value;  // MMA_N: 8 keys each
+    static_assert(kSlices == Traits::kHeadDim / 16 && kNBlocks == kSlabN / 8);
+    constexpr int kMatrices = kNBlocks % 4 == 0 ? 4 : (kNBlocks % 2 == 0 ? 2 : 1);
+    using Element = typename Traits::Element;
+    clear(acc_s);
+    const int lane = threadIdx.x % 32;
+    Tensor sK = smem_tiles.staging_slab(stage, 0);                 // (kSlabN,D) bytes
+    Tensor tSrQ_copy_view = w.smem_thr_copy_Q.retile_D(f.tSrQ);  // (CPY,CPY_M,CPY_K)
+    CUTE_UNROLL
+    for (int i = 0; i < kSlices; ++i) {
+      copy(w.smem_tiled_copy_Q, tSsQ(_, _, i), tSrQ_copy_view(_, _, i));
+      CUTE_UNROLL
+      for (int j0 = 0; j0 < kNBlocks; j0 += kMatrices) {
+        // Lane l gives row l % 8 of matrix l / 8: key block j0 + l / 8.
+        const int key = 8 * (j0 + lane / 8 % kMatrices) + lane % 8;
+        uint32_t r[kMatrices];
+        ldsm_b16<kMatrices, false>(cute::cast_smem_ptr_to_uint(&sK(key, 16 * i)), r);
+        CUTE_UNROLL
+        for (int q = 0; q < kMatrices; ++q) {
+          Tensor b = recast<uint32_t>(f.tSrK(_, j0 + q, i));  // the two registers of B
+          e4m3x4_to<Element>(r[q], b(0), b(1));
+        }
+      }
+      cute::gemm(w.warp_mma, f.tSrQ(_, _, i), f.tSrK(_, _, i), acc_s);
+    }
+  }
+
+  // Traits::kFragmentsFromStage: acc_o += P V with V's fragments read from
+  // the warp's slab of staged e4m3 bytes by ldmatrix.trans and converted in
+  // registers to Traits::ElementV (float16), a 16-key step at a time. One
+  // x4 covers two 16-column slices of a step's 16 keys; each slice feeds two
+  // MMAs, the n-blocks 2h (its even columns) and 2h + 1 (its odd ones), so
+  // O's accumulator holds the columns in that order (SplitKvEpilogue).
+  template <typename TensorP>
+  __forceinline__ __device__ void pv_from_stage(const TensorP& tOrP, int stage) const {
+    constexpr int kSteps = decltype(size<2>(f.tOrVt))::value;    // MMA_K: 16 keys each
+    constexpr int kNBlocks = decltype(size<1>(f.tOrVt))::value;  // MMA_N: 8 columns each
+    static_assert(kSteps == kSlabN / 16 && kNBlocks == Traits::kHeadDimV / 8 && kNBlocks % 4 == 0);
+    using ElementV = typename Traits::ElementV;
+    const int lane = threadIdx.x % 32;
+    Tensor sV = smem_tiles.staging_slab(stage, 1);  // (kSlabN,Dv) bytes
+    CUTE_UNROLL
+    for (int kk = 0; kk < kSteps; ++kk) {
+      CUTE_UNROLL
+      for (int h = 0; h < kNBlocks / 2; h += 2) {
+        // Matrix q = lane / 8: keys 16 kk + 8 (q % 2) on, columns 16 (h + q / 2) on.
+        const int q = lane / 8;
+        const int key = 16 * kk + 8 * (q % 2) + lane % 8;
+        uint32_t r[4];
+        ldsm_b16<4, true>(cute::cast_smem_ptr_to_uint(&sV(key, 16 * (h + q / 2))), r);
+        CUTE_UNROLL
+        for (int s = 0; s < 2; ++s) {  // slice h + s: keys 0-7 in r[2s], 8-15 in r[2s + 1]
+          Tensor even = recast<uint32_t>(f.tOrVt(_, 2 * (h + s), kk));
+          Tensor odd = recast<uint32_t>(f.tOrVt(_, 2 * (h + s) + 1, kk));
+          e4m3x4_to<ElementV>(e4m3_key_pairs(r[2 * s]), even(0), odd(0));
+          e4m3x4_to<ElementV>(e4m3_key_pairs(r[2 * s + 1]), even(1), odd(1));
+        }
+      }
+      cute::gemm(w.warp_mma_pv, tOrP(_, _, kk), f.tOrVt(_, _, kk), f.acc_o);
+    }
+  }
+
   // The online softmax of the scores (acc_s seen as (ROW,COL)), then
   // acc_o += P V with the warp's part of its slab of the V tile in `stage`.
   template <typename TensorAccS, typename TensorScores, typename Softmax>
@@ -396,6 +478,10 @@ struct SplitKvMma {
     Tensor rP = convert_type<typename Traits::ElementV>(acc_s);  // (MMA,MMA_M,MMA_N)
     // (MMA,MMA_M,MMA_K), K = the slab's keys
     Tensor tOrP = make_tensor(rP.data(), acc_layout_as_operand_a(rP.layout()));
+    if constexpr (Traits::kFragmentsFromStage) {
+      pv_from_stage(tOrP, stage);
+      return;
+    }
     Tensor tOsVt = w.smem_thr_copy_V.partition_S(smem_tiles.slab_vt(stage));  // (CPY,CPY_D,CPY_K)
     // The softmax rescales the rows of O by the rows of S; MMA_K of P V.
     CUTE_STATIC_ASSERT_V(size<0>(scores) == size<0>(acc_o_rowcol));

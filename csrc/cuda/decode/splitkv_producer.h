@@ -16,6 +16,7 @@
 #include <cute/tensor.hpp>
 
 #include "cuda/core/fp8_convert.h"
+#include "cuda/core/fp8_fragments.h"
 #include "cuda/core/index_guards.h"
 #include "cuda/core/params.h"
 #include "cuda/decode/splitkv_mainloop.h"
@@ -135,8 +136,38 @@ struct SplitKvTileLoader {
       return q_base + int64_t(packed.query) * params.q.row_stride +
              int64_t(packed.head_in_group) * params.q.head_stride;
     };
-    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));  // (CPY,CPY_M,CPY_D)
-    copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
+    if constexpr (Traits::kFragmentsFromStage) {
+      load_q_in_e4m3_slots(smem_tiles.slot_q(slot), it.rows_left, q_base, q_row);
+    } else {
+      Tensor tQsQ = gmem_thr_copy_QKV.partition_D(smem_tiles.slot_q(slot));  // (CPY,CPY_M,CPY_D)
+      copy_rows_async(tQsQ, tQcQ, it.rows_left, params.head_dim, q_base, q_row);
+    }
+  }
+
+  // Traits::kFragmentsFromStage: Q with the column pairs of each 16-column
+  // slice in the slots where the K fragments read from e4m3 bytes put theirs
+  // (e4m3_column_pair_slot, core/fp8_fragments.h), 4 bytes a copy; rows at or
+  // past num_rows and columns past head_dim are zero-filled.
+  template <typename TensorSQ, typename RowPtr>
+  __device__ void load_q_in_e4m3_slots(TensorSQ sQ, int num_rows, const Element* any_address,
+                                       RowPtr row_ptr) const {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tQcQ); ++m) {
+      const int row = get<0>(tQcQ(0, m, 0));
+      const bool row_ok = row < num_rows;
+      const Element* src_row = row_ok ? row_ptr(row) : any_address;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tQcQ); ++k) {
+        const int col = get<1>(tQcQ(0, m, k));  // a multiple of 8: four column pairs
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const int pair = col % 16 / 2 + j;
+          const int slot_col = col / 16 * 16 + 2 * e4m3_column_pair_slot(pair);
+          const bool ok = row_ok && col + 2 * j < params.head_dim;
+          cp_async_4_or_zero(&sQ(row, slot_col), ok ? src_row + col + 2 * j : any_address, ok);
+        }
+      }
+    }
   }
 
   // Paged cache: location of this thread's K/V copy rows of key block
@@ -188,7 +219,7 @@ struct SplitKvTileLoader {
   // the tiles and the one after them frees the set for the next stage.
   // e4m3 values are all float16 and bfloat16 values: the conversion is exact.
   __device__ void convert_stage(int stage) const {
-    static_assert(Traits::kCacheFp8);
+    static_assert(Traits::kCacheFp8 && !Traits::kFragmentsFromStage);
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_k(stage));  // (CPY,CPY_N,CPY_D)
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(smem_tiles.stage_v(stage));  // (CPY,CPY_N,CPY_D)
     const Element* const k_tile = raw_pointer_cast(smem_tiles.stage_k(stage).data());
@@ -247,7 +278,10 @@ struct SplitKvTileLoader {
         const bool k_ok = row_ok && col < params_.head_dim;
         const bool v_ok = row_ok && col < params_.head_dim_v;
         if constexpr (Traits::kCacheFp8) {
-          const int64_t at = &tKsK(0, m, k) - k_tile;
+          // The staged layout's byte, or the converted tile's element offset.
+          const int64_t at = Traits::kFragmentsFromStage
+                                 ? int64_t(typename Traits::SmemLayoutStaging{}(row, col))
+                                 : &tKsK(0, m, k) - k_tile;
           cp_async_8_or_zero(k_staging + at, k_row + col, k_ok);
           if constexpr (!Traits::kVInK) cp_async_8_or_zero(v_staging + at, v_row + col, v_ok);
         } else {

@@ -75,6 +75,21 @@ constexpr bool splitkv_splits_scores(int compiled_head_dim, bool v_in_k) {
   return splitkv_warps_v(compiled_head_dim) == 2 && (compiled_head_dim == 512 || v_in_k);
 }
 
+// Over an e4m3 cache, whether the warps read their MMA fragments straight from
+// the staged bytes (ldmatrix over byte pairs, converted in registers) instead
+// of from a 16-bit tile the block converts each stage into: the conversion's
+// trip through shared memory held the stream at half the bf16 kernel's
+// (docs/fp8.md, "Next: fragments straight from the e4m3 stage"). Head dims
+// whose rows are whole 64-byte swizzle atoms, a V tile of its own, one warp
+// for all of a row's value columns, and the decode variant: the 64-row
+// variant, whose warps each hold a whole tile's fragments, spilled 60-80
+// bytes at 255 registers (ptxas, d128 bf16) and keeps the converted tile.
+constexpr bool splitkv_fragments_from_stage(int compiled_head_dim, int warps_n, bool v_in_k,
+                                            bool fp8_cache) {
+  return fp8_cache && !v_in_k && warps_n > 1 && compiled_head_dim % 64 == 0 &&
+         splitkv_warps_v(compiled_head_dim) == 1;
+}
+
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
 // block per SM: 128 blocks of three stages streamed the cache faster than 256
@@ -131,10 +146,17 @@ constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool severa
   const int stages = splitkv_stages(compiled_head_dim, warps_n);
   const int tile_elems = splitkv_block_n(compiled_head_dim) * compiled_head_dim;
   const int staging_bytes = fp8_cache ? tiles_per_stage * stages * tile_elems : 0;
+  // 16-bit tile sets: one per stage, or over an e4m3 cache the one every stage
+  // converts into, or none where the warps read the staged bytes.
+  const int tile_sets =
+      !fp8_cache ? stages
+                 : (splitkv_fragments_from_stage(compiled_head_dim, warps_n, v_in_k, fp8_cache)
+                        ? 0
+                        : 1);
   const int tiles =
       staging_bytes +
       2 * compiled_head_dim *
-          (tiles_per_stage * (fp8_cache ? 1 : stages) * splitkv_block_n(compiled_head_dim) +
+          (tiles_per_stage * tile_sets * splitkv_block_n(compiled_head_dim) +
            splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
                splitkv_block_m(compiled_head_dim, warps_n)) +
       splitkv_score_exchange_bytes(compiled_head_dim, warps_n, v_in_k);
@@ -171,8 +193,10 @@ static_assert(splitkv_decode_warps_n(512) == 2 && splitkv_block_m(512, 2) == 16 
               "exchange, an sm80 block");
 static_assert(splitkv_decode_warps_n(576) == 2 && splitkv_smem_bytes(576, 2) <= 163 * 1024,
               "absorbed MLA's 576: the same split, an sm80 block");
-static_assert(splitkv_smem_bytes(128, 4, false, false, true) == 3 * 16384 + 32768 + 4096,
-              "d128 over an e4m3 cache: three 16 KB staging stages, one 32 KB tile set, Q");
+static_assert(splitkv_smem_bytes(128, 4, false, false, true) == 3 * 16384 + 4096 &&
+                  splitkv_smem_bytes(96, 4, false, false, true) == 6 * 6144 + 4 * 6144 + 3072,
+              "over an e4m3 cache: d128 three 16 KB staging stages and Q; d96 (rows not whole "
+              "64-byte atoms) also the 16-bit tile set its stages convert into");
 static_assert(splitkv_smem_bytes(576, 2, false, true) == 92160 + 4096 &&
                   2 * (splitkv_smem_bytes(576, 2, false, true) + 1024) <= 228 * 1024,
               "576 with V read in the K tile and the score exchange: two blocks an sm90 SM");
