@@ -30,6 +30,12 @@ FP8 = torch.float8_e4m3fn
 ops = torch.ops.flash_attn
 
 
+def skip_below_sm89(what):
+    """Skips the calling CUDA test on a GPU older than FP8's compute capability 8.9."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"{what} needs a GPU of compute capability 8.9 or newer")
+
+
 def fp8_rand(*shape, amax=6.0):
     """Random e4m3 values spread over [-amax, amax] (normal and subnormal)."""
     return (torch.randn(*shape) * (amax / 3)).clamp(-amax, amax).to(FP8)

@@ -22,6 +22,7 @@ import torch
 import reference as ref
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
 from test_cpu_fp8 import (
+    skip_below_sm89,
     FEATURES,
     FIXED_SHAPES,
     check_out_lse,
@@ -38,8 +39,7 @@ DEVICE = "cuda"
 
 @pytest.fixture(autouse=True)
 def _needs_sm89():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 attention on CUDA needs a GPU of compute capability 8.9 or newer")
+    skip_below_sm89("FP8 attention on CUDA")
 
 
 def cuda(t):

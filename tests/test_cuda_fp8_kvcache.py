@@ -20,6 +20,7 @@ import torch
 import reference as ref
 from flash_attn_cuda import flash_attn_with_kvcache
 from test_cpu_fp8 import (
+    skip_below_sm89,
     check_append_quantises_what_a_16_bit_cache_holds,
     descales,
     kvcache_reference,
@@ -33,8 +34,7 @@ DEVICE = "cuda"
 
 @pytest.fixture(autouse=True)
 def _needs_sm89():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("an FP8 KV cache needs a GPU of compute capability 8.9 or newer")
+    skip_below_sm89("an FP8 KV cache")
 
 
 def run_cuda_and_cpu(q, k_cache, v_cache, table, seqlens, k_s, v_s, num_splits=0, **features):
