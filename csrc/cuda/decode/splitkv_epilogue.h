@@ -74,8 +74,8 @@ struct SplitKvEpilogue {
         for (int ni = 0; ni < cute::size<1>(acc_o_rowcol); ni += 4) {
           const int col = ni / 4 * 16 + 4 * (lane % 4);
           *reinterpret_cast<float4*>(part_row + col) =
-              make_float4(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 2),
-                          acc_o_rowcol(mi, ni + 1), acc_o_rowcol(mi, ni + 3));
+              make_float4(acc_o_rowcol(mi, ni), acc_o_rowcol(mi, ni + 2), acc_o_rowcol(mi, ni + 1),
+                          acc_o_rowcol(mi, ni + 3));
         }
       } else {
         CUTE_UNROLL

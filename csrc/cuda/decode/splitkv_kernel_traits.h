@@ -137,8 +137,13 @@ struct SplitKvKernelTraits {
   static constexpr int kTileSets = kFragmentsFromStage ? 0 : (kCacheFp8 ? 1 : kStages);
   static constexpr int kSmemSizeStaging =
       kCacheFp8 ? kStages * kTilesPerStage * kBlockN * kHeadDim : 0;
-  static constexpr int kSmemSize =
+  static constexpr int kSmemSizeTiles =
       kSmemSizeQ + kTileSets * kSmemSizeKV + kSmemSizeScoreExchange + kSmemSizeStaging;
+  // A block of one item merges its warps' rows in the same bytes at the end
+  // (SplitKvMergeSchedule); the staged fragments alone can be fewer (d256).
+  static constexpr int kSmemSize = kSmemSizeTiles < splitkv_merge_bytes(kHeadDim, kWarpsN)
+                                       ? splitkv_merge_bytes(kHeadDim, kWarpsN)
+                                       : kSmemSizeTiles;
 };
 
 }  // namespace flash

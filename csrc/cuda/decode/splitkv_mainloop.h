@@ -410,7 +410,7 @@ struct SplitKvMma {
     using Element = typename Traits::Element;
     clear(acc_s);
     const int lane = threadIdx.x % 32;
-    Tensor sK = smem_tiles.staging_slab(stage, 0);                 // (kSlabN,D) bytes
+    Tensor sK = smem_tiles.staging_slab(stage, 0);               // (kSlabN,D) bytes
     Tensor tSrQ_copy_view = w.smem_thr_copy_Q.retile_D(f.tSrQ);  // (CPY,CPY_M,CPY_K)
     CUTE_UNROLL
     for (int i = 0; i < kSlices; ++i) {

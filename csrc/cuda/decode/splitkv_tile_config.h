@@ -80,14 +80,15 @@ constexpr bool splitkv_splits_scores(int compiled_head_dim, bool v_in_k) {
 // of from a 16-bit tile the block converts each stage into: the conversion's
 // trip through shared memory held the stream at half the bf16 kernel's
 // (docs/fp8.md, "Next: fragments straight from the e4m3 stage"). Head dims
-// whose rows are whole 64-byte swizzle atoms, a V tile of its own, one warp
-// for all of a row's value columns, and the decode variant: the 64-row
-// variant, whose warps each hold a whole tile's fragments, spilled 60-80
-// bytes at 255 registers (ptxas, d128 bf16) and keeps the converted tile.
+// 64 and 128 (rows of whole 64-byte swizzle atoms, a V tile of their own)
+// in the decode variant. The 64-row variant, whose warps each hold a whole
+// tile's fragments, spilled 60-80 bytes at 255 registers (ptxas, d128 bf16),
+// and d192 / d256, whose warps hold 16 rows of O at 96 / 128 fp32 registers,
+// 16-94 bytes: those keep the converted tile.
 constexpr bool splitkv_fragments_from_stage(int compiled_head_dim, int warps_n, bool v_in_k,
                                             bool fp8_cache) {
-  return fp8_cache && !v_in_k && warps_n > 1 && compiled_head_dim % 64 == 0 &&
-         splitkv_warps_v(compiled_head_dim) == 1;
+  return fp8_cache && !v_in_k && warps_n > 1 &&
+         (compiled_head_dim == 64 || compiled_head_dim == 128);
 }
 
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
@@ -149,18 +150,19 @@ constexpr int splitkv_smem_bytes(int compiled_head_dim, int warps_n, bool severa
   // 16-bit tile sets: one per stage, or over an e4m3 cache the one every stage
   // converts into, or none where the warps read the staged bytes.
   const int tile_sets =
-      !fp8_cache ? stages
-                 : (splitkv_fragments_from_stage(compiled_head_dim, warps_n, v_in_k, fp8_cache)
-                        ? 0
-                        : 1);
-  const int tiles =
-      staging_bytes +
-      2 * compiled_head_dim *
-          (tiles_per_stage * tile_sets * splitkv_block_n(compiled_head_dim) +
-           splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
-               splitkv_block_m(compiled_head_dim, warps_n)) +
-      splitkv_score_exchange_bytes(compiled_head_dim, warps_n, v_in_k);
-  return several_items ? tiles + splitkv_merge_bytes(compiled_head_dim, warps_n) : tiles;
+      !fp8_cache
+          ? stages
+          : (splitkv_fragments_from_stage(compiled_head_dim, warps_n, v_in_k, fp8_cache) ? 0 : 1);
+  const int tiles = staging_bytes +
+                    2 * compiled_head_dim *
+                        (tiles_per_stage * tile_sets * splitkv_block_n(compiled_head_dim) +
+                         splitkv_q_slots(compiled_head_dim, warps_n, several_items) *
+                             splitkv_block_m(compiled_head_dim, warps_n)) +
+                    splitkv_score_exchange_bytes(compiled_head_dim, warps_n, v_in_k);
+  // A block of one item merges in its tiles' bytes, which with the e4m3
+  // fragments read from the stage can be fewer than the merge's (d256).
+  const int merge = splitkv_merge_bytes(compiled_head_dim, warps_n);
+  return several_items ? tiles + merge : (tiles < merge ? merge : tiles);
 }
 // Longest append the split-KV kernel does itself (params.append_in_attention:
 // a decode step, or a few speculative tokens). Its new rows are the last
