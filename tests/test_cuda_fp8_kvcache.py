@@ -37,26 +37,30 @@ def _needs_sm89():
     skip_below_sm89("an FP8 KV cache")
 
 
+def on(t, device):
+    """t on device; None stays None."""
+    return None if t is None else t.to(device)
+
+
 def run_cuda_and_cpu(q, k_cache, v_cache, table, seqlens, k_s, v_s, num_splits=0, **features):
     """The same call on CUDA and on the CPU; both (out, lse)."""
     results = []
     for device in (DEVICE, "cpu"):
-
-        def to(t, device=device):
-            return None if t is None else t.to(device)
-
         results.append(
             flash_attn_with_kvcache(
-                to(q),
-                to(k_cache),
-                to(v_cache),
-                cache_seqlens=to(seqlens),
-                block_table=to(table),
-                k_descale=to(k_s),
-                v_descale=to(v_s),
+                on(q, device),
+                on(k_cache, device),
+                on(v_cache, device),
+                cache_seqlens=on(seqlens, device),
+                block_table=on(table, device),
+                k_descale=on(k_s, device),
+                v_descale=on(v_s, device),
                 num_splits=num_splits if device == DEVICE else 0,
                 return_softmax_lse=True,
-                **{k: to(v) if isinstance(v, torch.Tensor) else v for k, v in features.items()},
+                **{
+                    k: on(v, device) if isinstance(v, torch.Tensor) else v
+                    for k, v in features.items()
+                },
             )
         )
     return results
@@ -187,21 +191,18 @@ def test_append_quantises_as_the_cpu_op(page_size, dtype, rotary):
     for device in (DEVICE, "cpu"):
         kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)
 
-        def to(t, device=device):
-            return None if t is None else t.to(device)
-
         out, lse = flash_attn_with_kvcache(
-            to(q),
+            on(q, device),
             kc,
             vc,
-            to(k_new),
-            to(v_new),
-            cache_seqlens=to(cache_seqlens),
-            block_table=to(table),
-            k_descale=to(k_s),
-            v_descale=to(v_s),
+            on(k_new, device),
+            on(v_new, device),
+            cache_seqlens=on(cache_seqlens, device),
+            block_table=on(table, device),
+            k_descale=on(k_s, device),
+            v_descale=on(v_s, device),
             return_softmax_lse=True,
-            **{k: to(v) for k, v in extra.items()},
+            **{k: on(v, device) for k, v in extra.items()},
         )
         caches.append((kc.cpu(), vc.cpu()))
         outs.append((out.cpu(), lse.cpu()))
