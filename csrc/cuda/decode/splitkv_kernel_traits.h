@@ -125,10 +125,13 @@ struct SplitKvKernelTraits {
   // one unit lie on distinct banks, and a copy's 8 bytes stay in one unit.
   using SmemLayoutStagingAtom =
       decltype(composition(Swizzle<2, 4, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  // Other instances (d160's rows are no whole number of atoms) never read
+  // these layouts: they get one atom's width so that the types still exist.
+  static constexpr int kStagingCols = kFragmentsFromStage ? kHeadDim : 64;
   using SmemLayoutStagingSlab =
-      decltype(tile_to_shape(SmemLayoutStagingAtom{}, Shape<Int<kSlabN>, Int<kHeadDim>>{}));
+      decltype(tile_to_shape(SmemLayoutStagingAtom{}, Shape<Int<kSlabN>, Int<kStagingCols>>{}));
   using SmemLayoutStaging =
-      decltype(tile_to_shape(SmemLayoutStagingSlab{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+      decltype(tile_to_shape(SmemLayoutStagingSlab{}, Shape<Int<kBlockN>, Int<kStagingCols>>{}));
   static_assert(!kFragmentsFromStage || (kSlabN % 16 == 0 && kHeadDim % 64 == 0),
                 "whole 16-key steps of P V and 64-byte atoms across a row");
   // Element tile sets the products read: one per stage, or with an e4m3

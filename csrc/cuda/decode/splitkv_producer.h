@@ -279,9 +279,12 @@ struct SplitKvTileLoader {
         const bool v_ok = row_ok && col < params_.head_dim_v;
         if constexpr (Traits::kCacheFp8) {
           // The staged layout's byte, or the converted tile's element offset.
-          const int64_t at = Traits::kFragmentsFromStage
-                                 ? int64_t(typename Traits::SmemLayoutStaging{}(row, col))
-                                 : &tKsK(0, m, k) - k_tile;
+          int64_t at;
+          if constexpr (Traits::kFragmentsFromStage) {
+            at = typename Traits::SmemLayoutStaging{}(row, col);
+          } else {
+            at = &tKsK(0, m, k) - k_tile;
+          }
           cp_async_8_or_zero(k_staging + at, k_row + col, k_ok);
           if constexpr (!Traits::kVInK) cp_async_8_or_zero(v_staging + at, v_row + col, v_ok);
         } else {
