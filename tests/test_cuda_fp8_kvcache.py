@@ -125,6 +125,32 @@ def test_head_dims(d):
     check(out, lse, q, k_cache, v_cache, k_s, v_s, seqlens, table, cpu_out)
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_q_past_float16_range(page_size, d):
+    """With bfloat16 q the e4m3 decode variant at d64 / d128 runs Q K^T in
+    float16, Q scaled by a power of two a block (docs/fp8.md, "Q K^T in
+    float16"): heads far above float16's range (2^20) and far below it (2^-30)
+    share a block with ordinary ones, and a head with an infinity leaves the
+    others as they are."""
+    batch, capacity, nheads, nheads_k = 2, 150, 8, 2
+    k_cache, v_cache, table = make_cache(batch, capacity, nheads_k, d, page_size)
+    seqlens = torch.tensor([150, 37], dtype=torch.int32)
+    q = torch.randn(batch, 1, nheads, d)
+    q[:, :, 0] *= 2.0**20
+    q[:, :, 1] *= 2.0**-30
+    q = q.to(torch.bfloat16)
+    k_s, v_s = descales(batch, nheads_k), descales(batch, nheads_k)
+    (out, lse), (cpu_out, _) = run_cuda_and_cpu(q, k_cache, v_cache, table, seqlens, k_s, v_s)
+    check(out, lse, q, k_cache, v_cache, k_s, v_s, seqlens, table, cpu_out)
+
+    q_inf = q.clone()
+    q_inf[:, :, 3, 5] = float("inf")
+    (out_inf, _), _ = run_cuda_and_cpu(q_inf, k_cache, v_cache, table, seqlens, k_s, v_s)
+    others = [h for h in range(nheads) if h != 3]
+    assert torch.equal(out_inf[:, :, others], out[:, :, others])
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_split_counts_agree(num_splits):
     """Splits change only the fp32 merge order: each split count meets the criterion."""

@@ -165,6 +165,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     static_assert(!kSeveralItems && !kAppends, "an e4m3 cache: one item a block, no append");
     k_descale = kvcache_descale(params.k_descale_ptr, params.k_descale, first_item);
     v_descale = kvcache_descale(params.v_descale_ptr, params.v_descale, first_item);
+    if constexpr (Traits::kQInHalf) {
+      // Q came with the first tile's copies (block-uniform: one item).
+      if (first_item.has_keys()) {
+        cute::cp_async_wait<kStages - 1>();
+        k_descale *= smem_tiles.q_slot_to_half(0, tidx);
+      }
+    }
   }
   using ScoreScale = SplitKvScoreScale<kWithScoreExtras, Traits::kCacheFp8>;
   const ScoreScale scale = [&] {

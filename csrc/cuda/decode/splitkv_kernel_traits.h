@@ -62,12 +62,27 @@ struct SplitKvKernelTraits {
   static_assert(kWarpsV == 1 || kWarpsN > 1, "the 64-row variant keeps O whole in each warp");
   static_assert(kBlockM == splitkv_block_m(kHeadDim, kWarpsN) || kWarpsN == 1);
 
+  // Over an e4m3 cache: the warps load their K and V fragments from the
+  // staged bytes and convert them in registers (splitkv_fragments_from_stage;
+  // docs/fp8.md, "Fragments straight from the e4m3 stage").
+  static constexpr bool kFragmentsFromStage =
+      splitkv_fragments_from_stage(kHeadDim, kWarpsN, kVInK, kCacheFp8);
+  // The element of Q K^T: q's, but float16 with bfloat16 q where K's
+  // fragments come from the stage. e4m3 converts to float16 in one
+  // instruction a pair and to bfloat16 in four; Q's slot is rewritten in
+  // float16 times a power of two that keeps its values in range, once a
+  // block (q_slot_to_half; docs/fp8.md, "Q K^T in float16").
+  static constexpr bool kQInHalf =
+      kFragmentsFromStage && std::is_same_v<Element, cutlass::bfloat16_t>;
+  using ElementQK = std::conditional_t<kQInHalf, cutlass::half_t, Element>;
+
   // MMA atom, swizzle atom and copies as in the SM80 forward kernel's
   // traits (of a 64-row tile, which no part used here depends on).
   using FwdTraits = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, Element>;
-  using MmaAtom = typename FwdTraits::MmaAtom;
-  // One warp's MMA: 16 rows x 16 (k16 steps of P V read 16 keys).
-  using WarpMma = TiledMMA<MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+  using FwdTraitsQK = FwdKernelTraits<kHeadDim, 16 * kNWarps, kBlockN, kNWarps, ElementQK>;
+  // One warp's MMA of Q K^T: 16 rows x 16 (k16 steps of P V read 16 keys).
+  using WarpMma =
+      TiledMMA<typename FwdTraitsQK::MmaAtom, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
   // The element of the V tile and of P in P V: q's, but float16 over an
   // e4m3 cache with bfloat16 q and a V tile of its own. e4m3 converts to
   // float16 in one instruction a pair (cvt.rn.f16x2.e4m3x2) and to bfloat16
@@ -114,11 +129,6 @@ struct SplitKvKernelTraits {
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeKV = kTilesPerStage * kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemSizeScoreExchange = kSplitScores ? 4 * kNWarps * 16 * kSlabN : 0;
-  // Over an e4m3 cache: the warps load their K and V fragments from the
-  // staged bytes and convert them in registers (splitkv_fragments_from_stage;
-  // docs/fp8.md, "Next: fragments straight from the e4m3 stage").
-  static constexpr bool kFragmentsFromStage =
-      splitkv_fragments_from_stage(kHeadDim, kWarpsN, kVInK, kCacheFp8);
   // The staged bytes of a K or V tile there, slab by slab like the 16-bit
   // tiles: rows of 64-byte atoms of 8 rows whose 16-byte units are swizzled
   // by the row (bits 4-5 by bits 7-8), so that the 8 rows ldmatrix reads at

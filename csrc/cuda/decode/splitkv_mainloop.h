@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <utility>
 
+#include <cuda_fp16.h>
+
 #include <cute/tensor.hpp>
 
 #include "common/mask_rule.h"
@@ -66,6 +68,50 @@ struct SplitKvSmem {
         warp_v(warp_v_) {}
 
   static __device__ int next_q_slot(int slot) { return slot + 1 == kQSlots ? 0 : slot + 1; }
+
+  // Traits::kQInHalf: Q slot `slot`, bfloat16 as copied, rewritten in place
+  // as float16 times 2^-e, where e puts the largest finite |q| of the slot in
+  // [2^14, 2^15) (clamped to [-100, 100]); returns 2^e, which the scores'
+  // scale takes. bfloat16's 8 significant bits fit float16's 11, so a value
+  // changes only where it lands below float16's normal range, 2^-28 of the
+  // largest and less. Infinities and NaNs stay what they are and set no
+  // scale. Every thread of the block calls it after its wait for Q's copies;
+  // the caller's next __syncthreads publishes the slot.
+  __device__ float q_slot_to_half(int slot, int tidx) const {
+    static_assert(Traits::kQInHalf && kQElems % (8 * 32) == 0);
+    constexpr int kChunks = kQElems / 8;  // of 16 bytes
+    uint4* const chunks = reinterpret_cast<uint4*>(q_smem + slot * kQElems);
+    __syncthreads();  // every thread's copies of Q have landed
+    // Each warp finds the same largest magnitude over the whole slot; the
+    // bits of a finite non-negative bfloat16 order as its value.
+    uint32_t max_bits = 0;
+    for (int c = tidx % 32; c < kChunks; c += 32) {
+      const uint4 chunk = chunks[c];
+      const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t bits = (words[i / 2] >> (16 * (i % 2))) & 0x7fffu;
+        if (bits < 0x7f80u && bits > max_bits) max_bits = bits;
+      }
+    }
+    max_bits = __reduce_max_sync(0xffffffffu, max_bits);
+    __syncthreads();                                // every warp has read the bfloat16 slot
+    const int exponent = int(max_bits >> 7) - 127;  // of the largest, -127 for subnormals
+    const int e = max_bits == 0 ? 0 : min(max(exponent - 14, -100), 100);
+    const float down = __int_as_float((127 - e) << 23);  // 2^-e
+    for (int c = tidx; c < kChunks; c += Traits::kNThreads) {
+      uint32_t words[4];
+      *reinterpret_cast<uint4*>(words) = chunks[c];
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const __half2 h = __floats2half2_rn(__uint_as_float(words[i] << 16) * down,
+                                            __uint_as_float(words[i] & 0xffff0000u) * down);
+        words[i] = reinterpret_cast<const uint32_t&>(h);
+      }
+      chunks[c] = *reinterpret_cast<const uint4*>(words);
+    }
+    return __int_as_float((127 + e) << 23);  // 2^e
+  }
   // (M, D) of a Q slot, (N, D) of a stage's K or V tile.
   __device__ auto slot_q(int slot) const {
     return make_tensor(make_smem_ptr(q_smem + slot * kQElems), typename Traits::SmemLayoutQ{});
@@ -407,7 +453,7 @@ struct SplitKvMma {
     constexpr int kNBlocks = decltype(size<1>(f.tSrK))::value;  // MMA_N: 8 keys each
     static_assert(kSlices == Traits::kHeadDim / 16 && kNBlocks == kSlabN / 8);
     constexpr int kMatrices = kNBlocks % 4 == 0 ? 4 : (kNBlocks % 2 == 0 ? 2 : 1);
-    using Element = typename Traits::Element;
+    using ElementQK = typename Traits::ElementQK;
     clear(acc_s);
     const int lane = threadIdx.x % 32;
     Tensor sK = smem_tiles.staging_slab(stage, 0);               // (kSlabN,D) bytes
@@ -424,7 +470,7 @@ struct SplitKvMma {
         CUTE_UNROLL
         for (int q = 0; q < kMatrices; ++q) {
           Tensor b = recast<uint32_t>(f.tSrK(_, j0 + q, i));  // the two registers of B
-          e4m3x4_to<Element>(r[q], b(0), b(1));
+          e4m3x4_to<ElementQK>(r[q], b(0), b(1));
         }
       }
       cute::gemm(w.warp_mma, f.tSrQ(_, _, i), f.tSrK(_, _, i), acc_s);
