@@ -1130,15 +1130,21 @@ def test_decode_min_splits():
         decode(1, 1, 64, 4, 4, 128, min_splits=0)
 
 
-def test_fp8_cache_runs_two_blocks_an_sm():
+def test_fp8_cache_runs_three_blocks_an_sm():
     """A contiguous 16-bit cache with long runs of keys streams one block an
     SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache
-    launches with its stages' 53,248 B, two blocks an SM, and counts its
-    splits for two, so batch 16 x 8 kv heads (128 items) splits in two to fill
-    the SMs' 2 x 132 slots (PERF_LOG 2026-11-30 "FP8 KV cache, measured")."""
+    launches with its stages' 53,248 B, and its decode variant's plain kernels,
+    held to 168 registers, run three blocks an SM (splitkv_max_blocks_per_sm):
+    batch 16 x 8 kv heads (128 items) splits in three to fill the 3 x 132
+    slots. With score extras (softcap) the kernel keeps up to 255 registers,
+    two blocks an SM, two splits."""
     bf16 = decode(16, 1, 32768, 32, 8, 128)
     fp8 = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True)
     reserved = H100["reserved_smem_per_block"]
     assert 2 * (bf16["smem"] + reserved) > H100["smem_per_sm"] and bf16["splits"] == 1
-    assert fp8["smem"] == 53248 and 2 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
-    assert fp8["splits"] == 2 and fp8["grid"] == 256
+    assert fp8["smem"] == 53248 and 3 * (fp8["smem"] + reserved) <= H100["smem_per_sm"]
+    assert fp8["splits"] == 3 and fp8["grid"] == 384
+    capped = decode(16, 1, 32768, 32, 8, 128, fp8_cache=True, softcap=30.0)
+    assert capped["splits"] == 2 and capped["grid"] == 256
+    # The 64-row variant and head dims without fragments from the stage keep two.
+    assert decode(16, 1, 32768, 32, 8, 256, fp8_cache=True)["splits"] == 2

@@ -74,7 +74,10 @@ using namespace cute;
 // launch latency then overlaps this kernel instead of following it.
 template <typename Traits, bool kWithScoreExtras, CacheLayout kLayout, bool kSeveralItems,
           bool kAppends = false>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
+__global__ void __launch_bounds__(Traits::kNThreads,
+                                  splitkv_launch_min_blocks(Traits::kHeadDim, Traits::kWarpsN,
+                                                            Traits::kVInK, Traits::kCacheFp8,
+                                                            kWithScoreExtras))
     flash_fwd_splitkv_kernel(const KvcacheParams params) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;

@@ -91,6 +91,31 @@ constexpr bool splitkv_fragments_from_stage(int compiled_head_dim, int warps_n, 
          (compiled_head_dim == 64 || compiled_head_dim == 128);
 }
 
+// The split-KV blocks of 128 threads an SM holds at most by their registers:
+// two at up to 255 registers a thread, or three at up to 168 for the e4m3
+// decode variant at d128 that reads its fragments from the stage, without
+// score extras. Its plain kernels fit 168 registers without a spill (ptxas
+// bf16 and fp16: 183 / 200 registers at two blocks), where the score-extras
+// kernel spilled 118 bytes and d64's paged kernel 44; and at two blocks an SM
+// its stream over pages was bound by latency with two warps a scheduler
+// (docs/fp8.md, "Three blocks an SM").
+constexpr int splitkv_max_blocks_per_sm(int compiled_head_dim, int warps_n, bool v_in_k,
+                                        bool fp8_cache, bool score_extras) {
+  return compiled_head_dim == 128 &&
+                 splitkv_fragments_from_stage(compiled_head_dim, warps_n, v_in_k, fp8_cache) &&
+                 !score_extras
+             ? 3
+             : 2;
+}
+// The kernel's __launch_bounds__ minimum: three blocks where it must fit
+// them, else none (up to 255 registers a thread).
+constexpr int splitkv_launch_min_blocks(int compiled_head_dim, int warps_n, bool v_in_k,
+                                        bool fp8_cache, bool score_extras) {
+  return splitkv_max_blocks_per_sm(compiled_head_dim, warps_n, v_in_k, fp8_cache, score_extras) == 3
+             ? 3
+             : 1;
+}
+
 // (K tile, V tile) buffers: the next tiles' copies overlap this tile's math.
 // The decode variant keeps three tiles in flight and is meant to run one
 // block per SM: 128 blocks of three stages streamed the cache faster than 256

@@ -529,11 +529,13 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
 namespace {
 
 // Split-KV blocks of smem_bytes of dynamic shared memory that one SM holds at
-// once: 128 threads of at most 255 registers, so two always fit the register
-// file; shared memory may allow fewer.
-int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
+// once: as many as the registers allow (max_blocks, splitkv_max_blocks_per_sm:
+// two, or three for the e4m3 decode variant's plain kernels), shared memory
+// may allow fewer.
+int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device, int max_blocks = 2) {
   return std::clamp<int64_t>(
-      int64_t(device.smem_per_sm) / (smem_bytes + int64_t(device.reserved_smem_per_block)), 1, 2);
+      int64_t(device.smem_per_sm) / (smem_bytes + int64_t(device.reserved_smem_per_block)), 1,
+      max_blocks);
 }
 
 // Splits of the key range for num_splits = 0. Decode reads the cache once, so
@@ -555,7 +557,7 @@ int64_t splitkv_blocks_per_sm(int64_t smem_bytes, const DeviceDesc& device) {
 // count is honoured up to the same caps.
 int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_capacity,
                      int compiled_head_dim, int warps_n, bool paged, bool v_in_k, bool fp8_cache,
-                     const DeviceDesc& device, const char** reason) {
+                     bool score_extras, const DeviceDesc& device, const char** reason) {
   const int block_n = splitkv_block_n(compiled_head_dim);
   const int num_n_blocks = std::max(1, (cache_capacity + block_n - 1) / block_n);
   const int cap = std::min(kMaxKvSplits, num_n_blocks);
@@ -575,7 +577,9 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
       warps_n > 1 && !paged && !v_in_k && !fp8_cache
           ? 1
           : splitkv_blocks_per_sm(
-                splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache), device);
+                splitkv_smem_bytes(compiled_head_dim, warps_n, false, v_in_k, fp8_cache), device,
+                splitkv_max_blocks_per_sm(compiled_head_dim, warps_n, v_in_k, fp8_cache,
+                                          score_extras));
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * device.num_sms);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
   auto wave_efficiency = [&](int splits) {
@@ -759,9 +763,9 @@ DecodePlan plan_decode(const DecodeShape& shape, const DeviceDesc& device) {
   // score extras and no append (whose pre-kernel then runs first).
   plan.v_in_k = shape.v_in_k && splitkv_reads_v_in_k(compiled) && plan.warps_n > 1 &&
                 !shape.score_extras && !shape.appending && shape.rotary_dim == 0;
-  plan.num_splits = choose_kv_splits(shape.requested_splits, blocks_without_split,
-                                     shape.cache_capacity, compiled, plan.warps_n, shape.paged,
-                                     plan.v_in_k, shape.fp8_cache, device, &plan.reason);
+  plan.num_splits = choose_kv_splits(
+      shape.requested_splits, blocks_without_split, shape.cache_capacity, compiled, plan.warps_n,
+      shape.paged, plan.v_in_k, shape.fp8_cache, shape.score_extras, device, &plan.reason);
   // A split past the last key block has no keys: its item writes an empty
   // partial (lse -inf), which the combine weighs 0 (splitkv_work_item.h).
   if (plan.num_splits < shape.min_splits) {
