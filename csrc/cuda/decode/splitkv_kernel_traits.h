@@ -116,7 +116,7 @@ struct SplitKvKernelTraits {
   static constexpr int kSmemSizeScoreExchange = kSplitScores ? 4 * kNWarps * 16 * kSlabN : 0;
   // Over an e4m3 cache: the warps load their K and V fragments from the
   // staged bytes and convert them in registers (splitkv_fragments_from_stage;
-  // docs/fp8.md, "Next: fragments straight from the e4m3 stage").
+  // docs/fp8.md, "Fragments straight from the e4m3 stage").
   static constexpr bool kFragmentsFromStage =
       splitkv_fragments_from_stage(kHeadDim, kWarpsN, kVInK, kCacheFp8);
   // The staged bytes of a K or V tile there, slab by slab like the 16-bit
