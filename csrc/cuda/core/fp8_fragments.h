@@ -1,7 +1,7 @@
 // MMA fragments of m16n8k16 read straight from e4m3 bytes in shared memory
 // and converted in registers (the split-KV kernel over an e4m3 cache,
-// Traits::kFragmentsFromStage; docs/fp8.md, "Next: fragments straight from
-// the e4m3 stage"). ldmatrix reads the bytes as 16-bit pairs.
+// Traits::kFragmentsFromStage; docs/fp8.md, "Fragments straight from the
+// e4m3 stage"). ldmatrix reads the bytes as 16-bit pairs.
 //
 // B of Q K^T (K: key n, head-dim column k). ldmatrix without transpose gives
 // thread (g, t) = (lane / 4, lane % 4) bytes 4t..4t+3 of key g's 16 columns,

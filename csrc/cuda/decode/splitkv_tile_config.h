@@ -79,7 +79,7 @@ constexpr bool splitkv_splits_scores(int compiled_head_dim, bool v_in_k) {
 // the staged bytes (ldmatrix over byte pairs, converted in registers) instead
 // of from a 16-bit tile the block converts each stage into: the conversion's
 // trip through shared memory held the stream at half the bf16 kernel's
-// (docs/fp8.md, "Next: fragments straight from the e4m3 stage"). Head dims
+// (docs/fp8.md, "Fragments straight from the e4m3 stage"). Head dims
 // 64 and 128 (rows of whole 64-byte swizzle atoms, a V tile of their own)
 // in the decode variant. The 64-row variant, whose warps each hold a whole
 // tile's fragments, spilled 60-80 bytes at 255 registers (ptxas, d128 bf16),
