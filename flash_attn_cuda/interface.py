@@ -263,6 +263,12 @@ def _descale_kwargs(q_descale, k_descale, v_descale) -> dict:
     return {name: t for name, t in named.items() if t is not None}
 
 
+def _any_fp8(*tensors: torch.Tensor) -> bool:
+    # FP8 attention (q, k, v float8_e4m3fn) or an FP8 KV cache (k, v
+    # float8_e4m3fn under a 16-bit q): either is forward only.
+    return any(t.dtype == torch.float8_e4m3fn for t in tensors)
+
+
 def _fp8_backward_error(fn: str) -> RuntimeError:
     return RuntimeError(
         f"{fn}: the backward pass does not take float8_e4m3fn inputs: FP8 attention is "
@@ -345,7 +351,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         v_descale,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-        ctx.fp8 = q.dtype == torch.float8_e4m3fn
+        ctx.fp8 = _any_fp8(q, k, v)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.fwd(
             q_padded,
@@ -459,7 +465,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         v_descale,
     ):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-        ctx.fp8 = q.dtype == torch.float8_e4m3fn
+        ctx.fp8 = _any_fp8(q, k, v)
         q_padded, k_padded, v_padded = _prepare(q), _prepare(k), _prepare(v)
         out_padded, softmax_lse, s_dmask, rng_used = torch.ops.flash_attn.varlen_fwd(
             q_padded,
@@ -970,8 +976,11 @@ _FP8_ARG_DOC = """        q_descale, k_descale, v_descale: optional keyword-only
             x * descale[b, g] (a query head reads its kv head's q_descale); a
             descale not given is 1. The output is then bfloat16 and
             softmax_lse that of the scores of the dequantised q and k.
-            Forward only; no dropout, ALiBi or S_dmask. Refused with inputs
-            that are not float8_e4m3fn.
+            An FP8 KV cache: k and v of dtype torch.float8_e4m3fn under a
+            float16 / bfloat16 q (packed or paged, e.g. vLLM's cache in
+            chunked prefill), with k_descale / v_descale and no q_descale;
+            the output then has q's dtype. Forward only; no dropout, ALiBi
+            or S_dmask. Refused with inputs that are not float8_e4m3fn.
 """
 
 
@@ -1039,12 +1048,13 @@ flash_attn_func.__doc__ = (
     Args:
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
             (fp32 is also accepted on CPU; float8_e4m3fn too, with the
-            descales below, on CPU until the FP8 CUDA kernels exist). Any
+            descales below, on CPU and on CUDA of sm89 or newer). Any
             headdim up to 256 works, forward and backward, and up to 512 forward
             only (above 256 on the split-KV kernel: no dropout, no S_dmask; the
             backward raises); up to 1024 on CPU; one that is not a
             multiple of 8 is zero-padded internally.
-        k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
+        k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device
+            (or float8_e4m3fn under a 16-bit q: an FP8 KV cache).
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
 """
     + _COMMON_ARGS_DOC

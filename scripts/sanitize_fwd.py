@@ -8,7 +8,8 @@ dim, a value head dim below the query / key one (d_v < d_qk: V read and O writte
 d_v columns), GQA, varlen (paged too), the mask, the score extras and dropout (over paged keys
 too) all run at least once,
 on the SM80 forward kernel and, with FLASH_ATTN_FWD_KERNEL=sm90 on an sm90 GPU, on the Hopper one;
-FP8 attention on the split-KV kernel's e4m3 instances (sm89 and newer).
+FP8 attention and an FP8 KV cache read by the forward (e4m3 k, v under a
+16-bit q) on the split-KV kernel's e4m3 instances (sm89 and newer).
 """
 
 import torch
@@ -155,28 +156,48 @@ def fp8_rand(*shape):
     return (torch.randn(*shape, device="cuda") * 2).clamp(-6, 6).to(torch.float8_e4m3fn)
 
 
-def fp8_descales(batch, nheads_k):
-    return {
-        name: torch.rand(batch, nheads_k, device="cuda") * 0.5 + 0.05
-        for name in ("q_descale", "k_descale", "v_descale")
-    }
+def fp8_descales(batch, nheads_k, q_dtype=None):
+    # q_dtype: None for FP8 attention (e4m3 q, its descale too), a 16-bit dtype
+    # for an FP8 KV cache read by the forward (no q_descale).
+    names = (
+        ("q_descale", "k_descale", "v_descale") if q_dtype is None else ("k_descale", "v_descale")
+    )
+    return {name: torch.rand(batch, nheads_k, device="cuda") * 0.5 + 0.05 for name in names}
+
+
+def fp8_or_16_bit_q(*shape, q_dtype=None):
+    if q_dtype is None:
+        return fp8_rand(*shape)
+    return torch.randn(*shape, device="cuda", dtype=q_dtype)
 
 
 @skips_left_out
-def fp8_fixed(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, *, causal=False, softcap=0.0):
+def fp8_fixed(
+    batch,
+    seqlen_q,
+    seqlen_k,
+    nheads,
+    nheads_k,
+    head_dim,
+    *,
+    causal=False,
+    softcap=0.0,
+    q_dtype=None,
+):
     """FP8 attention (e4m3 q, k, v; docs/fp8.md): the split-KV kernel's e4m3
-    instances, q converted to bfloat16 by the op."""
-    q = fp8_rand(batch, seqlen_q, nheads, head_dim)
+    instances, q converted to bfloat16 by the op; with q_dtype, an FP8 KV
+    cache (e4m3 k, v) under a q of that dtype."""
+    q = fp8_or_16_bit_q(batch, seqlen_q, nheads, head_dim, q_dtype=q_dtype)
     k = fp8_rand(batch, seqlen_k, nheads_k, head_dim)
     v = fp8_rand(batch, seqlen_k, nheads_k, head_dim)
     return torch.ops.flash_attn.fwd(
         q, k, v, None, 0.0, head_dim**-0.5, causal, -1, -1, softcap, False, 0, 0, None,
-        **fp8_descales(batch, nheads_k),
+        **fp8_descales(batch, nheads_k, q_dtype),
     )  # fmt: skip
 
 
 @skips_left_out
-def fp8_varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim):
+def fp8_varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim, q_dtype=None):
     cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
     pages = [(n + page_size - 1) // page_size for n in lengths_k]
@@ -185,13 +206,13 @@ def fp8_varlen_paged(lengths_q, lengths_k, page_size, nheads, nheads_k, head_dim
     table = torch.full((len(lengths_k), max(pages)), -1, dtype=torch.int32)
     for b, count in enumerate(pages):
         table[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
-    q = fp8_rand(sum(lengths_q), nheads, head_dim)
+    q = fp8_or_16_bit_q(sum(lengths_q), nheads, head_dim, q_dtype=q_dtype)
     k = fp8_rand(num_blocks, page_size, nheads_k, head_dim)
     v = fp8_rand(num_blocks, page_size, nheads_k, head_dim)
     return torch.ops.flash_attn.varlen_fwd(
         q, k, v, cu_q, cu_k, table.cuda(), None, max(lengths_q), max(lengths_k), 0.0,
         head_dim**-0.5, True, -1, -1, 0.0, False, 0, 0, None,
-        **fp8_descales(len(lengths_q), nheads_k),
+        **fp8_descales(len(lengths_q), nheads_k, q_dtype),
     )  # fmt: skip
 
 
@@ -271,6 +292,11 @@ def main():
         fp8_fixed(1, 200, 333, 4, 1, 64, causal=True)
         fp8_fixed(2, 70, 90, 4, 2, 256, softcap=5.0)
         fp8_varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 128)
+        # An FP8 KV cache read by the forward: e4m3 k and v under a 16-bit q,
+        # paged (chunked prefill) in pages of 1 and 16, and a fixed-length call.
+        fp8_varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 128, q_dtype=bf16)
+        fp8_varlen_paged([3, 17], [70, 1], 1, 8, 2, 64, q_dtype=fp16)
+        fp8_fixed(2, 70, 90, 8, 2, 128, causal=True, q_dtype=fp16)
     torch.cuda.synchronize()
     print(summary("sanitize_fwd"))
 

@@ -301,6 +301,109 @@ def test_fp8_varlen_paged(page_size, causal):
 
 
 # ---------------------------------------------------------------------------
+# An FP8 KV cache through flash_attn_varlen_func and flash_attn_func: e4m3 k
+# and v under a 16-bit q (vLLM's chunked prefill over its e4m3 cache)
+# ---------------------------------------------------------------------------
+
+
+def fp8_cache_varlen_case(seqlens_q, seqlens_k, page_size, dtype, nheads=8, nheads_k=2, d=64):
+    """A varlen call over e4m3 keys and values, packed (page_size None) or paged
+    through a shuffled table, with a q of dtype: (q, k_in, v_in, block_table,
+    cu_q, cu_k, (k_descale, v_descale)) and the packed keys and values."""
+    if page_size is None:
+        _, k, v, cu_q, cu_k, scales = varlen_case(seqlens_q, seqlens_k, nheads, nheads_k, d)
+        k_in, v_in, table = k, v, None
+    else:
+        call, (k, v) = paged_case(seqlens_q, seqlens_k, page_size, nheads, nheads_k, d)
+        _, k_in, v_in, table, cu_q, cu_k, scales = call
+    q = torch.randn(int(cu_q[-1]), nheads, d).to(dtype)
+    return (q, k_in, v_in, table, cu_q, cu_k, (scales[1], scales[2])), (k, v)
+
+
+def fp8_cache_varlen_refs(q, k, v, cu_q, cu_k, kv_descales, **features):
+    """float64 attention of q against the dequantised packed keys and values,
+    and the same math in q's dtype (the criterion's baseline)."""
+    kd = ref.fp8_dequantize_varlen(k, kv_descales[0], cu_k)
+    vd = ref.fp8_dequantize_varlen(v, kv_descales[1], cu_k)
+    ref_out, ref_lse = ref.varlen_attention_ref(q.double(), kd, vd, cu_q, cu_k, **features)
+    same_out, _ = ref.varlen_attention_ref(
+        q.double(), kd, vd, cu_q, cu_k, compute_dtype=q.dtype, **features
+    )
+    return ref_out, ref_lse, same_out
+
+
+# Sequence 1 is empty, sequence 3 has queries and no key (its rows see none).
+FP8_CACHE_SEQLENS = ([3, 0, 20, 2], [37, 0, 50, 0])
+FP8_CACHE_FEATURES = [dict(), dict(causal=True), dict(softcap=4.0, window_size=(9, 0))]
+
+
+def call_fp8_cache_varlen(case, device="cpu", **features):
+    (q, k_in, v_in, table, cu_q, cu_k, (dk_s, dv_s)), _ = case
+
+    def to(t):
+        return None if t is None else t.to(device)
+
+    return flash_attn_varlen_func(
+        to(q),
+        to(k_in),
+        to(v_in),
+        to(cu_q),
+        to(cu_k),
+        max(FP8_CACHE_SEQLENS[0]),
+        max(FP8_CACHE_SEQLENS[1]),
+        block_table=to(table),
+        return_softmax_lse=True,
+        k_descale=to(dk_s),
+        v_descale=to(dv_s),
+        **features,
+    )
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("features", FP8_CACHE_FEATURES, ids=lambda f: ",".join(f) or "plain")
+def test_fp8_cache_varlen_with_16_bit_q(page_size, dtype, features):
+    """e4m3 k and v (packed or paged) with k_descale / v_descale under a 16-bit
+    q: the output in q's dtype, each sequence dequantised with its own
+    descales; empty sequences and rows that see no key included."""
+    case = fp8_cache_varlen_case(*FP8_CACHE_SEQLENS, page_size, dtype)
+    (q, _, _, _, cu_q, cu_k, kv_descales), (k, v) = case
+    out, lse = call_fp8_cache_varlen(case, **features)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref_out, ref_lse, same_out = fp8_cache_varlen_refs(q, k, v, cu_q, cu_k, kv_descales, **features)
+    check_out_lse(out, lse, ref_out, ref_lse, same_out)
+    assert torch.equal(out[23:25], torch.zeros_like(out[23:25]))  # sequence 3: no key
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("features", [dict(), dict(causal=True), dict(sink=True, softcap=3.0)])
+def test_fp8_cache_func_with_16_bit_q(dtype, features):
+    """flash_attn_func with e4m3 k and v under a 16-bit q, GQA 4, d_v < d_qk."""
+    features = dict(features)
+    _, k, v, (_, dk_s, dv_s), sink = fixed_case(
+        2, 9, 70, 8, 2, 64, d_v=32, sink=features.pop("sink", False)
+    )
+    q = torch.randn(2, 9, 8, 64).to(dtype)
+    out, lse = flash_attn_func(
+        q,
+        k,
+        v,
+        **features,
+        learnable_sink=sink,
+        return_softmax_lse=True,
+        k_descale=dk_s,
+        v_descale=dv_s,
+    )
+    assert out.dtype == dtype and out.shape == (2, 9, 8, 32)
+    kd, vd = ref.fp8_dequantize(k, dk_s), ref.fp8_dequantize(v, dv_s)
+    ref_out, ref_lse = ref.attention_ref(q.double(), kd, vd, **features, learnable_sink=sink)
+    same_out, _ = ref.attention_ref(
+        q.double(), kd, vd, **features, learnable_sink=sink, compute_dtype=dtype
+    )
+    check_out_lse(out, lse, ref_out, ref_lse, same_out)
+
+
+# ---------------------------------------------------------------------------
 # flash_attn_with_kvcache: an FP8 KV cache
 # ---------------------------------------------------------------------------
 

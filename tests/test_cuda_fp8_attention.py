@@ -25,8 +25,13 @@ from test_cpu_fp8 import (
     skip_below_sm89,
     FEATURES,
     FIXED_SHAPES,
+    FP8_CACHE_FEATURES,
+    FP8_CACHE_SEQLENS,
+    call_fp8_cache_varlen,
     check_out_lse,
     fixed_case,
+    fp8_cache_varlen_case,
+    fp8_cache_varlen_refs,
     paged_case,
     varlen_case,
     varlen_refs,
@@ -226,6 +231,45 @@ def test_varlen_keys_within_one_block(head_dim, page_size):
     check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
 
 
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("features", FP8_CACHE_FEATURES, ids=lambda f: ",".join(f) or "plain")
+def test_fp8_cache_varlen_with_16_bit_q(page_size, dtype, features):
+    """An FP8 KV cache through the varlen forward (vLLM's chunked prefill):
+    e4m3 k and v, packed or paged, under a 16-bit q, on the split-KV kernel's
+    e4m3 instances of q's dtype; against float64 and the CPU op, empty
+    sequences and rows that see no key included."""
+    case = fp8_cache_varlen_case(*FP8_CACHE_SEQLENS, page_size, dtype)
+    (q, _, _, _, cu_q, cu_k, kv_descales), (k, v) = case
+    out, lse = call_fp8_cache_varlen(case, DEVICE, **features)
+    cpu_out, _ = call_fp8_cache_varlen(case, "cpu", **features)
+    assert out.dtype == dtype and out.device.type == DEVICE
+    ref_out, ref_lse, same_out = fp8_cache_varlen_refs(q, k, v, cu_q, cu_k, kv_descales, **features)
+    check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
+    ref.assert_within_criterion(out.cpu(), cpu_out.double(), same_out.to(dtype), factor=3.0)
+    assert torch.equal(out[23:25].cpu(), torch.zeros_like(out[23:25].cpu()))  # no key
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_func_with_16_bit_q(dtype):
+    """flash_attn_func over e4m3 k and v with a 16-bit q: a decode step (the
+    decode variant) and a prefill (many query rows a kv head), GQA 4."""
+    for seqlen_q in (1, 70):
+        _, k, v, (_, dk_s, dv_s), _ = fixed_case(2, seqlen_q, 300, 8, 2, 128)
+        q = torch.randn(2, seqlen_q, 8, 128).to(dtype)
+        kw = dict(causal=True, return_softmax_lse=True)
+        out, lse = flash_attn_func(
+            cuda(q), cuda(k), cuda(v), k_descale=cuda(dk_s), v_descale=cuda(dv_s), **kw
+        )
+        cpu_out, _ = flash_attn_func(q, k, v, k_descale=dk_s, v_descale=dv_s, **kw)
+        assert out.dtype == dtype
+        kd, vd = ref.fp8_dequantize(k, dk_s), ref.fp8_dequantize(v, dv_s)
+        ref_out, ref_lse = ref.attention_ref(q.double(), kd, vd, causal=True)
+        same_out, _ = ref.attention_ref(q.double(), kd, vd, causal=True, compute_dtype=dtype)
+        check_out_lse(out.cpu(), lse.cpu(), ref_out, ref_lse, same_out)
+        ref.assert_within_criterion(out.cpu(), cpu_out.double(), same_out.to(dtype), factor=3.0)
+
+
 def test_what_the_split_kv_kernel_does_not_serve_is_refused_by_name():
     """seqused_q (the split-KV kernel has no query-row bound) on CUDA; dropout,
     ALiBi and S_dmask as on the CPU."""
@@ -246,6 +290,13 @@ def test_what_the_split_kv_kernel_does_not_serve_is_refused_by_name():
         flash_attn_func(cuda(qf), cuda(kf), cuda(vf), alibi_slopes=torch.ones(4, device=DEVICE))
     with pytest.raises(RuntimeError, match="q_descale must have shape"):
         flash_attn_func(cuda(qf), cuda(kf), cuda(vf), q_descale=torch.ones(2, 4, device=DEVICE))
+    q16 = cuda(q).to(torch.bfloat16)
+    with pytest.raises(
+        RuntimeError,
+        match=r"an FP8 KV cache \(float8_e4m3fn k and v\) is read on the split-KV kernel, "
+        "which does not serve seqused_q",
+    ):
+        flash_attn_varlen_func(q16, cuda(k), cuda(v), cuda(cu_q), cuda(cu_k), 7, 7, seqused_q=used)
 
 
 def test_opcheck_and_compile_on_cuda():

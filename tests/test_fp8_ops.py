@@ -87,6 +87,42 @@ def test_opcheck_varlen_fwd_fp8_paged():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_fp8_cache_forms(dtype):
+    """fwd, fwd_out, varlen_fwd (paged) and varlen_fwd_out with e4m3 k and v
+    under a 16-bit q: out in q's dtype, no input written."""
+    q = torch.randn(2, 5, 4, 32, dtype=dtype)
+    k, v = fp8_rand(2, 6, 2, 32), fp8_rand(2, 6, 2, 32)
+    kwargs = dict(k_descale=descales(2, 2), v_descale=descales(2, 2))
+    before = snapshot([q, k, v])
+    out, _, _, _ = ops.fwd(*fwd_args(q, k, v, True), **kwargs)
+    assert out.dtype == dtype
+    assert_inputs_unchanged(before, [q, k, v])
+    torch.library.opcheck(
+        ops.fwd.default, fwd_args(q, k, v, True), kwargs, test_utils=OPCHECK_UTILS
+    )
+    torch.library.opcheck(
+        ops.fwd_out.default,
+        fwd_args(q, k, v),
+        dict(kwargs, out=torch.empty(2, 5, 4, 32, dtype=dtype)),
+        test_utils=OPCHECK_UTILS,
+    )
+    q3 = torch.randn(9, 4, 32, dtype=dtype)
+    k_pages, v_pages = fp8_rand(6, 4, 2, 32), fp8_rand(6, 4, 2, 32)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
+    table = torch.tensor([[5, 1, 0, 0], [2, 3, 4, 0]], dtype=torch.int32)
+    args = (q3, k_pages, v_pages, cu_q, cu_k, table, None, 5, 12, 0.0, 0.2, True, -1, -1, 0.0)
+    args += (False, 0, 0, None)
+    torch.library.opcheck(ops.varlen_fwd.default, args, kwargs, test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(
+        ops.varlen_fwd_out.default,
+        args,
+        dict(kwargs, out=torch.empty(9, 4, 32, dtype=dtype)),
+        test_utils=OPCHECK_UTILS,
+    )
+
+
 def test_opcheck_fwd_kvcache_fp8_append():
     k_cache, v_cache = fp8_rand(2, 16, 2, 32), fp8_rand(2, 16, 2, 32)
     q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16)
@@ -114,6 +150,9 @@ def test_fake_kernels_give_the_output_dtypes():
         args = (q16, k_cache, v_cache, None, None, None, None, None, None, None, None, None, 0.2)
         out, lse = ops.fwd_kvcache(*args, False, -1, -1, 0.0, True, 0, k_descale=descales(2, 2))
         assert out.dtype == torch.float16
+        q16 = torch.randn(2, 5, 4, 32, dtype=torch.float16)
+        out, _, _, _ = ops.fwd(*fwd_args(q16, k, v), k_descale=descales(2, 2))
+        assert out.dtype == torch.float16 and out.shape == (2, 5, 4, 16)
 
 
 # ---------------------------------------------------------------------------
@@ -145,6 +184,29 @@ def test_compile_fp8_func_and_varlen():
     assert torch.equal(
         compiled(q2, k2, v2, scales["k_descale"]), varlen(q2, k2, v2, scales["k_descale"])
     )
+    torch._dynamo.reset()
+
+
+def test_compile_fp8_cache_paged_varlen():
+    """The chunked-prefill call over a paged e4m3 cache with a bf16 q traces
+    under torch.compile(fullgraph=True) and gives the eager result."""
+    q = torch.randn(9, 4, 32, dtype=torch.bfloat16)
+    k_pages, v_pages = fp8_rand(6, 4, 2, 32), fp8_rand(6, 4, 2, 32)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
+    table = torch.tensor([[5, 1, 0, 0], [2, 3, 4, 0]], dtype=torch.int32)
+    k_scale, v_scale = descales(2, 2), descales(2, 2)
+
+    def prefill(q, k_pages, v_pages, k_scale, v_scale):
+        return flash_attn_varlen_func(
+            q, k_pages, v_pages, cu_q, cu_k, 5, 12, causal=True, block_table=table,
+            k_descale=k_scale, v_descale=v_scale,
+        )  # fmt: skip
+
+    compiled = torch.compile(prefill, backend="aot_eager", fullgraph=True)
+    expected = prefill(q, k_pages, v_pages, k_scale, v_scale)
+    assert expected.dtype == torch.bfloat16
+    assert torch.equal(compiled(q, k_pages, v_pages, k_scale, v_scale), expected)
     torch._dynamo.reset()
 
 
@@ -219,8 +281,10 @@ def test_descales_without_fp8_inputs():
 def test_mixed_and_e5m2_dtypes():
     q, k = fp8_rand(2, 5, 4, 32), fp8_rand(2, 6, 2, 32)
     v16 = torch.randn(2, 6, 2, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="must be all float8_e4m3fn or none of them, got q"):
+    with pytest.raises(RuntimeError, match="must be all float8_e4m3fn .*or none of them; got q"):
         flash_attn_func(q, k, v16)
+    with pytest.raises(RuntimeError, match="must be all float8_e4m3fn .*or none of them; got q"):
+        flash_attn_func(v16, k, v16)
     with pytest.raises(RuntimeError, match="k has dtype float8_e5m2, which is not served"):
         flash_attn_func(q, k.float().to(torch.float8_e5m2), k)
 
@@ -244,6 +308,41 @@ def test_bad_fp8_kvcache_arguments():
         flash_attn_with_kvcache(q, k_cache, v_cache, k_descale=torch.ones(1, 2))
     with pytest.raises(RuntimeError, match="alibi_slopes is not served with float8_e4m3fn"):
         flash_attn_with_kvcache(q, k_cache, v_cache, alibi_slopes=torch.ones(4))
+
+
+def test_bad_fp8_cache_forms_of_fwd_and_varlen_fwd():
+    """e4m3 k and v under a 16-bit q (an FP8 KV cache through the forward):
+    no q_descale, a float16 / bfloat16 q, k and v both e4m3, out in q's dtype."""
+    q = torch.randn(2, 5, 4, 32, dtype=torch.bfloat16)
+    k, v = fp8_rand(2, 6, 2, 32), fp8_rand(2, 6, 2, 32)
+    with pytest.raises(RuntimeError, match="q_descale is not taken with float8_e4m3fn k and v"):
+        flash_attn_func(q, k, v, q_descale=torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="q must have dtype float16 or bfloat16.*got Float"):
+        flash_attn_func(q.float(), k, v)
+    with pytest.raises(RuntimeError, match="v has dtype float8_e5m2"):
+        flash_attn_func(q, k, v.float().to(torch.float8_e5m2))
+    with pytest.raises(RuntimeError, match="dropout is not served with float8_e4m3fn"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"out must have the dtype of q \(torch.bfloat16\)"):
+        flash_attn_func(q, k, v, out=torch.empty(2, 5, 4, 32, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="out must have the dtype of q"):
+        ops.fwd_out(*fwd_args(q, k, v), out=torch.empty(2, 5, 4, 32, dtype=torch.float16))
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 12], dtype=torch.int32)
+    q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    with pytest.raises(RuntimeError, match=r"k_descale must have shape \(batch, nheads_k\)"):
+        flash_attn_varlen_func(q3, k3, v3, cu, cu_k, 5, 6, k_descale=torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match="q_descale is not taken with float8_e4m3fn k and v"):
+        flash_attn_varlen_func(q3, k3, v3, cu, cu_k, 5, 6, q_descale=torch.ones(2, 2))
+
+
+def test_fp8_cache_forward_is_forward_only():
+    q = torch.randn(2, 5, 4, 32, dtype=torch.float16, requires_grad=True)
+    k, v = fp8_rand(2, 6, 2, 32), fp8_rand(2, 6, 2, 32)
+    out = flash_attn_func(q, k, v)
+    assert out.dtype == torch.float16
+    with pytest.raises(RuntimeError, match="backward pass does not take float8_e4m3fn inputs"):
+        out.sum().backward()
 
 
 def test_fp8_out_must_be_bfloat16():

@@ -1103,7 +1103,7 @@ def test_fp8_attention_plans_the_split_kv_kernel():
     many-row calls on the 64-row variant; a call with dropout gets no kernel (the
     op refuses it by name first)."""
     prefill = fwd(1, 8192, 8192, 16, 4, 128, causal=True, fp8=True)
-    assert prefill["kernel"] == "splitkv" and "FP8 attention" in prefill["reason"]
+    assert prefill["kernel"] == "splitkv" and "e4m3 keys and values" in prefill["reason"]
     assert prefill["warps_n"] == 1 and prefill["block_m"] == 64
     assert fwd(1, 8192, 8192, 16, 4, 128, causal=True)["kernel"] != "splitkv"
     forced = fwd(1, 8192, 8192, 16, 4, 128, fp8=True, kernel_override="sm80")

@@ -13,8 +13,12 @@ kernel's: tests/test_cuda_fp8_kvcache.py checks the FP8 result against
 float64).
 
 --q-dtype float16 runs q (and the 16-bit cache it is held against) in float16.
+--cells picks (batch x keys) cells, --pages the page sizes ("-" contiguous),
+--splits the num_splits values given to both calls (0: the plan's choice),
+one row each.
 
     python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221] [--q-dtype float16]
+        [--cells 1x8192,16x32768] [--pages -,1,16,64,256] [--splits 0,16,32]
     (after building the package)
 """
 
@@ -27,14 +31,20 @@ from flash_attn_cuda import flash_attn_with_kvcache
 def main():
     def add_arguments(parser):
         parser.add_argument("--q-dtype", choices=["bfloat16", "float16"], default="bfloat16")
+        parser.add_argument("--cells", default="1x8192,1x32768,16x8192,16x32768,64x8192,64x32768")
+        parser.add_argument("--pages", default="-,16")
+        parser.add_argument("--splits", default="0")
 
     args, flush = setup(__doc__, add_arguments)
     dtype = getattr(torch, args.q_dtype)
     nheads, nheads_k, d = 32, 8, 128
     name = {"bfloat16": "bf16", "float16": "fp16"}[args.q_dtype]
-    print(f"batch   keys  page  {name}_us  fp8_us  fp8/{name}  fp8_%copy  max|diff|")
-    for batch, keys in [(1, 8192), (1, 32768), (16, 8192), (16, 32768), (64, 8192), (64, 32768)]:
-        for page in (None, 16):
+    cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
+    pages = [None if p == "-" else int(p) for p in args.pages.split(",")]
+    splits = [int(n) for n in args.splits.split(",")]
+    print(f"batch   keys  page splits  {name}_us  fp8_us  fp8/{name}  fp8_%copy  max|diff|")
+    for batch, keys in cells:
+        for page in pages:
             rows = (batch, keys) if page is None else (batch * keys // page, page)
             k16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)
             v16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)
@@ -57,22 +67,27 @@ def main():
             q = torch.randn(batch, 1, nheads, d, device="cuda", dtype=dtype)
             seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
 
-            def bf16(q=q, k=k16, v=v16, s=seqlens, t=table):
-                return flash_attn_with_kvcache(q, k, v, cache_seqlens=s, block_table=t)
+            for n in splits:
 
-            def fp8(q=q, k=k8, v=v8, s=seqlens, t=table, ks=k_s, vs=v_s):
-                return flash_attn_with_kvcache(
-                    q, k, v, cache_seqlens=s, block_table=t, k_descale=ks, v_descale=vs
+                def bf16(q=q, k=k16, v=v16, s=seqlens, t=table, n=n):
+                    return flash_attn_with_kvcache(
+                        q, k, v, cache_seqlens=s, block_table=t, num_splits=n
+                    )
+
+                def fp8(q=q, k=k8, v=v8, s=seqlens, t=table, ks=k_s, vs=v_s, n=n):
+                    return flash_attn_with_kvcache(
+                        q, k, v, cache_seqlens=s, block_table=t, k_descale=ks, v_descale=vs,
+                        num_splits=n,
+                    )  # fmt: skip
+
+                diff = (bf16().float() - fp8().float()).abs().max().item()
+                t16 = best_us(bf16, flush)
+                t8 = best_us(fp8, flush)
+                share = 100 * 2 * batch * keys * nheads_k * d / (t8 * 1e3) / args.copy_gbs
+                print(
+                    f"{batch:5d} {keys:6d} {page or '-':>5} {n or 'plan':>6} {t16:8.1f} "
+                    f"{t8:7.1f} {t8 / t16:9.3f} {share:10.1f} {diff:10.3g}"
                 )
-
-            diff = (bf16().float() - fp8().float()).abs().max().item()
-            t16 = best_us(bf16, flush)
-            t8 = best_us(fp8, flush)
-            share = 100 * 2 * batch * keys * nheads_k * d / (t8 * 1e3) / args.copy_gbs
-            print(
-                f"{batch:5d} {keys:6d} {page or '-':>5} {t16:8.1f} {t8:7.1f} {t8 / t16:9.3f} "
-                f"{share:10.1f} {diff:10.3g}"
-            )
             del k16, v16, k8, v8
 
 

@@ -38,6 +38,14 @@ void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q
               " must have the same dtype as q (", q.scalar_type(), "), got ", t.scalar_type());
 }
 
+// k or v: q's dtype, or float8_e4m3fn under a float16 / bfloat16 q (an FP8
+// KV cache, which fp8_attention_call has classified before the shape checks).
+void check_kv_dtype(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  const bool fp8_cache = t.scalar_type() == at::kFloat8_e4m3fn &&
+                         (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16);
+  if (!fp8_cache) check_same_dtype(t, name, q);
+}
+
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " must be on the same device as q (",
               q.device(), "), got ", t.device());
@@ -171,8 +179,8 @@ void check_seqused(const std::optional<at::Tensor>& seqused, const char* name, c
 void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       c10::ArrayRef<at::ScalarType> allowed_dtypes) {
   check_dtype_allowed(q, "q", allowed_dtypes);
-  check_same_dtype(k, "k", q);
-  check_same_dtype(v, "v", q);
+  check_kv_dtype(k, "k", q);
+  check_kv_dtype(v, "v", q);
   check_same_device(k, "k", q);
   check_same_device(v, "v", q);
   check_last_dim_contiguous(q, "q");

@@ -50,10 +50,24 @@ Fp8Call fp8_attention_call(const at::Tensor& q, const at::Tensor& k, const at::T
   refuse_e5m2(kPrefix, k, "k");
   refuse_e5m2(kPrefix, v, "v");
   const int fp8_count = int(is_fp8(q)) + int(is_fp8(k)) + int(is_fp8(v));
-  TORCH_CHECK(fp8_count == 0 || fp8_count == 3, kPrefix,
-              ": q, k and v must be all float8_e4m3fn or none of them, got q ", q.scalar_type(),
-              ", k ", k.scalar_type(), ", v ", v.scalar_type());
   if (fp8_count == 3) return Fp8Call::kAttention;
+  if (fp8_count == 2 && !is_fp8(q)) {
+    // An FP8 KV cache read by the varlen (paged) forward or flash_attn_func:
+    // e4m3 keys and values with a 16-bit q, as fwd_kvcache takes them.
+    TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kPrefix,
+                ": with k and v of dtype float8_e4m3fn (an FP8 KV cache) q must have dtype "
+                "float16 or bfloat16 (or float8_e4m3fn, for FP8 attention), got ",
+                q.scalar_type());
+    TORCH_CHECK(!descales.q.has_value(), kPrefix,
+                ": q_descale is not taken with float8_e4m3fn k and v and a ", q.scalar_type(),
+                " q: q is not quantised (k_descale and v_descale dequantise k and v)");
+    return Fp8Call::kKvCache;
+  }
+  TORCH_CHECK(fp8_count == 0, kPrefix,
+              ": q, k and v must be all float8_e4m3fn (FP8 attention), or k and v "
+              "float8_e4m3fn with a float16 / bfloat16 q (an FP8 KV cache), or none of them; "
+              "got q ",
+              q.scalar_type(), ", k ", k.scalar_type(), ", v ", v.scalar_type());
   refuse_descales_without_fp8(kPrefix, descales, "q, k and v are not float8_e4m3fn");
   return Fp8Call::kNone;
 }

@@ -27,13 +27,16 @@ struct Fp8Descales {
 enum class Fp8Call {
   kNone,       // no fp8 tensor: the 16-bit (or fp32) call, and no descale given
   kAttention,  // fwd / varlen_fwd: q, k and v float8_e4m3fn, output bf16
-  kKvCache,    // fwd_kvcache: k_cache and v_cache float8_e4m3fn, q fp16 / bf16
+  kKvCache,    // k / v (fwd, varlen_fwd) or k_cache / v_cache (fwd_kvcache)
+               // float8_e4m3fn, q fp16 / bf16, output q's dtype
 };
 
 // fwd / varlen_fwd and their *_out forms (messages start "flash_attn"). Run
 // before the other checks, so that an fp8 call gets these messages rather
-// than a generic dtype one. Refuses float8_e5m2, a mix of fp8 and other
-// dtypes among q, k, v, and descales without fp8 inputs.
+// than a generic dtype one. Two fp8 forms: all three e4m3 (kAttention), or
+// e4m3 k and v with a float16 / bfloat16 q and no q_descale (kKvCache: an
+// FP8 KV cache read by the varlen or paged forward). Refuses float8_e5m2,
+// any other mix of fp8 and other dtypes, and descales without fp8 inputs.
 Fp8Call fp8_attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const Fp8Descales& descales);
 

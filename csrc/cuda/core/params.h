@@ -94,8 +94,9 @@ struct FwdParams {
   const int64_t* rng_state;  // device pointer to [seed, offset]
 
   bool is_bf16;
-  // FP8 attention (docs/fp8.md): k and v are float8_e4m3fn, q was converted
-  // to bfloat16 (exactly); the split-KV kernel serves it (plan_fwd_split).
+  // k and v are float8_e4m3fn (docs/fp8.md): FP8 attention, whose q was
+  // converted to bfloat16 (exactly), or an FP8 KV cache under an fp16 / bf16
+  // q; the split-KV kernel serves both (plan_fwd_split).
   // Beside is_bf16, in what was padding: BwdParams' layout is unchanged.
   bool kv_fp8;
 

@@ -276,8 +276,8 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       plan.head_dim = plan.head_dim_v = splitkv.compiled_head_dim;
       plan.block_m = splitkv.block_m;
       plan.splitkv = splitkv;
-      plan.reason = params.kv_fp8 ? "FP8 attention: the split-KV kernel over e4m3 keys and "
-                                    "values, its only kernel (plan_fwd_split)"
+      plan.reason = params.kv_fp8 ? "e4m3 keys and values: the split-KV kernel's e4m3 "
+                                    "instances, their only kernel (plan_fwd_split)"
                     : only_splitkv
                         ? "head dim above 256: the split-KV kernel, its only kernel "
                           "(plan_fwd_split)"

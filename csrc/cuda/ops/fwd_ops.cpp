@@ -33,12 +33,22 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
-// Head dims above 256 and FP8 attention run on the split-KV kernel alone
-// (plan_fwd_split), which has no dropout, no S_dmask and no seqused_q: those
-// calls are refused by name, before anything is allocated (FP8 attention's
-// dropout and S_dmask by check_fp8_features, first).
+// Head dims above 256 and e4m3 keys and values (FP8 attention, or an FP8 KV
+// cache under a 16-bit q) run on the split-KV kernel alone (plan_fwd_split),
+// which has no dropout, no S_dmask and no seqused_q: those calls are refused
+// by name, before anything is allocated (an fp8 call's dropout and S_dmask by
+// check_fp8_features, first).
 bool splitkv_only_call(int64_t head_dim, Fp8Call fp8) {
-  return splitkv_only_head_dim(static_cast<int>(head_dim)) || fp8 == Fp8Call::kAttention;
+  return splitkv_only_head_dim(static_cast<int>(head_dim)) || fp8 != Fp8Call::kNone;
+}
+
+const char* splitkv_only_what(Fp8Call fp8) {
+  switch (fp8) {
+    case Fp8Call::kAttention: return "FP8 attention runs";
+    case Fp8Call::kKvCache: return "an FP8 KV cache (float8_e4m3fn k and v) is read";
+    case Fp8Call::kNone: break;
+  }
+  return "head dims above 256 run";
 }
 
 void check_splitkv_only_call(int64_t head_dim, Fp8Call fp8, double dropout_p, bool return_softmax,
@@ -48,8 +58,7 @@ void check_splitkv_only_call(int64_t head_dim, Fp8Call fp8, double dropout_p, bo
                      : return_softmax ? "return_attn_probs (S_dmask)"
                      : seqused_q      ? "seqused_q"
                                       : nullptr;
-  TORCH_CHECK(what == nullptr, "flash_attn (CUDA): ",
-              fp8 == Fp8Call::kAttention ? "FP8 attention runs" : "head dims above 256 run",
+  TORCH_CHECK(what == nullptr, "flash_attn (CUDA): ", splitkv_only_what(fp8),
               " on the split-KV kernel, which does not serve ", what, "; head_dim is ", head_dim,
               " (the CPU path serves it)");
 }
@@ -64,7 +73,7 @@ FwdLauncher launcher_unless_splitkv_only(int head_dim, Fp8Call fp8, at::ScalarTy
 // kernel's, or none where the device's blocks cannot hold it.
 void check_plan_has_a_kernel(const FwdParams& params, bool splitkv) {
   TORCH_CHECK(splitkv || !(splitkv_only_head_dim(params.head_dim) || params.kv_fp8),
-              "flash_attn (CUDA): ", params.kv_fp8 ? "FP8 attention at head_dim " : "head_dim ",
+              "flash_attn (CUDA): ", params.kv_fp8 ? "e4m3 k and v at head_dim " : "head_dim ",
               params.head_dim,
               " runs on the split-KV kernel only, whose blocks this device's shared memory "
               "does not hold (an sm89 or sm90 GPU serves it)");
@@ -197,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
                    rng_state_out);
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
-  params.kv_fp8 = fp8 == Fp8Call::kAttention;
+  params.kv_fp8 = fp8 != Fp8Call::kNone;
   const FwdPlan plan = plan_for(params);
   check_plan_has_a_kernel(params, plan.kernel == FwdKernel::kSplitKv);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -326,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
                    rng_state_out);
   set_learnable_sink(params, learnable_sink);
   params.index_errors = index_errors;
-  params.kv_fp8 = fp8 == Fp8Call::kAttention;
+  params.kv_fp8 = fp8 != Fp8Call::kNone;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Paged: the lengths and table entries the kernels clamp are reported here.
   launch_check_paged_keys(params, stream);

@@ -7,8 +7,10 @@
 // messages; splitkv_item in decode/splitkv_work_item.h). With num_splits > 1
 // each item's keys are cut num_splits ways and the combine kernel merges the
 // partial results by their lse; with one split the kernel writes out and lse
-// itself. FP8 attention (params.kv_fp8) runs here whatever its shape, on the
-// instances over e4m3 keys and values, with the scores' and V's descales.
+// itself. e4m3 keys and values (params.kv_fp8: FP8 attention, with q made
+// bf16, or an FP8 KV cache under an fp16 / bf16 q) run here whatever their
+// shape, on the instances over e4m3 keys and values of q's dtype, with the
+// scores' and V's descales.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -31,12 +33,12 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
   const int compiled = plan.compiled_head_dim;
   const SplitKvLauncher launcher = find_splitkv_launcher(compiled, params.is_bf16, params.kv_fp8);
   TORCH_CHECK(launcher != nullptr, "flash_attn (CUDA): ", op, ": head_dim ", params.head_dim,
-              params.kv_fp8 ? " in FP8 (e4m3 k and v, bf16 out)"
-                            : (params.is_bf16 ? " in bf16" : " in fp16"),
+              params.is_bf16 ? " in bf16" : " in fp16",
               " needs the split-KV kernel of the compiled head dim ", compiled,
               params.kv_fp8 ? " over e4m3 keys" : "",
               ", which this build left out; rebuild with FLASH_ATTN_CUDA_HDIMS",
-              params.kv_fp8 ? " and FLASH_ATTN_CUDA_DTYPES (bf16,fp8)" : "", " including it");
+              params.kv_fp8 ? " and FLASH_ATTN_CUDA_DTYPES (q's dtype and fp8)" : "",
+              " including it");
 
   TORCH_CHECK(plan.num_items <= std::numeric_limits<int>::max(), "flash_attn (CUDA): ", op,
               ": batch * nheads_k * query blocks * num_splits = ", plan.num_items,

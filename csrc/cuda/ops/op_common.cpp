@@ -58,7 +58,8 @@ void check_fp8_served_on_cuda(const char* op, Fp8Call call, const at::Tensor& q)
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
   TORCH_CHECK(props->major * 10 + props->minor >= 89, "flash_attn: ", op, ": ",
               call == Fp8Call::kKvCache
-                  ? "an FP8 KV cache (k_cache / v_cache of dtype float8_e4m3fn)"
+                  ? "an FP8 KV cache (k and v, or k_cache and v_cache, of dtype "
+                    "float8_e4m3fn)"
                   : "FP8 attention (q, k and v of dtype float8_e4m3fn)",
               " needs a GPU of compute capability 8.9 or newer, got ", q.device(),
               " of compute capability ", props->major, ".", props->minor,
@@ -102,10 +103,10 @@ void end_index_checks(const at::Tensor& q) {
 namespace {
 
 bool rows_16b_aligned(const at::Tensor& t) {
-  constexpr int64_t kElemsPer16B = 8;  // fp16 / bf16
+  const int64_t elems_per_16b = 16 / static_cast<int64_t>(t.element_size());  // 8, e4m3 16
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int64_t dim = 0; dim + 1 < t.dim(); ++dim) {
-    aligned = aligned && (t.size(dim) <= 1 || t.stride(dim) % kElemsPer16B == 0);
+    aligned = aligned && (t.size(dim) <= 1 || t.stride(dim) % elems_per_16b == 0);
   }
   return aligned;
 }
