@@ -1130,6 +1130,20 @@ def test_decode_min_splits():
         decode(1, 1, 64, 4, 4, 128, min_splits=0)
 
 
+def test_fp8_cache_splits_keep_four_key_tiles():
+    """Batch 1 over an e4m3 cache: the three slots an SM would cut 4k-8k keys
+    into 48 splits of two or three 64-key tiles; no split gets fewer than
+    four tiles (choose_kv_splits), while long caches keep filling the waves.
+    An explicit num_splits is honoured, and a 16-bit cache is unchanged."""
+    assert decode(1, 1, 4096, 32, 8, 128, fp8_cache=True)["splits"] == 16
+    assert 24 <= decode(1, 1, 8192, 32, 8, 128, fp8_cache=True)["splits"] <= 32
+    assert decode(1, 1, 8192, 32, 8, 128, paged=True, fp8_cache=True)["splits"] <= 32
+    assert decode(1, 1, 32768, 32, 8, 128, fp8_cache=True)["splits"] > 32
+    assert decode(1, 1, 8192, 32, 8, 128, fp8_cache=True, num_splits=48)["splits"] == 48
+    assert decode(1, 1, 1024, 32, 8, 128, fp8_cache=True)["splits"] == 4
+    assert decode(1, 1, 4096, 32, 8, 128)["splits"] == 16
+
+
 def test_fp8_cache_runs_three_blocks_an_sm():
     """A contiguous 16-bit cache with long runs of keys streams one block an
     SM (the launch asks for more than two blocks an SM leave each); an e4m3 cache

@@ -18,7 +18,7 @@ float64).
 one row each.
 
     python benchmarks/microbench/fp8_kvcache_decode.py [--copy-gbs 4221] [--q-dtype float16]
-        [--cells 1x8192,16x32768] [--pages -,1,16,64,256] [--splits 0,16,32]
+        [--cells 1x8192,16x32768] [--pages=-,1,16,64,256] [--splits 0,16,32]
     (after building the package)
 """
 
@@ -40,11 +40,11 @@ def main():
     nheads, nheads_k, d = 32, 8, 128
     name = {"bfloat16": "bf16", "float16": "fp16"}[args.q_dtype]
     cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
-    pages = [None if p == "-" else int(p) for p in args.pages.split(",")]
+    page_sizes = [None if p == "-" else int(p) for p in args.pages.split(",")]
     splits = [int(n) for n in args.splits.split(",")]
     print(f"batch   keys  page splits  {name}_us  fp8_us  fp8/{name}  fp8_%copy  max|diff|")
     for batch, keys in cells:
-        for page in pages:
+        for page in page_sizes:
             rows = (batch, keys) if page is None else (batch * keys // page, page)
             k16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)
             v16 = torch.randn(*rows, nheads_k, d, device="cuda", dtype=dtype)

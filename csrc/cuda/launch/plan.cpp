@@ -582,6 +582,15 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
                                           score_extras));
   const int64_t slots = std::max<int64_t>(1, blocks_per_sm * device.num_sms);
   const int64_t base = std::max<int64_t>(blocks_without_split, 1);
+  // An e4m3 cache runs three blocks an SM, so filling the waves at batch 1
+  // cut 4k-8k keys into 48 splits of two or three key tiles each, where each
+  // block's fixed costs (Q, the first tile's wait and conversion, the partial
+  // row's store and the wider merge) outweigh its stream: 16 and 32 splits
+  // ran 13-14% faster there (PERF_LOG 2026-11-30 "e4m3 splits of four key
+  // tiles"). So no split of an e4m3 cache gets fewer than four key tiles.
+  constexpr int kFp8MinKeyBlocksPerSplit = 4;
+  const int auto_cap =
+      fp8_cache ? std::max(1, std::min(cap, num_n_blocks / kFp8MinKeyBlocksPerSplit)) : cap;
   auto wave_efficiency = [&](int splits) {
     const double waves = double(base * splits) / double(slots);
     return waves / std::ceil(waves);
@@ -592,8 +601,8 @@ int choose_kv_splits(int64_t requested, int64_t blocks_without_split, int cache_
     return 1;
   }
   double best = 0.0;
-  for (int splits = 1; splits <= cap; ++splits) best = std::max(best, wave_efficiency(splits));
-  for (int splits = 1; splits <= cap; ++splits) {
+  for (int splits = 1; splits <= auto_cap; ++splits) best = std::max(best, wave_efficiency(splits));
+  for (int splits = 1; splits <= auto_cap; ++splits) {
     if (wave_efficiency(splits) >= kFillTolerance * best) {
       *reason = "the fewest splits whose waves fill within 95% of the best count's";
       return splits;
