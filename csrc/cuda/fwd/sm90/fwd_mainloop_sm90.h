@@ -529,6 +529,14 @@ struct FwdSm90MainloopMma {
 
     full_barrier(barriers.q_full).wait(stages.q_phase());
 
+    // Whether every row of the block sees every key of iteration i's tile.
+    auto tile_visible = [&](int i) {
+      const int col = (n_block_max - 1 - i) * kBlockN;
+      return key_tile_fully_visible(row_begin, row_begin + kBlockM, col, col + kBlockN,
+                                    binfo.seqlen_q, binfo.seqlen_k, params.window_left,
+                                    params.window_right);
+    };
+
     // The rows of a varlen sequence's last K / V tile past its end are the
     // next sequence's (zero_v_rows_past_end). Tile 0 is the only one that can
     // reach past the end.
@@ -537,8 +545,11 @@ struct FwdSm90MainloopMma {
 
     // The first iteration has no P V yet; it is peeled off at compile time (a
     // branch around a wgmma inside a batch makes ptxas serialize the batch).
-    auto iteration = [&](int i, auto has_pending_pv) {
+    // may_mask: false for the tiles every row sees whole (the loops below),
+    // which then carry no visibility test and no mask.
+    auto iteration = [&](int i, auto has_pending_pv, auto may_mask) {
       constexpr bool kHasPendingPv = decltype(has_pending_pv)::value;
+      constexpr bool kMayMask = decltype(may_mask)::value;
       const int n_block = n_block_max - 1 - i;
       if (kHasPendingPv && i == 1 && zero_v_tail) zero_v_rows_past_end(v_rows_past_end);
       full_barrier(barriers.k_full[stages.stage(i)]).wait(stages.phase(i));
@@ -585,9 +596,7 @@ struct FwdSm90MainloopMma {
                       binfo.seqlen_q, binfo.seqlen_k);
         }
       }
-      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_base, col_base + kBlockN,
-                                  binfo.seqlen_q, binfo.seqlen_k, params.window_left,
-                                  params.window_right)) {
+      if (kMayMask && !tile_visible(i)) {
         apply_mask(scores, tScS_rowcol, row_begin, col_base, binfo.seqlen_q, binfo.seqlen_k,
                    params.window_left, params.window_right);
       }
@@ -605,8 +614,36 @@ struct FwdSm90MainloopMma {
       convert_type_into(acc_s, tOrP);
     };
 
-    iteration(0, cute::false_type{});
-    for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{});
+    // The tiles that need the mask are a run at each end of the walk (it goes
+    // from the last key tile down): the diagonal or a right window, and a left
+    // window's edge; seqlen_k's partial tile is tile 0. The visible tiles
+    // between them take an iteration without the mask's test and code, as
+    // FA3's and FA4's separate masking loops do: 2-5% faster at d128 from 1k
+    // keys non-causal and 4k causal (PERF_LOG 2026-11-30 "forward masking
+    // loops"). Not in the score-mods variant, where the second copy of the
+    // body pushed the draws and ALiBi values to the stack (ptxas, d128: a 1.7
+    // KB frame), nor on the counter's grid (short causal, local and varlen
+    // calls), whose few tiles a query block ran 0.5-2% slower so, nor above
+    // d128, where the copies put spill reloads in the d256 loop (ptxas: 12 /
+    // 40 bytes, none before).
+    constexpr bool kMaskingLoops =
+        !kWithScoreMods && !Scheduler::kTakesTilesFromCounter && Traits::kHeadDim <= 128;
+    iteration(0, cute::false_type{}, cute::true_type{});
+    if constexpr (!kMaskingLoops) {
+      for (int i = 1; i < n_tiles; ++i) iteration(i, cute::true_type{}, cute::true_type{});
+    } else {
+      int visible_begin = 1;
+      while (visible_begin < n_tiles && !tile_visible(visible_begin)) ++visible_begin;
+      int visible_end = n_tiles;
+      while (visible_end > visible_begin && !tile_visible(visible_end - 1)) --visible_end;
+      for (int i = 1; i < n_tiles; ++i) {
+        if (i < visible_begin || i >= visible_end) {
+          iteration(i, cute::true_type{}, cute::true_type{});
+        } else {
+          iteration(i, cute::true_type{}, cute::false_type{});
+        }
+      }
+    }
 
     // The last tile's P V. The last warpgroup takes the last turn, so it
     // hands none on.

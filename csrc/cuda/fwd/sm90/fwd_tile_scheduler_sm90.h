@@ -54,6 +54,7 @@ struct FwdSm90TileScheduler {
   static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr bool kTakesTilesFromCounter = kTilesFromCounter;
   using Storage = FwdSm90SharedStorage<Traits>;
 
   // for_each_tile(body) calls body(tile, look_ahead), and body calls
