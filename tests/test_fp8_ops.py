@@ -71,17 +71,23 @@ def test_opcheck_fwd_fp8(causal):
     )
 
 
-def test_opcheck_varlen_fwd_fp8_paged():
-    q = fp8_rand(9, 4, 32)
+def paged_varlen_args(q):
+    """varlen_fwd's positional arguments for q (9, 4, 32): two sequences of 4
+    and 5 queries over 7 and 12 causal keys in e4m3 pages of 4 rows, through a
+    shuffled table."""
     k_pages, v_pages = fp8_rand(6, 4, 2, 32), fp8_rand(6, 4, 2, 32)
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
     table = torch.tensor([[5, 1, 0, 0], [2, 3, 4, 0]], dtype=torch.int32)
     args = (q, k_pages, v_pages, cu_q, cu_k, table, None, 5, 12, 0.0, 0.2, True, -1, -1, 0.0)
-    args += (False, 0, 0, None)
-    before = snapshot([q, k_pages, v_pages])
+    return args + (False, 0, 0, None)
+
+
+def test_opcheck_varlen_fwd_fp8_paged():
+    args = paged_varlen_args(fp8_rand(9, 4, 32))
+    before = snapshot(args[:3])
     ops.varlen_fwd(*args, **descale_kwargs(2, 2))
-    assert_inputs_unchanged(before, [q, k_pages, v_pages])
+    assert_inputs_unchanged(before, args[:3])
     torch.library.opcheck(
         ops.varlen_fwd.default, args, descale_kwargs(2, 2), test_utils=OPCHECK_UTILS
     )
@@ -107,13 +113,7 @@ def test_opcheck_fp8_cache_forms(dtype):
         dict(kwargs, out=torch.empty(2, 5, 4, 32, dtype=dtype)),
         test_utils=OPCHECK_UTILS,
     )
-    q3 = torch.randn(9, 4, 32, dtype=dtype)
-    k_pages, v_pages = fp8_rand(6, 4, 2, 32), fp8_rand(6, 4, 2, 32)
-    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
-    table = torch.tensor([[5, 1, 0, 0], [2, 3, 4, 0]], dtype=torch.int32)
-    args = (q3, k_pages, v_pages, cu_q, cu_k, table, None, 5, 12, 0.0, 0.2, True, -1, -1, 0.0)
-    args += (False, 0, 0, None)
+    args = paged_varlen_args(torch.randn(9, 4, 32, dtype=dtype))
     torch.library.opcheck(ops.varlen_fwd.default, args, kwargs, test_utils=OPCHECK_UTILS)
     torch.library.opcheck(
         ops.varlen_fwd_out.default,
@@ -190,11 +190,9 @@ def test_compile_fp8_func_and_varlen():
 def test_compile_fp8_cache_paged_varlen():
     """The chunked-prefill call over a paged e4m3 cache with a bf16 q traces
     under torch.compile(fullgraph=True) and gives the eager result."""
-    q = torch.randn(9, 4, 32, dtype=torch.bfloat16)
-    k_pages, v_pages = fp8_rand(6, 4, 2, 32), fp8_rand(6, 4, 2, 32)
-    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
-    table = torch.tensor([[5, 1, 0, 0], [2, 3, 4, 0]], dtype=torch.int32)
+    q, k_pages, v_pages, cu_q, cu_k, table = paged_varlen_args(
+        torch.randn(9, 4, 32, dtype=torch.bfloat16)
+    )[:6]
     k_scale, v_scale = descales(2, 2), descales(2, 2)
 
     def prefill(q, k_pages, v_pages, k_scale, v_scale):
