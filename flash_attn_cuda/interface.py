@@ -37,12 +37,12 @@ __all__ = [
 _HEAD_DIM_ALIGNMENT = 8
 
 # The largest head dim per device, csrc/common/head_dim_bounds.h's: on CUDA
-# the forwards serve up to 512 (above 256 on the split-KV kernel, forward
-# only: the backward op refuses them by name), flash_attn_with_kvcache also
+# the ops serve up to 512 (above 256 the forward on the split-KV kernel, the
+# backward on the SM80 kernel's d512 row), flash_attn_with_kvcache also
 # absorbed MLA's 576 with d_v <= 512 (the op checks d_v); the CPU path serves
 # up to 1024, the function the CUDA kernels of issue 56 will serve.
 _MAX_HEAD_DIM = {"cuda": 512, "cpu": 1024}
-# S_dmask (return_attn_probs) and the backward: the forward kernels' 256 on CUDA.
+# S_dmask (return_attn_probs): the forward kernels' 256 on CUDA.
 _MAX_S_DMASK_HEAD_DIM = {"cuda": 256, "cpu": 1024}
 _MAX_KVCACHE_HEAD_DIM = {"cuda": 576, "cpu": 1024}
 
@@ -1049,10 +1049,9 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
             (fp32 is also accepted on CPU; float8_e4m3fn too, with the
             descales below, on CPU and on CUDA of sm89 or newer). Any
-            headdim up to 256 works, forward and backward, and up to 512 forward
-            only (above 256 on the split-KV kernel: no dropout, no S_dmask; the
-            backward raises); up to 1024 on CPU; one that is not a
-            multiple of 8 is zero-padded internally.
+            headdim up to 512 works, forward and backward (above 256 the
+            forward serves no dropout and no S_dmask); up to 1024 on CPU; one
+            that is not a multiple of 8 is zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device
             (or float8_e4m3fn under a 16-bit q: an FP8 KV cache).
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.

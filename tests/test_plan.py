@@ -95,11 +95,13 @@ def bwd_tile_table():
     table = {}
     for dim, body in re.findall(r"struct BwdTileConfig<(\d+)>\s*{([^}]*)}", text):
         table[int(dim)] = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
-    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256}, table.keys()
+    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256, 512}, table.keys()
     return table
 
 
 BWD_TABLE = bwd_tile_table()
+# The head dims with a Hopper backward tile (d512 has the SM80 kernel only).
+HOPPER_BWD_DIMS = [d for d in sorted(BWD_TABLE) if BWD_TABLE[d]["kBlockMSm90"]]
 
 
 def fwd_pair_tile_table():
@@ -555,7 +557,7 @@ def test_hopper_backward_dropout_head_dims():
     assert {d: hopper_bwd_dropout_block_m(d) for d in hopper} == {d: 64 for d in hopper}
 
 
-@pytest.mark.parametrize("head_dim", sorted(BWD_TABLE))
+@pytest.mark.parametrize("head_dim", HOPPER_BWD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_dropout_on_hopper(head_dim, causal):
     """The backward of a call with dropout runs the Hopper kernel's score-mods
@@ -897,8 +899,10 @@ def test_forward_above_256_on_the_splitkv_kernel():
     assert fwd(2, 1024, 1024, 16, 16, 512, device=L40)["kernel"] == "none"
     # Below 256 nothing changes: many rows take the forward kernels.
     assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
-    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 256\], got 512"):
-        bwd(2, 1024, 1024, 16, 16, 512)
+    # The backward of these head dims is the SM80 kernel's d512 row.
+    assert bwd(2, 1024, 1024, 16, 16, 512)["kernel"] == "sm80"
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 512\], got 576"):
+        bwd(2, 1024, 1024, 16, 16, 576)
 
 
 def test_decode_append_in_attention():
@@ -1162,3 +1166,30 @@ def test_fp8_cache_runs_three_blocks_an_sm():
     assert capped["splits"] == 2 and capped["grid"] == 256
     # The 64-row variant and head dims without fragments from the stage keep two.
     assert decode(16, 1, 32768, 32, 8, 256, fp8_cache=True)["splits"] == 2
+
+
+@pytest.mark.parametrize("head_dim", [264, 384, 512])
+def test_backward_d512_runs_the_sm80_kernel_in_slabs(head_dim):
+    """Head dims 257-512 run the SM80 kernel's d512 row (no Hopper tile):
+    32 x 32 blocks whose passes take head-dim slabs of 256 columns, on every
+    device whose blocks hold its 132.25 KiB; an sm86 / sm89 block does not,
+    and the plan says so (the op raises it with both sizes)."""
+    row = BWD_TABLE[512]
+    assert row["kBlockMSm90"] == 0
+    long = (2, 4096, 4096, 8, 2, head_dim)
+    for device in (H100, A100):
+        plan = bwd(*long, causal=True, device=device)
+        assert plan["kernel"] == "sm80" and plan["hdim"] == 512
+        assert (plan["block_m"], plan["block_n"]) == (row["kBlockM"], row["kBlockN"]) == (32, 32)
+        assert plan["grid"] == f"{4096 // 32}x8x2"
+        assert plan["sm80_smem"] == 135424 and plan["smem_fits"] == 1
+        assert "no Hopper tile" in plan["reason"] or device is A100
+    extras = bwd(*long, softcap=20.0, alibi=True, dropout_p=0.1)
+    assert extras["kernel"] == "sm80" and extras["variant"] == "score_extras"
+    det = bwd(*long, deterministic=True)
+    assert det["kernel"] == "sm80" and det["splits"] > 1
+    small = bwd(*long, device=L40)
+    assert small["sm80_smem"] == 135424 and small["smem_fits"] == 0
+    # Every row of the table fits an sm80 block.
+    for d in sorted(BWD_TABLE):
+        assert bwd(2, 512, 512, 4, 4, d, device=A100, kernel_override="sm80")["smem_fits"] == 1

@@ -67,14 +67,13 @@ int checked_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
-// The backward's bound (common/head_dim_bounds.h): below the forward's on CUDA,
-// where head dims above 256 have a forward only.
+// The backward's bound (common/head_dim_bounds.h): the forward's on CUDA.
 void check_bwd_head_dim(int64_t head_dim, const at::Tensor& q) {
   const int bound = max_bwd_head_dim(q.is_cuda());
   TORCH_CHECK(head_dim <= bound, "flash_attn: the backward of head dimension ", head_dim,
-              " is not built on CUDA (its forward runs on the split-KV kernel, forward only): "
-              "the head dimension (last dim of q) must be at most ",
-              bound, " for the backward, got ", head_dim);
+              " is not built on ", q.is_cuda() ? "CUDA" : "the CPU",
+              ": the head dimension (last dim of q) must be at most ", bound,
+              " for the backward, got ", head_dim);
 }
 
 // The forward's bound of q's device (common/head_dim_bounds.h).

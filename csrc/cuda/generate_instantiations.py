@@ -10,10 +10,13 @@ checks that it is current).
 from pathlib import Path
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
-# Head dims with the split-KV (fwd_kvcache) kernel only: their warps split the
+# Head dims whose forward runs on the split-KV kernel only: its warps split the
 # value dim in halves (splitkv_tile_config.h); 576 is absorbed MLA's latent
-# cache (d_v <= 512). Their forward and backward are issue 56's, not built yet.
+# cache (d_v <= 512).
 SPLITKV_ONLY_HEAD_DIMS = [512, 576]
+# Of those, the head dims with a backward: the SM80 kernel in head-dim slabs
+# (bwd_tile_config.h, bwd_slab_cols).
+SLAB_BWD_HEAD_DIMS = [512]
 DTYPES = {"fp16": ("cutlass::half_t", "false"), "bf16": ("cutlass::bfloat16_t", "true")}
 
 # Head dims whose Hopper kernels use wgmma widths that CuTe's op selector only
@@ -161,6 +164,13 @@ def write_instantiations(out_dir: Path) -> None:
             path.write_text(
                 SPLITKV_FP8_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
             )
+            if head_dim in SLAB_BWD_HEAD_DIMS:
+                path = out_dir / f"flash_bwd_hdim{head_dim}_{dtype}.cu"
+                path.write_text(
+                    BWD_TEMPLATE.format(
+                        head_dim=head_dim, element=element, is_bf16=is_bf16, extended_wgmma=""
+                    )
+                )
     for head_dim, head_dim_v in FWD_PAIRS:
         for dtype, (element, is_bf16) in DTYPES.items():
             path = out_dir / f"flash_fwd_hdim{head_dim}_dv{head_dim_v}_{dtype}.cu"

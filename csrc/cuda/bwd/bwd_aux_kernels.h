@@ -236,8 +236,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const BlockInfo binfo(params, batch);
   const int row_begin = n_block * kBlockN;
   if (row_begin >= binfo.seqlen_k) return;
+  // A key block's sums, in chunks of kDKVChunkCols columns (the SM80
+  // kernel's head-dim slabs; one chunk otherwise).
+  constexpr int kChunkCols = Traits::kDKVChunkCols;
   const int64_t sum_offset = dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, batch, head_kv) +
-                             accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(n_block, 0) +
+                             accum_tile_offset<kBlockN, kHeadDim, kChunkCols>(n_block, 0) +
                              accum_thread_offset(threadIdx.x);
   const int rows = min(kBlockN, binfo.seqlen_k - row_begin);
   Element* dk = static_cast<Element*>(params.dk_ptr) + binfo.k_offset(params.dk, batch, head_kv) +
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
                 int64_t(row_begin) * params.dv.row_stride;
   using TiledMma = typename Traits::TiledMmadKV;
   // dK carries the softmax scale already (the main kernel applies it).
-  store_accum_block<TiledMma, kBlockN, kHeadDim, kHeadDim>(
+  store_accum_block<TiledMma, kBlockN, kHeadDim, kChunkCols>(
       params.dk_sum_ptr + sum_offset, 1, 0, 1.f, dk, params.dk.row_stride, rows, params.head_dim);
   // dV's sums are rows of kHeadDimV columns where d_v has its own width
   // (store_dk_dv_pair).
@@ -256,7 +259,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
                             : dkv_sum_offset<kBlockN, kHeadDimV>(params, binfo, batch, head_kv) +
                                   accum_tile_offset<kBlockN, kHeadDimV, kHeadDimV>(n_block, 0) +
                                   accum_thread_offset(threadIdx.x);
-  store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV, kHeadDimV>(
+  store_accum_block<typename Traits::TiledMmadV, kBlockN, kHeadDimV,
+                    kHeadDimV == kHeadDim ? kChunkCols : kHeadDimV>(
       params.dv_sum_ptr + dv_sum_offset, 1, 0, 1.f, dv, params.dv.row_stride, rows,
       params.head_dim_v);
 }

@@ -168,13 +168,17 @@ struct BwdDkvTurn {
   int* counter;  // null outside deterministic GQA/MQA
   int turn;
 
-  __forceinline__ __device__ BwdDkvTurn(const BwdParams& params, const BwdKeyBlock& block)
+  // A key block's counter per head-dim slab of the SM80 kernel (its passes
+  // add their slabs' sums in turn each; dkv_semaphore_n_blocks counts the
+  // (key block, slab) pairs).
+  __forceinline__ __device__ BwdDkvTurn(const BwdParams& params, const BwdKeyBlock& block,
+                                        int slab = 0, int slabs = 1)
       : counter(params.dkv_semaphore == nullptr
                     ? nullptr
                     : params.dkv_semaphore +
                           (int64_t(block.batch) * params.nheads_k + block.head_kv) *
                               params.dkv_semaphore_n_blocks +
-                          block.n_block),
+                          block.n_block * slabs + slab),
         turn(block.head - block.head_kv * block.group) {}
 
   // Before the adds: one thread waits for the turn, sync() tells the others.
@@ -197,27 +201,44 @@ struct BwdDkvTurn {
     if (tidx == 0) semaphore_release_increment(counter);
   }
 };
-template <typename Traits, typename TensorAcc, typename TiledMma, typename ThrMma,
-          typename Sync = BlockBarrier>
-__forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& acc_dv,
-                                            const TiledMma& tiled_mma_dkv,
-                                            const ThrMma& thr_mma_dkv,
-                                            typename Traits::Element* smem_k,
-                                            typename Traits::Element* smem_v,
-                                            const BwdParams& params, const BlockInfo& binfo,
-                                            const BwdKeyBlock& block, int tidx, Sync sync = {}) {
+// store_dk_dv's staging tile: K's layout for the whole head dim, the slab's
+// (the SM80 kernel's SmemLayoutdKVSlab) below it.
+template <typename Traits, bool kWholeHeadDim>
+struct DkvStageLayout {
+  using type = typename Traits::SmemLayoutKV;
+};
+template <typename Traits>
+struct DkvStageLayout<Traits, false> {
+  using type = typename Traits::SmemLayoutdKVSlab;
+};
+
+// dK (scaled) and dV of a key block: to dk / dv through a staging tile in
+// shared memory (smem_k, smem_v), or under GQA added to the kv head's sums.
+// The SM80 kernel's head-dim slabs (kSlabCols columns, the slab-th; the
+// whole head dim by default) each store their own columns.
+template <typename Traits, int kSlabCols = Traits::kHeadDim, typename TensorAcc, typename TiledMma,
+          typename ThrMma, typename Sync = BlockBarrier>
+__forceinline__ __device__ void store_dk_dv(
+    TensorAcc& acc_dk, const TensorAcc& acc_dv, const TiledMma& tiled_mma_dkv,
+    const ThrMma& thr_mma_dkv, typename Traits::Element* smem_k, typename Traits::Element* smem_v,
+    const BwdParams& params, const BlockInfo& binfo, const BwdKeyBlock& block, int tidx,
+    Sync sync = {}, int slab = 0) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kSlabs = kHeadDim / kSlabCols;
+  static_assert(kHeadDim % kSlabCols == 0, "whole slabs of the head dim");
+  using SmemLayoutStage = typename DkvStageLayout<Traits, kSlabs == 1>::type;
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= params.softmax_scale;
 
-  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (N, D) -> (row, col)
+  // (N, D) -> (row, col), D: the slab's columns
+  Tensor cdKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kSlabCols>>{});
   if (block.group == 1) {
-    Tensor rdK = convert_type<Element>(acc_dk);  // (MMA, MMA_N, MMA_D)
-    Tensor rdV = convert_type<Element>(acc_dv);  // (MMA, MMA_N, MMA_D)
-    Tensor sdK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});  // (N, D)
-    Tensor sdV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});  // (N, D)
+    Tensor rdK = convert_type<Element>(acc_dk);                          // (MMA, MMA_N, MMA_D)
+    Tensor rdV = convert_type<Element>(acc_dv);                          // (MMA, MMA_N, MMA_D)
+    Tensor sdK = make_tensor(make_smem_ptr(smem_k), SmemLayoutStage{});  // (N, D)
+    Tensor sdV = make_tensor(make_smem_ptr(smem_v), SmemLayoutStage{});  // (N, D)
     auto smem_tiled_copy_dKV =
         make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, tiled_mma_dkv);
     auto smem_thr_copy_dKV = smem_tiled_copy_dKV.get_thread_slice(tidx);
@@ -236,10 +257,10 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
                              make_stride(params.dv.row_stride, _1{}));  // (seqlen_k, head_dim_v)
     // (N, D)
     Tensor gdK =
-        local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+        local_tile(mdK, Shape<Int<kBlockN>, Int<kSlabCols>>{}, make_coord(block.n_block, slab));
     // (N, D)
     Tensor gdV =
-        local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(block.n_block, 0));
+        local_tile(mdV, Shape<Int<kBlockN>, Int<kSlabCols>>{}, make_coord(block.n_block, slab));
     typename Traits::GmemTiledCopyStore gmem_tiled_copy_dKV;
     auto gmem_thr_copy_dKV = gmem_tiled_copy_dKV.get_thread_slice(tidx);
     Tensor tdKsdK = gmem_thr_copy_dKV.partition_S(sdK);                // (CPY, CPY_N, CPY_D)
@@ -248,12 +269,13 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
     Tensor tdVgdV = gmem_thr_copy_dKV.partition_D(gdV);                // (CPY, CPY_N, CPY_D)
     Tensor tdKVcdKV = gmem_thr_copy_dKV.partition_D(cdKV);             // (CPY, CPY_N, CPY_D)
     Tensor tdKVpdKV = make_tensor<bool>(make_shape(size<2>(tdKgdK)));  // (CPY_D)
-    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim);
+    // The slab's columns below head_dim (head_dim_v for dV).
+    make_col_predicate(tdKVpdKV, tdKVcdKV, params.head_dim - slab * kSlabCols);
     // dV has head_dim_v columns; its predicate is evaluated at the store (a
     // second array in registers spilled the SM80 backward).
-    const auto tdVpdV = cols_below(tdKVcdKV, params.head_dim_v);  // (CPY_D)
-    Tensor tdKrdK = make_fragment_like(tdKsdK);                   // (CPY, CPY_N, CPY_D)
-    Tensor tdVrdV = make_fragment_like(tdVsdV);                   // (CPY, CPY_N, CPY_D)
+    const auto tdVpdV = cols_below(tdKVcdKV, params.head_dim_v - slab * kSlabCols);  // (CPY_D)
+    Tensor tdKrdK = make_fragment_like(tdKsdK);  // (CPY, CPY_N, CPY_D)
+    Tensor tdVrdV = make_fragment_like(tdVsdV);  // (CPY, CPY_N, CPY_D)
     copy(gmem_tiled_copy_dKV, tdKsdK, tdKrdK);
     copy(gmem_tiled_copy_dKV, tdVsdV, tdVrdV);
     store_tile_predicated(gmem_tiled_copy_dKV, tdKrdK, tdKgdK, tdKVcdKV, tdKVpdKV, block.cols_left);
@@ -261,9 +283,9 @@ __forceinline__ __device__ void store_dk_dv(TensorAcc& acc_dk, const TensorAcc& 
   } else {
     const int64_t sum_offset =
         dkv_sum_offset<kBlockN, kHeadDim>(params, binfo, block.batch, block.head_kv) +
-        accum_tile_offset<kBlockN, kHeadDim, kHeadDim>(block.n_block, 0) +
+        accum_tile_offset<kBlockN, kHeadDim, kSlabCols>(block.n_block, slab) +
         accum_thread_offset(tidx);
-    const BwdDkvTurn dkv_turn(params, block);
+    const BwdDkvTurn dkv_turn(params, block, slab, kSlabs);
     dkv_turn.wait(tidx, sync);
     atomic_add_fragment<Traits::kNThreads>(acc_dk, params.dk_sum_ptr + sum_offset);
     atomic_add_fragment<Traits::kNThreads>(acc_dv, params.dv_sum_ptr + sum_offset);

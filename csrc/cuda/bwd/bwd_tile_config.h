@@ -44,6 +44,7 @@ template <> struct BwdTileConfig<160> { static constexpr int kBlockM = 64,  kBlo
 template <> struct BwdTileConfig<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<224> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 4, kAtomLayoutMdQ = 4, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 8, kAtomLayoutMSdP = 4, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 64; static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
+template <> struct BwdTileConfig<512> { static constexpr int kBlockM = 32,  kBlockN = 32,  kNWarps = 4, kAtomLayoutMSdP = 2, kAtomLayoutNdKV = 2, kAtomLayoutMdQ = 2, kBlockMSm90 = 0;  static constexpr bool kDoubleBufferQdO = false, kDQBeforeDK = false; };
 // clang-format on
 
 // kBlockMSm90: the query rows per block of the Hopper kernel
@@ -61,6 +62,16 @@ template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64,  kBlo
 // masked by compile-time column offsets and, with score mods, made P^T / dS^T
 // in their 16-bit registers (BwdSm90KernelTraits::kShuffleRowStats; PERF_LOG
 // 2026-11-29, d64 with 128-row query blocks).
+//
+// Head dim 512 (docs/head_dims_dv_and_512.md section 3, "SM80"): the SM80
+// kernel only, in two passes over head-dim slabs of 256 columns
+// (bwd_slab_cols): each pass recomputes S and dP at the full width and
+// accumulates dK, dV and dQ of its slab, so that the accumulators are d256's
+// (dK + dV 32 x 256 over 4 warps: 128 registers a thread). 32 x 32 with Q,
+// dO, K and V whole: 132.25 KiB of shared memory, which sm80 and sm90 blocks
+// hold and sm86 / sm89 blocks (99 KiB) do not (plan_bwd refuses there).
+// Correctness first: the recompute makes 7 units of MMA work of the 5 a
+// single pass does.
 //
 // Specialised pairs: a Hopper kernel only (plan_bwd sends the pair's SM80
 // calls to d_qk's row at level 1), whose block shape is d_qk's, so that the
@@ -115,17 +126,28 @@ struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> {
   static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true;
 };
 
+// The head-dim columns of one pass of the SM80 kernel's dK, dV and dQ
+// products: the whole head dim up to 256, slabs of 256 above (d512's two
+// passes). Every slab recomputes S and dP; the dK / dV sums under GQA and
+// the deterministic dK / dV turns count (key block, slab) pairs.
+constexpr int kBwdMaxSlabCols = 256;
+constexpr int bwd_slab_cols(int head_dim) {
+  return head_dim > kBwdMaxSlabCols ? kBwdMaxSlabCols : head_dim;
+}
+
 // The block shape of a compiled head dim, for the host code that sizes the dQ
 // accumulator (padded to whole query blocks) and the deterministic dQ splits
 // (one per key block at most); zeros for a head dim with no entry.
 struct BwdBlockShape {
   int block_m;
   int block_n;
+  int slabs = 1;  // head-dim slabs of the SM80 kernel (bwd_slab_cols)
 };
 
 template <int kHeadDim>
 constexpr BwdBlockShape bwd_block_shape_of() {
-  return {BwdTileConfig<kHeadDim>::kBlockM, BwdTileConfig<kHeadDim>::kBlockN};
+  return {BwdTileConfig<kHeadDim>::kBlockM, BwdTileConfig<kHeadDim>::kBlockN,
+          kHeadDim / bwd_slab_cols(kHeadDim)};
 }
 
 inline BwdBlockShape bwd_block_shape(int compiled_head_dim) {
@@ -138,6 +160,7 @@ inline BwdBlockShape bwd_block_shape(int compiled_head_dim) {
     case 192: return bwd_block_shape_of<192>();
     case 224: return bwd_block_shape_of<224>();
     case 256: return bwd_block_shape_of<256>();
+    case 512: return bwd_block_shape_of<512>();
     default: return {0, 0};
   }
 }

@@ -380,13 +380,14 @@ namespace {
 struct BwdTileRow {
   int block_m = 0, block_n = 0, block_m_sm90 = 0;
   bool large_smem_exists = false, large_smem_double_buffer = false;
+  bool double_buffer = false;
 };
 
 template <int kHeadDim>
 constexpr BwdTileRow bwd_tile_row_of() {
   using C = BwdTileConfig<kHeadDim>;
   using L = BwdTileConfigLargeSmem<kHeadDim>;
-  BwdTileRow row{C::kBlockM, C::kBlockN, C::kBlockMSm90, L::kExists, false};
+  BwdTileRow row{C::kBlockM, C::kBlockN, C::kBlockMSm90, L::kExists, false, C::kDoubleBufferQdO};
   if constexpr (L::kExists) row.large_smem_double_buffer = L::kDoubleBufferQdO;
   return row;
 }
@@ -401,6 +402,7 @@ BwdTileRow bwd_tile_row(int compiled_head_dim) {
     case 192: return bwd_tile_row_of<192>();
     case 224: return bwd_tile_row_of<224>();
     case 256: return bwd_tile_row_of<256>();
+    case 512: return bwd_tile_row_of<512>();
     default: return {};
   }
 }
@@ -515,12 +517,15 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
   if (params.deterministic) use_dq_splits(plan, params, device);
+  plan.sm80_smem_bytes = bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.double_buffer);
   // The large-shared-memory tile: plain variant only, where the device has room.
-  if (!score_extras && row.large_smem_exists &&
-      device.smem_per_block_optin >=
-          bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.large_smem_double_buffer)) {
+  const int large_smem_bytes =
+      bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.large_smem_double_buffer);
+  if (!score_extras && row.large_smem_exists && device.smem_per_block_optin >= large_smem_bytes) {
     plan.kernel = BwdKernel::kSm80LargeSmem;
+    plan.sm80_smem_bytes = large_smem_bytes;
   }
+  plan.smem_exceeds_device = plan.sm80_smem_bytes > device.smem_per_block_optin;
   return plan;
 }
 
@@ -903,6 +908,7 @@ std::string describe(const BwdPlan& plan) {
       << " hdim_v=" << plan.head_dim_v << " block_m=" << plan.block_m << " block_n=" << plan.block_n
       << " splits=" << plan.num_splits << " ordered_dq=" << int(plan.ordered_dq)
       << " grid=" << plan.grid_x << "x" << plan.grid_y << "x" << plan.grid_z
+      << " sm80_smem=" << plan.sm80_smem_bytes << " smem_fits=" << int(!plan.smem_exceeds_device)
       << " reason: " << plan.reason;
   return out.str();
 }

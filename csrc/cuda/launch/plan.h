@@ -275,6 +275,11 @@ struct BwdPlan {
   // sm_90a d128 / d192): the op hands it v, out and dout zero-padded to d_qk
   // and crops dv (the Hopper kernel reads them at d_v columns).
   bool pad_v = false;
+  // The SM80 main kernel's dynamic shared memory; a device whose blocks hold
+  // less is not served (the op raises, naming both: d512's 132.25 KiB on
+  // sm86 / sm89 blocks of 99 KiB).
+  int sm80_smem_bytes = 0;
+  bool smem_exceeds_device = false;
   const char* reason = "";
 };
 

@@ -77,6 +77,12 @@ BwdPlan plan_for(BwdParams& params) {
   const DeviceDesc device = current_device_desc();
   const BwdPlan plan = plan_bwd(params, device, kernel_override_from_env("FLASH_ATTN_BWD_KERNEL"),
                                 bwd_tma_can_load(params));
+  TORCH_CHECK(!plan.smem_exceeds_device, "flash_attn: the backward of head dimension ",
+              params.head_dim, " needs ", plan.sm80_smem_bytes,
+              " bytes of shared memory per thread block (its SM80 kernel's tile at head dim ",
+              plan.head_dim, "), more than this device's blocks may hold (",
+              device.smem_per_block_optin, " bytes, compute capability ", device.cc_major, ".",
+              device.cc_minor, ")");
   params.num_splits = plan.num_splits;
   return plan;
 }
@@ -145,10 +151,11 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
     if (params.deterministic) {
-      // One turn counter per (batch, kv head, key block): the query heads add
-      // in head order (bwd_block_io.h BwdDkvTurn); varlen sequences are at
-      // most seqlen_k (max_seqlen_k) long.
-      params.dkv_semaphore_n_blocks = (params.seqlen_k + block_n - 1) / block_n;
+      // One turn counter per (batch, kv head, key block, head-dim slab of the
+      // SM80 kernel): the query heads add in head order (bwd_block_io.h
+      // BwdDkvTurn); varlen sequences are at most seqlen_k (max_seqlen_k) long.
+      params.dkv_semaphore_n_blocks =
+          (params.seqlen_k + block_n - 1) / block_n * bwd_block_shape(compiled_head_dim).slabs;
       ws.dkv_semaphore =
           at::zeros({int64_t(params.batch) * params.nheads_k * params.dkv_semaphore_n_blocks},
                     softmax_lse.options().dtype(at::kInt));

@@ -118,7 +118,8 @@ std::string plan_bwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         std::string kernel_override, bool tma_aligned, int64_t head_dim_v) {
   BwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
-            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen, kMaxHeadDimCuda);
+            window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen,
+            kMaxHeadDimCudaBwd);
   params.deterministic = deterministic;
   // head_dim_v < 0: d_v = d_qk. A smaller d_v may pick a specialised pair's
   // Hopper kernel (plan_bwd), as in _plan_fwd.

@@ -161,15 +161,12 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   Tensor tPsP = smem_thr_copy_PdS.partition_D(sP);     // (CPY, CPY_M, CPY_N)
   Tensor tdSsdS = smem_thr_copy_PdS.partition_D(sdS);  // (CPY, CPY_M, CPY_N)
 
-  // dV += P^T dO and dK += dS^T Q, both operands read transposed.
+  // dV += P^T dO and dK += dS^T Q, both operands read transposed, over the
+  // columns of one head-dim slab per pass (the slab loop below).
   typename Traits::TiledMmadKV tiled_mma_dkv;
   auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
   Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);    // (MMA, MMA_N, MMA_M)
-  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);  // (MMA, MMA_D, MMA_M)
   Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);  // (MMA, MMA_N, MMA_M)
-  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);    // (MMA, MMA_D, MMA_M)
-  CUTE_STATIC_ASSERT_V(size<2>(tdVrPt) == size<2>(tdVrdOt));         // MMA_M of P^T dO
-  CUTE_STATIC_ASSERT_V(size<2>(tdKrdSt) == size<2>(tdKrQt));         // MMA_M of dS^T Q
   auto smem_tiled_copy_PdSt =
       make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
   auto smem_thr_copy_PdSt = smem_tiled_copy_PdSt.get_thread_slice(tidx);
@@ -178,21 +175,24 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   auto smem_tiled_copy_QdOt =
       make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
   auto smem_thr_copy_QdOt = smem_tiled_copy_QdOt.get_thread_slice(tidx);
-  Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(sdOt);  // (CPY, CPY_D, CPY_M)
-  Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(sQt);    // (CPY, CPY_D, CPY_M)
-  // (MMA, MMA_N, MMA_D)
-  Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  // (MMA, MMA_N, MMA_D)
-  Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  clear(acc_dk);
-  clear(acc_dv);
+  constexpr int kSlabCols = Traits::kSlabCols;
+  // Rows [slab * kSlabCols, +kSlabCols) of a (head dim, X) view: the whole
+  // view where one slab covers the head dim.
+  auto slab_rows = [](int slab, const auto& t) {
+    if constexpr (Traits::kSlabs == 1) {
+      return t;
+    } else {
+      return local_tile(t, make_shape(Int<kSlabCols>{}, size<1>(t)), make_coord(slab, _0{}));
+    }
+  };
 
   // dQ = dS K.
   typename Traits::TiledMmadQ tiled_mma_dq;
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N)
-  // K^T in kDQChunks row slices of kDQChunkCols head-dim rows each.
-  constexpr int kDQChunks = Traits::kDQChunks;
+  // K^T in kDQChunks row slices of kDQChunkCols head-dim rows each,
+  // kDQChunksPerSlab of them in each slab's pass.
+  constexpr int kDQChunksPerSlab = Traits::kDQChunksPerSlab;
   constexpr int kDQChunkCols = Traits::kDQChunkCols;
   using DQChunkShapeKt = Shape<Int<kDQChunkCols>, Int<kBlockN>>;
   // (MMA, MMA_D, MMA_N), D: one chunk's kDQChunkCols
@@ -229,138 +229,176 @@ __forceinline__ __device__ void compute_key_block(const BwdParams& params, const
   DropoutState dropout{};
   if (pointwise.has_dropout) dropout = dropout_state_of(params, batch, head);
 
-  if (m_block_max > m_block_min) {
-    // Prologue: K, V and the last visible query block in flight together.
-    // Query blocks run from high to low.
-    const bool kv_in_bounds = head_dim_is_full && cols_left >= kBlockN;
-    copy_tile_predicated(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
-    copy_tile_predicated(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
-    load_q_do(m_block_max - 1, 0);
-    cute::cp_async_fence();
+  // One pass per head-dim slab (one pass up to d256): S and dP at the full
+  // width, dK, dV and dQ of the slab's columns.
+  // A loop unrolled by the compiler rather than a lambda per slab: the
+  // d256 kernels keep the machine code they had before slabs (cuobjdump).
+  CUTE_UNROLL
+  for (int slab = 0; slab < Traits::kSlabs; ++slab) {
+    // (MMA, MMA_D, MMA_M), D: the slab's columns
+    Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(slab_rows(slab, sdOtNoSwizzle));
+    // (MMA, MMA_D, MMA_M)
+    Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(slab_rows(slab, sQtNoSwizzle));
+    CUTE_STATIC_ASSERT_V(size<2>(tdVrPt) == size<2>(tdVrdOt));               // MMA_M of P^T dO
+    CUTE_STATIC_ASSERT_V(size<2>(tdKrdSt) == size<2>(tdKrQt));               // MMA_M of dS^T Q
+    Tensor tdVsdOt = smem_thr_copy_QdOt.partition_S(slab_rows(slab, sdOt));  // (CPY, CPY_D, CPY_M)
+    Tensor tdKsQt = smem_thr_copy_QdOt.partition_S(slab_rows(slab, sQt));    // (CPY, CPY_D, CPY_M)
+    // (MMA, MMA_N, MMA_D)
+    Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kSlabCols>>{});
+    // (MMA, MMA_N, MMA_D)
+    Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kSlabCols>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    if (slab > 0) {
+      __syncthreads();  // the last pass is done with sQ / sdO (its loop, its staged stores)
+    }
 
-    int buffer = 0;
-    for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
-      const int row_begin = m_block * kBlockM;
-
-      // Q(m), dO(m), their row statistics (and K, V) have landed, and every
-      // warp is done with the previous block: its buffer, sP and sdS may be
-      // overwritten.
-      cute::cp_async_wait<0>();
-      __syncthreads();
-      if (Traits::kDoubleBufferQdO && m_block > m_block_min) {
-        load_q_do(m_block - 1, buffer ^ 1);
-        cute::cp_async_fence();
+    if (m_block_max > m_block_min) {
+      // Prologue: K, V and the last visible query block in flight together
+      // (K and V once: later slabs' passes find them in place). Query blocks
+      // run from high to low.
+      if (slab == 0) {
+        const bool kv_in_bounds = head_dim_is_full && cols_left >= kBlockN;
+        copy_tile_predicated(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
+        copy_tile_predicated(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, cols_left, kv_in_bounds);
       }
-      const int buffer_offset = buffer * kQdOBufferElems;
+      load_q_do(m_block_max - 1, 0);
+      cute::cp_async_fence();
 
-      // (MMA, MMA_M, MMA_N)
-      Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      gemm_smem_smem(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + buffer_offset, tSsQ.layout()),
-                     tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
-                     smem_thr_copy_QdO, smem_thr_copy_KV);
+      int buffer = 0;
+      for (int m_block = m_block_max - 1; m_block >= m_block_min; --m_block) {
+        const int row_begin = m_block * kBlockM;
 
-      // The saved statistics of this thread's rows.
-      const float* row_lse = smem_row_stats + buffer * 2 * kBlockM;
-      const float* row_d_smem = row_lse + kBlockM;
-      float lse_log2[kNRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) {
-        lse_log2[mi] = lse_to_log2(row_lse[get<0>(tScS_rowcol(mi, 0))]);
-      }
-
-      // The forward's score rule, applied to the same (row, col) positions.
-      // ((2, MMA_M), (2, MMA_N))
-      Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
-      if (prescale_scores) {
-        apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
-        if (has_alibi) {
-          apply_alibi(scores, tScS_rowcol, row_begin, col_begin, pointwise.alibi_slope, seqlen_q,
-                      seqlen_k);
+        // Q(m), dO(m), their row statistics (and K, V) have landed, and every
+        // warp is done with the previous block: its buffer, sP and sdS may be
+        // overwritten.
+        cute::cp_async_wait<0>();
+        __syncthreads();
+        if (Traits::kDoubleBufferQdO && m_block > m_block_min) {
+          load_q_do(m_block - 1, buffer ^ 1);
+          cute::cp_async_fence();
         }
-      }
-      if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_begin, col_begin + kBlockN,
-                                  seqlen_q, seqlen_k, params.window_left, params.window_right)) {
-        apply_mask(scores, tScS_rowcol, row_begin, col_begin, seqlen_q, seqlen_k,
-                   params.window_left, params.window_right);
-      }
+        const int buffer_offset = buffer * kQdOBufferElems;
 
-      // (MMA, MMA_M, MMA_N)
-      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
-                     make_tensor(tdPsdO.data() + buffer_offset, tdPsdO.layout()), tdPsV,
-                     tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_QdO,
-                     smem_thr_copy_KV);
+        // (MMA, MMA_M, MMA_N)
+        Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_s);
+        gemm_smem_smem(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + buffer_offset, tSsQ.layout()),
+                       tSsK, tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV,
+                       smem_thr_copy_QdO, smem_thr_copy_KV);
 
-      float row_d[kNRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kNRows; ++mi) row_d[mi] = row_d_smem[get<0>(tScS_rowcol(mi, 0))];
-      // ((2, MMA_M), (2, MMA_N))
-      Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
-      if constexpr (kWithScoreExtras) {
-        scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
-                           pointwise, dropout);
-      } else {
-        // The launcher sends any scale that is not positive and normal to the
-        // extras variant. (P computed and stored before the dP GEMM, to
-        // overlap its stores with that GEMM, measured slower: PERF_LOG
-        // 2026-11-22 80906c6.)
-        scores_to_p</*kScaleIsPositive=*/true>(scores, lse_log2, params.softmax_scale_log2);
-        p_to_ds(scores, dp, row_d);
-      }
-      Tensor rP = convert_type<Element>(acc_s);    // (MMA, MMA_M, MMA_N)
-      Tensor rdS = convert_type<Element>(acc_dp);  // (MMA, MMA_M, MMA_N)
-      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP);
-      copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS);
-      __syncthreads();  // P and dS visible to every warp
+        // The saved statistics of this thread's rows.
+        const float* row_lse = smem_row_stats + buffer * 2 * kBlockM;
+        const float* row_d_smem = row_lse + kBlockM;
+        float lse_log2[kNRows];
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) {
+          lse_log2[mi] = lse_to_log2(row_lse[get<0>(tScS_rowcol(mi, 0))]);
+        }
 
-      gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt,
-                     make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()), tiled_mma_dkv,
-                     smem_tiled_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_PdSt,
-                     smem_thr_copy_QdOt);
+        // The forward's score rule, applied to the same (row, col) positions.
+        // ((2, MMA_M), (2, MMA_N))
+        Tensor scores = make_tensor(acc_s.data(), acc_layout_as_rowcol(acc_s.layout()));
+        if (prescale_scores) {
+          apply_scale_and_softcap(scores, params.softmax_scale, params.softcap);
+          if (has_alibi) {
+            apply_alibi(scores, tScS_rowcol, row_begin, col_begin, pointwise.alibi_slope, seqlen_q,
+                        seqlen_k);
+          }
+        }
+        if (!key_tile_fully_visible(row_begin, row_begin + kBlockM, col_begin, col_begin + kBlockN,
+                                    seqlen_q, seqlen_k, params.window_left, params.window_right)) {
+          apply_mask(scores, tScS_rowcol, row_begin, col_begin, seqlen_q, seqlen_k,
+                     params.window_left, params.window_right);
+        }
 
-      // dK += dS^T Q; before or after the dQ GEMM and its atomics, as the
-      // tile table says (bwd_tile_config.h). The extras variant keeps dK
-      // first: dQ first measured slower there at d128, no faster at d64
-      // (PERF_LOG 2026-11-22 5987c63).
-      constexpr bool kDQFirst = Traits::kDQBeforeDK && !kWithScoreExtras;
-      auto accumulate_dk = [&] {
-        gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
-                       make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()), tiled_mma_dkv,
+        // (MMA, MMA_M, MMA_N)
+        Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_dp);
+        gemm_smem_smem(acc_dp, tdPrdO, tdPrV,
+                       make_tensor(tdPsdO.data() + buffer_offset, tdPsdO.layout()), tdPsV,
+                       tiled_mma_sdp, smem_tiled_copy_QdO, smem_tiled_copy_KV, smem_thr_copy_QdO,
+                       smem_thr_copy_KV);
+
+        float row_d[kNRows];
+        CUTE_UNROLL
+        for (int mi = 0; mi < kNRows; ++mi) row_d[mi] = row_d_smem[get<0>(tScS_rowcol(mi, 0))];
+        // ((2, MMA_M), (2, MMA_N))
+        Tensor dp = make_tensor(acc_dp.data(), acc_layout_as_rowcol(acc_dp.layout()));
+        if constexpr (kWithScoreExtras) {
+          scores_to_p_and_ds(scores, dp, tScS_rowcol, row_begin, col_begin, lse_log2, row_d,
+                             pointwise, dropout);
+        } else {
+          // The launcher sends any scale that is not positive and normal to the
+          // extras variant. (P computed and stored before the dP GEMM, to
+          // overlap its stores with that GEMM, measured slower: PERF_LOG
+          // 2026-11-22 80906c6.)
+          scores_to_p</*kScaleIsPositive=*/true>(scores, lse_log2, params.softmax_scale_log2);
+          p_to_ds(scores, dp, row_d);
+        }
+        Tensor rP = convert_type<Element>(acc_s);    // (MMA, MMA_M, MMA_N)
+        Tensor rdS = convert_type<Element>(acc_dp);  // (MMA, MMA_M, MMA_N)
+        copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP);
+        copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS);
+        __syncthreads();  // P and dS visible to every warp
+
+        gemm_smem_smem(acc_dv, tdVrPt, tdVrdOt, tdVsPt,
+                       make_tensor(tdVsdOt.data() + buffer_offset, tdVsdOt.layout()), tiled_mma_dkv,
                        smem_tiled_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_PdSt,
                        smem_thr_copy_QdOt);
-      };
-      if constexpr (!kDQFirst) accumulate_dk();
 
-      // Every key block adds into the same dQ rows; in deterministic mode this
-      // block is the only writer of its split slice, so the order is fixed.
-      CUTE_UNROLL
-      for (int chunk = 0; chunk < kDQChunks; ++chunk) {
-        // (MMA, MMA_M, MMA_D), D: one chunk's kDQChunkCols
-        Tensor acc_dq =
-            partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
-        clear(acc_dq);
-        gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
-                       smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS, smem_thr_copy_Kt);
-        atomic_add_fragment<Traits::kNThreads>(
-            acc_dq,
-            dq_accum_thread + accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
+        // dK += dS^T Q; before or after the dQ GEMM and its atomics, as the
+        // tile table says (bwd_tile_config.h). The extras variant keeps dK
+        // first: dQ first measured slower there at d128, no faster at d64
+        // (PERF_LOG 2026-11-22 5987c63).
+        constexpr bool kDQFirst = Traits::kDQBeforeDK && !kWithScoreExtras;
+        auto accumulate_dk = [&] {
+          gemm_smem_smem(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
+                         make_tensor(tdKsQt.data() + buffer_offset, tdKsQt.layout()), tiled_mma_dkv,
+                         smem_tiled_copy_PdSt, smem_tiled_copy_QdOt, smem_thr_copy_PdSt,
+                         smem_thr_copy_QdOt);
+        };
+        if constexpr (!kDQFirst) accumulate_dk();
+
+        // Every key block adds into the same dQ rows; in deterministic mode this
+        // block is the only writer of its split slice, so the order is fixed.
+        CUTE_UNROLL
+        for (int slab_chunk = 0; slab_chunk < kDQChunksPerSlab; ++slab_chunk) {
+          const int chunk = slab * kDQChunksPerSlab + slab_chunk;
+          // (MMA, MMA_M, MMA_D), D: one chunk's kDQChunkCols
+          Tensor acc_dq =
+              partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQChunkCols>>{});
+          clear(acc_dq);
+          gemm_smem_smem(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt(_, _, _, chunk), tiled_mma_dq,
+                         smem_tiled_copy_dS, smem_tiled_copy_Kt, smem_thr_copy_dS,
+                         smem_thr_copy_Kt);
+          atomic_add_fragment<Traits::kNThreads>(
+              acc_dq,
+              dq_accum_thread + accum_tile_offset<kBlockM, kHeadDim, kDQChunkCols>(m_block, chunk));
+        }
+
+        if constexpr (kDQFirst) accumulate_dk();
+
+        if (!Traits::kDoubleBufferQdO && m_block > m_block_min) {
+          __syncthreads();  // every warp is done reading sQ and sdO
+          load_q_do(m_block - 1, 0);
+          cute::cp_async_fence();
+        }
+        if (Traits::kDoubleBufferQdO) buffer ^= 1;
       }
-
-      if constexpr (kDQFirst) accumulate_dk();
-
-      if (!Traits::kDoubleBufferQdO && m_block > m_block_min) {
-        __syncthreads();  // every warp is done reading sQ and sdO
-        load_q_do(m_block - 1, 0);
-        cute::cp_async_fence();
-      }
-      if (Traits::kDoubleBufferQdO) buffer ^= 1;
     }
-  }
 
-  store_dk_dv<Traits>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, raw_pointer_cast(sK.data()),
-                      raw_pointer_cast(sV.data()), params, binfo, block, tidx);
+    // A single pass stages dK / dV in K's and V's buffers; with more, K and
+    // V serve the next pass, and Q's and dO's buffers (reloaded by it) stage.
+    Element* stage_k = raw_pointer_cast(sK.data());
+    Element* stage_v = raw_pointer_cast(sV.data());
+    if constexpr (Traits::kSlabs > 1) {
+      stage_k = raw_pointer_cast(sQ.data());
+      stage_v = raw_pointer_cast(sdO.data());
+    }
+    store_dk_dv<Traits, kSlabCols>(acc_dk, acc_dv, tiled_mma_dkv, thr_mma_dkv, stage_k, stage_v,
+                                   params, binfo, block, tidx, BlockBarrier{}, slab);
+  }
 }
 
 // A tile that needs more shared memory than an sm80 block may have is only

@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/bwd/bwd_tile_config.h"
 #include "cuda/core/gmem_tile_copy.h"
 
 namespace flash {
@@ -36,6 +37,11 @@ struct BwdKernelTraits {
   static constexpr int kQdOBuffers = kDoubleBufferQdO ? 2 : 1;
   static constexpr bool kDQBeforeDK = kDQBeforeDK_;
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
+  // dK, dV and dQ are computed slab by slab of the head dim (bwd_slab_cols:
+  // one slab up to 256 columns, two at 512), S and dP at the full width.
+  static constexpr int kSlabCols = bwd_slab_cols(kHeadDim);
+  static constexpr int kSlabs = kHeadDim / kSlabCols;
+  static_assert(kHeadDim % kSlabCols == 0, "whole slabs across the head dim");
   static_assert(kNWarps % kAtomLayoutMSdP == 0 && kNWarps % kAtomLayoutNdKV == 0 &&
                 kNWarps % kAtomLayoutMdQ == 0);
 
@@ -52,23 +58,29 @@ struct BwdKernelTraits {
       TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kNWarps / kWarpsM>, _1>>,
                Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
   using TiledMmaSdP = TiledMmaWithWarps<kAtomLayoutMSdP>;  // (kBlockM, kBlockN)
-  using TiledMmadKV = TiledMmaWithWarps<kAtomLayoutNdKV>;  // (kBlockN, head dim)
+  using TiledMmadKV = TiledMmaWithWarps<kAtomLayoutNdKV>;  // (kBlockN, slab)
   using TiledMmadV = TiledMmadKV;
-  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;  // (kBlockM, head dim)
+  using TiledMmadQ = TiledMmaWithWarps<kAtomLayoutMdQ>;  // (kBlockM, slab)
   static_assert(kBlockM % (16 * kAtomLayoutMSdP) == 0 &&
                 kBlockN % (16 * (kNWarps / kAtomLayoutMSdP)) == 0);
   static_assert(kBlockN % (16 * kAtomLayoutNdKV) == 0 &&
-                kHeadDim % (16 * (kNWarps / kAtomLayoutNdKV)) == 0);
+                kSlabCols % (16 * (kNWarps / kAtomLayoutNdKV)) == 0);
   static_assert(kBlockM % (16 * kAtomLayoutMdQ) == 0 &&
-                kHeadDim % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
+                kSlabCols % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
 
-  // dQ = dS K runs over kDQChunks slices of the head dim, one after the other,
-  // so that its accumulator (which lives beside dK and dV) stays at 32
-  // registers a thread; at head dim 256 a whole-width dQ tile would spill.
-  static constexpr int kDQAccumPerThread = kBlockM * kHeadDim / kNThreads;
-  static constexpr int kDQChunks = kDQAccumPerThread > 32 ? kDQAccumPerThread / 32 : 1;
-  static constexpr int kDQChunkCols = kHeadDim / kDQChunks;
-  static_assert(kHeadDim % kDQChunks == 0 && kDQChunkCols % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
+  // dQ = dS K runs over kDQChunks slices of the head dim, one after the other
+  // (kDQChunksPerSlab in each slab's pass), so that its accumulator (which
+  // lives beside dK and dV) stays at 32 registers a thread; at head dim 256 a
+  // whole-width dQ tile would spill.
+  static constexpr int kDQAccumPerThread = kBlockM * kSlabCols / kNThreads;
+  static constexpr int kDQChunksPerSlab = kDQAccumPerThread > 32 ? kDQAccumPerThread / 32 : 1;
+  static constexpr int kDQChunkCols = kSlabCols / kDQChunksPerSlab;
+  static constexpr int kDQChunks = kHeadDim / kDQChunkCols;
+  static_assert(kSlabCols % kDQChunksPerSlab == 0 &&
+                kDQChunkCols % (16 * (kNWarps / kAtomLayoutMdQ)) == 0);
+  // Under GQA the kv heads' dK / dV sums of a key block are laid out slab by
+  // slab (bwd_accum_layout.h chunks), as each pass adds them.
+  static constexpr int kDKVChunkCols = kSlabCols;
 
   // Q, dO, K, V tiles: rows of head dim, swizzled over 8-row atoms so that
   // ldmatrix reads (plain and transposed) hit all 32 banks.
@@ -89,6 +101,13 @@ struct BwdKernelTraits {
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  // A slab's dK or dV tile staged for its store (store_dk_dv): in K's or V's
+  // buffer with one slab, in Q's or dO's with more (K and V stay for the
+  // next slab's pass).
+  using SmemLayoutdKVSlab =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kSlabCols>>{}));
+  static_assert(kSlabs == 1 || (kBlockN <= kBlockM && kSlabCols <= kHeadDim),
+                "a slab's dK / dV tile fits the Q / dO buffers it is staged in");
 
   // P and dS tiles (query, key), written from the S/dP accumulators and read
   // back plain (dQ) and transposed (dK, dV).

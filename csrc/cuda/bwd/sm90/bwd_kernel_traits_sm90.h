@@ -55,6 +55,9 @@ struct BwdSm90KernelTraits {
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
+  // Under GQA a key block's dK sums are one chunk of the head dim
+  // (bwd_accum_layout.h; the SM80 kernel's slabs make more).
+  static constexpr int kDKVChunkCols = kHeadDim;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   // The MMA warpgroups: kNThreads is theirs (their partitions are the
