@@ -132,6 +132,24 @@ def varlen(
     )
 
 
+@skips_left_out
+def after_cpu_forward(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, dropout_p):
+    """The CUDA backward after the CPU forward: dropout above head dim 256,
+    which the CUDA forward does not serve and the backward does."""
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    dout = torch.randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    out, lse, _, rng = torch.ops.flash_attn.fwd(
+        q, k, v, None, dropout_p, scale, True, -1, -1, 0.0, False, 3, 1, None
+    )
+    tensors = [t.cuda() for t in (dout, q, k, v, out, lse)]
+    return torch.ops.flash_attn.bwd(
+        *tensors, None, dropout_p, scale, True, -1, -1, 0.0, False, rng.cuda()
+    )
+
+
 def main():
     torch.manual_seed(0)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -172,6 +190,16 @@ def main():
     fixed(1, 65, 200, 4, 1, 256, bf16, causal=True, deterministic=True, head_dim_v=128)
     fixed(1, 33, 97, 2, 2, 96, fp16, dropout_p=0.1, head_dim_v=64)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 192, bf16, causal=True, head_dim_v=128)
+    # Head dims 257-512: the SM80 kernel in two head-dim slabs; GQA (the kv
+    # heads' sums by slab, deterministic: turns by key block and slab), the
+    # score extras on a partial second slab with d_v below it, varlen with an
+    # empty sequence, dropout after the CPU forward.
+    fixed(1, 70, 65, 2, 2, 512, bf16, causal=True)
+    fixed(1, 33, 97, 4, 2, 512, fp16)
+    fixed(1, 33, 97, 4, 2, 512, bf16, causal=True, deterministic=True)
+    fixed(2, 40, 77, 4, 1, 320, bf16, softcap=5.0, alibi=True, head_dim_v=128)
+    varlen([5, 0, 70], [9, 40, 1], 4, 2, 512, bf16, causal=True)
+    after_cpu_forward(1, 45, 70, 2, 1, 512, bf16, dropout_p=0.2)
     torch.cuda.synchronize()
     print(summary("sanitize_bwd"))
 

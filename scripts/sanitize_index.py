@@ -49,6 +49,40 @@ def _varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seq
     )  # fmt: skip
 
 
+@skips_left_out
+def varlen_bwd_reported(name, q, k, v, kwargs, spec, causal):
+    """varlen_bwd over the bad offsets of kwargs reports them (and stays inside its tensors)."""
+    out = torch.randn_like(q)
+    lse = torch.randn(q.shape[1], q.shape[0], device="cuda")
+    torch.ops.flash_attn.varlen_bwd(
+        torch.randn_like(q),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        kwargs["cu_seqlens_q"],
+        kwargs["cu_seqlens_k"],
+        None,
+        spec["max_q"],
+        spec["max_k"],
+        0.0,
+        0.125,
+        causal,
+        -1,
+        -1,
+        0.0,
+        False,
+        None,
+    )
+    try:
+        check_index_errors()
+    except RuntimeError:
+        pass
+    else:
+        sys.exit(f"sanitize_index: varlen_bwd {name}: not reported")
+
+
 def main():
     torch.manual_seed(0)
     for name, (spec, pattern) in sorted(cases.VARLEN_CASES.items()):
@@ -69,36 +103,11 @@ def main():
             expect_reported(
                 f"varlen {name} splits=3", cases._varlen_call, dict(kwargs, num_splits=3), pattern
             )
-            # The backward over the same offsets.
-            out = torch.randn_like(q)
-            lse = torch.randn(q.shape[1], q.shape[0], device="cuda")
-            torch.ops.flash_attn.varlen_bwd(
-                torch.randn_like(q),
-                q,
-                k,
-                v,
-                out,
-                lse,
-                kwargs["cu_seqlens_q"],
-                kwargs["cu_seqlens_k"],
-                None,
-                spec["max_q"],
-                spec["max_k"],
-                0.0,
-                0.125,
-                causal,
-                -1,
-                -1,
-                0.0,
-                False,
-                None,
-            )
-            try:
-                check_index_errors()
-            except RuntimeError:
-                pass
-            else:
-                sys.exit(f"sanitize_index: varlen_bwd {name}: not reported")
+            # The backward over the same offsets, and at head dim 512 (the
+            # SM80 kernel's two head-dim slabs).
+            varlen_bwd_reported(name, q, k, v, kwargs, spec, causal)
+            wide = [torch.randn(*t.shape[:2], 512, device="cuda", dtype=t.dtype) for t in (q, k, v)]
+            varlen_bwd_reported(f"{name} d512", *wide, kwargs, spec, causal)
     for name, (used, pattern) in sorted(cases.SEQUSED_CASES.items()):
         q, k, v = cases._packed(256)
         cu = cases._int32([0, 100, 200])

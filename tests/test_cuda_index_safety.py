@@ -194,10 +194,12 @@ def test_varlen_forward_bad_cu_seqlens(case, causal, num_splits):
     _expect_cuda_error(_varlen_call, kwargs, pattern)
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 512])
 @pytest.mark.parametrize("case", sorted(VARLEN_CASES))
-def test_varlen_backward_bad_cu_seqlens(case):
+def test_varlen_backward_bad_cu_seqlens(case, head_dim):
+    """Also at head dim 512, the SM80 kernel's two head-dim slabs."""
     spec, pattern = VARLEN_CASES[case]
-    q, k, v = _packed(256)
+    q, k, v = (torch.randn(256, 2, head_dim, device="cuda", dtype=DTYPE) for _ in range(3))
     cu_q, cu_k = _int32(spec["cu_q"]), _int32(spec["cu_k"])
 
     def backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k):
@@ -214,7 +216,7 @@ def test_varlen_backward_bad_cu_seqlens(case):
             spec["max_q"],
             spec["max_k"],
             0.0,
-            HEAD_DIM**-0.5,
+            head_dim**-0.5,
             False,
             -1,
             -1,
