@@ -2,10 +2,11 @@
 
 The split-KV kernel's d512 instance splits each warp's output columns: its four
 warps are two key slabs x two halves of the value dim, the two warps of a slab
-computing the same scores (splitkv_tile_config.h, splitkv_warps_v). It is the
-only CUDA kernel of these head dims; the forward and backward ops still refuse
-them (head_dim_bounds.h). Inputs and checks are test_cuda_kvcache.py's: the
-float64 reference, the CPU op, the caches after an append.
+computing the same scores (splitkv_tile_config.h, splitkv_warps_v). The forward
+ops run on it too (test_cuda_fwd_d512.py), the backward on the SM80 kernel in
+head-dim slabs (test_cuda_bwd_d512.py). Inputs and checks are
+test_cuda_kvcache.py's: the float64 reference, the CPU op, the caches after an
+append.
 
 Every test here needs a GPU and is skipped with a reason without one.
 """
