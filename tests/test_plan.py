@@ -900,7 +900,7 @@ def test_forward_above_256_on_the_splitkv_kernel():
     # Below 256 nothing changes: many rows take the forward kernels.
     assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
     # The backward of these head dims is the SM80 kernel's d512 row.
-    assert bwd(2, 1024, 1024, 16, 16, 512)["kernel"] == "sm80"
+    assert bwd(2, 1024, 1024, 16, 16, 512)["kernel"] == "sm80_large_smem"
     with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 512\], got 576"):
         bwd(2, 1024, 1024, 16, 16, 576)
 
@@ -1170,26 +1170,37 @@ def test_fp8_cache_runs_three_blocks_an_sm():
 
 @pytest.mark.parametrize("head_dim", [264, 384, 512])
 def test_backward_d512_runs_the_sm80_kernel_in_slabs(head_dim):
-    """Head dims 257-512 run the SM80 kernel's d512 row (no Hopper tile):
-    32 x 32 blocks whose passes take head-dim slabs of 256 columns, on every
-    device whose blocks hold its 132.25 KiB; an sm86 / sm89 block does not,
-    and the plan says so (the op raises it with both sizes)."""
+    """Head dims 257-512 run the SM80 kernel's d512 row (no Hopper tile) in
+    passes over head-dim slabs of 256 columns: where the device's blocks hold
+    200.25 KiB (sm90) its large-shared-memory tile, 32 x 64 with 8 warps, for
+    every variant; on an sm80 the table's 32 x 32 with 4 warps (132.25 KiB);
+    an sm86 / sm89 block holds neither, and the plan says so (the op raises
+    it with both sizes)."""
     row = BWD_TABLE[512]
     assert row["kBlockMSm90"] == 0
     long = (2, 4096, 4096, 8, 2, head_dim)
-    for device in (H100, A100):
-        plan = bwd(*long, causal=True, device=device)
-        assert plan["kernel"] == "sm80" and plan["hdim"] == 512
-        assert (plan["block_m"], plan["block_n"]) == (row["kBlockM"], row["kBlockN"]) == (32, 32)
-        assert plan["grid"] == f"{4096 // 32}x8x2"
-        assert plan["sm80_smem"] == 135424 and plan["smem_fits"] == 1
-        assert "no Hopper tile" in plan["reason"] or device is A100
-    extras = bwd(*long, softcap=20.0, alibi=True, dropout_p=0.1)
-    assert extras["kernel"] == "sm80" and extras["variant"] == "score_extras"
-    det = bwd(*long, deterministic=True)
-    assert det["kernel"] == "sm80" and det["splits"] > 1
+    plan = bwd(*long, causal=True)
+    assert plan["kernel"] == "sm80_large_smem" and plan["hdim"] == 512
+    assert (plan["block_m"], plan["block_n"]) == (32, 64)
+    assert plan["grid"] == f"{4096 // 64}x8x2"
+    assert plan["sm80_smem"] == 205056 and plan["smem_fits"] == 1
+    assert "no Hopper tile" in plan["reason"]
+    a100 = bwd(*long, causal=True, device=A100)
+    assert a100["kernel"] == "sm80" and a100["hdim"] == 512
+    assert (a100["block_m"], a100["block_n"]) == (row["kBlockM"], row["kBlockN"]) == (32, 32)
+    assert a100["grid"] == f"{4096 // 32}x8x2"
+    assert a100["sm80_smem"] == 135424 and a100["smem_fits"] == 1
+    for device, kernel in ((H100, "sm80_large_smem"), (A100, "sm80")):
+        extras = bwd(*long, softcap=20.0, alibi=True, dropout_p=0.1, device=device)
+        assert extras["kernel"] == kernel and extras["variant"] == "score_extras"
+        det = bwd(*long, deterministic=True, device=device)
+        assert det["kernel"] == kernel and det["splits"] > 1
     small = bwd(*long, device=L40)
     assert small["sm80_smem"] == 135424 and small["smem_fits"] == 0
+    # d256 keeps its large tile for the plain variant only, on the table's grid.
+    d256 = bwd(*long[:5], 256, kernel_override="sm80")
+    assert d256["kernel"] == "sm80_large_smem" and d256["block_n"] == BWD_TABLE[256]["kBlockN"]
+    assert bwd(*long[:5], 256, kernel_override="sm80", softcap=5.0)["kernel"] == "sm80"
     # Every row of the table fits an sm80 block.
     for d in sorted(BWD_TABLE):
         assert bwd(2, 512, 512, 4, 4, d, device=A100, kernel_override="sm80")["smem_fits"] == 1

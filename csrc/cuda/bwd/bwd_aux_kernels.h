@@ -124,8 +124,14 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   const int tidx = threadIdx.x;
   // Rows of the block, padded by 16 bytes so that the fragment writes (eight
   // rows by four column pairs per warp) and the 16-byte row reads both hit
-  // every bank once.
-  constexpr int kRowPitch = kHeadDim + 16 / int(sizeof(Element));
+  // every bank once. A block whose rows exceed a block's 48 KiB of static
+  // shared memory (d512's 64-key dK / dV blocks) goes through it in groups of
+  // columns, a chunk each.
+  constexpr int kPad = 16 / int(sizeof(Element));
+  constexpr bool kWhole = kRows * (kHeadDim + kPad) * int(sizeof(Element)) <= 48 * 1024;
+  constexpr int kGroupCols = kWhole ? kHeadDim : kChunkCols;
+  constexpr int kChunksPerGroup = kGroupCols / kChunkCols;
+  constexpr int kRowPitch = kGroupCols + kPad;
   __shared__ alignas(16) char smem[kRows * kRowPitch * sizeof(Element)];
   Element* tile = reinterpret_cast<Element*>(smem);
 
@@ -136,60 +142,64 @@ __forceinline__ __device__ void store_accum_block(const float* accum_thread, int
   constexpr int kValues = decltype(size(tCcC))::value;
   static_assert(kValues % kAccumVec == 0);
   CUTE_UNROLL
-  for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
-    const float* chunk_accum =
-        accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
-    // A slice's loads of the whole chunk first, then the sums: every load of
-    // a slice is in flight at once. Summed per value over a slice loop around
-    // each load, they went out one at a time, and the kernel read at 59% of
-    // DRAM bandwidth against FA4's postprocess at 81% (PERF_LOG 2026-11-29,
-    // "ncu beside FA4"). The same sums in the same slice order.
-    float sum[kValues] = {};
-    for (int slice = 0; slice < num_slices; ++slice) {
-      if constexpr (kAccumVec == 4) {
-        float4 v[kValues / 4];
-        CUTE_UNROLL
-        for (int g = 0; g < kValues / 4; ++g) {
-          v[g] = *reinterpret_cast<const float4*>(
-              chunk_accum + accum_value_offset<kNThreads>(4 * g) + slice * slice_stride);
+  for (int group = 0; group < kHeadDim / kGroupCols; ++group) {
+    CUTE_UNROLL
+    for (int group_chunk = 0; group_chunk < kChunksPerGroup; ++group_chunk) {
+      const int chunk = group * kChunksPerGroup + group_chunk;
+      const float* chunk_accum =
+          accum_thread + accum_tile_offset<kRows, kHeadDim, kChunkCols>(0, chunk);
+      // A slice's loads of the whole chunk first, then the sums: every load of
+      // a slice is in flight at once. Summed per value over a slice loop around
+      // each load, they went out one at a time, and the kernel read at 59% of
+      // DRAM bandwidth against FA4's postprocess at 81% (PERF_LOG 2026-11-29,
+      // "ncu beside FA4"). The same sums in the same slice order.
+      float sum[kValues] = {};
+      for (int slice = 0; slice < num_slices; ++slice) {
+        if constexpr (kAccumVec == 4) {
+          float4 v[kValues / 4];
+          CUTE_UNROLL
+          for (int g = 0; g < kValues / 4; ++g) {
+            v[g] = *reinterpret_cast<const float4*>(
+                chunk_accum + accum_value_offset<kNThreads>(4 * g) + slice * slice_stride);
+          }
+          CUTE_UNROLL
+          for (int g = 0; g < kValues / 4; ++g) {
+            sum[4 * g] += v[g].x;
+            sum[4 * g + 1] += v[g].y;
+            sum[4 * g + 2] += v[g].z;
+            sum[4 * g + 3] += v[g].w;
+          }
+        } else {
+          float v[kValues];
+          CUTE_UNROLL
+          for (int i = 0; i < kValues; ++i) {
+            v[i] = chunk_accum[accum_value_offset<kNThreads>(i) + slice * slice_stride];
+          }
+          CUTE_UNROLL
+          for (int i = 0; i < kValues; ++i) sum[i] += v[i];
         }
-        CUTE_UNROLL
-        for (int g = 0; g < kValues / 4; ++g) {
-          sum[4 * g] += v[g].x;
-          sum[4 * g + 1] += v[g].y;
-          sum[4 * g + 2] += v[g].z;
-          sum[4 * g + 3] += v[g].w;
-        }
-      } else {
-        float v[kValues];
-        CUTE_UNROLL
-        for (int i = 0; i < kValues; ++i) {
-          v[i] = chunk_accum[accum_value_offset<kNThreads>(i) + slice * slice_stride];
-        }
-        CUTE_UNROLL
-        for (int i = 0; i < kValues; ++i) sum[i] += v[i];
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kValues; ++i) {
+        const int row = get<0>(tCcC(i));
+        const int col = group_chunk * kChunkCols + get<1>(tCcC(i));
+        tile[row * kRowPitch + col] = static_cast<Element>(sum[i] * scale);
       }
     }
-    CUTE_UNROLL
-    for (int i = 0; i < kValues; ++i) {
-      const int row = get<0>(tCcC(i));
-      const int col = chunk * kChunkCols + get<1>(tCcC(i));
-      tile[row * kRowPitch + col] = static_cast<Element>(sum[i] * scale);
-    }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  constexpr int kVec = 16 / int(sizeof(Element));
-  constexpr int kPiecesPerRow = kHeadDim / kVec;
-  for (int piece = tidx; piece < kRows * kPiecesPerRow; piece += kNThreads) {
-    const int row = piece / kPiecesPerRow;
-    const int col = (piece % kPiecesPerRow) * kVec;
-    if (row < rows && col < head_dim) {
-      *reinterpret_cast<uint4*>(out + row * out_row_stride + col) =
-          *reinterpret_cast<const uint4*>(tile + row * kRowPitch + col);
+    constexpr int kVec = 16 / int(sizeof(Element));
+    constexpr int kPiecesPerRow = kGroupCols / kVec;
+    for (int piece = tidx; piece < kRows * kPiecesPerRow; piece += kNThreads) {
+      const int row = piece / kPiecesPerRow;
+      const int col = (piece % kPiecesPerRow) * kVec;
+      if (row < rows && group * kGroupCols + col < head_dim) {
+        *reinterpret_cast<uint4*>(out + row * out_row_stride + group * kGroupCols + col) =
+            *reinterpret_cast<const uint4*>(tile + row * kRowPitch + col);
+      }
     }
+    __syncthreads();  // the tile may be written again by the next group or call
   }
-  __syncthreads();  // the tile may be written again by the next call
 }
 
 // Grid: (query blocks of the main kernel's kBlockM rows, (head, batch)), with

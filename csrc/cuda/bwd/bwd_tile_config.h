@@ -111,19 +111,32 @@ constexpr bool bwd_sm90_stage_dq(bool ordered_dq) {
 //
 // Tiles for devices whose blocks may opt in to more shared memory than an
 // sm80 block's 163 KiB (sm90: 227 KiB), at the head dims where that pays; the
-// launcher takes one when the device has room for it, for the plain kernel
-// variant (the softcap/ALiBi/dropout variant keeps the table's tile). Same
-// kBlockN as the table's, which the grid and the deterministic dQ splits use.
+// plan takes one when the device has room for it, for the plain kernel
+// variant, and for the softcap/ALiBi/dropout one where kServesScoreExtras.
+// A tile of another block shape or warp layout than the table's has its own
+// grid (plan.block_n) and accumulator layout (its conversion kernels); the
+// host sizes the accumulators by the larger of the two (bwd_block_shape).
 //   256: Q and dO double-buffered (209 KiB) and dQ before dK, faster in the
 //        microbench and in the whole backward (PERF_LOG 2026-11-22
-//        (microbench), 2026-11-22 31bd5d4).
+//        (microbench), 2026-11-22 31bd5d4). Plain variant only.
+//   512: 32 x 64 with 8 warps (200.25 KiB, K and V of 64 keys whole): 0.73-
+//        0.85x the time of the table's 32 x 32 with 4 warps (PERF_LOG
+//        2026-12-01, "d512 backward tiles"), twice the warps an SM and each
+//        Q / dO tile used by twice the keys. Both variants.
 template <int kHeadDim>
 struct BwdTileConfigLargeSmem {
-  static constexpr bool kExists = false;
+  static constexpr bool kExists = false, kServesScoreExtras = false;
+  static constexpr int kBlockM = 0, kBlockN = 0;  // none
 };
 template <>
 struct BwdTileConfigLargeSmem<256> : BwdTileConfig<256> {
-  static constexpr bool kExists = true, kDoubleBufferQdO = true, kDQBeforeDK = true;
+  static constexpr bool kExists = true, kServesScoreExtras = false;
+  static constexpr bool kDoubleBufferQdO = true, kDQBeforeDK = true;
+};
+template <>
+struct BwdTileConfigLargeSmem<512> : BwdTileConfig<512> {
+  static constexpr bool kExists = true, kServesScoreExtras = true;
+  static constexpr int kBlockN = 64, kNWarps = 8, kAtomLayoutNdKV = 4;
 };
 
 // The head-dim columns of one pass of the SM80 kernel's dK, dV and dQ
@@ -136,18 +149,28 @@ constexpr int bwd_slab_cols(int head_dim) {
 }
 
 // The block shape of a compiled head dim, for the host code that sizes the dQ
-// accumulator (padded to whole query blocks) and the deterministic dQ splits
-// (one per key block at most); zeros for a head dim with no entry.
+// accumulator and the dK / dV sums (padded to whole blocks); zeros for a head
+// dim with no entry. The grid's key blocks are the plan's (BwdPlan::block_n).
 struct BwdBlockShape {
   int block_m;
   int block_n;
   int slabs = 1;  // head-dim slabs of the SM80 kernel (bwd_slab_cols)
 };
 
+// The table's tile, or the large-shared-memory one where it is larger: an
+// accumulator padded to these blocks holds either kernel's.
 template <int kHeadDim>
 constexpr BwdBlockShape bwd_block_shape_of() {
-  return {BwdTileConfig<kHeadDim>::kBlockM, BwdTileConfig<kHeadDim>::kBlockN,
-          kHeadDim / bwd_slab_cols(kHeadDim)};
+  using C = BwdTileConfig<kHeadDim>;
+  using L = BwdTileConfigLargeSmem<kHeadDim>;  // block shape 0 x 0 where none exists
+  constexpr int block_m = L::kBlockM > C::kBlockM ? L::kBlockM : C::kBlockM;
+  constexpr int block_n = L::kBlockN > C::kBlockN ? L::kBlockN : C::kBlockN;
+  if constexpr (L::kExists) {
+    static_assert(block_m % L::kBlockM == 0 && block_m % C::kBlockM == 0 &&
+                      block_n % L::kBlockN == 0 && block_n % C::kBlockN == 0,
+                  "blocks of either tile divide the accumulators' blocks");
+  }
+  return {block_m, block_n, kHeadDim / bwd_slab_cols(kHeadDim)};
 }
 
 inline BwdBlockShape bwd_block_shape(int compiled_head_dim) {

@@ -12,6 +12,7 @@
 
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
 #include "cuda/bwd/bwd_aux_kernels.h"
 #include "cuda/bwd/bwd_tile_config.h"
@@ -124,7 +125,8 @@ void launch_bwd_sm90_main(const BwdParams& params, const BwdPlan& plan, dim3 gri
 }
 
 // The SM80 main kernel (the table's tile, or the large-shared-memory one) and
-// its conversions.
+// its conversions, which read the accumulators in the layout of the tile that
+// ran.
 template <typename Element, int kHeadDim>
 void run_flash_bwd_sm80(const BwdParams& params, const BwdPlan& plan, dim3 grid,
                         cudaStream_t stream) {
@@ -135,28 +137,45 @@ void run_flash_bwd_sm80(const BwdParams& params, const BwdPlan& plan, dim3 grid,
   static_assert(bwd_sm80_smem_bytes(kHeadDim, Traits::kBlockM, Traits::kBlockN,
                                     BwdTileConfig<kHeadDim>::kDoubleBufferQdO) == Traits::kSmemSize,
                 "plan.h sizes the SM80 backward's shared memory as its traits do");
-  if (plan.variant == FwdVariant::kScoreExtras) {
-    launch_bwd_dq_dk_dv<Traits, true>(params, grid, stream);
-  } else if (plan.kernel == BwdKernel::kSm80LargeSmem) {
-    if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
-      using LargeTraits = BwdTraitsFor<BwdTileConfigLargeSmem<kHeadDim>, kHeadDim, Element>;
-      static_assert(LargeTraits::kBlockN == Traits::kBlockN, "one grid for both tiles");
-      static_assert(LargeTraits::kBlockM == Traits::kBlockM &&
-                        LargeTraits::kNWarps == Traits::kNWarps &&
-                        LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ,
-                    "one dQ accumulator layout for both tiles (bwd_accum_layout.h)");
-      static_assert(LargeTraits::kAtomLayoutNdKV == Traits::kAtomLayoutNdKV,
-                    "one dK / dV sum layout for both tiles (bwd_accum_layout.h)");
+  const bool extras = plan.variant == FwdVariant::kScoreExtras;
+  if (plan.kernel == BwdKernel::kSm80LargeSmem) {
+    using Large = BwdTileConfigLargeSmem<kHeadDim>;
+    if constexpr (Large::kExists) {
+      using LargeTraits = BwdTraitsFor<Large, kHeadDim, Element>;
       static_assert(bwd_sm80_smem_bytes(kHeadDim, LargeTraits::kBlockM, LargeTraits::kBlockN,
-                                        BwdTileConfigLargeSmem<kHeadDim>::kDoubleBufferQdO) ==
-                        LargeTraits::kSmemSize,
+                                        Large::kDoubleBufferQdO) == LargeTraits::kSmemSize,
                     "plan.h sizes the SM80 backward's shared memory as its traits do");
-      launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
+      static_assert(bwd_block_shape_of<kHeadDim>().block_m % LargeTraits::kBlockM == 0 &&
+                        bwd_block_shape_of<kHeadDim>().block_n % LargeTraits::kBlockN == 0,
+                    "the accumulators' blocks hold the tile's");
+      // A tile of the table's block shape and warp layouts (d256's, which
+      // differs in its buffers only) shares the table's conversion kernels.
+      constexpr bool kSameAccumLayout = LargeTraits::kBlockM == Traits::kBlockM &&
+                                        LargeTraits::kBlockN == Traits::kBlockN &&
+                                        LargeTraits::kNWarps == Traits::kNWarps &&
+                                        LargeTraits::kAtomLayoutMdQ == Traits::kAtomLayoutMdQ &&
+                                        LargeTraits::kAtomLayoutNdKV == Traits::kAtomLayoutNdKV;
+      using ConvertTraits = std::conditional_t<kSameAccumLayout, Traits, LargeTraits>;
+      if (!extras) {
+        launch_bwd_dq_dk_dv<LargeTraits, false>(params, grid, stream);
+      } else if constexpr (Large::kServesScoreExtras) {
+        launch_bwd_dq_dk_dv<LargeTraits, true>(params, grid, stream);
+      } else {
+        throw std::runtime_error(
+            "flash_attn_cuda: the plan asks for the score extras on a large-shared-memory "
+            "backward tile that serves the plain variant only: " +
+            describe(plan));
+      }
+      run_flash_bwd_convert<ConvertTraits>(params, stream);
+      return;
     } else {
       throw std::runtime_error(
           "flash_attn_cuda: the plan asks for a large-shared-memory backward tile that this "
           "head dim lacks");
     }
+  }
+  if (extras) {
+    launch_bwd_dq_dk_dv<Traits, true>(params, grid, stream);
   } else {
     launch_bwd_dq_dk_dv<Traits, false>(params, grid, stream);
   }
@@ -171,7 +190,13 @@ template <typename Element, int kHeadDim, int kHeadDimV = kHeadDim>
 void run_flash_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
   using Traits = BwdTraitsFor<BwdTileConfig<kHeadDim>, kHeadDim, Element>;
   if (plan.kernel == BwdKernel::kNone) return;
-  if (plan.block_n != Traits::kBlockN || plan.num_splits != params.num_splits) {
+  int block_n = Traits::kBlockN;  // the grid's key blocks
+  if constexpr (BwdTileConfigLargeSmem<kHeadDim>::kExists) {
+    if (plan.kernel == BwdKernel::kSm80LargeSmem) {
+      block_n = BwdTileConfigLargeSmem<kHeadDim>::kBlockN;
+    }
+  }
+  if (plan.block_n != block_n || plan.num_splits != params.num_splits) {
     throw std::runtime_error("flash_attn_cuda: the backward plan disagrees with the params");
   }
   if (plan.head_dim != kHeadDim || plan.head_dim_v != kHeadDimV) {

@@ -379,16 +379,25 @@ namespace {
 
 struct BwdTileRow {
   int block_m = 0, block_n = 0, block_m_sm90 = 0;
-  bool large_smem_exists = false, large_smem_double_buffer = false;
   bool double_buffer = false;
+  // BwdTileConfigLargeSmem's tile, where it exists.
+  bool large_smem_exists = false, large_smem_double_buffer = false;
+  bool large_smem_serves_score_extras = false;
+  int large_smem_block_m = 0, large_smem_block_n = 0;
 };
 
 template <int kHeadDim>
 constexpr BwdTileRow bwd_tile_row_of() {
   using C = BwdTileConfig<kHeadDim>;
   using L = BwdTileConfigLargeSmem<kHeadDim>;
-  BwdTileRow row{C::kBlockM, C::kBlockN, C::kBlockMSm90, L::kExists, false, C::kDoubleBufferQdO};
-  if constexpr (L::kExists) row.large_smem_double_buffer = L::kDoubleBufferQdO;
+  BwdTileRow row{C::kBlockM, C::kBlockN, C::kBlockMSm90, C::kDoubleBufferQdO};
+  if constexpr (L::kExists) {
+    row.large_smem_exists = true;
+    row.large_smem_double_buffer = L::kDoubleBufferQdO;
+    row.large_smem_serves_score_extras = L::kServesScoreExtras;
+    row.large_smem_block_m = L::kBlockM;
+    row.large_smem_block_n = L::kBlockN;
+  }
   return row;
 }
 
@@ -516,15 +525,24 @@ BwdPlan plan_bwd(const BwdParams& params, const DeviceDesc& device, KernelOverri
   plan.head_dim_v = compiled;
   plan.pad_v = params.head_dim_v < params.head_dim;
   plan.reason = sm80_reason;
-  if (params.deterministic) use_dq_splits(plan, params, device);
   plan.sm80_smem_bytes = bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.double_buffer);
-  // The large-shared-memory tile: plain variant only, where the device has room.
+  // The large-shared-memory tile where the device has room: the plain
+  // variant, and the score extras where the tile serves them. Its key blocks
+  // are the grid's.
   const int large_smem_bytes =
-      bwd_sm80_smem_bytes(compiled, row.block_m, row.block_n, row.large_smem_double_buffer);
-  if (!score_extras && row.large_smem_exists && device.smem_per_block_optin >= large_smem_bytes) {
+      row.large_smem_exists
+          ? bwd_sm80_smem_bytes(compiled, row.large_smem_block_m, row.large_smem_block_n,
+                                row.large_smem_double_buffer)
+          : 0;
+  if (row.large_smem_exists && (!score_extras || row.large_smem_serves_score_extras) &&
+      device.smem_per_block_optin >= large_smem_bytes) {
     plan.kernel = BwdKernel::kSm80LargeSmem;
     plan.sm80_smem_bytes = large_smem_bytes;
+    plan.block_m = row.large_smem_block_m;
+    plan.block_n = row.large_smem_block_n;
+    plan.grid_x = ceil_div(params.seqlen_k, plan.block_n);
   }
+  if (params.deterministic) use_dq_splits(plan, params, device);
   plan.smem_exceeds_device = plan.sm80_smem_bytes > device.smem_per_block_optin;
   return plan;
 }

@@ -151,11 +151,12 @@ BwdWorkspace make_bwd_workspace(BwdParams& params, const BwdPlan& plan,
     params.dk_sum_ptr = ws.dk_accum.data_ptr<float>();
     params.dv_sum_ptr = ws.dv_accum.data_ptr<float>();
     if (params.deterministic) {
-      // One turn counter per (batch, kv head, key block, head-dim slab of the
-      // SM80 kernel): the query heads add in head order (bwd_block_io.h
-      // BwdDkvTurn); varlen sequences are at most seqlen_k (max_seqlen_k) long.
-      params.dkv_semaphore_n_blocks =
-          (params.seqlen_k + block_n - 1) / block_n * bwd_block_shape(compiled_head_dim).slabs;
+      // One turn counter per (batch, kv head, key block of the plan's kernel,
+      // head-dim slab of the SM80 kernel): the query heads add in head order
+      // (bwd_block_io.h BwdDkvTurn); varlen sequences are at most seqlen_k
+      // (max_seqlen_k) long.
+      params.dkv_semaphore_n_blocks = (params.seqlen_k + plan.block_n - 1) / plan.block_n *
+                                      bwd_block_shape(compiled_head_dim).slabs;
       ws.dkv_semaphore =
           at::zeros({int64_t(params.batch) * params.nheads_k * params.dkv_semaphore_n_blocks},
                     softmax_lse.options().dtype(at::kInt));

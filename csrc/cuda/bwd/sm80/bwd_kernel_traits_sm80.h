@@ -106,7 +106,7 @@ struct BwdKernelTraits {
   // next slab's pass).
   using SmemLayoutdKVSlab =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kSlabCols>>{}));
-  static_assert(kSlabs == 1 || (kBlockN <= kBlockM && kSlabCols <= kHeadDim),
+  static_assert(kSlabs == 1 || kBlockN * kSlabCols <= kBlockM * kHeadDim,
                 "a slab's dK / dV tile fits the Q / dO buffers it is staged in");
 
   // P and dS tiles (query, key), written from the S/dP accumulators and read
