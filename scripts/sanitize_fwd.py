@@ -278,13 +278,17 @@ def main():
     # gather (16-row pages) and by TMA boxes (64-row pages).
     varlen_paged([70, 0, 130], [90, 40, 200], 16, 4, 2, 64, bf16, dropout_p=0.2)
     varlen_paged([70, 3], [150, 200], 64, 2, 1, 256, fp16, dropout_p=0.15)
-    # Head dims 257-512: the split-KV kernel's d512 instance, fixed length
-    # (16-row blocks, one split) and varlen (two splits or more, the combine),
-    # paged, d_v below d_qk.
+    # Head dims 257-512: the SM80 kernel's d512 row in slab passes (many
+    # query rows: fixed length, varlen with an empty sequence, paged, dropout
+    # with softcap and ALiBi, d_v below d_qk and below one slab) and the
+    # split-KV kernel's d512 instance (decode-like rows; varlen with num_splits).
     fixed(2, 130, 200, 8, 2, 512, bf16, causal=True)
     fixed(1, 40, 300, 4, 1, 320, fp16, softcap=5.0, head_dim_v=256)
+    fixed(1, 70, 90, 2, 1, 512, bf16, softcap=5.0, alibi=True, dropout_p=0.2)
+    fixed(2, 1, 300, 8, 2, 512, fp16)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 512, bf16, causal=True)
     varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 512, bf16, head_dim_v=384)
+    varlen_paged([70, 3], [150, 200], 3, 2, 1, 512, fp16, dropout_p=0.15)
     # FP8 attention (sm89 and newer): the split-KV kernel's e4m3 instances, a
     # decode-shaped call, a prefill one (the 64-row variant), softcap, paged.
     if torch.cuda.get_device_capability() >= (8, 9):

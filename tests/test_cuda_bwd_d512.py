@@ -135,19 +135,31 @@ def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("forward_device", ["cpu", DEVICE])
 @pytest.mark.parametrize("nheads_k", [4, 2])
-def test_bwd_dropout_matches_cpu(nheads_k):
-    """The forward ops refuse dropout above head dim 256 on CUDA, but the
-    backward op serves it (the keep mask replayed from the rng state): here
-    after the CPU forward with the same seed, against the CPU backward and
+def test_bwd_dropout_matches_cpu(nheads_k, forward_device):
+    """Dropout with softcap and ALiBi (the keep mask replayed from the rng
+    state), after the CPU or the CUDA forward (the SM80 kernel's slab passes)
+    with the same seed: against the CPU backward on the same out / lse and
     against attention with the reference mask."""
     q, k, v = random_qkv(2, 100, 130, 4, nheads_k, 512, BF16)
     dout = torch.randn_like(q)
     slopes = torch.rand(4, device=DEVICE) * 0.2
     scale, p = 512**-0.5, 0.3
     out, lse, _, rng_state = torch.ops.flash_attn.fwd(
-        q.cpu(), k.cpu(), v.cpu(), slopes.cpu(), p, scale, True, -1, -1, 20.0, False, 31, 8, None
+        *(t.to(forward_device) for t in (q, k, v, slopes)),
+        p,
+        scale,
+        True,
+        -1,
+        -1,
+        20.0,
+        False,
+        31,
+        8,
+        None,
     )
+    rng_state = rng_state.cpu()
     args = (slopes, p, scale, True, -1, -1, 20.0, False)
     on = lambda device: [t.to(device) for t in (dout, q, k, v, out, lse)]
     cuda_grads = torch.ops.flash_attn.bwd(*on(DEVICE), *args, rng_state.to(DEVICE))

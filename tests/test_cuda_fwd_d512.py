@@ -1,11 +1,12 @@
 """CUDA tests of the forward ops at head dims 257-512.
 
-These head dims have no forward kernel of their own: the forward runs on the
-split-KV kernel's d512 instance (plan_fwd_split; its warps split the value
-dim in halves, splitkv_tile_config.h). Its dropout, S_dmask and seqused_q are
-refused by name (the backward is tests/test_cuda_bwd_d512.py's). Results are
-held to the correctness criterion against float64 attention
-(tests/reference.py).
+These head dims run the SM80 forward kernel's d512 row (fwd_tile_config.h),
+64 x 64 in two passes over 256-column slabs of V, each recomputing S over all
+512 columns; calls whose query rows fit one split-KV block run the split-KV
+kernel's d512 instance (plan_fwd_split; its warps split the value dim in
+halves, splitkv_tile_config.h). S_dmask is refused by name above 256 (the
+backward is tests/test_cuda_bwd_d512.py's). Results are held to the
+correctness criterion against float64 attention (tests/reference.py).
 
 Every test here needs a GPU and is skipped with a reason without one.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from flash_attn_cuda import flash_attn_func, flash_attn_varlen_func
-from reference import attention_ref, check_close, varlen_attention_ref
+from reference import attention_ref, check_close, dropout_keep_mask_batch, varlen_attention_ref
 
 pytestmark = pytest.mark.cuda
 
@@ -120,20 +121,81 @@ def test_varlen_fwd_matches_reference(num_splits, page_size, lens_q, lens_k):
     check_close(out, exact, same, "out")
 
 
-def test_unserved_features_refused():
-    """Dropout (and with it S_dmask) and seqused_q are not served by the
-    forward above head dim 256 on CUDA: each is refused by name."""
+def test_fwd_kernels_by_rows():
+    """Many query rows run the SM80 kernel's slab passes, decode-like rows the
+    split-KV kernel (the profiler names the kernel that ran)."""
+
+    def kernel_names(seqlen_q):
+        q, k, v = randn(1, seqlen_q, 8, 512), randn(1, 300, 2, 512), randn(1, 300, 2, 512)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            flash_attn_func(q, k, v, causal=True)
+            torch.cuda.synchronize()
+        return {event.name for event in prof.events()}
+
+    assert any("flash_fwd_kernel<flash::FwdKernelTraits<512, 64" in n for n in kernel_names(200))
+    assert any("splitkv" in n for n in kernel_names(1))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_fwd_dropout_matches_reference_mask(causal, heads):
+    """Dropout on the SM80 kernel's score-extras variant: the same Philox mask
+    as every other head dim and the CPU path (tests/reference.py)."""
+    (nheads, nheads_k), p, seed, offset = heads, 0.3, 17, 5
+    q = randn(2, 130, nheads, 512)
+    k, v = randn(2, 200, nheads_k, 512), randn(2, 200, nheads_k, 512)
+    out, lse, _, _ = torch.ops.flash_attn.fwd(
+        q, k, v, None, p, 512**-0.5, causal, -1, -1, 0.0, False, seed, offset, None
+    )
+    keep = dropout_keep_mask_batch(seed, offset, 2, nheads, 130, 200, p).to(DEVICE)
+    exact, _ = attention_ref(q, k, v, causal=causal, dropout_p=p, keep_mask=keep)
+    same, _ = attention_ref(q, k, v, causal=causal, dropout_p=p, keep_mask=keep, compute_dtype=BF16)
+    check_close(out, exact, same, "out")
+
+
+def test_varlen_fwd_seqused_q():
+    """seqused_q: the used rows are attention over the shortened sequences;
+    the rest get out 0 and lse +inf (docs/serving.md)."""
+    lens_q, lens_k, used_q = [40, 70], [90, 50], [25, 0]
+    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).int()
+    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).int()
+    q, k, v = randn(sum(lens_q), 4, 512), randn(sum(lens_k), 2, 512), randn(sum(lens_k), 2, 512)
+    used = torch.tensor(used_q, device=DEVICE, dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(lens_q),
+        max(lens_k),
+        causal=True,
+        seqused_q=used,
+        return_attn_probs=True,
+    )
+    for b in range(2):
+        rows = slice(int(cu_q[b]), int(cu_q[b]) + used_q[b])
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if used_q[b]:
+            exact, _ = attention_ref(q[None, rows], k[None, keys], v[None, keys], causal=True)
+            same, _ = attention_ref(
+                q[None, rows], k[None, keys], v[None, keys], causal=True, compute_dtype=BF16
+            )
+            check_close(out[None, rows], exact, same, "out")
+        rest = slice(int(cu_q[b]) + used_q[b], int(cu_q[b + 1]))
+        assert torch.equal(out[rest], torch.zeros_like(out[rest]))
+        assert torch.isinf(lse[:, rest]).all()
+
+
+def test_s_dmask_refused():
+    """S_dmask (return_attn_probs with dropout) is served up to head dim 256
+    on CUDA: refused by name above it; at p = 0 return_attn_probs returns the
+    same out and the LSE."""
     q = randn(1, 8, 2, 512)
     k, v = randn(1, 8, 2, 512), randn(1, 8, 2, 512)
     out = flash_attn_func(q, k, v)
-    with pytest.raises(RuntimeError, match=r"does not serve dropout_p > 0"):
-        flash_attn_func(q.detach(), k, v, dropout_p=0.1)
-    # flash-attn draws S_dmask only with dropout (refused above), so
-    # return_attn_probs at p = 0 is served: the same out, and the LSE.
-    out2, lse, _ = flash_attn_func(q.detach(), k, v, return_attn_probs=True)
+    with pytest.raises(RuntimeError, match=r"S_dmask\) is served up to head dim 256"):
+        flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+    out2, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out2, out)
     assert lse.shape == (1, 2, 8) and torch.isfinite(lse).all()
-    cu = torch.tensor([0, 8], device=DEVICE, dtype=torch.int32)
-    used = torch.tensor([4], device=DEVICE, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"does not serve seqused_q"):
-        flash_attn_varlen_func(q.detach()[0], k[0], v[0], cu, cu, 8, 8, seqused_q=used)

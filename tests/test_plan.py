@@ -82,7 +82,7 @@ def fwd_tile_table():
     table = {}
     for dim, body in re.findall(r"struct FwdTileConfig<(\d+)>\s*{([^}]*)}", text):
         table[int(dim)] = {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
-    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256}, table.keys()
+    assert set(table) == {32, 64, 96, 128, 160, 192, 224, 256, 512}, table.keys()
     return table
 
 
@@ -882,21 +882,27 @@ def test_mla_shared_cache_reads_v_in_the_k_tile():
     assert decode(16, 1, 4096, 32, 8, 128, v_in_k=True)["v_in_k"] == 0
 
 
-def test_forward_above_256_on_the_splitkv_kernel():
-    """Head dims 257-512 have no forward kernel: every forward the split-KV
-    kernel serves runs on it, whatever the rows, the split request or a kernel
-    override; the others (dropout, S_dmask) and a device whose blocks cannot
-    hold it get no kernel, which the op refuses by name; _plan_bwd has no
-    head dim above 256."""
+def test_forward_above_256():
+    """Head dims 257-512 run the SM80 kernel's d512 row (no Hopper tile), in
+    two passes over slabs of V's columns, whatever the override; calls whose
+    query rows fit one split-KV block run that kernel, as at every head dim.
+    Dropout takes the SM80 kernel's score-extras variant; a device of 99 KiB
+    blocks holds neither kernel (the op refuses it by name); S_dmask is the
+    op's to refuse above 256."""
     for head_dim in (264, 512):
         plan = fwd(2, 4096, 4096, 16, 16, head_dim)
-        assert plan["kernel"] == "splitkv" and plan["hdim"] == 512 and plan["block_m"] == 16
-        assert "head dim above 256" in plan["reason"]
-    assert fwd(2, 4096, 4096, 16, 16, 512, kernel_override="sm80")["kernel"] == "splitkv"
-    assert fwd(2, 4096, 4096, 16, 16, 512, head_dim_v=256)["kernel"] == "splitkv"
-    assert fwd(2, 1024, 1024, 16, 16, 512, dropout_p=0.1)["kernel"] == "none"
-    assert fwd(2, 1024, 1024, 16, 16, 512, return_softmax=True)["kernel"] == "none"
+        assert plan["kernel"] == "sm80" and plan["hdim"] == 512
+        assert (plan["block_m"], plan["block_n"], plan["warps"]) == (64, 64, 4)
+        assert "no Hopper tile" in plan["reason"]
+    assert fwd(2, 4096, 4096, 16, 16, 512, kernel_override="sm90")["kernel"] == "sm80"
+    assert fwd(2, 4096, 4096, 16, 16, 512, head_dim_v=256)["kernel"] == "sm80"
+    dropout = fwd(2, 1024, 1024, 16, 16, 512, dropout_p=0.1)
+    assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
+    assert dropout["block_n"] == 32
+    # Decode-like rows (seqlen_q x group within one split-KV block).
+    assert fwd(2, 1, 4096, 16, 16, 512)["kernel"] == "splitkv"
     assert fwd(2, 1024, 1024, 16, 16, 512, device=L40)["kernel"] == "none"
+    assert fwd(2, 1024, 1024, 16, 16, 512, device=A100)["kernel"] == "sm80"
     # Below 256 nothing changes: many rows take the forward kernels.
     assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
     # The backward of these head dims is the SM80 kernel's d512 row.

@@ -3,11 +3,11 @@
 // device, checked at the ops' boundary (api/checks.cpp, api/kvcache_checks.cpp)
 // and again by the CPU path itself.
 //
-// CUDA: the forward tile tables stop at 256 (fwd_tile_config.h; head dim 512
-// and absorbed MLA's 576 / 512 are issue 56's, designed in
-// docs/head_dims_dv_and_512.md): above it the forward runs on the split-KV
-// kernel, up to 512 (fwd_kvcache also 576 with d_v <= 512), and the backward
-// on the SM80 kernel's d512 row (bwd_tile_config.h, in head-dim slabs). CPU: the tiles work on
+// CUDA: the Hopper tile tables stop at 256; head dims 257-512 run on the SM80
+// kernels' d512 rows in passes over head-dim slabs (fwd_tile_config.h,
+// bwd_tile_config.h; docs/head_dims_dv_and_512.md), the forward also on the
+// split-KV kernel where its query rows fit one block, and fwd_kvcache serves
+// absorbed MLA's 576 with d_v <= 512 on the split-KV kernel. CPU: the tiles work on
 // column strips of 8 at any width, with per-thread scratch of a few rows of head_dim floats; the
 // bound covers those head dims (and MLA's 576) with room, so that the CPU
 // path computes the function the CUDA kernels will serve.
@@ -15,12 +15,13 @@
 
 namespace flash {
 
-// CUDA forward kernels (and the SDPA provider): the tile tables' 256.
+// The SDPA provider, S_dmask and the Hopper kernels: 256.
 constexpr int kMaxHeadDimCuda = 256;
 // CUDA backward: up to 512, 257-512 on the SM80 kernel's d512 row.
 constexpr int kMaxHeadDimCudaBwd = 512;
-// CUDA forward: head dims 257-512 run on the split-KV kernel's d512 instance
-// (splitkv_tile_config.h), forward only (no dropout, S_dmask or seqused_q).
+// CUDA forward: head dims 257-512 run on the SM80 kernel's d512 row in two
+// passes over slabs of V (fwd_tile_config.h), or on the split-KV kernel's d512
+// instance where the query rows fit one of its blocks; no S_dmask above 256.
 constexpr int kMaxHeadDimCudaFwd = 512;
 constexpr int kMaxHeadDimCpu = 1024;
 // fwd_kvcache on CUDA: the split-KV kernel has d512 and d576 instances,
@@ -31,8 +32,10 @@ constexpr int kMaxHeadDimCudaKvcache = 576;
 // The forward ops' bound (the backward's is max_bwd_head_dim).
 constexpr int max_head_dim(bool cuda) { return cuda ? kMaxHeadDimCudaFwd : kMaxHeadDimCpu; }
 constexpr int max_bwd_head_dim(bool cuda) { return cuda ? kMaxHeadDimCudaBwd : kMaxHeadDimCpu; }
-// Head dims served on CUDA by the split-KV kernel only (no forward or backward kernel).
-constexpr bool splitkv_only_head_dim(int head_dim) { return head_dim > kMaxHeadDimCuda; }
+// Head dims served on CUDA by the split-KV kernel only: absorbed MLA's 576
+// (fwd_kvcache; the forward ops stop at 512, on the SM80 kernel's d512 row
+// above 256).
+constexpr bool splitkv_only_head_dim(int head_dim) { return head_dim > kMaxHeadDimCudaFwd; }
 constexpr int max_kvcache_head_dim(bool cuda) {
   return cuda ? kMaxHeadDimCudaKvcache : kMaxHeadDimCpu;
 }

@@ -14,9 +14,10 @@ HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 # value dim in halves (splitkv_tile_config.h); 576 is absorbed MLA's latent
 # cache (d_v <= 512).
 SPLITKV_ONLY_HEAD_DIMS = [512, 576]
-# Of those, the head dims with a backward: the SM80 kernel in head-dim slabs
-# (bwd_tile_config.h, bwd_slab_cols).
-SLAB_BWD_HEAD_DIMS = [512]
+# Of those, the head dims with a forward and a backward kernel: the SM80
+# kernels in head-dim slabs (fwd_tile_config.h, bwd_tile_config.h;
+# cuda/core/head_dim_slabs.h).
+SLAB_HEAD_DIMS = [512]
 DTYPES = {"fp16": ("cutlass::half_t", "false"), "bf16": ("cutlass::bfloat16_t", "true")}
 
 # Head dims whose Hopper kernels use wgmma widths that CuTe's op selector only
@@ -164,13 +165,14 @@ def write_instantiations(out_dir: Path) -> None:
             path.write_text(
                 SPLITKV_FP8_TEMPLATE.format(head_dim=head_dim, element=element, is_bf16=is_bf16)
             )
-            if head_dim in SLAB_BWD_HEAD_DIMS:
-                path = out_dir / f"flash_bwd_hdim{head_dim}_{dtype}.cu"
-                path.write_text(
-                    BWD_TEMPLATE.format(
-                        head_dim=head_dim, element=element, is_bf16=is_bf16, extended_wgmma=""
+            if head_dim in SLAB_HEAD_DIMS:
+                for kernel, template in (("fwd", FWD_TEMPLATE), ("bwd", BWD_TEMPLATE)):
+                    path = out_dir / f"flash_{kernel}_hdim{head_dim}_{dtype}.cu"
+                    path.write_text(
+                        template.format(
+                            head_dim=head_dim, element=element, is_bf16=is_bf16, extended_wgmma=""
+                        )
                     )
-                )
     for head_dim, head_dim_v in FWD_PAIRS:
         for dtype, (element, is_bf16) in DTYPES.items():
             path = out_dir / f"flash_fwd_hdim{head_dim}_dv{head_dim_v}_{dtype}.cu"

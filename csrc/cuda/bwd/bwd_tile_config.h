@@ -26,6 +26,8 @@
 // 256 (not measured).
 #pragma once
 
+#include "cuda/core/head_dim_slabs.h"
+
 namespace flash {
 
 // Keyed on the compiled (d_qk, d_v): d_v = d_qk for every head dim (a
@@ -65,7 +67,7 @@ template <> struct BwdTileConfig<512> { static constexpr int kBlockM = 32,  kBlo
 //
 // Head dim 512 (docs/head_dims_dv_and_512.md section 3, "SM80"): the SM80
 // kernel only, in two passes over head-dim slabs of 256 columns
-// (bwd_slab_cols): each pass recomputes S and dP at the full width and
+// (slab_cols, cuda/core/head_dim_slabs.h): each pass recomputes S and dP at the full width and
 // accumulates dK, dV and dQ of its slab, so that the accumulators are d256's
 // (dK + dV 32 x 256 over 4 warps: 128 registers a thread). 32 x 32 with Q,
 // dO, K and V whole: 132.25 KiB of shared memory, which sm80 and sm90 blocks
@@ -139,22 +141,14 @@ struct BwdTileConfigLargeSmem<512> : BwdTileConfig<512> {
   static constexpr int kBlockN = 64, kNWarps = 8, kAtomLayoutNdKV = 4;
 };
 
-// The head-dim columns of one pass of the SM80 kernel's dK, dV and dQ
-// products: the whole head dim up to 256, slabs of 256 above (d512's two
-// passes). Every slab recomputes S and dP; the dK / dV sums under GQA and
-// the deterministic dK / dV turns count (key block, slab) pairs.
-constexpr int kBwdMaxSlabCols = 256;
-constexpr int bwd_slab_cols(int head_dim) {
-  return head_dim > kBwdMaxSlabCols ? kBwdMaxSlabCols : head_dim;
-}
-
 // The block shape of a compiled head dim, for the host code that sizes the dQ
 // accumulator and the dK / dV sums (padded to whole blocks); zeros for a head
 // dim with no entry. The grid's key blocks are the plan's (BwdPlan::block_n).
 struct BwdBlockShape {
   int block_m;
   int block_n;
-  int slabs = 1;  // head-dim slabs of the SM80 kernel (bwd_slab_cols)
+  int slabs = 1;  // head-dim slabs of the SM80 kernel (slab_cols); the dK / dV
+                  // sums under GQA and the deterministic turns count (key block, slab)
 };
 
 // The table's tile, or the large-shared-memory one where it is larger: an
@@ -170,7 +164,7 @@ constexpr BwdBlockShape bwd_block_shape_of() {
                       block_n % L::kBlockN == 0 && block_n % C::kBlockN == 0,
                   "blocks of either tile divide the accumulators' blocks");
   }
-  return {block_m, block_n, kHeadDim / bwd_slab_cols(kHeadDim)};
+  return {block_m, block_n, kHeadDim / slab_cols(kHeadDim)};
 }
 
 inline BwdBlockShape bwd_block_shape(int compiled_head_dim) {

@@ -61,6 +61,13 @@ template <> struct FwdTileConfig<160> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 96,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
 template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 8, kBlockNExtras = 64, kNWarpsExtras = 8, kBlockMSm90 = 128, kBlockNSm90 = 80,  kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+template <> struct FwdTileConfig<512> { static constexpr int kBlockM = 64,  kBlockN = 64,  kNWarps = 4, kBlockNExtras = 32, kNWarpsExtras = 4, kBlockMSm90 = 0,   kBlockNSm90 = 0,   kMinSeqlenKSm90 = 0,   kMinBlocksPerSmSm90 = 0; };
+// Head dim 512: the SM80 kernel only, in two passes over 256-column slabs of V
+// (cuda/core/head_dim_slabs.h), each recomputing S over all 512 columns, so
+// that O is d256's (64 x 256 over 4 warps: 128 registers a thread). Q, K
+// whole and a slab of V: 160 KiB, which sm80 and sm90 blocks hold and sm86 /
+// sm89 blocks do not (plan_fwd: no kernel there). Calls whose query rows fit
+// one split-KV block run that kernel, as at every head dim.
 // The specialised pairs (level 2): a Hopper kernel only (SM80 columns 0: the
 // SM80 path runs the pair on d_qk's row); plan_fwd sends d_qk in (160, 192]
 // with d_v <= 128 here. (192, 128): P V is 128 columns wide, not 192, and
@@ -70,9 +77,9 @@ template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlo
 template <> struct FwdTileConfig<192, 128> { static constexpr int kBlockM = 0, kBlockN = 0, kNWarps = 0, kBlockNExtras = 0, kNWarpsExtras = 0, kBlockMSm90 = 128, kBlockNSm90 = 112, kMinSeqlenKSm90 = 0, kMinBlocksPerSmSm90 = 0; };
 // clang-format on
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
-// 512 and 576 (absorbed MLA, d_v <= 512) have the split-KV (fwd_kvcache)
-// kernel only: the forward and backward ops bound the head dim at 256
-// (head_dim_bounds.h) before they look here.
+// 576 (absorbed MLA, d_v <= 512) has the split-KV (fwd_kvcache) kernel only:
+// the forward and backward ops bound the head dim at 512 (head_dim_bounds.h)
+// before they look here.
 constexpr int kCompiledHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256, 512, 576};
 
 inline int round_up_head_dim(int head_dim) {

@@ -105,6 +105,7 @@ FwdTileRow fwd_tile_row(int compiled_head_dim) {
     case 192: return fwd_tile_row_of<192>();
     case 224: return fwd_tile_row_of<224>();
     case 256: return fwd_tile_row_of<256>();
+    case 512: return fwd_tile_row_of<512>();
     default: return {};
   }
 }
@@ -358,13 +359,21 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       return plan;
     }
   }
+  const int sm80_block_n = score_extras ? row.block_n_extras : row.block_n;
+  if (device.smem_per_block_optin < fwd_sm80_smem_bytes(compiled, row.block_m, sm80_block_n)) {
+    // d512 on a device of 99 KiB blocks (sm86 / sm89); the op refuses it.
+    plan.reason =
+        "the SM80 kernel's tile needs more shared memory per block than the device's "
+        "blocks hold: no kernel";
+    return plan;
+  }
   plan.kernel = FwdKernel::kSm80;
   plan.variant = score_extras ? FwdVariant::kScoreExtras : FwdVariant::kPlain;
   plan.head_dim = compiled;
   plan.head_dim_v = compiled;
   plan.grid = FwdGrid::kHeadsBatch;
   plan.block_m = row.block_m;
-  plan.block_n = score_extras ? row.block_n_extras : row.block_n;
+  plan.block_n = sm80_block_n;
   plan.num_warps = score_extras ? row.num_warps_extras : row.num_warps;
   plan.grid_x = ceil_div(params.seqlen_q, plan.block_m);
   plan.grid_y = params.nheads;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/core/head_dim_slabs.h"
 #include "cuda/core/params.h"
 #include "cuda/fwd/fwd_tile_schedule.h"
 
@@ -331,6 +332,11 @@ constexpr int bwd_sm90_smem_bytes(int head_dim, int head_dim_v, int block_m, int
   const int dq = block_n == 128 ? block_m * head_dim * 4 : 0;  // and dQ in registers
   return stages * block_m * (head_dim + head_dim_v) * 2 + block_n * (head_dim + head_dim_v) * 2 +
          ds + p + stages * 2 * block_m * 4 + dq + kBwdSm90BarrierBytes;
+}
+// The SM80 forward's shared memory: Q and K whole, V a slab of its columns
+// (FwdKernelTraits::kSmemSize).
+constexpr int fwd_sm80_smem_bytes(int head_dim, int block_m, int block_n) {
+  return (block_m * head_dim + block_n * (head_dim + slab_cols(head_dim))) * 2;
 }
 constexpr int bwd_sm80_smem_bytes(int head_dim, int block_m, int block_n, bool double_buffer) {
   const int buffers = double_buffer ? 2 : 1;

@@ -33,11 +33,11 @@ FwdLauncher launcher_for(int head_dim, at::ScalarType dtype) {
   return launcher;
 }
 
-// Head dims above 256 and e4m3 keys and values (FP8 attention, or an FP8 KV
-// cache under a 16-bit q) run on the split-KV kernel alone (plan_fwd_split),
-// which has no dropout, no S_dmask and no seqused_q: those calls are refused
-// by name, before anything is allocated (an fp8 call's dropout and S_dmask by
-// check_fp8_features, first).
+// e4m3 keys and values (FP8 attention, or an FP8 KV cache under a 16-bit q)
+// run on the split-KV kernel alone (plan_fwd_split), which has no dropout, no
+// S_dmask and no seqused_q: those calls are refused by name, before anything
+// is allocated (an fp8 call's dropout and S_dmask by check_fp8_features,
+// first).
 bool splitkv_only_call(int64_t head_dim, Fp8Call fp8) {
   return splitkv_only_head_dim(static_cast<int>(head_dim)) || fp8 != Fp8Call::kNone;
 }
@@ -48,7 +48,7 @@ const char* splitkv_only_what(Fp8Call fp8) {
     case Fp8Call::kKvCache: return "an FP8 KV cache (float8_e4m3fn k and v) is read";
     case Fp8Call::kNone: break;
   }
-  return "head dims above 256 run";
+  return "this call runs";
 }
 
 void check_splitkv_only_call(int64_t head_dim, Fp8Call fp8, double dropout_p, bool return_softmax,
@@ -69,14 +69,25 @@ FwdLauncher launcher_unless_splitkv_only(int head_dim, Fp8Call fp8, at::ScalarTy
   return splitkv_only_call(head_dim, fp8) ? nullptr : launcher_for(head_dim, dtype);
 }
 
-// The plan of a head dim above 256 or of FP8 attention is the split-KV
-// kernel's, or none where the device's blocks cannot hold it.
-void check_plan_has_a_kernel(const FwdParams& params, bool splitkv) {
-  TORCH_CHECK(splitkv || !(splitkv_only_head_dim(params.head_dim) || params.kv_fp8),
-              "flash_attn (CUDA): ", params.kv_fp8 ? "e4m3 k and v at head_dim " : "head_dim ",
-              params.head_dim,
-              " runs on the split-KV kernel only, whose blocks this device's shared memory "
+// S_dmask (return_softmax) is written by a kernel of its own
+// (return_probs.cu), which serves head dims up to 256.
+void check_s_dmask_head_dim(int64_t head_dim, bool return_softmax) {
+  TORCH_CHECK(!return_softmax || head_dim <= kMaxHeadDimCuda,
+              "flash_attn (CUDA): return_attn_probs (S_dmask) is served up to head dim ",
+              kMaxHeadDimCuda, "; head_dim is ", head_dim, " (the CPU path serves it)");
+}
+
+// A call with query rows whose plan found no kernel: FP8 attention where the
+// split-KV kernel's blocks do not fit, or head dim 512 on a device of 99 KiB
+// blocks (sm86 / sm89), whose shared memory holds neither of its kernels.
+void check_plan_has_a_kernel(const FwdParams& params, bool has_kernel, const char* reason) {
+  if (has_kernel || params.seqlen_q == 0 || params.batch == 0 || params.nheads == 0) return;
+  TORCH_CHECK(!params.kv_fp8, "flash_attn (CUDA): e4m3 k and v at head_dim ", params.head_dim,
+              " run on the split-KV kernel only, whose blocks this device's shared memory "
               "does not hold (an sm89 or sm90 GPU serves it)");
+  TORCH_CHECK(false, "flash_attn (CUDA): no forward kernel of head_dim ", params.head_dim,
+              " fits this device's shared memory per block (", reason,
+              "); an sm80 or sm90 GPU serves it");
 }
 
 // FP8 attention's inputs as the split-KV kernel reads them: q converted to
@@ -172,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   // d_v < d_qk runs on the kernel of d_qk, which reads v and writes out at
   // their own width (FwdParams::head_dim_v): no padded copy.
   check_splitkv_only_call(shape.head_dim, fp8, dropout_p, return_softmax, /*seqused_q=*/false);
+  check_s_dmask_head_dim(shape.head_dim, return_softmax);
   const FwdLauncher launcher =
       launcher_unless_splitkv_only(shape.head_dim, fp8, q_in.scalar_type());
   const at::Tensor q = q_for_kernels(q_in, fp8);
@@ -208,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda_into(
   params.index_errors = index_errors;
   params.kv_fp8 = fp8 != Fp8Call::kNone;
   const FwdPlan plan = plan_for(params);
-  check_plan_has_a_kernel(params, plan.kernel == FwdKernel::kSplitKv);
+  check_plan_has_a_kernel(params, plan.kernel != FwdKernel::kNone, plan.reason);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   if (plan.kernel == FwdKernel::kSplitKv) {
     const SplitKvDescales fp8_descales =
@@ -256,6 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const IndexErrorSink index_errors = begin_index_checks(q_in);
   // d_v < d_qk: v and out at their own width, as in fwd_cuda_into.
   check_splitkv_only_call(shape.head_dim, fp8, dropout_p, return_softmax, seqused_q.has_value());
+  check_s_dmask_head_dim(shape.head_dim, return_softmax);
   const FwdLauncher launcher =
       launcher_unless_splitkv_only(shape.head_dim, fp8, q_in.scalar_type());
   const at::Tensor q = q_for_kernels(q_in, fp8);
@@ -357,13 +370,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   split_shape.seqused_q = used_q.defined();
   split_shape.fp8 = params.kv_fp8;
   const DecodePlan split_plan = plan_fwd_split(split_shape, current_device_desc());
-  check_plan_has_a_kernel(params, split_plan.num_splits > 0);
   if (split_plan.num_splits > 0) {
     const SplitKvDescales fp8_descales =
         params.kv_fp8 ? attention_descales(descales) : SplitKvDescales{};
     run_fwd_splitkv(params, split_plan, q, stream, fp8_descales);
   } else {
+    check_plan_has_a_kernel(params, !params.kv_fp8, split_plan.reason);
     const FwdPlan plan = plan_for(params);
+    check_plan_has_a_kernel(params, plan.kernel != FwdKernel::kNone, plan.reason);
     const at::Tensor tile_counter = tile_counter_for(params, plan, q);
     launcher_of_plan(plan, launcher, q.scalar_type())(params, plan, stream);
   }

@@ -37,9 +37,9 @@ struct BwdKernelTraits {
   static constexpr int kQdOBuffers = kDoubleBufferQdO ? 2 : 1;
   static constexpr bool kDQBeforeDK = kDQBeforeDK_;
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
-  // dK, dV and dQ are computed slab by slab of the head dim (bwd_slab_cols:
+  // dK, dV and dQ are computed slab by slab of the head dim (slab_cols,
   // one slab up to 256 columns, two at 512), S and dP at the full width.
-  static constexpr int kSlabCols = bwd_slab_cols(kHeadDim);
+  static constexpr int kSlabCols = slab_cols(kHeadDim);
   static constexpr int kSlabs = kHeadDim / kSlabCols;
   static_assert(kHeadDim % kSlabCols == 0, "whole slabs across the head dim");
   static_assert(kNWarps % kAtomLayoutMSdP == 0 && kNWarps % kAtomLayoutNdKV == 0 &&

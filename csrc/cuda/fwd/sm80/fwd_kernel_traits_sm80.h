@@ -10,6 +10,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/core/gmem_tile_copy.h"
+#include "cuda/core/head_dim_slabs.h"
 
 namespace flash {
 
@@ -27,6 +28,12 @@ struct FwdKernelTraits {
   static_assert(kHeadDim % 32 == 0, "compiled head dims are multiples of 32");
   static_assert(kBlockM % (16 * kNWarps) == 0,
                 "each warp owns whole 16-row MMA slabs of the query tile");
+  // O = P V is computed slab by slab of V's columns (cuda/core/head_dim_slabs.h:
+  // one slab up to 256, two at 512), S = Q K^T at the full width in each
+  // pass. (The split-KV kernel's traits, which take only this struct's atoms,
+  // instantiate it at 576 too: flash_fwd_kernel asserts whole slabs.)
+  static constexpr int kSlabCols = slab_cols(kHeadDim);
+  static constexpr int kSlabs = kHeadDim / kSlabCols;
 
   using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                      MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
@@ -49,11 +56,18 @@ struct FwdKernelTraits {
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V's tile: a slab's columns (K's layout with one slab).
+  using SmemLayoutV =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kSlabCols>>{}));
   // V seen as (head dim, key): the B operand of P V without moving data.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+      SmemLayoutV{}, make_layout(Shape<Int<kSlabCols>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  // O staged for its store: over Q with one slab; a slab's over K's tile with
+  // more (Q stays for the next pass, K is reloaded by it).
   using SmemLayoutO = SmemLayoutQ;
+  using SmemLayoutOSlab =
+      decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kSlabCols>>{}));
 
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
@@ -66,7 +80,7 @@ struct FwdKernelTraits {
   using GmemTiledCopyO = typename GmemCopy::Store;
 
   static constexpr int kSmemSizeQ = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemSizeKV = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemSizeKV = kBlockN * (kHeadDim + kSlabCols) * int(sizeof(Element));
   static constexpr int kSmemSize = kSmemSizeQ + kSmemSizeKV;
 };
 }  // namespace flash
