@@ -37,8 +37,8 @@ __all__ = [
 _HEAD_DIM_ALIGNMENT = 8
 
 # The largest head dim per device, csrc/common/head_dim_bounds.h's: on CUDA
-# the ops serve up to 512 (above 256 the forward on the split-KV kernel, the
-# backward on the SM80 kernel's d512 row), flash_attn_with_kvcache also
+# the ops serve up to 512 (above 256 on the SM80 kernels' d512 rows, the
+# forward's decode-like calls on the split-KV kernel), flash_attn_with_kvcache also
 # absorbed MLA's 576 with d_v <= 512 (the op checks d_v); the CPU path serves
 # up to 1024, the function the CUDA kernels of issue 56 will serve.
 _MAX_HEAD_DIM = {"cuda": 512, "cpu": 1024}
@@ -1049,9 +1049,9 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim), fp16 or bf16 on CUDA
             (fp32 is also accepted on CPU; float8_e4m3fn too, with the
             descales below, on CPU and on CUDA of sm89 or newer). Any
-            headdim up to 512 works, forward and backward (above 256 the
-            forward serves no dropout and no S_dmask); up to 1024 on CPU; one
-            that is not a multiple of 8 is zero-padded internally.
+            headdim up to 512 works, forward and backward (above 256 no
+            S_dmask); up to 1024 on CPU; one that is not a multiple of 8 is
+            zero-padded internally.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device
             (or float8_e4m3fn under a 16-bit q: an FP8 KV cache).
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
