@@ -892,17 +892,29 @@ def test_forward_above_256():
     for head_dim in (264, 512):
         plan = fwd(2, 4096, 4096, 16, 16, head_dim)
         assert plan["kernel"] == "sm80" and plan["hdim"] == 512
-        assert (plan["block_m"], plan["block_n"], plan["warps"]) == (64, 64, 4)
+        # sm90 blocks hold the large-shared-memory tile, 128 rows with 8 warps.
+        assert (plan["block_m"], plan["block_n"], plan["warps"], plan["large_smem"]) == (
+            128,
+            64,
+            8,
+            1,
+        )
         assert "no Hopper tile" in plan["reason"]
     assert fwd(2, 4096, 4096, 16, 16, 512, kernel_override="sm90")["kernel"] == "sm80"
     assert fwd(2, 4096, 4096, 16, 16, 512, head_dim_v=256)["kernel"] == "sm80"
     dropout = fwd(2, 1024, 1024, 16, 16, 512, dropout_p=0.1)
     assert dropout["kernel"] == "sm80" and dropout["variant"] == "score_extras"
-    assert dropout["block_n"] == 32
+    assert (dropout["block_m"], dropout["block_n"], dropout["warps"]) == (128, 32, 8)
     # Decode-like rows (seqlen_q x group within one split-KV block).
     assert fwd(2, 1, 4096, 16, 16, 512)["kernel"] == "splitkv"
     assert fwd(2, 1024, 1024, 16, 16, 512, device=L40)["kernel"] == "none"
-    assert fwd(2, 1024, 1024, 16, 16, 512, device=A100)["kernel"] == "sm80"
+    # An sm80 block holds the table's 64 x 64 with 4 warps (64 x 32 with the extras).
+    a100 = fwd(2, 1024, 1024, 16, 16, 512, device=A100)
+    assert (a100["kernel"], a100["block_m"], a100["block_n"], a100["warps"]) == ("sm80", 64, 64, 4)
+    assert a100["large_smem"] == 0
+    assert fwd(2, 1024, 1024, 16, 16, 512, device=A100, softcap=5.0)["block_n"] == 32
+    # No other head dim has a large-shared-memory forward tile.
+    assert fwd(2, 4096, 4096, 16, 16, 256, kernel_override="sm80")["large_smem"] == 0
     # Below 256 nothing changes: many rows take the forward kernels.
     assert fwd(2, 4096, 4096, 16, 16, 256)["kernel"] in ("sm80", "sm90")
     # The backward of these head dims is the SM80 kernel's d512 row.

@@ -76,6 +76,26 @@ template <> struct FwdTileConfig<512> { static constexpr int kBlockM = 64,  kBlo
 // (docs/head_dims_dv_and_512.md, "The (192, 128) tiles").
 template <> struct FwdTileConfig<192, 128> { static constexpr int kBlockM = 0, kBlockN = 0, kNWarps = 0, kBlockNExtras = 0, kNWarpsExtras = 0, kBlockMSm90 = 128, kBlockNSm90 = 112, kMinSeqlenKSm90 = 0, kMinBlocksPerSmSm90 = 0; };
 // clang-format on
+
+// SM80-kernel tiles for devices whose blocks may opt in to more shared memory
+// than an sm80 block's 163 KiB (sm90: 227 KiB), where that pays; plan_fwd
+// takes one where the device holds it (FwdPlan::sm80_large_smem).
+//   512: 128 rows with 8 warps (64 keys: 224 KiB; 32 keys for the score
+//        extras: 176 KiB), against the table's 64 rows with 4 warps: twice the
+//        warps an SM and each K / V tile used by twice the queries (PERF_LOG
+//        2026-12-01, "d512 forward tiles").
+template <int kHeadDim>
+struct FwdTileConfigLargeSmem {
+  static constexpr bool kExists = false;
+  static constexpr int kBlockM = 0, kBlockN = 0, kNWarps = 0, kBlockNExtras = 0, kNWarpsExtras = 0;
+};
+template <>
+struct FwdTileConfigLargeSmem<512> {
+  static constexpr bool kExists = true;
+  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kBlockNExtras = 32,
+                       kNWarpsExtras = 8;
+};
+
 // Compiled head dims, ascending; a request for head dim d runs on the first >= d.
 // 576 (absorbed MLA, d_v <= 512) has the split-KV (fwd_kvcache) kernel only:
 // the forward and backward ops bound the head dim at 512 (head_dim_bounds.h)

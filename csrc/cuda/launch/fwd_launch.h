@@ -26,10 +26,10 @@ namespace flash {
 
 // The SM80 kernel, plain or with softcap / ALiBi / dropout / a scale that
 // is not positive and normal (kWithScoreExtras), on the tile and grid the
-// plan took from the table's row for that variant.
-template <typename Element, int kHeadDim, bool kWithScoreExtras>
+// plan took from Config's row (the table's, or FwdTileConfigLargeSmem's) for
+// that variant.
+template <typename Element, int kHeadDim, bool kWithScoreExtras, typename Config>
 void launch_flash_fwd_sm80(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
-  using Config = FwdTileConfig<kHeadDim>;
   using Traits =
       FwdKernelTraits<kHeadDim, Config::kBlockM,
                       kWithScoreExtras ? Config::kBlockNExtras : Config::kBlockN,
@@ -216,10 +216,23 @@ void run_flash_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t st
       }
     case FwdKernel::kSm80:
       if constexpr (kHeadDimV == kHeadDim) {
-        if (plan.variant == FwdVariant::kScoreExtras) {
-          launch_flash_fwd_sm80<Element, kHeadDim, true>(params, plan, stream);
+        const auto launch = [&](auto config) {
+          using Config = decltype(config);
+          if (plan.variant == FwdVariant::kScoreExtras) {
+            launch_flash_fwd_sm80<Element, kHeadDim, true, Config>(params, plan, stream);
+          } else {
+            launch_flash_fwd_sm80<Element, kHeadDim, false, Config>(params, plan, stream);
+          }
+        };
+        if (!plan.sm80_large_smem) {
+          launch(FwdTileConfig<kHeadDim>{});
+        } else if constexpr (FwdTileConfigLargeSmem<kHeadDim>::kExists) {
+          launch(FwdTileConfigLargeSmem<kHeadDim>{});
         } else {
-          launch_flash_fwd_sm80<Element, kHeadDim, false>(params, plan, stream);
+          throw std::runtime_error(
+              "flash_attn_cuda: the plan asks for a large-shared-memory forward tile that this "
+              "head dim lacks: " +
+              describe(plan));
         }
         break;
       } else {

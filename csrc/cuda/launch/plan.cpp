@@ -85,14 +85,30 @@ namespace {
 struct FwdTileRow {
   int block_m, block_n, num_warps, block_n_extras, num_warps_extras;
   int block_m_sm90, block_n_sm90, min_seqlen_k_sm90, min_blocks_per_sm_sm90;
+  // FwdTileConfigLargeSmem's SM80 tile (block_m 0: none).
+  int large_block_m = 0, large_block_n = 0, large_num_warps = 0;
+  int large_block_n_extras = 0, large_num_warps_extras = 0;
 };
 
 template <int kHeadDim, int kHeadDimV = kHeadDim>
 constexpr FwdTileRow fwd_tile_row_of() {
   using C = FwdTileConfig<kHeadDim, kHeadDimV>;
-  return {C::kBlockM,       C::kBlockN,         C::kNWarps,
-          C::kBlockNExtras, C::kNWarpsExtras,   C::kBlockMSm90,
-          C::kBlockNSm90,   C::kMinSeqlenKSm90, C::kMinBlocksPerSmSm90};
+  using L = FwdTileConfigLargeSmem<kHeadDim>;
+  const bool large = L::kExists && kHeadDimV == kHeadDim;
+  return {C::kBlockM,
+          C::kBlockN,
+          C::kNWarps,
+          C::kBlockNExtras,
+          C::kNWarpsExtras,
+          C::kBlockMSm90,
+          C::kBlockNSm90,
+          C::kMinSeqlenKSm90,
+          C::kMinBlocksPerSmSm90,
+          large ? L::kBlockM : 0,
+          large ? L::kBlockN : 0,
+          large ? L::kNWarps : 0,
+          large ? L::kBlockNExtras : 0,
+          large ? L::kNWarpsExtras : 0};
 }
 
 FwdTileRow fwd_tile_row(int compiled_head_dim) {
@@ -359,8 +375,16 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       return plan;
     }
   }
-  const int sm80_block_n = score_extras ? row.block_n_extras : row.block_n;
-  if (device.smem_per_block_optin < fwd_sm80_smem_bytes(compiled, row.block_m, sm80_block_n)) {
+  // The large-shared-memory tile where the device holds it, else the table's.
+  const int large_block_n = score_extras ? row.large_block_n_extras : row.large_block_n;
+  plan.sm80_large_smem =
+      row.large_block_m > 0 && device.smem_per_block_optin >=
+                                   fwd_sm80_smem_bytes(compiled, row.large_block_m, large_block_n);
+  const int sm80_block_m = plan.sm80_large_smem ? row.large_block_m : row.block_m;
+  const int sm80_block_n = plan.sm80_large_smem ? large_block_n
+                           : score_extras       ? row.block_n_extras
+                                                : row.block_n;
+  if (device.smem_per_block_optin < fwd_sm80_smem_bytes(compiled, sm80_block_m, sm80_block_n)) {
     // d512 on a device of 99 KiB blocks (sm86 / sm89); the op refuses it.
     plan.reason =
         "the SM80 kernel's tile needs more shared memory per block than the device's "
@@ -372,9 +396,12 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
   plan.head_dim = compiled;
   plan.head_dim_v = compiled;
   plan.grid = FwdGrid::kHeadsBatch;
-  plan.block_m = row.block_m;
+  plan.block_m = sm80_block_m;
   plan.block_n = sm80_block_n;
-  plan.num_warps = score_extras ? row.num_warps_extras : row.num_warps;
+  plan.num_warps = plan.sm80_large_smem
+                       ? (score_extras ? row.large_num_warps_extras : row.large_num_warps)
+                   : score_extras ? row.num_warps_extras
+                                  : row.num_warps;
   plan.grid_x = ceil_div(params.seqlen_q, plan.block_m);
   plan.grid_y = params.nheads;
   plan.grid_z = params.batch;
@@ -921,9 +948,10 @@ std::string describe(const FwdPlan& plan) {
   out << "kernel=" << kKernels[int(plan.kernel)] << " variant=" << variant_name(plan.variant)
       << " choice=" << choice_name(plan.choice) << " hdim=" << plan.head_dim
       << " hdim_v=" << plan.head_dim_v << " block_m=" << plan.block_m << " block_n=" << plan.block_n
-      << " warps=" << plan.num_warps << " grid_kind=" << kGrids[int(plan.grid)]
-      << " keys=" << kKeys[int(plan.keys)] << " grid=" << plan.grid_x << "x" << plan.grid_y << "x"
-      << plan.grid_z << " return_probs=" << int(plan.return_probs) << " reason: " << plan.reason;
+      << " warps=" << plan.num_warps << " large_smem=" << int(plan.sm80_large_smem)
+      << " grid_kind=" << kGrids[int(plan.grid)] << " keys=" << kKeys[int(plan.keys)]
+      << " grid=" << plan.grid_x << "x" << plan.grid_y << "x" << plan.grid_z
+      << " return_probs=" << int(plan.return_probs) << " reason: " << plan.reason;
   return out.str();
 }
 

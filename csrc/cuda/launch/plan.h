@@ -169,12 +169,13 @@ struct FwdPlan {
   int head_dim_v = 0;
   int block_m = 0;
   int block_n = 0;
-  int num_warps = 0;          // SM80 kernel; the Hopper kernel has one MMA warpgroup per 64 rows
-  int64_t grid_x = 0;         // query blocks (kHeadsBatch, kOnePerTile: tiles), or SMs
-  int grid_y = 1;             // kHeadsBatch: heads, else 1
-  int grid_z = 1;             // kHeadsBatch: batch, else 1
-  bool return_probs = false;  // then return_probs.h writes the probabilities afterwards
-  DecodePlan splitkv;         // kSplitKv: its plan (plan_fwd_split), splits >= 1
+  int num_warps = 0;             // SM80 kernel; the Hopper kernel has one MMA warpgroup per 64 rows
+  bool sm80_large_smem = false;  // the SM80 kernel's FwdTileConfigLargeSmem tile
+  int64_t grid_x = 0;            // query blocks (kHeadsBatch, kOnePerTile: tiles), or SMs
+  int grid_y = 1;                // kHeadsBatch: heads, else 1
+  int grid_z = 1;                // kHeadsBatch: batch, else 1
+  bool return_probs = false;     // then return_probs.h writes the probabilities afterwards
+  DecodePlan splitkv;            // kSplitKv: its plan (plan_fwd_split), splits >= 1
   const char* reason = "";
 };
 
