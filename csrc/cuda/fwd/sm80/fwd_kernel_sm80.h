@@ -182,11 +182,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
   // S and the softmax at the full head dim, the same in every pass, and
   // accumulates its slab of O. A loop the compiler unrolls, as the
   // backward's (bwd_kernel_sm80.h: a lambda per slab went to local memory).
+  constexpr bool kStageOverK =
+      cosize_v<typename Traits::SmemLayoutOSlab> <= cosize_v<typename Traits::SmemLayoutKV>;
   CUTE_UNROLL
   for (int slab = 0; slab < Traits::kSlabs; ++slab) {
     if constexpr (Traits::kSlabs > 1) {
       if (slab * kSlabCols >= params.head_dim_v) break;  // V has no columns left
-      __syncthreads();  // the last pass is done with sK (its staged O)
+      __syncthreads();                                   // the last pass is done with its staged O
     }
     // V's tiles and O's: the slab's columns of the (N, D, n) and (M, D) tiles.
     auto slab_of = [&](const auto& tile) {
@@ -232,12 +234,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     CUTE_STATIC_ASSERT_V(size<0>(tScS_rowcol) == size<0>(acc_o_rowcol));
     constexpr int kNRows = decltype(size<0>(acc_o_rowcol))::value;
 
-    // Prologue: Q (once: later passes find it in place) and the last visible
-    // K block in flight together. Key blocks run from high to low so that a
-    // causal mask's diagonal block, the one that needs per-element masking,
-    // comes first.
+    // Prologue: Q (in the first pass, or in each where the last one staged
+    // its O over Q) and the last visible K block in flight together. Key
+    // blocks run from high to low so that a causal mask's diagonal block, the
+    // one that needs per-element masking, comes first.
     int n_block = n_block_max - 1;
-    if (slab == 0) {
+    if (slab == 0 || !kStageOverK) {
       copy_tile_predicated(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_left,
                            full_head_dim && rows_left >= kBlockM);
     }
@@ -296,8 +298,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
     softmax.finalize(acc_o_rowcol, lse_scale, has_dropout ? params.dropout_rescale : 1.f, lse,
                      row_sink(params, block.head));
 
-    // O staged over Q with one slab; over K with more (Q serves the next
-    // pass, which reloads K). Every pass writes the same lse.
+    // O staged over Q with one slab. With more, a slab's O over K's tile where
+    // it fits (the next pass reloads K and finds Q in place), else over Q,
+    // which the next pass reloads (128 x 32 tiles). Every pass writes the
+    // same lse.
     if constexpr (Traits::kSlabs == 1) {
       Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});  // (M, D)
       write_output<Traits>(
@@ -305,7 +309,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, FA_FWD_MIN_BLOCKS)
           [](auto layout) { return acc_layout_as_rowcol(layout); }, lse, lse_rows, rows_left,
           params.head_dim_v, tidx);
     } else {
-      Tensor sO = make_tensor(sK.data(), typename Traits::SmemLayoutOSlab{});  // (M, Dv)
+      static_assert(
+          cosize_v<typename Traits::SmemLayoutOSlab> <= cosize_v<typename Traits::SmemLayoutQ>,
+          "a slab's O tile fits Q's");
+      // (M, Dv)
+      Tensor sO =
+          make_tensor(kStageOverK ? sK.data() : sQ.data(), typename Traits::SmemLayoutOSlab{});
       write_output<Traits>(
           acc_o, tiled_mma, thr_mma, sO, gOs,
           [](auto layout) { return acc_layout_as_rowcol(layout); }, lse, lse_rows, rows_left,

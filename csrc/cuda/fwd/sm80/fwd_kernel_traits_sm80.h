@@ -63,8 +63,8 @@ struct FwdKernelTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_layout(Shape<Int<kSlabCols>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
-  // O staged for its store: over Q with one slab; a slab's over K's tile with
-  // more (Q stays for the next pass, K is reloaded by it).
+  // O staged for its store: the whole tile over Q, or with more slabs than
+  // one a slab's over K or Q (flash_fwd_kernel).
   using SmemLayoutO = SmemLayoutQ;
   using SmemLayoutOSlab =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kSlabCols>>{}));
