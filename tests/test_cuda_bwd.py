@@ -485,6 +485,12 @@ def run_varlen_fwd_bwd(
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("features", ["plain", "softcap_alibi", "dropout", "dropout_0.9", "window"])
 def test_varlen_bwd(dtype, head_dim, causal, features, bwd_kernel):
+    check_varlen_bwd(dtype, head_dim, causal, features)
+
+
+def check_varlen_bwd(dtype, head_dim, causal, features):
+    """Five varlen sequences (empty ones among them) through varlen_fwd and
+    varlen_bwd, against the reference with the features' arguments."""
     batch, nheads, nheads_k = 5, 4, 2
     cu_q, max_q = random_cu_seqlens(batch, 150)
     cu_k, max_k = random_cu_seqlens(batch, 300)

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import reference
-from cuda_inputs import DEVICE, DTYPES, random_cu_seqlens, random_qkv
-from reference import varlen_attention_ref
-from test_cuda_bwd import GRAD_ATOL, check_grads, reference_grads, run_fwd_bwd, run_varlen_fwd_bwd
+from cuda_inputs import DEVICE, DTYPES, random_qkv
+from test_cuda_bwd import GRAD_ATOL, check_grads, check_varlen_bwd, reference_grads, run_fwd_bwd
 
 from flash_attn_cuda import flash_attn_func
 
@@ -95,26 +94,7 @@ def test_bwd_learnable_sink():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_bwd(dtype, causal):
-    batch, nheads, nheads_k = 5, 4, 2
-    cu_q, max_q = random_cu_seqlens(batch, 150)
-    cu_k, max_k = random_cu_seqlens(batch, 300)
-    q = torch.randn(int(cu_q[-1]), nheads, 512, device=DEVICE, dtype=dtype)
-    k = torch.randn(int(cu_k[-1]), nheads_k, 512, device=DEVICE, dtype=dtype)
-    v = torch.randn(int(cu_k[-1]), nheads_k, 512, device=DEVICE, dtype=dtype)
-    dout = torch.randn_like(q)
-    grads = run_varlen_fwd_bwd(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=causal)
-    check_grads(
-        q,
-        k,
-        v,
-        dout,
-        grads,
-        ref_fn=varlen_attention_ref,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_k=max_k,
-        causal=causal,
-    )
+    check_varlen_bwd(dtype, 512, causal, "plain")
 
 
 @pytest.mark.parametrize("nheads,nheads_k", [(4, 4), (8, 2)])
