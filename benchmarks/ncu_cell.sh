@@ -8,7 +8,8 @@
 #   source_sass.csv with NCU_SOURCE_KERNEL=<regex>: the source page of the kernels it
 #                  names, one row per SASS instruction with its executed count and stall
 #                  samples, to find where a kernel's instructions go (the build has
-#                  -lineinfo; source_cuda_sass.csv maps them to lines where ncu can)
+#                  -lineinfo; source_cuda_sass.csv maps them to lines where ncu can);
+#                  benchmarks/ncu_source_top.py source_sass.csv summarises it
 #   benchmarks/ncu_cell.sh --headdim 128 --seqlen 8192 --causal --mode bwd
 # Arguments go to profile_cell.py. NCU_SET (default full) picks the section set.
 set -euo pipefail

@@ -13,6 +13,11 @@ tell whose kernels they are (``--nvtx --nvtx-include "fa4/bwd/"``). The shape is
 benchmark's training grid cell: batch x seqlen = ``--tokens``, heads = hidden / d.
 Without ncu it prints the event time of each provider, a quick cross-check that the
 profiled calls are the benchmark's. PERF_LOG's issue-53 design table is what it serves.
+
+``--paged-prefill BxQxK`` frames the benchmark's paged_prefill calls instead (our
+``flash_attn_varlen_func`` forward, causal, ``--gqa`` query heads per key head): the
+contiguous call and one per ``--page-sizes`` entry, NVTX ranges ``contiguous/fwd`` and
+``paged<N>/fwd``, so that ncu can set the paged kernel beside the contiguous one.
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="ours,fa4,cudnn",
         help="comma list of ours, ours_dropout (dropout_p as the benchmark's dropout "
         "provider), fa4, cudnn (a missing FA4 is reported and skipped)",
+    )
+    parser.add_argument(
+        "--paged-prefill",
+        default=None,
+        metavar="BxQxK",
+        help="frame the paged_prefill regime's calls (batch x q_chunk x context) instead",
+    )
+    parser.add_argument(
+        "--page-sizes", default="1,16,64,256", help="with --paged-prefill: comma list"
     )
     parser.add_argument("--iters", type=int, default=1, help="profiled calls per provider")
     parser.add_argument("--warmup", type=int, default=5)
@@ -82,6 +96,16 @@ def cell_shape(args: argparse.Namespace) -> bench.Shape:
     )
 
 
+def train_cases(args: argparse.Namespace, shape: bench.Shape, device: torch.device):
+    """(short name, Prepared or None where unavailable) per provider."""
+    for short, provider in provider_names(args).items():
+        try:
+            yield short, bench.build_train(provider, shape, device, with_grad=args.mode != "fwd")
+        except bench.Unavailable as exc:
+            print(f"  {short}: unavailable ({exc})", flush=True)
+            yield short, None
+
+
 def step(prepared: bench.Prepared, mode: str):
     """One call of the mode; the backward's forward runs outside it when mode is bwd."""
     if mode == "fwd":
@@ -94,20 +118,59 @@ def step(prepared: bench.Prepared, mode: str):
     return lambda: torch.autograd.grad(prepared.forward(), inputs, grad)
 
 
+def paged_prefill_shape(args: argparse.Namespace):
+    """The paged_prefill shape of --paged-prefill BxQxK (causal, --gqa query heads per
+    key head) and the page sizes of --page-sizes, the contiguous call (None) first."""
+    try:
+        batch, q_chunk, context = (int(x) for x in args.paged_prefill.lower().split("x"))
+        sizes = [None] + [int(s) for s in args.page_sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        raise SystemExit(
+            f"--paged-prefill {args.paged_prefill!r} / --page-sizes {args.page_sizes!r}: "
+            "want BxQxK (e.g. 2x4096x4096) and a comma list of page sizes"
+        ) from exc
+    nheads = args.hidden // args.headdim
+    if args.hidden % args.headdim or nheads % args.gqa:
+        raise SystemExit("--hidden must be a multiple of --headdim, heads of --gqa")
+    shape = bench.Shape(
+        dtype=args.dtype,
+        batch=batch,
+        seqlen_q=q_chunk,
+        seqlen_k=context,
+        nheads=nheads,
+        nheads_k=nheads // args.gqa,
+        headdim=args.headdim,
+        causal=True,
+    )
+    return shape, sizes
+
+
+def paged_prefill_cases(args: argparse.Namespace, device: torch.device):
+    """(name, Prepared) of the contiguous call and each page size, one shared input set."""
+    shape, sizes = paged_prefill_shape(args)
+    print(f"profile_cell: paged_prefill {shape}", flush=True)
+    inputs: dict = {}
+    for size in sizes:
+        name = "contiguous" if size is None else f"paged{size}"
+        yield name, bench.build_paged_prefill(shape, size, inputs, device, check=size is not None)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_cell: needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    shape = cell_shape(args)
-    print(f"profile_cell: {shape}, mode {args.mode}", flush=True)
+    if args.paged_prefill:
+        args.mode = "fwd"
+        cases = paged_prefill_cases(args, device)
+    else:
+        shape = cell_shape(args)
+        print(f"profile_cell: {shape}, mode {args.mode}", flush=True)
+        cases = train_cases(args, shape, device)
     runs = []
-    for short, provider in provider_names(args).items():
-        try:
-            prepared = bench.build_train(provider, shape, device, with_grad=args.mode != "fwd")
-        except bench.Unavailable as exc:
-            print(f"  {short}: unavailable ({exc})", flush=True)
+    for short, prepared in cases:
+        if prepared is None:
             continue
         with prepared.context():
             call = step(prepared, args.mode)

@@ -21,10 +21,13 @@
 //     the new k / v are (total_k_new, nheads_k, headdim) and sequence b
 //     appends rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] after
 //     cache_seqlens[b]. Either may come without the other.
-//   * num_splits (varlen_fwd / varlen_fwd_out, FA3's): 1 runs the forward
-//     kernels as before, > 1 splits each sequence's keys that many ways (the
-//     split-KV kernel and an lse merge), 0 lets the plan choose. Speed only:
-//     the result meets the same criterion. The CPU path ignores it.
+//   * num_splits (varlen_fwd / varlen_fwd_out, FA3's): 0 (the default)
+//     lets the plan choose (plan_varlen_split: decode-like calls split, as
+//     flash-attn 2.x's varlen forward splits them), 1 runs the forward
+//     kernels (batch invariant for a fixed kernel), > 1 splits each
+//     sequence's keys that many ways (the split-KV kernel and an lse merge).
+//     Speed only: the result meets the same criterion. The CPU path ignores
+//     it.
 //   * learnable_sink (forwards, optional fp32 (nheads,)): attention sinks.
 //     Row i of head h adds exp(sink_h - m_i) to its softmax denominator (no
 //     value row); softmax_lse includes it, a row that sees no key gets lse =
@@ -64,7 +67,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1, "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=0, "
       "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
@@ -102,7 +105,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "float dropout_p, float softmax_scale, bool causal, int window_size_left, "
       "int window_size_right, float softcap, bool return_softmax, int philox_seed, "
       "int philox_offset, Tensor? rng_state, *, Tensor? seqused_k=None, Tensor(a!) out, "
-      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=1, "
+      "Tensor? learnable_sink=None, Tensor? seqused_q=None, int num_splits=0, "
       "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
       "-> (Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)");
   m.def(
@@ -170,7 +173,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "int cc_major=9, int cc_minor=0, int num_sms=132, int smem_per_block_optin=232448, "
       "int smem_per_sm=233472, int reserved_smem_per_block=1024, "
       "bool sm90a_built=True, str kernel_override=\"\", bool tma_aligned=True, "
-      "int page_size=0, int head_dim_v=-1, bool fp8=False) -> str");
+      "int page_size=0, int head_dim_v=-1, bool fp8=False, int num_splits=0) -> str");
   m.def(
       "_plan_bwd(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k, int head_dim, "
       "*, bool causal=False, int window_size_left=-1, int window_size_right=-1, "

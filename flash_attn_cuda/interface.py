@@ -742,7 +742,7 @@ def _varlen_attention(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
-    num_splits=1,
+    num_splits=0,
     q_descale=None,
     k_descale=None,
     v_descale=None,
@@ -1212,7 +1212,7 @@ def flash_attn_varlen_func(
     learnable_sink=None,
     seqused_q=None,
     return_softmax_lse=False,
-    num_splits=1,
+    num_splits=0,
     q_descale=None,
     k_descale=None,
     v_descale=None,
@@ -1301,11 +1301,13 @@ flash_attn_varlen_func.__doc__ = (
             dq 0, and add nothing to dk / dv; with out= they keep the
             caller's values (no write, as FA3), so read only the used rows.
         num_splits: keyword-only, FA3's split of each sequence's keys in the
-            forward: 1 (default) does not split, > 1 splits that many ways
-            (at most 128) and merges by the lse, 0 lets the kernel choose
-            (it splits when few query blocks would leave SMs idle). Affects
-            speed only; calls with dropout, return_attn_probs or seqused_q
-            do not split.
+            forward: 0 (default) lets the kernel choose (a decode-like call,
+            each sequence's query rows of a kv head within one split-KV
+            query block, splits as flash-attn 2.x splits it), 1 does not
+            split (a row's result then does not depend on the batch, for a
+            fixed FLASH_ATTN_FWD_KERNEL), > 1 splits that many ways (at most
+            128) and merges by the lse. Affects speed only; calls with
+            dropout, return_attn_probs or seqused_q do not split.
 """
     + _FP8_ARG_DOC
     + _OUT_ARG_DOC.format(layout="(total_q, nheads, headdim)")

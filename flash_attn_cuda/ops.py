@@ -129,7 +129,7 @@ def _varlen_fwd_fake(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     seqused_q: Optional[torch.Tensor] = None,
-    num_splits: int = 1,
+    num_splits: int = 0,
     q_descale: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None,
     v_descale: Optional[torch.Tensor] = None,

@@ -273,7 +273,7 @@ EXPECTED_KEYWORD_ONLY = {
         ("learnable_sink", None),
         ("seqused_q", None),
         ("return_softmax_lse", False),
-        ("num_splits", 1),
+        ("num_splits", 0),
     ]
     + FP8_DESCALES,
     "flash_attn_varlen_kvpacked_func": [("learnable_sink", None), ("return_softmax_lse", False)],

@@ -508,8 +508,36 @@ def test_forward_splitkv_only_where_it_serves():
     ):
         plan = fwd(*decode_shape, **kw)
         assert plan["kernel"] in ("sm80", "sm90"), (kw, plan)
-    # Varlen calls split only by num_splits (plan_fwd_split from varlen_fwd).
-    assert fwd(*decode_shape, varlen=True)["kernel"] in ("sm80", "sm90")
+    # Varlen calls (plan_varlen_split, varlen_fwd's num_splits): 1 keeps the
+    # forward kernels, and so does a kernel override under the default 0.
+    assert fwd(*decode_shape, varlen=True, num_splits=1)["kernel"] in ("sm80", "sm90")
+    assert fwd(*decode_shape, varlen=True, kernel_override="sm90")["kernel"] == "sm90"
+    assert fwd(*decode_shape, varlen=True, num_splits=1, page_size=16)["kernel"] == "sm90"
+
+
+def test_varlen_decode_splits_by_default():
+    """varlen_fwd's default num_splits=0: a decode-like varlen call (vLLM's and
+    flash-attn 2.x's decode through flash_attn_varlen_func: one query row per
+    sequence, paged keys) runs on the split-KV kernel, as flash-attn 2.x's
+    varlen forward splits it, with at least two splits (the combine writes the
+    rows outside every sequence): on the forward kernels each query head's
+    row took a 128-row tile (PERF_LOG 2026-12-01 "varlen decode")."""
+    b1 = fwd(1, 1, 32768, 32, 8, 128, varlen=True, page_size=16)
+    assert b1["kernel"] == "splitkv" and b1["splits"] > 2
+    assert b1["splits"] == decode(1, 1, 32768, 32, 8, 128, paged=True)["splits"]
+    # A batch that fills the SMs with one split gets the floor of two.
+    b64 = fwd(64, 1, 4096, 32, 8, 128, varlen=True, page_size=16)
+    assert b64["kernel"] == "splitkv" and b64["splits"] == 2, b64
+    assert "min_splits" in b64["reason"]
+    # Speculative rows (4 a sequence x 4 query heads a kv head) fit one block.
+    assert fwd(8, 4, 8192, 32, 8, 128, varlen=True)["kernel"] == "splitkv"
+    # More query rows than one split-KV block, dropout or probabilities: the
+    # forward kernels.
+    assert fwd(8, 256, 8192, 32, 8, 128, varlen=True)["kernel"] == "sm90"
+    assert fwd(8, 1, 8192, 32, 8, 128, varlen=True, dropout_p=0.1)["kernel"] != "splitkv"
+    assert fwd(8, 1, 8192, 32, 8, 128, varlen=True, return_softmax=True)["kernel"] != "splitkv"
+    # An explicit count is honoured.
+    assert fwd(8, 1, 8192, 32, 8, 128, varlen=True, num_splits=5)["splits"] == 5
 
 
 # --------------------------------------------------------------- backward

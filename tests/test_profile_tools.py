@@ -1,6 +1,7 @@
-"""benchmarks/profile_cell.py and benchmarks/ncu_summary.py without a GPU: the cell's
-shape follows the training grid, bad arguments are refused, and the ncu summary reads
-a details page (a small one written here in ncu's CSV layout)."""
+"""benchmarks/profile_cell.py, benchmarks/ncu_summary.py and benchmarks/ncu_source_top.py
+without a GPU: the cell's shape follows the training grid, bad arguments are refused, and
+the ncu tools read a details page and a source page (small ones written here in ncu's CSV
+layout)."""
 
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import ncu_source_top  # noqa: E402
 import ncu_summary  # noqa: E402
 import profile_cell  # noqa: E402
 
@@ -57,3 +59,52 @@ def test_ncu_summary_reads_a_details_page(tmp_path, capsys):
     assert "4.7M" in ours and "168" in ours
     fa4 = out[2].split()
     assert fa4[:3] == ["1", "kernel_cutlass_fa4_bwd", "980"] and fa4[-1] == "-"
+
+
+def test_paged_prefill_shape():
+    args = profile_cell.parse_args(
+        ["--paged-prefill", "4x512x4096", "--hidden", "4096", "--gqa", "4", "--page-sizes", "1,256"]
+    )
+    shape, sizes = profile_cell.paged_prefill_shape(args)
+    assert (shape.batch, shape.seqlen_q, shape.seqlen_k) == (4, 512, 4096)
+    assert (shape.nheads, shape.nheads_k, shape.headdim) == (32, 8, 128) and shape.causal
+    assert sizes == [None, 1, 256]
+    for bad in (["--paged-prefill", "4x512"], ["--paged-prefill", "1x1x1", "--page-sizes", "a"]):
+        with pytest.raises(SystemExit):
+            profile_cell.paged_prefill_shape(profile_cell.parse_args(bad))
+
+
+def test_ncu_source_top_reads_a_source_page(tmp_path, capsys):
+    """ncu's source page (--page source --csv --print-source sass): a "Kernel Name" line,
+    the header, one row per instruction; a kernel's table may come twice in a row."""
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    cols += ["stall_barrier", "stall_long_sb", "stall_wait"]
+
+    def table(kernel, rows):
+        lines = [f'"Kernel Name","{kernel}",\n', ",".join(f'"{c}"' for c in cols) + "\n"]
+        return "".join(lines + [",".join(f'"{v}"' for v in r) + "\n" for r in rows])
+
+    rows = [
+        (
+            "0x10",
+            "      HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ",
+            "10",
+            "1,000",
+            "0",
+            "0",
+            "10",
+        ),
+        ("0x20", "@!P0  BRA 0x10", "30", "500", "0", "30", "0"),
+        ("0x30", "      UMOV UR19, 0x40000040", "60", "1,000", "60", "0", "0"),
+    ]
+    other = [("0x10", "      EXIT", "5", "10", "0", "0", "5")]
+    path = tmp_path / "source_sass.csv"
+    path.write_text(table("k<0>", rows) + table("k<0>", rows) + table("k<1>", other))
+    tables = list(ncu_source_top.kernel_tables(str(path)))
+    assert [name for name, _ in tables] == ["k<0>", "k<1>"]
+    assert ncu_source_top.main([str(path), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "samples 100, warp instructions executed 2500" in out
+    assert "stall_barrier 60.0%" in out and "UMOV 60.0%" in out and "BRA 30.0%" in out
+    first = out.splitlines()[4]
+    assert "UMOV UR19" in first and "60.0%" in first and "stall_barrier 60" in first

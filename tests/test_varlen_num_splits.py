@@ -190,6 +190,64 @@ def test_paged_and_seqused_k(device, page_size):
     )
 
 
+def launched_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_splits_by_default(batch, monkeypatch):
+    """vLLM's and flash-attn 2.x's decode call (one query row per sequence,
+    paged keys, seqused_k, no cu_seqlens_k) with the default num_splits runs the
+    split-KV kernel, as flash-attn 2.x's varlen forward splits it (one query
+    row of a 128-row tile per head on the forward kernels took 3.2-10.8x the
+    time: PERF_LOG 2026-12-01 "varlen decode"); num_splits=1 keeps the forward
+    kernels. Both meet the reference."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
+    page_size, seqlen_k, heads, head_dim = 16, 1040, (8, 2), 128
+    g = torch.Generator().manual_seed(batch)
+    q = torch.randn(batch, heads[0], head_dim, generator=g).cuda().bfloat16()
+    k = torch.randn(batch * seqlen_k, heads[1], head_dim, generator=g).cuda().bfloat16()
+    v = torch.randn_like(k)
+    pages_per_seq = seqlen_k // page_size
+    perm = torch.randperm(batch * pages_per_seq, generator=g).to(torch.int32)
+    table = perm.view(batch, pages_per_seq).cuda()
+    k_pages = torch.empty(batch * pages_per_seq, page_size, *k.shape[1:], device="cuda").bfloat16()
+    v_pages = torch.empty_like(k_pages)
+    # Key j of sequence b: row j % page_size of page table[b, j // page_size].
+    k_pages[table.view(-1).long()] = k.view(-1, page_size, *k.shape[1:])
+    v_pages[table.view(-1).long()] = v.view(-1, page_size, *v.shape[1:])
+    cu_q = offsets([1] * batch, "cuda")
+    cu_k = offsets([seqlen_k] * batch, "cuda")
+    used = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+
+    def call(**kw):
+        return flash_attn_varlen_func(
+            q,
+            k_pages,
+            v_pages,
+            cu_q,
+            None,
+            1,
+            seqlen_k,
+            causal=True,
+            block_table=table,
+            seqused_k=used,
+            return_softmax_lse=True,
+            **kw,
+        )
+
+    for kw, splits in (({}, True), (dict(num_splits=1), False)):
+        names = launched_kernels(lambda kw=kw: call(**kw))
+        assert any("splitkv" in n for n in names) == splits, (kw, names)
+        assert any("flash_fwd" in n for n in names), (kw, names)
+        out, lse = call(**kw)
+        check_against_reference(out, lse, q, k, v, cu_q, cu_k, seqlen_k, causal=True)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_out_and_backward(device):
     """out= with a split forward, and the backward from a split forward's lse."""

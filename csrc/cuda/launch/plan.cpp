@@ -893,8 +893,10 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
   decode.fp8_cache = shape.fp8;
   // A varlen run needs two splits or more, even over keys that fill one
   // block: the combine writes the rows of q outside every sequence (out 0,
-  // lse +inf), which no work item covers.
-  if (only_splitkv && shape.varlen) decode.min_splits = 2;
+  // lse +inf), which no work item covers. So does a chosen split of a
+  // decode-like varlen call (plan_varlen_split), where the plan would leave
+  // one split to a batch that fills the SMs.
+  if (shape.varlen && (only_splitkv || shape.requested_splits == 0)) decode.min_splits = 2;
   DecodePlan plan = plan_decode(decode, device);
   if (shape.varlen && plan.num_splits <= 1) {
     none.reason = plan.reason;
@@ -906,6 +908,29 @@ DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device) 
     return none;
   }
   return plan;
+}
+
+DecodePlan plan_varlen_split(const FwdParams& params, int64_t requested_splits,
+                             KernelOverride override_kernel, const DeviceDesc& device) {
+  FwdSplitShape shape;
+  shape.batch = params.batch;
+  shape.nheads = params.nheads;
+  shape.nheads_k = params.nheads_k;
+  shape.max_seqlen_q = params.seqlen_q;
+  shape.max_seqlen_k = params.block_table != nullptr ? params.paged_max_seqlen_k : params.seqlen_k;
+  shape.head_dim = params.head_dim;
+  shape.head_dim_v = params.head_dim_v;
+  shape.varlen = true;
+  shape.paged = params.block_table != nullptr;
+  shape.requested_splits =
+      requested_splits == 0 && override_kernel != KernelOverride::kNone ? 1 : requested_splits;
+  const ScoreFeatures rule = score_features_of(params);
+  shape.score_extras = rule.has_extras();
+  shape.dropout = params.dropout_p > 0.f;
+  shape.return_softmax = params.p_ptr != nullptr;
+  shape.seqused_q = params.seqused_q != nullptr;
+  shape.fp8 = params.kv_fp8;
+  return plan_fwd_split(shape, device);
 }
 
 // ------------------------------------------------------------- description

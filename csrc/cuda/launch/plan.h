@@ -385,6 +385,22 @@ struct FwdSplitShape {
 // keys over the SMs, as flash-attn's own forward does.
 DecodePlan plan_fwd_split(const FwdSplitShape& shape, const DeviceDesc& device);
 
+// The split plan of a varlen_fwd call (params filled as the op fills them,
+// paged_max_seqlen_k included), requested_splits its num_splits: 1 the
+// forward kernels, > 1 that many splits, 0 the plan's choice. A
+// FLASH_ATTN_FWD_KERNEL override keeps num_splits=0 on the forward kernel it
+// names, as plan_fwd keeps a fixed-length call. Chosen, a decode-like call
+// (each sequence's query rows of a kv head fit one split-KV query block)
+// runs on the split-KV kernel with at least two splits, one more than a
+// batch that fills the SMs needs: a varlen split run's combine writes the
+// rows of q outside every sequence. flash-attn 2.x splits such calls the
+// same way (its varlen forward with one query row per sequence), and on the
+// forward kernels each query head's one row took a 128-row tile and read
+// its keys alone: 3.2-10.8x the split-KV time at 1-64 sequences of 4k-32k
+// paged keys on an H200 (PERF_LOG 2026-12-01 "varlen decode").
+DecodePlan plan_varlen_split(const FwdParams& params, int64_t requested_splits,
+                             KernelOverride override_kernel, const DeviceDesc& device);
+
 // ------------------------------------------------------------- description
 
 // One line per plan, "key=value ... reason: text", for the debug ops and

@@ -352,24 +352,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Paged: the lengths and table entries the kernels clamp are reported here.
   launch_check_paged_keys(params, stream);
-  // num_splits (FA3's): the split-KV run where plan_fwd_split takes it.
-  FwdSplitShape split_shape;
-  split_shape.batch = shape.batch;
-  split_shape.nheads = shape.nheads;
-  split_shape.nheads_k = shape.nheads_k;
-  split_shape.max_seqlen_q = shape.max_seqlen_q;
-  split_shape.max_seqlen_k = shape.paged ? params.paged_max_seqlen_k : shape.max_seqlen_k;
-  split_shape.head_dim = shape.head_dim;
-  split_shape.head_dim_v = shape.head_dim_v;
-  split_shape.varlen = true;
-  split_shape.paged = shape.paged;
-  split_shape.requested_splits = num_splits;
-  split_shape.score_extras = score_features_of(params).has_extras();
-  split_shape.dropout = dropout_p > 0.0;
-  split_shape.return_softmax = return_softmax;
-  split_shape.seqused_q = used_q.defined();
-  split_shape.fp8 = params.kv_fp8;
-  const DecodePlan split_plan = plan_fwd_split(split_shape, current_device_desc());
+  // num_splits (FA3's): the split-KV run where plan_varlen_split takes it.
+  const DecodePlan split_plan = plan_varlen_split(
+      params, num_splits, kernel_override_from_env("FLASH_ATTN_FWD_KERNEL"), current_device_desc());
   if (split_plan.num_splits > 0) {
     const SplitKvDescales fp8_descales =
         params.kv_fp8 ? attention_descales(descales) : SplitKvDescales{};

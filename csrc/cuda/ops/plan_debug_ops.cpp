@@ -82,7 +82,7 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
                         int64_t smem_per_block_optin, int64_t smem_per_sm,
                         int64_t reserved_smem_per_block, bool sm90a_built,
                         std::string kernel_override, bool tma_aligned, int64_t page_size,
-                        int64_t head_dim_v, bool fp8) {
+                        int64_t head_dim_v, bool fp8, int64_t num_splits) {
   FwdParams params{};
   fill_call(params, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size_left,
             window_size_right, softcap, alibi, dropout_p, softmax_scale, varlen,
@@ -100,11 +100,20 @@ std::string plan_fwd_op(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64
   if (page_size > 0) {
     params.block_table = kSomeSeqlens;
     params.page_size = IntDivisor(static_cast<int>(page_size));
+    params.paged_max_seqlen_k = params.seqlen_k;
   }
   // fp8: FP8 attention (e4m3 k and v, q converted to bfloat16 by the op).
   params.kv_fp8 = fp8;
   const DeviceDesc device = device_of(cc_major, cc_minor, num_sms, smem_per_block_optin,
                                       smem_per_sm, reserved_smem_per_block, sm90a_built);
+  // num_splits (varlen_fwd's; a fixed-length call has none): the split-KV
+  // run where it takes the call, as the op plans it.
+  TORCH_CHECK(num_splits >= 0, "_plan_fwd: num_splits must be >= 0 (0 chooses), got ", num_splits);
+  if (varlen) {
+    const DecodePlan split =
+        plan_varlen_split(params, num_splits, override_of(kernel_override), device);
+    if (split.num_splits > 0) return describe(split);
+  }
   return describe(plan_fwd(params, device, override_of(kernel_override), tma_aligned));
 }
 
