@@ -381,6 +381,20 @@ def test_flash_attention_forward_backward_varlen(causal):
         ref.assert_within_criterion(g, l64.grad, l32.grad, factor=3.0, atol=1e-4)
 
 
+def test_flash_attention_forward_passes_num_splits():
+    """torch's num_splits reaches varlen_fwd (None: the op's choice, 1: no split):
+    the same result on the CPU, and a bad count is refused naming it."""
+    q, k, v, cu_q, cu_k = _varlen_inputs([1, 1, 3], [10, 7, 12], 4, 2, 32)
+    plain, *_ = sdpa.flash_attention_forward(q, k, v, cu_q, cu_k, 3, 12, 0.0, True, False)
+    for num_splits in (0, 1, 5):
+        out, *_ = sdpa.flash_attention_forward(
+            q, k, v, cu_q, cu_k, 3, 12, 0.0, True, False, num_splits=num_splits
+        )
+        assert torch.equal(out, plain), num_splits
+    with pytest.raises(RuntimeError, match="num_splits must be in"):
+        sdpa.flash_attention_forward(q, k, v, cu_q, cu_k, 3, 12, 0.0, True, False, num_splits=-1)
+
+
 def test_flash_attention_forward_seqused_k():
     # Only the first seqused_k[b] keys of each sequence take part.
     q, k, v, cu_q, cu_k = _varlen_inputs([4, 6, 3], [10, 7, 12], 2, 2, 32)

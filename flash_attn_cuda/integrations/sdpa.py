@@ -331,6 +331,7 @@ def _forward_varlen(
     alibi_slopes,
     seqused_k,
     block_table,
+    num_splits,
 ):
     if block_table is not None:
         if seqused_k is not None:  # paged keys: only the lengths matter
@@ -364,6 +365,8 @@ def _forward_varlen(
         0,
         0,
         _draw_rng_state(dropout_p, q.device),
+        # None: the op's choice (decode-like calls split); 1 keeps one split.
+        num_splits=0 if num_splits is None else int(num_splits),
     )
     return _unpad_head_dim(out, head_dim), lse, rng_state, s_dmask
 
@@ -542,9 +545,11 @@ def flash_attention_forward(
     (batch, nheads, seqlen_q). Varlen: (total, nheads, head_dim) with int32
     cum_seq_q / cum_seq_k, logsumexp (nheads, total_q); block_table (paged K/V)
     and seqused_k (only the first seqused_k[b] keys of sequence b) are varlen
-    only. num_splits is a speed hint of split-KV kernels and is ignored: the
-    result does not depend on it. Returns (output, logsumexp, rng_state,
-    unused, debug_attn_mask).
+    only. num_splits (varlen only; None lets the op choose) is varlen_fwd's:
+    how many ways each sequence's keys are split, which changes the speed and
+    the summation order, not the result beyond rounding (1: no split, the
+    batch-invariant choice). The fixed-length path chooses its own. Returns
+    (output, logsumexp, rng_state, unused, debug_attn_mask).
     """
     op = "_flash_attention_forward"
     _reject_unknown(op, extra)
@@ -586,8 +591,8 @@ def flash_attention_forward(
             alibi_slopes,
             seqused_k,
             block_table,
+            num_splits,
         )
-    del num_splits  # a speed hint only
     seed_offset, unused = _to_torch_rng_state(rng_state)
     return _in_layout_of(out, query), lse, seed_offset, unused, debug_mask
 
