@@ -104,6 +104,25 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, missing)) if missing else t
 
 
+# The zero key offsets of vLLM's paged call (cu_seqlens_k None), one tensor per
+# (device, dtype, length), so that an eager decode step makes no allocation and no
+# fill for them. The ops only read it. Under torch.compile and inside CUDA graph
+# capture a fresh one is made, as before (a cached tensor would be a captured
+# constant, or memory outside the graph's pool).
+_ZERO_OFFSETS: dict = {}
+
+
+def _zero_offsets(like: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return torch.zeros_like(like)
+    key = (like.device, like.dtype, tuple(like.shape))
+    zeros = _ZERO_OFFSETS.get(key)
+    if zeros is None:
+        zeros = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        zeros = _ZERO_OFFSETS.setdefault(key, zeros)
+    return zeros
+
+
 def _check_ndim(t: torch.Tensor, name: str, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
@@ -757,7 +776,7 @@ def _varlen_attention(
                 f"{fn}: cu_seqlens_k may be None only with block_table and seqused_k (then "
                 "seqused_k gives each sequence's keys)"
             )
-        cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
+        cu_seqlens_k = _zero_offsets(cu_seqlens_q)
     _check_same_device(
         q,
         k=k,

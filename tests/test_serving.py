@@ -242,6 +242,39 @@ def test_paged_varlen_seqused_k(device, causal, cu_k_given, page_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_vllm_form_makes_no_offsets_per_call(device, monkeypatch):
+    """cu_seqlens_k None (vLLM's paged call): the zero key offsets the op takes are
+    made once per (device, dtype, length), not allocated and filled on every eager
+    call; a call traced by torch.compile makes its own, and both give the same out."""
+    import flash_attn_cuda.interface as interface
+
+    monkeypatch.setattr(interface, "_ZERO_OFFSETS", {})
+    q, k, v, cu_q, cu_k, used, max_q, max_k = seqused_inputs(device, 8, 2, head_dim=64)
+    k_cache, v_cache, table = paged_from_packed(k, v, cu_k, used.tolist(), 16, fill_random)
+
+    def call(q):
+        return flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, None, max_q, max_k, block_table=table, seqused_k=used
+        )
+
+    made = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: made.append(a) or real_zeros(*a, **kw))
+    with torch.no_grad():
+        first, second = call(q), call(q)
+    monkeypatch.setattr(torch, "zeros", real_zeros)
+    assert len(made) == 1
+    assert list(interface._ZERO_OFFSETS) == [(cu_q.device, torch.int32, tuple(cu_q.shape))]
+    assert torch.equal(first, second)
+    zeros = interface._zero_offsets(cu_q)
+    assert zeros is interface._zero_offsets(cu_q) and not zeros.any()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(call, fullgraph=True)(q)
+    assert torch.equal(compiled, first)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_plain_varlen_never_reads_past_a_sequence(device):
     """Each sequence's result is bitwise the same when every other sequence's
     keys and values, and the rows after the last sequence, hold NaN / Inf."""

@@ -6,7 +6,9 @@ vLLM decodes through ``flash_attn_varlen_func`` (one query row per sequence,
 difference is what the varlen op adds per call (its index-check pass over the
 lengths and table, docs/memory_safety.md). Times in microseconds, CUDA events, L2
 flushed before every call (as triton's do_bench does), median of 50; "b2b" is the
-mean over 200 back-to-back calls, launch gaps included.
+mean over 200 back-to-back calls, launch gaps included. Where a call's host time (b2b)
+exceeds the flush kernel's GPU time, the event time includes host time: the batch-1 rows
+are then host-bound and only comparable between runs whose kvcache b2b agree.
 
     python benchmarks/microbench/varlen_paged_decode.py
 """
