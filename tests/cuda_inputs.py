@@ -49,3 +49,11 @@ def rows_of_sequences_of_length(cu, length, max_len=8):
     that have `length` rows, for a batched reference over all of them."""
     starts = cu[length - 1 : -1 : max_len].long()
     return (starts[:, None] + torch.arange(length)).to(DEVICE)
+
+
+def launched_kernels(fn):
+    """The names of the CUDA kernels fn launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -15,7 +15,14 @@ import torch
 
 import reference
 from cuda_inputs import DEVICE, DTYPES, random_qkv
-from test_cuda_bwd import GRAD_ATOL, check_grads, check_varlen_bwd, reference_grads, run_fwd_bwd
+from test_cuda_bwd import (
+    GRAD_ATOL,
+    check_deterministic_bwd,
+    check_grads,
+    check_varlen_bwd,
+    reference_grads,
+    run_fwd_bwd,
+)
 
 from flash_attn_cuda import flash_attn_func
 
@@ -102,17 +109,7 @@ def test_varlen_bwd(dtype, causal):
 def test_bwd_deterministic_is_bitwise_reproducible(nheads, nheads_k, causal):
     """Deterministic: dQ in splits walked in order, and under GQA the query
     heads' dK / dV added in head order, one turn per (key block, slab)."""
-    q, k, v = random_qkv(2, 300, 400, nheads, nheads_k, 512, BF16)
-    dout = torch.randn_like(q)
-    first, _ = run_fwd_bwd(q, k, v, dout, causal=causal, deterministic=True)
-    for _ in range(2):
-        again, _ = run_fwd_bwd(q, k, v, dout, causal=causal, deterministic=True)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b)
-    check_grads(q, k, v, dout, first, causal=causal)
-    default, _ = run_fwd_bwd(q, k, v, dout, causal=causal)
-    for a, b in zip(first, default):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    check_deterministic_bwd(300, 400, nheads, nheads_k, 512, causal)
 
 
 @pytest.mark.parametrize("forward_device", ["cpu", DEVICE])

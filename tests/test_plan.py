@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cuda_inputs import launched_kernels
+
 import flash_attn_cuda  # noqa: F401  (registers the ops)
 
 ops = torch.ops.flash_attn
@@ -979,13 +981,6 @@ def current_device():
         smem_per_sm=props.shared_memory_per_multiprocessor,
         reserved_smem_per_block=1024,
     )
-
-
-def launched_kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.cuda

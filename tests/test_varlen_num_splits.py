@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from cuda_inputs import launched_kernels
 from reference import check_close, varlen_attention_ref
 
 import flash_attn_cuda
@@ -188,13 +189,6 @@ def test_paged_and_seqused_k(device, page_size):
     check_against_reference(
         out, lse, q, k, v, cu_q, cu_k, max(lengths_k(device)), causal=True, seqused_k=used
     )
-
-
-def launched_kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.cuda

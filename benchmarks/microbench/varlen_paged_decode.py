@@ -5,7 +5,7 @@ vLLM decodes through ``flash_attn_varlen_func`` (one query row per sequence,
 ``flash_attn_with_kvcache``. Both run the split-KV kernel on the same pages, so the
 difference is what the varlen op adds per call (its index-check pass over the
 lengths and table, docs/memory_safety.md). Times in microseconds, CUDA events, L2
-flushed before every call (as triton's do_bench does), median of 50; "b2b" is the
+flushed before every call (event_timing.median_us), median of 50; "b2b" is the
 mean over 200 back-to-back calls, launch gaps included. Where a call's host time (b2b)
 exceeds the flush kernel's GPU time, the event time includes host time: the batch-1 rows
 are then host-bound and only comparable between runs whose kvcache b2b agree.
@@ -13,9 +13,8 @@ are then host-bound and only comparable between runs whose kvcache b2b agree.
     python benchmarks/microbench/varlen_paged_decode.py
 """
 
-import statistics
-
 import torch
+from event_timing import median_us, setup
 
 from flash_attn_cuda import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -23,20 +22,6 @@ DEVICE = "cuda"
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 SHAPES = [(1, 4096), (1, 8192), (1, 32768), (16, 8192), (64, 4096)]
 PAGE_SIZES = (16, 256)
-
-
-def median_us(fn, flush, runs=50):
-    for _ in range(5):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for i in range(runs):
-        flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
 def back_to_back_us(fn, calls=200):
@@ -51,7 +36,7 @@ def back_to_back_us(fn, calls=200):
 
 
 def main():
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=DEVICE)
+    _, flush = setup(__doc__)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("batch  keys  page  kvcache_us  varlen_us  varlen/kvcache  kvcache_b2b  varlen_b2b")
     for batch, seqlen_k in SHAPES:
