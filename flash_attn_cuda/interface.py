@@ -113,14 +113,19 @@ _ZERO_OFFSETS: dict = {}
 
 
 def _zero_offsets(like: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling():
         return torch.zeros_like(like)
     key = (like.device, like.dtype, tuple(like.shape))
     zeros = _ZERO_OFFSETS.get(key)
-    if zeros is None:
-        zeros = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-        zeros = _ZERO_OFFSETS.setdefault(key, zeros)
-    return zeros
+    if zeros is not None:
+        # A CUDA graph reads the eager call's tensor too: no fill in each replay.
+        return zeros
+    if like.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A fill captured here would run only at replay: the graph makes its own.
+        return torch.zeros_like(like)
+    return _ZERO_OFFSETS.setdefault(
+        key, torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    )
 
 
 def _check_ndim(t: torch.Tensor, name: str, ndim: int, layout: str) -> None:

@@ -70,10 +70,12 @@ def varlen(
     causal=False,
     softcap=0.0,
     alibi=False,
+    pad_q=0,
 ):
-    cu_q = torch.tensor([0] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
+    """pad_q: q rows outside every sequence, that many before the first and after the last."""
+    cu_q = torch.tensor([pad_q] + lengths_q, dtype=torch.int32).cumsum(0).int().cuda()
     cu_k = torch.tensor([0] + lengths_k, dtype=torch.int32).cumsum(0).int().cuda()
-    q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(sum(lengths_q) + 2 * pad_q, nheads, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     slopes = torch.rand(len(lengths_q), nheads, device="cuda") * 0.3 if alibi else None
@@ -264,6 +266,9 @@ def main():
     fixed(1, 0, 5, 2, 2, 64, bf16)
     fixed(1, 5, 0, 2, 2, 64, bf16)
     varlen([5, 0, 70], [9, 130, 1], 4, 2, 96, bf16, causal=True)
+    # Decode-like rows: the split-KV run, whose combine fills the q rows
+    # outside every sequence without reading their partials.
+    varlen([1, 1, 0, 1], [700, 5, 9, 1300], 8, 2, 128, bf16, pad_q=3)
     varlen([40, 3], [77, 150], 2, 2, 160, fp16)
     varlen_paged([5, 0, 30], [9, 40, 33], 16, 4, 2, 64, bf16)
     varlen_paged([7], [50], 1, 2, 2, 40, fp16)

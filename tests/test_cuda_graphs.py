@@ -226,6 +226,40 @@ def test_paged_varlen_decode_step_replays_like_eager():
         assert torch.equal(result["out"], out)
 
 
+@pytest.mark.parametrize("eager_first", [True, False], ids=["eager_first", "capture_first"])
+def test_paged_varlen_capture_reads_the_eager_zero_offsets(eager_first, monkeypatch):
+    """vLLM's form captured after an eager call reads the zero key offsets that
+    call made (interface._zero_offsets): no fill of them in the graph. A
+    capture that finds none makes its own in the graph and leaves the cache
+    empty (an eager read of a captured fill would see memory never written).
+    Either way a replay equals the eager call."""
+    import flash_attn_cuda.interface as interface
+
+    monkeypatch.setattr(interface, "_ZERO_OFFSETS", {})
+    k_cache, v_cache, block_table, seqlens, steps, _ = decode_inputs(paged=True, rotary=False)
+    q = steps[0][0]
+    # The eager call also sets up what capture must not (see capture()).
+    expected = paged_varlen_decode(q, k_cache, v_cache, block_table, seqlens).clone()
+    if not eager_first:
+        interface._ZERO_OFFSETS.clear()
+    result, made = {}, []
+    real_zeros_like = torch.zeros_like
+
+    def zeros_like(t, *args, **kwargs):
+        made.append(t.dtype)
+        return real_zeros_like(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros_like", zeros_like)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result["out"] = paged_varlen_decode(q, k_cache, v_cache, block_table, seqlens)
+    monkeypatch.setattr(torch, "zeros_like", real_zeros_like)
+    assert (torch.int32 in made) != eager_first, made
+    assert bool(interface._ZERO_OFFSETS) == eager_first
+    graph.replay()
+    assert torch.equal(result["out"], expected)
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 64])
 def test_flash_attn_func_replays_like_eager(seqlen_q):
     q, k, v = (

@@ -279,6 +279,62 @@ def test_out_and_backward(device):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_rows_outside_every_sequence(device, num_splits):
+    """q rows before cu_seqlens_q[0] and from cu_seqlens_q[batch] on: a split
+    run gives them out 0 and lse +inf, as the CPU does, with a sink too (the
+    combine fills them; no partial of theirs is written or read), and the
+    rows of the sequences match the reference. One query row per sequence
+    and 0 splits: the decode-like call that splits by default."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lengths_k = [700, 0, 1200] if device == "cuda" else [70, 0, 120]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(9, 8, 64, generator=g).to(device=device, dtype=dtype)
+    k, v = (
+        torch.randn(sum(lengths_k), 2, 64, generator=g).to(device=device, dtype=dtype)
+        for _ in range(2)
+    )
+    cu_q = torch.tensor([2, 3, 4, 5], dtype=torch.int32, device=device)
+    cu_k = offsets(lengths_k, device)
+    sink = torch.randn(8, generator=g).to(device)
+    out_buf = torch.full(q.shape, math.nan, dtype=dtype, device=device)
+    _, lse, _ = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        1,
+        max(lengths_k),
+        out=out_buf,
+        learnable_sink=sink,
+        return_attn_probs=True,
+        num_splits=num_splits,
+    )
+    outside = [0, 1, 5, 6, 7, 8]
+    assert torch.equal(out_buf[outside].float().cpu(), torch.zeros(6, 8, 64)), "out 0 outside"
+    assert torch.isposinf(lse[:, outside]).all(), "lse +inf outside"
+    exact, exact_lse = varlen_attention_ref(
+        q, k, v, cu_q, cu_k, max_seqlen_k=max(lengths_k), learnable_sink=sink
+    )
+    same, _ = varlen_attention_ref(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_seqlen_k=max(lengths_k),
+        learnable_sink=sink,
+        compute_dtype=dtype,
+    )
+    rows = slice(2, 5)
+    check_close(out_buf[rows].cpu(), exact[rows].cpu(), same[rows].cpu(), "out")
+    torch.testing.assert_close(
+        lse[:, rows].double().cpu(), exact_lse[:, rows].cpu(), atol=2e-3, rtol=1e-3
+    )
+
+
 def test_bad_num_splits_names_the_argument():
     q, k, v, cu_q, cu_k = inputs("cpu", torch.float32, [1, 2], [3, 4])
     for bad in (-1, 129):

@@ -8,7 +8,10 @@ lengths and table, docs/memory_safety.md). Times in microseconds, CUDA events, L
 flushed before every call (event_timing.median_us), median of 50; "b2b" is the
 mean over 200 back-to-back calls, launch gaps included. Where a call's host time (b2b)
 exceeds the flush kernel's GPU time, the event time includes host time: the batch-1 rows
-are then host-bound and only comparable between runs whose kvcache b2b agree.
+are then host-bound and only comparable between runs whose kvcache b2b agree. "graph" is the
+mean over 200 back-to-back replays of a CUDA graph of 10 calls (vLLM captures its decode
+steps), which leaves the host out: the GPU's own time per call, its kernels' launch gaps
+included, without the flush.
 
     python benchmarks/microbench/varlen_paged_decode.py
 """
@@ -35,10 +38,26 @@ def back_to_back_us(fn, calls=200):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def graph_us(fn, calls=10, replays=200):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # the first call of a process stays outside capture (docs/serving.md)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return back_to_back_us(graph.replay, replays) / calls
+
+
 def main():
     _, flush = setup(__doc__)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("batch  keys  page  kvcache_us  varlen_us  varlen/kvcache  kvcache_b2b  varlen_b2b")
+    print(
+        "batch  keys  page  kvcache_us  varlen_us  varlen/kvcache  kvcache_b2b  varlen_b2b"
+        "  kvcache_graph  varlen_graph"
+    )
     for batch, seqlen_k in SHAPES:
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=DEVICE)
@@ -79,9 +98,10 @@ def main():
             torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
             t_kv, t_vl = median_us(kvcache, flush), median_us(varlen, flush)
             b_kv, b_vl = back_to_back_us(kvcache), back_to_back_us(varlen)
+            g_kv, g_vl = graph_us(kvcache), graph_us(varlen)
             print(
                 f"{batch:5d} {seqlen_k:5d} {page_size:5d} {t_kv:11.1f} {t_vl:10.1f} "
-                f"{t_vl / t_kv:15.3f} {b_kv:12.1f} {b_vl:11.1f}"
+                f"{t_vl / t_kv:15.3f} {b_kv:12.1f} {b_vl:11.1f} {g_kv:14.1f} {g_vl:13.1f}"
             )
             del k_cache, v_cache
 

@@ -11,6 +11,12 @@
 // The partial rows of all splits are requested at once, before the lse
 // reduction (they do not depend on it), so the kernel costs about two memory
 // latencies whatever the split count up to kLoadsInFlight * kSplitGroups.
+//
+// A varlen q (params.cu_seqlens_q) is one batch entry of total_q rows per
+// head. Its rows outside every sequence (before cu_seqlens_q[0], from
+// cu_seqlens_q[batch] on), which no work item visits, get out 0 and lse
+// +inf, the CPU's empty row, without a read of their partials: no fill of
+// the partial lse ahead of the split kernel.
 #pragma once
 
 #include <cmath>
@@ -40,19 +46,27 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float split_weight[kMaxKvSplits];
   __shared__ float4 group_sum[kSplitGroups][kThreadsPerRow];
 
-  wait_for_preceding_grid();
-
   const int tid = threadIdx.x;
   const int group = tid / kThreadsPerRow;
   const int col = (tid % kThreadsPerRow) * 4;
   const int64_t row = blockIdx.x;
-  const int64_t rows_per_split = int64_t(params.batch) * params.nheads * params.seqlen_q;
-  const int num_splits = params.num_splits;
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  // (batch, nheads, seqlen_q) rows, or (1, nheads, total_q) for a varlen q.
+  const int seqlen_q = varlen ? params.total_q : params.seqlen_q;
+  const int64_t rows_per_split = int64_t(varlen ? 1 : params.batch) * params.nheads * seqlen_q;
+  const int i = static_cast<int>(row % seqlen_q);
+  const int head = static_cast<int>((row / seqlen_q) % params.nheads);
+  const int batch = static_cast<int>(row / (int64_t(seqlen_q) * params.nheads));
+  // The inputs' offsets: written before the split kernel, so read before the wait.
+  const bool outside =
+      varlen && (i < params.cu_seqlens_q[0] || i >= params.cu_seqlens_q[params.batch]);
+  const int num_splits = outside ? 0 : params.num_splits;
   // O's columns: head_dim_v is a multiple of 8, so a thread's 4 columns are
   // all in or all out; the partials hold nothing past it.
   const bool owns_columns = group < kSplitGroups && col < params.head_dim_v;
   const int64_t split_stride = rows_per_split * kHeadDim;
   const float* accum_row = params.out_accum_ptr + row * kHeadDim + col;
+  wait_for_preceding_grid();
 
   float4 partial[kLoadsInFlight];
   CUTE_UNROLL
@@ -65,7 +79,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   if (tid < 32) {
     const int lane = tid;
-    const float sink = row_sink(params, static_cast<int>((row / params.seqlen_q) % params.nheads));
+    const float sink = outside ? -INFINITY : row_sink(params, head);
     const float* lse_accum = params.lse_accum_ptr + row;
     float lse_split[kSplitsPerLane];
     float max_lse = -INFINITY;
@@ -140,9 +154,6 @@ __global__ void __launch_bounds__(kCombineThreads)
       total[2] += part.z;
       total[3] += part.w;
     }
-    const int i = static_cast<int>(row % params.seqlen_q);
-    const int head = static_cast<int>((row / params.seqlen_q) % params.nheads);
-    const int batch = static_cast<int>(row / (int64_t(params.seqlen_q) * params.nheads));
     Element* out_row = static_cast<Element*>(params.o_ptr) + batch * params.o.batch_stride +
                        int64_t(i) * params.o.row_stride + int64_t(head) * params.o.head_stride;
     cutlass::NumericArrayConverter<Element, float, 4> converter;

@@ -174,16 +174,10 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
   if (plan.num_splits > 1) {
     // The combine walks the partial rows (batch, nheads, seqlen_q) of the
     // output; a varlen q's (nheads, total_q) are those of one batch entry of
-    // total_q rows (its out has batch stride 0). Its rows outside every
-    // sequence are merged from partials no split wrote: not defined, as for
-    // varlen_fwd.
-    KvcacheParams combine_params = params;
-    if (params.cu_seqlens_q != nullptr) {
-      combine_params.batch = 1;
-      combine_params.seqlen_q = params.total_q;
-    }
-    const int64_t rows =
-        int64_t(combine_params.batch) * combine_params.nheads * combine_params.seqlen_q;
+    // total_q rows (its out has batch stride 0).
+    const int64_t rows = params.cu_seqlens_q != nullptr
+                             ? int64_t(params.nheads) * params.total_q
+                             : int64_t(params.batch) * params.nheads * params.seqlen_q;
     if (rows > 0x7fffffff) {
       throw std::runtime_error(
           "flash_attn_cuda: fwd_kvcache: batch * nheads * seqlen_q exceeds 2^31 - 1 rows");
@@ -193,8 +187,7 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
     options.programmatic = plan.programmatic_launch;
     // The partial results are as wide as the value dim (splitkv_head_dim_v).
     launch_ex(&splitkv_combine_kernel<Element, splitkv_head_dim_v(kHeadDim)>,
-              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream, options,
-              combine_params);
+              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream, options, params);
   }
 }
 

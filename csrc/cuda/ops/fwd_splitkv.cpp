@@ -77,13 +77,8 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
     accum = at::empty({partial_rows * (accum_cols + 1)}, q.options().dtype(at::kFloat));
     kv.out_accum_ptr = accum.data_ptr<float>();
     kv.lse_accum_ptr = kv.out_accum_ptr + partial_rows * accum_cols;
-    if (varlen) {
-      // A row no split writes (outside every sequence) merges from lse -inf
-      // to out 0, lse +inf (the sink with one); its partial rows are never
-      // read.
-      accum.narrow(0, partial_rows * accum_cols, partial_rows)
-          .fill_(-std::numeric_limits<float>::infinity());
-    }
+    // A row no split writes (outside every sequence) is the combine's to
+    // fill (splitkv_combine.h): out 0, lse +inf.
   }
   if (plan.num_items > 0) launcher(kv, plan, stream);
 }
