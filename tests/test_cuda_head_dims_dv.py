@@ -271,7 +271,7 @@ def test_fwd_pair_kernel_choice_on_sm90(d_qk, d_v, tiles, monkeypatch):
 @pytest.mark.parametrize("d_v", [128, 64])
 def test_paged_fwd_pair_kernel_on_sm90(page_size, d_v, monkeypatch):
     """Paged varlen keys of d_qk 192, d_v <= 128 run the (192, 128) kernel's
-    paged instantiation (kPagedKeys, the last template argument) on sm90, by
+    paged instantiation (FwdSm90Keys, the last template argument) on sm90, by
     boxes or the row gather; its output is test_varlen_fwd_equals_padded's
     business."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -300,7 +300,7 @@ def test_paged_fwd_pair_kernel_on_sm90(page_size, d_v, monkeypatch):
         for n in names
         if re.search(
             r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<192, \d+, 112, [\w:]+, 128>, "
-            r"(true|false), (true|false), true>",
+            r"(true|false), (true|false), [^,>]*FwdSm90Keys(?:\)[1-3]|::kPaged\w+)>",
             n,
         )
     ]

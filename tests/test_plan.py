@@ -1060,6 +1060,16 @@ def test_plan_matches_launched_paged_forward(page_size, monkeypatch):
     assert any("sm90" in n for n in fwd_names) == (plan["kernel"] == "sm90"), (plan, fwd_names)
     if plan["kernel"] == "sm90":
         assert plan["keys"] == expected_paged_keys(page_size, plan["block_n"])
+        # d128's two MMA warpgroups: boxes and the row gather are kernels of
+        # their own (fwd_launch.h fwd_sm90_kernel_for), the kernel's last
+        # template argument (FwdSm90Keys, demangled as a cast or a name).
+        keys = {"paged_boxes": ("1", "kPagedBoxes"), "paged_gather": ("2", "kPagedGather")}
+        sm90_keys = {
+            m[1] or m[2]
+            for n in fwd_names
+            for m in re.finditer(r"FwdSm90Keys(?:\)(\d)|::(\w+))>", n)
+        }
+        assert sm90_keys and sm90_keys <= set(keys[plan["keys"]]), (plan, fwd_names)
 
 
 @pytest.mark.cuda

@@ -281,12 +281,15 @@ def test_out_and_backward(device):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("num_splits", [0, 3])
-def test_rows_outside_every_sequence(device, num_splits):
+def test_rows_outside_every_sequence(device, num_splits, monkeypatch):
     """q rows before cu_seqlens_q[0] and from cu_seqlens_q[batch] on: a split
     run gives them out 0 and lse +inf, as the CPU does, with a sink too (the
     combine fills them; no partial of theirs is written or read), and the
     rows of the sequences match the reference. One query row per sequence
-    and 0 splits: the decode-like call that splits by default."""
+    and 0 splits: the decode-like call that splits by default (a forced
+    forward kernel would not split, and leaves those rows undefined, as the
+    op contract allows)."""
+    monkeypatch.delenv("FLASH_ATTN_FWD_KERNEL", raising=False)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     lengths_k = [700, 0, 1200] if device == "cuda" else [70, 0, 120]
     g = torch.Generator().manual_seed(7)
@@ -375,5 +378,51 @@ def test_bad_index_values_raise_the_same_message(num_splits):
         bad_q[2] = 1
         with pytest.raises(RuntimeError, match=r"cu_seqlens_q must be non-decreasing"):
             flash_attn_varlen_func(q, k, v, bad_q, cu_k, 2, 300, num_splits=num_splits)
+    finally:
+        flash_attn_cuda.set_sync_index_checks(previous)
+
+
+@pytest.mark.cuda
+def test_paged_bad_index_values_raise_the_same_message():
+    """vLLM's decode call (paged keys, seqused_k, no cu_seqlens_k): the split
+    run (num_splits 0 splits such a call) reports a bad table entry or a
+    seqused_k past the table's rows with the forward kernels' message
+    (num_splits 1), whichever kernel met the value first, and reads nothing
+    outside the pool."""
+    batch, page_size, pages = 2, 16, 8
+    q = torch.randn(batch, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(batch * pages + 1, page_size, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    used = torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    bad_table = table.clone()
+    bad_table[1, 2] = 10_000
+    bad_used = used.clone()
+    bad_used[0] = pages * page_size + 5
+
+    def message(table, used, num_splits):
+        with pytest.raises(RuntimeError) as error:
+            flash_attn_varlen_func(
+                q,
+                k_cache,
+                v_cache,
+                cu_q,
+                None,
+                1,
+                pages * page_size,
+                causal=True,
+                seqused_k=used,
+                block_table=table,
+                num_splits=num_splits,
+            )
+        return str(error.value)
+
+    previous = flash_attn_cuda.set_sync_index_checks(True)
+    try:
+        for args in ((bad_table, used), (table, bad_used)):
+            assert message(*args, 0) == message(*args, 1)
+        assert "10000" in message(bad_table, used, 0)
+        assert "seqused_k" in message(table, bad_used, 0)
     finally:
         flash_attn_cuda.set_sync_index_checks(previous)

@@ -191,6 +191,12 @@ struct KvcacheParams : FwdParams {
   // (ops/fwd_splitkv.cpp), whose keys and query rows are the varlen
   // forward's (BlockInfo): the cache fields above are unused then, but for
   // block_table / page_size / num_pages of paged keys.
+  // The varlen op's index-check kernel (fwd/paged_keys_check.h), launched
+  // after this call's kernels, reports the paged keys' lengths and table
+  // entries: the split-KV kernel clamps a table entry outside the pool
+  // without reporting it, so that the first report is the check's, in the
+  // order the forward kernels' calls give (a length before its pages).
+  bool table_checked_after;
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and

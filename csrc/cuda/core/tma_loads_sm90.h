@@ -102,19 +102,21 @@ struct TmaTileLoad {
 // the cache (num_pages, page_size, heads, head dim) as a 4-D TMA tensor
 // (head dim, row in page, head, page), loaded in boxes of box_rows rows by
 // kAtomCols columns, one swizzle atom wide, so that a box lands on whole
-// swizzle atoms of a stage wherever its rows start (the producer warp,
-// fwd_mainloop_sm90.h, issues one box per page piece, a lane per piece). The
-// box height is a runtime value of the descriptor (paged_box_rows.h).
+// swizzle atoms of a stage wherever its rows start (the producer thread,
+// fwd_mainloop_sm90.h, issues one box per page piece of a key tile, at most
+// kBlockN / kPagedBoxesMinRows of them). The box height is a runtime value of
+// the descriptor (paged_box_rows.h).
 // Pages of other sizes are gathered row by row by cp.async instead
 // (FwdSm90Tma::gather_keys).
 
 // Whether the paged cache can be read as above: the rules of tma_can_load
 // for the 4-D view (which the row gather's 16-byte chunks need as well), and,
-// by boxes, pages of a multiple of 8 rows.
+// by boxes, boxes of at least kPagedBoxesMinRows rows (plan_fwd's rule).
 inline bool paged_tma_can_load(const void* ptr, int page_size, int head_dim, int heads,
                                int num_pages, const QKVStrides& strides, int block_n,
                                bool gather_keys) {
-  return (gather_keys || paged_tma_box_rows(page_size, block_n) >= kPagedTmaMinBoxRows) &&
+  static_assert(kPagedBoxesMinRows % kPagedTmaMinBoxRows == 0, "boxes of whole swizzle atoms");
+  return (gather_keys || paged_tma_box_rows(page_size, block_n) >= kPagedBoxesMinRows) &&
          tma_can_load(ptr, page_size, head_dim, heads, num_pages, strides);
 }
 

@@ -67,6 +67,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t split_stride = rows_per_split * kHeadDim;
   const float* accum_row = params.out_accum_ptr + row * kHeadDim + col;
   wait_for_preceding_grid();
+  // A varlen split run's index check (paged_keys_check.h), launched after
+  // this kernel as a programmatic dependent that reads only the call's
+  // inputs, may run beside it.
+  allow_dependent_grid_launch();
 
   float4 partial[kLoadsInFlight];
   CUTE_UNROLL

@@ -307,7 +307,7 @@ struct SplitKvTileLoader {
         copy_row(m, k_base + page * params.k.batch_stride + in_page * params.k.row_stride,
                  v_base + page * params.v.batch_stride + in_page * params.v.row_stride);
       }
-      if (out_of_pool) report_page_out_of_pool(it, n_block);
+      if (out_of_pool && !params.table_checked_after) report_page_out_of_pool(it, n_block);
     } else {
       const int64_t first_pos = it.cache.leftpad + n_block * kBlockN + get<0>(tKVcKV(0, 0, 0));
       const CacheElement* k_row = k_base + int64_t(it.cache.entry) * params.k.batch_stride +

@@ -4,6 +4,7 @@
 
 #include "cuda/core/cuda_check.h"
 #include "cuda/core/index_guards.h"
+#include "cuda/launch/dependent_launch.h"
 
 namespace flash {
 namespace {
@@ -44,10 +45,12 @@ __global__ void __launch_bounds__(kThreads) check_paged_keys_kernel(const FwdPar
 
 }  // namespace
 
-void launch_check_paged_keys(const FwdParams& params, cudaStream_t stream) {
+void launch_check_paged_keys(const FwdParams& params, cudaStream_t stream, bool after_combine) {
   if (params.batch == 0 || params.block_table == nullptr) return;
-  check_paged_keys_kernel<<<params.batch, kThreads, 0, stream>>>(params);
-  FA_CUDA_CHECK(cudaGetLastError());
+  LaunchOptions options;
+  options.programmatic = after_combine;
+  launch_ex(&check_paged_keys_kernel, dim3(params.batch), dim3(kThreads), 0, stream, options,
+            params);
 }
 
 }  // namespace flash

@@ -85,6 +85,26 @@ using FwdSm90DropoutTraits =
                         fwd_sm90_dropout_traits_tile<kHeadDim, kHeadDimV>().block_n, Element,
                         kHeadDimV>;
 
+// The instantiation of the Hopper kernel for the plan's keys: contiguous,
+// or paged by TMA boxes or the row gather, each in a kernel of its own where
+// their register splits differ (Traits::kGatherRegisterSplit), else in one.
+template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods>
+auto fwd_sm90_kernel_for(FwdKeys keys) {
+  using Keys = FwdSm90Keys;
+  constexpr auto contiguous =
+      &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods, Keys::kContiguous>;
+  if (keys == FwdKeys::kContiguous) return contiguous;
+  if constexpr (Traits::kGatherRegisterSplit) {
+    return keys == FwdKeys::kPagedGather
+               ? &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods,
+                                        Keys::kPagedGather>
+               : &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods,
+                                        Keys::kPagedBoxes>;
+  } else {
+    return &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods, Keys::kPagedEither>;
+  }
+}
+
 // The Hopper kernel on the grid the plan chose (plan_fwd in plan.cpp says when
 // each grid runs, and why): one block per SM walking query blocks in turn
 // (fwd_kernel_sm90.h), a fixed share of them (kFixedShares) or the next one
@@ -99,11 +119,12 @@ using FwdSm90DropoutTraits =
 // kernel on those grids.
 template <typename Element, int kHeadDim, int kHeadDimV, bool kWithScoreMods>
 void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
-  // Paged keys (FwdPlan::keys) run the kernel's kPagedKeys instantiation;
-  // pages that TMA boxes do not fit are gathered by the producer warpgroup.
+  // Paged keys (FwdPlan::keys) run a paged instantiation of the kernel
+  // (fwd_sm90_kernel_for); pages that TMA boxes do not fit are gathered by
+  // the producer warpgroup.
   const bool paged = plan.keys != FwdKeys::kContiguous;
   const bool gather_keys = plan.keys == FwdKeys::kPagedGather;
-  const auto launch = [&](auto traits, auto contiguous_kernel, auto paged_kernel) {
+  const auto launch = [&](auto traits, auto kernel) {
     using Traits = decltype(traits);
     if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN ||
         paged != (params.block_table != nullptr) ||
@@ -114,9 +135,8 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
           "TMA, paged keys or dropout rule): " +
           describe(plan));
     }
-    launch_with_dynamic_smem(paged ? paged_kernel : contiguous_kernel,
-                             dim3(static_cast<unsigned>(plan.grid_x)), dim3(Traits::kNThreads),
-                             Traits::kSmemSize, stream, params,
+    launch_with_dynamic_smem(kernel, dim3(static_cast<unsigned>(plan.grid_x)),
+                             dim3(Traits::kNThreads), Traits::kSmemSize, stream, params,
                              FwdSm90Tma<Traits>::make(params, gather_keys),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
@@ -147,16 +167,14 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
     if constexpr (kDropoutTile) {
       if (plan.block_m == DropoutTraits::kBlockM && plan.block_n == DropoutTraits::kBlockN) {
         if constexpr (!decltype(persistent_only)::value || DropoutTraits::kPersistent) {
-          launch(DropoutTraits{}, &flash_fwd_sm90_kernel<DropoutTraits, false, true>,
-                 &flash_fwd_sm90_kernel<DropoutTraits, false, true, true>);
+          launch(DropoutTraits{}, fwd_sm90_kernel_for<DropoutTraits, false, true>(plan.keys));
           return true;
         }
         return false;
       }
     }
     if constexpr (!decltype(persistent_only)::value || Traits::kPersistent) {
-      launch(Traits{}, &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods>,
-             &flash_fwd_sm90_kernel<Traits, false, kWithScoreMods, true>);
+      launch(Traits{}, fwd_sm90_kernel_for<Traits, false, kWithScoreMods>(plan.keys));
       return true;
     }
     return false;
@@ -169,8 +187,7 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
         // would zero it for calls that run another grid too.
         FA_CUDA_CHECK(
             cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
-        launch(CounterTraits{}, &flash_fwd_sm90_kernel<CounterTraits, true>,
-               &flash_fwd_sm90_kernel<CounterTraits, true, false, true>);
+        launch(CounterTraits{}, fwd_sm90_kernel_for<CounterTraits, true, false>(plan.keys));
         return;
       }
       break;

@@ -58,6 +58,8 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
   kv.num_splits = plan.num_splits;
   kv.append_in_attention = false;
   kv.programmatic_launch = plan.programmatic_launch;
+  // fwd_ops.cpp launches the index check of paged keys after this run.
+  kv.table_checked_after = params.block_table != nullptr;
   set_descales(kv, descales);
 
   at::Tensor accum;

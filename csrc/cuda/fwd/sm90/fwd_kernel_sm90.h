@@ -7,7 +7,7 @@
 // the tile before, and the softmax of S(i) runs while that product is on the
 // tensor cores. The copies and the block-wide barriers stay out of the MMA
 // warpgroups' loop:
-//   - a producer warpgroup, one thread of it (a warp or more for paged keys,
+//   - a producer warpgroup, one thread of it (two or four warps to gather paged keys,
 //     FwdSm90MainloopLoad), loads Q, K and V by TMA into two stages per
 //     tensor; each landed stage is announced on an mbarrier
 //     ("full"), and each stage comes back once every MMA warpgroup's wgmmas
@@ -57,19 +57,28 @@ using namespace cute;
 // dropout shares it rather than adding one per head dim and grid (each of
 // the three is a uniform run-time test there).
 //
-// kPagedKeys: paged K / V (FwdParams::block_table), by TMA boxes or
-// gathered (FwdSm90Tma::gather_keys, at run time). Its own instantiation:
-// beside the paged producer code, the one-thread loop of contiguous keys
-// went from no spills to hundreds of bytes (ptxas, d128 bf16), and the
-// paged branch inside that loop had cost it 120-136 bytes.
+// kKeys: contiguous K / V, or paged ones (FwdParams::block_table) by TMA
+// boxes or gathered (FwdSm90Tma::gather_keys). Paged keys have
+// instantiations of their own: beside the paged producer code, the
+// one-thread loop of contiguous keys went from no spills to hundreds of
+// bytes (ptxas, d128 bf16), and the paged branch inside that loop had cost
+// it 120-136 bytes. Boxes and gather are two where the gather takes
+// registers from the MMA warpgroups (Traits::kGatherRegisterSplit), else
+// one (kPagedEither) that reads gather_keys at run time.
+enum class FwdSm90Keys { kContiguous, kPagedBoxes, kPagedGather, kPagedEither };
+
 template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods = false,
-          bool kPagedKeys = false>
+          FwdSm90Keys kKeys = FwdSm90Keys::kContiguous>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const FwdParams params, const __grid_constant__ FwdSm90Tma<Traits> tma,
                           const FwdTileDivisors tile_divisors) {
   static_assert(Traits::kPersistent || !kTilesFromCounter, "only a persistent grid takes tiles");
   static_assert(!(kTilesFromCounter && kWithScoreMods),
                 "the counter grid runs the plain score rule (plan_fwd picks it so)");
+  static_assert(kKeys == FwdSm90Keys::kContiguous ||
+                    (kKeys == FwdSm90Keys::kPagedEither) == !Traits::kGatherRegisterSplit,
+                "boxes and gather have kernels of their own exactly where their register "
+                "splits differ");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using Storage = FwdSm90SharedStorage<Traits>;
   using Mainloop = FwdSm90MainloopMma<Traits, kWithScoreMods>;
@@ -85,31 +94,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using LoadTiles = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kTiles>;
   using LoadBoxes = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedBoxes>;
   using LoadGather = FwdSm90MainloopLoad<Traits, FwdSm90KeyLoad::kPagedGather>;
-  // The launcher runs this instantiation for paged keys only.
-  const bool gather = kPagedKeys && tma.gather_keys;
+  constexpr bool kPaged = kKeys != FwdSm90Keys::kContiguous;
+  // The launcher runs a paged instantiation for paged keys only.
+  const bool gather =
+      kKeys == FwdSm90Keys::kPagedGather || (kKeys == FwdSm90Keys::kPagedEither && tma.gather_keys);
+  constexpr bool kGatherRegisters = kKeys == FwdSm90Keys::kPagedGather;
   if (tidx == 0) {
     Storage::template init_barriers<kTilesFromCounter>(
-        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals,
-        !kPagedKeys ? LoadTiles::kThreads
-        : gather    ? LoadGather::kThreads
-                    : LoadBoxes::kThreads);
+        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals, !kPaged ? LoadTiles::kThreads
+                                                                       : gather
+                                                                           ? LoadGather::kThreads
+                                                                           : LoadBoxes::kThreads);
   }
   __syncthreads();
 
   if (tidx < 128) {
     // The producer warpgroup: the threads that issue the copies
     // (FwdSm90MainloopLoad::kThreads) stay.
-    cutlass::arch::warpgroup_reg_dealloc<kPagedKeys ? Traits::kPagedProducerRegisters
-                                                    : Traits::kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<kGatherRegisters ? Traits::kGatherProducerRegisters
+                                                          : Traits::kProducerRegisters>();
     auto produce = [&](auto mainloop_load) {
       scheduler.for_each_tile([&](const FwdSm90Tile& tile, auto&& look_ahead) {
         mainloop_load.load(tile, look_ahead);
       });
     };
-    if constexpr (kPagedKeys) {
+    if constexpr (kPaged) {
       const int warp = cutlass::canonical_warp_idx_sync();
       if (!gather) {
-        if (warp == 0) produce(LoadBoxes{params, tma, {}});
+        if (tidx == 0) produce(LoadBoxes{params, tma, {}});
       } else if (warp < LoadGather::kThreads / 32) {
         produce(LoadGather{params, tma, {}});
       }
@@ -120,8 +132,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   // The MMA warpgroups.
-  cutlass::arch::warpgroup_reg_alloc<kPagedKeys ? Traits::kPagedMmaRegisters
-                                                : Traits::kMmaRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<kGatherRegisters ? Traits::kGatherMmaRegisters
+                                                      : Traits::kMmaRegisters>();
   Mainloop mainloop(params, mma_tidx);
   const FwdSm90Epilogue<Traits> epilogue(params, mma_tidx);
   // The MMA thread that takes the tiles from the counter.

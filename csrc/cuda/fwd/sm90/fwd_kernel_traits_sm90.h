@@ -84,17 +84,20 @@ struct FwdSm90KernelTraits {
                     GmemTileCopy<Element, kHeadDim, 128>::kThreadsPerRow,
                 "K and V rows in pieces of one size (both widths multiples of 64, or neither)");
   static constexpr int kMmaRegisters = kNMmaWarpGroups == 2 ? 240 : 160;
-  // The paged-keys instantiation (kPagedKeys) at head dims up to 128 with
-  // two MMA warpgroups: 56 + 2 x 224. Its producer computes page lookups and
-  // row addresses and spilled them at 24 registers (ptxas, d128: 348-632
-  // bytes); at 56 the H200 ran paged prefill 5-7% faster at every page
-  // size (PERF_LOG 2026-11-29, paged registers). At d192 / d256 the MMA
-  // warpgroups spill inside their key loop at 224, and three MMA warpgroups
-  // have no registers to give: those keep 24 + 240 / 160.
-  static constexpr bool kPagedRegisterSplit = kNMmaWarpGroups == 2 && kHeadDim <= 128;
-  static constexpr int kPagedProducerRegisters = kPagedRegisterSplit ? 56 : kProducerRegisters;
-  static constexpr int kPagedMmaRegisters = kPagedRegisterSplit ? 224 : kMmaRegisters;
-  static_assert(kPagedProducerRegisters * 128 + kPagedMmaRegisters * kNMmaThreads <=
+  // The row gather's instantiation (fwd_kernel_sm90.h, FwdSm90Keys::kPagedGather)
+  // at head dims up to 128 with two MMA warpgroups: 56 + 2 x 224. Its
+  // producer computes page lookups and row addresses and spilled them at 24
+  // registers (ptxas, d128: 348-632 bytes); at 56 the H200 ran paged prefill
+  // 5-7% faster (PERF_LOG 2026-11-29, paged registers). The TMA boxes, one
+  // thread's like the contiguous keys', keep 24 + 2 x 240 in a kernel of
+  // their own (kGatherRegisterSplit). At d192 / d256 the MMA warpgroups
+  // spill inside their key loop at 224, and three MMA warpgroups have no
+  // registers to give: those keep 24 + 240 / 160, and one paged
+  // instantiation serves boxes and gather alike.
+  static constexpr bool kGatherRegisterSplit = kNMmaWarpGroups == 2 && kHeadDim <= 128;
+  static constexpr int kGatherProducerRegisters = kGatherRegisterSplit ? 56 : kProducerRegisters;
+  static constexpr int kGatherMmaRegisters = kGatherRegisterSplit ? 224 : kMmaRegisters;
+  static_assert(kGatherProducerRegisters * 128 + kGatherMmaRegisters * kNMmaThreads <=
                     kProducerRegisters * 128 + kMmaRegisters * kNMmaThreads,
                 "the paged split takes no more of the register file than the plain one");
   // Whether the score-mods variant draws dropout (FwdSm90MainloopMma): under

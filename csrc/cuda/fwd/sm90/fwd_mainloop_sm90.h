@@ -42,8 +42,8 @@ using namespace cute;
 enum class FwdSm90KeyLoad { kTiles, kPagedBoxes, kPagedGather };
 
 // The producer: kThreads threads of the producer warpgroup issue the copies,
-// the others leave the kernel. One thread issues every TMA copy of
-// contiguous keys; a warp issues the boxes of paged keys, a lane per box;
+// the others leave the kernel. One thread issues every TMA copy, of
+// contiguous keys or of paged keys' boxes (at most kMaxBoxes a key tile);
 // kNGatherThreads gather paged keys by cp.async. Q is one TMA copy of thread
 // 0. One instantiation per key load, each entered only by its threads (the
 // kernel).
@@ -55,9 +55,11 @@ struct FwdSm90MainloopLoad {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kHeadDimV = Traits::kHeadDimV;
   using Storage = FwdSm90SharedStorage<Traits>;
-  static constexpr int kThreads = kKeys == FwdSm90KeyLoad::kTiles        ? 1
-                                  : kKeys == FwdSm90KeyLoad::kPagedBoxes ? 32
-                                                                         : Traits::kNGatherThreads;
+  static constexpr int kThreads =
+      kKeys == FwdSm90KeyLoad::kPagedGather ? Traits::kNGatherThreads : 1;
+  // Boxes of at least kPagedBoxesMinRows rows (FwdSm90Tma::can_load) cover a
+  // key tile in at most this many.
+  static constexpr int kMaxBoxes = kBlockN >= kPagedBoxesMinRows ? kBlockN / kPagedBoxesMinRows : 1;
   // The arrivals that fill a K / V stage: the arming thread's
   // arrive_and_expect_tx (TMA), or each gathering thread's
   // cp.async.mbarrier.arrive.noinc.
@@ -156,15 +158,15 @@ struct FwdSm90MainloopLoad {
     return (tile.block.n_block_max - 1 - i) * kBlockN;
   }
 
-  // Paged keys. Each lane of a copying warp looks up the pages of a few keys
-  // of a key tile, and its warp reads them from it (the box's lane, or by
-  // shuffles for the gather). At K(i) each lane prefetches its table lines
-  // of key tile i + 1 into L1 (no register waits on a prefetch), so the
-  // lookups of K(i + 1) and V(i + 1) hit L1: held in registers instead, one
-  // tile ahead, the entries were spilled right after their loads at the
-  // producer's 24 registers, which waited out the load there (ptxas,
-  // sm_90a). Only keys below seqlen_k are looked up or prefetched: no table
-  // entry past the sequence's pages is read.
+  // Paged keys. The boxes' thread looks up the page of each box of a key
+  // tile; each lane of a gathering warp looks up the pages of a few keys,
+  // and its warp takes them by shuffles. At K(i) each looking-up thread
+  // prefetches its table lines of key tile i + 1 into L1 (no register waits
+  // on a prefetch), so the lookups of K(i + 1) and V(i + 1) hit L1: held in
+  // registers instead, one tile ahead, the entries were spilled right after
+  // their loads at the producer's 24 registers, which waited out the load
+  // there (ptxas, sm_90a). Only keys below seqlen_k are looked up or
+  // prefetched: no table entry past the sequence's pages is read.
   //
   // The gather's copy (Traits::GmemTiledCopyKVGather): thread t copies row
   // t / kThreadsPerRow of each pass of kRowsPerPass rows, so warp w copies
@@ -175,30 +177,29 @@ struct FwdSm90MainloopLoad {
   static constexpr int kGatherPasses = kBlockN / GatherCopy::kRowsPerPass;
   static constexpr int kGatherLookups = (kWarpRows * kGatherPasses + 31) / 32;
   static_assert(32 % GatherCopy::kThreadsPerRow == 0, "a warp copies whole rows");
-  static_assert(kBlockN / 8 <= 32, "a box of at least 8 rows per lane covers the key tile");
   template <int kLookups_>
   struct TableEntries {
     static constexpr int kLookups = kLookups_;
     int entry[kLookups];
   };
 
-  // The key tile row of lookup j of this lane, for the gather or the boxes.
+  // The key tile row of lookup j of this thread: a gathering lane's, or the
+  // first row of box j.
   template <bool kGather>
   __forceinline__ __device__ int paged_lookup_row(int j) const {
-    const int lane = threadIdx.x % 32;
     if constexpr (kGather) {
-      const int slot = j * 32 + lane;
+      const int slot = j * 32 + threadIdx.x % 32;
       const int warp = threadIdx.x / 32;
       return slot < kWarpRows * kGatherPasses
                  ? slot / kWarpRows * GatherCopy::kRowsPerPass + warp * kWarpRows + slot % kWarpRows
                  : kBlockN;
     } else {
-      return lane * tma.paged_box_rows;
+      return j * tma.paged_box_rows;
     }
   }
 
-  // The table entry of lookup j of this lane in key tile i: its address,
-  // or null where the lane looks up no key.
+  // The table entry of lookup j of this thread in key tile i: its address,
+  // or null where it looks up no key.
   template <bool kGather>
   __forceinline__ __device__ const int* paged_entry_address(const FwdSm90Tile& tile, int i,
                                                             int j) const {
@@ -209,7 +210,7 @@ struct FwdSm90MainloopLoad {
 
   template <bool kGather, typename LoadAll>
   __forceinline__ __device__ void load_paged(const FwdSm90Tile& tile, LoadAll&& load_all) {
-    using Entries = TableEntries<kGather ? kGatherLookups : 1>;
+    using Entries = TableEntries<kGather ? kGatherLookups : kMaxBoxes>;
     auto& barriers = Storage::barriers();
     Tensor sK = Storage::k();  // (N,D,stage)
     Tensor sV = Storage::v();  // (N,Dv,stage)
@@ -231,9 +232,9 @@ struct FwdSm90MainloopLoad {
                               is_v ? barriers.v_full : barriers.k_full,
                               is_v ? barriers.v_empty : barriers.k_empty, sX, tile, i, entries);
       } else {
-        load_paged_key_tile(
-            is_v ? &tma.v_paged : &tma.k_paged, is_v ? barriers.v_full : barriers.k_full,
-            is_v ? barriers.v_empty : barriers.k_empty, sX, tile, i, entries.entry[0]);
+        load_paged_key_tile(is_v ? &tma.v_paged : &tma.k_paged,
+                            is_v ? barriers.v_full : barriers.k_full,
+                            is_v ? barriers.v_empty : barriers.k_empty, sX, tile, i, entries);
       }
     };
     load_all(
@@ -251,43 +252,61 @@ struct FwdSm90MainloopLoad {
   }
 
   // By TMA boxes (FwdSm90Tma::k_paged / v_paged): box b of a key tile,
-  // box_rows rows from one page, is lane b's, one TMA copy per swizzle atom
-  // of columns. Only boxes holding keys below seqlen_k are issued; the rows
-  // after them keep what the stage held, which the mask hides (K) and
-  // FwdSm90MainloopMma::zero_v_rows_past_end clears (V), as for the rows of
-  // the next sequence an unpaged varlen tile reads. Lane 0 arms the stage's
-  // full barrier with the bytes of every box issued (arrive_and_expect_tx,
-  // the barrier's one arrival) before any lane issues a box. The stage sX is
-  // K's (N,D,stage) or V's (N,Dv,stage): its width is the boxes' column range
-  // and, with the boxes' rows, the bytes they bring.
-  template <typename TensorS>
+  // box_rows rows from one page, one TMA copy per swizzle atom of columns,
+  // all issued by one thread, as contiguous keys' tiles are (a warp with a
+  // lane per box, sharing the gather's kernel, ran pages of 64 and 256 rows
+  // 1.11x slower; PERF_LOG 2026-12-01, boxes from one thread). Only boxes holding keys below
+  // seqlen_k are issued; the rows after them keep what the stage held, which
+  // the mask hides (K) and FwdSm90MainloopMma::zero_v_rows_past_end clears
+  // (V), as for the rows of the next sequence an unpaged varlen tile reads.
+  // The stage's full barrier is armed with the bytes of every box issued
+  // (arrive_and_expect_tx, its one arrival) before the first box. The stage
+  // sX is K's (N,D,stage) or V's (N,Dv,stage): its width is the boxes'
+  // column range and, with the boxes' rows, the bytes they bring.
+  template <typename TensorS, typename Entries>
   __forceinline__ __device__ void load_paged_key_tile(const TmaDescriptor* desc,
                                                       uint64_t* full_stages, uint64_t* empty_stages,
                                                       TensorS sX, const FwdSm90Tile& tile, int i,
-                                                      int table_entry) const {
+                                                      const Entries& entries) const {
     constexpr int kAtomCols = FwdSm90Tma<Traits>::kAtomCols;
     constexpr int kCols = decltype(size<1>(sX))::value;
     static_assert(kCols % kAtomCols == 0, "whole swizzle atoms across the head dim");
-    const int lane = threadIdx.x % 32;
+    static_assert(Entries::kLookups == kMaxBoxes, "one table entry per box");
+    constexpr int kAtoms = kCols / kAtomCols;
     const int box_rows = tma.paged_box_rows;
     const int stage = stages.stage(i);
     const int key0 = first_key_of(tile, i);
-    const int boxes = (min(kBlockN, tile.binfo.seqlen_k - key0) + box_rows - 1) / box_rows;
-    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
-    if (lane == 0) {
-      full_barrier(full_stages[stage])
-          .arrive_and_expect_tx(uint32_t(boxes * box_rows * kCols * sizeof(Element)));
-    }
-    __syncwarp();
-    if (lane >= boxes) return;
-    const int page = clamp_paged_entry(params, table_entry);
-    const int key = key0 + lane * box_rows;
-    const int row_in_page = key - params.page_size.quotient(key) * params.page_size.divisor;
+    const int rows = min(kBlockN, tile.binfo.seqlen_k - key0);
+    // Whole boxes; box_rows is a power of two (paged_box_rows.h), so a shift
+    // instead of a division.
+    const int boxes = (rows + box_rows - 1) >> (__ffs(box_rows) - 1);
+    // Each box's page, row and stage address ahead of the wait for the
+    // stage, so that between the stage coming free and its copies there is
+    // only the barrier's arming (written after the wait, ptxas left about 50
+    // instructions there, the contiguous keys' loop 10-18).
+    int page[kMaxBoxes], row_in_page[kMaxBoxes];
+    Element* dst[kMaxBoxes][kAtoms];
     CUTE_UNROLL
-    for (int col = 0; col < kCols; col += kAtomCols) {
-      SM90_TMA_LOAD_4D::copy(
-          desc, &full_stages[stage], static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-          &sX(lane * box_rows, col, stage), col, row_in_page, tile.block.head_kv, page);
+    for (int b = 0; b < kMaxBoxes; ++b) {
+      const int key = key0 + b * box_rows;
+      page[b] = clamp_paged_entry(params, entries.entry[b]);
+      row_in_page[b] = key - params.page_size.quotient(key) * params.page_size.divisor;
+      CUTE_UNROLL
+      for (int a = 0; a < kAtoms; ++a) dst[b][a] = &sX(b * box_rows, a * kAtomCols, stage);
+    }
+    const uint32_t bytes = uint32_t(boxes * box_rows * kCols * sizeof(Element));
+    empty_barrier(empty_stages[stage]).wait(stages.phase(i) ^ 1);
+    full_barrier(full_stages[stage]).arrive_and_expect_tx(bytes);
+    CUTE_UNROLL
+    for (int b = 0; b < kMaxBoxes; ++b) {
+      if (b < boxes) {
+        CUTE_UNROLL
+        for (int a = 0; a < kAtoms; ++a) {
+          SM90_TMA_LOAD_4D::copy(desc, &full_stages[stage],
+                                 static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL), dst[b][a],
+                                 a * kAtomCols, row_in_page[b], tile.block.head_kv, page[b]);
+        }
+      }
     }
   }
 
