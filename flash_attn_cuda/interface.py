@@ -106,9 +106,10 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
 
 # The zero key offsets of vLLM's paged call (cu_seqlens_k None), one tensor per
 # (device, dtype, length), so that an eager decode step makes no allocation and no
-# fill for them. The ops only read it. Under torch.compile and inside CUDA graph
-# capture a fresh one is made, as before (a cached tensor would be a captured
-# constant, or memory outside the graph's pool).
+# fill for them. The ops only read it. Under torch.compile a fresh one is made (a
+# cached tensor would be a captured constant). A CUDA graph capture reads the one an
+# eager call cached; without one it makes its own, since a fill it captured would
+# run only at replay.
 _ZERO_OFFSETS: dict = {}
 
 

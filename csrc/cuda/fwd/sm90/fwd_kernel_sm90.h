@@ -99,12 +99,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const bool gather =
       kKeys == FwdSm90Keys::kPagedGather || (kKeys == FwdSm90Keys::kPagedEither && tma.gather_keys);
   constexpr bool kGatherRegisters = kKeys == FwdSm90Keys::kPagedGather;
+  static_assert(LoadBoxes::kThreads == LoadTiles::kThreads &&
+                    LoadBoxes::kFullArrivals == LoadTiles::kFullArrivals,
+                "one thread issues contiguous tiles and paged boxes alike");
   if (tidx == 0) {
     Storage::template init_barriers<kTilesFromCounter>(
-        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals, !kPaged ? LoadTiles::kThreads
-                                                                       : gather
-                                                                           ? LoadGather::kThreads
-                                                                           : LoadBoxes::kThreads);
+        gather ? LoadGather::kFullArrivals : LoadTiles::kFullArrivals,
+        gather ? LoadGather::kThreads : LoadTiles::kThreads);
   }
   __syncthreads();
 
