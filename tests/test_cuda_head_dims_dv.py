@@ -211,12 +211,12 @@ def forward_with_kernel_names(*args, func=flash_attn_func, **kwargs):
 
 def sm90_forward_tiles(names):
     """(d_qk, block N, d_v, tiles from a counter) of each Hopper forward that
-    ran: FwdSm90KernelTraits<d_qk, block M, block N, element, d_v>, then the
-    kernel's grid argument."""
+    ran: FwdSm90KernelTraits<d_qk, block M, block N, element, d_v, K / V
+    stages>, then the kernel's grid argument."""
     found = set()
     for name in names:
         match = re.search(
-            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<(\d+), \d+, (\d+), [\w:]+, (\d+)>, "
+            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<(\d+), \d+, (\d+), [\w:]+, (\d+), \d+>, "
             r"(true|false)",
             name,
         )
@@ -299,7 +299,7 @@ def test_paged_fwd_pair_kernel_on_sm90(page_size, d_v, monkeypatch):
         n
         for n in names
         if re.search(
-            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<192, \d+, 112, [\w:]+, 128>, "
+            r"flash_fwd_sm90_kernel<.*?FwdSm90KernelTraits<192, \d+, 112, [\w:]+, 128, \d+>, "
             r"(true|false), (true|false), [^,>]*FwdSm90Keys(?:\)[1-3]|::kPaged\w+)>",
             n,
         )

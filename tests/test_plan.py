@@ -360,6 +360,28 @@ def test_forward_paged_keys(page_size, head_dim):
         fwd(*long, varlen=False, page_size=16)
 
 
+def test_forward_row_gather_takes_a_third_stage():
+    """d128's row gather (pages whose boxes would be below 64 rows) runs on
+    three K / V stages with O staged over Q (plan.h fwd_sm90_kv_stages): one
+    block per tile, also for short causal tiles, which over boxes or
+    contiguous keys take the persistent counter grid. d64 keeps O's own tile
+    and so its grids; d256 keeps two stages."""
+    long = (4, 4096, 4096, 16, 16, 128)
+    short = (16, 1024, 1024, 16, 16)
+    for page_size in (1, 16, 48):
+        plan = fwd(*long, varlen=True, page_size=page_size)
+        assert plan["keys"] == "paged_gather" and plan["grid_kind"] == "one_per_tile", plan
+        assert "three K / V stages" in plan["reason"], plan
+        gather = fwd(*short, 128, varlen=True, causal=True, page_size=page_size)
+        assert gather["keys"] == "paged_gather" and gather["grid_kind"] == "one_per_tile", gather
+        d64 = fwd(*short, 64, varlen=True, causal=True, page_size=page_size)
+        assert d64["keys"] == "paged_gather" and d64["grid_kind"] == "tile_counter", d64
+    boxes = fwd(*short, 128, varlen=True, causal=True, page_size=256)
+    assert boxes["keys"] == "paged_boxes" and boxes["grid_kind"] == "tile_counter", boxes
+    d256 = fwd(4, 4096, 4096, 8, 8, 256, varlen=True, page_size=16)
+    assert d256["keys"] == "paged_gather" and "three K / V stages" not in d256["reason"]
+
+
 def test_forward_contiguous_keys():
     assert fwd(2, 4096, 4096, 16, 16, 128)["keys"] == "contiguous"
     assert fwd(2, 4096, 4096, 16, 16, 128, varlen=True)["keys"] == "contiguous"

@@ -191,12 +191,17 @@ struct KvcacheParams : FwdParams {
   // (ops/fwd_splitkv.cpp), whose keys and query rows are the varlen
   // forward's (BlockInfo): the cache fields above are unused then, but for
   // block_table / page_size / num_pages of paged keys.
-  // The varlen op's index-check kernel (fwd/paged_keys_check.h), launched
-  // after this call's kernels, reports the paged keys' lengths and table
-  // entries: the split-KV kernel clamps a table entry outside the pool
-  // without reporting it, so that the first report is the check's, in the
-  // order the forward kernels' calls give (a length before its pages).
+  // The varlen op's index check (fwd/paged_keys_check_block.h) reports the
+  // paged keys' lengths and table entries: the split-KV kernel clamps a
+  // table entry outside the pool without reporting it, so that the first
+  // report is the check's, in the order the forward kernels' calls give (a
+  // length before its pages). combine_checks_paged_keys: the combine's grid
+  // has a block more per sequence, which runs the check beside the merge
+  // (in place of a kernel of its own after the combine: PERF_LOG 2026-12-01,
+  // "index check in the combine"); else the op
+  // launches the check kernel after this call's kernels.
   bool table_checked_after;
+  bool combine_checks_paged_keys;
 
   // Split-KV: num_splits > 1 writes fp32 partial outputs and lse per split,
   // (num_splits, batch, nheads, seqlen_q, compiled head dim) and

@@ -17,6 +17,10 @@
 // cu_seqlens_q[batch] on), which no work item visits, get out 0 and lse
 // +inf, the CPU's empty row, without a read of their partials: no fill of
 // the partial lse ahead of the split kernel.
+//
+// KvcacheParams::combine_checks_paged_keys: the grid's blocks past the rows,
+// one per sequence, run the varlen op's index check of paged keys
+// (paged_keys_check_block.h) instead, without waiting for the split kernel.
 #pragma once
 
 #include <cmath>
@@ -29,6 +33,7 @@
 #include "cuda/core/params.h"
 #include "cuda/core/softmax.h"
 #include "cuda/decode/splitkv_tile_config.h"
+#include "cuda/fwd/paged_keys_check_block.h"
 
 namespace flash {
 
@@ -54,6 +59,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   // (batch, nheads, seqlen_q) rows, or (1, nheads, total_q) for a varlen q.
   const int seqlen_q = varlen ? params.total_q : params.seqlen_q;
   const int64_t rows_per_split = int64_t(varlen ? 1 : params.batch) * params.nheads * seqlen_q;
+  if (row >= rows_per_split) {
+    // A check block (combine_checks_paged_keys; the launcher adds them).
+    check_paged_keys_of_sequence(params, static_cast<int>(row - rows_per_split));
+    return;
+  }
   const int i = static_cast<int>(row % seqlen_q);
   const int head = static_cast<int>((row / seqlen_q) % params.nheads);
   const int batch = static_cast<int>(row / (int64_t(seqlen_q) * params.nheads));
@@ -67,10 +77,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t split_stride = rows_per_split * kHeadDim;
   const float* accum_row = params.out_accum_ptr + row * kHeadDim + col;
   wait_for_preceding_grid();
-  // A varlen split run's index check (paged_keys_check.h), launched after
-  // this kernel as a programmatic dependent that reads only the call's
-  // inputs, may run beside it.
-  allow_dependent_grid_launch();
 
   float4 partial[kLoadsInFlight];
   CUTE_UNROLL

@@ -85,9 +85,31 @@ using FwdSm90DropoutTraits =
                         fwd_sm90_dropout_traits_tile<kHeadDim, kHeadDimV>().block_n, Element,
                         kHeadDimV>;
 
+// The row gather's kernel of a tile: Traits with the gather's K / V stages
+// (kGatherStages: three where they fit, plan.h fwd_sm90_kv_stages).
+template <typename Traits>
+using FwdSm90GatherTraits =
+    FwdSm90KernelTraits<Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN,
+                        typename Traits::Element, Traits::kHeadDimV, Traits::kGatherStages>;
+
+// plan.h's rule for the row gather's stages and grid matches the traits.
+template <typename Traits>
+constexpr bool fwd_sm90_gather_traits_match_plan() {
+  using Gather = FwdSm90GatherTraits<Traits>;
+  return Gather::kStages == fwd_sm90_kv_stages(FwdKeys::kPagedGather, Traits::kHeadDim,
+                                               Traits::kHeadDimV, Traits::kBlockM,
+                                               Traits::kBlockN) &&
+         Gather::kPersistent == fwd_sm90_persistent(Traits::kHeadDim, Traits::kHeadDimV,
+                                                    Traits::kBlockM, Traits::kBlockN,
+                                                    Gather::kStages) &&
+         sizeof(typename Gather::Barriers) == fwd_sm90_barrier_bytes(Gather::kStages);
+}
+
 // The instantiation of the Hopper kernel for the plan's keys: contiguous,
 // or paged by TMA boxes or the row gather, each in a kernel of its own where
 // their register splits differ (Traits::kGatherRegisterSplit), else in one.
+// A row gather on stages of its own (FwdSm90GatherTraits other than Traits)
+// is launched on those traits (launch_flash_fwd_sm90), not from here.
 template <typename Traits, bool kTilesFromCounter, bool kWithScoreMods>
 auto fwd_sm90_kernel_for(FwdKeys keys) {
   using Keys = FwdSm90Keys;
@@ -95,11 +117,17 @@ auto fwd_sm90_kernel_for(FwdKeys keys) {
       &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods, Keys::kContiguous>;
   if (keys == FwdKeys::kContiguous) return contiguous;
   if constexpr (Traits::kGatherRegisterSplit) {
-    return keys == FwdKeys::kPagedGather
-               ? &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods,
-                                        Keys::kPagedGather>
-               : &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods,
-                                        Keys::kPagedBoxes>;
+    if (keys == FwdKeys::kPagedGather) {
+      if constexpr (Traits::kGatherStages == Traits::kStages) {
+        return &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods,
+                                      Keys::kPagedGather>;
+      } else {
+        throw std::runtime_error(
+            "flash_attn_cuda: the Hopper forward's row gather runs on its own K / V stages "
+            "(FwdSm90GatherTraits), not on this tile's");
+      }
+    }
+    return &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods, Keys::kPagedBoxes>;
   } else {
     return &flash_fwd_sm90_kernel<Traits, kTilesFromCounter, kWithScoreMods, Keys::kPagedEither>;
   }
@@ -140,6 +168,29 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
                              FwdSm90Tma<Traits>::make(params, gather_keys),
                              fwd_sm90_tile_divisors(params, Traits::kBlockM));
   };
+  // The plan's keys on a tile's traits: the row gather on its own stages
+  // where they differ (FwdSm90GatherTraits), the others on the tile's. False
+  // where a persistent grid meets a kernel that is not.
+  const auto launch_keys = [&](auto traits, auto tiles_from_counter, auto with_mods,
+                               bool persistent_grid) {
+    using TileTraits = decltype(traits);
+    using GatherTraits = FwdSm90GatherTraits<TileTraits>;
+    constexpr bool kCounter = decltype(tiles_from_counter)::value;
+    constexpr bool kMods = decltype(with_mods)::value;
+    if constexpr (GatherTraits::kStages != TileTraits::kStages) {
+      if (plan.keys == FwdKeys::kPagedGather) {
+        if constexpr (GatherTraits::kPersistent || !kCounter) {
+          if (persistent_grid && !GatherTraits::kPersistent) return false;
+          launch(GatherTraits{},
+                 &flash_fwd_sm90_kernel<GatherTraits, kCounter, kMods, FwdSm90Keys::kPagedGather>);
+          return true;
+        }
+        return false;
+      }
+    }
+    launch(TileTraits{}, fwd_sm90_kernel_for<TileTraits, kCounter, kMods>(plan.keys));
+    return true;
+  };
   using CounterTraits = FwdSm90Traits<Element, kHeadDim, kHeadDimV>;
   static_assert(
       CounterTraits::kPersistent ==
@@ -149,7 +200,10 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
   static_assert(Traits::kPersistent ==
                     fwd_sm90_persistent(kHeadDim, kHeadDimV, Traits::kBlockM, Traits::kBlockN),
                 "plan.h's rule for a persistent Hopper forward matches the traits");
-  static_assert(sizeof(typename Traits::Barriers) == kFwdSm90BarrierBytes);
+  static_assert(sizeof(typename Traits::Barriers) == fwd_sm90_barrier_bytes(Traits::kStages));
+  static_assert(fwd_sm90_gather_traits_match_plan<Traits>() &&
+                    fwd_sm90_gather_traits_match_plan<CounterTraits>(),
+                "plan.h's rule for the row gather's stages matches the traits");
   static_assert(
       Traits::kDrawsDropout == fwd_sm90_draws_dropout(kHeadDimV, Traits::kBlockM, Traits::kBlockN),
       "plan.h's rule for the Hopper forward's dropout matches the traits");
@@ -158,24 +212,27 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
       DropoutTraits::kDrawsDropout ==
           fwd_sm90_draws_dropout(kHeadDimV, DropoutTraits::kBlockM, DropoutTraits::kBlockN),
       "plan.h's rule for the Hopper forward's dropout matches the traits");
+  static_assert(fwd_sm90_gather_traits_match_plan<DropoutTraits>(),
+                "plan.h's rule for the row gather's stages matches the traits");
   // A kernel of its own for dropout (fwd_sm90_dropout_tile), with the score mods.
   constexpr bool kDropoutTile =
       kWithScoreMods && !Traits::kDrawsDropout && DropoutTraits::kDrawsDropout;
   // The fixed-share (persistent_only) or one-per-tile grid; false if the
   // plan's kernel has no such grid.
   const auto launch_grid = [&](auto persistent_only) {
+    constexpr bool kPersistentOnly = decltype(persistent_only)::value;
     if constexpr (kDropoutTile) {
       if (plan.block_m == DropoutTraits::kBlockM && plan.block_n == DropoutTraits::kBlockN) {
-        if constexpr (!decltype(persistent_only)::value || DropoutTraits::kPersistent) {
-          launch(DropoutTraits{}, fwd_sm90_kernel_for<DropoutTraits, false, true>(plan.keys));
-          return true;
+        if constexpr (!kPersistentOnly || DropoutTraits::kPersistent) {
+          return launch_keys(DropoutTraits{}, cute::false_type{}, cute::true_type{},
+                             kPersistentOnly);
         }
         return false;
       }
     }
-    if constexpr (!decltype(persistent_only)::value || Traits::kPersistent) {
-      launch(Traits{}, fwd_sm90_kernel_for<Traits, false, kWithScoreMods>(plan.keys));
-      return true;
+    if constexpr (!kPersistentOnly || Traits::kPersistent) {
+      return launch_keys(Traits{}, cute::false_type{}, cute::bool_constant<kWithScoreMods>{},
+                         kPersistentOnly);
     }
     return false;
   };
@@ -187,8 +244,7 @@ void launch_flash_fwd_sm90(const FwdParams& params, const FwdPlan& plan, cudaStr
         // would zero it for calls that run another grid too.
         FA_CUDA_CHECK(
             cudaMemsetAsync(params.tile_counter, 0, sizeof(*params.tile_counter), stream));
-        launch(CounterTraits{}, fwd_sm90_kernel_for<CounterTraits, true, false>(plan.keys));
-        return;
+        if (launch_keys(CounterTraits{}, cute::true_type{}, cute::false_type{}, true)) return;
       }
       break;
     case FwdGrid::kFixedShares:

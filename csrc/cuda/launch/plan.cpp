@@ -326,7 +326,11 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
     sm80_reason = "no Hopper tile at this head dim (FwdTileConfig block N 0): the SM80 kernel";
   } else {
     const FwdSm90TileShape tile = fwd_sm90_grid_tile(rule, compiled_v, sm90_row);
-    const bool persistent = fwd_sm90_persistent(compiled, compiled_v, tile.block_m, tile.block_n);
+    const FwdKeys keys = fwd_sm90_keys(params, tile.block_n);
+    // The row gather's third K / V stage leaves d128 no separate O tile.
+    const int stages = fwd_sm90_kv_stages(keys, compiled, compiled_v, tile.block_m, tile.block_n);
+    const bool persistent =
+        fwd_sm90_persistent(compiled, compiled_v, tile.block_m, tile.block_n, stages);
     const int64_t num_tiles = fwd_sm90_num_tiles(params, tile.block_m);
     // Only the persistent grids walk more tiles than grid x holds.
     const bool grid_fits = persistent || num_tiles <= kFwdSm90MaxGridTiles;
@@ -338,10 +342,12 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
       plan.head_dim = compiled;
       plan.head_dim_v = compiled_v;
       plan.block_n = tile.block_n;
-      plan.keys = fwd_sm90_keys(params, tile.block_n);
+      plan.keys = keys;
       // The counter grid runs 128-row tiles and the plain rule only (one
       // instantiation fewer per head dim).
-      if (fwd_sm90_persistent(compiled, compiled_v, kFwdSm90BlockM, sm90_row.block_n_sm90) &&
+      if (fwd_sm90_persistent(compiled, compiled_v, kFwdSm90BlockM, sm90_row.block_n_sm90,
+                              fwd_sm90_kv_stages(keys, compiled, compiled_v, kFwdSm90BlockM,
+                                                 sm90_row.block_n_sm90)) &&
           !score_mods && fwd_sm90_takes_tiles_from_counter(params, device.num_sms)) {
         plan.grid = FwdGrid::kTileCounter;
         plan.block_m = kFwdSm90BlockM;
@@ -362,8 +368,11 @@ FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverri
         } else {
           plan.grid = FwdGrid::kOnePerTile;
           plan.grid_x = num_tiles;
-          plan.reason = !persistent ? "Hopper kernel; no separate O tile at this head dim: one "
-                                      "block per tile"
+          plan.reason = !persistent && stages == 3
+                            ? "Hopper kernel; the row gather's three K / V stages leave no "
+                              "separate O tile: one block per tile"
+                        : !persistent ? "Hopper kernel; no separate O tile at this head dim: one "
+                                        "block per tile"
                         : !more_tiles_than_sms
                             ? "Hopper kernel; no more tiles than SMs: one block per tile"
                             : "Hopper kernel; tiles of differing work: one block per tile, handed "

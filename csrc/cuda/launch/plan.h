@@ -186,16 +186,34 @@ struct FwdPlan {
 FwdPlan plan_fwd(const FwdParams& params, const DeviceDesc& device, KernelOverride override_kernel,
                  bool tma_ok);
 
+// sizeof(FwdSm90Barriers<stages>): Q's two, four per stage, the tile
+// counter's two and its slot.
+constexpr int fwd_sm90_barrier_bytes(int stages) { return 8 * (2 + 4 * stages + 2 + 1); }
+constexpr int kSm90SmemPerBlock = 227 * 1024;
+
 // Whether the Hopper forward of this compiled (d_qk, d_v) and query block
 // has a separate O tile and so walks several query blocks per block (its
-// kPersistent; fwd_launch.h checks the two agree): Q, two stages of K and
+// kPersistent; fwd_launch.h checks the two agree): Q, the stages of K and
 // V, and O, 16-bit elements.
-constexpr int kFwdSm90BarrierBytes = 104;  // sizeof(FwdSm90Barriers<2>)
-constexpr int kSm90SmemPerBlock = 227 * 1024;
-constexpr bool fwd_sm90_persistent(int head_dim, int head_dim_v, int block_m, int block_n) {
-  return block_m * (head_dim + head_dim_v) * 2 + 2 * block_n * (head_dim + head_dim_v) * 2 +
-             kFwdSm90BarrierBytes <=
+constexpr bool fwd_sm90_persistent(int head_dim, int head_dim_v, int block_m, int block_n,
+                                   int stages = 2) {
+  return block_m * (head_dim + head_dim_v) * 2 + stages * block_n * (head_dim + head_dim_v) * 2 +
+             fwd_sm90_barrier_bytes(stages) <=
          kSm90SmemPerBlock;
+}
+
+// The K / V stages of the Hopper forward for these keys (the traits'
+// kStages, or kGatherStages for the row gather; fwd_launch.h checks the two
+// agree): three for the row gather where its register split applies (two
+// MMA warpgroups, d_qk <= 128) and Q with three stages fits a block, else
+// two.
+constexpr int fwd_sm90_kv_stages(FwdKeys keys, int head_dim, int head_dim_v, int block_m,
+                                 int block_n) {
+  const bool three = keys == FwdKeys::kPagedGather && block_m == 128 && head_dim <= 128 &&
+                     block_m * head_dim * 2 + 3 * block_n * (head_dim + head_dim_v) * 2 +
+                             fwd_sm90_barrier_bytes(3) <=
+                         kSm90SmemPerBlock;
+  return three ? 3 : 2;
 }
 
 // Whether the Hopper forward of this compiled d_v (O's width) and tile draws

@@ -185,9 +185,12 @@ void run_flash_fwd_splitkv(const KvcacheParams& params, const DecodePlan& plan,
     if (rows == 0) return;
     LaunchOptions options;
     options.programmatic = plan.programmatic_launch;
+    // A block per sequence after the rows runs the paged keys' index check.
+    const int64_t blocks = rows + (params.combine_checks_paged_keys ? params.batch : 0);
     // The partial results are as wide as the value dim (splitkv_head_dim_v).
     launch_ex(&splitkv_combine_kernel<Element, splitkv_head_dim_v(kHeadDim)>,
-              dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0, stream, options, params);
+              dim3(static_cast<unsigned>(blocks)), dim3(kCombineThreads), 0, stream, options,
+              params);
   }
 }
 

@@ -354,16 +354,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda_into(
   const DecodePlan split_plan = plan_varlen_split(
       params, num_splits, kernel_override_from_env("FLASH_ATTN_FWD_KERNEL"), current_device_desc());
   // Paged: the lengths and table entries the kernels clamp are reported by
-  // one check kernel, before the forward kernels, or after a split run's
-  // combine and beside it (a decode step's kernels are a few microseconds;
-  // the check before them had cost about 4, PERF_LOG 2026-12-01).
+  // one check, a kernel before the forward kernels, or blocks of a split
+  // run's combine grid (a decode step's kernels are a few microseconds; the
+  // check kernel before them had cost about 4, PERF_LOG 2026-12-01).
   if (split_plan.num_splits > 0) {
     const SplitKvDescales fp8_descales =
         params.kv_fp8 ? attention_descales(descales) : SplitKvDescales{};
-    run_fwd_splitkv(params, split_plan, q, stream, fp8_descales);
-    launch_check_paged_keys(params, stream,
-                            /*after_combine=*/split_plan.programmatic_launch &&
-                                split_plan.num_splits > 1 && split_plan.num_items > 0);
+    if (!run_fwd_splitkv(params, split_plan, q, stream, fp8_descales)) {
+      launch_check_paged_keys(params, stream);
+    }
   } else {
     launch_check_paged_keys(params, stream);
     check_plan_has_a_kernel(params, !params.kv_fp8, split_plan.reason);

@@ -23,7 +23,7 @@
 
 namespace flash {
 
-void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
+bool run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
                      cudaStream_t stream, const SplitKvDescales& descales) {
   const bool varlen = params.cu_seqlens_k != nullptr;
   TORCH_CHECK(plan.num_splits >= 1 && (plan.num_splits > 1 || !varlen) &&
@@ -58,8 +58,14 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
   kv.num_splits = plan.num_splits;
   kv.append_in_attention = false;
   kv.programmatic_launch = plan.programmatic_launch;
-  // fwd_ops.cpp launches the index check of paged keys after this run.
+  // The index check of paged keys runs in the combine's grid where there is
+  // a combine (a varlen run of num_splits > 1 with rows to merge and a
+  // whole grid), else the op launches it after this run.
   kv.table_checked_after = params.block_table != nullptr;
+  const int64_t combine_rows = int64_t(params.nheads) * params.total_q;
+  kv.combine_checks_paged_keys = kv.table_checked_after && varlen && plan.num_splits > 1 &&
+                                 plan.num_items > 0 && combine_rows > 0 &&
+                                 combine_rows + params.batch <= std::numeric_limits<int32_t>::max();
   set_descales(kv, descales);
 
   at::Tensor accum;
@@ -83,6 +89,7 @@ void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::
     // fill (splitkv_combine.h): out 0, lse +inf.
   }
   if (plan.num_items > 0) launcher(kv, plan, stream);
+  return kv.combine_checks_paged_keys;
 }
 
 }  // namespace flash

@@ -147,7 +147,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_out_cuda(
 // The forward's split-KV run (fwd_splitkv.cpp): params as the forward
 // kernels would take them, plan from plan_fwd_split (num_splits >= 1; > 1
 // for varlen_fwd); with params.kv_fp8 the e4m3 instances and descales.
-void run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
+// Returns whether its combine ran the index check of paged keys
+// (KvcacheParams::combine_checks_paged_keys); if not, the caller launches it.
+bool run_fwd_splitkv(const FwdParams& params, const DecodePlan& plan, const at::Tensor& q,
                      cudaStream_t stream, const SplitKvDescales& descales = {});
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(

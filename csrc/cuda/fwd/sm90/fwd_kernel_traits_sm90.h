@@ -41,7 +41,10 @@ struct FwdSm90Barriers {
 // and O (the N of O += P V). A level-1 call (d_v below the compiled width,
 // docs/head_dims_dv_and_512.md section 1) runs kHeadDimV = kHeadDim with V's
 // extra columns zero; a specialised pair, (192, 128), has its own.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kHeadDimV_ = kHeadDim_>
+// kStages_: the K / V buffers, two but for the row gather's kernel
+// (kGatherStages).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_, int kHeadDimV_ = kHeadDim_,
+          int kStages_ = 2>
 struct FwdSm90KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -146,7 +149,7 @@ struct FwdSm90KernelTraits {
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // Two stages each of K and V: a stage is refilled once every MMA warpgroup's
   // wgmmas have read it, so the next tile's copy overlaps this tile's math.
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
   using SmemLayoutK =
       decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemLayoutAtom{},
@@ -186,7 +189,21 @@ struct FwdSm90KernelTraits {
   static constexpr bool kPersistent = kSeparateO;
   static constexpr int kSmemSizeTiles = kSmemSizeQKV + (kSeparateO ? kSmemSizeO : 0);
   static constexpr int kSmemSize = kSmemSizeTiles + kSmemSizeBarriers;
-  static_assert(kSmemSize <= 227 * 1024, "Q, two stages of K and V, and the mbarriers fit");
+  static_assert(kSmemSize <= 227 * 1024, "Q, the stages of K and V, and the mbarriers fit");
+  // The row gather's kernel (FwdSm90GatherTraits in fwd_launch.h) takes a
+  // third stage of K and V where its register split applies and Q with three
+  // stages fits a block, O then staged over Q (so one block per tile at
+  // d128): its MMA warpgroups waited on the full barriers of K and V where
+  // the TMA kernels' did not (ncu of pages of 16 rows, PERF_LOG 2026-12-01
+  // "a third stage for the row gather"), so the gather gets a key tile more
+  // of lead. plan.h's fwd_sm90_kv_stages, which fwd_launch.h checks against
+  // this.
+  static constexpr int kGatherStages =
+      kGatherRegisterSplit && kSmemSizeQ + 3 * (kSmemSizeKStage + kSmemSizeVStage) +
+                                      int(sizeof(FwdSm90Barriers<3>)) <=
+                                  227 * 1024
+          ? 3
+          : 2;
 };
 
 }  // namespace flash
